@@ -1,1 +1,19 @@
-//! placeholder
+//! `br-sim`: the BalanceRoute digital twin.
+//!
+//! Replays request traces through the routing policies of `br-core` under the lockstep
+//! step-time model `T = a·max_g L_g + b`, and reports imbalance, throughput and latency.
+//!
+//! Modules:
+//! - [`trace`]: the request type and loaders for the public trace formats;
+//! - [`synth`]: seeded synthetic stand-ins for the paper's two workloads;
+//! - [`calibrate`]: least-squares fit of the step-time model from engine samples;
+//! - [`report`]: the JSON report and the printed table;
+//! - [`plot`]: SVG figures (per-worker load over steps, gain and imbalance against G);
+//! - [`cli`]: the command line.
+
+pub mod calibrate;
+pub mod cli;
+pub mod plot;
+pub mod report;
+pub mod synth;
+pub mod trace;
