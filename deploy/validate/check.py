@@ -1,0 +1,574 @@
+#!/usr/bin/env python3
+"""Offline checks of everything under deploy/. Run by deploy/validate.sh, which installs the
+tools (kustomize, promtool, hadolint) and the Python packages this needs, and passes their paths
+in the environment (BR_KUSTOMIZE, BR_PROMTOOL, BR_HADOLINT).
+
+Prints one line per check ("ok ..." or "FAIL ...: why") and, last, "deploy: N passed, M failed".
+Exits 1 if any check failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+import traceback
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+DEPLOY = Path(__file__).resolve().parent.parent
+K8S = DEPLOY / "k8s"
+CONTRACT = DEPLOY / "metrics-contract.txt"
+DASHBOARD = DEPLOY / "grafana" / "balanceroute.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERT_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
+PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+EXAMPLES = sorted((K8S / "examples").glob("*.yaml"))
+
+# kustomize directories to render: (path, must contain these kinds)
+RENDERS = {
+    "base": (K8S / "base", {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap"}),
+    "overlays/group-g8": (K8S / "overlays" / "group-g8", {"Namespace", "StatefulSet", "Deployment"}),
+    "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor"}),
+}
+# Kubernetes versions to validate against: the oldest we support (native sidecars in the
+# examples need 1.29) and the newest schemas kubernetes-validate ships.
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.utils.latest_version()]
+
+# Minimal schema for the one CRD kind we ship (monitoring.coreos.com/v1 ServiceMonitor): the
+# fields we use, with their types, and nothing unexpected at the top of an endpoint.
+SERVICEMONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                                    "labels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {"type": "object", "properties": {
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+                "namespaceSelector": {"type": "object"},
+                "jobLabel": {"type": "string"},
+                "endpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"},
+                        "path": {"type": "string"},
+                        "scheme": {"enum": ["http", "https"]},
+                        "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                        "scrapeTimeout": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                        "honorLabels": {"type": "boolean"},
+                        "relabelings": {"type": "array", "items": {"type": "object"}},
+                        "metricRelabelings": {"type": "array", "items": {"type": "object"}},
+                    },
+                }},
+            },
+        },
+    },
+}
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR_SCHEMA}
+
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"}
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.passed = 0
+        self.failed = 0
+
+    def run(self, name: str, fn, *args) -> object:
+        try:
+            result = fn(*args)
+        except AssertionError as e:
+            self.failed += 1
+            print(f"FAIL {name}: {e}", flush=True)
+            return None
+        except Exception as e:  # a crash in a check is a failed check, with its trace
+            self.failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc(limit=3)
+            return None
+        self.passed += 1
+        note = f" ({result})" if isinstance(result, str) and result else ""
+        print(f"ok   {name}{note}", flush=True)
+        return result
+
+
+# ---------------------------------------------------------------- kubernetes manifests
+
+def render(path: Path) -> list[dict]:
+    kustomize = os.environ["BR_KUSTOMIZE"]
+    out = subprocess.run([kustomize, "build", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, f"kustomize build failed: {out.stderr.strip()}"
+    warnings = [l for l in out.stderr.splitlines() if l.strip()]
+    assert not warnings, f"kustomize warned: {warnings}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def load_yaml_docs(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def obj_id(o: dict) -> str:
+    md = o.get("metadata", {})
+    ns = md.get("namespace")
+    return f"{o.get('kind')}/{(ns + '/') if ns else ''}{md.get('name')}"
+
+
+def schema_validate(o: dict) -> str:
+    key = (o.get("apiVersion"), o.get("kind"))
+    if key in CRD_SCHEMAS:
+        jsonschema.validate(o, CRD_SCHEMAS[key])
+        return "CRD, minimal schema"
+    for v in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(o, v, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = "/".join(str(p) for p in e.path)
+            raise AssertionError(f"k8s {v}: {path}: {e.message}") from None
+        except kubernetes_validate.SchemaNotFoundError:
+            raise AssertionError(f"no schema for {key} in Kubernetes {v}") from None
+    return ""
+
+
+def pod_spec(o: dict) -> dict | None:
+    if o.get("kind") in WORKLOAD_KINDS:
+        return o["spec"]["template"]["spec"]
+    return None
+
+
+def pod_labels(o: dict) -> dict:
+    return o["spec"]["template"].get("metadata", {}).get("labels", {}) or {}
+
+
+def all_containers(spec: dict) -> list[dict]:
+    return list(spec.get("initContainers", [])) + list(spec.get("containers", []))
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_consistency(objs: list[dict], strict_security: bool) -> str:
+    """Cross-object checks that the schemas cannot express."""
+    problems: list[str] = []
+    by_kind: dict[str, list[dict]] = {}
+    for o in objs:
+        by_kind.setdefault(o["kind"], []).append(o)
+    workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    ids = [obj_id(o) for o in objs]
+    dups = {i for i in ids if ids.count(i) > 1}
+    if dups:
+        problems.append(f"duplicate objects {sorted(dups)}")
+
+    for w in workloads:
+        wid = obj_id(w)
+        spec = pod_spec(w)
+        labels = pod_labels(w)
+        sel = w["spec"].get("selector", {}).get("matchLabels", {})
+        if not selects(sel, labels):
+            problems.append(f"{wid}: selector {sel} does not match its pod labels")
+        ports = {p["name"]: p["containerPort"] for c in all_containers(spec) for p in c.get("ports", []) if "name" in p}
+        for c in all_containers(spec):
+            cname = f"{wid}/{c['name']}"
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                pr = c.get(probe)
+                if not pr:
+                    continue
+                port = (pr.get("httpGet") or pr.get("tcpSocket") or pr.get("grpc") or {}).get("port")
+                if isinstance(port, str) and port not in ports:
+                    problems.append(f"{cname}: {probe} uses unknown port name {port!r}")
+            if strict_security or c["name"].startswith("br-") or c.get("image", "").split("/")[-1].startswith("br-"):
+                sc = c.get("securityContext", {})
+                if sc.get("readOnlyRootFilesystem") is not True:
+                    problems.append(f"{cname}: readOnlyRootFilesystem must be true")
+                if sc.get("allowPrivilegeEscalation") is not False:
+                    problems.append(f"{cname}: allowPrivilegeEscalation must be false")
+                if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+                    problems.append(f"{cname}: capabilities must drop ALL")
+                run_as_non_root = sc.get("runAsNonRoot", spec.get("securityContext", {}).get("runAsNonRoot"))
+                if run_as_non_root is not True:
+                    problems.append(f"{cname}: runAsNonRoot must be true")
+                res = c.get("resources", {})
+                for part in ("requests", "limits"):
+                    for r in ("cpu", "memory"):
+                        if r not in res.get(part, {}):
+                            problems.append(f"{cname}: resources.{part}.{r} missing")
+                for probe in ("readinessProbe", "livenessProbe"):
+                    if probe not in c:
+                        problems.append(f"{cname}: {probe} missing")
+                for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/livez")):
+                    got = c.get(probe, {}).get("httpGet", {})
+                    if got and (got.get("path") != path or got.get("port") not in ("admin", "shim-admin")):
+                        problems.append(f"{cname}: {probe} must be GET {path} on the admin port, got {got}")
+        # scrape annotations point at a declared admin port
+        ann = w["spec"]["template"].get("metadata", {}).get("annotations", {}) or {}
+        if ann.get("prometheus.io/scrape") == "true":
+            port = ann.get("prometheus.io/port")
+            if not port or int(port) not in ports.values():
+                problems.append(f"{wid}: prometheus.io/port {port!r} is not a container port")
+            admin = [v for k, v in ports.items() if k in ("admin", "shim-admin")]
+            if admin and int(port or 0) not in admin:
+                problems.append(f"{wid}: prometheus.io/port {port} is not the admin port {admin}")
+        # referenced ConfigMaps, ServiceAccounts exist in the same render
+        for v in spec.get("volumes", []):
+            cm = v.get("configMap", {}).get("name")
+            if cm and ("ConfigMap", cm) not in names:
+                problems.append(f"{wid}: volume {v['name']} references missing ConfigMap {cm}")
+        sa = spec.get("serviceAccountName")
+        if sa and ("ServiceAccount", sa) not in names:
+            problems.append(f"{wid}: missing ServiceAccount {sa}")
+        if w["kind"] == "StatefulSet":
+            svc = w["spec"].get("serviceName")
+            match = [s for s in by_kind.get("Service", []) if s["metadata"]["name"] == svc]
+            if not match:
+                problems.append(f"{wid}: governing Service {svc} missing")
+            elif match[0]["spec"].get("clusterIP") != "None":
+                problems.append(f"{wid}: governing Service {svc} is not headless")
+
+    for s in by_kind.get("Service", []):
+        sid = obj_id(s)
+        sel = s["spec"].get("selector", {})
+        targets = [w for w in workloads if selects(sel, pod_labels(w))]
+        if not targets:
+            problems.append(f"{sid}: selector {sel} matches no workload")
+            continue
+        for p in s["spec"].get("ports", []):
+            tp = p.get("targetPort", p.get("port"))
+            for w in targets:
+                ports = {q.get("name"): q["containerPort"] for c in all_containers(pod_spec(w)) for q in c.get("ports", [])}
+                if isinstance(tp, str) and tp not in ports:
+                    problems.append(f"{sid}: targetPort {tp!r} is not a named port of {obj_id(w)}")
+                if isinstance(tp, int) and tp not in ports.values():
+                    problems.append(f"{sid}: targetPort {tp} is not a port of {obj_id(w)}")
+
+    for pdb in by_kind.get("PodDisruptionBudget", []):
+        sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
+        if not any(selects(sel, pod_labels(w)) for w in workloads):
+            problems.append(f"{obj_id(pdb)}: selector {sel} matches no workload")
+
+    for rb in by_kind.get("RoleBinding", []):
+        if ("Role", rb["roleRef"]["name"]) not in names and rb["roleRef"]["kind"] == "Role":
+            problems.append(f"{obj_id(rb)}: missing Role {rb['roleRef']['name']}")
+        for subj in rb.get("subjects", []):
+            if subj["kind"] == "ServiceAccount" and ("ServiceAccount", subj["name"]) not in names:
+                problems.append(f"{obj_id(rb)}: missing ServiceAccount {subj['name']}")
+
+    for sm in by_kind.get("ServiceMonitor", []):
+        sel = sm["spec"]["selector"].get("matchLabels", {})
+        svcs = [s for s in by_kind.get("Service", []) if selects(sel, s["metadata"].get("labels", {}))]
+        if not svcs:
+            problems.append(f"{obj_id(sm)}: selects no Service")
+        for ep in sm["spec"]["endpoints"]:
+            if not any(p.get("name") == ep.get("port") for s in svcs for p in s["spec"]["ports"]):
+                problems.append(f"{obj_id(sm)}: endpoint port {ep.get('port')!r} is on no selected Service")
+
+    namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
+    if len(namespaces) != 1:
+        problems.append(f"objects spread over namespaces {sorted(map(str, namespaces))}; expected one")
+
+    assert not problems, "; ".join(problems)
+    return f"{len(objs)} objects, {len(workloads)} workloads"
+
+
+def check_kinds(objs: list[dict], want: set[str]) -> str:
+    kinds = {o["kind"] for o in objs}
+    assert want <= kinds, f"missing kinds {sorted(want - kinds)}"
+    return ", ".join(sorted(kinds))
+
+
+def check_toml(path: Path) -> None:
+    with path.open("rb") as f:
+        try:
+            tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise AssertionError(str(e)) from None
+
+
+# ---------------------------------------------------------------- metrics
+
+def load_contract(path: Path) -> dict[str, str]:
+    """name -> type ('' if none given)."""
+    out: dict[str, str] = {}
+    section = None
+    problems = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            word = line[1:].strip()
+            if re.fullmatch(r"[a-z]+", word):
+                section = word
+            continue
+        parts = line.split()
+        name, typ = parts[0], (parts[1] if len(parts) > 1 else "")
+        if len(parts) > 2 or typ not in ("", "counter", "gauge", "histogram", "summary"):
+            problems.append(f"line {n}: bad entry {line!r}")
+        if not re.fullmatch(r"balanceroute_[a-z]+_[a-z0-9_]+", name):
+            problems.append(f"line {n}: {name} does not follow balanceroute_<service>_<what>_<unit>")
+        elif section and name.split("_")[1] != section:
+            problems.append(f"line {n}: {name} listed under '# {section}'")
+        if typ == "counter" and not name.endswith("_total"):
+            problems.append(f"line {n}: counter {name} must end in _total")
+        if name in out:
+            problems.append(f"line {n}: {name} listed twice")
+        out[name] = typ
+    assert not problems, "; ".join(problems)
+    assert out, "no metrics in the contract"
+    return out
+
+
+PROMQL_WORDS = {
+    # aggregation operators, modifiers and set/binary keywords (function names are skipped by
+    # being followed by "(")
+    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk",
+    "topk", "quantile", "limitk", "limit_ratio", "by", "without", "on", "ignoring", "group_left",
+    "group_right", "bool", "and", "or", "unless", "offset", "atan2", "inf", "nan",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL (or Grafana templated PromQL) expression selects."""
+    assert "__name__" not in expr, f"selects by __name__, which cannot be checked: {expr!r}"
+    s = expr
+    # Grafana's label_values(metric{...}, label) / label_values(label)
+    lv = re.fullmatch(r"\s*label_values\(\s*(?:([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{[^}]*\})?\s*,)?\s*[A-Za-z_][A-Za-z0-9_]*\s*\)\s*", s)
+    if lv:
+        return {lv.group(1)} if lv.group(1) else set()
+    s = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', s)   # string literals
+    s = re.sub(r"#[^\n]*", " ", s)                                            # comments
+    s = re.sub(r"\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*", " 1 ", s)              # Grafana variables
+    s = re.sub(r"\{[^}]*\}", " ", s)                                          # label matchers
+    s = re.sub(r"\[[^\]]*\]", " ", s)                                         # ranges, subqueries
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
+        tok = m.group(0)
+        before = s[m.start() - 1] if m.start() else " "
+        if before.isdigit() or before == ".":
+            continue  # the exponent or unit of a number or duration (1e-9, 5m)
+        if s[m.end():].lstrip().startswith("("):
+            continue  # a function or an aggregation
+        if tok.lower() in PROMQL_WORDS:
+            continue
+        names.add(tok)
+    return names
+
+
+def resolve(name: str, contract: dict[str, str]) -> str | None:
+    """The contract entry a queried series name belongs to, or None."""
+    if name in contract:
+        return name
+    for suffix in ("_bucket", "_sum", "_count"):
+        base = name[: -len(suffix)]
+        if name.endswith(suffix) and contract.get(base) in ("histogram", "summary") \
+                and (suffix != "_bucket" or contract[base] == "histogram"):
+            return base
+    return None
+
+
+def dashboard_exprs(dash: dict) -> list[tuple[str, str]]:
+    out = []
+
+    def walk(panels):
+        for p in panels:
+            for t in p.get("targets", []):
+                if t.get("expr"):
+                    out.append((f"panel {p.get('id')} {p.get('title')!r} {t.get('refId')}", t["expr"]))
+            walk(p.get("panels", []))
+    walk(dash.get("panels", []))
+    for v in dash.get("templating", {}).get("list", []):
+        q = v.get("query")
+        if isinstance(q, dict):
+            q = q.get("query")
+        if v.get("type") == "query" and q:
+            out.append((f"variable ${v['name']}", q))
+    return out
+
+
+def alert_exprs(rules_doc: dict) -> list[tuple[str, str]]:
+    out = []
+    for g in rules_doc.get("groups", []):
+        for r in g.get("rules", []):
+            out.append((f"rule {r.get('alert') or r.get('record')}", str(r["expr"])))
+    return out
+
+
+def check_subset(exprs: list[tuple[str, str]], contract: dict[str, str], used: set[str] | None = None) -> str:
+    assert exprs, "no queries found"
+    unknown = []
+    local: set[str] = set()
+    for where, e in exprs:
+        for n in sorted(metric_names(e)):
+            base = resolve(n, contract)
+            if base is None:
+                unknown.append(f"{n} ({where})")
+            else:
+                local.add(base)
+    assert not unknown, "not in deploy/metrics-contract.txt: " + ", ".join(unknown)
+    if used is not None:
+        used |= local
+    return f"{len(exprs)} queries, {len(local)} contract metrics used"
+
+
+def check_extractor_selftest(contract: dict[str, str]) -> None:
+    """The subset check must catch what it is meant to catch (it is not vacuous)."""
+    hist = next(n for n, t in contract.items() if t == "histogram")
+    counter = next(n for n, t in contract.items() if t == "counter")
+    cases = {
+        f'histogram_quantile(0.99, sum by (le, group) (rate({hist}_bucket{{namespace=~"$namespace"}}[$__rate_interval])))': {f"{hist}_bucket"},
+        f'sum(rate({counter}[5m])) / ignoring(reason) group_left clamp_min(sum(rate(balanceroute_bogus_total{{code="OK"}}[1m] offset 5m)), 1e-9) > 0.5': {counter, "balanceroute_bogus_total"},
+        'label_values(balanceroute_x_y{namespace=~"$namespace"}, group)': {"balanceroute_x_y"},
+        'sum by (pod) (max_over_time(foo:bar_ratio[5m:1m])) and on (pod) up == bool 1': {"foo:bar_ratio", "up"},
+    }
+    for expr, want in cases.items():
+        got = metric_names(expr)
+        assert got == want, f"extracted {sorted(got)} from {expr!r}, want {sorted(want)}"
+    assert resolve(f"{hist}_bucket", contract) == hist
+    assert resolve(f"{counter}_bucket", contract) is None
+    try:
+        check_subset([("self-test", "rate(balanceroute_bogus_total[5m])")], contract)
+    except AssertionError:
+        return
+    raise AssertionError("an unknown metric passed the subset check")
+
+
+def check_dashboard_structure(dash: dict) -> str:
+    problems = []
+    ids = []
+    cells: dict[tuple[int, int], int] = {}
+    for p in dash.get("panels", []):
+        ids.append(p.get("id"))
+        g = p.get("gridPos", {})
+        if not all(isinstance(g.get(k), int) for k in "xywh") or g["x"] + g["w"] > 24:
+            problems.append(f"panel {p.get('id')}: bad gridPos {g}")
+            continue
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                if (x, y) in cells:
+                    problems.append(f"panel {p.get('id')} overlaps panel {cells[(x, y)]}")
+                    break
+                cells[(x, y)] = p.get("id")
+        if p.get("type") != "row":
+            if not p.get("targets"):
+                problems.append(f"panel {p.get('id')} {p.get('title')!r} has no queries")
+            if p.get("datasource", {}).get("uid") != "${datasource}":
+                problems.append(f"panel {p.get('id')} does not use the $datasource variable")
+    if len(ids) != len(set(ids)):
+        problems.append("duplicate panel ids")
+    if not dash.get("uid") or not dash.get("title"):
+        problems.append("dashboard needs uid and title")
+    var_names = {v["name"] for v in dash.get("templating", {}).get("list", [])}
+    for where, e in dashboard_exprs(dash):
+        for v in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", e):
+            if not v.startswith("__") and v not in var_names:
+                problems.append(f"{where}: undefined variable ${v}")
+    assert not problems, "; ".join(sorted(set(problems)))
+    return f"{len(ids)} panels"
+
+
+def promql_for_promtool(expr: str) -> str:
+    e = re.sub(r"\$__(rate_interval|interval|range)\b", "5m", expr)
+    return re.sub(r"\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*", ".*", e)
+
+
+def check_promql_syntax(exprs: list[tuple[str, str]]) -> str:
+    """Every dashboard query parses as PromQL: promtool checks them as recording rules."""
+    rules = [{"record": f"dashboard:query_{i}", "expr": promql_for_promtool(e)}
+             for i, (_, e) in enumerate(exprs) if not e.strip().startswith("label_values(")]
+    with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as f:
+        yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}, f)
+    try:
+        run([os.environ["BR_PROMTOOL"], "check", "rules", f.name])
+    finally:
+        os.unlink(f.name)
+    return f"{len(rules)} queries"
+
+
+def run(cmd: list[str], cwd: Path | None = None) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    text = (out.stdout + out.stderr).strip()
+    assert out.returncode == 0, f"{' '.join(cmd[1:])}: {text}"
+    return ""
+
+
+# ---------------------------------------------------------------- main
+
+def main() -> int:
+    c = Checks()
+
+    # Kubernetes: render, schema-validate every object, cross-check objects.
+    for name, (path, kinds) in RENDERS.items():
+        objs = c.run(f"k8s render {name}", render, path)
+        if objs is None:
+            continue
+        c.run(f"k8s {name}: expected kinds", check_kinds, objs, kinds)
+        for o in objs:
+            c.run(f"k8s {name}: schema {obj_id(o)}", schema_validate, o)
+        c.run(f"k8s {name}: consistency", check_consistency, objs, True)
+    for ex in EXAMPLES:
+        rel = ex.relative_to(DEPLOY)
+        objs = c.run(f"k8s parse {rel}", load_yaml_docs, ex)
+        if objs is None:
+            continue
+        for o in objs:
+            c.run(f"k8s {rel}: schema {obj_id(o)}", schema_validate, o)
+        c.run(f"k8s {rel}: consistency", check_consistency, objs, False)
+    for toml_file in sorted(K8S.rglob("*.toml")):
+        c.run(f"config parses as TOML: {toml_file.relative_to(DEPLOY)}", check_toml, toml_file)
+
+    # Metrics: the contract, and dashboard/alerts only query what it lists.
+    contract = c.run("metrics contract well-formed", load_contract, CONTRACT)
+    dash = c.run("grafana dashboard parses", lambda: json.loads(DASHBOARD.read_text()))
+    rules = c.run("alert rules parse", lambda: yaml.safe_load(ALERTS.read_text()))
+    rule_tests = c.run("alert rule tests parse", lambda: yaml.safe_load(ALERT_TESTS.read_text()))
+    if dash is not None:
+        c.run("grafana dashboard structure", check_dashboard_structure, dash)
+        c.run("grafana queries are valid PromQL (promtool)", check_promql_syntax, dashboard_exprs(dash))
+    if contract is not None:
+        c.run("metric extractor self-test", check_extractor_selftest, contract)
+        shown: set[str] = set()
+        if dash is not None:
+            c.run("grafana queries ⊆ metrics contract", check_subset, dashboard_exprs(dash), contract, shown)
+        if rules is not None:
+            c.run("alert rules ⊆ metrics contract", check_subset, alert_exprs(rules), contract, shown)
+        unshown = sorted(set(contract) - shown)
+        if unshown:  # information only: the contract may hold metrics meant for other tools
+            print(f"info contract metrics on no dashboard panel or alert: {', '.join(unshown)}")
+        if rule_tests is not None:
+            series = [("alerts_test input", t["series"]) for tc in rule_tests.get("tests", [])
+                      for t in tc.get("input_series", [])]
+            c.run("alert test series ⊆ metrics contract", check_subset, series, contract)
+
+    # Prometheus config and rules, with promtool.
+    promtool = os.environ["BR_PROMTOOL"]
+    c.run("promtool check rules alerts.yml", run, [promtool, "check", "rules", str(ALERTS)])
+    c.run("promtool check config prometheus.yml", run, [promtool, "check", "config", str(PROM_CONFIG)])
+    c.run("promtool test rules alerts_test.yml", run, [promtool, "test", "rules", ALERT_TESTS.name], ALERTS.parent)
+
+    # Dockerfile lint.
+    c.run("hadolint Dockerfile", run, [os.environ["BR_HADOLINT"], "--failure-threshold", "info", str(DOCKERFILE)])
+
+    print(f"deploy: {c.passed} passed, {c.failed} failed", flush=True)
+    return 1 if c.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
