@@ -1,0 +1,992 @@
+//! Validated domain types built from the prost messages at a service's edge.
+//!
+//! Every message that arrives from the network goes through one of the `TryFrom` conversions
+//! here before the service looks at it, so the rest of the code can rely on the invariants
+//! (non-empty bounded ids without control characters, counts in range, no duplicates).
+//! [`ValidationError`] says exactly which field is wrong and why, and converts into
+//! `tonic::Status::invalid_argument`.
+
+use std::borrow::Borrow;
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::v1;
+
+/// The limits the validation enforces. They are part of the contract (the `.proto` comments
+/// state them too).
+pub mod limits {
+    /// Longest group name, in bytes.
+    pub const MAX_GROUP_BYTES: usize = 128;
+    /// Longest request id, in bytes.
+    pub const MAX_ID_BYTES: usize = 256;
+    /// Longest worker endpoint, in bytes.
+    pub const MAX_ENDPOINT_BYTES: usize = 512;
+    /// Largest prompt, generated or max token count.
+    pub const MAX_TOKENS: u32 = 10_000_000;
+    /// Largest worker capacity B (max_num_seqs).
+    pub const MAX_CAPACITY: u32 = 65_536;
+    /// Largest worker id (DP rank).
+    pub const MAX_WORKER_ID: u32 = 65_535;
+    /// Most request updates in one telemetry `Progress`.
+    pub const MAX_UPDATES_PER_PROGRESS: usize = 16_384;
+    /// Most reservations in one `Reserve` call, or ids in one `Release` call.
+    pub const MAX_RESERVATIONS_PER_CALL: usize = 65_536;
+}
+
+use limits::*;
+
+/// What is wrong with a message. The `Display` text names the field and the rule, and is what
+/// the client sees in the `INVALID_ARGUMENT` status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValidationError {
+    /// A required string is empty.
+    #[error("{field} must not be empty")]
+    Empty { field: &'static str },
+    /// A string is longer than its limit.
+    #[error("{field} is {len} bytes long, at most {max} are allowed")]
+    TooLong {
+        field: &'static str,
+        len: usize,
+        max: usize,
+    },
+    /// A string contains a control character (they would corrupt logs and label values).
+    #[error("{field} contains a control character")]
+    ControlCharacter { field: &'static str },
+    /// A number is outside its allowed range.
+    #[error("{field} is {value}, it must be in {min}..={max}")]
+    OutOfRange {
+        field: &'static str,
+        value: u64,
+        min: u64,
+        max: u64,
+    },
+    /// A required message or oneof is not set.
+    #[error("{field} is missing")]
+    Missing { field: &'static str },
+    /// A repeated field has too many entries.
+    #[error("{field} has {count} entries, at most {max} are allowed")]
+    TooMany {
+        field: &'static str,
+        count: usize,
+        max: usize,
+    },
+    /// The same request id appears twice where each may appear once.
+    #[error("{field} lists request id {request_id:?} more than once")]
+    Duplicate {
+        field: &'static str,
+        request_id: String,
+    },
+    /// An entry of a repeated field is invalid.
+    #[error("{field}[{index}]: {source}")]
+    Item {
+        field: &'static str,
+        index: usize,
+        source: Box<ValidationError>,
+    },
+}
+
+impl ValidationError {
+    fn item(field: &'static str, index: usize) -> impl FnOnce(ValidationError) -> Self {
+        move |source| ValidationError::Item {
+            field,
+            index,
+            source: Box::new(source),
+        }
+    }
+
+    /// A short stable label for metrics (`reason` label), e.g. `"out_of_range"`.
+    pub fn reason_label(&self) -> &'static str {
+        match self {
+            ValidationError::Empty { .. } => "empty",
+            ValidationError::TooLong { .. } => "too_long",
+            ValidationError::ControlCharacter { .. } => "control_character",
+            ValidationError::OutOfRange { .. } => "out_of_range",
+            ValidationError::Missing { .. } => "missing",
+            ValidationError::TooMany { .. } => "too_many",
+            ValidationError::Duplicate { .. } => "duplicate",
+            ValidationError::Item { source, .. } => source.reason_label(),
+        }
+    }
+}
+
+impl From<ValidationError> for tonic::Status {
+    fn from(e: ValidationError) -> Self {
+        tonic::Status::invalid_argument(e.to_string())
+    }
+}
+
+fn check_str(
+    field: &'static str,
+    s: &str,
+    max: usize,
+    allow_empty: bool,
+) -> Result<(), ValidationError> {
+    if s.is_empty() && !allow_empty {
+        return Err(ValidationError::Empty { field });
+    }
+    if s.len() > max {
+        return Err(ValidationError::TooLong {
+            field,
+            len: s.len(),
+            max,
+        });
+    }
+    if s.chars().any(char::is_control) {
+        return Err(ValidationError::ControlCharacter { field });
+    }
+    Ok(())
+}
+
+fn check_range(field: &'static str, value: u64, min: u64, max: u64) -> Result<(), ValidationError> {
+    if value < min || value > max {
+        return Err(ValidationError::OutOfRange {
+            field,
+            value,
+            min,
+            max,
+        });
+    }
+    Ok(())
+}
+
+fn check_prompt_tokens(v: u32) -> Result<u32, ValidationError> {
+    check_range("prompt_tokens", v.into(), 1, MAX_TOKENS.into()).map(|()| v)
+}
+
+fn check_max_tokens(v: Option<u32>) -> Result<Option<u32>, ValidationError> {
+    if let Some(v) = v {
+        check_range("max_tokens", v.into(), 1, MAX_TOKENS.into())?;
+    }
+    Ok(v)
+}
+
+fn check_worker_id(v: u32) -> Result<u32, ValidationError> {
+    check_range("worker_id", v.into(), 0, MAX_WORKER_ID.into()).map(|()| v)
+}
+
+fn check_incarnation(v: u64) -> Result<u64, ValidationError> {
+    check_range("incarnation", v, 1, u64::MAX).map(|()| v)
+}
+
+fn check_seq(v: u64) -> Result<u64, ValidationError> {
+    check_range("seq", v, 1, u64::MAX).map(|()| v)
+}
+
+macro_rules! string_id {
+    ($(#[$doc:meta])* $name:ident, $field:literal, $max:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(Arc<str>);
+
+        impl $name {
+            #[doc = concat!("Validates `s` as a `", $field, "`.")]
+            pub fn new(s: &str) -> Result<Self, ValidationError> {
+                check_str($field, s, $max, false)?;
+                Ok(Self(Arc::from(s)))
+            }
+
+            /// The id as a string slice.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(&*self.0, f)
+            }
+        }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl Borrow<str> for $name {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl TryFrom<&str> for $name {
+            type Error = ValidationError;
+            fn try_from(s: &str) -> Result<Self, Self::Error> {
+                Self::new(s)
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = ValidationError;
+            fn try_from(s: String) -> Result<Self, Self::Error> {
+                Self::new(&s)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(id: $name) -> String {
+                id.0.to_string()
+            }
+        }
+    };
+}
+
+string_id!(
+    /// A lockstep group name: 1..=128 bytes, no control characters. Cheap to clone.
+    GroupId,
+    "group",
+    MAX_GROUP_BYTES
+);
+string_id!(
+    /// A gateway's request id: 1..=256 bytes, no control characters. Cheap to clone.
+    RequestId,
+    "request_id",
+    MAX_ID_BYTES
+);
+
+/// A validated `AssignRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidAssign {
+    pub group: GroupId,
+    pub request_id: RequestId,
+    /// s_i, 1..=10M.
+    pub prompt_tokens: u32,
+    pub prompt_hash: Option<u64>,
+    /// 1..=10M when present.
+    pub max_tokens: Option<u32>,
+}
+
+impl TryFrom<v1::AssignRequest> for ValidAssign {
+    type Error = ValidationError;
+    fn try_from(m: v1::AssignRequest) -> Result<Self, Self::Error> {
+        Ok(ValidAssign {
+            group: GroupId::new(&m.group)?,
+            request_id: RequestId::new(&m.request_id)?,
+            prompt_tokens: check_prompt_tokens(m.prompt_tokens)?,
+            prompt_hash: m.prompt_hash,
+            max_tokens: check_max_tokens(m.max_tokens)?,
+        })
+    }
+}
+
+/// A validated `CancelRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidCancel {
+    pub group: GroupId,
+    pub request_id: RequestId,
+}
+
+impl TryFrom<v1::CancelRequest> for ValidCancel {
+    type Error = ValidationError;
+    fn try_from(m: v1::CancelRequest) -> Result<Self, Self::Error> {
+        Ok(ValidCancel {
+            group: GroupId::new(&m.group)?,
+            request_id: RequestId::new(&m.request_id)?,
+        })
+    }
+}
+
+/// A validated telemetry `Hello`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidHello {
+    pub group: GroupId,
+    /// DP rank, 0..=65,535.
+    pub worker_id: u32,
+    /// Non-zero.
+    pub incarnation: u64,
+    /// B, 1..=65,536.
+    pub capacity: u32,
+    /// At most 512 bytes; may be empty.
+    pub endpoint: String,
+}
+
+impl TryFrom<v1::Hello> for ValidHello {
+    type Error = ValidationError;
+    fn try_from(m: v1::Hello) -> Result<Self, Self::Error> {
+        check_range("capacity", m.capacity.into(), 1, MAX_CAPACITY.into())?;
+        check_str("endpoint", &m.endpoint, MAX_ENDPOINT_BYTES, true)?;
+        Ok(ValidHello {
+            group: GroupId::new(&m.group)?,
+            worker_id: check_worker_id(m.worker_id)?,
+            incarnation: check_incarnation(m.incarnation)?,
+            capacity: m.capacity,
+            endpoint: m.endpoint,
+        })
+    }
+}
+
+/// A validated `RequestProgress` (one request in a telemetry `Progress`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidRequestProgress {
+    pub request_id: RequestId,
+    /// 0..=10M; 0 means "not known yet".
+    pub prompt_tokens: u32,
+    /// Cumulative, 0..=10M.
+    pub generated_tokens: u32,
+    pub finished: bool,
+}
+
+impl TryFrom<v1::RequestProgress> for ValidRequestProgress {
+    type Error = ValidationError;
+    fn try_from(m: v1::RequestProgress) -> Result<Self, Self::Error> {
+        check_range(
+            "prompt_tokens",
+            m.prompt_tokens.into(),
+            0,
+            MAX_TOKENS.into(),
+        )?;
+        check_range(
+            "generated_tokens",
+            m.generated_tokens.into(),
+            0,
+            MAX_TOKENS.into(),
+        )?;
+        Ok(ValidRequestProgress {
+            request_id: RequestId::new(&m.request_id)?,
+            prompt_tokens: m.prompt_tokens,
+            generated_tokens: m.generated_tokens,
+            finished: m.finished,
+        })
+    }
+}
+
+/// A validated telemetry `Progress`: seq ≥ 1, at most 16,384 updates, each valid, no request id
+/// twice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidProgress {
+    pub seq: u64,
+    pub updates: Vec<ValidRequestProgress>,
+    pub full_state: bool,
+}
+
+impl TryFrom<v1::Progress> for ValidProgress {
+    type Error = ValidationError;
+    fn try_from(m: v1::Progress) -> Result<Self, Self::Error> {
+        let seq = check_seq(m.seq)?;
+        let updates = validate_list(
+            "updates",
+            m.updates,
+            MAX_UPDATES_PER_PROGRESS,
+            ValidRequestProgress::try_from,
+            |u| u.request_id.as_str(),
+        )?;
+        Ok(ValidProgress {
+            seq,
+            updates,
+            full_state: m.full_state,
+        })
+    }
+}
+
+/// A validated telemetry `Heartbeat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ValidHeartbeat {
+    pub seq: u64,
+}
+
+impl TryFrom<v1::Heartbeat> for ValidHeartbeat {
+    type Error = ValidationError;
+    fn try_from(m: v1::Heartbeat) -> Result<Self, Self::Error> {
+        Ok(ValidHeartbeat {
+            seq: check_seq(m.seq)?,
+        })
+    }
+}
+
+/// A validated `WorkerReport` (one message on the telemetry stream). Whether a Hello is
+/// allowed at this point of the stream is the stream handler's business, not this type's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ValidReport {
+    Hello(ValidHello),
+    Progress(ValidProgress),
+    Heartbeat(ValidHeartbeat),
+}
+
+impl ValidReport {
+    /// The message's sequence number (`None` for a Hello).
+    pub fn seq(&self) -> Option<u64> {
+        match self {
+            ValidReport::Hello(_) => None,
+            ValidReport::Progress(p) => Some(p.seq),
+            ValidReport::Heartbeat(h) => Some(h.seq),
+        }
+    }
+}
+
+impl TryFrom<v1::WorkerReport> for ValidReport {
+    type Error = ValidationError;
+    fn try_from(m: v1::WorkerReport) -> Result<Self, Self::Error> {
+        use v1::worker_report::Kind;
+        match m.kind {
+            Some(Kind::Hello(h)) => Ok(ValidReport::Hello(h.try_into()?)),
+            Some(Kind::Progress(p)) => Ok(ValidReport::Progress(p.try_into()?)),
+            Some(Kind::Heartbeat(h)) => Ok(ValidReport::Heartbeat(h.try_into()?)),
+            None => Err(ValidationError::Missing {
+                field: "WorkerReport.kind",
+            }),
+        }
+    }
+}
+
+/// A validated `WatchRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidWatch {
+    pub group: GroupId,
+    /// 0 = the watcher holds no σ.
+    pub epoch: u64,
+    pub last_version: u64,
+}
+
+impl TryFrom<v1::WatchRequest> for ValidWatch {
+    type Error = ValidationError;
+    fn try_from(m: v1::WatchRequest) -> Result<Self, Self::Error> {
+        Ok(ValidWatch {
+            group: GroupId::new(&m.group)?,
+            epoch: m.epoch,
+            last_version: m.last_version,
+        })
+    }
+}
+
+/// A validated `Reservation`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidReservation {
+    pub request_id: RequestId,
+    pub worker_id: u32,
+    /// Non-zero.
+    pub incarnation: u64,
+    /// 1..=10M.
+    pub prompt_tokens: u32,
+    pub prompt_hash: Option<u64>,
+    pub max_tokens: Option<u32>,
+}
+
+impl TryFrom<v1::Reservation> for ValidReservation {
+    type Error = ValidationError;
+    fn try_from(m: v1::Reservation) -> Result<Self, Self::Error> {
+        Ok(ValidReservation {
+            request_id: RequestId::new(&m.request_id)?,
+            worker_id: check_worker_id(m.worker_id)?,
+            incarnation: check_incarnation(m.incarnation)?,
+            prompt_tokens: check_prompt_tokens(m.prompt_tokens)?,
+            prompt_hash: m.prompt_hash,
+            max_tokens: check_max_tokens(m.max_tokens)?,
+        })
+    }
+}
+
+/// A validated `ReserveRequest`: at most 65,536 reservations, each valid, no request id twice.
+///
+/// The whole call is rejected if any entry is invalid: a decision service that sends invalid
+/// reservations has a bug, and a partial commit would hide it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidReserve {
+    pub group: GroupId,
+    pub reservations: Vec<ValidReservation>,
+}
+
+impl TryFrom<v1::ReserveRequest> for ValidReserve {
+    type Error = ValidationError;
+    fn try_from(m: v1::ReserveRequest) -> Result<Self, Self::Error> {
+        Ok(ValidReserve {
+            group: GroupId::new(&m.group)?,
+            reservations: validate_list(
+                "reservations",
+                m.reservations,
+                MAX_RESERVATIONS_PER_CALL,
+                ValidReservation::try_from,
+                |r| r.request_id.as_str(),
+            )?,
+        })
+    }
+}
+
+/// A validated `ReleaseRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidRelease {
+    pub group: GroupId,
+    pub request_ids: Vec<RequestId>,
+}
+
+impl TryFrom<v1::ReleaseRequest> for ValidRelease {
+    type Error = ValidationError;
+    fn try_from(m: v1::ReleaseRequest) -> Result<Self, Self::Error> {
+        Ok(ValidRelease {
+            group: GroupId::new(&m.group)?,
+            request_ids: validate_list(
+                "request_ids",
+                m.request_ids,
+                MAX_RESERVATIONS_PER_CALL,
+                |s| RequestId::new(&s),
+                RequestId::as_str,
+            )?,
+        })
+    }
+}
+
+/// Validates each entry of a repeated field (with its index in errors), enforces a count limit
+/// (checked before any entry is looked at) and rejects duplicate request ids.
+fn validate_list<M, T>(
+    field: &'static str,
+    items: Vec<M>,
+    max: usize,
+    convert: impl Fn(M) -> Result<T, ValidationError>,
+    key: impl Fn(&T) -> &str,
+) -> Result<Vec<T>, ValidationError> {
+    if items.len() > max {
+        return Err(ValidationError::TooMany {
+            field,
+            count: items.len(),
+            max,
+        });
+    }
+    let out = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| convert(m).map_err(ValidationError::item(field, i)))
+        .collect::<Result<Vec<T>, _>>()?;
+    let mut seen = HashSet::with_capacity(out.len());
+    for t in &out {
+        if !seen.insert(key(t)) {
+            return Err(ValidationError::Duplicate {
+                field,
+                request_id: key(t).to_owned(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+
+    fn assign() -> v1::AssignRequest {
+        v1::AssignRequest {
+            group: "g0".into(),
+            request_id: "req-1".into(),
+            prompt_tokens: 100,
+            prompt_hash: Some(42),
+            max_tokens: Some(1024),
+        }
+    }
+
+    fn hello() -> v1::Hello {
+        v1::Hello {
+            group: "g0".into(),
+            worker_id: 3,
+            incarnation: 0xdead_beef,
+            capacity: 256,
+            endpoint: "http://127.0.0.1:8000".into(),
+        }
+    }
+
+    fn rp(id: &str, gen_tokens: u32) -> v1::RequestProgress {
+        v1::RequestProgress {
+            request_id: id.into(),
+            prompt_tokens: 10,
+            generated_tokens: gen_tokens,
+            finished: false,
+        }
+    }
+
+    fn reservation(id: &str) -> v1::Reservation {
+        v1::Reservation {
+            request_id: id.into(),
+            worker_id: 1,
+            incarnation: 7,
+            prompt_tokens: 5,
+            prompt_hash: None,
+            max_tokens: None,
+        }
+    }
+
+    fn out_of_range(field: &'static str, value: u64, min: u64, max: u64) -> ValidationError {
+        ValidationError::OutOfRange {
+            field,
+            value,
+            min,
+            max,
+        }
+    }
+
+    #[test]
+    fn valid_assign_passes_through() {
+        let v = ValidAssign::try_from(assign()).expect("valid");
+        assert_eq!(v.group.as_str(), "g0");
+        assert_eq!(v.request_id.as_str(), "req-1");
+        assert_eq!(v.prompt_tokens, 100);
+        assert_eq!(v.prompt_hash, Some(42));
+        assert_eq!(v.max_tokens, Some(1024));
+    }
+
+    #[test]
+    fn group_rules() {
+        let mut m = assign();
+        m.group = String::new();
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            ValidationError::Empty { field: "group" }
+        );
+        let mut m = assign();
+        m.group = "g".repeat(MAX_GROUP_BYTES);
+        assert!(ValidAssign::try_from(m).is_ok(), "128 bytes is allowed");
+        let mut m = assign();
+        m.group = "g".repeat(MAX_GROUP_BYTES + 1);
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            ValidationError::TooLong {
+                field: "group",
+                len: 129,
+                max: 128
+            }
+        );
+        let mut m = assign();
+        m.group = "g\n0".into();
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            ValidationError::ControlCharacter { field: "group" }
+        );
+    }
+
+    #[test]
+    fn request_id_rules() {
+        let mut m = assign();
+        m.request_id = String::new();
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            ValidationError::Empty {
+                field: "request_id"
+            }
+        );
+        let mut m = assign();
+        m.request_id = "é".repeat(128); // 256 bytes
+        assert!(ValidAssign::try_from(m).is_ok());
+        let mut m = assign();
+        m.request_id = "x".repeat(MAX_ID_BYTES + 1);
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            ValidationError::TooLong {
+                field: "request_id",
+                len: 257,
+                max: 256
+            }
+        );
+        let mut m = assign();
+        m.request_id = "a\u{7f}b".into();
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            ValidationError::ControlCharacter {
+                field: "request_id"
+            }
+        );
+    }
+
+    #[test]
+    fn assign_token_rules() {
+        let mut m = assign();
+        m.prompt_tokens = 0;
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            out_of_range("prompt_tokens", 0, 1, 10_000_000)
+        );
+        let mut m = assign();
+        m.prompt_tokens = 10_000_000;
+        assert!(ValidAssign::try_from(m).is_ok());
+        let mut m = assign();
+        m.prompt_tokens = 10_000_001;
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            out_of_range("prompt_tokens", 10_000_001, 1, 10_000_000)
+        );
+        let mut m = assign();
+        m.max_tokens = Some(0);
+        assert_eq!(
+            ValidAssign::try_from(m).unwrap_err(),
+            out_of_range("max_tokens", 0, 1, 10_000_000)
+        );
+        let mut m = assign();
+        m.max_tokens = Some(10_000_001);
+        assert!(ValidAssign::try_from(m).is_err());
+        let mut m = assign();
+        m.max_tokens = None;
+        m.prompt_hash = None;
+        let v = ValidAssign::try_from(m).expect("optional fields may be unset");
+        assert_eq!((v.max_tokens, v.prompt_hash), (None, None));
+    }
+
+    #[test]
+    fn cancel_rules() {
+        let ok = v1::CancelRequest {
+            group: "g".into(),
+            request_id: "r".into(),
+        };
+        assert!(ValidCancel::try_from(ok.clone()).is_ok());
+        let mut m = ok.clone();
+        m.request_id.clear();
+        assert!(matches!(
+            ValidCancel::try_from(m),
+            Err(ValidationError::Empty {
+                field: "request_id"
+            })
+        ));
+        let mut m = ok;
+        m.group.clear();
+        assert!(matches!(
+            ValidCancel::try_from(m),
+            Err(ValidationError::Empty { field: "group" })
+        ));
+    }
+
+    #[test]
+    fn hello_rules() {
+        let v = ValidHello::try_from(hello()).expect("valid");
+        assert_eq!((v.worker_id, v.capacity), (3, 256));
+
+        let mut m = hello();
+        m.incarnation = 0;
+        assert_eq!(
+            ValidHello::try_from(m).unwrap_err(),
+            out_of_range("incarnation", 0, 1, u64::MAX)
+        );
+        let mut m = hello();
+        m.capacity = 0;
+        assert_eq!(
+            ValidHello::try_from(m).unwrap_err(),
+            out_of_range("capacity", 0, 1, 65_536)
+        );
+        let mut m = hello();
+        m.capacity = 65_537;
+        assert!(ValidHello::try_from(m).is_err());
+        let mut m = hello();
+        m.worker_id = 65_536;
+        assert_eq!(
+            ValidHello::try_from(m).unwrap_err(),
+            out_of_range("worker_id", 65_536, 0, 65_535)
+        );
+        let mut m = hello();
+        m.endpoint = String::new();
+        assert!(ValidHello::try_from(m).is_ok(), "endpoint may be empty");
+        let mut m = hello();
+        m.endpoint = "h".repeat(513);
+        assert_eq!(
+            ValidHello::try_from(m).unwrap_err(),
+            ValidationError::TooLong {
+                field: "endpoint",
+                len: 513,
+                max: 512
+            }
+        );
+        let mut m = hello();
+        m.group = String::new();
+        assert!(ValidHello::try_from(m).is_err());
+    }
+
+    #[test]
+    fn progress_rules() {
+        let ok = v1::Progress {
+            seq: 1,
+            updates: vec![rp("a", 0), rp("b", 10_000_000)],
+            full_state: true,
+        };
+        let v = ValidProgress::try_from(ok.clone()).expect("valid");
+        assert_eq!(v.updates.len(), 2);
+        assert!(v.full_state);
+
+        let mut m = ok.clone();
+        m.seq = 0;
+        assert_eq!(
+            ValidProgress::try_from(m).unwrap_err(),
+            out_of_range("seq", 0, 1, u64::MAX)
+        );
+
+        let mut m = ok.clone();
+        m.updates[1].generated_tokens = 10_000_001;
+        let err = ValidProgress::try_from(m).unwrap_err();
+        assert_eq!(
+            err,
+            ValidationError::Item {
+                field: "updates",
+                index: 1,
+                source: Box::new(out_of_range("generated_tokens", 10_000_001, 0, 10_000_000)),
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "updates[1]: generated_tokens is 10000001, it must be in 0..=10000000"
+        );
+        assert_eq!(err.reason_label(), "out_of_range");
+
+        let mut m = ok.clone();
+        m.updates[0].prompt_tokens = 10_000_001;
+        assert!(ValidProgress::try_from(m).is_err());
+        let mut m = ok.clone();
+        m.updates[0].prompt_tokens = 0;
+        assert!(
+            ValidProgress::try_from(m).is_ok(),
+            "0 prompt tokens = unknown"
+        );
+
+        let mut m = ok.clone();
+        m.updates[0].request_id = String::new();
+        assert!(matches!(
+            ValidProgress::try_from(m),
+            Err(ValidationError::Item { index: 0, .. })
+        ));
+
+        let mut m = ok.clone();
+        m.updates.push(rp("a", 5));
+        assert_eq!(
+            ValidProgress::try_from(m).unwrap_err(),
+            ValidationError::Duplicate {
+                field: "updates",
+                request_id: "a".into()
+            }
+        );
+
+        let mut m = ok;
+        m.updates = (0..=MAX_UPDATES_PER_PROGRESS)
+            .map(|i| rp(&i.to_string(), 1))
+            .collect();
+        assert_eq!(
+            ValidProgress::try_from(m).unwrap_err(),
+            ValidationError::TooMany {
+                field: "updates",
+                count: 16_385,
+                max: 16_384
+            }
+        );
+
+        let empty = v1::Progress {
+            seq: 9,
+            updates: vec![],
+            full_state: true,
+        };
+        assert!(
+            ValidProgress::try_from(empty).is_ok(),
+            "an idle worker's full state is empty"
+        );
+    }
+
+    #[test]
+    fn report_rules() {
+        let r = v1::WorkerReport { kind: None };
+        assert_eq!(
+            ValidReport::try_from(r).unwrap_err(),
+            ValidationError::Missing {
+                field: "WorkerReport.kind"
+            }
+        );
+        let r = v1::WorkerReport {
+            kind: Some(v1::worker_report::Kind::Heartbeat(v1::Heartbeat { seq: 4 })),
+        };
+        assert_eq!(ValidReport::try_from(r).expect("valid").seq(), Some(4));
+        let r = v1::WorkerReport {
+            kind: Some(v1::worker_report::Kind::Heartbeat(v1::Heartbeat { seq: 0 })),
+        };
+        assert!(ValidReport::try_from(r).is_err());
+        let r = v1::WorkerReport {
+            kind: Some(v1::worker_report::Kind::Hello(hello())),
+        };
+        assert_eq!(ValidReport::try_from(r).expect("valid").seq(), None);
+    }
+
+    #[test]
+    fn watch_rules() {
+        let m = v1::WatchRequest {
+            group: "g".into(),
+            epoch: 0,
+            last_version: 0,
+        };
+        assert!(ValidWatch::try_from(m).is_ok());
+        let m = v1::WatchRequest {
+            group: String::new(),
+            epoch: 1,
+            last_version: 2,
+        };
+        assert!(ValidWatch::try_from(m).is_err());
+    }
+
+    #[test]
+    fn reserve_rules() {
+        let ok = v1::ReserveRequest {
+            group: "g".into(),
+            reservations: vec![reservation("a"), reservation("b")],
+        };
+        assert_eq!(
+            ValidReserve::try_from(ok.clone())
+                .expect("valid")
+                .reservations
+                .len(),
+            2
+        );
+        let mut m = ok.clone();
+        m.reservations[1].incarnation = 0;
+        assert!(matches!(
+            ValidReserve::try_from(m),
+            Err(ValidationError::Item { index: 1, .. })
+        ));
+        let mut m = ok.clone();
+        m.reservations[0].prompt_tokens = 0;
+        assert!(ValidReserve::try_from(m).is_err());
+        let mut m = ok.clone();
+        m.reservations[0].worker_id = MAX_WORKER_ID + 1;
+        assert!(ValidReserve::try_from(m).is_err());
+        let mut m = ok;
+        m.reservations.push(reservation("a"));
+        assert!(matches!(
+            ValidReserve::try_from(m),
+            Err(ValidationError::Duplicate { .. })
+        ));
+    }
+
+    #[test]
+    fn release_rules() {
+        let m = v1::ReleaseRequest {
+            group: "g".into(),
+            request_ids: vec!["a".into(), "b".into()],
+        };
+        assert_eq!(
+            ValidRelease::try_from(m).expect("valid").request_ids.len(),
+            2
+        );
+        let m = v1::ReleaseRequest {
+            group: "g".into(),
+            request_ids: vec!["a".into(), String::new()],
+        };
+        assert!(ValidRelease::try_from(m).is_err());
+        let m = v1::ReleaseRequest {
+            group: "g".into(),
+            request_ids: vec!["a".into(), "a".into()],
+        };
+        assert!(ValidRelease::try_from(m).is_err());
+    }
+
+    #[test]
+    fn maps_to_invalid_argument() {
+        let mut m = assign();
+        m.prompt_tokens = 0;
+        let status: tonic::Status = ValidAssign::try_from(m).unwrap_err().into();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            status.message(),
+            "prompt_tokens is 0, it must be in 1..=10000000"
+        );
+    }
+
+    #[test]
+    fn ids_are_usable_as_map_keys_by_str() {
+        let mut set = std::collections::HashSet::new();
+        set.insert(RequestId::new("r1").expect("valid"));
+        assert!(set.contains("r1"));
+        assert_eq!(format!("{:?}", GroupId::new("g").expect("valid")), "\"g\"");
+    }
+}
