@@ -36,7 +36,7 @@ EXAMPLES = sorted((K8S / "examples").glob("*.yaml"))
 RENDERS = {
     "base": (K8S / "base", {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap"}),
     "overlays/group-g8": (K8S / "overlays" / "group-g8", {"Namespace", "StatefulSet", "Deployment"}),
-    "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor"}),
+    "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor", "PrometheusRule"}),
 }
 # Kubernetes versions to validate against: the oldest we support (native sidecars in the
 # examples need 1.29) and the newest schemas kubernetes-validate ships.
@@ -80,7 +80,30 @@ SERVICEMONITOR_SCHEMA = {
         },
     },
 }
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR_SCHEMA}
+PROMETHEUSRULE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": SERVICEMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {"type": "object", "required": ["groups"], "additionalProperties": False, "properties": {
+            "groups": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                "properties": {"name": {"type": "string"}, "interval": {"type": "string"},
+                               "rules": {"type": "array", "items": {
+                                   "type": "object", "required": ["expr"], "additionalProperties": False,
+                                   "properties": {"alert": {"type": "string"}, "record": {"type": "string"},
+                                                  "expr": {"type": ["string", "integer"]}, "for": {"type": "string"},
+                                                  "keep_firing_for": {"type": "string"},
+                                                  "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                                  "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}}}}}}}},
+    },
+}
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR_SCHEMA,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUSRULE_SCHEMA,
+}
 
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"}
 
@@ -285,6 +308,15 @@ def check_consistency(objs: list[dict], strict_security: bool) -> str:
 
     assert not problems, "; ".join(problems)
     return f"{len(objs)} objects, {len(workloads)} workloads"
+
+
+def check_prometheusrule_in_sync(objs: list[dict], alerts: dict) -> str:
+    rules = [o for o in objs if o["kind"] == "PrometheusRule"]
+    assert rules, "no PrometheusRule rendered"
+    for r in rules:
+        assert r["spec"]["groups"] == alerts["groups"], \
+            f"{obj_id(r)}: spec.groups differs from deploy/prometheus/alerts.yml (copy the groups over)"
+    return f"{len(rules)} PrometheusRule"
 
 
 def check_kinds(objs: list[dict], want: set[str]) -> str:
@@ -515,10 +547,12 @@ def main() -> int:
     c = Checks()
 
     # Kubernetes: render, schema-validate every object, cross-check objects.
+    rendered: dict[str, list[dict]] = {}
     for name, (path, kinds) in RENDERS.items():
         objs = c.run(f"k8s render {name}", render, path)
         if objs is None:
             continue
+        rendered[name] = objs
         c.run(f"k8s {name}: expected kinds", check_kinds, objs, kinds)
         for o in objs:
             c.run(f"k8s {name}: schema {obj_id(o)}", schema_validate, o)
@@ -552,6 +586,9 @@ def main() -> int:
         unshown = sorted(set(contract) - shown)
         if unshown:  # information only: the contract may hold metrics meant for other tools
             print(f"info contract metrics on no dashboard panel or alert: {', '.join(unshown)}")
+        if rules is not None and "overlays/group-g8-monitoring" in rendered:
+            c.run("PrometheusRule matches alerts.yml", check_prometheusrule_in_sync,
+                  rendered["overlays/group-g8-monitoring"], rules)
         if rule_tests is not None:
             series = [("alerts_test input", t["series"]) for tc in rule_tests.get("tests", [])
                       for t in tc.get("input_series", [])]
