@@ -1,1 +1,33 @@
-//! placeholder
+//! The BalanceRoute routing core.
+//!
+//! Pure, synchronous and deterministic (given a seed): no I/O, no async, no wire types. The
+//! services and the simulator (`br-sim`) run exactly this code, so what the simulator measures
+//! is what the control plane does.
+//!
+//! * [`state::ClusterState`]: σ(k), the per-group cluster state with incremental load
+//!   accounting (a progress event updates `L_g`, the max and the min in O(log G)).
+//! * [`score`]: the BR-0 and BR-H F-scores (`F = −ΔI`), evaluated against per-worker margins.
+//! * [`pool::Pool`]: the central prompt pool, indexed by arrival order and by size.
+//! * [`dispatch`]: the two-stage batch-admission dispatcher and the pool-bypass router.
+//! * [`predict`]: termination predictors for BR-H (Survival, ExactMatch, Oracle).
+//! * [`policy`]: one [`policy::Policy`] trait, the baselines used by today's routers, and a
+//!   factory that builds any policy from a [`policy::PolicyConfig`] by name.
+
+pub mod dispatch;
+pub mod error;
+pub mod policy;
+pub mod pool;
+pub mod predict;
+pub mod score;
+pub mod state;
+mod tree;
+
+pub use error::CoreError;
+pub use policy::{Mode, Policy, PolicyConfig, PolicyKind, build_policy};
+pub use pool::{Pool, PoolEntry};
+pub use state::{ClusterState, Phase, RequestInfo, WorkerInfo};
+
+/// A data-parallel rank inside one lockstep group (`g` in the paper).
+pub type WorkerId = u32;
+/// A request, as the core knows it. Services intern their string ids into these.
+pub type RequestKey = u64;

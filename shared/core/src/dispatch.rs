@@ -1,0 +1,362 @@
+//! The two-stage batch-admission dispatcher (one call per decode step) and the pool-bypass
+//! router (one call per arriving request).
+//!
+//! Stage 1 (abundant capacity, `S_tot > S_greedy`): one request at a time, the best
+//! single-request score for one chosen worker, found in O(log n) from the pool's size index.
+//! Stage 2 (scarce capacity): workers in order of (free slots, min_h m_{g,h}); each gets the
+//! best subset of the `R_max` oldest waiting requests; when no subset scores above zero it still
+//! gets the single best one (the starvation guard), and is then done for this tick.
+//!
+//! The paper leaves three choices open; each is a [`DispatcherConfig`] field and the simulator
+//! (see docs/simulation.md) chose the defaults.
+
+use serde::{Deserialize, Serialize};
+
+use crate::pool::{Pool, PoolEntry};
+use crate::score::{Margins, br0_score};
+use crate::state::ClusterState;
+use crate::{CoreError, RequestKey, WorkerId};
+
+/// The most candidates Stage 2 may enumerate subsets of (2^8 = 256 subsets per worker).
+pub const MAX_R_MAX: usize = 8;
+
+/// Which worker Stage 1 serves next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Stage1Worker {
+    /// The paper's wording: the worker with the most free slots (balances request counts).
+    MostFreeSlots,
+    /// The live worker with free slots and the least load (balances KV tokens).
+    LeastLoaded,
+}
+
+/// What Stage 1 does when every margin is 0 (all workers equally loaded, e.g. at cold start),
+/// where the score of any request is `−(G−1)·s_i` and so favours the smallest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ColdStart {
+    /// Follow the score literally: smallest request first.
+    Score,
+    /// Largest request first (LPT): the others then fill the margin it opens.
+    LargestFirst,
+}
+
+/// How the pool-bypass router breaks ties between equal scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TieBreak {
+    LowestId,
+    /// Least `load()` (running + queued tokens), then lowest id.
+    LeastLoaded,
+    /// Fewest requests (running + queued), then least load.
+    FewestRequests,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DispatcherConfig {
+    /// Stage 1 runs while total free slots exceed this. `None`: `G·R_max`.
+    pub s_greedy: Option<u32>,
+    /// Stage 2 candidate window (the paper: 4, i.e. at most 16 subsets).
+    pub r_max: usize,
+    pub stage1_worker: Stage1Worker,
+    pub cold_start: ColdStart,
+    pub tie_break: TieBreak,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        Self {
+            s_greedy: None,
+            r_max: 4,
+            stage1_worker: Stage1Worker::LeastLoaded,
+            cold_start: ColdStart::LargestFirst,
+            tie_break: TieBreak::LeastLoaded,
+        }
+    }
+}
+
+impl DispatcherConfig {
+    pub fn validate(&self) -> Result<(), CoreError> {
+        if self.r_max == 0 || self.r_max > MAX_R_MAX {
+            return Err(CoreError::InvalidConfig(format!(
+                "r_max must be in 1..={MAX_R_MAX}, got {}",
+                self.r_max
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Stage {
+    Greedy,
+    Subset,
+    /// Stage 2's starvation guard: admitted although no subset scored above zero.
+    Guard,
+    Bypass,
+    /// A baseline's on-arrival choice.
+    Baseline,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admission {
+    pub key: RequestKey,
+    pub worker: WorkerId,
+    pub prompt_tokens: u32,
+    /// The F-score of the subset this request was admitted in (NaN for baselines).
+    pub score: f64,
+    pub stage: Stage,
+}
+
+/// One batch admission. Admitted requests leave `pool` and are appended to `out`, in order;
+/// the caller applies them to σ. `margins` must have been built from `state` for this tick.
+pub fn dispatch_tick(
+    cfg: &DispatcherConfig,
+    pool: &mut Pool,
+    state: &ClusterState,
+    margins: &mut Margins,
+    out: &mut Vec<Admission>,
+) {
+    let mut free: Vec<u32> = state.workers().iter().map(|w| w.free_slots()).collect();
+    let mut s_tot: u32 = free.iter().sum();
+    let g = state.live_workers();
+    let s_greedy = cfg.s_greedy.unwrap_or(g * cfg.r_max as u32);
+
+    // Stage 1: abundant capacity.
+    while s_tot > s_greedy && !pool.is_empty() {
+        let Some(w) = stage1_worker(cfg.stage1_worker, &free, margins) else {
+            break;
+        };
+        let all_level =
+            cfg.cold_start == ColdStart::LargestFirst && all_margins_zero(state, margins);
+        let pick = if all_level {
+            pool.largest().cloned()
+        } else {
+            best_single(pool, margins, w)
+        };
+        let Some(entry) = pick else { break };
+        let s = f64::from(entry.prompt_tokens);
+        let score = margins.score(w, s);
+        admit(
+            pool,
+            margins,
+            &mut free,
+            &mut s_tot,
+            out,
+            &entry,
+            w,
+            score,
+            Stage::Greedy,
+        );
+    }
+
+    // Stage 2: scarce capacity. Each worker is served until it admits with a non-positive score.
+    let mut done = vec![false; free.len()];
+    let mut window: Vec<PoolEntry> = Vec::with_capacity(cfg.r_max);
+    while !pool.is_empty() {
+        let Some(w) = stage2_worker(&free, &done, margins) else {
+            break;
+        };
+        window.clear();
+        window.extend(pool.oldest(cfg.r_max).cloned());
+        let sizes: Vec<f64> = window.iter().map(|e| f64::from(e.prompt_tokens)).collect();
+        let (mask, score) =
+            best_subset(&sizes, free[w as usize] as usize, |ds| margins.score(w, ds));
+        if score > 0.0 {
+            for (i, entry) in window.iter().enumerate() {
+                if mask & (1 << i) != 0 {
+                    admit(
+                        pool,
+                        margins,
+                        &mut free,
+                        &mut s_tot,
+                        out,
+                        entry,
+                        w,
+                        score,
+                        Stage::Subset,
+                    );
+                }
+            }
+        } else {
+            let (i, score) = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| (i, margins.score(w, s)))
+                .fold(
+                    (0, f64::NEG_INFINITY),
+                    |best, c| if c.1 > best.1 { c } else { best },
+                );
+            let entry = &window[i];
+            admit(
+                pool,
+                margins,
+                &mut free,
+                &mut s_tot,
+                out,
+                entry,
+                w,
+                score,
+                Stage::Guard,
+            );
+            done[w as usize] = true;
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn admit(
+    pool: &mut Pool,
+    margins: &mut Margins,
+    free: &mut [u32],
+    s_tot: &mut u32,
+    out: &mut Vec<Admission>,
+    entry: &PoolEntry,
+    w: WorkerId,
+    score: f64,
+    stage: Stage,
+) {
+    pool.remove(entry.key);
+    margins.admit(w, f64::from(entry.prompt_tokens));
+    free[w as usize] -= 1;
+    *s_tot -= 1;
+    out.push(Admission {
+        key: entry.key,
+        worker: w,
+        prompt_tokens: entry.prompt_tokens,
+        score,
+        stage,
+    });
+}
+
+fn all_margins_zero(state: &ClusterState, margins: &Margins) -> bool {
+    state.live_worker_ids().all(|w| margins.margin(w, 0) <= 0.0)
+}
+
+fn stage1_worker(rule: Stage1Worker, free: &[u32], margins: &Margins) -> Option<WorkerId> {
+    let candidates = free
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| **f > 0)
+        .map(|(w, f)| (w as WorkerId, *f));
+    match rule {
+        // most free slots; ties: least loaded, then lowest id
+        Stage1Worker::MostFreeSlots => candidates
+            .min_by(|a, b| {
+                b.1.cmp(&a.1)
+                    .then(margins.load(a.0).total_cmp(&margins.load(b.0)))
+            })
+            .map(|c| c.0),
+        // least loaded; ties: most free slots, then lowest id
+        Stage1Worker::LeastLoaded => candidates
+            .min_by(|a, b| {
+                margins
+                    .load(a.0)
+                    .total_cmp(&margins.load(b.0))
+                    .then(b.1.cmp(&a.1))
+            })
+            .map(|c| c.0),
+    }
+}
+
+/// Stage 2's priority: most free slots, then the largest `min_h m_{g,h}`, then lowest id.
+fn stage2_worker(free: &[u32], done: &[bool], margins: &Margins) -> Option<WorkerId> {
+    let mut best: Option<(WorkerId, u32, f64)> = None;
+    for (w, &f) in free.iter().enumerate() {
+        if f == 0 || done[w] {
+            continue;
+        }
+        let m = margins.min_margin(w as WorkerId);
+        let better = match best {
+            None => true,
+            Some((_, bf, bm)) => f > bf || (f == bf && m > bm),
+        };
+        if better {
+            best = Some((w as WorkerId, f, m));
+        }
+    }
+    best.map(|b| b.0)
+}
+
+/// The pool request with the highest single-request score for worker w. F is concave in the
+/// prompt size, so the best request is next to the score's peak: the largest one at or below
+/// it, or the smallest one above it.
+fn best_single(pool: &Pool, margins: &Margins, w: WorkerId) -> Option<PoolEntry> {
+    let peak = margins.best_size(w);
+    let limit = if peak.is_finite() {
+        peak.max(0.0).floor() as u64
+    } else {
+        u64::MAX
+    };
+    let below = pool.largest_at_most(limit);
+    let above = pool.smallest_above(limit);
+    match (below, above) {
+        (Some(b), Some(a)) => {
+            let (fb, fa) = (
+                margins.score(w, f64::from(b.prompt_tokens)),
+                margins.score(w, f64::from(a.prompt_tokens)),
+            );
+            Some(if fa > fb { a.clone() } else { b.clone() })
+        }
+        (Some(x), None) | (None, Some(x)) => Some(x.clone()),
+        (None, None) => None,
+    }
+}
+
+/// The non-empty subset of `sizes` with at most `max_items` members that maximises `score`
+/// (ties: the first in enumeration order). Returns (bitmask, score); (0, −∞) when nothing fits.
+pub fn best_subset(sizes: &[f64], max_items: usize, score: impl Fn(f64) -> f64) -> (u32, f64) {
+    let n = sizes.len().min(MAX_R_MAX);
+    let mut best = (0u32, f64::NEG_INFINITY);
+    for mask in 1u32..(1u32 << n) {
+        if mask.count_ones() as usize > max_items {
+            continue;
+        }
+        let ds: f64 = (0..n)
+            .filter(|i| mask & (1 << i) != 0)
+            .map(|i| sizes[i])
+            .sum();
+        let f = score(ds);
+        if f > best.1 {
+            best = (mask, f);
+        }
+    }
+    best
+}
+
+/// Pool bypass: route one arriving request to the live worker with the best `F_g({i})` (BR-0),
+/// preferring workers with a free slot; ties broken by `tie`. `None` when no worker is live.
+pub fn route_bypass(entry: &PoolEntry, state: &ClusterState, tie: TieBreak) -> Option<WorkerId> {
+    let max = state.max_load();
+    let g = state.live_workers();
+    let any_free = state.workers().iter().any(|w| w.free_slots() > 0);
+    let mut best: Option<(WorkerId, i128)> = None;
+    for w in state.live_worker_ids() {
+        let info = &state.workers()[w as usize];
+        if any_free && info.free_slots() == 0 {
+            continue;
+        }
+        let f = br0_score(u64::from(entry.prompt_tokens), max - info.load(), g);
+        let better = match best {
+            None => true,
+            Some((bw, bf)) => f > bf || (f == bf && tie_prefers(tie, state, w, bw)),
+        };
+        if better {
+            best = Some((w, f));
+        }
+    }
+    best.map(|b| b.0)
+}
+
+/// Whether `a` wins a tie against `b`.
+pub(crate) fn tie_prefers(tie: TieBreak, state: &ClusterState, a: WorkerId, b: WorkerId) -> bool {
+    let (wa, wb) = (&state.workers()[a as usize], &state.workers()[b as usize]);
+    let key = |w: &crate::WorkerInfo, id: WorkerId| match tie {
+        TieBreak::LowestId => (0, 0, id),
+        TieBreak::LeastLoaded => (w.load(), 0, id),
+        TieBreak::FewestRequests => (u64::from(w.requests()), w.load(), id),
+    };
+    key(wa, a) < key(wb, b)
+}

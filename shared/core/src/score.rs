@@ -1,0 +1,284 @@
+//! The F-score: the change in imbalance `−ΔI` if a candidate subset `Q` is admitted to worker g.
+//!
+//! BR-0: `F_g(Q) = Δs(Q) − G·(Δs(Q) − m_g)+` with `m_g = M − L_g`.
+//! BR-H: `F_g(Q) = α·(1ᵀd)·Δs(Q) − β·(Δs(Q)·1 − m_g)+ᵀ d` over projected margins
+//! `m_{g,h}`, h = 0..H, and discounts `d = (1, γ, …, γ^H)`. H = 0, α = 1, β = G is BR-0.
+//!
+//! [`Margins`] holds one tick's working view: projected loads per worker and horizon step,
+//! their maxima, and the discount vector. Admitting a subset updates it in O(H), so a tick that
+//! admits many requests never rebuilds it.
+
+use crate::predict::{Predictor, expected_remaining};
+use crate::state::ClusterState;
+use crate::{Phase, WorkerId};
+
+/// BR-0 in exact integer arithmetic (the algebra's reference form).
+pub fn br0_score(delta_s: u64, margin: u64, workers: u32) -> i128 {
+    let d = i128::from(delta_s);
+    let overflow = (d - i128::from(margin)).max(0);
+    d - i128::from(workers) * overflow
+}
+
+/// BR-H parameters. The paper uses H = 80 with (β, γ) = (43, 0.86) or (14.67, 0.64).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HorizonParams {
+    /// `H`: how many decode steps ahead margins are projected.
+    pub horizon: u32,
+    /// `α`: reward scale.
+    pub alpha: f64,
+    /// `β`: overflow penalty; `None` means `G` (the BR-0 value).
+    pub beta: Option<f64>,
+    /// `γ`: discount per step.
+    pub gamma: f64,
+    /// Confidence gate: a request counts as finishing inside the horizon only when the
+    /// predictor's probability of that is at least this; otherwise it is assumed to run on.
+    pub gate: f64,
+}
+
+impl Default for HorizonParams {
+    fn default() -> Self {
+        Self {
+            horizon: 80,
+            alpha: 1.0,
+            beta: Some(14.67),
+            gamma: 0.64,
+            gate: 0.5,
+        }
+    }
+}
+
+impl HorizonParams {
+    /// BR-0 as a horizon score.
+    pub fn br0() -> Self {
+        Self {
+            horizon: 0,
+            alpha: 1.0,
+            beta: None,
+            gamma: 1.0,
+            gate: 1.0,
+        }
+    }
+}
+
+/// One tick's projected loads and margins.
+#[derive(Debug, Clone)]
+pub struct Margins {
+    steps: usize,
+    /// `loads[w * steps + h]`: projected load of worker w, h steps ahead.
+    loads: Vec<f64>,
+    /// `max[h]` over live workers.
+    max: Vec<f64>,
+    alive: Vec<bool>,
+    discounts: Vec<f64>,
+    discount_sum: f64,
+    alpha: f64,
+    beta: f64,
+}
+
+impl Margins {
+    /// BR-0 margins: the current loads (running + queued), H = 0.
+    pub fn br0(state: &ClusterState) -> Self {
+        let mut m = Self::empty(state, &HorizonParams::br0());
+        for (w, info) in state.workers().iter().enumerate() {
+            if info.alive {
+                m.loads[w] = info.load() as f64;
+            }
+        }
+        m.recompute_max();
+        m
+    }
+
+    /// BR-H margins: each request's load `w_i + h` counts at step h while it is predicted to run
+    /// (`h < ĉ_i`). Built with difference arrays in O(requests + G·H).
+    pub fn horizon(
+        state: &ClusterState,
+        params: &HorizonParams,
+        predictor: &dyn Predictor,
+    ) -> Self {
+        let mut m = Self::empty(state, params);
+        let steps = m.steps;
+        let mut constant = vec![0.0f64; steps + 1];
+        let mut slope = vec![0.0f64; steps + 1];
+        for (w, info) in state.workers().iter().enumerate() {
+            if !info.alive {
+                continue;
+            }
+            constant.iter_mut().for_each(|x| *x = 0.0);
+            slope.iter_mut().for_each(|x| *x = 0.0);
+            for r in state.requests_of(w as WorkerId) {
+                let remaining = expected_remaining(predictor, r, params.horizon, params.gate);
+                let end = (remaining.ceil().max(1.0) as usize).min(steps);
+                let kv = r.kv_tokens() as f64;
+                constant[0] += kv;
+                constant[end] -= kv;
+                // A queued request starts writing once it runs; count growth for running ones.
+                if r.phase == Phase::Running {
+                    slope[0] += 1.0;
+                    slope[end] -= 1.0;
+                }
+            }
+            let (mut c, mut s) = (0.0, 0.0);
+            for h in 0..steps {
+                c += constant[h];
+                s += slope[h];
+                m.loads[w * steps + h] = c + s * h as f64;
+            }
+        }
+        m.recompute_max();
+        m
+    }
+
+    fn empty(state: &ClusterState, params: &HorizonParams) -> Self {
+        let steps = params.horizon as usize + 1;
+        let n = state.workers().len();
+        let discounts: Vec<f64> = (0..steps).map(|h| params.gamma.powi(h as i32)).collect();
+        let discount_sum = discounts.iter().sum();
+        let g = f64::from(state.live_workers().max(1));
+        Self {
+            steps,
+            loads: vec![0.0; n * steps],
+            max: vec![0.0; steps],
+            alive: state.workers().iter().map(|w| w.alive).collect(),
+            discounts,
+            discount_sum,
+            alpha: params.alpha,
+            beta: params.beta.unwrap_or(g),
+        }
+    }
+
+    fn recompute_max(&mut self) {
+        self.max.iter_mut().for_each(|x| *x = 0.0);
+        for (w, alive) in self.alive.iter().enumerate() {
+            if *alive {
+                for h in 0..self.steps {
+                    self.max[h] = self.max[h].max(self.loads[w * self.steps + h]);
+                }
+            }
+        }
+    }
+
+    pub fn horizon_steps(&self) -> usize {
+        self.steps
+    }
+
+    /// `m_{g,h} = M(h) − L_g(h)`.
+    pub fn margin(&self, w: WorkerId, h: usize) -> f64 {
+        self.max[h] - self.loads[w as usize * self.steps + h]
+    }
+
+    /// `min_h m_{g,h}`: Stage 2's tie-break key.
+    pub fn min_margin(&self, w: WorkerId) -> f64 {
+        (0..self.steps)
+            .map(|h| self.margin(w, h))
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// Current projected load of worker w (h = 0).
+    pub fn load(&self, w: WorkerId) -> f64 {
+        self.loads[w as usize * self.steps]
+    }
+
+    /// `F_g(Q)` for a subset with prompt load `delta_s`.
+    pub fn score(&self, w: WorkerId, delta_s: f64) -> f64 {
+        let base = w as usize * self.steps;
+        let mut penalty = 0.0;
+        for h in 0..self.steps {
+            let margin = self.max[h] - self.loads[base + h];
+            let over = delta_s - margin;
+            if over > 0.0 {
+                penalty += self.discounts[h] * over;
+            }
+        }
+        self.alpha * self.discount_sum * delta_s - self.beta * penalty
+    }
+
+    /// The prompt size that maximises `F_g` (F is concave and piecewise linear in Δs: it rises
+    /// with slope α·Σd until the margins are used up, each margin passed taking β·d_h off).
+    pub fn best_size(&self, w: WorkerId) -> f64 {
+        if self.steps == 1 {
+            return self.margin(w, 0);
+        }
+        let mut breaks: Vec<(f64, f64)> = (0..self.steps)
+            .map(|h| (self.margin(w, h), self.discounts[h]))
+            .collect();
+        breaks.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut slope = self.alpha * self.discount_sum;
+        for (margin, d) in breaks {
+            slope -= self.beta * d;
+            if slope <= 0.0 {
+                return margin;
+            }
+        }
+        f64::INFINITY
+    }
+
+    /// Records an admission of `delta_s` prompt tokens to worker w for the rest of the tick.
+    pub fn admit(&mut self, w: WorkerId, delta_s: f64) {
+        let base = w as usize * self.steps;
+        for h in 0..self.steps {
+            self.loads[base + h] += delta_s;
+            self.max[h] = self.max[h].max(self.loads[base + h]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::RequestInfo;
+
+    fn state_with_loads(loads: &[u32]) -> ClusterState {
+        let mut st = ClusterState::with_workers(&vec![64; loads.len()]);
+        for (w, &l) in loads.iter().enumerate() {
+            if l > 0 {
+                st.reserve(RequestInfo {
+                    key: w as u64 + 1,
+                    worker: w as u32,
+                    prompt_tokens: l,
+                    generated: 0,
+                    phase: Phase::Running,
+                    prompt_hash: None,
+                    oracle_output: None,
+                })
+                .unwrap();
+            }
+        }
+        st
+    }
+
+    #[test]
+    fn regimes_and_continuity() {
+        // G = 4, margin 100
+        assert_eq!(br0_score(60, 100, 4), 60);
+        assert_eq!(br0_score(100, 100, 4), 100);
+        assert_eq!(br0_score(101, 100, 4), 101 - 4);
+        // overflow form: G·m − (G−1)·Δs
+        assert_eq!(br0_score(150, 100, 4), 4 * 100 - 3 * 150);
+        // m = 0 always negative
+        assert_eq!(br0_score(10, 0, 8), -(7 * 10));
+        // G = 1: the lone worker is the max, every admission is overflow and F = 0: routing is moot
+        assert_eq!(br0_score(123, 0, 1), 0);
+    }
+
+    #[test]
+    fn margins_br0_match_integer_form() {
+        let st = state_with_loads(&[500, 200, 0, 350]);
+        let m = Margins::br0(&st);
+        for w in 0..4u32 {
+            let margin = 500 - st.worker(w).unwrap().load();
+            for ds in [0u64, 1, 50, 150, 300, 499, 500, 501, 2000] {
+                assert_eq!(m.score(w, ds as f64), br0_score(ds, margin, 4) as f64);
+            }
+            assert_eq!(m.best_size(w), margin as f64);
+        }
+    }
+
+    #[test]
+    fn admit_moves_the_max() {
+        let st = state_with_loads(&[100, 0]);
+        let mut m = Margins::br0(&st);
+        m.admit(1, 150.0);
+        assert_eq!(m.margin(0, 0), 50.0);
+        assert_eq!(m.margin(1, 0), 0.0);
+    }
+}

@@ -1,0 +1,491 @@
+//! σ(k): the state of one lockstep group, with incremental load accounting.
+//!
+//! A request is *queued* from the moment it is assigned to a worker (a reservation in the
+//! control plane, a worker-local queue in an engine) until the worker runs it; it is then
+//! *running* until it finishes. Its KV load is `prompt_tokens + generated` (the paper's
+//! `w_i(j) = s_i + j − 1` counted after the j-th token is written).
+//!
+//! Two loads are kept per worker:
+//! * `running_load`: KV tokens the worker holds now: what the step time and the paper's
+//!   imbalance metric are made of;
+//! * `load()` = running + queued: what routing decisions count, because a reservation's
+//!   prompt lands on that worker within milliseconds (the architecture's "load counts s_i at
+//!   once"). The max/min tree is kept over this.
+
+use rustc_hash::FxHashMap;
+
+use crate::tree::LoadTree;
+use crate::{CoreError, RequestKey, WorkerId};
+
+/// The architecture bounds one lockstep group at 64 ranks; we accept ids up to 1023 so sparse
+/// rank numbering still works, and refuse anything larger (it would be a client bug).
+pub const MAX_WORKERS: u32 = 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Assigned to the worker, not yet running (reservation / worker-local queue).
+    Queued,
+    /// Running: emitting one token per step.
+    Running,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestInfo {
+    pub key: RequestKey,
+    pub worker: WorkerId,
+    pub prompt_tokens: u32,
+    /// Output tokens generated so far (`j`).
+    pub generated: u32,
+    pub phase: Phase,
+    pub prompt_hash: Option<u64>,
+    /// The true output length, known only in simulation (for the Oracle predictor).
+    pub oracle_output: Option<u32>,
+}
+
+impl RequestInfo {
+    /// KV tokens this request holds (or will hold, when queued).
+    pub fn kv_tokens(&self) -> u64 {
+        u64::from(self.prompt_tokens) + u64::from(self.generated)
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerInfo {
+    /// `B`: the most requests this worker runs at once (`max_num_seqs`).
+    pub capacity: u32,
+    pub running: u32,
+    pub queued: u32,
+    pub running_load: u64,
+    pub queued_load: u64,
+    /// False when the worker is absent or fenced: it takes no new requests and holds none.
+    pub alive: bool,
+}
+
+impl WorkerInfo {
+    /// The load routing decisions count: running plus queued KV tokens.
+    pub fn load(&self) -> u64 {
+        self.running_load + self.queued_load
+    }
+
+    /// Slots neither running nor promised to a queued request.
+    pub fn free_slots(&self) -> u32 {
+        if !self.alive {
+            return 0;
+        }
+        self.capacity.saturating_sub(self.running + self.queued)
+    }
+
+    /// Requests on this worker, running or queued.
+    pub fn requests(&self) -> u32 {
+        self.running + self.queued
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    info: RequestInfo,
+    /// Position in `members[worker]`, for O(1) removal.
+    pos: u32,
+}
+
+/// σ for one group. All mutations are O(1) amortised plus O(log G) for the max/min tree.
+#[derive(Debug, Clone)]
+pub struct ClusterState {
+    workers: Vec<WorkerInfo>,
+    slots: Vec<Option<Slot>>,
+    free_slots: Vec<u32>,
+    index: FxHashMap<RequestKey, u32>,
+    members: Vec<Vec<u32>>,
+    tree: LoadTree,
+    live_workers: u32,
+}
+
+impl Default for ClusterState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ClusterState {
+    pub fn new() -> Self {
+        Self {
+            workers: Vec::new(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            index: FxHashMap::default(),
+            members: Vec::new(),
+            tree: LoadTree::new(),
+            live_workers: 0,
+        }
+    }
+
+    /// A group of `capacities.len()` live workers with ids `0..G`.
+    pub fn with_workers(capacities: &[u32]) -> Self {
+        let mut s = Self::new();
+        for (id, &cap) in capacities.iter().enumerate() {
+            // ids are < capacities.len() ≤ MAX_WORKERS in any sane caller; refuse otherwise.
+            let id = u32::try_from(id).unwrap_or(u32::MAX);
+            if s.upsert_worker(id, cap).is_err() {
+                break;
+            }
+        }
+        s
+    }
+
+    /// Brings a worker up (or changes its capacity). A worker that was fenced comes back empty.
+    pub fn upsert_worker(&mut self, id: WorkerId, capacity: u32) -> Result<(), CoreError> {
+        if id >= MAX_WORKERS {
+            return Err(CoreError::WorkerIdTooLarge(id));
+        }
+        let idx = id as usize;
+        if idx >= self.workers.len() {
+            self.workers.resize(idx + 1, WorkerInfo::default());
+            self.members.resize(idx + 1, Vec::new());
+            self.tree.ensure(idx + 1);
+        }
+        let w = &mut self.workers[idx];
+        if !w.alive {
+            w.alive = true;
+            self.live_workers += 1;
+        }
+        w.capacity = capacity;
+        let load = w.load();
+        self.tree.set(idx, Some(load));
+        Ok(())
+    }
+
+    /// Fences a worker: it takes no new requests and every request it held is dropped from σ.
+    /// Returns the dropped requests.
+    pub fn fence_worker(&mut self, id: WorkerId) -> Result<Vec<RequestInfo>, CoreError> {
+        let idx = self.worker_index(id)?;
+        let keys: Vec<RequestKey> = self.members[idx]
+            .iter()
+            .filter_map(|&s| self.slots[s as usize].as_ref().map(|slot| slot.info.key))
+            .collect();
+        let mut dropped = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Ok(info) = self.remove(key) {
+                dropped.push(info);
+            }
+        }
+        let w = &mut self.workers[idx];
+        if w.alive {
+            w.alive = false;
+            self.live_workers -= 1;
+        }
+        self.tree.set(idx, None);
+        Ok(dropped)
+    }
+
+    fn worker_index(&self, id: WorkerId) -> Result<usize, CoreError> {
+        let idx = id as usize;
+        if idx < self.workers.len() && (self.workers[idx].capacity > 0 || self.workers[idx].alive) {
+            Ok(idx)
+        } else {
+            Err(CoreError::UnknownWorker(id))
+        }
+    }
+
+    /// Assigns a request to a worker as queued (a reservation). Its prompt counts at once.
+    pub fn reserve(&mut self, info: RequestInfo) -> Result<(), CoreError> {
+        let idx = self.worker_index(info.worker)?;
+        if !self.workers[idx].alive {
+            return Err(CoreError::WorkerFenced(info.worker));
+        }
+        if self.index.contains_key(&info.key) {
+            return Err(CoreError::DuplicateRequest(info.key));
+        }
+        let w = &mut self.workers[idx];
+        match info.phase {
+            Phase::Queued => {
+                w.queued += 1;
+                w.queued_load += info.kv_tokens();
+            }
+            Phase::Running => {
+                w.running += 1;
+                w.running_load += info.kv_tokens();
+            }
+        }
+        let load = w.load();
+        let key = info.key;
+        let pos = self.members[idx].len() as u32;
+        let slot = Slot { info, pos };
+        let s = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(slot);
+                s
+            }
+            None => {
+                self.slots.push(Some(slot));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.members[idx].push(s);
+        self.index.insert(key, s);
+        self.tree.set(idx, Some(load));
+        Ok(())
+    }
+
+    /// Marks a queued request running (the worker reported it). No-op if already running.
+    pub fn activate(&mut self, key: RequestKey) -> Result<(), CoreError> {
+        let s = *self.index.get(&key).ok_or(CoreError::UnknownRequest(key))?;
+        let Some(slot) = self.slots[s as usize].as_mut() else {
+            return Err(CoreError::UnknownRequest(key));
+        };
+        if slot.info.phase == Phase::Running {
+            return Ok(());
+        }
+        slot.info.phase = Phase::Running;
+        let kv = slot.info.kv_tokens();
+        let idx = slot.info.worker as usize;
+        let w = &mut self.workers[idx];
+        w.queued -= 1;
+        w.queued_load -= kv;
+        w.running += 1;
+        w.running_load += kv;
+        Ok(())
+    }
+
+    /// Raises a request's generated-token count to `generated` (cumulative telemetry: a lower
+    /// value than already known is a duplicate or reordered report, and is absorbed by max()).
+    /// A queued request that reports progress is running. Returns whether anything changed.
+    pub fn set_generated(&mut self, key: RequestKey, generated: u32) -> Result<bool, CoreError> {
+        let s = *self.index.get(&key).ok_or(CoreError::UnknownRequest(key))?;
+        let Some(slot) = self.slots[s as usize].as_mut() else {
+            return Err(CoreError::UnknownRequest(key));
+        };
+        let was_queued = slot.info.phase == Phase::Queued;
+        if generated <= slot.info.generated && !was_queued {
+            return Ok(false);
+        }
+        let old_kv = slot.info.kv_tokens();
+        slot.info.generated = slot.info.generated.max(generated);
+        slot.info.phase = Phase::Running;
+        let new_kv = slot.info.kv_tokens();
+        let idx = slot.info.worker as usize;
+        let w = &mut self.workers[idx];
+        if was_queued {
+            w.queued -= 1;
+            w.queued_load -= old_kv;
+            w.running += 1;
+            w.running_load += new_kv;
+        } else {
+            w.running_load += new_kv - old_kv;
+        }
+        let load = w.load();
+        self.tree.set(idx, Some(load));
+        Ok(true)
+    }
+
+    /// One lockstep decode step: every running request writes one token. O(running + G).
+    /// (The simulator's clock; services learn progress from telemetry instead.)
+    pub fn advance_step(&mut self) {
+        for (idx, members) in self.members.iter().enumerate() {
+            let w = &mut self.workers[idx];
+            if w.running == 0 {
+                continue;
+            }
+            for &s in members {
+                if let Some(slot) = self.slots[s as usize].as_mut()
+                    && slot.info.phase == Phase::Running
+                {
+                    slot.info.generated += 1;
+                }
+            }
+            w.running_load += u64::from(w.running);
+            self.tree.set(idx, Some(w.load()));
+        }
+    }
+
+    /// Removes a request (finished, expired, cancelled). Returns what it was.
+    pub fn remove(&mut self, key: RequestKey) -> Result<RequestInfo, CoreError> {
+        let s = self
+            .index
+            .remove(&key)
+            .ok_or(CoreError::UnknownRequest(key))?;
+        let slot = self.slots[s as usize]
+            .take()
+            .ok_or(CoreError::UnknownRequest(key))?;
+        self.free_slots.push(s);
+        let idx = slot.info.worker as usize;
+        let members = &mut self.members[idx];
+        let pos = slot.pos as usize;
+        members.swap_remove(pos);
+        if let Some(&moved) = members.get(pos)
+            && let Some(m) = self.slots[moved as usize].as_mut()
+        {
+            m.pos = pos as u32;
+        }
+        let kv = slot.info.kv_tokens();
+        let w = &mut self.workers[idx];
+        match slot.info.phase {
+            Phase::Queued => {
+                w.queued -= 1;
+                w.queued_load -= kv;
+            }
+            Phase::Running => {
+                w.running -= 1;
+                w.running_load -= kv;
+            }
+        }
+        let load = w.alive.then(|| w.load());
+        self.tree.set(idx, load);
+        Ok(slot.info)
+    }
+
+    pub fn get(&self, key: RequestKey) -> Option<&RequestInfo> {
+        let s = *self.index.get(&key)?;
+        self.slots[s as usize].as_ref().map(|slot| &slot.info)
+    }
+
+    pub fn contains(&self, key: RequestKey) -> bool {
+        self.index.contains_key(&key)
+    }
+
+    /// All worker slots, indexed by id (absent ids are not alive and have capacity 0).
+    pub fn workers(&self) -> &[WorkerInfo] {
+        &self.workers
+    }
+
+    pub fn worker(&self, id: WorkerId) -> Option<&WorkerInfo> {
+        self.workers.get(id as usize)
+    }
+
+    /// Ids of live workers, ascending.
+    pub fn live_worker_ids(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.alive)
+            .map(|(i, _)| i as WorkerId)
+    }
+
+    /// Number of live workers (`G`).
+    pub fn live_workers(&self) -> u32 {
+        self.live_workers
+    }
+
+    /// `M(k)` over live workers, of `load()` (running + queued). 0 for an empty group.
+    pub fn max_load(&self) -> u64 {
+        self.tree.max()
+    }
+
+    /// min over live workers of `load()`; 0 for an empty group.
+    pub fn min_load(&self) -> u64 {
+        self.tree.min().unwrap_or(0)
+    }
+
+    /// Requests on a worker (running and queued), in no particular order.
+    pub fn requests_of(&self, id: WorkerId) -> impl Iterator<Item = &RequestInfo> + '_ {
+        self.members
+            .get(id as usize)
+            .into_iter()
+            .flatten()
+            .filter_map(|&s| self.slots[s as usize].as_ref().map(|slot| &slot.info))
+    }
+
+    /// Every request in σ.
+    pub fn requests(&self) -> impl Iterator<Item = &RequestInfo> + '_ {
+        self.slots
+            .iter()
+            .filter_map(|s| s.as_ref().map(|slot| &slot.info))
+    }
+
+    pub fn request_count(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Free slots over all live workers (`S_tot`).
+    pub fn total_free_slots(&self) -> u32 {
+        self.workers.iter().map(WorkerInfo::free_slots).sum()
+    }
+
+    /// The paper's imbalance `I = G·M − Σ L` over live workers, of `load()`.
+    pub fn imbalance(&self) -> u64 {
+        let sum: u64 = self
+            .workers
+            .iter()
+            .filter(|w| w.alive)
+            .map(WorkerInfo::load)
+            .sum();
+        u64::from(self.live_workers) * self.max_load() - sum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(key: RequestKey, worker: WorkerId, s: u32) -> RequestInfo {
+        RequestInfo {
+            key,
+            worker,
+            prompt_tokens: s,
+            generated: 0,
+            phase: Phase::Queued,
+            prompt_hash: None,
+            oracle_output: None,
+        }
+    }
+
+    #[test]
+    fn reserve_activate_progress_remove_keep_loads_exact() {
+        let mut st = ClusterState::with_workers(&[4, 4]);
+        st.reserve(req(1, 0, 100)).unwrap();
+        st.reserve(req(2, 1, 50)).unwrap();
+        assert_eq!(st.max_load(), 100);
+        assert_eq!(st.min_load(), 50);
+        assert_eq!(st.worker(0).unwrap().queued_load, 100);
+        assert!(st.set_generated(1, 5).unwrap());
+        assert_eq!(st.worker(0).unwrap().running_load, 105);
+        assert_eq!(st.worker(0).unwrap().queued, 0);
+        // duplicate / reordered report is absorbed
+        assert!(!st.set_generated(1, 3).unwrap());
+        assert_eq!(st.worker(0).unwrap().running_load, 105);
+        st.activate(2).unwrap();
+        st.advance_step();
+        assert_eq!(st.worker(0).unwrap().running_load, 106);
+        assert_eq!(st.worker(1).unwrap().running_load, 51);
+        assert_eq!(st.imbalance(), 2 * 106 - 106 - 51);
+        let info = st.remove(1).unwrap();
+        assert_eq!(info.generated, 6);
+        assert_eq!(st.max_load(), 51);
+        assert_eq!(st.min_load(), 0);
+        assert_eq!(st.remove(1), Err(CoreError::UnknownRequest(1)));
+    }
+
+    #[test]
+    fn fencing_drops_requests_and_refuses_new_ones() {
+        let mut st = ClusterState::with_workers(&[4, 4, 4]);
+        st.reserve(req(1, 2, 1000)).unwrap();
+        st.reserve(req(2, 2, 10)).unwrap();
+        st.reserve(req(3, 0, 10)).unwrap();
+        assert_eq!(st.max_load(), 1010);
+        let dropped = st.fence_worker(2).unwrap();
+        assert_eq!(dropped.len(), 2);
+        assert_eq!(st.max_load(), 10);
+        assert_eq!(st.live_workers(), 2);
+        assert_eq!(st.reserve(req(4, 2, 5)), Err(CoreError::WorkerFenced(2)));
+        assert_eq!(st.reserve(req(4, 7, 5)), Err(CoreError::UnknownWorker(7)));
+        assert_eq!(
+            st.reserve(req(3, 0, 5)),
+            Err(CoreError::DuplicateRequest(3))
+        );
+        st.upsert_worker(2, 4).unwrap();
+        assert_eq!(st.worker(2).unwrap().load(), 0);
+        assert_eq!(st.min_load(), 0);
+        assert_eq!(
+            st.upsert_worker(5000, 1),
+            Err(CoreError::WorkerIdTooLarge(5000))
+        );
+    }
+
+    #[test]
+    fn free_slots_count_queued_requests() {
+        let mut st = ClusterState::with_workers(&[2, 3]);
+        st.reserve(req(1, 0, 1)).unwrap();
+        st.reserve(req(2, 0, 1)).unwrap();
+        assert_eq!(st.worker(0).unwrap().free_slots(), 0);
+        assert_eq!(st.total_free_slots(), 3);
+    }
+}

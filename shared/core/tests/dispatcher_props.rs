@@ -1,0 +1,309 @@
+//! Property tests of the dispatcher: capacity is never exceeded, no request is admitted twice,
+//! free slots are only left while the policy says why (the starvation guard ran), Stage 2's
+//! subset is a brute-force optimum, and everything is deterministic.
+
+#![allow(clippy::unwrap_used)] // test fixtures: a panic is the failure report
+
+use std::collections::HashSet;
+
+use br_core::dispatch::{
+    Admission, ColdStart, DispatcherConfig, Stage, Stage1Worker, TieBreak, best_subset,
+};
+use br_core::predict::Oracle;
+use br_core::score::{HorizonParams, Margins, br0_score};
+use br_core::{
+    ClusterState, Phase, PolicyConfig, PolicyKind, Pool, PoolEntry, RequestInfo, build_policy,
+};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+struct Scenario {
+    capacities: Vec<u32>,
+    /// (worker, prompt, generated, running, oracle output)
+    existing: Vec<(usize, u32, u32, bool, u32)>,
+    pool: Vec<(u32, u32)>,
+    cfg: DispatcherConfig,
+}
+
+fn scenario() -> impl Strategy<Value = Scenario> {
+    (1usize..10, 1u32..8).prop_flat_map(|(g, b)| {
+        (
+            Just(vec![b; g]),
+            prop::collection::vec(
+                (0..g, 1u32..20_000, 0u32..2_000, any::<bool>(), 1u32..3_000),
+                0..(g * b as usize),
+            ),
+            prop::collection::vec((1u32..20_000, 1u32..3_000), 0..60),
+            (
+                1usize..7,
+                prop::option::of(0u32..40),
+                prop_oneof![
+                    Just(Stage1Worker::MostFreeSlots),
+                    Just(Stage1Worker::LeastLoaded)
+                ],
+                prop_oneof![Just(ColdStart::Score), Just(ColdStart::LargestFirst)],
+            ),
+        )
+            .prop_map(
+                |(capacities, existing, pool, (r_max, s_greedy, stage1_worker, cold_start))| {
+                    Scenario {
+                        capacities,
+                        existing,
+                        pool,
+                        cfg: DispatcherConfig {
+                            s_greedy,
+                            r_max,
+                            stage1_worker,
+                            cold_start,
+                            tie_break: TieBreak::LeastLoaded,
+                        },
+                    }
+                },
+            )
+    })
+}
+
+fn build(sc: &Scenario) -> (ClusterState, Pool) {
+    let mut st = ClusterState::with_workers(&sc.capacities);
+    for (i, &(w, s, j, running, o)) in sc.existing.iter().enumerate() {
+        if st.worker(w as u32).unwrap().free_slots() == 0 {
+            continue;
+        }
+        st.reserve(RequestInfo {
+            key: 1_000_000 + i as u64,
+            worker: w as u32,
+            prompt_tokens: s,
+            generated: if running { j } else { 0 },
+            phase: if running {
+                Phase::Running
+            } else {
+                Phase::Queued
+            },
+            prompt_hash: None,
+            oracle_output: Some(o + j),
+        })
+        .unwrap();
+    }
+    let mut pool = Pool::new();
+    for (i, &(s, o)) in sc.pool.iter().enumerate() {
+        pool.push(PoolEntry {
+            key: i as u64,
+            prompt_tokens: s,
+            prompt_hash: Some(u64::from(s % 7)),
+            oracle_output: Some(o),
+        })
+        .unwrap();
+    }
+    (st, pool)
+}
+
+fn run(sc: &Scenario, kind: PolicyKind) -> (ClusterState, Pool, Vec<Admission>) {
+    let (st, mut pool) = build(sc);
+    let cfg = PolicyConfig {
+        kind,
+        dispatcher: sc.cfg,
+        horizon: HorizonParams::default(),
+        seed: 7,
+    };
+    let mut policy = build_policy(&cfg).unwrap();
+    let mut out = Vec::new();
+    policy.dispatch(&mut pool, &st, &mut out);
+    (st, pool, out)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn dispatcher_invariants(sc in scenario(), brh in any::<bool>()) {
+        let kind = if brh { PolicyKind::BrH(br_core::policy::PredictorKind::Oracle) } else { PolicyKind::Br0 };
+        let (st, pool, out) = run(&sc, kind);
+        let pool_before = sc.pool.len();
+        // no request twice, every admitted request came from the pool and left it
+        let keys: HashSet<u64> = out.iter().map(|a| a.key).collect();
+        prop_assert_eq!(keys.len(), out.len());
+        prop_assert_eq!(pool.len() + out.len(), pool_before);
+        for a in &out {
+            prop_assert!((a.key as usize) < pool_before);
+            prop_assert!(!pool.contains(a.key));
+        }
+        // never more than B per worker
+        let mut admitted = vec![0u32; sc.capacities.len()];
+        for a in &out {
+            admitted[a.worker as usize] += 1;
+        }
+        for (w, info) in st.workers().iter().enumerate() {
+            prop_assert!(admitted[w] <= info.free_slots(), "worker {w}: {} admitted, {} free", admitted[w], info.free_slots());
+        }
+        // a free slot is left only while the pool is empty, or where the starvation guard says
+        // no subset scored above zero for that worker this tick
+        if !pool.is_empty() {
+            for (w, info) in st.workers().iter().enumerate() {
+                if admitted[w] < info.free_slots() {
+                    let guarded = out.iter().any(|a| a.worker as usize == w && a.stage == Stage::Guard);
+                    prop_assert!(guarded, "worker {w} left with free slots and no guard while {} wait", pool.len());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dispatch_is_deterministic(sc in scenario()) {
+        let (_, _, a) = run(&sc, PolicyKind::Br0);
+        let (_, _, b) = run(&sc, PolicyKind::Br0);
+        prop_assert_eq!(a, b);
+    }
+
+    #[test]
+    fn stage2_subset_is_the_brute_force_optimum(
+        loads in prop::collection::vec(0u32..50_000, 2..12),
+        sizes in prop::collection::vec(1u32..30_000, 1..7),
+        free in 1usize..8,
+        pick in any::<prop::sample::Index>(),
+    ) {
+        let mut st = ClusterState::with_workers(&vec![64; loads.len()]);
+        for (w, &l) in loads.iter().enumerate() {
+            if l > 0 {
+                st.reserve(RequestInfo { key: w as u64, worker: w as u32, prompt_tokens: l, generated: 0, phase: Phase::Running, prompt_hash: None, oracle_output: None }).unwrap();
+            }
+        }
+        let w = pick.index(loads.len()) as u32;
+        let margins = Margins::br0(&st);
+        let fsizes: Vec<f64> = sizes.iter().map(|&s| f64::from(s)).collect();
+        let (mask, score) = best_subset(&fsizes, free, |ds| margins.score(w, ds));
+        // brute force in exact integers, independent of the enumeration above
+        let margin = st.max_load() - st.worker(w).unwrap().load();
+        let g = st.live_workers();
+        let mut best = i128::MIN;
+        for m in 1u32..(1 << sizes.len()) {
+            if m.count_ones() as usize > free { continue; }
+            let ds: u64 = (0..sizes.len()).filter(|i| m & (1 << i) != 0).map(|i| u64::from(sizes[i])).sum();
+            best = best.max(br0_score(ds, margin, g));
+        }
+        prop_assert_eq!(score, best as f64);
+        prop_assert!(mask.count_ones() as usize <= free);
+        let ds: u64 = (0..sizes.len()).filter(|i| mask & (1 << i) != 0).map(|i| u64::from(sizes[i])).sum();
+        prop_assert_eq!(br0_score(ds, margin, g), best);
+    }
+}
+
+#[test]
+fn cold_start_largest_first_balances_tokens() {
+    // 4 empty workers, 8 slots each, 16 requests: LPT puts the big ones on separate workers.
+    let sizes = [
+        8000u32, 7000, 6000, 5000, 100, 200, 300, 400, 150, 250, 350, 450, 120, 220, 320, 420,
+    ];
+    let mut pool = Pool::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        pool.push(PoolEntry {
+            key: i as u64,
+            prompt_tokens: s,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let st = ClusterState::with_workers(&[8; 4]);
+    let cfg = PolicyConfig {
+        kind: PolicyKind::Br0,
+        dispatcher: DispatcherConfig {
+            s_greedy: Some(0),
+            ..Default::default()
+        },
+        horizon: HorizonParams::default(),
+        seed: 0,
+    };
+    let mut p = build_policy(&cfg).unwrap();
+    let mut out = Vec::new();
+    p.dispatch(&mut pool, &st, &mut out);
+    assert_eq!(out.len(), 16);
+    let mut load = [0u64; 4];
+    for a in &out {
+        load[a.worker as usize] += u64::from(a.prompt_tokens);
+    }
+    let (max, min) = (*load.iter().max().unwrap(), *load.iter().min().unwrap());
+    assert!(max - min <= 3000, "loads {load:?}");
+    let big: HashSet<u32> = out
+        .iter()
+        .filter(|a| a.prompt_tokens >= 5000)
+        .map(|a| a.worker)
+        .collect();
+    assert_eq!(big.len(), 4, "each big request on its own worker: {out:?}");
+}
+
+#[test]
+fn oracle_predictor_is_usable_from_brh() {
+    let sc = Scenario {
+        capacities: vec![4, 4],
+        existing: vec![],
+        pool: vec![(100, 10), (200, 20)],
+        cfg: DispatcherConfig::default(),
+    };
+    let (_, pool, out) = run(&sc, PolicyKind::BrH(br_core::policy::PredictorKind::Oracle));
+    assert!(pool.is_empty());
+    assert_eq!(out.len(), 2);
+    let _ = Oracle;
+}
+
+#[test]
+fn names_round_trip_and_unknown_names_are_refused() {
+    for name in PolicyKind::names() {
+        let k: PolicyKind = name.parse().unwrap();
+        assert_eq!(k.name().parse::<PolicyKind>().unwrap(), k);
+    }
+    let err = "fastest".parse::<PolicyKind>().unwrap_err();
+    assert!(err.to_string().contains("unknown policy"));
+    let bad = PolicyConfig {
+        dispatcher: DispatcherConfig {
+            r_max: 0,
+            ..Default::default()
+        },
+        ..PolicyConfig::new(PolicyKind::Br0)
+    };
+    assert!(build_policy(&bad).is_err());
+}
+
+#[test]
+fn stage2_admits_the_best_subset_through_the_dispatcher() {
+    // Worker 0 at 10_000 (the max), worker 1 at 7_000: margin 3_000 on worker 1, which has two
+    // free slots. Window: 1_900, 1_000, 2_500, 700. Best subset for worker 1 is {1_900, 1_000}
+    // (F = 2_900; {2_500, 700} overflows by 200 and scores 3_200 − 2·200 = 2_800).
+    let mut st = ClusterState::with_workers(&[1, 3]);
+    for (key, worker, s) in [(100u64, 0u32, 10_000u32), (101, 1, 7_000)] {
+        st.reserve(RequestInfo {
+            key,
+            worker,
+            prompt_tokens: s,
+            generated: 0,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let mut pool = Pool::new();
+    for (i, s) in [1_900u32, 1_000, 2_500, 700].into_iter().enumerate() {
+        pool.push(PoolEntry {
+            key: i as u64,
+            prompt_tokens: s,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let cfg = PolicyConfig {
+        kind: PolicyKind::Br0,
+        dispatcher: DispatcherConfig {
+            s_greedy: Some(100),
+            ..Default::default()
+        },
+        horizon: HorizonParams::default(),
+        seed: 0,
+    };
+    let mut p = build_policy(&cfg).unwrap();
+    let mut out = Vec::new();
+    p.dispatch(&mut pool, &st, &mut out);
+    let got: Vec<(u64, u32, Stage)> = out.iter().map(|a| (a.key, a.worker, a.stage)).collect();
+    assert_eq!(got, vec![(0, 1, Stage::Subset), (1, 1, Stage::Subset)]);
+    assert_eq!(out[0].score, 2_900.0);
+}
