@@ -1,1 +1,445 @@
+//! The command line (clap derive).
+//!
+//! ```text
+//! br-sim [run] --trace <path|paper-azure|paper-prop> --workers G --slots B --policies jsq,br0,...
+//!              --arrival saturated|trace|poisson [--rate-scale X] [--rate R] [--limit N]
+//!              [--filter-min-output N] [--seed S] [--json FILE] [--plot DIR]
+//!              [--step-a MS_PER_TOKEN] [--step-b MS]
+//! br-sim sweep <run flags> [--workers-list 4,8,16,32,64] [--param NAME=v1,v2,...]
+//! br-sim calibrate SAMPLES.csv [--strict] [--json FILE]
+//! ```
+//! `run` is the default command, so `br-sim --trace paper-azure --workers 8 --slots 256
+//! --policies jsq,br0` works without naming it.
 
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::synth::{self, SynthConfig, SynthKind};
+use crate::trace::{self, Filter, LoadStats, TraceError, TraceRequest};
+
+/// Every policy name the simulator accepts by default (the ten the issue lists, in table order).
+pub const DEFAULT_POLICIES: &str = "random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle";
+
+/// BalanceRoute digital twin: replays request traces through the routing policies of br-core
+/// under the lockstep step-time model T = a·max_g L_g + b.
+#[derive(Debug, Parser)]
+#[command(
+    name = "br-sim",
+    version,
+    about,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+pub struct Cli {
+    /// Subcommand; without one, `run` with the flags below.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Flags of the default `run` command.
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Simulate each policy once on a workload and print a table (the default).
+    Run(RunArgs),
+    /// Sweep G (4, 8, 16, 32, 64 by default) or a policy parameter; writes the scaling figure.
+    Sweep(SweepArgs),
+    /// Fit the step-time model T = a·x + b from `max_kv_tokens,step_ms` samples.
+    Calibrate(CalibrateArgs),
+}
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Arrival {
+    /// The whole trace waits at t = 0 (the paper's heavy load).
+    Saturated,
+    /// The trace's own timestamps, divided by `--rate-scale`; idle gaps are skipped.
+    Trace,
+    /// Poisson arrivals at `--rate` requests per second (seeded), for any trace.
+    Poisson,
+}
+
+/// Flags shared by `run` and `sweep`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// A trace file (Azure CSV, Mooncake JSONL, length-only CSV) or `paper-azure` /
+    /// `paper-prop` (seeded synthetic stand-ins for the paper's workloads).
+    #[arg(long, required = true)]
+    pub trace: Option<String>,
+    /// G: data-parallel decode workers in the lockstep group.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub workers: u32,
+    /// B: concurrent requests per worker (max_num_seqs).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub slots: u32,
+    /// Comma-separated policy names (random rr p2c jsq vllm-dp mintok br0 br0-bypass brh
+    /// brh-survival brh-oracle).
+    #[arg(long, value_delimiter = ',', default_value = DEFAULT_POLICIES)]
+    pub policies: Vec<String>,
+    /// Arrival process.
+    #[arg(long, value_enum, default_value_t = Arrival::Saturated)]
+    pub arrival: Arrival,
+    /// With `--arrival trace`: multiply the trace's request rate by X (timestamps / X).
+    #[arg(long, default_value_t = 1.0)]
+    pub rate_scale: f64,
+    /// Requests per second for `--arrival poisson`, and the arrival rate of the synthetic
+    /// traces' timestamps (default 5/s).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Use at most N requests (after filtering).
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Keep only requests with at least N output tokens (the paper's Azure filter is > 1000,
+    /// i.e. `--filter-min-output 1001`).
+    #[arg(long)]
+    pub filter_min_output: Option<u32>,
+    /// Seed for the synthetic traces, Poisson arrivals and randomised policies.
+    #[arg(long, default_value_t = synth::DEFAULT_SEED)]
+    pub seed: u64,
+    /// Write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write SVG figures into DIR.
+    #[arg(long, value_name = "DIR")]
+    pub plot: Option<PathBuf>,
+    /// a: step time per KV token on the most loaded worker, in ms.
+    #[arg(long, default_value_t = 2e-4)]
+    pub step_a: f64,
+    /// b: fixed step overhead, in ms.
+    #[arg(long, default_value_t = 30.0)]
+    pub step_b: f64,
+}
+
+/// Flags of `sweep`.
+#[derive(Debug, Clone, Args)]
+pub struct SweepArgs {
+    /// The run flags (`--workers` is ignored when `--workers-list` sweeps G).
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Values of G to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,64")]
+    pub workers_list: Vec<u32>,
+    /// Sweep a policy parameter at the fixed `--workers` instead of G: `NAME=v1,v2,...`
+    /// (r_max, s_greedy, beta, gamma, horizon, alpha, gate, ...).
+    #[arg(long, value_name = "NAME=V1,V2,...")]
+    pub param: Option<String>,
+}
+
+/// Flags of `calibrate`.
+#[derive(Debug, Clone, Args)]
+pub struct CalibrateArgs {
+    /// CSV of `max_kv_tokens,step_ms` samples (header optional).
+    pub samples: PathBuf,
+    /// Fail on the first bad row instead of rejecting it and fitting the rest.
+    #[arg(long)]
+    pub strict: bool,
+    /// Also write the fit as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+impl Cli {
+    /// The command to run, with `run` as the default.
+    pub fn into_command(self) -> Command {
+        self.command.unwrap_or(Command::Run(self.run))
+    }
+}
+
+/// Errors in the workload flags.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    /// Loading the trace failed.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// Flags that do not fit together or are out of range.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A workload ready to simulate.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Display name (`paper-azure (synthetic)`, a file name, ...).
+    pub name: String,
+    /// Requests with arrival times set per `--arrival` (all 0 for saturated), sorted by arrival.
+    pub requests: Vec<TraceRequest>,
+    /// Loader counters.
+    pub stats: LoadStats,
+}
+
+impl RunArgs {
+    /// Validates numeric flags.
+    pub fn validate(&self) -> Result<(), WorkloadError> {
+        let bad = |m: String| Err(WorkloadError::Invalid(m));
+        if !(self.step_a.is_finite() && self.step_a >= 0.0) {
+            return bad(format!(
+                "--step-a must be finite and >= 0, got {}",
+                self.step_a
+            ));
+        }
+        if !(self.step_b.is_finite() && self.step_b >= 0.0) || self.step_a + self.step_b <= 0.0 {
+            return bad(format!(
+                "--step-b must be finite and >= 0 (and a + b > 0), got {}",
+                self.step_b
+            ));
+        }
+        if !(self.rate_scale.is_finite() && self.rate_scale > 0.0) {
+            return bad(format!("--rate-scale must be > 0, got {}", self.rate_scale));
+        }
+        if let Some(r) = self.rate
+            && !(r.is_finite() && r > 0.0)
+        {
+            return bad(format!("--rate must be > 0, got {r}"));
+        }
+        if self.arrival == Arrival::Poisson && self.rate.is_none() {
+            return bad("--arrival poisson needs --rate R (requests per second)".into());
+        }
+        if self.policies.iter().all(|p| p.trim().is_empty()) {
+            return bad("--policies is empty".into());
+        }
+        Ok(())
+    }
+
+    /// Loads or generates the workload and stamps arrival times per `--arrival`.
+    pub fn workload(&self) -> Result<Workload, WorkloadError> {
+        self.validate()?;
+        let spec = self
+            .trace
+            .as_deref()
+            .ok_or_else(|| WorkloadError::Invalid("--trace is required".into()))?;
+        let filter = Filter {
+            min_output: self.filter_min_output,
+            limit: self.limit,
+        };
+        let (name, requests, stats) = if let Some(kind) = SynthKind::from_name(spec) {
+            let mut cfg = SynthConfig::new(kind);
+            cfg.seed = self.seed;
+            if let Some(r) = self.rate {
+                cfg.rate_per_s = r;
+            }
+            let (reqs, stats) = filter.apply(synth::generate(kind, &cfg));
+            (format!("{} (synthetic)", kind.name()), reqs, stats)
+        } else {
+            let path = PathBuf::from(spec);
+            let t = trace::load(&path, &filter)?;
+            let name = path
+                .file_name()
+                .map_or_else(|| spec.to_string(), |f| f.to_string_lossy().into_owned());
+            (name, t.requests, t.stats)
+        };
+        if requests.is_empty() {
+            return Err(WorkloadError::Invalid(format!(
+                "{name}: no requests left after filtering ({} rows read)",
+                stats.rows
+            )));
+        }
+        let requests = stamp_arrivals(
+            requests,
+            self.arrival,
+            self.rate_scale,
+            self.rate,
+            self.seed,
+        )
+        .map_err(|m| WorkloadError::Invalid(format!("{name}: {m}")))?;
+        Ok(Workload {
+            name,
+            requests,
+            stats,
+        })
+    }
+}
+
+/// Sets arrival times per the arrival mode and sorts by arrival (stable: ties keep trace
+/// order). `trace`: timestamps shifted to start at 0 and divided by `rate_scale`;
+/// `saturated`: all 0; `poisson`: exponential gaps at `rate` per second from a seeded RNG.
+pub fn stamp_arrivals(
+    mut reqs: Vec<TraceRequest>,
+    arrival: Arrival,
+    rate_scale: f64,
+    rate: Option<f64>,
+    seed: u64,
+) -> Result<Vec<TraceRequest>, String> {
+    match arrival {
+        Arrival::Saturated => {
+            for r in &mut reqs {
+                r.arrival_ms = Some(0.0);
+            }
+        }
+        Arrival::Trace => {
+            if reqs.iter().any(|r| r.arrival_ms.is_none()) {
+                return Err(
+                    "the trace has no timestamps; use --arrival poisson --rate R or saturated"
+                        .into(),
+                );
+            }
+            let t0 = reqs
+                .iter()
+                .filter_map(|r| r.arrival_ms)
+                .fold(f64::INFINITY, f64::min);
+            for r in &mut reqs {
+                r.arrival_ms = r.arrival_ms.map(|t| (t - t0) / rate_scale);
+            }
+        }
+        Arrival::Poisson => {
+            use rand::{Rng, SeedableRng};
+            let rate = rate.ok_or("--arrival poisson needs --rate")?;
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed_a771_7a15_0000);
+            let mut t = 0.0;
+            for (i, r) in reqs.iter_mut().enumerate() {
+                if i > 0 {
+                    let u: f64 = rng.random();
+                    t += -(1.0 - u).ln() / rate * 1000.0;
+                }
+                r.arrival_ms = Some(t);
+            }
+        }
+    }
+    reqs.sort_by(|a, b| {
+        a.arrival_ms
+            .unwrap_or(0.0)
+            .total_cmp(&b.arrival_ms.unwrap_or(0.0))
+    });
+    Ok(reqs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Command, clap::Error> {
+        Cli::try_parse_from(std::iter::once("br-sim").chain(args.iter().copied()))
+            .map(Cli::into_command)
+    }
+
+    #[test]
+    fn default_command_is_run() {
+        let cmd = parse(&[
+            "--trace",
+            "paper-azure",
+            "--workers",
+            "8",
+            "--slots",
+            "256",
+            "--policies",
+            "jsq,br0",
+        ])
+        .expect("parse");
+        let Command::Run(r) = cmd else {
+            panic!("expected run")
+        };
+        assert_eq!(r.trace.as_deref(), Some("paper-azure"));
+        assert_eq!((r.workers, r.slots), (8, 256));
+        assert_eq!(r.policies, vec!["jsq", "br0"]);
+        assert_eq!(r.arrival, Arrival::Saturated);
+        assert_eq!((r.step_a, r.step_b), (2e-4, 30.0));
+    }
+
+    #[test]
+    fn all_flags_and_subcommands_parse() {
+        let cmd = parse(&[
+            "run",
+            "--trace",
+            "x.csv",
+            "--arrival",
+            "trace",
+            "--rate-scale",
+            "2",
+            "--limit",
+            "5",
+            "--seed",
+            "3",
+            "--json",
+            "o.json",
+            "--plot",
+            "figs",
+            "--filter-min-output",
+            "1001",
+            "--step-a",
+            "1e-4",
+            "--step-b",
+            "20",
+        ])
+        .expect("parse");
+        let Command::Run(r) = cmd else {
+            panic!("expected run")
+        };
+        assert_eq!(r.rate_scale, 2.0);
+        assert_eq!(r.limit, Some(5));
+        assert_eq!(r.filter_min_output, Some(1001));
+        assert_eq!(r.policies.len(), 10);
+
+        let Command::Sweep(s) =
+            parse(&["sweep", "--trace", "paper-prop", "--policies", "jsq,br0"]).expect("parse")
+        else {
+            panic!("expected sweep")
+        };
+        assert_eq!(s.workers_list, vec![4, 8, 16, 32, 64]);
+        let Command::Calibrate(c) = parse(&["calibrate", "s.csv", "--strict"]).expect("parse")
+        else {
+            panic!("expected calibrate")
+        };
+        assert!(c.strict);
+        assert!(parse(&["--workers", "8"]).is_err(), "--trace is required");
+        assert!(parse(&["--trace", "x", "--workers", "0"]).is_err());
+        assert!(parse(&["--trace", "x", "--arrival", "bursty"]).is_err());
+    }
+
+    #[test]
+    fn workloads_and_arrivals() {
+        let Command::Run(mut r) = parse(&["--trace", "paper-azure", "--limit", "100"]).expect("p")
+        else {
+            panic!("run")
+        };
+        let w = r.workload().expect("workload");
+        assert_eq!(w.requests.len(), 100);
+        assert!(w.requests.iter().all(|q| q.arrival_ms == Some(0.0)));
+        assert!(w.name.contains("synthetic"));
+
+        r.arrival = Arrival::Trace;
+        r.rate_scale = 2.0;
+        let w2 = r.workload().expect("workload");
+        let last = w2.requests.last().and_then(|q| q.arrival_ms).expect("ts");
+        // 100 requests at 5/s, twice as fast: about 10 s
+        assert!(last > 5_000.0 && last < 15_000.0, "{last}");
+
+        r.arrival = Arrival::Poisson;
+        assert!(r.workload().is_err(), "poisson needs --rate");
+        r.rate = Some(100.0);
+        let w3 = r.workload().expect("workload");
+        let last = w3.requests.last().and_then(|q| q.arrival_ms).expect("ts");
+        assert!(last > 500.0 && last < 1_500.0, "{last}");
+
+        r.step_a = f64::NAN;
+        assert!(r.workload().is_err());
+        r.step_a = 2e-4;
+        r.trace = Some("/nonexistent/t.csv".into());
+        assert!(matches!(r.workload(), Err(WorkloadError::Trace(_))));
+        r.trace = Some("paper-prop".into());
+        r.filter_min_output = Some(u32::MAX);
+        assert!(matches!(r.workload(), Err(WorkloadError::Invalid(_))));
+    }
+
+    #[test]
+    fn trace_arrivals_need_timestamps_and_are_sorted() {
+        let req = |t: Option<f64>| TraceRequest {
+            arrival_ms: t,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            prompt_hash: None,
+        };
+        assert!(stamp_arrivals(vec![req(None)], Arrival::Trace, 1.0, None, 0).is_err());
+        let out = stamp_arrivals(
+            vec![req(Some(50.0)), req(Some(30.0)), req(Some(90.0))],
+            Arrival::Trace,
+            2.0,
+            None,
+            0,
+        )
+        .expect("stamp");
+        let ts: Vec<f64> = out.iter().filter_map(|r| r.arrival_ms).collect();
+        assert_eq!(ts, vec![0.0, 10.0, 30.0]);
+    }
+}

@@ -11,6 +11,7 @@
 //! - [`plot`]: SVG figures (per-worker load over steps, gain and imbalance against G);
 //! - [`cli`]: the command line.
 
+pub mod app;
 pub mod calibrate;
 pub mod cli;
 pub mod plot;

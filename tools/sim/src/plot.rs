@@ -1,1 +1,400 @@
+//! SVG figures (plotters' SVG backend: no system font libraries needed).
+//!
+//! - [`plot_worker_loads`]: per-worker KV load over decode steps, one panel per policy side by
+//!   side on a shared y axis (the paper's Figure 3).
+//! - [`plot_scaling`]: throughput gain over the best baseline, and average imbalance, against G
+//!   (the paper's Figure 4).
+//!
+//! Both take plain data, so they do not depend on the simulation engine.
 
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+/// Per-step per-worker loads of one run.
+#[derive(Debug, Clone, Default)]
+pub struct LoadSeries {
+    /// Panel title (policy name).
+    pub policy: String,
+    /// Number of workers G (the stride of `loads`).
+    pub workers: usize,
+    /// Step-major loads: `loads[k * workers + g]` is L_g at step k (KV tokens).
+    pub loads: Vec<u64>,
+}
+
+impl LoadSeries {
+    /// Number of steps recorded.
+    pub fn steps(&self) -> usize {
+        self.loads.len().checked_div(self.workers).unwrap_or(0)
+    }
+}
+
+/// One point of a scaling sweep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScalingPoint {
+    /// Policy name.
+    pub policy: String,
+    /// G.
+    pub workers: usize,
+    /// Whole-run throughput gain over the best baseline at this G, percent.
+    pub gain_pct: f64,
+    /// Steady-state (while requests wait) throughput gain over the best baseline, percent.
+    pub steady_gain_pct: f64,
+    /// Average imbalance (max − min load), KV tokens.
+    pub avg_imbalance: f64,
+}
+
+/// Plot errors.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    /// Drawing or writing the file failed.
+    #[error("plot {path}: {msg}")]
+    Draw {
+        /// Output file.
+        path: PathBuf,
+        /// Cause.
+        msg: String,
+    },
+    /// Nothing to draw.
+    #[error("plot {path}: no data")]
+    Empty {
+        /// Output file.
+        path: PathBuf,
+    },
+}
+
+fn draw_err<E: std::fmt::Display>(path: &Path) -> impl Fn(E) -> PlotError + '_ {
+    move |e| PlotError::Draw {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    }
+}
+
+fn fmt_tokens(v: f64) -> String {
+    if v.abs() >= 1e6 {
+        format!("{:.2}M", v / 1e6)
+    } else if v.abs() >= 1e3 {
+        format!("{:.0}k", v / 1e3)
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// Writes the per-worker load figure: one panel per series (two columns), every worker a line,
+/// all panels on the same axes. `window` selects the steps to show (the paper shows a
+/// 1,500-step segment of the steady state; `None` shows every step, clamped per series); the y
+/// range is fitted to the loads inside it. At most `max_points` steps are drawn per line
+/// (evenly sampled) so the SVG stays small.
+pub fn plot_worker_loads(
+    path: &Path,
+    title: &str,
+    series: &[LoadSeries],
+    window: Option<Range<usize>>,
+    max_points: usize,
+) -> Result<(), PlotError> {
+    let panels: Vec<(&LoadSeries, Range<usize>)> = series
+        .iter()
+        .filter_map(|s| {
+            let n = s.steps();
+            let w = window.clone().unwrap_or(0..n);
+            let w = w.start.min(n)..w.end.min(n);
+            (!w.is_empty()).then_some((s, w))
+        })
+        .collect();
+    if panels.is_empty() {
+        return Err(PlotError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    let (mut lo, mut hi) = (u64::MAX, 0u64);
+    for (s, w) in &panels {
+        for &v in &s.loads[w.start * s.workers..w.end * s.workers] {
+            lo = lo.min(v);
+            hi = hi.max(v);
+        }
+    }
+    let pad = ((hi - lo) as f64 * 0.05).max(1.0);
+    let yr = ((lo as f64 - pad).max(0.0))..(hi as f64 + pad);
+    let cols = if panels.len() == 1 { 1 } else { 2 };
+    let rows = panels.len().div_ceil(cols);
+    let (w, h) = (720 * cols as u32, 80 + 380 * rows as u32);
+    let root = SVGBackend::new(path, (w, h)).into_drawing_area();
+    root.fill(&WHITE).map_err(draw_err(path))?;
+    let root = root
+        .titled(title, ("sans-serif", 22))
+        .map_err(draw_err(path))?;
+    let areas = root.split_evenly((rows, cols));
+    for ((s, win), area) in panels.iter().zip(areas.iter()) {
+        draw_load_panel(path, area, s, win.clone(), yr.clone(), max_points.max(2))?;
+    }
+    root.present().map_err(draw_err(path))?;
+    Ok(())
+}
+
+fn draw_load_panel(
+    path: &Path,
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    s: &LoadSeries,
+    win: Range<usize>,
+    yr: Range<f64>,
+    max_points: usize,
+) -> Result<(), PlotError> {
+    let stride = win.len().div_ceil(max_points).max(1);
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            format!("{} (G = {})", s.policy, s.workers),
+            ("sans-serif", 18),
+        )
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(65)
+        .build_cartesian_2d(
+            win.start as f64..(win.end - 1).max(win.start + 1) as f64,
+            yr,
+        )
+        .map_err(draw_err(path))?;
+    chart
+        .configure_mesh()
+        .x_desc("decode step")
+        .y_desc("KV tokens per worker")
+        .y_label_formatter(&|v| fmt_tokens(*v))
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .light_line_style(WHITE.mix(0.0))
+        .draw()
+        .map_err(draw_err(path))?;
+    for g in 0..s.workers {
+        let color = Palette99::pick(g).mix(0.9);
+        let pts = win
+            .clone()
+            .step_by(stride)
+            .chain(std::iter::once(win.end - 1))
+            .map(|k| (k as f64, s.loads[k * s.workers + g] as f64));
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(1)))
+            .map_err(draw_err(path))?;
+    }
+    Ok(())
+}
+
+/// Writes the scaling figure: left, throughput gain over the best baseline against G (solid:
+/// whole run, thin: steady state while requests wait); right, average imbalance against G.
+/// G is on a log2 axis.
+pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result<(), PlotError> {
+    if points.is_empty() {
+        return Err(PlotError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    let mut policies: Vec<&str> = Vec::new();
+    for p in points {
+        if !policies.contains(&p.policy.as_str()) {
+            policies.push(&p.policy);
+        }
+    }
+    let lg = |g: usize| (g.max(1) as f64).log2();
+    let xmin = points
+        .iter()
+        .map(|p| lg(p.workers))
+        .fold(f64::INFINITY, f64::min)
+        - 0.5;
+    let xmax = points
+        .iter()
+        .map(|p| lg(p.workers))
+        .fold(f64::NEG_INFINITY, f64::max)
+        + 0.5;
+    // ticks every half octave; only whole powers of two get a label
+    let xticks = (2.0 * (xmax - xmin)).round() as usize + 1;
+    let gmin = points
+        .iter()
+        .flat_map(|p| [p.gain_pct, p.steady_gain_pct])
+        .fold(0.0f64, f64::min);
+    let gmax = points
+        .iter()
+        .flat_map(|p| [p.gain_pct, p.steady_gain_pct])
+        .fold(0.0f64, f64::max);
+    let gpad = ((gmax - gmin) * 0.1).max(1.0);
+    let imax = points
+        .iter()
+        .map(|p| p.avg_imbalance)
+        .fold(0.0f64, f64::max)
+        .max(1.0)
+        * 1.1;
+
+    let root = SVGBackend::new(path, (1400, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(draw_err(path))?;
+    let root = root
+        .titled(title, ("sans-serif", 22))
+        .map_err(draw_err(path))?;
+    let (left, right) = root.split_horizontally(700);
+    let xfmt = |v: &f64| {
+        if (v - v.round()).abs() < 1e-6 {
+            format!("{:.0}", v.round().exp2())
+        } else {
+            String::new()
+        }
+    };
+
+    let mut gain = ChartBuilder::on(&left)
+        .caption("throughput gain over best baseline", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(55)
+        .build_cartesian_2d(xmin..xmax, (gmin - gpad)..(gmax + gpad))
+        .map_err(draw_err(path))?;
+    gain.configure_mesh()
+        .x_desc("G (workers)")
+        .y_desc("gain %")
+        .x_labels(xticks)
+        .x_label_formatter(&xfmt)
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .draw()
+        .map_err(draw_err(path))?;
+
+    let mut imb = ChartBuilder::on(&right)
+        .caption("average imbalance (max − min load)", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(65)
+        .build_cartesian_2d(xmin..xmax, 0f64..imax)
+        .map_err(draw_err(path))?;
+    imb.configure_mesh()
+        .x_desc("G (workers)")
+        .y_desc("KV tokens")
+        .x_labels(xticks)
+        .x_label_formatter(&xfmt)
+        .y_label_formatter(&|v| fmt_tokens(*v))
+        .draw()
+        .map_err(draw_err(path))?;
+
+    for (i, pol) in policies.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let mut pts: Vec<&ScalingPoint> = points.iter().filter(|p| p.policy == *pol).collect();
+        pts.sort_by_key(|p| p.workers);
+        let whole: Vec<(f64, f64)> = pts.iter().map(|p| (lg(p.workers), p.gain_pct)).collect();
+        let steady: Vec<(f64, f64)> = pts
+            .iter()
+            .map(|p| (lg(p.workers), p.steady_gain_pct))
+            .collect();
+        let imbs: Vec<(f64, f64)> = pts
+            .iter()
+            .map(|p| (lg(p.workers), p.avg_imbalance))
+            .collect();
+        gain.draw_series(LineSeries::new(whole.clone(), color.stroke_width(2)))
+            .map_err(draw_err(path))?
+            .label(pol.to_string())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        gain.draw_series(whole.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(draw_err(path))?;
+        gain.draw_series(LineSeries::new(
+            steady.clone(),
+            color.mix(0.6).stroke_width(1),
+        ))
+        .map_err(draw_err(path))?
+        .label(format!("{pol} (steady)"))
+        .legend(move |(x, y)| {
+            PathElement::new(vec![(x, y), (x + 18, y)], color.mix(0.6).stroke_width(1))
+        });
+        gain.draw_series(steady.iter().map(|&p| Circle::new(p, 2, color.mix(0.6))))
+            .map_err(draw_err(path))?;
+        imb.draw_series(LineSeries::new(imbs.clone(), color.stroke_width(2)))
+            .map_err(draw_err(path))?
+            .label(pol.to_string())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        imb.draw_series(imbs.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(draw_err(path))?;
+    }
+    gain.configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(draw_err(path))?;
+    imb.configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(draw_err(path))?;
+    root.present().map_err(draw_err(path))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_load_figure_is_written() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let p = dir.path().join("loads.svg");
+        let mk = |name: &str, spread: u64| LoadSeries {
+            policy: name.into(),
+            workers: 4,
+            loads: (0..3000u64)
+                .flat_map(|k| (0..4u64).map(move |g| 100_000 + k * 10 + g * spread))
+                .collect(),
+        };
+        let series = vec![mk("jsq", 20_000), mk("br0", 2_000), mk("brh", 1_000)];
+        plot_worker_loads(&p, "synthetic test", &series, Some(500..2000), 500).expect("plot");
+        let svg = std::fs::read_to_string(&p).expect("read");
+        if let Ok(d) = std::env::var("BR_SIM_KEEP_PLOTS") {
+            let _ = std::fs::copy(
+                &p,
+                std::path::Path::new(&d).join(p.file_name().expect("name")),
+            );
+        }
+        assert!(svg.starts_with("<svg"), "{}", &svg[..50.min(svg.len())]);
+        assert!(svg.contains("jsq (G = 4)") && svg.contains("brh (G = 4)"));
+        assert!(
+            svg.matches("<polyline").count() >= 12,
+            "a line per worker per panel"
+        );
+        assert!(svg.len() < 400_000, "{} bytes", svg.len());
+        assert!(matches!(
+            plot_worker_loads(&p, "x", &[], None, 10),
+            Err(PlotError::Empty { .. })
+        ));
+        assert!(matches!(
+            plot_worker_loads(&p, "x", &series, Some(5000..6000), 10),
+            Err(PlotError::Empty { .. })
+        ));
+    }
+
+    #[test]
+    fn scaling_figure_is_written() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let p = dir.path().join("scaling.svg");
+        let pts: Vec<ScalingPoint> = [4usize, 8, 16, 32, 64]
+            .iter()
+            .flat_map(|&g| {
+                [("br0", 1.0), ("jsq", 0.0)].map(|(pol, f)| ScalingPoint {
+                    policy: pol.into(),
+                    workers: g,
+                    gain_pct: f * (g as f64).sqrt(),
+                    steady_gain_pct: f * 1.5 * (g as f64).sqrt(),
+                    avg_imbalance: 1000.0 * g as f64 / (1.0 + 3.0 * f),
+                })
+            })
+            .collect();
+        plot_scaling(&p, "scaling test", &pts).expect("plot");
+        let svg = std::fs::read_to_string(&p).expect("read");
+        if let Ok(d) = std::env::var("BR_SIM_KEEP_PLOTS") {
+            let _ = std::fs::copy(
+                &p,
+                std::path::Path::new(&d).join(p.file_name().expect("name")),
+            );
+        }
+        assert!(svg.contains("br0 (steady)"));
+        assert!(svg.contains("\n64\n</text>"), "G tick labels");
+        assert!(matches!(
+            plot_scaling(&p, "x", &[]),
+            Err(PlotError::Empty { .. })
+        ));
+    }
+}

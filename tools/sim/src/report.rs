@@ -1,1 +1,219 @@
+//! Run reports: the JSON written by `--json` and the table printed to stdout.
+//!
+//! JSON shape (other tools parse it; keep the field names):
+//! `{"runs":[{"policy", "workers", "avg_imbalance", "avg_barrier_idle", "throughput_tok_s",
+//! "steady_throughput_tok_s", "fluid_throughput_tok_s", "tpot_p50_ms", "tpot_p95_ms",
+//! "mean_queue_ms", "steps", "requests"}]}`.
 
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// Metrics of one simulated run (one policy at one G).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunReport {
+    /// Policy name as given on the command line (sweeps append `[param=value]`).
+    pub policy: String,
+    /// G.
+    pub workers: usize,
+    /// Mean over steps of max_g L_g − min_g L_g (KV tokens; the paper's metric).
+    pub avg_imbalance: f64,
+    /// Mean over steps of G·max_g L_g − Σ_g L_g (idle KV-token slots at the barrier).
+    pub avg_barrier_idle: f64,
+    /// Output tokens / simulated time over the whole run.
+    pub throughput_tok_s: f64,
+    /// Output tokens / time over the steps during which requests were waiting.
+    pub steady_throughput_tok_s: f64,
+    /// Output tokens / time had every step taken a·mean L + b (perfect balance).
+    pub fluid_throughput_tok_s: f64,
+    /// Median time per output token (ms).
+    pub tpot_p50_ms: f64,
+    /// 95th percentile time per output token (ms).
+    pub tpot_p95_ms: f64,
+    /// Mean of admission time − arrival time (ms).
+    pub mean_queue_ms: f64,
+    /// Decode steps simulated.
+    pub steps: u64,
+    /// Requests completed.
+    pub requests: u64,
+}
+
+/// The `--json` document.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// One entry per (policy, G).
+    pub runs: Vec<RunReport>,
+}
+
+impl Report {
+    /// Writes pretty JSON to `path`.
+    pub fn write_json(&self, path: &Path) -> std::io::Result<()> {
+        if let Some(dir) = path.parent()
+            && !dir.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(dir)?;
+        }
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(path, text + "\n")
+    }
+}
+
+/// Names of the baseline (non-BalanceRoute) policies, for "best baseline" comparisons.
+pub fn is_baseline(policy: &str) -> bool {
+    !policy.starts_with("br")
+}
+
+/// Renders the table: one row per run, plus throughput gain over the best baseline at the same
+/// G and the share of the gap between that baseline and the fluid limit the run captures.
+pub fn render_table(runs: &[RunReport]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<18} {:>3} {:>12} {:>13} {:>9} {:>9} {:>9} {:>8} {:>8} {:>10} {:>7} {:>7} {:>6} {:>6}",
+        "policy",
+        "G",
+        "imbalance",
+        "barrier_idle",
+        "tok/s",
+        "steady",
+        "fluid",
+        "tpot50",
+        "tpot95",
+        "queue_ms",
+        "steps",
+        "reqs",
+        "gain%",
+        "gap%"
+    );
+    for r in runs {
+        let best = runs
+            .iter()
+            .filter(|b| b.workers == r.workers && is_baseline(&b.policy))
+            .max_by(|x, y| x.throughput_tok_s.total_cmp(&y.throughput_tok_s));
+        let (gain, gap) = match best {
+            Some(b) if b.throughput_tok_s > 0.0 => (
+                format!(
+                    "{:+.1}",
+                    100.0 * (r.throughput_tok_s / b.throughput_tok_s - 1.0)
+                ),
+                gap_captured(r, b).map_or_else(|| "-".to_string(), |g| format!("{:.0}", 100.0 * g)),
+            ),
+            _ => ("-".into(), "-".into()),
+        };
+        let _ = writeln!(
+            s,
+            "{:<18} {:>3} {:>12.0} {:>13.0} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>8.2} {:>10.1} {:>7} {:>7} {:>6} {:>6}",
+            r.policy,
+            r.workers,
+            r.avg_imbalance,
+            r.avg_barrier_idle,
+            r.throughput_tok_s,
+            r.steady_throughput_tok_s,
+            r.fluid_throughput_tok_s,
+            r.tpot_p50_ms,
+            r.tpot_p95_ms,
+            r.mean_queue_ms,
+            r.steps,
+            r.requests,
+            gain,
+            gap
+        );
+    }
+    s
+}
+
+/// Share of the gap between a baseline's throughput and the fluid limit that `run` captures
+/// (`(run − base) / (fluid − base)`, using the baseline's fluid figure). `None` when there is
+/// no gap to speak of.
+pub fn gap_captured(run: &RunReport, base: &RunReport) -> Option<f64> {
+    let gap = base.fluid_throughput_tok_s - base.throughput_tok_s;
+    (gap > 1e-9 * base.fluid_throughput_tok_s.max(1.0))
+        .then(|| (run.throughput_tok_s - base.throughput_tok_s) / gap)
+}
+
+/// The `q`-quantile (0..=1) of `values` by nearest rank; reorders `values`. NaN-free input.
+pub fn quantile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let n = values.len();
+    let rank = ((q.clamp(0.0, 1.0) * n as f64).ceil() as usize).clamp(1, n) - 1;
+    let (_, v, _) = values.select_nth_unstable_by(rank, f64::total_cmp);
+    *v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(policy: &str, tput: f64, fluid: f64) -> RunReport {
+        RunReport {
+            policy: policy.into(),
+            workers: 8,
+            avg_imbalance: 1.0,
+            avg_barrier_idle: 2.0,
+            throughput_tok_s: tput,
+            steady_throughput_tok_s: tput,
+            fluid_throughput_tok_s: fluid,
+            tpot_p50_ms: 80.0,
+            tpot_p95_ms: 90.0,
+            mean_queue_ms: 5.0,
+            steps: 10,
+            requests: 3,
+        }
+    }
+
+    #[test]
+    fn json_has_exactly_the_documented_fields() {
+        let rep = Report {
+            runs: vec![run("jsq", 800.0, 1000.0)],
+        };
+        let v: serde_json::Value = serde_json::to_value(&rep).expect("json");
+        let obj = v["runs"][0].as_object().expect("object");
+        let mut keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        let mut want = vec![
+            "policy",
+            "workers",
+            "avg_imbalance",
+            "avg_barrier_idle",
+            "throughput_tok_s",
+            "steady_throughput_tok_s",
+            "fluid_throughput_tok_s",
+            "tpot_p50_ms",
+            "tpot_p95_ms",
+            "mean_queue_ms",
+            "steps",
+            "requests",
+        ];
+        want.sort_unstable();
+        assert_eq!(keys, want);
+        assert_eq!(v.as_object().map(|o| o.len()), Some(1));
+        let dir = tempfile::tempdir().expect("tmp");
+        let p = dir.path().join("sub/out.json");
+        rep.write_json(&p).expect("write");
+        let back: Report =
+            serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("parse");
+        assert_eq!(back, rep);
+    }
+
+    #[test]
+    fn table_shows_gain_and_gap() {
+        let runs = vec![run("jsq", 800.0, 1000.0), run("br0", 950.0, 1000.0)];
+        let t = render_table(&runs);
+        assert!(t.contains("+18.8"), "{t}");
+        assert!(t.contains(" 75"), "{t}");
+        assert_eq!(gap_captured(&runs[1], &runs[0]), Some(0.75));
+    }
+
+    #[test]
+    fn quantiles() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&mut v, 0.5), 50.0);
+        assert_eq!(quantile(&mut v, 0.95), 95.0);
+        assert_eq!(quantile(&mut v, 1.0), 100.0);
+        assert_eq!(quantile(&mut v, 0.0), 1.0);
+        assert_eq!(quantile(&mut [], 0.5), 0.0);
+    }
+}
