@@ -96,8 +96,14 @@ install_python_tools() {
 }
 
 mkdir -p "$CACHE"
+# Concurrent runs (parallel test binaries) share the tools: install them one at a time.
+if command -v flock >/dev/null; then
+    exec 9>"$CACHE/deploy-tools.lock"
+    flock 9
+fi
 install_debian_tools
 install_python_tools
+if command -v flock >/dev/null; then flock -u 9; fi
 log "tools ready in $((SECONDS - START))s: $("$TOOLS/bin/kustomize" version 2>/dev/null | head -n1) kustomize, $("$TOOLS/bin/promtool" --version 2>&1 | head -n1)"
 
 export BR_KUSTOMIZE="$TOOLS/bin/kustomize" BR_PROMTOOL="$TOOLS/bin/promtool" BR_HADOLINT="$VENV/bin/hadolint"
