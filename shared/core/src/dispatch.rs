@@ -333,7 +333,7 @@ pub fn route_bypass(entry: &PoolEntry, state: &ClusterState, tie: TieBreak) -> O
     let g = state.live_workers();
     let any_free = state.workers().iter().any(|w| w.free_slots() > 0);
     let mut best: Option<(WorkerId, i128)> = None;
-    for w in state.live_worker_ids() {
+    for w in state.accepting_worker_ids() {
         let info = &state.workers()[w as usize];
         if any_free && info.free_slots() == 0 {
             continue;

@@ -267,8 +267,9 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
     })
 }
 
+/// Workers a baseline may route to: live and accepting new requests.
 fn live(state: &ClusterState) -> Vec<WorkerId> {
-    state.live_worker_ids().collect()
+    state.accepting_worker_ids().collect()
 }
 
 #[derive(Debug)]
@@ -370,7 +371,7 @@ impl Policy for ArgMin {
     }
     fn route(&mut self, _e: &PoolEntry, state: &ClusterState) -> Option<WorkerId> {
         state
-            .live_worker_ids()
+            .accepting_worker_ids()
             .min_by_key(|&w| ((self.key)(&state.workers()[w as usize]), w))
     }
     fn dispatch(&mut self, _: &mut Pool, _: &ClusterState, _: &mut Vec<Admission>) {}

@@ -59,6 +59,9 @@ pub struct WorkerInfo {
     pub queued_load: u64,
     /// False when the worker is absent or fenced: it takes no new requests and holds none.
     pub alive: bool,
+    /// False while a live worker must get no new requests but keeps its load (its telemetry
+    /// stream is gone and the grace period runs: SUSPECT in the contracts).
+    pub accepting: bool,
 }
 
 impl WorkerInfo {
@@ -69,7 +72,7 @@ impl WorkerInfo {
 
     /// Slots neither running nor promised to a queued request.
     pub fn free_slots(&self) -> u32 {
-        if !self.alive {
+        if !self.alive || !self.accepting {
             return 0;
         }
         self.capacity.saturating_sub(self.running + self.queued)
@@ -148,6 +151,7 @@ impl ClusterState {
             w.alive = true;
             self.live_workers += 1;
         }
+        w.accepting = true;
         w.capacity = capacity;
         let load = w.load();
         self.tree.set(idx, Some(load));
@@ -173,8 +177,16 @@ impl ClusterState {
             w.alive = false;
             self.live_workers -= 1;
         }
+        w.accepting = false;
         self.tree.set(idx, None);
         Ok(dropped)
+    }
+
+    /// Stops (or resumes) new assignments to a live worker without touching its requests.
+    pub fn set_accepting(&mut self, id: WorkerId, accepting: bool) -> Result<(), CoreError> {
+        let idx = self.worker_index(id)?;
+        self.workers[idx].accepting = accepting && self.workers[idx].alive;
+        Ok(())
     }
 
     fn worker_index(&self, id: WorkerId) -> Result<usize, CoreError> {
@@ -189,7 +201,7 @@ impl ClusterState {
     /// Assigns a request to a worker as queued (a reservation). Its prompt counts at once.
     pub fn reserve(&mut self, info: RequestInfo) -> Result<(), CoreError> {
         let idx = self.worker_index(info.worker)?;
-        if !self.workers[idx].alive {
+        if !self.workers[idx].alive || !self.workers[idx].accepting {
             return Err(CoreError::WorkerFenced(info.worker));
         }
         if self.index.contains_key(&info.key) {
@@ -360,6 +372,15 @@ impl ClusterState {
             .map(|(i, _)| i as WorkerId)
     }
 
+    /// Ids of workers that may take new requests (live and accepting), ascending.
+    pub fn accepting_worker_ids(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.alive && w.accepting)
+            .map(|(i, _)| i as WorkerId)
+    }
+
     /// Number of live workers (`G`).
     pub fn live_workers(&self) -> u32 {
         self.live_workers
@@ -478,6 +499,19 @@ mod tests {
             st.upsert_worker(5000, 1),
             Err(CoreError::WorkerIdTooLarge(5000))
         );
+    }
+
+    #[test]
+    fn a_suspect_worker_keeps_its_load_but_takes_nothing_new() {
+        let mut st = ClusterState::with_workers(&[4, 4]);
+        st.reserve(req(1, 1, 700)).unwrap();
+        st.set_accepting(1, false).unwrap();
+        assert_eq!(st.max_load(), 700);
+        assert_eq!(st.worker(1).unwrap().free_slots(), 0);
+        assert_eq!(st.reserve(req(2, 1, 5)), Err(CoreError::WorkerFenced(1)));
+        assert_eq!(st.accepting_worker_ids().collect::<Vec<_>>(), vec![0]);
+        st.upsert_worker(1, 4).unwrap();
+        assert_eq!(st.worker(1).unwrap().free_slots(), 3);
     }
 
     #[test]
