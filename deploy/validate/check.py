@@ -38,6 +38,16 @@ RENDERS = {
     "overlays/group-g8": (K8S / "overlays" / "group-g8", {"Namespace", "StatefulSet", "Deployment"}),
     "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor", "PrometheusRule"}),
 }
+# Compositions that no directory spells out: rendered from a generated kustomization in a
+# temporary directory. name -> (resources, components, must contain these kinds), paths under k8s/.
+COMPOSED = {
+    "overlays/group-g8 + components/decision-single-replica":
+        (["overlays/group-g8"], ["components/decision-single-replica"], {"Deployment"}),
+}
+# Pod labels that a service sets on its own pod at run time (the elected decision replica), so
+# a Service may select them although no pod template carries them.
+RUNTIME_LABELS = {"balanceroute.io/decision-role"}
+
 # Kubernetes versions to validate against: the oldest we support (native sidecars in the
 # examples need 1.29) and the newest schemas kubernetes-validate ships.
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.utils.latest_version()]
@@ -140,6 +150,35 @@ def render(path: Path) -> list[dict]:
     warnings = [l for l in out.stderr.splitlines() if l.strip()]
     assert not warnings, f"kustomize warned: {warnings}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def render_composed(resources: list[str], components: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        rel = os.path.relpath(K8S, tmp)  # kustomize wants relative paths
+        doc = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+               "resources": [f"{rel}/{r}" for r in resources],
+               "components": [f"{rel}/{c}" for c in components]}
+        Path(tmp, "kustomization.yaml").write_text(yaml.safe_dump(doc))
+        return render(Path(tmp))
+
+
+def check_decision_routing(objs: list[dict], single: bool) -> str:
+    """Assign goes to the elected replica (or, with decision-single-replica, to the one replica)."""
+    svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "decision")
+    dep = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "decision")
+    role = svc["spec"]["selector"].get("balanceroute.io/decision-role")
+    if single:
+        assert role is None, "the single-replica decision Service must not select the role label"
+        assert dep["spec"]["replicas"] == 1, f"replicas {dep['spec']['replicas']}, want 1"
+        return "1 replica"
+    assert role == "active", "the decision Service must select balanceroute.io/decision-role=active"
+    assert dep["spec"]["replicas"] >= 2, "want an active replica and at least one standby"
+    assert not any(p["name"] == "admin" for p in svc["spec"]["ports"]), \
+        "the Assign Service must not carry the admin port (standbys would go unscraped)"
+    admin = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "decision-admin"]
+    assert admin and "balanceroute.io/decision-role" not in admin[0]["spec"]["selector"], \
+        "decision-admin must reach every replica"
+    return f"1 active + {dep['spec']['replicas'] - 1} standby"
 
 
 def load_yaml_docs(path: Path) -> list[dict]:
@@ -267,7 +306,7 @@ def check_consistency(objs: list[dict], strict_security: bool) -> str:
 
     for s in by_kind.get("Service", []):
         sid = obj_id(s)
-        sel = s["spec"].get("selector", {})
+        sel = {k: v for k, v in s["spec"].get("selector", {}).items() if k not in RUNTIME_LABELS}
         targets = [w for w in workloads if selects(sel, pod_labels(w))]
         if not targets:
             problems.append(f"{sid}: selector {sel} matches no workload")
@@ -553,10 +592,17 @@ def main() -> int:
         if objs is None:
             continue
         rendered[name] = objs
+    for name, (resources, components, kinds) in COMPOSED.items():
+        objs = c.run(f"k8s render {name}", render_composed, resources, components)
+        if objs is not None:
+            rendered[name] = objs
+    for name, objs in rendered.items():
+        kinds = RENDERS[name][1] if name in RENDERS else COMPOSED[name][2]
         c.run(f"k8s {name}: expected kinds", check_kinds, objs, kinds)
         for o in objs:
             c.run(f"k8s {name}: schema {obj_id(o)}", schema_validate, o)
         c.run(f"k8s {name}: consistency", check_consistency, objs, True)
+        c.run(f"k8s {name}: decision routing", check_decision_routing, objs, "decision-single-replica" in name)
     for ex in EXAMPLES:
         rel = ex.relative_to(DEPLOY)
         objs = c.run(f"k8s parse {rel}", load_yaml_docs, ex)
