@@ -1,1 +1,40 @@
-fn main() {}
+//! Dispatcher tick cost: one batch admission in steady state (a few free slots per worker, a
+//! full pool), at the paper's setting (G = 8, R_max = 4, 256 waiting) and at the largest group
+//! the architecture allows (G = 64, 4,096 waiting). Run: `cargo bench -p br-core --bench dispatcher`.
+
+use br_core::bench_support::steady_state;
+use br_core::{PolicyConfig, PolicyKind, build_policy};
+use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
+
+fn tick(c: &mut Criterion) {
+    let mut group = c.benchmark_group("dispatcher_tick");
+    for (workers, waiting) in [(8u32, 256usize), (64, 4096)] {
+        let (state, pool) = steady_state(workers, 256, waiting, 42);
+        for kind in [
+            PolicyKind::Br0,
+            PolicyKind::BrH(br_core::policy::PredictorKind::Oracle),
+        ] {
+            let cfg = PolicyConfig::new(kind);
+            group.bench_function(
+                format!("{}/G{workers}/waiting{waiting}", kind.name()),
+                |b| {
+                    let mut policy = build_policy(&cfg).expect("valid config");
+                    let mut out = Vec::with_capacity(1024);
+                    b.iter_batched(
+                        || pool.clone(),
+                        |mut p| {
+                            out.clear();
+                            policy.dispatch(&mut p, &state, &mut out);
+                            out.len()
+                        },
+                        BatchSize::SmallInput,
+                    );
+                },
+            );
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, tick);
+criterion_main!(benches);

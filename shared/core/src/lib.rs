@@ -13,6 +13,8 @@
 //! * [`policy`]: one [`policy::Policy`] trait, the baselines used by today's routers, and a
 //!   factory that builds any policy from a [`policy::PolicyConfig`] by name.
 
+#[doc(hidden)]
+pub mod bench_support;
 pub mod dispatch;
 pub mod error;
 pub mod policy;

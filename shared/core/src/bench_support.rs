@@ -1,0 +1,44 @@
+//! Deterministic steady-state scenarios for the dispatcher benchmarks (benches/, examples/).
+//! Public so the benchmark and the percentile printer build identical inputs; not part of the
+//! routing API.
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::{ClusterState, Phase, Pool, PoolEntry, RequestInfo};
+
+/// A group of `workers` ranks with `slots` each, nearly full of running requests (a few free
+/// slots per worker, as in steady state under heavy load), and `waiting` requests in the pool.
+/// Prompt sizes follow the paper's Azure shape (700..8000 tokens), outputs ~1000..1500.
+pub fn steady_state(workers: u32, slots: u32, waiting: usize, seed: u64) -> (ClusterState, Pool) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut st = ClusterState::with_workers(&vec![slots; workers as usize]);
+    let mut key = 0u64;
+    for w in 0..workers {
+        let free = rng.random_range(0..=8u32).min(slots);
+        for _ in 0..slots - free {
+            key += 1;
+            let output = rng.random_range(1000..1500);
+            let _ = st.reserve(RequestInfo {
+                key,
+                worker: w,
+                prompt_tokens: rng.random_range(700..8000),
+                generated: rng.random_range(0..output),
+                phase: Phase::Running,
+                prompt_hash: Some(rng.random_range(0..5000)),
+                oracle_output: Some(output),
+            });
+        }
+    }
+    let mut pool = Pool::new();
+    for _ in 0..waiting {
+        key += 1;
+        let _ = pool.push(PoolEntry {
+            key,
+            prompt_tokens: rng.random_range(700..8000),
+            prompt_hash: Some(rng.random_range(0..5000)),
+            oracle_output: Some(rng.random_range(1000..1500)),
+        });
+    }
+    (st, pool)
+}
