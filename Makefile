@@ -1,0 +1,46 @@
+# BalanceRoute: every task a developer or CI runs. `make help` lists them.
+SHELL := /bin/bash
+CARGO ?= cargo
+
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-check bench sim ci
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+build: ## build every binary (release)
+	$(CARGO) build --release --workspace --bins
+
+run: ## the demo: the whole control plane on loopback, JSQ vs BR-0 on a paper-shaped workload
+	bash scripts/demo.sh
+
+test: fmt-check clippy unit python-tests ## everything CI checks: format, lints, all tests
+	@echo "make test: all checks passed"
+
+fmt: ## format the code
+	$(CARGO) fmt --all
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+clippy: ## lints, warnings denied
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+lint: fmt-check clippy ## format check + clippy
+
+unit: ## Rust unit, property, integration and end-to-end tests (includes deploy/validate.sh)
+	$(CARGO) test --workspace --locked
+
+python-tests: ## third-party clients (openai, grpcio) against the real binaries
+	bash scripts/python-tests.sh
+
+deploy-check: ## render and validate the Kubernetes manifests, dashboard and alerts
+	bash deploy/validate.sh
+
+bench: ## benchmarks (results are recorded in docs/benchmarks.md)
+	$(CARGO) bench -p br-core --bench dispatcher
+	$(CARGO) run --release -p br-core --example tick_percentiles
+
+sim: ## the digital twin on the paper-shaped Azure workload, G = 8
+	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated
+
+ci: test ## what .ci/run calls
