@@ -41,8 +41,10 @@ RENDERS = {
 # Compositions that no directory spells out: rendered from a generated kustomization in a
 # temporary directory. name -> (resources, components, must contain these kinds), paths under k8s/.
 COMPOSED = {
-    "overlays/group-g8 + components/decision-single-replica":
-        (["overlays/group-g8"], ["components/decision-single-replica"], {"Deployment"}),
+    # The election-based layout of base/ with the example's namespace and labels, i.e. group-g8
+    # without its decision-single-replica component.
+    "base + namespace (election layout)":
+        (["base"], [], {"Deployment"}),
 }
 # Pod labels that a service sets on its own pod at run time (the elected decision replica), so
 # a Service may select them although no pod template carries them.
@@ -160,6 +162,11 @@ def render_composed(resources: list[str], components: list[str]) -> list[dict]:
                "components": [f"{rel}/{c}" for c in components]}
         Path(tmp, "kustomization.yaml").write_text(yaml.safe_dump(doc))
         return render(Path(tmp))
+
+
+def decision_is_single(objs: list[dict]) -> bool:
+    svc = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "decision"]
+    return bool(svc) and "balanceroute.io/decision-role" not in svc[0]["spec"]["selector"]
 
 
 def check_decision_routing(objs: list[dict], single: bool) -> str:
@@ -602,7 +609,9 @@ def main() -> int:
         for o in objs:
             c.run(f"k8s {name}: schema {obj_id(o)}", schema_validate, o)
         c.run(f"k8s {name}: consistency", check_consistency, objs, True)
-        c.run(f"k8s {name}: decision routing", check_decision_routing, objs, "decision-single-replica" in name)
+        # The layout is read off the rendered objects: a Service without the role selector must
+        # front exactly one replica (decision-single-replica), otherwise the election layout.
+        c.run(f"k8s {name}: decision routing", check_decision_routing, objs, decision_is_single(objs))
     for ex in EXAMPLES:
         rel = ex.relative_to(DEPLOY)
         objs = c.run(f"k8s parse {rel}", load_yaml_docs, ex)
