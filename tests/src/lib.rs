@@ -1,1 +1,328 @@
-//! End-to-end tests live in tests/tests/.
+//! A sandbox that runs the real BalanceRoute binaries as separate processes on 127.0.0.1, for
+//! the end-to-end tests in `tests/tests/`.
+//!
+//! The binaries are built once per test run (`cargo build --bins` of the service packages, into
+//! the same target directory the tests run from), started on free ports, polled until their
+//! admin `/readyz` (or `/livez`) answers, and killed when their handle drops, so a failing test
+//! leaves no process behind.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is the report
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The workspace root.
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the workspace root")
+}
+
+/// The directory the test binary runs from (`target/<profile>`), where `cargo build` puts bins.
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test>  ->  target/<profile>
+    exe.parent().and_then(Path::parent).expect("target/<profile>/deps").to_path_buf()
+}
+
+/// Builds the service binaries once (same profile as the tests), returns their directory.
+pub fn binaries() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = bin_dir();
+        let profile_release = dir.file_name().is_some_and(|n| n == "release");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(root()).args(["build", "--bins", "-p", "br-snapshot", "-p", "br-ingest", "-p", "br-decision"]);
+        if profile_release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("cargo runs");
+        assert!(status.success(), "building the service binaries failed");
+        dir
+    })
+}
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+/// A running service process, killed on drop.
+pub struct Service {
+    pub name: &'static str,
+    pub grpc_port: u16,
+    pub admin_port: u16,
+    child: Option<Child>,
+    args: Vec<String>,
+}
+
+impl Service {
+    /// Starts `bin` with `--listen`/`--admin-listen` on free ports plus `extra` arguments.
+    pub fn start(bin: &'static str, extra: &[&str]) -> Service {
+        Self::start_on(bin, free_port(), free_port(), extra)
+    }
+
+    pub fn start_on(bin: &'static str, grpc_port: u16, admin_port: u16, extra: &[&str]) -> Service {
+        let mut args = vec![
+            "--listen".to_owned(),
+            format!("127.0.0.1:{grpc_port}"),
+            "--admin-listen".to_owned(),
+            format!("127.0.0.1:{admin_port}"),
+        ];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let mut s = Service { name: bin, grpc_port, admin_port, child: None, args };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let path = binaries().join(self.name);
+        let log = std::env::var_os("BR_E2E_LOGS").is_some();
+        let child = Command::new(&path)
+            .args(&self.args)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdout(if log { Stdio::inherit() } else { Stdio::null() })
+            .stderr(if log { Stdio::inherit() } else { Stdio::null() })
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", path.display()));
+        self.child = Some(child);
+    }
+
+    pub fn grpc_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.grpc_port)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+
+    /// Kills the process (SIGKILL: a crash, not a graceful stop).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Sends SIGTERM and waits for the process to exit; returns whether it exited by itself
+    /// within `grace`.
+    pub fn terminate(&mut self, grace: Duration) -> bool {
+        let Some(mut c) = self.child.take() else { return true };
+        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        false
+    }
+
+    /// Starts the same binary again with the same ports and arguments (a restart).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Polls an admin path until it answers 200, or panics after `within`.
+    pub async fn wait_for(&self, path: &str, within: Duration) {
+        let url = self.admin_url(path);
+        let deadline = Instant::now() + within;
+        let client = reqwest::Client::new();
+        loop {
+            if let Ok(r) = client.get(&url).timeout(Duration::from_millis(500)).send().await
+                && r.status().is_success()
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{} did not answer 200 on {path} within {within:?}", self.name);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The admin `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        reqwest::get(self.admin_url("/metrics")).await.expect("metrics reachable").text().await.expect("metrics text")
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The sum of every sample of a metric (all label sets) in Prometheus text.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// Polls `check` until it returns true, or panics with `what` after `within`.
+pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+pub use worker::FakeWorker;
+
+/// A decode worker as the control plane sees it: one `Telemetry.Report` stream saying Hello,
+/// then cumulative progress, and its full state whenever the service asks for it. It keeps
+/// the ground truth (what it really runs) for tests to compare σ against.
+mod worker {
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use br_proto::v1::telemetry_client::TelemetryClient;
+    use br_proto::v1::{self, worker_report};
+    use tokio::sync::mpsc;
+    use tokio_stream::StreamExt;
+    use tokio_stream::wrappers::ReceiverStream;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Running {
+        pub prompt_tokens: u32,
+        pub generated: u32,
+    }
+
+    pub struct FakeWorker {
+        pub group: String,
+        pub worker_id: u32,
+        pub incarnation: u64,
+        tx: mpsc::Sender<v1::WorkerReport>,
+        /// One strictly increasing sequence per incarnation, shared with the ack reader.
+        seq: Arc<AtomicU64>,
+        /// The ground truth: requests this worker holds.
+        pub running: Arc<Mutex<BTreeMap<String, Running>>>,
+        /// How many acks asked for a full state (the worker answered each).
+        pub full_state_requests: Arc<Mutex<u64>>,
+        reader: tokio::task::JoinHandle<()>,
+    }
+
+    impl FakeWorker {
+        /// Opens the stream and says Hello.
+        pub async fn connect(ingest: &str, group: &str, worker_id: u32, capacity: u32) -> FakeWorker {
+            let mut client = TelemetryClient::connect(ingest.to_owned()).await.expect("ingest reachable");
+            let (tx, rx) = mpsc::channel(1024);
+            let incarnation = 0x5eed_0000_0000_0000 | (u64::from(worker_id) << 16) | u64::from(std::process::id() & 0xffff);
+            tx.send(v1::WorkerReport {
+                kind: Some(worker_report::Kind::Hello(v1::Hello {
+                    group: group.to_owned(),
+                    worker_id,
+                    incarnation,
+                    capacity,
+                    endpoint: format!("http://127.0.0.1:{}", 18000 + worker_id),
+                })),
+            })
+            .await
+            .expect("stream open");
+            let mut acks = client.report(ReceiverStream::new(rx)).await.expect("report stream").into_inner();
+            let running: Arc<Mutex<BTreeMap<String, Running>>> = Arc::default();
+            let full_state_requests: Arc<Mutex<u64>> = Arc::default();
+            let seq = Arc::new(AtomicU64::new(0));
+            let (r2, f2, tx2, seq2) = (running.clone(), full_state_requests.clone(), tx.clone(), seq.clone());
+            let reader = tokio::spawn(async move {
+                while let Some(Ok(ack)) = acks.next().await {
+                    if ack.full_state_requested {
+                        *f2.lock().unwrap() += 1;
+                        let updates = snapshot_updates(&r2);
+                        let n = seq2.fetch_add(1, Ordering::SeqCst) + 1;
+                        let _ = tx2.send(progress(n, updates, true)).await;
+                    }
+                }
+            });
+            FakeWorker {
+                group: group.to_owned(),
+                worker_id,
+                incarnation,
+                tx,
+                seq,
+                running,
+                full_state_requests,
+                reader,
+            }
+        }
+
+        /// Starts running a request (reports generated = 0 with its prompt).
+        pub async fn start(&mut self, request_id: &str, prompt_tokens: u32) {
+            self.running.lock().unwrap().insert(request_id.to_owned(), Running { prompt_tokens, generated: 0 });
+            self.report(vec![update(request_id, prompt_tokens, 0, false)], false).await;
+        }
+
+        /// Every running request writes `tokens` more tokens; one batched report.
+        pub async fn step(&mut self, tokens: u32) {
+            let updates: Vec<_> = {
+                let mut r = self.running.lock().unwrap();
+                r.iter_mut()
+                    .map(|(id, st)| {
+                        st.generated += tokens;
+                        update(id, st.prompt_tokens, st.generated, false)
+                    })
+                    .collect()
+            };
+            self.report(updates, false).await;
+        }
+
+        pub async fn finish(&mut self, request_id: &str) {
+            let st = self.running.lock().unwrap().remove(request_id);
+            if let Some(st) = st {
+                self.report(vec![update(request_id, st.prompt_tokens, st.generated, true)], false).await;
+            }
+        }
+
+        /// Sends the full state (everything it holds).
+        pub async fn full_state(&mut self) {
+            let updates = snapshot_updates(&self.running);
+            self.report(updates, true).await;
+        }
+
+        async fn report(&mut self, updates: Vec<v1::RequestProgress>, full_state: bool) {
+            // A full-state resend racing this one may overtake it; ingest then drops this one
+            // as stale, which is harmless: reports are cumulative and the resend carries it.
+            let n = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
+            let _ = self.tx.send(progress(n, updates, full_state)).await;
+        }
+
+        /// Ground truth load: Σ prompt + generated.
+        pub fn load(&self) -> u64 {
+            self.running.lock().unwrap().values().map(|r| u64::from(r.prompt_tokens) + u64::from(r.generated)).sum()
+        }
+
+        /// Drops the stream without a goodbye (the shim or its node died).
+        pub fn die(self) {
+            self.reader.abort();
+            drop(self.tx);
+        }
+    }
+
+    fn update(id: &str, prompt_tokens: u32, generated_tokens: u32, finished: bool) -> v1::RequestProgress {
+        v1::RequestProgress { request_id: id.to_owned(), prompt_tokens, generated_tokens, finished }
+    }
+
+    fn snapshot_updates(running: &Mutex<BTreeMap<String, Running>>) -> Vec<v1::RequestProgress> {
+        running.lock().unwrap().iter().map(|(id, st)| update(id, st.prompt_tokens, st.generated, false)).collect()
+    }
+
+    fn progress(seq: u64, updates: Vec<v1::RequestProgress>, full_state: bool) -> v1::WorkerReport {
+        v1::WorkerReport { kind: Some(worker_report::Kind::Progress(v1::Progress { seq, updates, full_state })) }
+    }
+}
