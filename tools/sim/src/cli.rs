@@ -122,8 +122,14 @@ pub struct SweepArgs {
     /// Values of G to sweep.
     #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,64")]
     pub workers_list: Vec<u32>,
+    /// Requests per worker in the G sweep (the workload has N·G requests, so the load per
+    /// worker stays the same). Default: 1250 for paper-azure, 1000 for paper-prop (their
+    /// published sizes at G = 8), and the whole trace (same for every G) for trace files.
+    #[arg(long, value_name = "N")]
+    pub per_worker: Option<usize>,
     /// Sweep a policy parameter at the fixed `--workers` instead of G: `NAME=v1,v2,...`
-    /// (r_max, s_greedy, beta, gamma, horizon, alpha, gate, ...).
+    /// (r_max, s_greedy, stage1_worker, cold_start, tie_break, horizon, alpha, beta, gamma,
+    /// gate). Baselines run once, as the reference.
     #[arg(long, value_name = "NAME=V1,V2,...")]
     pub param: Option<String>,
 }
@@ -205,6 +211,17 @@ impl RunArgs {
 
     /// Loads or generates the workload and stamps arrival times per `--arrival`.
     pub fn workload(&self) -> Result<Workload, WorkloadError> {
+        self.workload_sized(None)
+    }
+
+    /// Whether `--trace` names a synthetic workload.
+    pub fn synthetic(&self) -> Option<SynthKind> {
+        self.trace.as_deref().and_then(SynthKind::from_name)
+    }
+
+    /// Like [`RunArgs::workload`], with `count` requests: a synthetic workload generates that
+    /// many; a trace file is cut to its first `count` (after `--filter-min-output`).
+    pub fn workload_sized(&self, count: Option<usize>) -> Result<Workload, WorkloadError> {
         self.validate()?;
         let spec = self
             .trace
@@ -212,11 +229,14 @@ impl RunArgs {
             .ok_or_else(|| WorkloadError::Invalid("--trace is required".into()))?;
         let filter = Filter {
             min_output: self.filter_min_output,
-            limit: self.limit,
+            limit: count.or(self.limit),
         };
         let (name, requests, stats) = if let Some(kind) = SynthKind::from_name(spec) {
             let mut cfg = SynthConfig::new(kind);
             cfg.seed = self.seed;
+            if let Some(c) = count {
+                cfg.requests = c;
+            }
             if let Some(r) = self.rate {
                 cfg.rate_per_s = r;
             }

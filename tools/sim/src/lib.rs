@@ -14,7 +14,9 @@
 pub mod app;
 pub mod calibrate;
 pub mod cli;
+pub mod engine;
 pub mod plot;
 pub mod report;
+pub mod spec;
 pub mod synth;
 pub mod trace;

@@ -1,0 +1,482 @@
+//! The simulation engine: a lockstep group of G workers running `br-core`'s policies.
+//!
+//! # Model
+//! Each worker runs at most B requests. A decode step takes `T = a·max_g L_g + b` ms, where
+//! L_g is the KV load of worker g's running requests (`s_i + j − 1` for a request at its j-th
+//! token); every running request writes one token per step and leaves after its `o_i`-th.
+//!
+//! # One step
+//! 1. Requests whose arrival time has come arrive. On-arrival policies ([`Mode::OnArrival`]:
+//!    the baselines and BR-0's pool bypass) name a worker at once and the request joins that
+//!    worker's local FIFO queue (a reservation in σ, counted in the worker's `load()`);
+//!    pooled policies ([`Mode::Pooled`]: BR-0, BR-H) put it in the central pool.
+//! 2. Pooled policies run one batch admission (`Policy::dispatch`); each admitted request joins
+//!    the chosen worker's local queue (it has a free slot, so it starts in the same step).
+//! 3. Each worker starts queued requests, oldest first, while it has free slots.
+//! 4. The step runs: its time is `a·max L + b` (and the fluid time `a·mean L + b` is summed
+//!    beside it), every running request writes a token (`ClusterState::advance_step`, linear in
+//!    the running requests and G), requests that wrote their last token leave σ and are
+//!    reported to the policy (`Policy::observe_finished`, which trains BR-H's predictors).
+//!
+//! When nothing runs and nothing can start, the clock skips to the next arrival. The per-step
+//! cost is O(G + running) plus the policy's own work; no per-token hashing (finishes are found
+//! through a heap keyed by the step they happen in).
+//!
+//! # Metrics (see [`RunReport`])
+//! Imbalance and barrier idle are averaged over steps; throughput is output tokens over the
+//! summed step times (idle gaps between arrivals are not counted); the steady figure counts
+//! only steps that run while requests are left waiting after admission (in the pool or a local
+//! queue; it equals the whole-run figure when nothing ever waited), the fluid one
+//! replaces every step time by `a·mean L + b`. TPOT of a request is (finish time − time of its
+//! first token) / (o − 1) (requests with one output token have none); queue time is the start
+//! of its first step minus its arrival.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::{Duration, Instant};
+
+use br_core::dispatch::Admission;
+use br_core::{ClusterState, Mode, Phase, Policy, Pool, PoolEntry, RequestInfo, WorkerId};
+
+use crate::plot::LoadSeries;
+use crate::report::{RunReport, quantile};
+use crate::trace::TraceRequest;
+
+/// Engine parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// G.
+    pub workers: u32,
+    /// B.
+    pub slots: u32,
+    /// a, ms per KV token.
+    pub step_a: f64,
+    /// b, ms.
+    pub step_b: f64,
+    /// Keep the per-step per-worker loads (for the load figure).
+    pub record_loads: bool,
+}
+
+/// Errors of a simulation run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The core refused an operation the engine asked for (an engine or policy bug).
+    #[error("policy {policy}: step {step}: {source}")]
+    Core {
+        /// Policy label.
+        policy: String,
+        /// Step index.
+        step: u64,
+        /// What the core said.
+        source: br_core::CoreError,
+    },
+    /// An on-arrival policy named no worker, or named one outside the group.
+    #[error(
+        "policy {policy}: request {request}: routed to {worker:?}, not a worker of 0..{workers}"
+    )]
+    BadRoute {
+        /// Policy label.
+        policy: String,
+        /// Request index.
+        request: usize,
+        /// What the policy answered.
+        worker: Option<WorkerId>,
+        /// G.
+        workers: u32,
+    },
+    /// Requests wait but nothing runs, nothing was admitted and nothing else will arrive.
+    #[error("policy {policy}: stuck at step {step}: {pool} requests in the pool, none admitted")]
+    Stuck {
+        /// Policy label.
+        policy: String,
+        /// Step index.
+        step: u64,
+        /// Pool size.
+        pool: usize,
+    },
+}
+
+/// The outcome of one run.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// The metrics.
+    pub report: RunReport,
+    /// Per-step per-worker running loads (with `record_loads`).
+    pub loads: Option<LoadSeries>,
+    /// First and one-past-last step that began with requests waiting (empty if none did).
+    pub waiting_steps: std::ops::Range<usize>,
+    /// Wall-clock time the run took.
+    pub wall: Duration,
+}
+
+/// Simulates one policy over `requests` (any order; arrival times `None` count as 0).
+pub fn simulate(
+    requests: &[TraceRequest],
+    policy: &mut dyn Policy,
+    label: &str,
+    cfg: &EngineConfig,
+) -> Result<RunOutcome, SimError> {
+    let started = Instant::now();
+    let g = cfg.workers as usize;
+    let n = requests.len();
+    let mut state = ClusterState::with_workers(&vec![cfg.slots; g]);
+    let mut pool = Pool::new();
+    let mode = policy.mode();
+
+    // Arrival order (stable).
+    let arrival = |i: usize| requests[i].arrival_ms.unwrap_or(0.0).max(0.0);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&x, &y| arrival(x).total_cmp(&arrival(y)));
+
+    let mut queues: Vec<VecDeque<u32>> = vec![VecDeque::new(); g];
+    let mut queued_total = 0usize;
+    let mut running = vec![0u32; g];
+    let mut admit_ms = vec![0.0f64; n];
+    let mut first_ms = vec![0.0f64; n];
+    let mut finishing: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
+    let mut just_started: Vec<u32> = Vec::new();
+    let mut admissions: Vec<Admission> = Vec::new();
+
+    let mut now = 0.0f64;
+    let mut step: u64 = 0;
+    let mut next = 0usize;
+    let (mut busy_ms, mut fluid_ms, mut tokens) = (0.0f64, 0.0f64, 0u64);
+    let (mut steady_ms, mut steady_tokens) = (0.0f64, 0u64);
+    let (mut sum_imb, mut sum_idle) = (0.0f64, 0.0f64);
+    let (mut first_wait, mut last_wait) = (usize::MAX, 0usize);
+    let mut tpot: Vec<f64> = Vec::with_capacity(n);
+    let mut queue_sum = 0.0f64;
+    let mut finished = 0u64;
+    let mut loads: Vec<u64> = Vec::new();
+
+    let core_err = |step: u64| {
+        move |source| SimError::Core {
+            policy: label.to_string(),
+            step,
+            source,
+        }
+    };
+
+    loop {
+        // 1. arrivals
+        while next < n && arrival(order[next]) <= now {
+            let i = order[next];
+            next += 1;
+            let r = &requests[i];
+            let entry = PoolEntry {
+                key: i as u64,
+                prompt_tokens: r.prompt_tokens,
+                prompt_hash: r.prompt_hash,
+                oracle_output: Some(r.output_tokens),
+            };
+            match mode {
+                Mode::Pooled => pool.push(entry).map_err(core_err(step))?,
+                Mode::OnArrival => {
+                    let w = policy.route(&entry, &state);
+                    let Some(w) = w.filter(|&w| (w as usize) < g) else {
+                        return Err(SimError::BadRoute {
+                            policy: label.to_string(),
+                            request: i,
+                            worker: w,
+                            workers: cfg.workers,
+                        });
+                    };
+                    state
+                        .reserve(queued_info(&entry, w))
+                        .map_err(core_err(step))?;
+                    queues[w as usize].push_back(i as u32);
+                    queued_total += 1;
+                }
+            }
+        }
+
+        // 2. pooled batch admission
+        if mode == Mode::Pooled && !pool.is_empty() {
+            admissions.clear();
+            policy.dispatch(&mut pool, &state, &mut admissions);
+            for a in &admissions {
+                let i = a.key as usize;
+                if i >= n || (a.worker as usize) >= g {
+                    return Err(SimError::BadRoute {
+                        policy: label.to_string(),
+                        request: i,
+                        worker: Some(a.worker),
+                        workers: cfg.workers,
+                    });
+                }
+                let r = &requests[i];
+                let entry = PoolEntry {
+                    key: a.key,
+                    prompt_tokens: r.prompt_tokens,
+                    prompt_hash: r.prompt_hash,
+                    oracle_output: Some(r.output_tokens),
+                };
+                state
+                    .reserve(queued_info(&entry, a.worker))
+                    .map_err(core_err(step))?;
+                queues[a.worker as usize].push_back(i as u32);
+                queued_total += 1;
+            }
+        }
+
+        // 3. local FIFO admission into free slots
+        for (w, q) in queues.iter_mut().enumerate() {
+            while running[w] < cfg.slots {
+                let Some(i) = q.pop_front() else { break };
+                queued_total -= 1;
+                state.activate(u64::from(i)).map_err(core_err(step))?;
+                running[w] += 1;
+                admit_ms[i as usize] = now;
+                queue_sum += now - arrival(i as usize);
+                just_started.push(i);
+            }
+        }
+        // Steady state: requests are left waiting (pool or local queues) after admission.
+        let waiting = queued_total > 0 || !pool.is_empty();
+
+        let total_running: u32 = running.iter().sum();
+        if total_running == 0 {
+            if next < n {
+                now = now.max(arrival(order[next]));
+                continue;
+            }
+            if pool.is_empty() && queued_total == 0 {
+                break;
+            }
+            return Err(SimError::Stuck {
+                policy: label.to_string(),
+                step,
+                pool: pool.len(),
+            });
+        }
+
+        // 4. the step
+        let (mut max, mut min, mut sum) = (0u64, u64::MAX, 0u64);
+        for w in state.workers().iter().take(g) {
+            let l = w.running_load;
+            max = max.max(l);
+            min = min.min(l);
+            sum += l;
+            if cfg.record_loads {
+                loads.push(l);
+            }
+        }
+        let t = cfg.step_a * max as f64 + cfg.step_b;
+        busy_ms += t;
+        fluid_ms += cfg.step_a * sum as f64 / g as f64 + cfg.step_b;
+        tokens += u64::from(total_running);
+        sum_imb += (max - min) as f64;
+        sum_idle += (g as u64 * max - sum) as f64;
+        if waiting {
+            steady_ms += t;
+            steady_tokens += u64::from(total_running);
+            first_wait = first_wait.min(step as usize);
+            last_wait = step as usize + 1;
+        }
+        state.advance_step();
+        now += t;
+        for i in just_started.drain(..) {
+            first_ms[i as usize] = now;
+            let o = u64::from(requests[i as usize].output_tokens.max(1));
+            finishing.push(Reverse((step + o - 1, i)));
+        }
+        while let Some(&Reverse((s, i))) = finishing.peek() {
+            if s > step {
+                break;
+            }
+            finishing.pop();
+            let info = state.remove(u64::from(i)).map_err(core_err(step))?;
+            running[info.worker as usize] -= 1;
+            let r = &requests[i as usize];
+            policy.observe_finished(r.prompt_hash, r.output_tokens);
+            finished += 1;
+            if r.output_tokens > 1 {
+                tpot.push((now - first_ms[i as usize]) / f64::from(r.output_tokens - 1));
+            }
+        }
+        step += 1;
+    }
+
+    let steps = step;
+    let per_step = |x: f64| if steps > 0 { x / steps as f64 } else { 0.0 };
+    let rate = |tok: u64, ms: f64| {
+        if ms > 0.0 {
+            tok as f64 / (ms / 1000.0)
+        } else {
+            0.0
+        }
+    };
+    let throughput = rate(tokens, busy_ms);
+    let report = RunReport {
+        policy: label.to_string(),
+        workers: g,
+        avg_imbalance: per_step(sum_imb),
+        avg_barrier_idle: per_step(sum_idle),
+        throughput_tok_s: throughput,
+        steady_throughput_tok_s: if steady_ms > 0.0 {
+            rate(steady_tokens, steady_ms)
+        } else {
+            throughput
+        },
+        fluid_throughput_tok_s: rate(tokens, fluid_ms),
+        tpot_p50_ms: quantile(&mut tpot, 0.5),
+        tpot_p95_ms: quantile(&mut tpot, 0.95),
+        mean_queue_ms: if finished > 0 {
+            queue_sum / finished as f64
+        } else {
+            0.0
+        },
+        steps,
+        requests: finished,
+    };
+    Ok(RunOutcome {
+        report,
+        loads: cfg.record_loads.then(|| LoadSeries {
+            policy: label.to_string(),
+            workers: g,
+            loads,
+        }),
+        waiting_steps: if first_wait == usize::MAX {
+            0..0
+        } else {
+            first_wait..last_wait
+        },
+        wall: started.elapsed(),
+    })
+}
+
+fn queued_info(entry: &PoolEntry, worker: WorkerId) -> RequestInfo {
+    RequestInfo {
+        key: entry.key,
+        worker,
+        prompt_tokens: entry.prompt_tokens,
+        generated: 0,
+        phase: Phase::Queued,
+        prompt_hash: entry.prompt_hash,
+        oracle_output: entry.oracle_output,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::parse_spec;
+
+    fn req(t: f64, s: u32, o: u32) -> TraceRequest {
+        TraceRequest {
+            arrival_ms: Some(t),
+            prompt_tokens: s,
+            output_tokens: o,
+            prompt_hash: None,
+        }
+    }
+
+    fn cfg(workers: u32, slots: u32, a: f64, b: f64) -> EngineConfig {
+        EngineConfig {
+            workers,
+            slots,
+            step_a: a,
+            step_b: b,
+            record_loads: true,
+        }
+    }
+
+    fn sim(reqs: &[TraceRequest], policy: &str, c: &EngineConfig) -> RunOutcome {
+        let spec = parse_spec(policy, 1).expect("spec");
+        let mut p = br_core::build_policy(&spec.config).expect("build");
+        simulate(reqs, p.as_mut(), policy, c).expect("simulate")
+    }
+
+    #[test]
+    fn one_request_step_model() {
+        // loads 100, 101, 102 at its three steps; T = load ms
+        let out = sim(&[req(0.0, 100, 3)], "jsq", &cfg(1, 4, 1.0, 0.0));
+        let r = &out.report;
+        assert_eq!((r.steps, r.requests), (3, 1));
+        assert!(
+            (r.tpot_p50_ms - (101.0 + 102.0) / 2.0).abs() < 1e-9,
+            "{r:?}"
+        );
+        assert!((r.throughput_tok_s - 3.0 / 0.303).abs() < 1e-9, "{r:?}");
+        assert_eq!(r.avg_imbalance, 0.0);
+        assert_eq!(r.mean_queue_ms, 0.0);
+        assert_eq!(out.loads.expect("loads").loads, vec![100, 101, 102]);
+    }
+
+    #[test]
+    fn slots_queue_fifo_and_idle_gaps_are_skipped() {
+        // one worker, one slot: the second request waits for the first (2 steps of 10 ms)
+        let reqs = [req(0.0, 10, 2), req(0.0, 10, 2), req(1_000_000.0, 10, 1)];
+        let out = sim(&reqs, "rr", &cfg(1, 1, 0.0, 10.0));
+        let r = &out.report;
+        assert_eq!((r.steps, r.requests), (5, 3));
+        assert!((r.mean_queue_ms - 20.0 / 3.0).abs() < 1e-9, "{r:?}");
+        // 5 tokens in 50 ms of steps; the idle gap before the third arrival is not counted
+        assert!((r.throughput_tok_s - 100.0).abs() < 1e-9, "{r:?}");
+        assert_eq!(out.waiting_steps, 0..2);
+        assert!((r.tpot_p95_ms - 10.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn imbalance_and_barrier_idle() {
+        // rr puts 1000 on worker 0 and 100 on worker 1; one step each
+        let reqs = [req(0.0, 1000, 1), req(0.0, 100, 1)];
+        let out = sim(&reqs, "rr", &cfg(2, 4, 1e-3, 1.0));
+        let r = &out.report;
+        assert_eq!(r.steps, 1);
+        assert_eq!(r.avg_imbalance, 900.0);
+        assert_eq!(r.avg_barrier_idle, 900.0);
+        // actual step 2 ms, fluid 1.55 ms
+        assert!((r.throughput_tok_s - 1000.0).abs() < 1e-9);
+        assert!((r.fluid_throughput_tok_s - 2.0 / 1.55e-3).abs() < 1e-6);
+    }
+
+    #[test]
+    fn every_policy_completes_every_request_within_capacity() {
+        let reqs: Vec<TraceRequest> = (0..300u32)
+            .map(|i| {
+                req(
+                    f64::from(i) * 7.0,
+                    100 + (i * 7919) % 3000,
+                    1 + (i * 104_729) % 200,
+                )
+            })
+            .collect();
+        let total: u64 = reqs.iter().map(|r| u64::from(r.output_tokens)).sum();
+        for name in br_core::PolicyKind::names() {
+            for arrival_scale in [0.0, 1.0] {
+                let rs: Vec<TraceRequest> = reqs
+                    .iter()
+                    .map(|r| TraceRequest {
+                        arrival_ms: r.arrival_ms.map(|t| t * arrival_scale),
+                        ..*r
+                    })
+                    .collect();
+                let out = sim(&rs, name, &cfg(4, 16, 2e-4, 30.0));
+                let r = &out.report;
+                assert_eq!(r.requests, 300, "{name}");
+                let loads = out.loads.expect("loads");
+                assert_eq!(loads.steps() as u64, r.steps);
+                // every step emits at most G·B tokens, and all tokens are emitted
+                let max_tokens = r.steps * 4 * 16;
+                assert!(total <= max_tokens, "{name}");
+                let busy_s = total as f64 / r.throughput_tok_s;
+                let fluid_s = total as f64 / r.fluid_throughput_tok_s;
+                assert!(fluid_s <= busy_s + 1e-9, "{name}: fluid is a lower bound");
+                assert!(r.tpot_p50_ms <= r.tpot_p95_ms);
+            }
+        }
+    }
+
+    #[test]
+    fn deterministic() {
+        let reqs: Vec<TraceRequest> = (0..200u32)
+            .map(|i| req(0.0, 500 + (i * 31) % 4000, 50 + (i * 17) % 300))
+            .collect();
+        for name in ["random", "p2c", "br0", "brh"] {
+            let a = sim(&reqs, name, &cfg(4, 8, 2e-4, 30.0)).report;
+            let b = sim(&reqs, name, &cfg(4, 8, 2e-4, 30.0)).report;
+            assert_eq!(a, b, "{name}");
+        }
+    }
+}
