@@ -1,1 +1,1259 @@
-//! (being written)
+//! The telemetry reporter: streams a worker's cumulative request progress to ingest
+//! (`Telemetry.Report`). Used by the shim, and by gateways that report for their workers.
+//!
+//! Telemetry is state, not events, so the reporter keeps the *latest cumulative state* of each
+//! request in a bounded map and sends what changed every few milliseconds, batched into one
+//! `Progress` message. [`ReporterHandle::progress`] only updates that map under a short lock:
+//! it never waits for the network, so the data path of the shim is never slowed by ingest.
+//!
+//! On every (re)connect the reporter sends its Hello and then a full state; it sends a full
+//! state again every `full_state_every` and whenever an ack asks for one. While ingest is away
+//! it keeps the state and reconnects with exponential backoff and jitter. A finished request is
+//! forgotten once an ack covers the message that reported it finished.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), br_client::reporter::ReporterError> {
+//! use br_client::reporter::{Reporter, ReporterConfig};
+//! let cfg = ReporterConfig::new("http://127.0.0.1:50062", "g0", 3, 256);
+//! let handle = Reporter::spawn(cfg)?;
+//! handle.progress("req-1", 100, 0, false)?; // prompt known, nothing generated yet
+//! handle.progress("req-1", 100, 17, false)?; // 17 tokens so far (cumulative)
+//! handle.progress("req-1", 100, 42, true)?; // done
+//! handle.shutdown().await; // flushes, ends the stream
+//! # Ok(()) }
+//! ```
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use br_proto::ValidationError;
+use br_proto::v1;
+use br_proto::valid::{RequestId, ValidHello, limits};
+use rand::Rng as _;
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// Default period between full states.
+pub const DEFAULT_FULL_STATE_EVERY: Duration = Duration::from_secs(10);
+/// Default bound on the requests the reporter tracks at once.
+pub const DEFAULT_MAX_PENDING: usize = 4096;
+/// Default period between batched `Progress` messages.
+pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_millis(5);
+/// Default idle period after which a `Heartbeat` is sent.
+pub const DEFAULT_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// Default first reconnect delay (doubles up to [`DEFAULT_BACKOFF_MAX`]).
+pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(50);
+/// Default longest reconnect delay.
+pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Messages queued towards one connection before the reporter stops draining its map (the
+/// state keeps accumulating in the map, coalesced, until the stream takes more).
+const OUTBOUND_QUEUE: usize = 16;
+
+/// What the reporter says about its worker, and its bounds.
+#[derive(Debug, Clone)]
+pub struct ReporterConfig {
+    /// Ingest's URL, e.g. `http://127.0.0.1:50062`.
+    pub ingest_addr: String,
+    /// The worker's lockstep group.
+    pub group: String,
+    /// The worker's DP rank.
+    pub worker_id: u32,
+    /// B (max_num_seqs).
+    pub capacity: u32,
+    /// Where the gateway sends this rank's requests; may be empty.
+    pub endpoint: String,
+    /// Period between full states (one is always sent right after connecting).
+    pub full_state_every: Duration,
+    /// Most requests tracked at once (at most 16,384, the most one `Progress` may carry, so a
+    /// full state always fits in one message). A new request beyond it is refused by
+    /// [`ReporterHandle::progress`].
+    pub max_pending: usize,
+}
+
+impl ReporterConfig {
+    /// A configuration with the defaults for everything else (no endpoint).
+    pub fn new(
+        ingest_addr: impl Into<String>,
+        group: impl Into<String>,
+        worker_id: u32,
+        capacity: u32,
+    ) -> Self {
+        ReporterConfig {
+            ingest_addr: ingest_addr.into(),
+            group: group.into(),
+            worker_id,
+            capacity,
+            endpoint: String::new(),
+            full_state_every: DEFAULT_FULL_STATE_EVERY,
+            max_pending: DEFAULT_MAX_PENDING,
+        }
+    }
+}
+
+/// Timing knobs with sensible defaults; tests shorten them.
+#[derive(Debug, Clone)]
+pub struct ReporterTuning {
+    /// Period between batched `Progress` messages.
+    pub flush_interval: Duration,
+    /// Idle period after which a `Heartbeat` is sent.
+    pub heartbeat_every: Duration,
+    /// First reconnect delay.
+    pub backoff_initial: Duration,
+    /// Longest reconnect delay.
+    pub backoff_max: Duration,
+    /// Longest wait for a TCP/HTTP2 connection.
+    pub connect_timeout: Duration,
+}
+
+impl Default for ReporterTuning {
+    fn default() -> Self {
+        ReporterTuning {
+            flush_interval: DEFAULT_FLUSH_INTERVAL,
+            heartbeat_every: DEFAULT_HEARTBEAT_EVERY,
+            backoff_initial: DEFAULT_BACKOFF_INITIAL,
+            backoff_max: DEFAULT_BACKOFF_MAX,
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Why the reporter refused something.
+#[derive(Debug, thiserror::Error)]
+pub enum ReporterError {
+    /// The configuration cannot produce a valid Hello (or a usable address).
+    #[error("invalid reporter configuration: {0}")]
+    Config(String),
+    /// A progress value that ingest would reject.
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    /// `prompt_tokens + generated_tokens` exceeds the per-request token limit.
+    #[error(
+        "request {request_id:?}: prompt_tokens + generated_tokens = {total}, at most {max} are allowed"
+    )]
+    TooManyTokens {
+        request_id: String,
+        total: u64,
+        max: u32,
+    },
+    /// The map already tracks `max_pending` requests; this new one is not reported.
+    #[error("{max} requests already tracked; request {request_id:?} is not reported")]
+    Full { request_id: String, max: usize },
+    /// The reporter was shut down.
+    #[error("the reporter is shut down")]
+    Closed,
+}
+
+/// The incarnation of this process: random, non-zero, chosen once (every reporter of the
+/// process uses it, so a reconnect keeps it and a restart changes it).
+pub fn process_incarnation() -> u64 {
+    static INCARNATION: OnceLock<u64> = OnceLock::new();
+    *INCARNATION.get_or_init(|| {
+        let mut rng = rand::rng();
+        loop {
+            let v: u64 = rng.random();
+            if v != 0 {
+                return v;
+            }
+        }
+    })
+}
+
+/// Counters for the reporter's owner (the shim exports them as metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReporterStats {
+    /// Whether a stream to ingest is up (its Hello was acknowledged).
+    pub connected: bool,
+    /// `Progress` and `Heartbeat` messages sent.
+    pub reports_sent: u64,
+    /// Request updates sent (entries of `Progress` messages).
+    pub updates_sent: u64,
+    /// Full states sent.
+    pub full_states_sent: u64,
+    /// Streams opened (the first connect included).
+    pub connects: u64,
+    /// Updates refused because the map was full.
+    pub refused_full: u64,
+    /// Requests tracked now.
+    pub pending: usize,
+}
+
+/// Spawns reporters.
+#[derive(Debug)]
+pub struct Reporter;
+
+impl Reporter {
+    /// Starts a reporter task (needs a tokio runtime) with the default [`ReporterTuning`].
+    pub fn spawn(config: ReporterConfig) -> Result<ReporterHandle, ReporterError> {
+        Self::spawn_tuned(config, ReporterTuning::default())
+    }
+
+    /// Starts a reporter task with explicit timing knobs.
+    pub fn spawn_tuned(
+        config: ReporterConfig,
+        tuning: ReporterTuning,
+    ) -> Result<ReporterHandle, ReporterError> {
+        let incarnation = process_incarnation();
+        let hello = v1::Hello {
+            group: config.group.clone(),
+            worker_id: config.worker_id,
+            incarnation,
+            capacity: config.capacity,
+            endpoint: config.endpoint.clone(),
+        };
+        ValidHello::try_from(hello.clone()).map_err(|e| ReporterError::Config(e.to_string()))?;
+        if config.max_pending == 0 || config.max_pending > limits::MAX_UPDATES_PER_PROGRESS {
+            return Err(ReporterError::Config(format!(
+                "max_pending is {}, it must be in 1..={}",
+                config.max_pending,
+                limits::MAX_UPDATES_PER_PROGRESS
+            )));
+        }
+        if config.full_state_every.is_zero() || tuning.flush_interval.is_zero() {
+            return Err(ReporterError::Config(
+                "full_state_every and flush_interval must be positive".into(),
+            ));
+        }
+        let endpoint = tonic::transport::Endpoint::from_shared(config.ingest_addr.clone())
+            .map_err(|e| ReporterError::Config(format!("ingest_addr: {e}")))?
+            .connect_timeout(tuning.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5));
+
+        let shared = Arc::new(Shared {
+            state: Mutex::new(Pending::default()),
+            max_pending: config.max_pending,
+            closed: AtomicBool::new(false),
+            close_notify: Notify::new(),
+            connected: AtomicBool::new(false),
+            full_state_requested: AtomicBool::new(false),
+            reports_sent: AtomicU64::new(0),
+            updates_sent: AtomicU64::new(0),
+            full_states_sent: AtomicU64::new(0),
+            connects: AtomicU64::new(0),
+            refused_full: AtomicU64::new(0),
+        });
+        let task = tokio::spawn(run(
+            shared.clone(),
+            endpoint,
+            hello,
+            config.full_state_every,
+            tuning,
+        ));
+        Ok(ReporterHandle {
+            inner: Arc::new(HandleInner {
+                shared,
+                incarnation,
+                task: Mutex::new(Some(task)),
+            }),
+        })
+    }
+}
+
+/// The caller's side of a reporter. Cheap to clone; when the last clone is dropped the
+/// reporter stops (use [`shutdown`](Self::shutdown) to flush first).
+#[derive(Debug, Clone)]
+pub struct ReporterHandle {
+    inner: Arc<HandleInner>,
+}
+
+#[derive(Debug)]
+struct HandleInner {
+    shared: Arc<Shared>,
+    incarnation: u64,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        self.shared.close();
+    }
+}
+
+impl ReporterHandle {
+    /// Records the cumulative state of one request: prompt tokens (0 = unknown yet), tokens
+    /// generated so far, and whether it finished. Never blocks on the network; the state is
+    /// sent with the next batch. Lower counts than recorded before are ignored (max()), and
+    /// `finished` is sticky.
+    ///
+    /// Errors: invalid id or counts (what ingest would reject), a new request when
+    /// `max_pending` requests are tracked, or a shut-down reporter.
+    pub fn progress(
+        &self,
+        request_id: &str,
+        prompt_tokens: u32,
+        generated_tokens: u32,
+        finished: bool,
+    ) -> Result<(), ReporterError> {
+        let shared = &self.inner.shared;
+        if shared.closed.load(Ordering::Relaxed) {
+            return Err(ReporterError::Closed);
+        }
+        check_tokens(request_id, prompt_tokens, generated_tokens)?;
+        let mut st = shared.lock();
+        if let Some(e) = st.requests.get_mut(request_id) {
+            let changed = e.merge(prompt_tokens, generated_tokens, finished);
+            if changed && !e.dirty {
+                e.dirty = true;
+                let id = e.id.clone();
+                st.dirty.push(id);
+            }
+            return Ok(());
+        }
+        let id = RequestId::new(request_id)?;
+        if st.requests.len() >= shared.max_pending {
+            drop(st);
+            shared.refused_full.fetch_add(1, Ordering::Relaxed);
+            return Err(ReporterError::Full {
+                request_id: request_id.to_owned(),
+                max: shared.max_pending,
+            });
+        }
+        st.requests.insert(
+            id.clone(),
+            Entry {
+                id: id.clone(),
+                prompt: prompt_tokens,
+                generated: generated_tokens,
+                finished,
+                dirty: true,
+                finished_seq: 0,
+            },
+        );
+        st.dirty.push(id);
+        Ok(())
+    }
+
+    /// The incarnation this reporter announces.
+    pub fn incarnation(&self) -> u64 {
+        self.inner.incarnation
+    }
+
+    /// Whether a stream to ingest is up.
+    pub fn is_connected(&self) -> bool {
+        self.inner.shared.connected.load(Ordering::Relaxed)
+    }
+
+    /// Counters and the number of tracked requests.
+    pub fn stats(&self) -> ReporterStats {
+        let s = &self.inner.shared;
+        ReporterStats {
+            connected: s.connected.load(Ordering::Relaxed),
+            reports_sent: s.reports_sent.load(Ordering::Relaxed),
+            updates_sent: s.updates_sent.load(Ordering::Relaxed),
+            full_states_sent: s.full_states_sent.load(Ordering::Relaxed),
+            connects: s.connects.load(Ordering::Relaxed),
+            refused_full: s.refused_full.load(Ordering::Relaxed),
+            pending: s.lock().requests.len(),
+        }
+    }
+
+    /// Stops the reporter: sends what is still unsent (if connected), ends the stream, and
+    /// waits (at most 2 s) for the task to finish. Later `progress` calls fail with `Closed`.
+    pub async fn shutdown(&self) {
+        self.inner.shared.close();
+        let task = self
+            .inner
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(task) = task
+            && tokio::time::timeout(Duration::from_secs(2), task)
+                .await
+                .is_err()
+        {
+            tracing::warn!("telemetry reporter did not stop within 2s");
+        }
+    }
+}
+
+fn check_tokens(request_id: &str, prompt: u32, generated: u32) -> Result<(), ReporterError> {
+    let max = limits::MAX_TOKENS;
+    for (field, value) in [("prompt_tokens", prompt), ("generated_tokens", generated)] {
+        if value > max {
+            return Err(ValidationError::OutOfRange {
+                field,
+                value: value.into(),
+                min: 0,
+                max: max.into(),
+            }
+            .into());
+        }
+    }
+    let total = u64::from(prompt) + u64::from(generated);
+    if total > u64::from(max) {
+        return Err(ReporterError::TooManyTokens {
+            request_id: request_id.to_owned(),
+            total,
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// State shared by the handle(s) and the task. The lock is held only for map updates, never
+/// across an `.await`.
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<Pending>,
+    max_pending: usize,
+    closed: AtomicBool,
+    close_notify: Notify,
+    connected: AtomicBool,
+    full_state_requested: AtomicBool,
+    reports_sent: AtomicU64,
+    updates_sent: AtomicU64,
+    full_states_sent: AtomicU64,
+    connects: AtomicU64,
+    refused_full: AtomicU64,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        // A panic while holding the lock cannot leave the map inconsistent in a way that
+        // matters (every field is cumulative), so keep going.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        self.close_notify.notify_one();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Applies one ack from ingest.
+    fn on_ack(&self, ack: &v1::ReportAck) {
+        if ack.full_state_requested {
+            self.full_state_requested.store(true, Ordering::Relaxed);
+        }
+        match v1::AckStatus::try_from(ack.status) {
+            Ok(v1::AckStatus::Ok | v1::AckStatus::Buffered) => {
+                self.lock().forget_finished_up_to(ack.seq);
+            }
+            Ok(v1::AckStatus::Rejected) => {
+                // The message was dropped; resend everything rather than guess what it held.
+                tracing::warn!(seq = ack.seq, detail = %ack.detail, "ingest rejected a report");
+                self.full_state_requested.store(true, Ordering::Relaxed);
+            }
+            // STALE_SEQ: ignored by ingest; nothing to forget. Unknown: ignore.
+            _ => {}
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    requests: HashMap<RequestId, Entry>,
+    /// Requests changed since they were last sent, each once (see `Entry::dirty`).
+    dirty: Vec<RequestId>,
+    /// (seq, id) for each message that reported a request finished, in seq order.
+    finished_sent: VecDeque<(u64, RequestId)>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    id: RequestId,
+    prompt: u32,
+    generated: u32,
+    finished: bool,
+    /// Listed in `Pending::dirty`.
+    dirty: bool,
+    /// The seq of the last message that carried `finished = true` (0: none yet).
+    finished_seq: u64,
+}
+
+impl Entry {
+    /// max() of the counts, sticky finished. Returns whether anything changed.
+    fn merge(&mut self, prompt: u32, generated: u32, finished: bool) -> bool {
+        let before = (self.prompt, self.generated, self.finished);
+        self.prompt = self.prompt.max(prompt);
+        self.generated = self.generated.max(generated);
+        self.finished |= finished;
+        before != (self.prompt, self.generated, self.finished)
+    }
+
+    fn to_wire(&self) -> v1::RequestProgress {
+        v1::RequestProgress {
+            request_id: self.id.as_str().to_owned(),
+            prompt_tokens: self.prompt,
+            generated_tokens: self.generated,
+            finished: self.finished,
+        }
+    }
+}
+
+impl Pending {
+    /// The changed requests as updates of the message `seq` (at most `max`; the rest stay
+    /// dirty for the next message).
+    fn take_dirty(&mut self, seq: u64, max: usize) -> Vec<v1::RequestProgress> {
+        let n = self.dirty.len().min(max);
+        let mut out = Vec::with_capacity(n);
+        let ids: Vec<RequestId> = self.dirty.drain(..n).collect();
+        for id in ids {
+            if let Some(e) = self.requests.get_mut(&id) {
+                e.dirty = false;
+                out.push(e.to_wire());
+                if e.finished {
+                    e.finished_seq = seq;
+                    self.finished_sent.push_back((seq, id));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every tracked request, as the updates of the full-state message `seq`.
+    fn take_full(&mut self, seq: u64) -> Vec<v1::RequestProgress> {
+        self.dirty.clear();
+        let mut out = Vec::with_capacity(self.requests.len());
+        for e in self.requests.values_mut() {
+            e.dirty = false;
+            out.push(e.to_wire());
+            if e.finished {
+                e.finished_seq = seq;
+                self.finished_sent.push_back((seq, e.id.clone()));
+            }
+        }
+        out
+    }
+
+    /// Forgets requests whose `finished = true` was carried by a message `<= seq`.
+    fn forget_finished_up_to(&mut self, seq: u64) {
+        while let Some((s, _)) = self.finished_sent.front() {
+            if *s > seq {
+                break;
+            }
+            let Some((_, id)) = self.finished_sent.pop_front() else {
+                break;
+            };
+            // Only if no later message carried it again (then a later ack forgets it).
+            if self
+                .requests
+                .get(&id)
+                .is_some_and(|e| e.finished && e.finished_seq <= seq && !e.dirty)
+            {
+                self.requests.remove(&id);
+            }
+        }
+    }
+}
+
+/// Exponential backoff with "equal jitter": half the delay fixed, half random.
+#[derive(Debug)]
+struct Backoff {
+    initial: Duration,
+    max: Duration,
+    current: Duration,
+}
+
+impl Backoff {
+    fn new(initial: Duration, max: Duration) -> Self {
+        Backoff {
+            initial,
+            max: max.max(initial),
+            current: initial,
+        }
+    }
+
+    fn reset(&mut self) {
+        self.current = self.initial;
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let d = self.current;
+        self.current = (self.current * 2).min(self.max);
+        let half = d / 2;
+        half + rand::rng().random_range(Duration::ZERO..=half)
+    }
+}
+
+/// Why one connection ended.
+enum Ended {
+    /// The handle asked to stop.
+    Closed,
+    /// Connect failed or the stream broke; retry later.
+    Lost(String),
+}
+
+async fn run(
+    shared: Arc<Shared>,
+    endpoint: tonic::transport::Endpoint,
+    hello: v1::Hello,
+    full_state_every: Duration,
+    tuning: ReporterTuning,
+) {
+    // Strictly increasing per (worker, incarnation), across reconnects too.
+    let mut seq: u64 = 0;
+    let mut backoff = Backoff::new(tuning.backoff_initial, tuning.backoff_max);
+    loop {
+        if shared.is_closed() {
+            return;
+        }
+        let ended = connection(
+            &shared,
+            &endpoint,
+            &hello,
+            full_state_every,
+            &tuning,
+            &mut seq,
+            &mut backoff,
+        )
+        .await;
+        shared.connected.store(false, Ordering::Relaxed);
+        match ended {
+            Ended::Closed => return,
+            Ended::Lost(why) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(
+                    ingest = %endpoint.uri(), error = %why, retry_in = ?delay,
+                    "telemetry stream to ingest lost; keeping state and reconnecting"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = shared.close_notify.notified() => return,
+                }
+            }
+        }
+    }
+}
+
+/// One stream to ingest: Hello, full state, then batched progress until it breaks or the
+/// handle closes.
+async fn connection(
+    shared: &Shared,
+    endpoint: &tonic::transport::Endpoint,
+    hello: &v1::Hello,
+    full_state_every: Duration,
+    tuning: &ReporterTuning,
+    seq: &mut u64,
+    backoff: &mut Backoff,
+) -> Ended {
+    let channel = tokio::select! {
+        r = endpoint.connect() => match r {
+            Ok(c) => c,
+            Err(e) => return Ended::Lost(format!("connect: {e}")),
+        },
+        () = shared.close_notify.notified() => return Ended::Closed,
+    };
+    shared.connects.fetch_add(1, Ordering::Relaxed);
+    let mut client = v1::telemetry_client::TelemetryClient::new(channel);
+    let (tx, rx) = mpsc::channel::<v1::WorkerReport>(OUTBOUND_QUEUE);
+
+    // Hello and the full state go first; the queue has room for both.
+    let hello_msg = v1::WorkerReport {
+        kind: Some(v1::worker_report::Kind::Hello(hello.clone())),
+    };
+    if tx.try_send(hello_msg).is_err() {
+        return Ended::Lost("outbound queue unavailable".into());
+    }
+    shared.full_state_requested.store(false, Ordering::Relaxed);
+    let full = full_state(shared, seq);
+    if tx.try_send(full).is_err() {
+        return Ended::Lost("outbound queue unavailable".into());
+    }
+    let mut last_full = Instant::now();
+    let mut last_sent = Instant::now();
+
+    let mut acks = tokio::select! {
+        r = client.report(ReceiverStream::new(rx)) => match r {
+            Ok(resp) => resp.into_inner(),
+            Err(status) => return Ended::Lost(format!("Report: {status}")),
+        },
+        () = shared.close_notify.notified() => return Ended::Closed,
+    };
+
+    let mut tick = tokio::time::interval(tuning.flush_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            msg = acks.message() => match msg {
+                Ok(Some(ack)) => {
+                    if !shared.connected.swap(true, Ordering::Relaxed) {
+                        backoff.reset();
+                        tracing::info!(ingest = %endpoint.uri(), "telemetry stream to ingest up");
+                    }
+                    shared.on_ack(&ack);
+                }
+                Ok(None) => return Ended::Lost("ingest ended the stream".into()),
+                Err(status) => return Ended::Lost(format!("{}: {}", status.code(), status.message())),
+            },
+            _ = tick.tick() => {
+                // Only build a message when the stream can take it; otherwise the state keeps
+                // coalescing in the map.
+                if tx.capacity() == 0 {
+                    continue;
+                }
+                let now = Instant::now();
+                let msg = if shared.full_state_requested.swap(false, Ordering::Relaxed)
+                    || now.duration_since(last_full) >= full_state_every
+                {
+                    last_full = now;
+                    Some(full_state(shared, seq))
+                } else {
+                    changed_state(shared, seq).or_else(|| {
+                        (now.duration_since(last_sent) >= tuning.heartbeat_every).then(|| {
+                            *seq += 1;
+                            v1::WorkerReport {
+                                kind: Some(v1::worker_report::Kind::Heartbeat(v1::Heartbeat {
+                                    seq: *seq,
+                                })),
+                            }
+                        })
+                    })
+                };
+                if let Some(msg) = msg {
+                    last_sent = now;
+                    shared.reports_sent.fetch_add(1, Ordering::Relaxed);
+                    if tx.try_send(msg).is_err() {
+                        // Cannot happen with one producer that checked capacity; the next full
+                        // state repairs it anyway.
+                        shared.full_state_requested.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            () = shared.close_notify.notified() => {
+                // Last words: what changed since the last message, then end the stream and
+                // give ingest a moment to acknowledge.
+                if let Some(msg) = changed_state(shared, seq)
+                    && tx.try_send(msg).is_ok()
+                {
+                    shared.reports_sent.fetch_add(1, Ordering::Relaxed);
+                }
+                drop(tx);
+                let drain = async {
+                    while let Ok(Some(ack)) = acks.message().await {
+                        shared.on_ack(&ack);
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_millis(500), drain).await;
+                return Ended::Closed;
+            }
+        }
+    }
+}
+
+fn full_state(shared: &Shared, seq: &mut u64) -> v1::WorkerReport {
+    *seq += 1;
+    let updates = shared.lock().take_full(*seq);
+    shared
+        .updates_sent
+        .fetch_add(updates.len() as u64, Ordering::Relaxed);
+    shared.full_states_sent.fetch_add(1, Ordering::Relaxed);
+    v1::WorkerReport {
+        kind: Some(v1::worker_report::Kind::Progress(v1::Progress {
+            seq: *seq,
+            updates,
+            full_state: true,
+        })),
+    }
+}
+
+fn changed_state(shared: &Shared, seq: &mut u64) -> Option<v1::WorkerReport> {
+    let mut st = shared.lock();
+    if st.dirty.is_empty() {
+        return None;
+    }
+    *seq += 1;
+    let updates = st.take_dirty(*seq, limits::MAX_UPDATES_PER_PROGRESS);
+    drop(st);
+    shared
+        .updates_sent
+        .fetch_add(updates.len() as u64, Ordering::Relaxed);
+    Some(v1::WorkerReport {
+        kind: Some(v1::worker_report::Kind::Progress(v1::Progress {
+            seq: *seq,
+            updates,
+            full_state: false,
+        })),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+    use std::pin::Pin;
+    use tokio_stream::Stream;
+    use v1::worker_report::Kind;
+
+    /// An in-test Telemetry server that records every message and acks it.
+    #[derive(Clone)]
+    struct FakeIngest {
+        log: Arc<Mutex<Vec<v1::WorkerReport>>>,
+        ask_full_state: Arc<AtomicBool>,
+        /// Bumped to end every open stream with UNAVAILABLE.
+        kill: Arc<tokio::sync::watch::Sender<u64>>,
+        changed: Arc<Notify>,
+    }
+
+    type AckStream = Pin<Box<dyn Stream<Item = Result<v1::ReportAck, tonic::Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl v1::telemetry_server::Telemetry for FakeIngest {
+        type ReportStream = AckStream;
+        async fn report(
+            &self,
+            req: tonic::Request<tonic::Streaming<v1::WorkerReport>>,
+        ) -> Result<tonic::Response<AckStream>, tonic::Status> {
+            let mut inbound = req.into_inner();
+            let me = self.clone();
+            let (tx, rx) = mpsc::channel(64);
+            let mut kill = me.kill.subscribe();
+            tokio::spawn(async move {
+                loop {
+                    let m = tokio::select! {
+                        m = inbound.message() => m,
+                        _ = kill.changed() => {
+                            let _ = tx.send(Err(tonic::Status::unavailable("killed"))).await;
+                            return;
+                        }
+                    };
+                    let Ok(Some(m)) = m else { return };
+                    let seq = match &m.kind {
+                        Some(Kind::Progress(p)) => p.seq,
+                        Some(Kind::Heartbeat(h)) => h.seq,
+                        _ => 0,
+                    };
+                    me.log.lock().unwrap().push(m);
+                    me.changed.notify_waiters();
+                    let ack = v1::ReportAck {
+                        seq,
+                        status: v1::AckStatus::Ok as i32,
+                        detail: String::new(),
+                        full_state_requested: me.ask_full_state.swap(false, Ordering::SeqCst),
+                    };
+                    if tx.send(Ok(ack)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+        }
+    }
+
+    impl Default for FakeIngest {
+        fn default() -> Self {
+            FakeIngest {
+                log: Arc::default(),
+                ask_full_state: Arc::default(),
+                kill: Arc::new(tokio::sync::watch::channel(0).0),
+                changed: Arc::default(),
+            }
+        }
+    }
+
+    impl FakeIngest {
+        fn messages(&self) -> Vec<v1::WorkerReport> {
+            self.log.lock().unwrap().clone()
+        }
+
+        fn progresses(&self) -> Vec<v1::Progress> {
+            self.messages()
+                .into_iter()
+                .filter_map(|m| match m.kind {
+                    Some(Kind::Progress(p)) => Some(p),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        /// Waits (bounded, generous) until `pred` holds for the log.
+        async fn wait_for(&self, what: &str, pred: impl Fn(&[v1::WorkerReport]) -> bool) {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let notified = self.changed.notified();
+                if pred(&self.messages()) {
+                    return;
+                }
+                if Instant::now() > deadline {
+                    panic!("timed out waiting for {what}: {:#?}", self.messages());
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+            }
+        }
+    }
+
+    async fn serve_on(
+        fake: FakeIngest,
+        listener: tokio::net::TcpListener,
+    ) -> (tokio::sync::oneshot::Sender<()>, JoinHandle<()>) {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(v1::telemetry_server::TelemetryServer::new(fake))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    async {
+                        let _ = stop_rx.await;
+                    },
+                )
+                .await
+                .unwrap();
+        });
+        (stop_tx, task)
+    }
+
+    async fn start(fake: FakeIngest) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (stop, _task) = serve_on(fake, l).await;
+        (addr, stop)
+    }
+
+    fn tuning() -> ReporterTuning {
+        ReporterTuning {
+            flush_interval: Duration::from_millis(2),
+            heartbeat_every: Duration::from_millis(200),
+            backoff_initial: Duration::from_millis(10),
+            backoff_max: Duration::from_millis(100),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+
+    fn config(addr: SocketAddr) -> ReporterConfig {
+        ReporterConfig {
+            endpoint: "http://10.0.0.1:8000".into(),
+            ..ReporterConfig::new(format!("http://{addr}"), "g0", 3, 8)
+        }
+    }
+
+    fn latest(ps: &[v1::Progress], id: &str) -> Option<v1::RequestProgress> {
+        ps.iter()
+            .flat_map(|p| p.updates.iter())
+            .filter(|u| u.request_id == id)
+            .max_by_key(|u| (u.generated_tokens, u.finished))
+            .cloned()
+    }
+
+    #[tokio::test]
+    async fn hello_then_full_state_then_batched_latest_values() {
+        let fake = FakeIngest::default();
+        let (addr, _stop) = start(fake.clone()).await;
+        let h = Reporter::spawn_tuned(config(addr), tuning()).unwrap();
+        h.progress("a", 10, 1, false).unwrap();
+        fake.wait_for("hello + full state", |m| m.len() >= 2).await;
+
+        let msgs = fake.messages();
+        let Some(Kind::Hello(hello)) = &msgs[0].kind else {
+            panic!("first message is not a Hello: {msgs:?}")
+        };
+        assert_eq!(
+            (hello.group.as_str(), hello.worker_id, hello.capacity),
+            ("g0", 3, 8)
+        );
+        assert_eq!(hello.incarnation, h.incarnation());
+        assert_ne!(hello.incarnation, 0);
+        assert_eq!(hello.endpoint, "http://10.0.0.1:8000");
+        let Some(Kind::Progress(first)) = &msgs[1].kind else {
+            panic!("second message is not a Progress: {msgs:?}")
+        };
+        assert!(first.full_state, "a full state right after Hello");
+
+        // Many updates of one request between two flushes: at most the values, never a
+        // regression; the final state arrives.
+        for j in 2..=50 {
+            h.progress("b", 7, j, false).unwrap();
+        }
+        h.progress("b", 7, 20, false).unwrap(); // backwards: ignored
+        h.progress("a", 10, 5, true).unwrap();
+        fake.wait_for("b at 50 and a finished", |_| {
+            let ps = fake.progresses();
+            latest(&ps, "b").is_some_and(|u| u.generated_tokens == 50)
+                && latest(&ps, "a").is_some_and(|u| u.finished && u.generated_tokens == 5)
+        })
+        .await;
+
+        let ps = fake.progresses();
+        let mut last_seq = 0;
+        for p in &ps {
+            assert!(p.seq > last_seq, "seq strictly increasing: {ps:?}");
+            last_seq = p.seq;
+            let mut ids: Vec<_> = p.updates.iter().map(|u| &u.request_id).collect();
+            ids.sort();
+            ids.dedup();
+            assert_eq!(
+                ids.len(),
+                p.updates.len(),
+                "one entry per request per message"
+            );
+        }
+        let b_updates: Vec<u32> = ps
+            .iter()
+            .flat_map(|p| p.updates.iter())
+            .filter(|u| u.request_id == "b")
+            .map(|u| u.generated_tokens)
+            .collect();
+        assert!(
+            b_updates.windows(2).all(|w| w[0] <= w[1]),
+            "never goes backwards: {b_updates:?}"
+        );
+        assert!(b_updates.len() < 49, "coalesced: {b_updates:?}");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn finished_requests_are_forgotten_after_the_ack() {
+        let fake = FakeIngest::default();
+        let (addr, _stop) = start(fake.clone()).await;
+        let h = Reporter::spawn_tuned(config(addr), tuning()).unwrap();
+        h.progress("done", 4, 9, true).unwrap();
+        h.progress("running", 4, 9, false).unwrap();
+        fake.wait_for("done reported", |_| {
+            latest(&fake.progresses(), "done").is_some_and(|u| u.finished)
+        })
+        .await;
+        // The ack for that message removes it; the next full state no longer lists it.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while h.stats().pending != 1 {
+            assert!(Instant::now() < deadline, "{:?}", h.stats());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        fake.ask_full_state.store(true, Ordering::SeqCst);
+        let before = fake.progresses().len();
+        // Something to ack so the request flag travels; then wait for the full state.
+        h.progress("running", 4, 10, false).unwrap();
+        fake.wait_for("a full state after the request", |_| {
+            fake.progresses()[before..].iter().any(|p| p.full_state)
+        })
+        .await;
+        let full = fake.progresses()[before..]
+            .iter()
+            .find(|p| p.full_state)
+            .cloned()
+            .unwrap();
+        let ids: Vec<_> = full.updates.iter().map(|u| u.request_id.as_str()).collect();
+        assert_eq!(ids, vec!["running"], "finished and acked requests are gone");
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn periodic_full_state_and_heartbeats() {
+        let fake = FakeIngest::default();
+        let (addr, _stop) = start(fake.clone()).await;
+        let cfg = ReporterConfig {
+            full_state_every: Duration::from_millis(30),
+            ..config(addr)
+        };
+        let tuning = ReporterTuning {
+            heartbeat_every: Duration::from_millis(10),
+            ..tuning()
+        };
+        let h = Reporter::spawn_tuned(cfg, tuning).unwrap();
+        h.progress("x", 1, 1, false).unwrap();
+        fake.wait_for("three full states and a heartbeat", |m| {
+            m.iter()
+                .filter(|m| matches!(&m.kind, Some(Kind::Progress(p)) if p.full_state))
+                .count()
+                >= 3
+                && m.iter().any(|m| matches!(m.kind, Some(Kind::Heartbeat(_))))
+        })
+        .await;
+        for p in fake.progresses().iter().filter(|p| p.full_state) {
+            assert_eq!(p.updates.len(), 1, "x is listed in every full state");
+        }
+        assert!(h.stats().connected);
+        assert!(h.stats().full_states_sent >= 3);
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn keeps_state_while_ingest_is_away_and_reconnects() {
+        // Reserve a port, then start ingest on it only after the reporter has been trying.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        drop(l);
+        let h = Reporter::spawn_tuned(config(addr), tuning()).unwrap();
+        h.progress("early", 5, 3, false).unwrap();
+        h.progress("early", 5, 4, false).unwrap();
+        h.progress("gone", 5, 4, true).unwrap();
+        assert!(!h.is_connected());
+        tokio::time::sleep(Duration::from_millis(50)).await; // a few failed connects
+
+        let fake = FakeIngest::default();
+        let l = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let (_stop, _task) = serve_on(fake.clone(), l).await;
+        fake.wait_for("state kept across the outage", |_| {
+            let ps = fake.progresses();
+            ps.first().is_some_and(|p| {
+                p.full_state
+                    && p.updates
+                        .iter()
+                        .any(|u| u.request_id == "early" && u.generated_tokens == 4)
+                    && p.updates
+                        .iter()
+                        .any(|u| u.request_id == "gone" && u.finished)
+            })
+        })
+        .await;
+
+        // The stream dies: the reporter reconnects, says Hello again with the same
+        // incarnation, sends a full state with a higher seq.
+        let seq_before = fake.progresses().last().unwrap().seq;
+        let hellos_before = fake
+            .messages()
+            .iter()
+            .filter(|m| matches!(m.kind, Some(Kind::Hello(_))))
+            .count();
+        h.progress("early", 5, 9, false).unwrap();
+        fake.kill.send_modify(|g| *g += 1);
+        fake.wait_for("a second hello and full state", |m| {
+            let hellos: Vec<_> = m
+                .iter()
+                .filter_map(|m| match &m.kind {
+                    Some(Kind::Hello(h)) => Some(h.incarnation),
+                    _ => None,
+                })
+                .collect();
+            hellos.len() > hellos_before
+                && fake
+                    .progresses()
+                    .iter()
+                    .any(|p| p.full_state && p.seq > seq_before)
+        })
+        .await;
+        let incs: Vec<u64> = fake
+            .messages()
+            .iter()
+            .filter_map(|m| match &m.kind {
+                Some(Kind::Hello(h)) => Some(h.incarnation),
+                _ => None,
+            })
+            .collect();
+        assert!(incs.iter().all(|i| *i == h.incarnation()), "{incs:?}");
+        fake.wait_for("the latest value arrives", |_| {
+            latest(&fake.progresses(), "early").is_some_and(|u| u.generated_tokens == 9)
+        })
+        .await;
+        assert!(h.stats().connects >= 2);
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn refuses_bad_input_and_bounds_the_map() {
+        let fake = FakeIngest::default();
+        let (addr, _stop) = start(fake.clone()).await;
+        let cfg = ReporterConfig {
+            max_pending: 2,
+            ..config(addr)
+        };
+        let h = Reporter::spawn_tuned(cfg, tuning()).unwrap();
+        assert!(matches!(
+            h.progress("", 1, 1, false),
+            Err(ReporterError::Invalid(_))
+        ));
+        assert!(matches!(
+            h.progress("a", 10_000_001, 0, false),
+            Err(ReporterError::Invalid(_))
+        ));
+        assert!(matches!(
+            h.progress("a", 6_000_000, 6_000_000, false),
+            Err(ReporterError::TooManyTokens { .. })
+        ));
+        h.progress("a", 1, 1, false).unwrap();
+        h.progress("b", 1, 1, false).unwrap();
+        assert!(matches!(
+            h.progress("c", 1, 1, false),
+            Err(ReporterError::Full { max: 2, .. })
+        ));
+        h.progress("a", 1, 2, false).unwrap(); // known ids still update
+        assert_eq!(h.stats().refused_full, 1);
+        h.shutdown().await;
+        assert!(matches!(
+            h.progress("a", 1, 3, false),
+            Err(ReporterError::Closed)
+        ));
+    }
+
+    #[test]
+    fn config_is_validated() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let ok = ReporterConfig::new("http://127.0.0.1:1", "g", 0, 1);
+            for bad in [
+                ReporterConfig {
+                    group: String::new(),
+                    ..ok.clone()
+                },
+                ReporterConfig {
+                    capacity: 0,
+                    ..ok.clone()
+                },
+                ReporterConfig {
+                    max_pending: 16_385,
+                    ..ok.clone()
+                },
+                ReporterConfig {
+                    ingest_addr: "not a uri".into(),
+                    ..ok.clone()
+                },
+            ] {
+                assert!(
+                    matches!(Reporter::spawn(bad.clone()), Err(ReporterError::Config(_))),
+                    "{bad:?}"
+                );
+            }
+            let h = Reporter::spawn(ok).unwrap();
+            h.shutdown().await;
+        });
+    }
+
+    #[test]
+    fn backoff_grows_with_jitter_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(400));
+        let d: Vec<Duration> = (0..5).map(|_| b.next_delay()).collect();
+        assert!(d[0] >= Duration::from_millis(50) && d[0] <= Duration::from_millis(100));
+        assert!(d[1] >= Duration::from_millis(100) && d[1] <= Duration::from_millis(200));
+        assert!(d[4] >= Duration::from_millis(200) && d[4] <= Duration::from_millis(400));
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn pending_forgets_only_acked_finished_requests() {
+        let mut p = Pending::default();
+        for (id, fin) in [("a", true), ("b", false)] {
+            let rid = RequestId::new(id).unwrap();
+            p.requests.insert(
+                rid.clone(),
+                Entry {
+                    id: rid.clone(),
+                    prompt: 1,
+                    generated: 1,
+                    finished: fin,
+                    dirty: true,
+                    finished_seq: 0,
+                },
+            );
+            p.dirty.push(rid);
+        }
+        assert_eq!(p.take_dirty(5, 100).len(), 2);
+        p.forget_finished_up_to(4);
+        assert_eq!(p.requests.len(), 2, "seq 5 not acked yet");
+        // Reported again in a full state (seq 6) before the ack for 5 arrives.
+        assert_eq!(p.take_full(6).len(), 2);
+        p.forget_finished_up_to(5);
+        assert_eq!(
+            p.requests.len(),
+            2,
+            "a later message carries it; wait for its ack"
+        );
+        p.forget_finished_up_to(6);
+        assert_eq!(p.requests.len(), 1);
+        assert!(p.requests.contains_key("b"));
+    }
+}
