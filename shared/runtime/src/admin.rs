@@ -1,0 +1,220 @@
+//! The admin HTTP server every service runs on `--admin-listen`:
+//! `GET /metrics` (Prometheus text from the service's registry), `GET /livez` (200 while the
+//! process runs), `GET /readyz` (200 only while the service says it is ready, else 503).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Whether the service can do its job (decision: has a complete σ; ingest: connected to the
+/// snapshot service). Cheap to clone; every clone sets and reads the same flag. Starts not
+/// ready.
+#[derive(Clone, Debug)]
+pub struct Readiness {
+    tx: Arc<watch::Sender<bool>>,
+}
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Self::new(false)
+    }
+}
+
+impl Readiness {
+    pub fn new(ready: bool) -> Self {
+        Readiness {
+            tx: Arc::new(watch::channel(ready).0),
+        }
+    }
+
+    /// Sets the flag (notifies subscribers only when it changes).
+    pub fn set(&self, ready: bool) {
+        self.tx
+            .send_if_modified(|r| std::mem::replace(r, ready) != ready);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        *self.tx.borrow()
+    }
+
+    /// A receiver that sees every change (e.g. to drive gRPC health from readiness).
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+}
+
+#[derive(Clone)]
+struct AdminState {
+    registry: prometheus::Registry,
+    readiness: Readiness,
+}
+
+/// The admin routes, for embedding or testing without a socket.
+pub fn router(registry: prometheus::Registry, readiness: Readiness) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
+        .with_state(AdminState {
+            registry,
+            readiness,
+        })
+}
+
+async fn metrics(State(s): State<AdminState>) -> Response {
+    let encoder = prometheus::TextEncoder::new();
+    match encoder.encode_to_string(&s.registry.gather()) {
+        Ok(body) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], body).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "encoding metrics");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("encoding metrics: {e}\n"),
+            )
+                .into_response()
+        }
+    }
+}
+
+async fn livez() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(s): State<AdminState>) -> (StatusCode, &'static str) {
+    if s.readiness.is_ready() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// A running admin server.
+#[derive(Debug)]
+pub struct AdminServer {
+    local_addr: SocketAddr,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl AdminServer {
+    /// Binds `addr` (port 0 picks a free port) and serves until `shutdown` is cancelled.
+    pub async fn start(
+        addr: SocketAddr,
+        registry: prometheus::Registry,
+        readiness: Readiness,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<AdminServer> {
+        let listener = TcpListener::bind(addr).await?;
+        let local_addr = listener.local_addr()?;
+        let app = router(registry, readiness);
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        });
+        tracing::info!(addr = %local_addr, "admin HTTP server listening");
+        Ok(AdminServer { local_addr, task })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Waits until the server has stopped (after the shutdown token is cancelled).
+    pub async fn wait(self) -> std::io::Result<()> {
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(std::io::Error::other(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.unwrap();
+        let (head, body) = buf.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, head.to_string(), body.to_string())
+    }
+
+    #[tokio::test]
+    async fn endpoints_over_tcp() {
+        let registry = prometheus::Registry::new();
+        let c = prometheus::IntCounter::new("balanceroute_test_things_total", "things").unwrap();
+        registry.register(Box::new(c.clone())).unwrap();
+        c.inc_by(3);
+        let ready = Readiness::default();
+        let shutdown = CancellationToken::new();
+        let server = AdminServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            registry,
+            ready.clone(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        let addr = server.local_addr();
+        assert_ne!(addr.port(), 0);
+
+        let (code, _, body) = get(addr, "/livez").await;
+        assert_eq!((code, body.as_str()), (200, "ok\n"));
+
+        let (code, _, _) = get(addr, "/readyz").await;
+        assert_eq!(code, 503, "not ready until the service says so");
+        ready.set(true);
+        let (code, _, body) = get(addr, "/readyz").await;
+        assert_eq!((code, body.as_str()), (200, "ready\n"));
+        ready.set(false);
+        assert_eq!(get(addr, "/readyz").await.0, 503);
+
+        let (code, head, body) = get(addr, "/metrics").await;
+        assert_eq!(code, 200);
+        assert!(
+            head.to_lowercase().contains("content-type: text/plain"),
+            "{head}"
+        );
+        assert!(body.contains("balanceroute_test_things_total 3"), "{body}");
+
+        assert_eq!(get(addr, "/nope").await.0, 404);
+
+        shutdown.cancel();
+        tokio::time::timeout(std::time::Duration::from_secs(5), server.wait())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[test]
+    fn readiness_is_shared_and_notifies() {
+        let r = Readiness::default();
+        let mut rx = r.subscribe();
+        assert!(!r.is_ready());
+        r.clone().set(true);
+        assert!(r.is_ready());
+        assert!(rx.has_changed().unwrap());
+        rx.mark_unchanged();
+        r.set(true);
+        assert!(
+            !rx.has_changed().unwrap(),
+            "no notification without a change"
+        );
+    }
+}

@@ -1,0 +1,400 @@
+//! Running a tonic server the way every BalanceRoute service does: with `grpc.health.v1.Health`
+//! (tonic-health) and server reflection (from [`br_proto::FILE_DESCRIPTOR_SET`]), and a
+//! graceful shutdown: on the shutdown signal every health status turns NOT_SERVING first, the
+//! listener closes, in-flight calls drain for at most the grace period, then the server exits.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+use tonic_health::ServingStatus;
+use tonic_health::server::{HealthReporter, HealthService};
+
+pub use tonic_health::ServingStatus as HealthStatus;
+
+/// Returns a token cancelled on the first SIGTERM or SIGINT (Ctrl-C). Must be called inside a
+/// tokio runtime. Pass clones to everything that must stop (servers, background tasks).
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        t.cancel();
+    });
+    token
+}
+
+/// Completes on the first SIGTERM or SIGINT.
+pub async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+                    r = tokio::signal::ctrl_c() => log_ctrl_c(r),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the process");
+                log_ctrl_c(tokio::signal::ctrl_c().await);
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    log_ctrl_c(tokio::signal::ctrl_c().await);
+}
+
+fn log_ctrl_c(r: std::io::Result<()>) {
+    match r {
+        Ok(()) => tracing::info!("SIGINT received, shutting down"),
+        Err(e) => tracing::error!(error = %e, "listening for SIGINT failed; shutting down"),
+    }
+}
+
+/// How a [`GrpcServer::serve`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServeOutcome {
+    /// Every in-flight call finished within the grace period.
+    Drained,
+    /// The grace period ran out; the remaining calls and connections were dropped.
+    GraceExpired,
+}
+
+/// A bound gRPC listener with its health reporter. Bind first (so tests can bind
+/// `127.0.0.1:0` and read the port), then [`serve`](GrpcServer::serve).
+pub struct GrpcServer {
+    listener: TcpListener,
+    health: HealthReporter,
+    grace: Duration,
+}
+
+impl std::fmt::Debug for GrpcServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcServer")
+            .field("local_addr", &self.listener.local_addr().ok())
+            .field("grace", &self.grace)
+            .finish()
+    }
+}
+
+impl GrpcServer {
+    /// Binds `addr`. The grace period defaults to 10 s; set it with
+    /// [`with_grace`](Self::with_grace).
+    pub async fn bind(addr: SocketAddr) -> std::io::Result<GrpcServer> {
+        Ok(Self::from_listener(TcpListener::bind(addr).await?))
+    }
+
+    pub fn from_listener(listener: TcpListener) -> GrpcServer {
+        GrpcServer {
+            listener,
+            health: HealthReporter::new(),
+            grace: Duration::from_secs(10),
+        }
+    }
+
+    /// The longest the server waits for in-flight calls after the shutdown signal.
+    pub fn with_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// The reporter behind this server's health service: a service may set its own status
+    /// (e.g. NOT_SERVING while it has no σ). [`serve`](Self::serve) sets SERVING for the given
+    /// names and `""` when it starts, and NOT_SERVING for all of them when it stops.
+    pub fn health_reporter(&self) -> HealthReporter {
+        self.health.clone()
+    }
+
+    /// Serves `routes` plus health and reflection until `shutdown` is cancelled, then drains.
+    /// `service_names` are the full proto names served (e.g. `balanceroute.v1.Decision`, see
+    /// [`br_proto::service_names`]), reported in health checks.
+    ///
+    /// Long-lived streams (Watch, Report) should also watch `shutdown` and end themselves, or
+    /// the drain waits for the whole grace period.
+    pub async fn serve(
+        self,
+        routes: Routes,
+        service_names: &[&str],
+        shutdown: CancellationToken,
+    ) -> Result<ServeOutcome, tonic::transport::Error> {
+        let GrpcServer {
+            listener,
+            health,
+            grace,
+        } = self;
+        let addr = listener.local_addr().ok();
+
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(br_proto::FILE_DESCRIPTOR_SET)
+            .build_v1();
+        let reflection = match reflection {
+            Ok(r) => Some(r),
+            Err(e) => {
+                // The descriptor set is compiled in; failing here is a build bug, not worth
+                // refusing to serve for.
+                tracing::error!(error = %e, "gRPC reflection unavailable");
+                None
+            }
+        };
+
+        let health_svc = tonic_health::pb::health_server::HealthServer::new(
+            HealthService::from_health_reporter(health.clone()),
+        );
+        let mut routes = routes.add_service(health_svc);
+        if let Some(r) = reflection {
+            routes = routes.add_service(r);
+        }
+
+        set_all(&health, service_names, ServingStatus::Serving).await;
+
+        // Stage 1 (on `shutdown`): NOT_SERVING, then tell tonic to stop accepting and drain.
+        let drain = CancellationToken::new();
+        let drain_signal = drain.clone();
+        let server = tonic::transport::Server::builder()
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(
+                TcpListenerStream::new(listener),
+                drain_signal.cancelled_owned(),
+            );
+        tokio::pin!(server);
+        tracing::info!(addr = ?addr, services = ?service_names, "gRPC server listening");
+
+        tokio::select! {
+            r = &mut server => {
+                // Ended by itself (an accept error).
+                set_all(&health, service_names, ServingStatus::NotServing).await;
+                return r.map(|()| ServeOutcome::Drained);
+            }
+            () = shutdown.cancelled() => {}
+        }
+
+        set_all(&health, service_names, ServingStatus::NotServing).await;
+        tracing::info!(grace = ?grace, "gRPC server draining");
+        drain.cancel();
+
+        // Stage 2: drain for at most `grace`.
+        match tokio::time::timeout(grace, &mut server).await {
+            Ok(r) => {
+                tracing::info!("gRPC server drained");
+                r.map(|()| ServeOutcome::Drained)
+            }
+            Err(_) => {
+                tracing::warn!(grace = ?grace, "grace period expired; dropping remaining calls");
+                Ok(ServeOutcome::GraceExpired)
+            }
+        }
+    }
+}
+
+async fn set_all(health: &HealthReporter, names: &[&str], status: ServingStatus) {
+    health.set_service_status("", status).await;
+    for n in names {
+        health.set_service_status(*n, status).await;
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use br_proto::v1;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus as Pb;
+    use tonic_health::pb::health_client::HealthClient;
+
+    #[derive(Clone)]
+    struct Slow(Duration);
+
+    #[tonic::async_trait]
+    impl v1::decision_server::Decision for Slow {
+        async fn assign(
+            &self,
+            _: tonic::Request<v1::AssignRequest>,
+        ) -> Result<tonic::Response<v1::AssignResponse>, tonic::Status> {
+            tokio::time::sleep(self.0).await;
+            Ok(tonic::Response::new(v1::AssignResponse {
+                worker_id: 5,
+                ..Default::default()
+            }))
+        }
+        async fn cancel(
+            &self,
+            _: tonic::Request<v1::CancelRequest>,
+        ) -> Result<tonic::Response<v1::CancelResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("test"))
+        }
+    }
+
+    async fn status(ch: tonic::transport::Channel, name: &str) -> i32 {
+        HealthClient::new(ch)
+            .check(HealthCheckRequest {
+                service: name.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+    }
+
+    fn assign() -> v1::AssignRequest {
+        v1::AssignRequest {
+            group: "g".into(),
+            request_id: "r".into(),
+            prompt_tokens: 1,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn health_reflection_and_graceful_drain() {
+        let server = GrpcServer::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+            .with_grace(Duration::from_secs(5));
+        let addr = server.local_addr().unwrap();
+        let health = server.health_reporter();
+        let shutdown = CancellationToken::new();
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(Slow(
+            Duration::from_millis(300),
+        )));
+        let task = tokio::spawn(server.serve(
+            routes,
+            &[br_proto::service_names::DECISION],
+            shutdown.clone(),
+        ));
+
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        assert_eq!(status(ch.clone(), "").await, Pb::Serving as i32);
+        assert_eq!(
+            status(ch.clone(), "balanceroute.v1.Decision").await,
+            Pb::Serving as i32
+        );
+
+        // Reflection lists our services.
+        {
+            use tonic_reflection::pb::v1::ServerReflectionRequest;
+            use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+            use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+            use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+            let req = ServerReflectionRequest {
+                host: String::new(),
+                message_request: Some(MessageRequest::ListServices(String::new())),
+            };
+            let mut resp = ServerReflectionClient::new(ch.clone())
+                .server_reflection_info(tokio_stream::iter([req]))
+                .await
+                .unwrap()
+                .into_inner();
+            let msg = resp.message().await.unwrap().unwrap();
+            let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
+                panic!("unexpected reflection answer");
+            };
+            let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+            assert!(
+                names.iter().any(|n| n == "balanceroute.v1.Snapshot"),
+                "{names:?}"
+            );
+        }
+
+        // A call in flight when shutdown starts completes; health turns NOT_SERVING first.
+        let mut client = v1::decision_client::DecisionClient::new(ch.clone());
+        let in_flight = tokio::spawn(async move { client.assign(assign()).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        shutdown.cancel();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Still draining (the call sleeps 300 ms): health already says NOT_SERVING.
+        assert_eq!(
+            reported(&health, "balanceroute.v1.Decision").await,
+            Pb::NotServing as i32
+        );
+        assert_eq!(reported(&health, "").await, Pb::NotServing as i32);
+        let resp = in_flight.await.unwrap().unwrap();
+        assert_eq!(resp.into_inner().worker_id, 5);
+        let outcome = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome, ServeOutcome::Drained);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn grace_period_bounds_the_drain() {
+        let server = GrpcServer::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+            .with_grace(Duration::from_millis(200));
+        let addr = server.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(Slow(
+            Duration::from_secs(30),
+        )));
+        let task = tokio::spawn(server.serve(routes, &[], shutdown.clone()));
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = v1::decision_client::DecisionClient::new(ch);
+        let _in_flight = tokio::spawn(async move { client.assign(assign()).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let started = std::time::Instant::now();
+        shutdown.cancel();
+        let outcome = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome, ServeOutcome::GraceExpired);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn not_serving_after_shutdown() {
+        let server = GrpcServer::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+            .with_grace(Duration::from_millis(100));
+        let health = server.health_reporter();
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(Slow(
+            Duration::ZERO,
+        )));
+        let outcome = server
+            .serve(routes, &["balanceroute.v1.Decision"], shutdown)
+            .await
+            .unwrap();
+        assert_eq!(outcome, ServeOutcome::Drained);
+        assert_eq!(
+            reported(&health, "balanceroute.v1.Decision").await,
+            Pb::NotServing as i32
+        );
+    }
+
+    /// The status the reporter holds, read through a fresh health service (no network).
+    async fn reported(health: &HealthReporter, name: &str) -> i32 {
+        use tonic_health::pb::health_server::Health as _;
+        HealthService::from_health_reporter(health.clone())
+            .check(tonic::Request::new(HealthCheckRequest {
+                service: name.into(),
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+    }
+}
