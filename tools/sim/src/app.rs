@@ -122,7 +122,8 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
     let report = Report {
         runs: outcomes.iter().map(|o| o.report.clone()).collect(),
     };
-    print!("{}", render_table(&report.runs));
+    let steady_fluid: Vec<f64> = outcomes.iter().map(|o| o.steady_fluid_tok_s).collect();
+    print!("{}", render_table(&report.runs, &steady_fluid));
     if let Some(path) = &args.json {
         report
             .write_json(path)
@@ -188,6 +189,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         None => None,
     });
     let mut runs: Vec<RunReport> = Vec::new();
+    let mut steady_fluid: Vec<f64> = Vec::new();
     let started = Instant::now();
     for &g in &args.workers_list {
         anyhow::ensure!(
@@ -198,7 +200,9 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         println!("{}", describe(&w, run, Some(g)));
         let cfg = engine_config(run, g, false);
         for spec in &specs {
-            runs.push(run_one(&w, spec, &spec.label, &cfg)?.report);
+            let o = run_one(&w, spec, &spec.label, &cfg)?;
+            steady_fluid.push(o.steady_fluid_tok_s);
+            runs.push(o.report);
         }
     }
     eprintln!(
@@ -206,7 +210,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         runs.len(),
         started.elapsed().as_secs_f64()
     );
-    print!("{}", render_table(&runs));
+    print!("{}", render_table(&runs, &steady_fluid));
     let points = scaling_points(&runs);
     for p in &points {
         println!(
@@ -292,8 +296,11 @@ fn param_sweep(args: &SweepArgs, specs: &[PolicySpec], param: &str) -> anyhow::R
     println!("sweeping {key} over {}", values.join(", "));
     let cfg = engine_config(run, run.workers, false);
     let mut runs = Vec::new();
+    let mut steady_fluid = Vec::new();
     for spec in specs.iter().filter(|s| !s.is_balance_route()) {
-        runs.push(run_one(&w, spec, &spec.label, &cfg)?.report);
+        let o = run_one(&w, spec, &spec.label, &cfg)?;
+        steady_fluid.push(o.steady_fluid_tok_s);
+        runs.push(o.report);
     }
     for spec in specs.iter().filter(|s| s.is_balance_route()) {
         for v in &values {
@@ -301,10 +308,12 @@ fn param_sweep(args: &SweepArgs, specs: &[PolicySpec], param: &str) -> anyhow::R
             set_param(&mut s.config, &key, v)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", spec.label))?;
             let label = format!("{}[{key}={v}]", spec.label);
-            runs.push(run_one(&w, &s, &label, &cfg)?.report);
+            let o = run_one(&w, &s, &label, &cfg)?;
+            steady_fluid.push(o.steady_fluid_tok_s);
+            runs.push(o.report);
         }
     }
-    print!("{}", render_table(&runs));
+    print!("{}", render_table(&runs, &steady_fluid));
     if let Some(path) = &run.json {
         Report { runs }
             .write_json(path)

@@ -107,6 +107,9 @@ pub struct RunOutcome {
     pub waiting_steps: std::ops::Range<usize>,
     /// Wall-clock time the run took.
     pub wall: Duration,
+    /// Fluid-limit throughput over the steady-state steps (tokens / Σ (a·mean L + b) over the
+    /// steps with requests waiting; the whole-run fluid figure when nothing waited).
+    pub steady_fluid_tok_s: f64,
 }
 
 /// Simulates one policy over `requests` (any order; arrival times `None` count as 0).
@@ -141,7 +144,7 @@ pub fn simulate(
     let mut step: u64 = 0;
     let mut next = 0usize;
     let (mut busy_ms, mut fluid_ms, mut tokens) = (0.0f64, 0.0f64, 0u64);
-    let (mut steady_ms, mut steady_tokens) = (0.0f64, 0u64);
+    let (mut steady_ms, mut steady_tokens, mut steady_fluid_ms) = (0.0f64, 0u64, 0.0f64);
     let (mut sum_imb, mut sum_idle) = (0.0f64, 0.0f64);
     let (mut first_wait, mut last_wait) = (usize::MAX, 0usize);
     let mut tpot: Vec<f64> = Vec::with_capacity(n);
@@ -263,12 +266,14 @@ pub fn simulate(
         }
         let t = cfg.step_a * max as f64 + cfg.step_b;
         busy_ms += t;
-        fluid_ms += cfg.step_a * sum as f64 / g as f64 + cfg.step_b;
+        let tf = cfg.step_a * sum as f64 / g as f64 + cfg.step_b;
+        fluid_ms += tf;
         tokens += u64::from(total_running);
         sum_imb += (max - min) as f64;
         sum_idle += (g as u64 * max - sum) as f64;
         if waiting {
             steady_ms += t;
+            steady_fluid_ms += tf;
             steady_tokens += u64::from(total_running);
             first_wait = first_wait.min(step as usize);
             last_wait = step as usize + 1;
@@ -342,6 +347,11 @@ pub fn simulate(
             first_wait..last_wait
         },
         wall: started.elapsed(),
+        steady_fluid_tok_s: if steady_fluid_ms > 0.0 {
+            rate(steady_tokens, steady_fluid_ms)
+        } else {
+            rate(tokens, fluid_ms)
+        },
     })
 }
 

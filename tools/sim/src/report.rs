@@ -64,72 +64,132 @@ pub fn is_baseline(policy: &str) -> bool {
     !policy.starts_with("br")
 }
 
-/// Renders the table: one row per run, plus throughput gain over the best baseline at the same
-/// G and the share of the gap between that baseline and the fluid limit the run captures.
-pub fn render_table(runs: &[RunReport]) -> String {
+/// Renders the table: one row per run. Besides the report's fields it shows, against the best
+/// baseline at the same G (by the same measure): the throughput gain (`gain%`) and the share of
+/// the baseline's gap to the fluid limit the run captures (`gap%`, see [`gap_captured`]), for
+/// the whole run and, when `steady_fluid` (one steady-state fluid throughput per run, same
+/// order) is given, for the steady state (`s.gain%`, `s.gap%`).
+pub fn render_table(runs: &[RunReport], steady_fluid: &[f64]) -> String {
+    let width = runs
+        .iter()
+        .map(|r| r.policy.chars().count())
+        .max()
+        .unwrap_or(6)
+        .max(6);
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<18} {:>3} {:>12} {:>13} {:>9} {:>9} {:>9} {:>8} {:>8} {:>10} {:>7} {:>7} {:>6} {:>6}",
+        "{:<width$} {:>3} {:>10} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6}",
         "policy",
         "G",
         "imbalance",
         "barrier_idle",
         "tok/s",
-        "steady",
         "fluid",
+        "gain%",
+        "gap%",
+        "steady",
+        "s.fluid",
+        "s.gain%",
+        "s.gap%",
         "tpot50",
         "tpot95",
         "queue_ms",
         "steps",
         "reqs",
-        "gain%",
-        "gap%"
     );
-    for r in runs {
-        let best = runs
-            .iter()
-            .filter(|b| b.workers == r.workers && is_baseline(&b.policy))
-            .max_by(|x, y| x.throughput_tok_s.total_cmp(&y.throughput_tok_s));
-        let (gain, gap) = match best {
-            Some(b) if b.throughput_tok_s > 0.0 => (
-                format!(
-                    "{:+.1}",
-                    100.0 * (r.throughput_tok_s / b.throughput_tok_s - 1.0)
-                ),
-                gap_captured(r, b).map_or_else(|| "-".to_string(), |g| format!("{:.0}", 100.0 * g)),
-            ),
-            _ => ("-".into(), "-".into()),
+    let fluid_of = |i: usize| steady_fluid.get(i).copied();
+    for (i, r) in runs.iter().enumerate() {
+        let same_g = || {
+            runs.iter()
+                .enumerate()
+                .filter(|(_, b)| b.workers == r.workers && is_baseline(&b.policy))
         };
+        let best = same_g().max_by(|x, y| x.1.throughput_tok_s.total_cmp(&y.1.throughput_tok_s));
+        let best_steady = same_g().max_by(|x, y| {
+            x.1.steady_throughput_tok_s
+                .total_cmp(&y.1.steady_throughput_tok_s)
+        });
+        let pct = |x: f64, base: f64| {
+            if base > 0.0 {
+                format!("{:+.1}", 100.0 * (x / base - 1.0))
+            } else {
+                "-".into()
+            }
+        };
+        // Share of the baseline's shortfall from its own fluid limit that the run removes,
+        // measured as efficiency (throughput / the same run's fluid throughput), so runs whose
+        // schedules differ (a pool reorders requests) are compared fairly.
+        let share = |x: f64, xf: f64, base: f64, bf: f64| {
+            if xf <= 0.0 || bf <= 0.0 {
+                return "-".to_string();
+            }
+            let (ex, eb) = (x / xf, base / bf);
+            if 1.0 - eb > 1e-9 {
+                format!("{:.0}", 100.0 * (ex - eb) / (1.0 - eb))
+            } else {
+                "-".into()
+            }
+        };
+        let (gain, gap) = best.map_or(("-".into(), "-".into()), |(_, b)| {
+            (
+                pct(r.throughput_tok_s, b.throughput_tok_s),
+                share(
+                    r.throughput_tok_s,
+                    r.fluid_throughput_tok_s,
+                    b.throughput_tok_s,
+                    b.fluid_throughput_tok_s,
+                ),
+            )
+        });
+        let (sgain, sgap) = best_steady.map_or(("-".into(), "-".into()), |(j, b)| {
+            let gap = match (fluid_of(i), fluid_of(j)) {
+                (Some(xf), Some(bf)) => {
+                    share(r.steady_throughput_tok_s, xf, b.steady_throughput_tok_s, bf)
+                }
+                _ => "-".into(),
+            };
+            (
+                pct(r.steady_throughput_tok_s, b.steady_throughput_tok_s),
+                gap,
+            )
+        });
         let _ = writeln!(
             s,
-            "{:<18} {:>3} {:>12.0} {:>13.0} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>8.2} {:>10.1} {:>7} {:>7} {:>6} {:>6}",
+            "{:<width$} {:>3} {:>10.0} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6}",
             r.policy,
             r.workers,
             r.avg_imbalance,
             r.avg_barrier_idle,
             r.throughput_tok_s,
-            r.steady_throughput_tok_s,
             r.fluid_throughput_tok_s,
+            gain,
+            gap,
+            r.steady_throughput_tok_s,
+            fluid_of(i).map_or("-".into(), |f| format!("{f:.1}")),
+            sgain,
+            sgap,
             r.tpot_p50_ms,
             r.tpot_p95_ms,
             r.mean_queue_ms,
             r.steps,
             r.requests,
-            gain,
-            gap
         );
     }
     s
 }
 
-/// Share of the gap between a baseline's throughput and the fluid limit that `run` captures
-/// (`(run − base) / (fluid − base)`, using the baseline's fluid figure). `None` when there is
-/// no gap to speak of.
+/// Share of the gap between a baseline and the fluid limit that `run` captures. Each run is
+/// measured by its efficiency `e = throughput / fluid throughput` (the same run's perfectly
+/// balanced step times), and the share is `(e_run − e_base) / (1 − e_base)`: 0 is no better
+/// than the baseline, 1 is a perfectly balanced barrier. `None` when the baseline has no gap.
 pub fn gap_captured(run: &RunReport, base: &RunReport) -> Option<f64> {
-    let gap = base.fluid_throughput_tok_s - base.throughput_tok_s;
-    (gap > 1e-9 * base.fluid_throughput_tok_s.max(1.0))
-        .then(|| (run.throughput_tok_s - base.throughput_tok_s) / gap)
+    if run.fluid_throughput_tok_s <= 0.0 || base.fluid_throughput_tok_s <= 0.0 {
+        return None;
+    }
+    let er = run.throughput_tok_s / run.fluid_throughput_tok_s;
+    let eb = base.throughput_tok_s / base.fluid_throughput_tok_s;
+    (1.0 - eb > 1e-9).then(|| (er - eb) / (1.0 - eb))
 }
 
 /// The `q`-quantile (0..=1) of `values` by nearest rank; reorders `values`. NaN-free input.
@@ -201,10 +261,12 @@ mod tests {
     #[test]
     fn table_shows_gain_and_gap() {
         let runs = vec![run("jsq", 800.0, 1000.0), run("br0", 950.0, 1000.0)];
-        let t = render_table(&runs);
+        let t = render_table(&runs, &[1000.0, 1000.0]);
         assert!(t.contains("+18.8"), "{t}");
         assert!(t.contains(" 75"), "{t}");
-        assert_eq!(gap_captured(&runs[1], &runs[0]), Some(0.75));
+        assert!(render_table(&runs, &[]).lines().count() == 3);
+        let g = gap_captured(&runs[1], &runs[0]).expect("gap");
+        assert!((g - 0.75).abs() < 1e-12, "{g}");
     }
 
     #[test]
