@@ -41,6 +41,18 @@ pub enum ColdStart {
     LargestFirst,
 }
 
+/// Which waiting requests Stage 1 may pick from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Stage1Scope {
+    /// The paper's wording: any request in the pool (by size index). Under a deep pool this
+    /// reorders admissions by size (e.g. the largest prompts all first at cold start).
+    WholePool,
+    /// Only the oldest `S_tot − S_greedy` requests: the ones Stage 1 will admit this tick
+    /// anyway. Stage 1 then decides only where each goes, never which go first.
+    HeadBatch,
+}
+
 /// How the pool-bypass router breaks ties between equal scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -60,6 +72,7 @@ pub struct DispatcherConfig {
     /// Stage 2 candidate window (the paper: 4, i.e. at most 16 subsets).
     pub r_max: usize,
     pub stage1_worker: Stage1Worker,
+    pub stage1_scope: Stage1Scope,
     pub cold_start: ColdStart,
     pub tie_break: TieBreak,
 }
@@ -70,6 +83,7 @@ impl Default for DispatcherConfig {
             s_greedy: None,
             r_max: 4,
             stage1_worker: Stage1Worker::LeastLoaded,
+            stage1_scope: Stage1Scope::HeadBatch,
             cold_start: ColdStart::LargestFirst,
             tie_break: TieBreak::LeastLoaded,
         }
@@ -124,19 +138,35 @@ pub fn dispatch_tick(
     let g = state.live_workers();
     let s_greedy = cfg.s_greedy.unwrap_or(g * cfg.r_max as u32);
 
-    // Stage 1: abundant capacity.
+    // Stage 1: abundant capacity. Candidates: the whole pool, or just the head batch.
+    let mut head = match cfg.stage1_scope {
+        Stage1Scope::WholePool => None,
+        Stage1Scope::HeadBatch => {
+            let budget = s_tot.saturating_sub(s_greedy) as usize;
+            let mut batch = Pool::new();
+            for e in pool.oldest(budget) {
+                // keys are unique in `pool`, so they are unique here
+                let _ = batch.push(e.clone());
+            }
+            Some(batch)
+        }
+    };
     while s_tot > s_greedy && !pool.is_empty() {
         let Some(w) = stage1_worker(cfg.stage1_worker, &free, margins) else {
             break;
         };
+        let candidates = head.as_ref().unwrap_or(pool);
         let all_level =
             cfg.cold_start == ColdStart::LargestFirst && all_margins_zero(state, margins);
         let pick = if all_level {
-            pool.largest().cloned()
+            candidates.largest().cloned()
         } else {
-            best_single(pool, margins, w)
+            best_single(candidates, margins, w)
         };
         let Some(entry) = pick else { break };
+        if let Some(batch) = head.as_mut() {
+            batch.remove(entry.key);
+        }
         let s = f64::from(entry.prompt_tokens);
         let score = margins.score(w, s);
         admit(

@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 
 use br_core::dispatch::{
-    Admission, ColdStart, DispatcherConfig, Stage, Stage1Worker, TieBreak, best_subset,
+    Admission, ColdStart, DispatcherConfig, Stage, Stage1Scope, Stage1Worker, TieBreak, best_subset,
 };
 use br_core::predict::Oracle;
 use br_core::score::{HorizonParams, Margins, br0_score};
@@ -42,10 +42,16 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     Just(Stage1Worker::LeastLoaded)
                 ],
                 prop_oneof![Just(ColdStart::Score), Just(ColdStart::LargestFirst)],
+                prop_oneof![Just(Stage1Scope::WholePool), Just(Stage1Scope::HeadBatch)],
             ),
         )
             .prop_map(
-                |(capacities, existing, pool, (r_max, s_greedy, stage1_worker, cold_start))| {
+                |(
+                    capacities,
+                    existing,
+                    pool,
+                    (r_max, s_greedy, stage1_worker, cold_start, stage1_scope),
+                )| {
                     Scenario {
                         capacities,
                         existing,
@@ -54,6 +60,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             s_greedy,
                             r_max,
                             stage1_worker,
+                            stage1_scope,
                             cold_start,
                             tie_break: TieBreak::LeastLoaded,
                         },
@@ -306,4 +313,63 @@ fn stage2_admits_the_best_subset_through_the_dispatcher() {
     let got: Vec<(u64, u32, Stage)> = out.iter().map(|a| (a.key, a.worker, a.stage)).collect();
     assert_eq!(got, vec![(0, 1, Stage::Subset), (1, 1, Stage::Subset)]);
     assert_eq!(out[0].score, 2_900.0);
+}
+
+#[test]
+fn head_batch_scope_admits_in_arrival_order() {
+    // 2 workers × 4 free slots, S_greedy 0: Stage 1 admits 8 of 12 waiting requests. With the
+    // head-batch scope they are exactly the 8 oldest (placement is Stage 1's only choice).
+    let mut pool = Pool::new();
+    for i in 0..12u64 {
+        let s = if i < 8 { 100 + i as u32 } else { 9_000 };
+        pool.push(PoolEntry {
+            key: i,
+            prompt_tokens: s,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let st = ClusterState::with_workers(&[4, 4]);
+    let cfg = PolicyConfig {
+        kind: PolicyKind::Br0,
+        dispatcher: DispatcherConfig {
+            s_greedy: Some(0),
+            stage1_scope: Stage1Scope::HeadBatch,
+            ..Default::default()
+        },
+        horizon: HorizonParams::default(),
+        seed: 0,
+    };
+    let mut p = build_policy(&cfg).unwrap();
+    let mut out = Vec::new();
+    p.dispatch(&mut pool, &st, &mut out);
+    let mut keys: Vec<u64> = out.iter().map(|a| a.key).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, (0..8).collect::<Vec<_>>());
+    // the whole-pool scope would have reached for the large late ones
+    let mut pool2 = Pool::new();
+    for i in 0..12u64 {
+        let s = if i < 8 { 100 + i as u32 } else { 9_000 };
+        pool2
+            .push(PoolEntry {
+                key: i,
+                prompt_tokens: s,
+                prompt_hash: None,
+                oracle_output: None,
+            })
+            .unwrap();
+    }
+    let cfg2 = PolicyConfig {
+        dispatcher: DispatcherConfig {
+            stage1_scope: Stage1Scope::WholePool,
+            ..cfg.dispatcher
+        },
+        ..cfg
+    };
+    let mut out2 = Vec::new();
+    build_policy(&cfg2)
+        .unwrap()
+        .dispatch(&mut pool2, &st, &mut out2);
+    assert!(out2.iter().any(|a| a.key >= 8));
 }
