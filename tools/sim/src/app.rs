@@ -9,7 +9,7 @@ use crate::calibrate;
 use crate::cli::{Arrival, CalibrateArgs, Command, RunArgs, SweepArgs, Workload};
 use crate::engine::{EngineConfig, RunOutcome, simulate};
 use crate::plot::{LoadSeries, ScalingPoint, plot_scaling, plot_worker_loads};
-use crate::report::{Report, RunReport, is_baseline, render_table};
+use crate::report::{Report, RunReport, SteadyExtra, is_baseline, render_table};
 use crate::spec::{PolicySpec, parse_spec, parse_sweep_param, set_param};
 use crate::synth::SynthKind;
 use crate::trace::summarize;
@@ -122,8 +122,8 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
     let report = Report {
         runs: outcomes.iter().map(|o| o.report.clone()).collect(),
     };
-    let steady_fluid: Vec<f64> = outcomes.iter().map(|o| o.steady_fluid_tok_s).collect();
-    print!("{}", render_table(&report.runs, &steady_fluid));
+    let steady: Vec<SteadyExtra> = outcomes.iter().map(RunOutcome::steady_extra).collect();
+    print!("{}", render_table(&report.runs, &steady));
     if let Some(path) = &args.json {
         report
             .write_json(path)
@@ -189,7 +189,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         None => None,
     });
     let mut runs: Vec<RunReport> = Vec::new();
-    let mut steady_fluid: Vec<f64> = Vec::new();
+    let mut steady = Vec::new();
     let started = Instant::now();
     for &g in &args.workers_list {
         anyhow::ensure!(
@@ -201,7 +201,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         let cfg = engine_config(run, g, false);
         for spec in &specs {
             let o = run_one(&w, spec, &spec.label, &cfg)?;
-            steady_fluid.push(o.steady_fluid_tok_s);
+            steady.push(o.steady_extra());
             runs.push(o.report);
         }
     }
@@ -210,7 +210,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         runs.len(),
         started.elapsed().as_secs_f64()
     );
-    print!("{}", render_table(&runs, &steady_fluid));
+    print!("{}", render_table(&runs, &steady));
     let points = scaling_points(&runs);
     for p in &points {
         println!(
@@ -296,10 +296,10 @@ fn param_sweep(args: &SweepArgs, specs: &[PolicySpec], param: &str) -> anyhow::R
     println!("sweeping {key} over {}", values.join(", "));
     let cfg = engine_config(run, run.workers, false);
     let mut runs = Vec::new();
-    let mut steady_fluid = Vec::new();
+    let mut steady = Vec::new();
     for spec in specs.iter().filter(|s| !s.is_balance_route()) {
         let o = run_one(&w, spec, &spec.label, &cfg)?;
-        steady_fluid.push(o.steady_fluid_tok_s);
+        steady.push(o.steady_extra());
         runs.push(o.report);
     }
     for spec in specs.iter().filter(|s| s.is_balance_route()) {
@@ -309,11 +309,11 @@ fn param_sweep(args: &SweepArgs, specs: &[PolicySpec], param: &str) -> anyhow::R
                 .map_err(|e| anyhow::anyhow!("{}: {e}", spec.label))?;
             let label = format!("{}[{key}={v}]", spec.label);
             let o = run_one(&w, &s, &label, &cfg)?;
-            steady_fluid.push(o.steady_fluid_tok_s);
+            steady.push(o.steady_extra());
             runs.push(o.report);
         }
     }
-    print!("{}", render_table(&runs, &steady_fluid));
+    print!("{}", render_table(&runs, &steady));
     if let Some(path) = &run.json {
         Report { runs }
             .write_json(path)

@@ -39,7 +39,7 @@ use br_core::dispatch::Admission;
 use br_core::{ClusterState, Mode, Phase, Policy, Pool, PoolEntry, RequestInfo, WorkerId};
 
 use crate::plot::LoadSeries;
-use crate::report::{RunReport, quantile};
+use crate::report::{RunReport, SteadyExtra, quantile};
 use crate::trace::TraceRequest;
 
 /// Engine parameters.
@@ -110,6 +110,19 @@ pub struct RunOutcome {
     /// Fluid-limit throughput over the steady-state steps (tokens / Σ (a·mean L + b) over the
     /// steps with requests waiting; the whole-run fluid figure when nothing waited).
     pub steady_fluid_tok_s: f64,
+    /// Mean of max − min load over the steady-state steps (the whole-run figure when nothing
+    /// waited): the imbalance a router controls, without the drain at the end of the trace.
+    pub steady_imbalance: f64,
+}
+
+impl RunOutcome {
+    /// The steady-state figures shown in the table.
+    pub fn steady_extra(&self) -> SteadyExtra {
+        SteadyExtra {
+            fluid_tok_s: self.steady_fluid_tok_s,
+            imbalance: self.steady_imbalance,
+        }
+    }
 }
 
 /// Simulates one policy over `requests` (any order; arrival times `None` count as 0).
@@ -145,6 +158,7 @@ pub fn simulate(
     let mut next = 0usize;
     let (mut busy_ms, mut fluid_ms, mut tokens) = (0.0f64, 0.0f64, 0u64);
     let (mut steady_ms, mut steady_tokens, mut steady_fluid_ms) = (0.0f64, 0u64, 0.0f64);
+    let (mut steady_steps, mut steady_imb) = (0u64, 0.0f64);
     let (mut sum_imb, mut sum_idle) = (0.0f64, 0.0f64);
     let (mut first_wait, mut last_wait) = (usize::MAX, 0usize);
     let mut tpot: Vec<f64> = Vec::with_capacity(n);
@@ -274,6 +288,8 @@ pub fn simulate(
         if waiting {
             steady_ms += t;
             steady_fluid_ms += tf;
+            steady_steps += 1;
+            steady_imb += (max - min) as f64;
             steady_tokens += u64::from(total_running);
             first_wait = first_wait.min(step as usize);
             last_wait = step as usize + 1;
@@ -347,6 +363,11 @@ pub fn simulate(
             first_wait..last_wait
         },
         wall: started.elapsed(),
+        steady_imbalance: if steady_steps > 0 {
+            steady_imb / steady_steps as f64
+        } else {
+            per_step(sum_imb)
+        },
         steady_fluid_tok_s: if steady_fluid_ms > 0.0 {
             rate(steady_tokens, steady_fluid_ms)
         } else {

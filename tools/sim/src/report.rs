@@ -67,9 +67,9 @@ pub fn is_baseline(policy: &str) -> bool {
 /// Renders the table: one row per run. Besides the report's fields it shows, against the best
 /// baseline at the same G (by the same measure): the throughput gain (`gain%`) and the share of
 /// the baseline's gap to the fluid limit the run captures (`gap%`, see [`gap_captured`]), for
-/// the whole run and, when `steady_fluid` (one steady-state fluid throughput per run, same
-/// order) is given, for the steady state (`s.gain%`, `s.gap%`).
-pub fn render_table(runs: &[RunReport], steady_fluid: &[f64]) -> String {
+/// the whole run and, when `steady` (one entry per run, same order) is given, for the steady
+/// state (`s.gain%`, `s.gap%`) together with the steady-state imbalance (`s.imbal`).
+pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
     let width = runs
         .iter()
         .map(|r| r.policy.chars().count())
@@ -79,10 +79,11 @@ pub fn render_table(runs: &[RunReport], steady_fluid: &[f64]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<width$} {:>3} {:>10} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6}",
+        "{:<width$} {:>3} {:>10} {:>9} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6}",
         "policy",
         "G",
         "imbalance",
+        "s.imbal",
         "barrier_idle",
         "tok/s",
         "fluid",
@@ -98,7 +99,7 @@ pub fn render_table(runs: &[RunReport], steady_fluid: &[f64]) -> String {
         "steps",
         "reqs",
     );
-    let fluid_of = |i: usize| steady_fluid.get(i).copied();
+    let fluid_of = |i: usize| steady.get(i).map(|x| x.fluid_tok_s);
     for (i, r) in runs.iter().enumerate() {
         let same_g = || {
             runs.iter()
@@ -156,10 +157,13 @@ pub fn render_table(runs: &[RunReport], steady_fluid: &[f64]) -> String {
         });
         let _ = writeln!(
             s,
-            "{:<width$} {:>3} {:>10.0} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6}",
+            "{:<width$} {:>3} {:>10.0} {:>9} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6}",
             r.policy,
             r.workers,
             r.avg_imbalance,
+            steady
+                .get(i)
+                .map_or("-".into(), |x| format!("{:.0}", x.imbalance)),
             r.avg_barrier_idle,
             r.throughput_tok_s,
             r.fluid_throughput_tok_s,
@@ -190,6 +194,15 @@ pub fn gap_captured(run: &RunReport, base: &RunReport) -> Option<f64> {
     let er = run.throughput_tok_s / run.fluid_throughput_tok_s;
     let eb = base.throughput_tok_s / base.fluid_throughput_tok_s;
     (1.0 - eb > 1e-9).then(|| (er - eb) / (1.0 - eb))
+}
+
+/// Steady-state figures that are not in the JSON report (shown in the table).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SteadyExtra {
+    /// Fluid-limit throughput over the steady-state steps.
+    pub fluid_tok_s: f64,
+    /// Mean max − min load over the steady-state steps.
+    pub imbalance: f64,
 }
 
 /// The `q`-quantile (0..=1) of `values` by nearest rank; reorders `values`. NaN-free input.
@@ -261,7 +274,11 @@ mod tests {
     #[test]
     fn table_shows_gain_and_gap() {
         let runs = vec![run("jsq", 800.0, 1000.0), run("br0", 950.0, 1000.0)];
-        let t = render_table(&runs, &[1000.0, 1000.0]);
+        let extra = SteadyExtra {
+            fluid_tok_s: 1000.0,
+            imbalance: 1.0,
+        };
+        let t = render_table(&runs, &[extra, extra]);
         assert!(t.contains("+18.8"), "{t}");
         assert!(t.contains(" 75"), "{t}");
         assert!(render_table(&runs, &[]).lines().count() == 3);
