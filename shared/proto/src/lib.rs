@@ -9,7 +9,7 @@
 
 pub mod valid;
 
-pub use valid::ValidationError;
+pub use valid::{GroupId, RequestId, ValidationError};
 
 /// Generated code for package `balanceroute.v1`.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]

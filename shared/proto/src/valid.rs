@@ -531,6 +531,113 @@ impl TryFrom<v1::ReleaseRequest> for ValidRelease {
     }
 }
 
+/// A validated `TelemetryChange` (one change of ingest's `ChangeBatch`). The snapshot service
+/// validates each change on its own so it can reject it by index (`ApplyAck.rejected`) and
+/// apply the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ValidTelemetryChange {
+    /// A stream said Hello.
+    WorkerHello {
+        worker_id: u32,
+        incarnation: u64,
+        capacity: u32,
+        endpoint: String,
+    },
+    /// A stream ended at `disconnected_at_unix_ms` (ingest's clock).
+    WorkerDisconnected {
+        worker_id: u32,
+        incarnation: u64,
+        disconnected_at_unix_ms: u64,
+    },
+    /// Cumulative progress of one request on the worker.
+    RequestProgress {
+        worker_id: u32,
+        incarnation: u64,
+        progress: ValidRequestProgress,
+    },
+    /// The worker's full state: exactly these requests (no duplicates, at most 65,536).
+    WorkerSync {
+        worker_id: u32,
+        incarnation: u64,
+        request_ids: Vec<RequestId>,
+    },
+}
+
+impl ValidTelemetryChange {
+    /// The worker (DP rank) the change is about.
+    pub fn worker_id(&self) -> u32 {
+        match self {
+            ValidTelemetryChange::WorkerHello { worker_id, .. }
+            | ValidTelemetryChange::WorkerDisconnected { worker_id, .. }
+            | ValidTelemetryChange::RequestProgress { worker_id, .. }
+            | ValidTelemetryChange::WorkerSync { worker_id, .. } => *worker_id,
+        }
+    }
+
+    /// The worker incarnation the change is about.
+    pub fn incarnation(&self) -> u64 {
+        match self {
+            ValidTelemetryChange::WorkerHello { incarnation, .. }
+            | ValidTelemetryChange::WorkerDisconnected { incarnation, .. }
+            | ValidTelemetryChange::RequestProgress { incarnation, .. }
+            | ValidTelemetryChange::WorkerSync { incarnation, .. } => *incarnation,
+        }
+    }
+}
+
+impl TryFrom<v1::TelemetryChange> for ValidTelemetryChange {
+    type Error = ValidationError;
+    fn try_from(m: v1::TelemetryChange) -> Result<Self, Self::Error> {
+        use v1::telemetry_change::Kind;
+        match m.kind {
+            Some(Kind::WorkerHello(h)) => {
+                check_range("capacity", h.capacity.into(), 1, MAX_CAPACITY.into())?;
+                check_str("endpoint", &h.endpoint, MAX_ENDPOINT_BYTES, true)?;
+                Ok(ValidTelemetryChange::WorkerHello {
+                    worker_id: check_worker_id(h.worker_id)?,
+                    incarnation: check_incarnation(h.incarnation)?,
+                    capacity: h.capacity,
+                    endpoint: h.endpoint,
+                })
+            }
+            Some(Kind::WorkerDisconnected(d)) => Ok(ValidTelemetryChange::WorkerDisconnected {
+                worker_id: check_worker_id(d.worker_id)?,
+                incarnation: check_incarnation(d.incarnation)?,
+                disconnected_at_unix_ms: d.disconnected_at_unix_ms,
+            }),
+            Some(Kind::RequestProgress(p)) => {
+                let worker_id = check_worker_id(p.worker_id)?;
+                let incarnation = check_incarnation(p.incarnation)?;
+                let progress = ValidRequestProgress::try_from(v1::RequestProgress {
+                    request_id: p.request_id,
+                    prompt_tokens: p.prompt_tokens,
+                    generated_tokens: p.generated_tokens,
+                    finished: p.finished,
+                })?;
+                Ok(ValidTelemetryChange::RequestProgress {
+                    worker_id,
+                    incarnation,
+                    progress,
+                })
+            }
+            Some(Kind::WorkerSync(s)) => Ok(ValidTelemetryChange::WorkerSync {
+                worker_id: check_worker_id(s.worker_id)?,
+                incarnation: check_incarnation(s.incarnation)?,
+                request_ids: validate_list(
+                    "request_ids",
+                    s.request_ids,
+                    MAX_CAPACITY as usize,
+                    |id| RequestId::new(&id),
+                    RequestId::as_str,
+                )?,
+            }),
+            None => Err(ValidationError::Missing {
+                field: "TelemetryChange.kind",
+            }),
+        }
+    }
+}
+
 /// Validates each entry of a repeated field (with its index in errors), enforces a count limit
 /// (checked before any entry is looked at) and rejects duplicate request ids.
 fn validate_list<M, T>(
@@ -968,6 +1075,80 @@ mod tests {
             request_ids: vec!["a".into(), "a".into()],
         };
         assert!(ValidRelease::try_from(m).is_err());
+    }
+
+    #[test]
+    fn telemetry_change_rules() {
+        use v1::telemetry_change::{
+            Kind, RequestProgress, WorkerDisconnected, WorkerHello, WorkerSync,
+        };
+        let change = |k| v1::TelemetryChange { kind: Some(k) };
+
+        let hello = WorkerHello {
+            worker_id: 2,
+            incarnation: 9,
+            capacity: 64,
+            endpoint: String::new(),
+        };
+        let v = ValidTelemetryChange::try_from(change(Kind::WorkerHello(hello.clone()))).unwrap();
+        assert_eq!((v.worker_id(), v.incarnation()), (2, 9));
+        let mut h = hello.clone();
+        h.capacity = 0;
+        assert!(ValidTelemetryChange::try_from(change(Kind::WorkerHello(h))).is_err());
+        let mut h = hello;
+        h.incarnation = 0;
+        assert!(ValidTelemetryChange::try_from(change(Kind::WorkerHello(h))).is_err());
+
+        let d = WorkerDisconnected {
+            worker_id: 70_000,
+            incarnation: 1,
+            disconnected_at_unix_ms: 5,
+        };
+        assert_eq!(
+            ValidTelemetryChange::try_from(change(Kind::WorkerDisconnected(d))).unwrap_err(),
+            out_of_range("worker_id", 70_000, 0, 65_535)
+        );
+
+        let p = RequestProgress {
+            worker_id: 1,
+            incarnation: 1,
+            request_id: "r".into(),
+            prompt_tokens: 0,
+            generated_tokens: 3,
+            finished: true,
+        };
+        let v = ValidTelemetryChange::try_from(change(Kind::RequestProgress(p.clone()))).unwrap();
+        assert!(matches!(
+            v,
+            ValidTelemetryChange::RequestProgress { ref progress, .. }
+                if progress.finished && progress.generated_tokens == 3
+        ));
+        let mut bad = p;
+        bad.generated_tokens = MAX_TOKENS + 1;
+        assert!(ValidTelemetryChange::try_from(change(Kind::RequestProgress(bad))).is_err());
+
+        let s = WorkerSync {
+            worker_id: 1,
+            incarnation: 1,
+            request_ids: vec!["a".into(), "a".into()],
+        };
+        assert!(matches!(
+            ValidTelemetryChange::try_from(change(Kind::WorkerSync(s))),
+            Err(ValidationError::Duplicate { .. })
+        ));
+        let s = WorkerSync {
+            worker_id: 1,
+            incarnation: 1,
+            request_ids: vec![],
+        };
+        assert!(ValidTelemetryChange::try_from(change(Kind::WorkerSync(s))).is_ok());
+
+        assert_eq!(
+            ValidTelemetryChange::try_from(v1::TelemetryChange { kind: None }).unwrap_err(),
+            ValidationError::Missing {
+                field: "TelemetryChange.kind"
+            }
+        );
     }
 
     #[test]

@@ -401,6 +401,41 @@ mod tests {
     }
 
     #[test]
+    fn help_is_reported_not_swallowed() {
+        let err = parse(&["--help"]).unwrap_err();
+        let ConfigError::Clap(e) = err else {
+            panic!("expected a clap error")
+        };
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp);
+        let help = e.to_string();
+        assert!(help.contains("BALANCEROUTE_SHUTDOWN_GRACE"), "{help}");
+    }
+
+    #[test]
+    fn a_required_flag_may_come_from_the_file() {
+        #[derive(Debug, Parser)]
+        struct Req {
+            #[command(flatten)]
+            common: CommonArgs,
+            #[arg(long, env = "BALANCEROUTE_TEST_UPSTREAM")]
+            test_upstream: String,
+        }
+        impl Validate for Req {
+            fn validate(&self) -> Result<(), String> {
+                self.common.validate()
+            }
+        }
+        assert!(matches!(
+            parse_from::<Req, _, _>(["br-test"]),
+            Err(ConfigError::Clap(_))
+        ));
+        let f = file("test_upstream = \"http://127.0.0.1:8000\"\n");
+        let r: Req = parse_from(["br-test", "--config", f.path().to_str().unwrap()]).unwrap();
+        assert_eq!(r.test_upstream, "http://127.0.0.1:8000");
+        assert_eq!(r.common.config.as_deref(), Some(f.path()));
+    }
+
+    #[test]
     fn unknown_key_is_an_error() {
         let f = file("test_nmae = \"typo\"\n");
         let err = parse(&["--config", f.path().to_str().unwrap()]).unwrap_err();
