@@ -177,59 +177,104 @@ pub fn load_window(outcomes: &[RunOutcome]) -> std::ops::Range<usize> {
     start..start + LOAD_WINDOW_STEPS
 }
 
+/// A table row: the JSON report and the steady-state extras.
+pub type Row = (RunReport, SteadyExtra);
+
+/// The seeds a sweep runs (`--seeds`, else `--seed`).
+fn sweep_seeds(args: &SweepArgs) -> Vec<u64> {
+    if args.seeds.is_empty() {
+        vec![args.run.seed]
+    } else {
+        args.seeds.clone()
+    }
+}
+
+/// Averages rows run with different seeds (every seed yields the same rows in the same order).
+pub fn average_rows(per_seed: &[Vec<Row>]) -> Vec<Row> {
+    let Some(first) = per_seed.first() else {
+        return Vec::new();
+    };
+    let k = per_seed.len() as f64;
+    (0..first.len())
+        .map(|i| {
+            let mean =
+                |f: &dyn Fn(&Row) -> f64| per_seed.iter().map(|rows| f(&rows[i])).sum::<f64>() / k;
+            let (r0, _) = &first[i];
+            (
+                RunReport {
+                    policy: r0.policy.clone(),
+                    workers: r0.workers,
+                    avg_imbalance: mean(&|r| r.0.avg_imbalance),
+                    avg_barrier_idle: mean(&|r| r.0.avg_barrier_idle),
+                    throughput_tok_s: mean(&|r| r.0.throughput_tok_s),
+                    steady_throughput_tok_s: mean(&|r| r.0.steady_throughput_tok_s),
+                    fluid_throughput_tok_s: mean(&|r| r.0.fluid_throughput_tok_s),
+                    tpot_p50_ms: mean(&|r| r.0.tpot_p50_ms),
+                    tpot_p95_ms: mean(&|r| r.0.tpot_p95_ms),
+                    mean_queue_ms: mean(&|r| r.0.mean_queue_ms),
+                    steps: mean(&|r| r.0.steps as f64).round() as u64,
+                    requests: mean(&|r| r.0.requests as f64).round() as u64,
+                },
+                SteadyExtra {
+                    fluid_tok_s: mean(&|r| r.1.fluid_tok_s),
+                    imbalance: mean(&|r| r.1.imbalance),
+                },
+            )
+        })
+        .collect()
+}
+
 fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
-    let run = &args.run;
-    let specs = parse_policies(run)?;
-    if let Some(param) = &args.param {
-        return param_sweep(args, &specs, param);
-    }
-    let per_worker = args.per_worker.or(match run.synthetic() {
-        Some(SynthKind::PaperAzure) => Some(1250),
-        Some(SynthKind::PaperProp) => Some(1000),
-        None => None,
-    });
-    let mut runs: Vec<RunReport> = Vec::new();
-    let mut steady = Vec::new();
+    let seeds = sweep_seeds(args);
     let started = Instant::now();
-    for &g in &args.workers_list {
-        anyhow::ensure!(
-            (1..=1024).contains(&g),
-            "--workers-list: G={g} is out of range"
-        );
-        let w = run.workload_sized(per_worker.map(|n| n * g as usize))?;
-        println!("{}", describe(&w, run, Some(g)));
-        let cfg = engine_config(run, g, false);
-        for spec in &specs {
-            let o = run_one(&w, spec, &spec.label, &cfg)?;
-            steady.push(o.steady_extra());
-            runs.push(o.report);
-        }
+    let mut per_seed = Vec::with_capacity(seeds.len());
+    let mut per_worker = None;
+    for &seed in &seeds {
+        let mut run = args.run.clone();
+        run.seed = seed;
+        let rows = if let Some(param) = &args.param {
+            param_rows(&run, param)?
+        } else {
+            let (rows, pw) = g_rows(args, &run)?;
+            per_worker = pw;
+            rows
+        };
+        per_seed.push(rows);
     }
+    let rows = average_rows(&per_seed);
     eprintln!(
         "  {} runs in {:.2} s",
-        runs.len(),
+        rows.len() * seeds.len(),
         started.elapsed().as_secs_f64()
     );
+    if seeds.len() > 1 {
+        println!("averaged over {} seeds: {:?}", seeds.len(), seeds);
+    }
+    let (runs, steady): (Vec<RunReport>, Vec<SteadyExtra>) = rows.into_iter().unzip();
     print!("{}", render_table(&runs, &steady));
-    let points = scaling_points(&runs);
+    let report = Report { runs };
+    if let Some(path) = &args.run.json {
+        report
+            .write_json(path)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.param.is_some() {
+        return Ok(());
+    }
+    let points = scaling_points(&report.runs);
     for p in &points {
         println!(
             "G={:<3} {:<20} gain {:+6.1}%  steady gain {:+6.1}%  imbalance {:.0}",
             p.workers, p.policy, p.gain_pct, p.steady_gain_pct, p.avg_imbalance
         );
     }
-    let report = Report { runs };
-    if let Some(path) = &run.json {
-        report
-            .write_json(path)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    if let Some(dir) = &run.plot {
+    if let Some(dir) = &args.run.plot {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let path = dir.join("scaling.svg");
+        let run = &args.run;
         let name = run.trace.as_deref().unwrap_or("trace");
         let title = format!(
-            "Scaling with G: {}{} (B = {}, {})",
+            "Scaling with G: {}{} (B = {}, {}{})",
             name,
             if run.synthetic().is_some() {
                 " (synthetic)"
@@ -240,12 +285,68 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
             match per_worker {
                 Some(n) => format!("{n} requests per worker"),
                 None => "same trace at every G".into(),
+            },
+            if seeds.len() > 1 {
+                format!(", mean of {} seeds", seeds.len())
+            } else {
+                String::new()
             }
         );
         plot_scaling(&path, &title, &points)?;
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The G sweep for one seed; also returns the requests per worker used.
+fn g_rows(args: &SweepArgs, run: &RunArgs) -> anyhow::Result<(Vec<Row>, Option<usize>)> {
+    let specs = parse_policies(run)?;
+    let per_worker = args.per_worker.or(match run.synthetic() {
+        Some(SynthKind::PaperAzure) => Some(1250),
+        Some(SynthKind::PaperProp) => Some(1000),
+        None => None,
+    });
+    let mut rows = Vec::new();
+    for &g in &args.workers_list {
+        anyhow::ensure!(
+            (1..=1024).contains(&g),
+            "--workers-list: G={g} is out of range"
+        );
+        let w = run.workload_sized(per_worker.map(|n| n * g as usize))?;
+        println!("{}", describe(&w, run, Some(g)));
+        let cfg = engine_config(run, g, false);
+        for spec in &specs {
+            let o = run_one(&w, spec, &spec.label, &cfg)?;
+            rows.push((o.report.clone(), o.steady_extra()));
+        }
+    }
+    Ok((rows, per_worker))
+}
+
+/// The parameter sweep for one seed: baselines once, each BR policy once per value.
+fn param_rows(run: &RunArgs, param: &str) -> anyhow::Result<Vec<Row>> {
+    let specs = parse_policies(run)?;
+    let (key, values) = parse_sweep_param(param).map_err(anyhow::Error::msg)?;
+    let w = run.workload()?;
+    println!("{}", describe(&w, run, Some(run.workers)));
+    println!("sweeping {key} over {}", values.join(", "));
+    let cfg = engine_config(run, run.workers, false);
+    let mut rows = Vec::new();
+    for spec in specs.iter().filter(|s| !s.is_balance_route()) {
+        let o = run_one(&w, spec, &spec.label, &cfg)?;
+        rows.push((o.report.clone(), o.steady_extra()));
+    }
+    for spec in specs.iter().filter(|s| s.is_balance_route()) {
+        for v in &values {
+            let mut s = spec.clone();
+            set_param(&mut s.config, &key, v)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", spec.label))?;
+            let label = format!("{}[{key}={v}]", spec.label);
+            let o = run_one(&w, &s, &label, &cfg)?;
+            rows.push((o.report.clone(), o.steady_extra()));
+        }
+    }
+    Ok(rows)
 }
 
 /// Gains of every policy over the best baseline (by whole-run throughput) at the same G,
@@ -288,40 +389,6 @@ pub fn scaling_points(runs: &[RunReport]) -> Vec<ScalingPoint> {
     out
 }
 
-fn param_sweep(args: &SweepArgs, specs: &[PolicySpec], param: &str) -> anyhow::Result<()> {
-    let run = &args.run;
-    let (key, values) = parse_sweep_param(param).map_err(anyhow::Error::msg)?;
-    let w = run.workload()?;
-    println!("{}", describe(&w, run, Some(run.workers)));
-    println!("sweeping {key} over {}", values.join(", "));
-    let cfg = engine_config(run, run.workers, false);
-    let mut runs = Vec::new();
-    let mut steady = Vec::new();
-    for spec in specs.iter().filter(|s| !s.is_balance_route()) {
-        let o = run_one(&w, spec, &spec.label, &cfg)?;
-        steady.push(o.steady_extra());
-        runs.push(o.report);
-    }
-    for spec in specs.iter().filter(|s| s.is_balance_route()) {
-        for v in &values {
-            let mut s = spec.clone();
-            set_param(&mut s.config, &key, v)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", spec.label))?;
-            let label = format!("{}[{key}={v}]", spec.label);
-            let o = run_one(&w, &s, &label, &cfg)?;
-            steady.push(o.steady_extra());
-            runs.push(o.report);
-        }
-    }
-    print!("{}", render_table(&runs, &steady));
-    if let Some(path) = &run.json {
-        Report { runs }
-            .write_json(path)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
-}
-
 fn calibrate_cmd(args: &CalibrateArgs) -> anyhow::Result<()> {
     let fit = calibrate::calibrate_file(&args.samples, args.strict)?;
     print!("{}", fit.render());
@@ -334,4 +401,72 @@ fn calibrate_cmd(args: &CalibrateArgs) -> anyhow::Result<()> {
 fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(value)?;
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn row(policy: &str, g: usize, tput: f64, imb: f64) -> Row {
+        (
+            RunReport {
+                policy: policy.into(),
+                workers: g,
+                avg_imbalance: imb,
+                avg_barrier_idle: 0.0,
+                throughput_tok_s: tput,
+                steady_throughput_tok_s: tput,
+                fluid_throughput_tok_s: tput * 1.1,
+                tpot_p50_ms: 1.0,
+                tpot_p95_ms: 2.0,
+                mean_queue_ms: 0.0,
+                steps: 10,
+                requests: 5,
+            },
+            SteadyExtra {
+                fluid_tok_s: tput * 1.1,
+                imbalance: imb,
+            },
+        )
+    }
+
+    #[test]
+    fn averaging_and_scaling_points() {
+        let a = vec![row("jsq", 8, 100.0, 10.0), row("br0", 8, 110.0, 2.0)];
+        let b = vec![row("jsq", 8, 200.0, 30.0), row("br0", 8, 210.0, 4.0)];
+        let avg = average_rows(&[a, b]);
+        assert_eq!(avg[0].0.throughput_tok_s, 150.0);
+        assert_eq!(avg[1].0.avg_imbalance, 3.0);
+        assert_eq!(avg[1].1.imbalance, 3.0);
+        let runs: Vec<RunReport> = avg.into_iter().map(|r| r.0).collect();
+        let pts = scaling_points(&runs);
+        assert_eq!(pts.len(), 2);
+        assert_eq!(pts[0].policy, "best baseline");
+        assert!((pts[1].gain_pct - 100.0 * (160.0 / 150.0 - 1.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn load_window_is_inside_the_common_steady_span() {
+        let out = |steps: u64, wait: std::ops::Range<usize>| RunOutcome {
+            report: RunReport {
+                steps,
+                ..row("x", 8, 1.0, 1.0).0
+            },
+            loads: None,
+            waiting_steps: wait,
+            wall: Duration::ZERO,
+            steady_fluid_tok_s: 0.0,
+            steady_imbalance: 0.0,
+        };
+        assert_eq!(
+            load_window(&[out(10_000, 0..5000), out(9000, 100..6000)]),
+            1800..3300
+        );
+        assert_eq!(load_window(&[out(1000, 0..0)]), 0..1000);
+        assert_eq!(
+            load_window(&[out(5000, 0..0), out(4000, 0..100)]),
+            1250..2750
+        );
+    }
 }

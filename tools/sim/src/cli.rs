@@ -132,6 +132,10 @@ pub struct SweepArgs {
     /// gate). Baselines run once, as the reference.
     #[arg(long, value_name = "NAME=V1,V2,...")]
     pub param: Option<String>,
+    /// Run every point with each of these seeds and report the mean (synthetic workloads,
+    /// Poisson arrivals and randomised policies change with the seed). Default: `--seed`.
+    #[arg(long, value_delimiter = ',', value_name = "S1,S2,...")]
+    pub seeds: Vec<u64>,
 }
 
 /// Flags of `calibrate`.
