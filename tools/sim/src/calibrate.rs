@@ -297,6 +297,20 @@ mod tests {
     }
 
     #[test]
+    fn fixture_fits_its_generating_line() {
+        // tests/fixtures/step_samples.csv: T = 1.8e-4·x + 27 + N(0, 1.5) with three bad rows
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/step_samples.csv");
+        let f = calibrate_file(&p, false).expect("fit");
+        let lines: Vec<u64> = f.rejected.iter().map(|r| r.line).collect();
+        assert_eq!(lines, vec![13, 26, 31]);
+        assert_eq!(f.samples, 40);
+        assert!((f.a - 1.8e-4).abs() < 0.05 * 1.8e-4, "{f:?}");
+        assert!((f.b - 27.0).abs() < 1.5, "{f:?}");
+        assert!(f.r2 > 0.99, "{f:?}");
+        assert!(calibrate_file(&p, true).is_err());
+    }
+
+    #[test]
     fn file_roundtrip() {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path().join("samples.csv");
