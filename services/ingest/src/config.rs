@@ -1,0 +1,165 @@
+//! br-ingest's flags (each also `BALANCEROUTE_<FLAG>`, and settable from `--config FILE`).
+
+use std::time::Duration;
+
+use br_proto::valid::{GroupId, limits};
+use br_runtime::config::{CommonArgs, Validate};
+use clap::Parser;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:50062";
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9062";
+pub const DEFAULT_SNAPSHOT_ADDR: &str = "http://127.0.0.1:50061";
+pub const DEFAULT_BATCH_INTERVAL: &str = "2ms";
+pub const DEFAULT_MAX_BUFFERED: usize = 65_536;
+pub const DEFAULT_MAX_UPDATES_PER_MESSAGE: usize = limits::MAX_UPDATES_PER_PROGRESS;
+pub const DEFAULT_MAX_EVENTS_PER_SEC_PER_STREAM: u32 = 250_000;
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 8 << 20;
+
+/// br-ingest: terminates the workers' telemetry streams (Telemetry.Report), validates them,
+/// and streams coalesced change batches to the snapshot service (Snapshot.Apply).
+#[derive(Debug, Clone, Parser)]
+#[command(name = "br-ingest", version)]
+#[command(mut_arg("listen", |a| a.default_value(DEFAULT_LISTEN)))]
+#[command(mut_arg("admin_listen", |a| a.default_value(DEFAULT_ADMIN_LISTEN)))]
+pub struct Args {
+    #[command(flatten)]
+    pub common: CommonArgs,
+
+    /// The snapshot service's URL.
+    #[arg(long, env = "BALANCEROUTE_SNAPSHOT_ADDR", default_value = DEFAULT_SNAPSHOT_ADDR)]
+    pub snapshot_addr: String,
+
+    /// How long changes are coalesced before one batch per group is sent (e.g. 2ms).
+    #[arg(long, env = "BALANCEROUTE_BATCH_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_BATCH_INTERVAL)]
+    pub batch_interval: Duration,
+
+    /// Most distinct requests waiting in the coalescing buffer (while the snapshot service is
+    /// slow or away). Past it the oldest progress is dropped and its workers are asked for a
+    /// full state.
+    #[arg(long, env = "BALANCEROUTE_MAX_BUFFERED", default_value_t = DEFAULT_MAX_BUFFERED)]
+    pub max_buffered: usize,
+
+    /// Most request updates in one Progress message (at most 16384, the contract's limit).
+    #[arg(long, env = "BALANCEROUTE_MAX_UPDATES_PER_MESSAGE", default_value_t = DEFAULT_MAX_UPDATES_PER_MESSAGE)]
+    pub max_updates_per_message: usize,
+
+    /// Rate limit per stream, in progress events per second (token bucket; the burst is one
+    /// second's worth, or one full message if larger).
+    #[arg(long, env = "BALANCEROUTE_MAX_EVENTS_PER_SEC_PER_STREAM", default_value_t = DEFAULT_MAX_EVENTS_PER_SEC_PER_STREAM)]
+    pub max_events_per_sec_per_stream: u32,
+
+    /// Largest telemetry message accepted, in bytes (larger ones end the stream with
+    /// RESOURCE_EXHAUSTED).
+    #[arg(long, env = "BALANCEROUTE_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
+
+    /// Groups this ingest accepts (comma-separated); any group when empty. A Hello for
+    /// another group is refused with PERMISSION_DENIED.
+    #[arg(long, env = "BALANCEROUTE_GROUPS", value_delimiter = ',')]
+    pub groups: Vec<String>,
+}
+
+impl Validate for Args {
+    fn validate(&self) -> Result<(), String> {
+        self.common.validate()?;
+        if !(self.snapshot_addr.starts_with("http://")
+            || self.snapshot_addr.starts_with("https://"))
+        {
+            return Err(format!(
+                "--snapshot-addr {:?} must start with http:// or https://",
+                self.snapshot_addr
+            ));
+        }
+        if self.batch_interval < Duration::from_micros(100)
+            || self.batch_interval > Duration::from_secs(1)
+        {
+            return Err("--batch-interval must be in 100us..=1s".into());
+        }
+        if self.max_buffered == 0 {
+            return Err("--max-buffered must be at least 1".into());
+        }
+        if self.max_updates_per_message == 0
+            || self.max_updates_per_message > limits::MAX_UPDATES_PER_PROGRESS
+        {
+            return Err(format!(
+                "--max-updates-per-message must be in 1..={}",
+                limits::MAX_UPDATES_PER_PROGRESS
+            ));
+        }
+        if self.max_events_per_sec_per_stream == 0 {
+            return Err("--max-events-per-sec-per-stream must be at least 1".into());
+        }
+        if self.max_message_bytes < 4096 {
+            return Err("--max-message-bytes must be at least 4096".into());
+        }
+        for g in &self.groups {
+            GroupId::new(g).map_err(|e| format!("--groups: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use br_runtime::config::{check_env_names, parse_from};
+    use clap::CommandFactory;
+
+    #[test]
+    fn defaults_follow_the_conventions() {
+        let a: Args = parse_from(["br-ingest"]).unwrap();
+        assert_eq!(a.common.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(a.common.admin_listen.to_string(), DEFAULT_ADMIN_LISTEN);
+        assert_eq!(a.snapshot_addr, DEFAULT_SNAPSHOT_ADDR);
+        assert_eq!(a.batch_interval, Duration::from_millis(2));
+        assert!(a.groups.is_empty());
+        assert_eq!(check_env_names(&Args::command()), Ok(()));
+    }
+
+    #[test]
+    fn flags_file_and_validation() {
+        let a: Args = parse_from([
+            "br-ingest",
+            "--groups",
+            "g0,g1",
+            "--batch-interval",
+            "5ms",
+            "--max-buffered",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(a.groups, vec!["g0", "g1"]);
+        assert_eq!(a.batch_interval, Duration::from_millis(5));
+        assert_eq!(a.max_buffered, 10);
+
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(
+            &mut f,
+            b"groups = [\"a\"]\nmax-updates-per-message = 64\nsnapshot_addr = \"http://x:1\"\n",
+        )
+        .unwrap();
+        let a: Args = parse_from([
+            "br-ingest",
+            "--config",
+            f.path().to_str().unwrap(),
+            "--snapshot-addr",
+            "http://y:2",
+        ])
+        .unwrap();
+        assert_eq!(a.groups, vec!["a"]);
+        assert_eq!(a.max_updates_per_message, 64);
+        assert_eq!(a.snapshot_addr, "http://y:2", "flags beat the file");
+
+        for bad in [
+            vec!["br-ingest", "--max-updates-per-message", "16385"],
+            vec!["br-ingest", "--max-buffered", "0"],
+            vec!["br-ingest", "--batch-interval", "0s"],
+            vec!["br-ingest", "--snapshot-addr", "127.0.0.1:1"],
+            vec!["br-ingest", "--max-events-per-sec-per-stream", "0"],
+            vec!["br-ingest", "--groups", ""],
+        ] {
+            assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
+        }
+    }
+}

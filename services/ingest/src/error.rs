@@ -1,0 +1,137 @@
+//! Ingest's errors: the ones that end a telemetry stream (each maps to one gRPC status, in one
+//! place) and the ones that stop the service from starting.
+
+use br_proto::ValidationError;
+use br_runtime::error::ServiceError;
+
+/// Why a telemetry stream is ended by the server. Per-message problems do not end the stream
+/// (they are acked REJECTED, see [`crate::session::Rejection`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// The first message is not a Hello.
+    #[error("the first message on a Report stream must be a Hello")]
+    FirstNotHello,
+    /// The Hello (first or repeated) failed validation.
+    #[error("invalid Hello: {0}")]
+    InvalidHello(ValidationError),
+    /// The group is not in `--groups`.
+    #[error("group {0:?} is not served by this ingest")]
+    GroupNotAllowed(String),
+    /// A second Hello names another identity than the first.
+    #[error(
+        "a second Hello on this stream claims worker {worker_id} incarnation {incarnation} of group {group:?}; a stream carries one worker identity"
+    )]
+    IdentityChanged {
+        group: String,
+        worker_id: u32,
+        incarnation: u64,
+    },
+    /// Another live stream holds the same identity.
+    #[error(
+        "worker {worker_id} incarnation {incarnation} of group {group:?} is already connected on another stream"
+    )]
+    AlreadyConnected {
+        group: String,
+        worker_id: u32,
+        incarnation: u64,
+    },
+    /// The worker kept sending above its rate limit.
+    #[error("rate limit exceeded for too long ({limit} progress events/s per stream)")]
+    Flood { limit: u32 },
+    /// A message above `--max-message-bytes`.
+    #[error("message too large: {0}")]
+    MessageTooLarge(String),
+    /// The server is shutting down.
+    #[error("ingest is shutting down; reconnect and send Hello and a full state again")]
+    ShuttingDown,
+}
+
+impl ServiceError for StreamError {
+    fn grpc_code(&self) -> tonic::Code {
+        use tonic::Code;
+        match self {
+            StreamError::FirstNotHello => Code::FailedPrecondition,
+            StreamError::InvalidHello(_) | StreamError::IdentityChanged { .. } => {
+                Code::InvalidArgument
+            }
+            StreamError::GroupNotAllowed(_) => Code::PermissionDenied,
+            StreamError::AlreadyConnected { .. } => Code::AlreadyExists,
+            StreamError::Flood { .. } | StreamError::MessageTooLarge(_) => Code::ResourceExhausted,
+            StreamError::ShuttingDown => Code::Unavailable,
+        }
+    }
+
+    fn reason(&self) -> &'static str {
+        match self {
+            StreamError::FirstNotHello => "first_not_hello",
+            StreamError::InvalidHello(_) => "invalid_hello",
+            StreamError::GroupNotAllowed(_) => "group_not_allowed",
+            StreamError::IdentityChanged { .. } => "identity_changed",
+            StreamError::AlreadyConnected { .. } => "already_connected",
+            StreamError::Flood { .. } => "flood",
+            StreamError::MessageTooLarge(_) => "message_too_large",
+            StreamError::ShuttingDown => "shutting_down",
+        }
+    }
+}
+
+/// Why ingest could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("binding {what}: {source}")]
+    Bind {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("--snapshot-addr {addr:?}: {reason}")]
+    SnapshotAddr { addr: String, reason: String },
+    #[error("registering metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_stream_error_has_its_code() {
+        use tonic::Code;
+        let cases = [
+            (StreamError::FirstNotHello, Code::FailedPrecondition),
+            (
+                StreamError::InvalidHello(ValidationError::Empty { field: "group" }),
+                Code::InvalidArgument,
+            ),
+            (
+                StreamError::GroupNotAllowed("x".into()),
+                Code::PermissionDenied,
+            ),
+            (
+                StreamError::IdentityChanged {
+                    group: "g".into(),
+                    worker_id: 1,
+                    incarnation: 2,
+                },
+                Code::InvalidArgument,
+            ),
+            (
+                StreamError::AlreadyConnected {
+                    group: "g".into(),
+                    worker_id: 1,
+                    incarnation: 2,
+                },
+                Code::AlreadyExists,
+            ),
+            (StreamError::Flood { limit: 5 }, Code::ResourceExhausted),
+            (
+                StreamError::MessageTooLarge("x".into()),
+                Code::ResourceExhausted,
+            ),
+            (StreamError::ShuttingDown, Code::Unavailable),
+        ];
+        for (e, code) in cases {
+            assert_eq!(e.to_status().code(), code, "{e}");
+            assert!(!e.reason().is_empty());
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! The forwarder: one task owns the coalescing buffer, fed by every stream through a bounded
+//! channel, and sends one `ChangeBatch` per group per tick over ONE long-lived `Snapshot.Apply`
+//! stream. A second task (the link) keeps that stream up: it connects with backoff, reads the
+//! ApplyAcks and reports up/down/new-epoch to the forwarder.
+//!
+//! A stalled snapshot service never blocks a stream: the forwarder stops sending once
+//! `MAX_INFLIGHT` batches are unacknowledged and keeps coalescing; past `max_buffered` distinct
+//! requests it drops the oldest progress and asks those workers for a full state. On every
+//! (re)connect, and when an ack shows a new epoch, it re-sends every live worker's Hello first
+//! and asks every worker for a full state, so σ is rebuilt.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use br_proto::v1;
+use br_proto::valid::GroupId;
+use br_runtime::admin::Readiness;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::change::Change;
+use crate::coalesce::{Coalescer, into_batches};
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+
+/// Most changes in one ChangeBatch (keeps each message well under 4 MiB).
+pub const MAX_CHANGES_PER_BATCH: usize = 4096;
+/// Most unacknowledged batches on the Apply stream.
+pub const MAX_INFLIGHT: u64 = 64;
+/// Capacity of the channel from the streams to the forwarder (messages, not changes).
+pub const INPUT_QUEUE: usize = 4096;
+/// Batches queued towards the Apply stream.
+const LINK_QUEUE: usize = 16;
+const BACKOFF_INITIAL: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// The changes of one telemetry message.
+#[derive(Debug)]
+pub struct Input {
+    pub group: GroupId,
+    pub changes: Vec<Change>,
+}
+
+/// Forwarder settings.
+#[derive(Debug, Clone)]
+pub struct ForwarderConfig {
+    pub snapshot_addr: String,
+    pub batch_interval: Duration,
+    pub max_buffered: usize,
+}
+
+/// What the streams need from the forwarder.
+#[derive(Debug, Clone)]
+pub struct ForwarderHandle {
+    /// Where streams send their changes.
+    pub tx: mpsc::Sender<Input>,
+    /// Whether the Apply stream is up (acks say OK, else BUFFERED).
+    pub connected: Arc<AtomicBool>,
+}
+
+enum LinkEvent {
+    Up {
+        tx: mpsc::Sender<v1::ChangeBatch>,
+        acked: Arc<AtomicU64>,
+    },
+    NewEpoch(u64),
+    Down,
+}
+
+struct Link {
+    tx: mpsc::Sender<v1::ChangeBatch>,
+    acked: Arc<AtomicU64>,
+    sent: u64,
+}
+
+/// Starts the forwarder and its link; both stop when `shutdown` is cancelled.
+pub fn spawn(
+    cfg: ForwarderConfig,
+    registry: Registry,
+    metrics: Metrics,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> Result<(ForwarderHandle, JoinHandle<()>), tonic::transport::Error> {
+    let endpoint = tonic::transport::Endpoint::from_shared(cfg.snapshot_addr.clone())?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5));
+    let (in_tx, in_rx) = mpsc::channel(INPUT_QUEUE);
+    let (ev_tx, ev_rx) = mpsc::channel(8);
+    let connected = Arc::new(AtomicBool::new(false));
+    let link = tokio::spawn(run_link(endpoint, ev_tx, metrics.clone(), shutdown.clone()));
+    let fwd = Forwarder {
+        buf: Coalescer::new(cfg.max_buffered),
+        pending: VecDeque::new(),
+        pending_changes: 0,
+        link: None,
+        registry,
+        metrics,
+        readiness,
+        connected: connected.clone(),
+    };
+    let task = tokio::spawn(async move {
+        fwd.run(in_rx, ev_rx, cfg.batch_interval, shutdown).await;
+        let _ = link.await;
+    });
+    Ok((
+        ForwarderHandle {
+            tx: in_tx,
+            connected,
+        },
+        task,
+    ))
+}
+
+struct Forwarder {
+    buf: Coalescer,
+    /// Batches taken from `buf` but not yet sent (batch_seq is given when sent).
+    pending: VecDeque<(GroupId, Vec<Change>)>,
+    pending_changes: usize,
+    link: Option<Link>,
+    registry: Registry,
+    metrics: Metrics,
+    readiness: Readiness,
+    connected: Arc<AtomicBool>,
+}
+
+impl Forwarder {
+    async fn run(
+        mut self,
+        mut inputs: mpsc::Receiver<Input>,
+        mut events: mpsc::Receiver<LinkEvent>,
+        interval: Duration,
+        shutdown: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut batch: Vec<Input> = Vec::with_capacity(256);
+        let mut dropped = Vec::new();
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => {
+                    // Best effort: what can go out now goes out.
+                    while let Ok(input) = inputs.try_recv() {
+                        self.absorb(input, &mut dropped);
+                    }
+                    self.flush();
+                    self.set_connected(false);
+                    return;
+                }
+                ev = events.recv() => match ev {
+                    Some(ev) => self.on_link(ev),
+                    None => return,
+                },
+                n = inputs.recv_many(&mut batch, 256) => {
+                    if n == 0 {
+                        return;
+                    }
+                    for input in batch.drain(..) {
+                        self.absorb(input, &mut dropped);
+                    }
+                }
+                _ = tick.tick() => self.flush(),
+            }
+            if !dropped.is_empty() {
+                self.metrics.dropped_changes.inc_by(dropped.len() as u64);
+                dropped.sort_unstable();
+                dropped.dedup();
+                for w in dropped.drain(..) {
+                    self.registry.request_full_state(&w);
+                }
+            }
+            self.metrics
+                .buffered_changes
+                .set((self.buf.len() + self.pending_changes) as i64);
+        }
+    }
+
+    fn absorb(&mut self, input: Input, dropped: &mut Vec<crate::coalesce::WorkerRef>) {
+        for c in input.changes {
+            self.buf.push(&input.group, c, dropped);
+        }
+    }
+
+    fn set_connected(&self, up: bool) {
+        self.connected.store(up, Ordering::Relaxed);
+        self.readiness.set(up);
+        self.metrics.snapshot_connected.set(i64::from(up));
+    }
+
+    fn on_link(&mut self, ev: LinkEvent) {
+        match ev {
+            LinkEvent::Up { tx, acked } => {
+                tracing::info!("Apply stream to the snapshot service is up");
+                self.link = Some(Link { tx, acked, sent: 0 });
+                self.resync();
+                self.set_connected(true);
+                self.flush();
+            }
+            LinkEvent::NewEpoch(epoch) => {
+                tracing::info!(epoch, "snapshot service has a new epoch; rebuilding σ");
+                self.resync();
+                self.flush();
+            }
+            LinkEvent::Down => {
+                tracing::warn!("Apply stream to the snapshot service is down; buffering");
+                self.link = None;
+                self.set_connected(false);
+            }
+        }
+    }
+
+    /// Every live worker's Hello goes first, and every worker is asked for a full state.
+    fn resync(&mut self) {
+        let mut by_group: Vec<(GroupId, Vec<Change>)> = Vec::new();
+        for h in self.registry.live_hellos() {
+            let c = Change::hello(&h);
+            match by_group.iter_mut().find(|(g, _)| *g == h.group) {
+                Some((_, v)) => v.push(c),
+                None => by_group.push((h.group.clone(), vec![c])),
+            }
+        }
+        for (g, changes) in by_group.into_iter().rev() {
+            self.pending_changes += changes.len();
+            self.pending.push_front((g, changes));
+        }
+        self.registry.request_full_state_all();
+    }
+
+    /// Sends what the link can take now: prepared batches first, then the buffer.
+    fn flush(&mut self) {
+        let Some(link) = self.link.as_mut() else {
+            return;
+        };
+        loop {
+            if self.pending.is_empty() {
+                if self.buf.is_empty() {
+                    return;
+                }
+                let taken = self.buf.take(MAX_CHANGES_PER_BATCH * 4);
+                for b in into_batches(taken, MAX_CHANGES_PER_BATCH) {
+                    self.pending_changes += b.1.len();
+                    self.pending.push_back(b);
+                }
+            }
+            while let Some((group, changes)) = self.pending.front() {
+                let inflight = link.sent.saturating_sub(link.acked.load(Ordering::Relaxed));
+                if inflight >= MAX_INFLIGHT || link.tx.capacity() == 0 {
+                    return;
+                }
+                let batch = v1::ChangeBatch {
+                    batch_seq: link.sent + 1,
+                    group: group.as_str().to_owned(),
+                    changes: changes.iter().map(Change::to_wire).collect(),
+                };
+                match link.tx.try_send(batch) {
+                    Ok(()) => {
+                        link.sent += 1;
+                        self.metrics.batches_sent.inc();
+                        if let Some((_, changes)) = self.pending.pop_front() {
+                            self.pending_changes -= changes.len();
+                        }
+                    }
+                    Err(mpsc::error::TrySendError::Full(_)) => return,
+                    Err(mpsc::error::TrySendError::Closed(_)) => {
+                        // The link is going down; its Down event follows.
+                        self.link = None;
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn run_link(
+    endpoint: tonic::transport::Endpoint,
+    events: mpsc::Sender<LinkEvent>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    let mut delay = BACKOFF_INITIAL;
+    loop {
+        if shutdown.is_cancelled() {
+            return;
+        }
+        let up = tokio::select! {
+            r = one_link(&endpoint, &events, &metrics) => r,
+            () = shutdown.cancelled() => return,
+        };
+        if up {
+            delay = BACKOFF_INITIAL;
+            if events.send(LinkEvent::Down).await.is_err() {
+                return;
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = shutdown.cancelled() => return,
+        }
+        delay = (delay * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// Runs one Apply stream until it ends. Returns whether it came up.
+async fn one_link(
+    endpoint: &tonic::transport::Endpoint,
+    events: &mpsc::Sender<LinkEvent>,
+    metrics: &Metrics,
+) -> bool {
+    let channel = match endpoint.connect().await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(error = %e, addr = %endpoint.uri(), "snapshot service unreachable");
+            return false;
+        }
+    };
+    let mut client = v1::snapshot_client::SnapshotClient::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    let (tx, rx) = mpsc::channel(LINK_QUEUE);
+    let mut acks = match client.apply(ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => {
+            tracing::warn!(%status, "Snapshot.Apply refused");
+            return false;
+        }
+    };
+    let acked = Arc::new(AtomicU64::new(0));
+    if events
+        .send(LinkEvent::Up {
+            tx,
+            acked: acked.clone(),
+        })
+        .await
+        .is_err()
+    {
+        return true;
+    }
+    let mut epoch = 0u64;
+    loop {
+        match acks.message().await {
+            Ok(Some(ack)) => {
+                acked.fetch_max(ack.batch_seq, Ordering::Relaxed);
+                if !ack.rejected.is_empty() {
+                    metrics.snapshot_rejected.inc_by(ack.rejected.len() as u64);
+                    tracing::debug!(batch = ack.batch_seq, rejected = ?ack.rejected, "snapshot rejected changes");
+                }
+                if epoch != 0
+                    && ack.epoch != epoch
+                    && events.send(LinkEvent::NewEpoch(ack.epoch)).await.is_err()
+                {
+                    return true;
+                }
+                epoch = ack.epoch;
+            }
+            Ok(None) => {
+                tracing::warn!("snapshot service ended the Apply stream");
+                return true;
+            }
+            Err(status) => {
+                tracing::warn!(%status, "Apply stream failed");
+                return true;
+            }
+        }
+    }
+}

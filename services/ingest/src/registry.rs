@@ -1,0 +1,145 @@
+//! The live workers: one entry per open, Hello'd stream. Used to refuse a second stream for the
+//! same identity, to re-send every live worker's Hello when the snapshot link comes back, and
+//! to ask workers for a full state (the stream picks the flag up on its next ack).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use br_proto::valid::{GroupId, ValidHello};
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
+
+/// (group, worker_id, incarnation).
+pub type WorkerKey = (GroupId, u32, u64);
+
+/// The key of a Hello.
+pub fn key_of(h: &ValidHello) -> WorkerKey {
+    (h.group.clone(), h.worker_id, h.incarnation)
+}
+
+#[derive(Debug)]
+struct Live {
+    stream_id: u64,
+    hello: ValidHello,
+    full_state: Arc<AtomicBool>,
+}
+
+/// Cheap to clone; every clone is the same registry.
+#[derive(Debug, Clone, Default)]
+pub struct Registry {
+    map: Arc<DashMap<WorkerKey, Live>>,
+    next_stream: Arc<AtomicU64>,
+}
+
+/// A registered stream: its id and its "send a full state" flag.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    pub key: WorkerKey,
+    pub stream_id: u64,
+    pub full_state: Arc<AtomicBool>,
+}
+
+impl Registry {
+    /// Registers a stream for `hello`'s identity; `None` if another live stream holds it.
+    pub fn register(&self, hello: &ValidHello) -> Option<Registration> {
+        let key = key_of(hello);
+        match self.map.entry(key.clone()) {
+            Entry::Occupied(_) => None,
+            Entry::Vacant(v) => {
+                let stream_id = self.next_stream.fetch_add(1, Ordering::Relaxed) + 1;
+                let full_state = Arc::new(AtomicBool::new(false));
+                v.insert(Live {
+                    stream_id,
+                    hello: hello.clone(),
+                    full_state: full_state.clone(),
+                });
+                Some(Registration {
+                    key,
+                    stream_id,
+                    full_state,
+                })
+            }
+        }
+    }
+
+    /// Records a repeated Hello's new capacity or endpoint.
+    pub fn update_hello(&self, reg: &Registration, hello: &ValidHello) {
+        if let Some(mut live) = self.map.get_mut(&reg.key)
+            && live.stream_id == reg.stream_id
+        {
+            live.hello = hello.clone();
+        }
+    }
+
+    /// Removes the stream's entry (if it is still this stream's).
+    pub fn unregister(&self, reg: &Registration) {
+        self.map
+            .remove_if(&reg.key, |_, live| live.stream_id == reg.stream_id);
+    }
+
+    /// Asks every live worker for a full state.
+    pub fn request_full_state_all(&self) {
+        for live in self.map.iter() {
+            live.full_state.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Asks one worker for a full state (if it is live).
+    pub fn request_full_state(&self, key: &WorkerKey) {
+        if let Some(live) = self.map.get(key) {
+            live.full_state.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Every live worker's Hello.
+    pub fn live_hellos(&self) -> Vec<ValidHello> {
+        self.map.iter().map(|l| l.hello.clone()).collect()
+    }
+
+    /// Live streams.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn hello(w: u32) -> ValidHello {
+        ValidHello {
+            group: GroupId::new("g").unwrap(),
+            worker_id: w,
+            incarnation: 5,
+            capacity: 1,
+            endpoint: String::new(),
+        }
+    }
+
+    #[test]
+    fn one_stream_per_identity_and_flags() {
+        let r = Registry::default();
+        let a = r.register(&hello(1)).unwrap();
+        assert!(r.register(&hello(1)).is_none(), "same identity twice");
+        let b = r.register(&hello(2)).unwrap();
+        r.request_full_state_all();
+        assert!(a.full_state.swap(false, Ordering::Relaxed));
+        assert!(b.full_state.load(Ordering::Relaxed));
+        r.request_full_state(&a.key);
+        assert!(a.full_state.load(Ordering::Relaxed));
+        assert_eq!(r.live_hellos().len(), 2);
+        r.unregister(&a);
+        assert_eq!(r.len(), 1);
+        let a2 = r.register(&hello(1)).unwrap();
+        r.unregister(&a); // a stale registration does not remove the new stream
+        assert_eq!(r.len(), 2);
+        r.unregister(&a2);
+        r.unregister(&b);
+        assert!(r.is_empty());
+    }
+}

@@ -1,0 +1,308 @@
+//! `Telemetry.Report`: one task per stream drives a [`Session`], acks every message without
+//! waiting for the snapshot service, and hands the changes to the forwarder.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use br_proto::v1;
+use br_proto::v1::worker_report::Kind;
+use br_proto::valid::{GroupId, ValidHello};
+use br_runtime::error::ServiceError as _;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::change::Change;
+use crate::error::StreamError;
+use crate::forward::{ForwarderHandle, Input};
+use crate::metrics::Metrics;
+use crate::registry::{Registration, Registry};
+use crate::session::{Limits, Session, Step};
+
+/// Acks queued towards one worker.
+const ACK_QUEUE: usize = 64;
+/// Longest a stream waits for room in the forwarder's queue before it gives up on a message
+/// (acking it with a full-state request instead): a busy forwarder slows a shim down a little,
+/// never for long.
+const FORWARD_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// The Telemetry service. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct TelemetryService {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    limits: Limits,
+    allowed_groups: Option<HashSet<String>>,
+    registry: Registry,
+    forwarder: ForwarderHandle,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+}
+
+impl TelemetryService {
+    pub fn new(
+        limits: Limits,
+        allowed_groups: Option<HashSet<String>>,
+        registry: Registry,
+        forwarder: ForwarderHandle,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Self {
+        TelemetryService {
+            inner: Arc::new(Inner {
+                limits,
+                allowed_groups,
+                registry,
+                forwarder,
+                metrics,
+                shutdown,
+            }),
+        }
+    }
+}
+
+type AckResult = Result<v1::ReportAck, tonic::Status>;
+
+#[tonic::async_trait]
+impl v1::telemetry_server::Telemetry for TelemetryService {
+    type ReportStream = ReceiverStream<AckResult>;
+
+    async fn report(
+        &self,
+        request: tonic::Request<tonic::Streaming<v1::WorkerReport>>,
+    ) -> Result<tonic::Response<Self::ReportStream>, tonic::Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(ACK_QUEUE);
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            inner.metrics.streams.inc();
+            run_stream(&inner, inbound, tx).await;
+            inner.metrics.streams.dec();
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// tonic reports a message above `max_decoding_message_size` as OUT_OF_RANGE.
+fn is_too_large(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange
+}
+
+impl Inner {
+    async fn end(&self, tx: &mpsc::Sender<AckResult>, e: StreamError) {
+        self.metrics.reject(e.reason());
+        tracing::debug!(error = %e, "ending telemetry stream");
+        let _ = tx.send(Err(e.to_status())).await;
+    }
+
+    /// Hands changes to the forwarder; false if it stayed full for too long.
+    async fn forward(&self, group: &GroupId, changes: Vec<Change>) -> bool {
+        let input = Input {
+            group: group.clone(),
+            changes,
+        };
+        self.forwarder
+            .tx
+            .send_timeout(input, FORWARD_TIMEOUT)
+            .await
+            .is_ok()
+    }
+
+    fn status_ok(&self) -> v1::AckStatus {
+        if self.forwarder.connected.load(Ordering::Relaxed) {
+            v1::AckStatus::Ok
+        } else {
+            v1::AckStatus::Buffered
+        }
+    }
+
+    /// Waits for the Hello and checks it. `None`: the stream is over.
+    async fn accept_hello(
+        &self,
+        inbound: &mut tonic::Streaming<v1::WorkerReport>,
+        tx: &mpsc::Sender<AckResult>,
+    ) -> Option<ValidHello> {
+        let first = tokio::select! {
+            m = inbound.message() => m,
+            () = self.shutdown.cancelled() => {
+                self.end(tx, StreamError::ShuttingDown).await;
+                return None;
+            }
+        };
+        let msg = match first {
+            Ok(Some(m)) => m,
+            Ok(None) => return None,
+            Err(s) if is_too_large(&s) => {
+                self.end(tx, StreamError::MessageTooLarge(s.message().to_owned()))
+                    .await;
+                return None;
+            }
+            Err(_) => return None,
+        };
+        self.metrics.messages.inc();
+        let hello = match msg.kind {
+            Some(Kind::Hello(h)) => match ValidHello::try_from(h) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.end(tx, StreamError::InvalidHello(e)).await;
+                    return None;
+                }
+            },
+            _ => {
+                self.end(tx, StreamError::FirstNotHello).await;
+                return None;
+            }
+        };
+        if let Some(allowed) = &self.allowed_groups
+            && !allowed.contains(hello.group.as_str())
+        {
+            self.end(tx, StreamError::GroupNotAllowed(hello.group.to_string()))
+                .await;
+            return None;
+        }
+        Some(hello)
+    }
+}
+
+async fn run_stream(
+    inner: &Inner,
+    mut inbound: tonic::Streaming<v1::WorkerReport>,
+    tx: mpsc::Sender<AckResult>,
+) {
+    let Some(hello) = inner.accept_hello(&mut inbound, &tx).await else {
+        return;
+    };
+    let Some(reg) = inner.registry.register(&hello) else {
+        inner
+            .end(
+                &tx,
+                StreamError::AlreadyConnected {
+                    group: hello.group.to_string(),
+                    worker_id: hello.worker_id,
+                    incarnation: hello.incarnation,
+                },
+            )
+            .await;
+        return;
+    };
+    tracing::info!(group = %hello.group, worker = hello.worker_id, incarnation = hello.incarnation,
+        capacity = hello.capacity, "worker connected");
+    let group = hello.group.clone();
+    let forwarded = inner.forward(&group, vec![Change::hello(&hello)]).await;
+    if !forwarded {
+        inner.metrics.reject("overloaded");
+    }
+    let ack = v1::ReportAck {
+        seq: 0,
+        status: inner.status_ok() as i32,
+        detail: String::new(),
+        full_state_requested: !forwarded,
+    };
+    if tx.send(Ok(ack)).await.is_ok() {
+        let session = Session::new(hello, inner.limits, Instant::now());
+        serve_session(inner, &mut inbound, &tx, session, &reg).await;
+    }
+
+    inner.registry.unregister(&reg);
+    let (group, worker_id, incarnation) = reg.key.clone();
+    tracing::info!(group = %group, worker = worker_id, incarnation, "worker disconnected");
+    let gone = Change::Disconnected {
+        worker_id,
+        incarnation,
+        at_unix_ms: unix_ms(),
+    };
+    if !inner.forward(&group, vec![gone]).await {
+        // The snapshot service also notices through the worker's missing progress and, on a
+        // restart of this ingest, through the end of the Apply stream.
+        inner.metrics.reject("overloaded");
+        tracing::warn!(group = %group, worker = worker_id, "could not forward a disconnect");
+    }
+}
+
+async fn serve_session(
+    inner: &Inner,
+    inbound: &mut tonic::Streaming<v1::WorkerReport>,
+    tx: &mpsc::Sender<AckResult>,
+    mut session: Session,
+    reg: &Registration,
+) {
+    let group = session.hello().group.clone();
+    loop {
+        let next = tokio::select! {
+            biased;
+            () = inner.shutdown.cancelled() => {
+                inner.end(tx, StreamError::ShuttingDown).await;
+                return;
+            }
+            m = inbound.message() => m,
+        };
+        let msg = match next {
+            Ok(Some(m)) => m,
+            Ok(None) => return,
+            Err(s) if is_too_large(&s) => {
+                inner
+                    .end(tx, StreamError::MessageTooLarge(s.message().to_owned()))
+                    .await;
+                return;
+            }
+            Err(s) => {
+                tracing::debug!(status = %s, "telemetry stream broke");
+                return;
+            }
+        };
+        inner.metrics.messages.inc();
+        let reply = match session.on_message(msg, Instant::now()) {
+            Step::Reply(r) => r,
+            Step::End(e) => {
+                inner.end(tx, e).await;
+                return;
+            }
+        };
+        let mut full_state = reply.full_state_requested;
+        let mut status = reply.status;
+        let mut detail = String::new();
+        if let Some(rej) = reply.rejection {
+            inner.metrics.reject(rej.reason);
+            detail = rej.detail;
+        }
+        if reply.events > 0 {
+            inner.metrics.progress_events.inc_by(reply.events);
+        }
+        if let Some(h) = &reply.new_hello {
+            inner.registry.update_hello(reg, h);
+        }
+        if !reply.changes.is_empty() && !inner.forward(&group, reply.changes).await {
+            inner.metrics.reject("overloaded");
+            full_state = true;
+            status = v1::AckStatus::Buffered;
+            detail =
+                "ingest is overloaded; the state is repaired by the full state asked for".into();
+        }
+        if status == v1::AckStatus::Ok {
+            status = inner.status_ok();
+        }
+        // Taken last, so a request raised while this message was handled is not lost.
+        full_state |= reg.full_state.swap(false, Ordering::Relaxed);
+        let ack = v1::ReportAck {
+            seq: reply.seq,
+            status: status as i32,
+            detail,
+            full_state_requested: full_state,
+        };
+        if tx.send(Ok(ack)).await.is_err() {
+            return;
+        }
+    }
+}
