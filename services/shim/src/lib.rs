@@ -1,1 +1,493 @@
-//! placeholder
+//! `br-shim`: a sidecar reverse proxy in front of one OpenAI-compatible decode rank (vLLM,
+//! SGLang, `br-emu engine`). It forwards every request untouched for the client, reads the
+//! token stream of `/v1/completions` and `/v1/chat/completions` as it passes, and reports each
+//! request's cumulative progress (prompt tokens, generated tokens, finished) to a
+//! [`ProgressSink`], in production the telemetry reporter that streams to ingest.
+//!
+//! - Streaming: where allowed (`--inject-usage`, on by default), the shim asks the engine for
+//!   per-chunk usage (vLLM's `stream_options: {include_usage, continuous_usage_stats}`) and
+//!   removes from each chunk what the client did not ask for, byte-exactly (the member is cut
+//!   out of the JSON text; nothing is re-serialised). Without usage it counts chunks.
+//! - Chunks are forwarded as they arrive; only a chunk that must be trimmed waits for the end
+//!   of its own SSE event.
+//! - The request id is the gateway's `X-Request-Id` header, else the response's `id`.
+//! - A client that goes away, an engine error or a failed upstream call ends the request
+//!   (`finished = true`).
+
+pub mod metrics;
+pub mod report;
+pub mod sse;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::Stream;
+use serde_json::Value;
+
+pub use metrics::ShimMetrics;
+pub use report::{NullSink, ProgressSink, RecordingSink, Report};
+
+/// Largest request body the shim reads to inspect (a long prompt as token ids fits easily).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+
+/// The paths whose responses carry tokens.
+pub const GENERATION_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
+
+/// The proxy's shared state.
+pub struct Shim {
+    client: reqwest::Client,
+    upstream: String,
+    inject_usage: bool,
+    max_body: usize,
+    sink: Arc<dyn ProgressSink>,
+    metrics: ShimMetrics,
+}
+
+impl std::fmt::Debug for Shim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shim")
+            .field("upstream", &self.upstream)
+            .field("inject_usage", &self.inject_usage)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the shim could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ShimError {
+    #[error("--upstream {0:?} must be an http:// URL")]
+    BadUpstream(String),
+    #[error("building the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+impl Shim {
+    /// A shim forwarding to `upstream` (e.g. `http://127.0.0.1:8000`).
+    pub fn new(
+        upstream: &str,
+        inject_usage: bool,
+        sink: Arc<dyn ProgressSink>,
+        metrics: ShimMetrics,
+    ) -> Result<Self, ShimError> {
+        let upstream = upstream.trim_end_matches('/').to_owned();
+        if !(upstream.starts_with("http://") && upstream.len() > "http://".len()) {
+            return Err(ShimError::BadUpstream(upstream));
+        }
+        let client = reqwest::Client::builder()
+            .connect_timeout(std::time::Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .build()?;
+        Ok(Shim {
+            client,
+            upstream,
+            inject_usage,
+            max_body: DEFAULT_MAX_BODY_BYTES,
+            sink,
+            metrics,
+        })
+    }
+
+    pub fn metrics(&self) -> &ShimMetrics {
+        &self.metrics
+    }
+
+    pub fn sink(&self) -> &Arc<dyn ProgressSink> {
+        &self.sink
+    }
+}
+
+/// The proxy's routes: everything goes through [`proxy`].
+pub fn router(shim: Arc<Shim>) -> Router {
+    Router::new().fallback(proxy).with_state(shim)
+}
+
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+fn forward_headers(from: &HeaderMap) -> HeaderMap {
+    let mut h = HeaderMap::with_capacity(from.len());
+    for (k, v) in from {
+        if !hop_by_hop(k) {
+            h.append(k.clone(), v.clone());
+        }
+    }
+    h
+}
+
+fn bad_gateway(msg: String) -> Response {
+    let body = serde_json::json!({
+        "object": "error",
+        "message": msg,
+        "type": "BadGateway",
+        "code": 502,
+    });
+    (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+}
+
+/// What the client asked for in `stream_options`, when the shim asked for more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Strip {
+    /// The client did not ask for `include_usage`: drop `usage` everywhere and the final
+    /// usage-only chunk.
+    all_usage: bool,
+}
+
+/// The proxy handler.
+pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
+    let tracked = req.method() == Method::POST && GENERATION_PATHS.contains(&req.uri().path());
+    let path_q = req
+        .uri()
+        .path_and_query()
+        .map_or_else(|| req.uri().path().to_owned(), |p| p.as_str().to_owned());
+    let url = format!("{}{}", shim.upstream, path_q);
+    let (parts, body) = req.into_parts();
+    let headers = forward_headers(&parts.headers);
+
+    if !tracked {
+        let body = reqwest::Body::wrap_stream(body.into_data_stream());
+        return match shim
+            .client
+            .request(parts.method, &url)
+            .headers(headers)
+            .body(body)
+            .send()
+            .await
+        {
+            Ok(resp) => {
+                let mut out = Response::builder().status(resp.status());
+                if let Some(h) = out.headers_mut() {
+                    *h = forward_headers(resp.headers());
+                }
+                out.body(Body::from_stream(resp.bytes_stream()))
+                    .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+            }
+            Err(e) => bad_gateway(format!("upstream: {e}")),
+        };
+    }
+
+    let raw = match axum::body::to_bytes(body, shim.max_body).await {
+        Ok(b) => b,
+        Err(e) => {
+            return (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body: {e}\n"),
+            )
+                .into_response();
+        }
+    };
+    let header_id = parts
+        .headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned);
+
+    let (out_body, stream, strip) = plan(&raw, shim.inject_usage);
+    let mut track = Track::new(shim.clone(), header_id);
+
+    let resp = match shim
+        .client
+        .post(&url)
+        .headers(headers)
+        .body(out_body)
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return bad_gateway(format!("upstream: {e}")),
+    };
+    let status = resp.status();
+    let mut out = Response::builder().status(status);
+    if let Some(h) = out.headers_mut() {
+        *h = forward_headers(resp.headers());
+    }
+    let is_sse = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+
+    if status.is_success() && stream && is_sse {
+        let body = Tracked {
+            upstream: Box::pin(resp.bytes_stream()),
+            splitter: sse::EventSplitter::default(),
+            strip,
+            track,
+            done: false,
+        };
+        return out
+            .body(Body::from_stream(body))
+            .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response());
+    }
+
+    // Not streaming (or an error): one body; read its usage, forward it as it was.
+    let bytes = match resp.bytes().await {
+        Ok(b) => b,
+        Err(e) => return bad_gateway(format!("upstream body: {e}")),
+    };
+    if status.is_success()
+        && let Some(info) = sse::peek(&bytes)
+    {
+        track.set_id(info.id.as_deref());
+        if let Some(u) = info.usage {
+            track.usage(u);
+        }
+    }
+    track.finish();
+    out.body(Body::from(bytes))
+        .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+}
+
+/// Decides what to send upstream: the original bytes, or the request with `stream_options`
+/// asking for per-chunk usage, plus what to strip for the client.
+fn plan(raw: &Bytes, inject: bool) -> (Bytes, bool, Option<Strip>) {
+    let Ok(mut v) = serde_json::from_slice::<Value>(raw) else {
+        return (raw.clone(), false, None);
+    };
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    if !(stream && inject) {
+        return (raw.clone(), stream, None);
+    }
+    let Some(obj) = v.as_object_mut() else {
+        return (raw.clone(), stream, None);
+    };
+    let opts = obj
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Default::default()));
+    let Some(opts) = opts.as_object_mut() else {
+        // stream_options of the wrong type: leave it for the engine to reject.
+        return (raw.clone(), stream, None);
+    };
+    let flag = |o: &serde_json::Map<String, Value>, k: &str| {
+        o.get(k).and_then(Value::as_bool).unwrap_or(false)
+    };
+    let include = flag(opts, "include_usage");
+    let continuous = include && flag(opts, "continuous_usage_stats");
+    if continuous {
+        return (raw.clone(), stream, None);
+    }
+    opts.insert("include_usage".into(), Value::Bool(true));
+    opts.insert("continuous_usage_stats".into(), Value::Bool(true));
+    match serde_json::to_vec(&v) {
+        Ok(b) => (
+            Bytes::from(b),
+            stream,
+            Some(Strip {
+                all_usage: !include,
+            }),
+        ),
+        Err(_) => (raw.clone(), stream, None),
+    }
+}
+
+/// One request's progress, reported as it changes; reports `finished` when dropped early
+/// (the client went away or the engine failed).
+struct Track {
+    shim: Arc<Shim>,
+    id: Option<String>,
+    prompt: u32,
+    generated: u32,
+    chunks: u32,
+    usage_seen: bool,
+    finished: bool,
+}
+
+impl Track {
+    fn new(shim: Arc<Shim>, id: Option<String>) -> Self {
+        shim.metrics.requests.inc();
+        shim.metrics.active.inc();
+        let t = Track {
+            shim,
+            id,
+            prompt: 0,
+            generated: 0,
+            chunks: 0,
+            usage_seen: false,
+            finished: false,
+        };
+        // Known at once: σ sees the request active on this worker before its first token.
+        t.report();
+        t
+    }
+
+    fn set_id(&mut self, id: Option<&str>) {
+        if self.id.is_none()
+            && let Some(id) = id.filter(|s| !s.is_empty())
+        {
+            self.id = Some(id.to_owned());
+        }
+    }
+
+    fn report(&self) {
+        if let Some(id) = &self.id {
+            self.shim
+                .sink
+                .progress(id, self.prompt, self.generated, self.finished);
+            self.shim.metrics.reports.inc();
+        }
+    }
+
+    fn set_generated(&mut self, g: u32) {
+        if g > self.generated {
+            self.shim
+                .metrics
+                .tokens
+                .inc_by(u64::from(g - self.generated));
+            self.generated = g;
+        }
+    }
+
+    fn usage(&mut self, u: sse::UsageInfo) {
+        self.usage_seen = true;
+        if u.prompt_tokens > 0 {
+            self.prompt = u.prompt_tokens;
+        }
+        self.set_generated(u.completion_tokens);
+    }
+
+    /// Reads one SSE event's chunk.
+    fn observe(&mut self, data: &[u8]) {
+        let Some(info) = sse::peek(data) else {
+            return;
+        };
+        let had_id = self.id.is_some();
+        self.set_id(info.id.as_deref());
+        let before = (self.prompt, self.generated);
+        if info.choices > 0 {
+            self.chunks = self.chunks.saturating_add(1);
+        }
+        match info.usage {
+            Some(u) => self.usage(u),
+            None if !self.usage_seen && info.choices > 0 => self.set_generated(self.chunks),
+            None => {}
+        }
+        if !had_id || before != (self.prompt, self.generated) {
+            self.report();
+        }
+    }
+
+    fn finish(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            self.shim.metrics.active.dec();
+            self.report();
+        }
+    }
+}
+
+impl Drop for Track {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::debug!(request_id = ?self.id, generated = self.generated,
+                "request ended early (client gone or engine error)");
+        }
+        self.finish();
+    }
+}
+
+/// The client's body: the engine's stream, observed and (if needed) trimmed.
+struct Tracked {
+    upstream: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    splitter: sse::EventSplitter,
+    strip: Option<Strip>,
+    track: Track,
+    done: bool,
+}
+
+impl Tracked {
+    /// Observes every complete event in `data`; returns what the client gets.
+    fn process(&mut self, data: Bytes) -> Bytes {
+        let events = self.splitter.push(&data);
+        let Some(strip) = self.strip else {
+            for ev in &events {
+                if let Some(d) = sse::event_data(ev) {
+                    self.track.observe(&d);
+                }
+            }
+            return data;
+        };
+        let mut out = Vec::with_capacity(data.len());
+        for ev in events {
+            let Some(d) = sse::event_data(&ev) else {
+                out.extend_from_slice(&ev);
+                continue;
+            };
+            self.track.observe(&d);
+            let Some(info) = sse::peek(&d) else {
+                out.extend_from_slice(&ev);
+                continue;
+            };
+            if info.choices == 0 {
+                if strip.all_usage && info.usage.is_some() {
+                    continue; // the usage-only chunk the client did not ask for
+                }
+                if !strip.all_usage {
+                    out.extend_from_slice(&ev); // the final usage chunk the client asked for
+                    continue;
+                }
+            }
+            match sse::remove_member(&d, "usage") {
+                Some(trimmed) => out.extend_from_slice(&sse::replace_data(&ev, &trimmed)),
+                None => out.extend_from_slice(&ev),
+            }
+        }
+        Bytes::from(out)
+    }
+}
+
+impl Stream for Tracked {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            if self.done {
+                return Poll::Ready(None);
+            }
+            match self.upstream.as_mut().poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(data))) => {
+                    let out = self.process(data);
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(out)));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.done = true;
+                    tracing::warn!(request_id = ?self.track.id, error = %e, "engine stream failed");
+                    self.track.finish();
+                    return Poll::Ready(Some(Err(std::io::Error::other(e))));
+                }
+                Poll::Ready(None) => {
+                    self.done = true;
+                    self.track.finish();
+                    let rest = self.splitter.rest();
+                    if rest.is_empty() || self.strip.is_none() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(rest)));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! The shim's Prometheus metrics (names from deploy/metrics-contract.txt, `# shim`).
+
+use prometheus::{IntCounter, IntGauge, Opts, Registry};
+
+#[derive(Debug, Clone)]
+pub struct ShimMetrics {
+    /// Generation requests forwarded.
+    pub requests: IntCounter,
+    /// Generation requests in flight.
+    pub active: IntGauge,
+    /// Tokens seen in forwarded responses.
+    pub tokens: IntCounter,
+    /// Progress reports handed to the reporter.
+    pub reports: IntCounter,
+    /// 1 while the telemetry stream to ingest is up.
+    pub ingest_connected: IntGauge,
+}
+
+impl ShimMetrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = ShimMetrics {
+            requests: IntCounter::with_opts(Opts::new(
+                "balanceroute_shim_requests_total",
+                "Generation requests forwarded to the engine.",
+            ))?,
+            active: IntGauge::with_opts(Opts::new(
+                "balanceroute_shim_active_requests",
+                "Generation requests in flight through the shim.",
+            ))?,
+            tokens: IntCounter::with_opts(Opts::new(
+                "balanceroute_shim_tokens_total",
+                "Generated tokens seen in forwarded responses.",
+            ))?,
+            reports: IntCounter::with_opts(Opts::new(
+                "balanceroute_shim_reports_sent_total",
+                "Per-request progress reports handed to the telemetry reporter.",
+            ))?,
+            ingest_connected: IntGauge::with_opts(Opts::new(
+                "balanceroute_shim_ingest_connected",
+                "1 while the telemetry stream to ingest is connected.",
+            ))?,
+        };
+        registry.register(Box::new(m.requests.clone()))?;
+        registry.register(Box::new(m.active.clone()))?;
+        registry.register(Box::new(m.tokens.clone()))?;
+        registry.register(Box::new(m.reports.clone()))?;
+        registry.register(Box::new(m.ingest_connected.clone()))?;
+        Ok(m)
+    }
+}

@@ -1,0 +1,96 @@
+//! Where the shim sends what it reads: a [`ProgressSink`]. In production the telemetry
+//! reporter of `br-client` (it buffers while ingest is away); in tests a [`RecordingSink`].
+
+use std::sync::{Arc, Mutex};
+
+/// Receives cumulative per-request progress. Must not block: it is called on the path of the
+/// client's tokens.
+pub trait ProgressSink: Send + Sync + 'static {
+    /// The latest cumulative state of one request. `prompt_tokens = 0` means unknown;
+    /// `finished` is sticky.
+    fn progress(&self, request_id: &str, prompt_tokens: u32, generated: u32, finished: bool);
+
+    /// Whether the telemetry stream to ingest is up (for the `ingest_connected` gauge).
+    fn connected(&self) -> bool {
+        true
+    }
+}
+
+/// One call to [`ProgressSink::progress`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub request_id: String,
+    pub prompt_tokens: u32,
+    pub generated: u32,
+    pub finished: bool,
+}
+
+/// A sink that records every report (for tests).
+#[derive(Debug, Clone, Default)]
+pub struct RecordingSink {
+    reports: Arc<Mutex<Vec<Report>>>,
+}
+
+impl RecordingSink {
+    /// Everything reported so far, in order.
+    pub fn reports(&self) -> Vec<Report> {
+        match self.reports.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// The reports about one request.
+    pub fn for_request(&self, id: &str) -> Vec<Report> {
+        self.reports()
+            .into_iter()
+            .filter(|r| r.request_id == id)
+            .collect()
+    }
+}
+
+impl ProgressSink for RecordingSink {
+    fn progress(&self, request_id: &str, prompt_tokens: u32, generated: u32, finished: bool) {
+        let r = Report {
+            request_id: request_id.to_owned(),
+            prompt_tokens,
+            generated,
+            finished,
+        };
+        match self.reports.lock() {
+            Ok(mut g) => g.push(r),
+            Err(p) => p.into_inner().push(r),
+        }
+    }
+}
+
+/// A sink that drops everything (the shim without `--ingest-addr`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NullSink;
+
+impl ProgressSink for NullSink {
+    fn progress(&self, _: &str, _: u32, _: u32, _: bool) {}
+    fn connected(&self) -> bool {
+        false
+    }
+}
+
+/// The production sink: br-client's telemetry reporter (a bounded map of the latest state per
+/// request, batched to ingest; it keeps the state and reconnects while ingest is away).
+#[derive(Debug, Clone)]
+pub struct ReporterSink(pub br_client::reporter::ReporterHandle);
+
+impl ProgressSink for ReporterSink {
+    fn progress(&self, request_id: &str, prompt_tokens: u32, generated: u32, finished: bool) {
+        if let Err(e) = self
+            .0
+            .progress(request_id, prompt_tokens, generated, finished)
+        {
+            tracing::debug!(request_id, error = %e, "progress not recorded");
+        }
+    }
+
+    fn connected(&self) -> bool {
+        self.0.is_connected()
+    }
+}

@@ -1,0 +1,353 @@
+//! br-shim in front of a real upstream (the emulated engine, in-process) with a recording
+//! reporter: what the client sees must be byte-identical with and without the shim, and the
+//! reports must follow the stream.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use br_emu::engine::{EngineConfig, EngineServer, StepModel};
+use br_shim::{ProgressSink, RecordingSink, Shim, ShimMetrics};
+use futures::StreamExt as _;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+struct Stack {
+    engine: EngineServer,
+    shim: SocketAddr,
+    sink: RecordingSink,
+    registry: prometheus::Registry,
+    stop: CancellationToken,
+}
+
+async fn stack(time_scale: f64, inject: bool) -> Stack {
+    let stop = CancellationToken::new();
+    let engine = EngineServer::start(
+        EngineConfig {
+            ranks: 2,
+            slots: 4,
+            model: StepModel {
+                a_ms_per_token: 0.0,
+                b_ms: 10.0,
+            },
+            time_scale,
+            created: Some(1_700_000_000),
+            ..EngineConfig::default()
+        },
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let sink = RecordingSink::default();
+    let registry = prometheus::Registry::new();
+    let metrics = ShimMetrics::new(&registry).unwrap();
+    let upstream = format!("http://{}", engine.addrs.ranks[0]);
+    let shim = Arc::new(
+        Shim::new(
+            &upstream,
+            inject,
+            Arc::new(sink.clone()) as Arc<dyn ProgressSink>,
+            metrics,
+        )
+        .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, br_shim::router(shim))
+            .with_graceful_shutdown(s.cancelled_owned())
+            .await
+            .unwrap();
+    });
+    Stack {
+        engine,
+        shim: addr,
+        sink,
+        registry,
+        stop,
+    }
+}
+
+impl Stack {
+    fn direct(&self) -> String {
+        format!("http://{}", self.engine.addrs.ranks[0])
+    }
+    fn proxied(&self) -> String {
+        format!("http://{}", self.shim)
+    }
+    async fn close(self) {
+        self.stop.cancel();
+        self.engine.shutdown().await;
+    }
+}
+
+async fn post(base: &str, path: &str, id: &str, body: &Value) -> (u16, Vec<u8>) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .header("x-request-id", id)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.bytes().await.unwrap().to_vec())
+}
+
+/// The same request straight to the engine and through the shim: the bytes must match.
+async fn same_bytes(s: &Stack, path: &str, id: &str, body: Value) -> Vec<u8> {
+    let (st1, direct) = post(&s.direct(), path, id, &body).await;
+    let (st2, proxied) = post(&s.proxied(), path, id, &body).await;
+    assert_eq!((st1, st2), (200, 200));
+    assert_eq!(
+        String::from_utf8_lossy(&direct),
+        String::from_utf8_lossy(&proxied),
+        "{path} {body}"
+    );
+    proxied
+}
+
+fn last(sink: &RecordingSink, id: &str) -> br_shim::Report {
+    sink.for_request(id).last().cloned().expect("reports")
+}
+
+#[tokio::test]
+async fn streaming_chat_passes_through_unchanged_and_reports_usage() {
+    let s = stack(0.0, true).await;
+    let body = json!({
+        "model": "br-emu",
+        "messages": [{"role": "user", "content": "hello there, how are you?"}],
+        "max_tokens": 7,
+        "stream": true,
+    });
+    let out = same_bytes(&s, "/v1/chat/completions", "chat-1", body).await;
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        !text.contains("usage"),
+        "the client asked for no usage: {text}"
+    );
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    let r = last(&s.sink, "chat-1");
+    assert_eq!((r.generated, r.finished), (7, true));
+    assert!(
+        r.prompt_tokens > 0,
+        "prompt tokens come from the injected usage"
+    );
+    // Cumulative and monotone, one report as the request starts.
+    let reports = s.sink.for_request("chat-1");
+    assert_eq!(reports[0].generated, 0);
+    assert!(reports.windows(2).all(|w| w[0].generated <= w[1].generated));
+    s.close().await;
+}
+
+#[tokio::test]
+async fn usage_is_stripped_to_what_the_client_asked_for() {
+    let s = stack(0.0, true).await;
+    // include_usage only: per-chunk usage (injected) is removed, the final usage chunk stays.
+    let body = json!({
+        "model": "br-emu", "prompt": [1, 2, 3, 4, 5], "max_tokens": 5, "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let out = same_bytes(&s, "/v1/completions", "cmp-1", body).await;
+    let text = String::from_utf8(out).unwrap();
+    assert_eq!(text.matches("\"usage\"").count(), 1, "{text}");
+    assert!(text.contains(
+        r#""choices":[],"usage":{"prompt_tokens":5,"total_tokens":10,"completion_tokens":5}"#
+    ));
+    // Both flags: the shim changes nothing.
+    let body = json!({
+        "model": "br-emu", "prompt": "abcdefgh", "max_tokens": 3, "stream": true,
+        "stream_options": {"include_usage": true, "continuous_usage_stats": true},
+    });
+    let out = same_bytes(&s, "/v1/completions", "cmp-2", body).await;
+    assert_eq!(
+        String::from_utf8(out).unwrap().matches("\"usage\"").count(),
+        4
+    );
+    let r = last(&s.sink, "cmp-1");
+    assert_eq!((r.prompt_tokens, r.generated, r.finished), (5, 5, true));
+    let r = last(&s.sink, "cmp-2");
+    assert_eq!((r.prompt_tokens, r.generated, r.finished), (2, 3, true));
+    s.close().await;
+}
+
+#[tokio::test]
+async fn non_streaming_and_other_paths_pass_through() {
+    let s = stack(0.0, true).await;
+    let body = json!({
+        "model": "br-emu",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    });
+    same_bytes(&s, "/v1/chat/completions", "full-1", body).await;
+    let r = last(&s.sink, "full-1");
+    assert_eq!((r.generated, r.finished), (4, true));
+
+    let direct = reqwest::get(format!("{}/v1/models", s.direct()))
+        .await
+        .unwrap();
+    let proxied = reqwest::get(format!("{}/v1/models", s.proxied()))
+        .await
+        .unwrap();
+    assert_eq!(direct.status(), proxied.status());
+    assert_eq!(
+        direct.bytes().await.unwrap(),
+        proxied.bytes().await.unwrap()
+    );
+    let health = reqwest::get(format!("{}/health", s.proxied()))
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    // An engine error passes through as it is, and ends the request.
+    let (st1, e1) = post(
+        &s.direct(),
+        "/v1/completions",
+        "bad-1",
+        &json!({"model": "nope", "prompt": "x"}),
+    )
+    .await;
+    let (st2, e2) = post(
+        &s.proxied(),
+        "/v1/completions",
+        "bad-1",
+        &json!({"model": "nope", "prompt": "x"}),
+    )
+    .await;
+    assert_eq!((st1, e1), (st2, e2));
+    assert!(last(&s.sink, "bad-1").finished);
+    s.close().await;
+}
+
+#[tokio::test]
+async fn without_usage_the_shim_counts_chunks() {
+    let s = stack(0.0, false).await;
+    let body = json!({"model": "br-emu", "prompt": "x", "max_tokens": 6, "stream": true});
+    same_bytes(&s, "/v1/completions", "count-1", body).await;
+    let r = last(&s.sink, "count-1");
+    assert_eq!((r.prompt_tokens, r.generated, r.finished), (0, 6, true));
+    s.close().await;
+}
+
+#[tokio::test]
+async fn response_id_is_used_without_x_request_id() {
+    let s = stack(0.0, true).await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", s.proxied()))
+        .json(&json!({"model": "br-emu", "prompt": "x", "max_tokens": 2, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let text = resp.text().await.unwrap();
+    let first: Value =
+        serde_json::from_str(text.lines().next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
+    let id = first["id"].as_str().unwrap();
+    let r = last(&s.sink, id);
+    assert_eq!((r.generated, r.finished), (2, true));
+    s.close().await;
+}
+
+#[tokio::test]
+async fn client_disconnect_finishes_the_request() {
+    // Slow steps (10 ms) so the request is still running when the client leaves.
+    let s = stack(1.0, true).await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.proxied()))
+        .header("x-request-id", "gone-1")
+        .json(&json!({
+            "model": "br-emu", "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 100000, "stream": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    let mut body = resp.bytes_stream();
+    let mut seen = 0;
+    while seen < 3 {
+        let chunk = body.next().await.unwrap().unwrap();
+        seen += String::from_utf8_lossy(&chunk).matches("data: ").count();
+    }
+    drop(body);
+    let mut finished = false;
+    for _ in 0..500 {
+        if s.sink.for_request("gone-1").iter().any(|r| r.finished) {
+            finished = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        finished,
+        "a client disconnect ends the request: {:?}",
+        s.sink.for_request("gone-1")
+    );
+    let r = last(&s.sink, "gone-1");
+    assert!(r.generated < 100000);
+    s.close().await;
+}
+
+#[tokio::test]
+async fn upstream_down_is_a_502_and_ends_the_request() {
+    let sink = RecordingSink::default();
+    let registry = prometheus::Registry::new();
+    let metrics = ShimMetrics::new(&registry).unwrap();
+    // A port nobody listens on.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = l.local_addr().unwrap();
+    drop(l);
+    let shim = Arc::new(
+        Shim::new(
+            &format!("http://{dead}"),
+            true,
+            Arc::new(sink.clone()),
+            metrics,
+        )
+        .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move { axum::serve(listener, br_shim::router(shim)).await });
+    let (status, _) = post(
+        &format!("http://{addr}"),
+        "/v1/completions",
+        "down-1",
+        &json!({"prompt": "x", "stream": true}),
+    )
+    .await;
+    assert_eq!(status, 502);
+    assert!(last(&sink, "down-1").finished);
+    task.abort();
+}
+
+#[tokio::test]
+async fn exports_every_contract_metric() {
+    let s = stack(0.0, true).await;
+    let body = json!({"model": "br-emu", "prompt": "x", "max_tokens": 3, "stream": true});
+    post(&s.proxied(), "/v1/completions", "m-1", &body).await;
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&s.registry.gather())
+        .unwrap();
+    let contract = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/metrics-contract.txt"
+    ))
+    .unwrap();
+    let mut in_shim = false;
+    let mut names = Vec::new();
+    for line in contract.lines() {
+        if let Some(h) = line.strip_prefix("# ") {
+            in_shim = h.trim() == "shim";
+            continue;
+        }
+        if in_shim && let Some(name) = line.split_whitespace().next() {
+            names.push(name.to_owned());
+        }
+    }
+    assert_eq!(names.len(), 5);
+    for n in names {
+        assert!(text.contains(&n), "{n} missing from /metrics:\n{text}");
+    }
+    assert!(text.contains("balanceroute_shim_tokens_total 3"));
+    assert!(text.contains("balanceroute_shim_active_requests 0"));
+    s.close().await;
+}
