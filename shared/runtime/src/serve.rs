@@ -195,6 +195,39 @@ impl GrpcServer {
     }
 }
 
+/// Keeps the health status of `names` equal to `readiness` (SERVING when ready, NOT_SERVING
+/// otherwise) until `shutdown`, then sets NOT_SERVING and returns. For a service whose gRPC
+/// health should follow its admin `/readyz` (e.g. decision before it has σ): serve with
+/// `service_names = &[]` so [`GrpcServer::serve`] leaves those names alone, and spawn this.
+pub async fn follow_readiness(
+    health: HealthReporter,
+    readiness: crate::admin::Readiness,
+    names: Vec<String>,
+    shutdown: CancellationToken,
+) {
+    let mut rx = readiness.subscribe();
+    loop {
+        let ready = *rx.borrow_and_update();
+        let status = if ready {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        for n in &names {
+            health.set_service_status(n, status).await;
+        }
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { break },
+            () = shutdown.cancelled() => break,
+        }
+    }
+    for n in &names {
+        health
+            .set_service_status(n, ServingStatus::NotServing)
+            .await;
+    }
+}
+
 async fn set_all(health: &HealthReporter, names: &[&str], status: ServingStatus) {
     health.set_service_status("", status).await;
     for n in names {
@@ -385,7 +418,44 @@ mod tests {
         );
     }
 
-    /// The status the reporter holds, read through a fresh health service (no network).
+    #[tokio::test]
+    async fn health_follows_readiness_until_shutdown() {
+        let health = HealthReporter::new();
+        let ready = crate::admin::Readiness::default();
+        let shutdown = CancellationToken::new();
+        let name = "balanceroute.v1.Decision";
+        let task = tokio::spawn(follow_readiness(
+            health.clone(),
+            ready.clone(),
+            vec![name.to_string()],
+            shutdown.clone(),
+        ));
+        let wait_for = |want: Pb| {
+            let health = health.clone();
+            async move {
+                for _ in 0..200 {
+                    if reported(&health, name).await == want as i32 {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                panic!("status never became {want:?}");
+            }
+        };
+        wait_for(Pb::NotServing).await;
+        ready.set(true);
+        wait_for(Pb::Serving).await;
+        ready.set(false);
+        wait_for(Pb::NotServing).await;
+        ready.set(true);
+        wait_for(Pb::Serving).await;
+        shutdown.cancel();
+        task.await.unwrap();
+        assert_eq!(reported(&health, name).await, Pb::NotServing as i32);
+    }
+
+    /// The status the reporter holds, read through a fresh health service (no network); -1 if
+    /// the name is not registered.
     async fn reported(health: &HealthReporter, name: &str) -> i32 {
         use tonic_health::pb::health_server::Health as _;
         HealthService::from_health_reporter(health.clone())
@@ -393,8 +463,6 @@ mod tests {
                 service: name.into(),
             }))
             .await
-            .unwrap()
-            .into_inner()
-            .status
+            .map_or(-1, |r| r.into_inner().status) // -1: not registered yet
     }
 }
