@@ -1,1 +1,33 @@
-//! placeholder
+//! br-decision: the decision service of BalanceRoute (`balanceroute.v1.Decision`).
+//!
+//! A gateway calls `Assign` once per request whose prefill is done; the service answers with
+//! the decode rank. Per served group, one task ([`task`]) owns the state ([`group`]): the σ
+//! replica (from `Snapshot.Watch`, via `br_client::watch`), the pool, the policy (from
+//! `br_core`), the requests by id, and its own reservations. Pooled policies (`br0`, `brh*`)
+//! admit a batch per tick; baselines and `br0-bypass` route on arrival. Every assignment is
+//! reserved in σ (one `Snapshot.Reserve` per tick) before the callers are answered.
+//!
+//! Design choices worth knowing:
+//! * unknown groups are NOT_FOUND: `--groups` is the fixed list, so a typo or a hostile caller
+//!   cannot make the service watch and hold state for arbitrary groups;
+//! * while the snapshot service is away, decisions use the last σ plus this service's own
+//!   reservations, are answered with `stale = true`, and are reserved when it is back;
+//! * readiness (/readyz, gRPC health of `balanceroute.v1.Decision`) is "every group has a
+//!   complete σ", and stays true through an outage, so the replica keeps answering.
+//!
+//! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`task`] and
+//! [`group`] (the per-group state), [`upstream`] (Reserve/Release client), [`metrics`],
+//! [`error`].
+
+pub mod app;
+pub mod config;
+pub mod error;
+pub mod group;
+pub mod metrics;
+pub mod service;
+pub mod task;
+pub mod upstream;
+
+pub use app::{Running, start};
+pub use config::{Args, DecisionConfig};
+pub use error::DecisionError;

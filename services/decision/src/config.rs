@@ -1,0 +1,394 @@
+//! `br-decision`'s flags. Each is also `BALANCEROUTE_<FLAG>` and a key of `--config FILE`
+//! (TOML, flat: keys are flag names); precedence defaults < file < env < flags.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use br_core::dispatch::{ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, TieBreak};
+use br_core::score::HorizonParams;
+use br_core::{PolicyConfig, PolicyKind};
+use br_proto::valid::GroupId;
+use br_runtime::config::{CommonArgs, Validate};
+use clap::Parser;
+
+use crate::group::GroupConfig;
+use crate::task::TickConfig;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:50063";
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9063";
+pub const DEFAULT_SNAPSHOT_ADDR: &str = "http://127.0.0.1:50061";
+pub const DEFAULT_POLICY: &str = "br0";
+pub const DEFAULT_GROUPS: &str = "default";
+pub const DEFAULT_TICK_INTERVAL: &str = "20ms";
+pub const DEFAULT_TICK_MIN_INTERVAL: &str = "1ms";
+pub const DEFAULT_MAX_POOL: usize = 16_384;
+pub const DEFAULT_ANSWERED_TTL: &str = "60s";
+pub const DEFAULT_ANSWERED_MAX: usize = 262_144;
+pub const DEFAULT_MAX_WAIT: &str = "30s";
+pub const DEFAULT_RESERVE_TIMEOUT: &str = "1s";
+
+/// br-decision: answers the gateway's Assign calls for the groups it serves. Requests wait in
+/// a per-group pool until the dispatcher admits them (pooled policies br0, brh*), or are routed
+/// at once (baselines, br0-bypass); every assignment is reserved in σ (Snapshot.Reserve) before
+/// the call is answered.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "br-decision", version)]
+#[command(mut_arg("listen", |a| a.default_value(DEFAULT_LISTEN)))]
+#[command(mut_arg("admin_listen", |a| a.default_value(DEFAULT_ADMIN_LISTEN)))]
+pub struct Args {
+    #[command(flatten)]
+    pub common: CommonArgs,
+
+    /// The snapshot service (Watch, Reserve, Release).
+    #[arg(long, env = "BALANCEROUTE_SNAPSHOT_ADDR", default_value = DEFAULT_SNAPSHOT_ADDR)]
+    pub snapshot_addr: String,
+
+    /// Routing policy: random, rr, p2c, jsq, vllm-dp, mintok, br0-bypass (answer at once);
+    /// br0, brh, brh-survival, brh-oracle (pooled, batch admission per tick).
+    #[arg(long, env = "BALANCEROUTE_POLICY", default_value = DEFAULT_POLICY)]
+    pub policy: PolicyKind,
+
+    /// Comma-separated groups this service decides for. Assign for any other group is
+    /// NOT_FOUND (groups are not watched lazily: a typo must not create state).
+    #[arg(long, env = "BALANCEROUTE_GROUPS", value_delimiter = ',', default_value = DEFAULT_GROUPS)]
+    pub groups: Vec<String>,
+
+    /// Timer tick (also housekeeping: forgetting old answers, sweeping gone callers).
+    #[arg(long, env = "BALANCEROUTE_TICK_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_TICK_INTERVAL)]
+    pub tick_interval: Duration,
+
+    /// Arrivals and σ changes trigger a tick at most this often (coalescing).
+    #[arg(long, env = "BALANCEROUTE_TICK_MIN_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_TICK_MIN_INTERVAL)]
+    pub tick_min_interval: Duration,
+
+    /// Most requests waiting in one group's pool; Assign beyond it is RESOURCE_EXHAUSTED.
+    #[arg(long, env = "BALANCEROUTE_MAX_POOL", default_value_t = DEFAULT_MAX_POOL)]
+    pub max_pool: usize,
+
+    /// How long an answer is remembered for idempotent retries (at least the reservation TTL).
+    #[arg(long, env = "BALANCEROUTE_ANSWERED_TTL", value_parser = humantime::parse_duration, default_value = DEFAULT_ANSWERED_TTL)]
+    pub answered_ttl: Duration,
+
+    /// Most answers remembered per group (oldest forgotten first).
+    #[arg(long, env = "BALANCEROUTE_ANSWERED_MAX", default_value_t = DEFAULT_ANSWERED_MAX)]
+    pub answered_max: usize,
+
+    /// Longest an Assign waits when the caller sets no (or a longer) deadline.
+    #[arg(long, env = "BALANCEROUTE_MAX_WAIT", value_parser = humantime::parse_duration, default_value = DEFAULT_MAX_WAIT)]
+    pub max_wait: Duration,
+
+    /// Timeout of one Reserve or Release call to the snapshot service.
+    #[arg(long, env = "BALANCEROUTE_RESERVE_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_RESERVE_TIMEOUT)]
+    pub reserve_timeout: Duration,
+
+    /// Dispatcher: Stage 2 candidate window R_max (1..=8).
+    #[arg(long, env = "BALANCEROUTE_R_MAX", default_value_t = 4)]
+    pub r_max: usize,
+
+    /// Dispatcher: Stage 1 runs while total free slots exceed this (default G·R_max).
+    #[arg(long, env = "BALANCEROUTE_S_GREEDY")]
+    pub s_greedy: Option<u32>,
+
+    /// Dispatcher: which worker Stage 1 serves (least-loaded, most-free-slots).
+    #[arg(long, env = "BALANCEROUTE_STAGE1_WORKER", value_parser = parse_stage1, default_value = "least-loaded")]
+    pub stage1_worker: Stage1Worker,
+
+    /// Dispatcher: which requests Stage 1 may pick from (head-batch, whole-pool).
+    #[arg(long, env = "BALANCEROUTE_STAGE1_SCOPE", value_parser = parse_stage1_scope, default_value = "head-batch")]
+    pub stage1_scope: Stage1Scope,
+
+    /// Dispatcher: at equal loads, largest-first or score.
+    #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = parse_cold_start, default_value = "largest-first")]
+    pub cold_start: ColdStart,
+
+    /// br0-bypass tie break (lowest-id, least-loaded, fewest-requests).
+    #[arg(long, env = "BALANCEROUTE_TIE_BREAK", value_parser = parse_tie_break, default_value = "least-loaded")]
+    pub tie_break: TieBreak,
+
+    /// BR-H horizon H in decode steps (0..=4096).
+    #[arg(long, env = "BALANCEROUTE_HORIZON", default_value_t = HorizonParams::default().horizon)]
+    pub horizon: u32,
+
+    /// BR-H reward scale α.
+    #[arg(long, env = "BALANCEROUTE_ALPHA", default_value_t = HorizonParams::default().alpha)]
+    pub alpha: f64,
+
+    /// BR-H overflow penalty β; `G` means the group size (the BR-0 value).
+    #[arg(long, env = "BALANCEROUTE_BETA", value_parser = parse_beta, default_value_t = Beta(HorizonParams::default().beta))]
+    pub beta: Beta,
+
+    /// BR-H discount γ per step, in (0, 1].
+    #[arg(long, env = "BALANCEROUTE_GAMMA", default_value_t = HorizonParams::default().gamma)]
+    pub gamma: f64,
+
+    /// BR-H confidence gate in [0, 1].
+    #[arg(long, env = "BALANCEROUTE_GATE", default_value_t = HorizonParams::default().gate)]
+    pub gate: f64,
+
+    /// Seed of the randomised baselines (random, p2c).
+    #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `--beta`: a number, or `G` (the group size).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Beta(pub Option<f64>);
+
+impl std::fmt::Display for Beta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(b) => write!(f, "{b}"),
+            None => f.write_str("G"),
+        }
+    }
+}
+
+fn parse_beta(s: &str) -> Result<Beta, String> {
+    if s.eq_ignore_ascii_case("g") {
+        return Ok(Beta(None));
+    }
+    s.parse::<f64>()
+        .map(|b| Beta(Some(b)))
+        .map_err(|e| format!("expected a number or G: {e}"))
+}
+
+fn parse_stage1(s: &str) -> Result<Stage1Worker, String> {
+    match s {
+        "least-loaded" => Ok(Stage1Worker::LeastLoaded),
+        "most-free-slots" => Ok(Stage1Worker::MostFreeSlots),
+        _ => Err("expected least-loaded or most-free-slots".into()),
+    }
+}
+
+fn parse_stage1_scope(s: &str) -> Result<Stage1Scope, String> {
+    match s {
+        "head-batch" => Ok(Stage1Scope::HeadBatch),
+        "whole-pool" => Ok(Stage1Scope::WholePool),
+        _ => Err("expected head-batch or whole-pool".into()),
+    }
+}
+
+fn parse_cold_start(s: &str) -> Result<ColdStart, String> {
+    match s {
+        "largest-first" => Ok(ColdStart::LargestFirst),
+        "score" => Ok(ColdStart::Score),
+        _ => Err("expected largest-first or score".into()),
+    }
+}
+
+fn parse_tie_break(s: &str) -> Result<TieBreak, String> {
+    match s {
+        "lowest-id" => Ok(TieBreak::LowestId),
+        "least-loaded" => Ok(TieBreak::LeastLoaded),
+        "fewest-requests" => Ok(TieBreak::FewestRequests),
+        _ => Err("expected lowest-id, least-loaded or fewest-requests".into()),
+    }
+}
+
+/// Everything the service needs, validated.
+#[derive(Debug, Clone)]
+pub struct DecisionConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub snapshot_addr: String,
+    pub policy: PolicyConfig,
+    pub groups: Vec<GroupId>,
+    pub ticks: TickConfig,
+    pub group: GroupConfig,
+    pub max_wait: Duration,
+    pub reserve_timeout: Duration,
+    pub shutdown_grace: Duration,
+}
+
+impl DecisionConfig {
+    /// Defaults on ephemeral loopback ports, for tests.
+    pub fn for_test(snapshot_addr: &str, policy: PolicyKind, groups: &[&str]) -> DecisionConfig {
+        DecisionConfig {
+            listen: ([127, 0, 0, 1], 0).into(),
+            admin_listen: ([127, 0, 0, 1], 0).into(),
+            snapshot_addr: snapshot_addr.to_owned(),
+            policy: PolicyConfig::new(policy),
+            groups: groups.iter().filter_map(|g| GroupId::new(g).ok()).collect(),
+            ticks: TickConfig::default(),
+            group: GroupConfig::default(),
+            max_wait: Duration::from_secs(30),
+            reserve_timeout: Duration::from_secs(1),
+            shutdown_grace: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Args {
+    /// The validated configuration.
+    pub fn to_config(&self) -> Result<DecisionConfig, String> {
+        let mut groups: Vec<GroupId> = Vec::new();
+        for g in &self.groups {
+            let g = g.trim();
+            let id = GroupId::new(g).map_err(|e| format!("--groups: {e}"))?;
+            if !groups.contains(&id) {
+                groups.push(id);
+            }
+        }
+        if groups.is_empty() {
+            return Err("--groups must name at least one group".into());
+        }
+        let policy = PolicyConfig {
+            kind: self.policy,
+            dispatcher: DispatcherConfig {
+                s_greedy: self.s_greedy,
+                r_max: self.r_max,
+                stage1_worker: self.stage1_worker,
+                stage1_scope: self.stage1_scope,
+                cold_start: self.cold_start,
+                tie_break: self.tie_break,
+            },
+            horizon: HorizonParams {
+                horizon: self.horizon,
+                alpha: self.alpha,
+                beta: self.beta.0,
+                gamma: self.gamma,
+                gate: self.gate,
+            },
+            seed: self.seed,
+        };
+        policy.validate().map_err(|e| e.to_string())?;
+        let positive = |name: &str, d: Duration| {
+            if d.is_zero() {
+                Err(format!("--{name} must be positive"))
+            } else {
+                Ok(())
+            }
+        };
+        positive("tick-interval", self.tick_interval)?;
+        positive("max-wait", self.max_wait)?;
+        positive("reserve-timeout", self.reserve_timeout)?;
+        positive("answered-ttl", self.answered_ttl)?;
+        if self.tick_min_interval > self.tick_interval {
+            return Err("--tick-min-interval must not exceed --tick-interval".into());
+        }
+        if self.max_pool == 0 {
+            return Err("--max-pool must be positive".into());
+        }
+        if self.answered_max == 0 {
+            return Err("--answered-max must be positive".into());
+        }
+        if !(self.snapshot_addr.starts_with("http://")
+            || self.snapshot_addr.starts_with("https://"))
+        {
+            return Err(format!(
+                "--snapshot-addr {:?} must start with http:// or https://",
+                self.snapshot_addr
+            ));
+        }
+        Ok(DecisionConfig {
+            listen: self.common.listen,
+            admin_listen: self.common.admin_listen,
+            snapshot_addr: self.snapshot_addr.clone(),
+            policy,
+            groups,
+            ticks: TickConfig {
+                interval: self.tick_interval,
+                min_interval: self.tick_min_interval,
+            },
+            group: GroupConfig {
+                max_pool: self.max_pool,
+                answered_ttl: self.answered_ttl,
+                answered_max: self.answered_max,
+                ..GroupConfig::default()
+            },
+            max_wait: self.max_wait,
+            reserve_timeout: self.reserve_timeout,
+            shutdown_grace: self.common.shutdown_grace,
+        })
+    }
+}
+
+impl Validate for Args {
+    fn validate(&self) -> Result<(), String> {
+        self.common.validate()?;
+        self.to_config().map(|_| ())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+    use std::io::Write as _;
+
+    fn parse(args: &[&str]) -> Result<Args, br_runtime::config::ConfigError> {
+        br_runtime::config::parse_from(std::iter::once("br-decision").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn defaults_start_with_no_arguments() {
+        let a = parse(&[]).unwrap();
+        let c = a.to_config().unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.admin_listen.to_string(), DEFAULT_ADMIN_LISTEN);
+        assert_eq!(c.snapshot_addr, DEFAULT_SNAPSHOT_ADDR);
+        assert_eq!(c.policy.kind, PolicyKind::Br0);
+        assert_eq!(c.groups.len(), 1);
+        assert_eq!(c.groups[0].as_str(), "default");
+        assert_eq!(c.ticks.interval, Duration::from_millis(20));
+        assert_eq!(c.ticks.min_interval, Duration::from_millis(1));
+        assert_eq!(c.group.max_pool, DEFAULT_MAX_POOL);
+        assert_eq!(c.group.answered_ttl, Duration::from_secs(60));
+        assert_eq!(c.policy.dispatcher, DispatcherConfig::default());
+        assert_eq!(c.policy.horizon, HorizonParams::default());
+    }
+
+    #[test]
+    fn flags_and_file() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(b"policy = \"jsq\"\ngroups = \"g1,g2\"\ntick_interval = \"5ms\"\nr_max = 3\nbeta = \"G\"\n")
+            .unwrap();
+        let a = parse(&[
+            "--config",
+            f.path().to_str().unwrap(),
+            "--max-pool",
+            "10",
+            "--tick-min-interval",
+            "500us",
+        ])
+        .unwrap();
+        let c = a.to_config().unwrap();
+        assert_eq!(c.policy.kind, PolicyKind::Jsq);
+        let g: Vec<&str> = c.groups.iter().map(GroupId::as_str).collect();
+        assert_eq!(g, ["g1", "g2"]);
+        assert_eq!(c.ticks.interval, Duration::from_millis(5));
+        assert_eq!(c.ticks.min_interval, Duration::from_micros(500));
+        assert_eq!(c.group.max_pool, 10);
+        assert_eq!(c.policy.dispatcher.r_max, 3);
+        assert_eq!(c.policy.horizon.beta, None);
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        assert!(parse(&["--policy", "nope"]).is_err());
+        assert!(parse(&["--groups", ""]).is_err());
+        assert!(parse(&["--r-max", "0"]).is_err());
+        assert!(parse(&["--max-pool", "0"]).is_err());
+        assert!(parse(&["--tick-interval", "1ms", "--tick-min-interval", "2ms"]).is_err());
+        assert!(parse(&["--snapshot-addr", "127.0.0.1:50061"]).is_err());
+        assert!(parse(&["--gamma", "0"]).is_err());
+        assert!(parse(&["--stage1-worker", "x"]).is_err());
+    }
+
+    #[test]
+    fn every_flag_has_its_env_var() {
+        assert_eq!(
+            br_runtime::config::check_env_names(&Args::command()),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn every_policy_name_parses() {
+        for name in PolicyKind::names() {
+            let a = parse(&["--policy", name]).unwrap();
+            assert!(a.to_config().is_ok(), "{name}");
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! The decision service's Prometheus metrics (`# decision` in deploy/metrics-contract.txt), on a
+//! per-service registry so tests can run several services in one process.
+
+use prometheus::{
+    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+/// Buckets for latencies this service adds (tens of µs to tens of ms).
+const LATENCY_BUCKETS: &[f64] = &[
+    25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+    0.1, 0.25,
+];
+/// Buckets for the intended pool wait (up to tens of seconds).
+const WAIT_BUCKETS: &[f64] = &[
+    100e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+];
+/// Buckets for one dispatcher tick.
+const TICK_BUCKETS: &[f64] = &[
+    1e-6, 5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
+];
+
+/// Every metric of the service. Cheap to clone (the collectors are shared handles).
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    pub registry: Registry,
+    /// Assign calls by group and final gRPC code (`ok`, `deadline_exceeded`, ...).
+    pub assign_total: IntCounterVec,
+    /// Latency the service adds, excluding the intended pool wait.
+    pub assign_latency: HistogramVec,
+    /// Time from arrival to admission, per admitted request.
+    pub pool_wait: HistogramVec,
+    pub pool_size: IntGaugeVec,
+    pub tick_duration: HistogramVec,
+    pub ticks_total: IntCounterVec,
+    pub sigma_version: IntGaugeVec,
+    /// 1 once every served group has a complete σ.
+    pub ready: IntGauge,
+    pub sigma_stale: IntGaugeVec,
+    pub sigma_staleness: GaugeVec,
+    /// Resubscriptions of the Watch follower, by reason (reset reasons, `gap`, `error`).
+    pub watch_resets_total: IntCounterVec,
+    /// Reservations that did not get into σ, by reason (reject reasons, `unavailable`).
+    pub reserve_failures_total: IntCounterVec,
+    /// Cancel calls by outcome (`withdrawn`, `released`, `not_found`, `error`).
+    pub cancel_total: IntCounterVec,
+}
+
+fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
+    // Names are constants and unique; a failure is a programming error caught by the tests.
+    if let Err(e) = r.register(Box::new(c.clone())) {
+        tracing::error!(error = %e, "registering a metric");
+    }
+    c
+}
+
+impl Metrics {
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let r = Registry::new();
+        let h = |name: &str, help: &str, buckets: &[f64]| {
+            HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                &["group"],
+            )
+        };
+        let m = Metrics {
+            assign_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_assign_total",
+                        "Assign calls answered, by group and gRPC code",
+                    ),
+                    &["group", "code"],
+                )?,
+            ),
+            assign_latency: reg(
+                &r,
+                h(
+                    "balanceroute_decision_assign_latency_seconds",
+                    "Latency Assign adds, excluding the intended pool wait (admission or arrival to response, plus handler overhead)",
+                    LATENCY_BUCKETS,
+                )?,
+            ),
+            pool_wait: reg(
+                &r,
+                h(
+                    "balanceroute_decision_pool_wait_seconds",
+                    "Time a request waited in the pool before admission",
+                    WAIT_BUCKETS,
+                )?,
+            ),
+            pool_size: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_pool_size",
+                        "Requests waiting in the pool",
+                    ),
+                    &["group"],
+                )?,
+            ),
+            tick_duration: reg(
+                &r,
+                h(
+                    "balanceroute_decision_tick_duration_seconds",
+                    "Duration of one dispatcher tick (view rebuild and dispatch)",
+                    TICK_BUCKETS,
+                )?,
+            ),
+            ticks_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new("balanceroute_decision_ticks_total", "Dispatcher ticks run"),
+                    &["group"],
+                )?,
+            ),
+            sigma_version: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_sigma_version",
+                        "Version of the local σ replica",
+                    ),
+                    &["group"],
+                )?,
+            ),
+            ready: reg(
+                &r,
+                IntGauge::new(
+                    "balanceroute_decision_ready",
+                    "1 when every served group has a complete σ",
+                )?,
+            ),
+            sigma_stale: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_sigma_stale",
+                        "1 while the Watch stream is down and decisions use the last σ plus own reservations",
+                    ),
+                    &["group"],
+                )?,
+            ),
+            sigma_staleness: reg(
+                &r,
+                GaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_sigma_staleness_seconds",
+                        "Seconds since σ was last confirmed current by the snapshot service (0 while connected)",
+                    ),
+                    &["group"],
+                )?,
+            ),
+            watch_resets_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_watch_resets_total",
+                        "Times the σ replica was replaced or resubscribed, by reason",
+                    ),
+                    &["group", "reason"],
+                )?,
+            ),
+            reserve_failures_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_reserve_failures_total",
+                        "Reservations not accepted into σ, by reason",
+                    ),
+                    &["group", "reason"],
+                )?,
+            ),
+            cancel_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_cancel_total",
+                        "Cancel calls, by outcome",
+                    ),
+                    &["group", "outcome"],
+                )?,
+            ),
+            registry: r,
+        };
+        Ok(m)
+    }
+
+    /// Creates every labelled series of `group` so /metrics lists them before traffic.
+    pub fn init_group(&self, group: &str) {
+        self.pool_size.with_label_values(&[group]).set(0);
+        self.sigma_version.with_label_values(&[group]).set(0);
+        self.sigma_stale.with_label_values(&[group]).set(0);
+        self.sigma_staleness.with_label_values(&[group]).set(0.0);
+        self.ticks_total.with_label_values(&[group]);
+        let _ = self.tick_duration.with_label_values(&[group]);
+        let _ = self.assign_latency.with_label_values(&[group]);
+        let _ = self.pool_wait.with_label_values(&[group]);
+        self.assign_total.with_label_values(&[group, "ok"]);
+        self.watch_resets_total
+            .with_label_values(&[group, "unknown_epoch"]);
+        self.reserve_failures_total
+            .with_label_values(&[group, "unavailable"]);
+        self.cancel_total.with_label_values(&[group, "withdrawn"]);
+    }
+
+    /// A gauge handle per group, for the group task's hot path.
+    pub fn group(&self, group: &str) -> GroupMetrics {
+        GroupMetrics {
+            pool_size: self.pool_size.with_label_values(&[group]),
+            tick_duration: self.tick_duration.with_label_values(&[group]),
+            ticks_total: self.ticks_total.with_label_values(&[group]),
+            pool_wait: self.pool_wait.with_label_values(&[group]),
+            sigma_version: self.sigma_version.with_label_values(&[group]),
+            sigma_stale: self.sigma_stale.with_label_values(&[group]),
+            sigma_staleness: self.sigma_staleness.with_label_values(&[group]),
+            group: group.to_owned(),
+            all: self.clone(),
+        }
+    }
+}
+
+/// The series of one group, resolved once.
+#[derive(Clone, Debug)]
+pub struct GroupMetrics {
+    pub pool_size: IntGauge,
+    pub tick_duration: prometheus::Histogram,
+    pub ticks_total: prometheus::IntCounter,
+    pub pool_wait: prometheus::Histogram,
+    pub sigma_version: IntGauge,
+    pub sigma_stale: IntGauge,
+    pub sigma_staleness: Gauge,
+    group: String,
+    all: Metrics,
+}
+
+impl GroupMetrics {
+    pub fn watch_reset(&self, reason: &str) {
+        self.all
+            .watch_resets_total
+            .with_label_values(&[&self.group, reason])
+            .inc();
+    }
+
+    pub fn watch_reset_by(&self, reason: &str, n: u64) {
+        self.all
+            .watch_resets_total
+            .with_label_values(&[&self.group, reason])
+            .inc_by(n);
+    }
+
+    pub fn reserve_failed(&self, reason: &str, n: u64) {
+        self.all
+            .reserve_failures_total
+            .with_label_values(&[&self.group, reason])
+            .inc_by(n);
+    }
+}

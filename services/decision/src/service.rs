@@ -1,0 +1,315 @@
+//! The `balanceroute.v1.Decision` handlers: validate at the edge, hand the request to its
+//! group's task, wait for the answer until the call's deadline.
+//!
+//! Deadlines: the call's `grpc-timeout` (capped by `--max-wait`, which also applies when the
+//! caller sent none). The handler stops waiting a little before it (`margin`), so it can answer
+//! a typed DEADLINE_EXCEEDED and withdraw the request itself; tonic drops the handler future
+//! at the deadline anyway, and then a drop guard withdraws it (and hands back an answer that
+//! arrived but was never read, so its reservation is released).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use br_proto::v1;
+use br_proto::valid::{RequestId, ValidAssign, ValidCancel};
+use br_runtime::error::{ServiceError as _, code_label};
+use rustc_hash::FxHashMap;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::error::DecisionError;
+use crate::group::CancelOutcome;
+use crate::metrics::Metrics;
+use crate::task::{Command, GroupHandle};
+
+/// The Decision gRPC service.
+#[derive(Clone)]
+pub struct DecisionService {
+    groups: Arc<FxHashMap<String, GroupHandle>>,
+    metrics: Metrics,
+    max_wait: Duration,
+    shutdown: CancellationToken,
+}
+
+impl std::fmt::Debug for DecisionService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecisionService")
+            .field("groups", &self.groups.keys().collect::<Vec<_>>())
+            .field("max_wait", &self.max_wait)
+            .finish()
+    }
+}
+
+impl DecisionService {
+    pub fn new(
+        groups: impl IntoIterator<Item = GroupHandle>,
+        metrics: Metrics,
+        max_wait: Duration,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let groups = groups
+            .into_iter()
+            .map(|h| (h.group().to_string(), h))
+            .collect();
+        DecisionService {
+            groups: Arc::new(groups),
+            metrics,
+            max_wait,
+            shutdown,
+        }
+    }
+
+    fn group(&self, name: &str) -> Result<&GroupHandle, DecisionError> {
+        self.groups
+            .get(name)
+            .ok_or_else(|| DecisionError::UnknownGroup(name.to_owned()))
+    }
+
+    /// The metrics label of a group: its name if served, else `unknown` (bounded cardinality).
+    fn label<'a>(&self, name: &'a str) -> &'a str {
+        if self.groups.contains_key(name) {
+            name
+        } else {
+            "unknown"
+        }
+    }
+
+    async fn do_assign(
+        &self,
+        req: ValidAssign,
+        deadline: Instant,
+    ) -> Result<v1::AssignResponse, DecisionError> {
+        if self.shutdown.is_cancelled() {
+            return Err(DecisionError::ShuttingDown);
+        }
+        let handle = self.group(req.group.as_str())?;
+        let (tx, rx) = oneshot::channel();
+        let call = handle.next_call();
+        let mut guard = Withdraw {
+            handle: handle.clone(),
+            id: req.request_id.clone(),
+            call,
+            rx: Some(rx),
+        };
+        let send = handle.send(Command::Assign {
+            req,
+            call,
+            reply: tx,
+        });
+        match tokio::time::timeout_at(deadline.into(), send).await {
+            Ok(r) => r?,
+            Err(_) => return Err(DecisionError::DeadlineExceeded),
+        }
+        guard.wait(deadline).await
+    }
+}
+
+/// Withdraws a waiting call from its group when the handler stops waiting for any reason.
+struct Withdraw {
+    handle: GroupHandle,
+    id: RequestId,
+    call: u64,
+    rx: Option<oneshot::Receiver<Result<v1::AssignResponse, DecisionError>>>,
+}
+
+impl Withdraw {
+    async fn wait(&mut self, deadline: Instant) -> Result<v1::AssignResponse, DecisionError> {
+        let Some(rx) = self.rx.as_mut() else {
+            return Err(DecisionError::ShuttingDown);
+        };
+        match tokio::time::timeout_at(deadline.into(), &mut *rx).await {
+            Ok(Ok(answer)) => {
+                self.rx = None;
+                answer
+            }
+            Ok(Err(_)) => {
+                self.rx = None;
+                Err(DecisionError::ShuttingDown)
+            }
+            Err(_) => {
+                // No further answer can arrive after close(); one that already did wins.
+                rx.close();
+                if let Ok(answer) = rx.try_recv() {
+                    self.rx = None;
+                    return answer;
+                }
+                self.rx = None;
+                let cmd = Command::Withdraw {
+                    id: self.id.clone(),
+                    call: self.call,
+                    undelivered: false,
+                };
+                // Waiting here is fine: the caller's deadline has passed anyway.
+                let _ = self.handle.send(cmd).await;
+                Err(DecisionError::DeadlineExceeded)
+            }
+        }
+    }
+}
+
+impl Drop for Withdraw {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else { return };
+        rx.close();
+        let undelivered = matches!(rx.try_recv(), Ok(Ok(_)));
+        let _ = self.handle.try_send(Command::Withdraw {
+            id: self.id.clone(),
+            call: self.call,
+            undelivered,
+        });
+    }
+}
+
+/// Parses a `grpc-timeout` header value (`<digits><unit>`, unit one of H M S m u n).
+pub fn parse_grpc_timeout(v: &str) -> Option<Duration> {
+    if v.len() < 2 || v.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = v.split_at(v.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// How much earlier than the caller's deadline the handler gives up, so it answers before
+/// tonic cancels the call.
+fn margin(timeout: Duration) -> Duration {
+    (timeout / 20).min(Duration::from_millis(2))
+}
+
+#[tonic::async_trait]
+impl v1::decision_server::Decision for DecisionService {
+    #[tracing::instrument(level = "debug", skip_all, fields(group, request_id))]
+    async fn assign(
+        &self,
+        request: Request<v1::AssignRequest>,
+    ) -> Result<Response<v1::AssignResponse>, Status> {
+        let started = Instant::now();
+        let timeout = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout)
+            .map_or(self.max_wait, |t| t.min(self.max_wait));
+        let deadline = started + timeout.saturating_sub(margin(timeout));
+        let msg = request.into_inner();
+        let group = msg.group.clone();
+        let span = tracing::Span::current();
+        span.record("group", group.as_str());
+        span.record("request_id", msg.request_id.as_str());
+        let result = match ValidAssign::try_from(msg) {
+            Ok(req) => self.do_assign(req, deadline).await,
+            Err(e) => Err(e.into()),
+        };
+        let label = self.label(&group);
+        match result {
+            Ok(resp) => {
+                let added = started
+                    .elapsed()
+                    .saturating_sub(Duration::from_micros(resp.pool_wait_us));
+                self.metrics
+                    .assign_latency
+                    .with_label_values(&[label])
+                    .observe(added.as_secs_f64());
+                self.metrics
+                    .assign_total
+                    .with_label_values(&[label, "ok"])
+                    .inc();
+                Ok(Response::new(resp))
+            }
+            Err(e) => {
+                self.metrics
+                    .assign_total
+                    .with_label_values(&[label, code_label(e.grpc_code())])
+                    .inc();
+                tracing::debug!(error = %e, "Assign failed");
+                Err(e.into())
+            }
+        }
+    }
+
+    #[tracing::instrument(level = "debug", skip_all)]
+    async fn cancel(
+        &self,
+        request: Request<v1::CancelRequest>,
+    ) -> Result<Response<v1::CancelResponse>, Status> {
+        let msg = request.into_inner();
+        let group = msg.group.clone();
+        let label = self.label(&group).to_owned();
+        let result: Result<CancelOutcome, DecisionError> = async {
+            let req = ValidCancel::try_from(msg)?;
+            let handle = self.group(req.group.as_str())?;
+            let (reply, rx) = oneshot::channel();
+            handle
+                .send(Command::Cancel {
+                    id: req.request_id,
+                    reply,
+                })
+                .await?;
+            rx.await.map_err(|_| DecisionError::ShuttingDown)
+        }
+        .await;
+        match result {
+            Ok(outcome) => {
+                self.metrics
+                    .cancel_total
+                    .with_label_values(&[&label, outcome.label()])
+                    .inc();
+                let outcome = match outcome {
+                    CancelOutcome::Withdrawn => v1::CancelOutcome::Withdrawn,
+                    CancelOutcome::Released => v1::CancelOutcome::Released,
+                    CancelOutcome::NotFound => v1::CancelOutcome::NotFound,
+                };
+                Ok(Response::new(v1::CancelResponse {
+                    outcome: outcome as i32,
+                }))
+            }
+            Err(e) => {
+                self.metrics
+                    .cancel_total
+                    .with_label_values(&[&label, "error"])
+                    .inc();
+                Err(e.into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_values() {
+        assert_eq!(parse_grpc_timeout("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("250u"), Some(Duration::from_micros(250)));
+        assert_eq!(
+            parse_grpc_timeout("99999999n"),
+            Some(Duration::from_nanos(99_999_999))
+        );
+        assert_eq!(parse_grpc_timeout("m"), None);
+        assert_eq!(parse_grpc_timeout("10x"), None);
+        assert_eq!(parse_grpc_timeout("-1m"), None);
+        assert_eq!(parse_grpc_timeout("123456789S"), None, "at most 8 digits");
+    }
+
+    #[test]
+    fn margin_is_small() {
+        assert_eq!(margin(Duration::from_secs(10)), Duration::from_millis(2));
+        assert_eq!(
+            margin(Duration::from_millis(10)),
+            Duration::from_micros(500)
+        );
+    }
+}

@@ -1,0 +1,310 @@
+//! The task that owns one group's [`GroupCore`]: it takes commands from the handlers (bounded
+//! mpsc, answers by oneshot), σ events from the Watch follower and `Reserve` outcomes, runs the
+//! ticks, and makes the `Reserve`/`Release` calls (spawned, at most a few in flight).
+//!
+//! Ticks run on new arrivals (coalesced: at most one per `tick_min_interval`), on every σ
+//! change, and every `tick_interval` (which also does the housekeeping).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use br_proto::v1;
+use br_proto::valid::{GroupId, RequestId, ValidAssign};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::DecisionError;
+use crate::group::{CancelOutcome, GroupCore, GroupStats, Reply};
+use crate::metrics::GroupMetrics;
+use crate::upstream::SnapshotOps;
+use br_client::watch::{Update, WatchHandle};
+
+/// Capacity of a group's command queue (handlers wait when it is full).
+pub const COMMAND_QUEUE: usize = 8192;
+
+/// What handlers ask of a group task.
+#[derive(Debug)]
+pub enum Command {
+    Assign {
+        req: ValidAssign,
+        call: u64,
+        reply: Reply,
+    },
+    /// The caller `call` has gone; `undelivered`: it held an answer it never read.
+    Withdraw {
+        id: RequestId,
+        call: u64,
+        undelivered: bool,
+    },
+    Cancel {
+        id: RequestId,
+        reply: oneshot::Sender<CancelOutcome>,
+    },
+    Stats {
+        reply: oneshot::Sender<GroupStats>,
+    },
+}
+
+/// The handlers' side of a group task. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct GroupHandle {
+    tx: mpsc::Sender<Command>,
+    group: GroupId,
+    calls: Arc<AtomicU64>,
+}
+
+impl GroupHandle {
+    pub fn group(&self) -> &GroupId {
+        &self.group
+    }
+
+    /// A fresh id for one `Assign` call (distinguishes the callers of one request id).
+    pub fn next_call(&self) -> u64 {
+        self.calls.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub async fn send(&self, cmd: Command) -> Result<(), DecisionError> {
+        self.tx
+            .send(cmd)
+            .await
+            .map_err(|_| DecisionError::ShuttingDown)
+    }
+
+    /// For drop guards, which cannot wait. False if the queue is full or closed (the group
+    /// task's housekeeping then notices the closed reply channel itself).
+    pub fn try_send(&self, cmd: Command) -> bool {
+        self.tx.try_send(cmd).is_ok()
+    }
+
+    /// The group's numbers (tests, debugging).
+    pub async fn stats(&self) -> Option<GroupStats> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Stats { reply }).await.ok()?;
+        rx.await.ok()
+    }
+}
+
+/// Tick timing.
+#[derive(Debug, Clone, Copy)]
+pub struct TickConfig {
+    /// Timer tick (and housekeeping) period.
+    pub interval: Duration,
+    /// Arrivals and σ changes trigger a tick at most this often.
+    pub min_interval: Duration,
+}
+
+impl Default for TickConfig {
+    fn default() -> Self {
+        TickConfig {
+            interval: Duration::from_millis(20),
+            min_interval: Duration::from_millis(1),
+        }
+    }
+}
+
+/// The σ source of a group task: a `br_client::watch` follower.
+#[derive(Debug)]
+pub struct Feed {
+    pub updates: mpsc::Receiver<Update>,
+    pub handle: WatchHandle,
+    resubscribes_seen: u64,
+}
+
+impl Feed {
+    pub fn new(handle: WatchHandle, updates: mpsc::Receiver<Update>) -> Feed {
+        Feed {
+            updates,
+            handle,
+            resubscribes_seen: 0,
+        }
+    }
+}
+
+/// Called once when the group first has a complete σ.
+pub type OnReady = Box<dyn FnOnce() + Send>;
+
+struct ReserveDone {
+    job: u64,
+    result: Result<v1::ReserveResponse, tonic::Status>,
+}
+
+/// Starts the task that owns `core`. It ends when every [`GroupHandle`] is dropped.
+pub fn spawn_group(
+    core: GroupCore,
+    ops: Arc<dyn SnapshotOps>,
+    feed: Option<Feed>,
+    ticks: TickConfig,
+    metrics: GroupMetrics,
+    on_ready: Option<OnReady>,
+    shutdown: CancellationToken,
+) -> (GroupHandle, JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+    let handle = GroupHandle {
+        tx,
+        group: core.group().clone(),
+        calls: Arc::new(AtomicU64::new(1)),
+    };
+    let task = tokio::spawn(run(core, ops, rx, feed, ticks, metrics, on_ready, shutdown));
+    (handle, task)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run(
+    mut core: GroupCore,
+    ops: Arc<dyn SnapshotOps>,
+    mut cmds: mpsc::Receiver<Command>,
+    feed: Option<Feed>,
+    ticks: TickConfig,
+    metrics: GroupMetrics,
+    mut on_ready: Option<OnReady>,
+    shutdown: CancellationToken,
+) {
+    let (done_tx, mut done_rx) = mpsc::channel::<ReserveDone>(64);
+    let mut feed = feed;
+    let mut last_tick = Instant::now();
+    let mut next_timer = last_tick + ticks.interval;
+    let mut shutting_down = false;
+    loop {
+        let due = if core.tick_wanted() {
+            (last_tick + ticks.min_interval).min(next_timer)
+        } else {
+            next_timer
+        };
+        tokio::select! {
+            biased;
+            () = tokio::time::sleep_until(due.into()) => {
+                let now = Instant::now();
+                core.tick(now);
+                last_tick = now;
+                if now >= next_timer {
+                    core.housekeeping(now);
+                    next_timer = now + ticks.interval;
+                }
+            }
+            Some(done) = done_rx.recv() => {
+                core.on_reserve_done(done.job, done.result, Instant::now());
+            }
+            Some(u) = recv_feed(&mut feed) => {
+                if let Some(f) = feed.as_mut() {
+                    on_update(&mut core, u, f, &metrics);
+                }
+            }
+            cmd = cmds.recv() => match cmd {
+                None => break,
+                Some(cmd) => on_command(&mut core, cmd),
+            },
+            () = shutdown.cancelled(), if !shutting_down => {
+                shutting_down = true;
+                core.shut_down();
+            }
+        }
+        flush(&mut core, &ops, &done_tx);
+        if core.has_sigma()
+            && let Some(f) = on_ready.take()
+        {
+            f();
+        }
+    }
+    tracing::debug!(group = %core.group(), "group task stopped");
+}
+
+async fn recv_feed(feed: &mut Option<Feed>) -> Option<Update> {
+    match feed {
+        Some(f) => f.updates.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+fn on_command(core: &mut GroupCore, cmd: Command) {
+    let now = Instant::now();
+    match cmd {
+        Command::Assign { req, call, reply } => core.assign(req, call, reply, now),
+        Command::Withdraw {
+            id,
+            call,
+            undelivered,
+        } => core.withdraw(id.as_str(), call, undelivered),
+        Command::Cancel { id, reply } => {
+            let _ = reply.send(core.cancel(id.as_str()));
+        }
+        Command::Stats { reply } => {
+            let _ = reply.send(core.stats());
+        }
+    }
+}
+
+fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMetrics) {
+    let now = Instant::now();
+    match u {
+        Update::Connected { .. } => core.on_connected(now),
+        Update::Disconnected { at, error } => {
+            if core.has_sigma() && !core.is_stale() {
+                tracing::warn!(group = %core.group(), %error, "σ feed lost; answering from the last σ (stale)");
+            }
+            core.on_disconnected(at.into_std(), now);
+        }
+        Update::Snapshot { sigma, reset } => {
+            if let Some(r) = &reset {
+                let reason = match r.reason {
+                    v1::ResetReason::UnknownEpoch => "unknown_epoch",
+                    v1::ResetReason::HistoryTruncated => "history_truncated",
+                    v1::ResetReason::SlowConsumer => "slow_consumer",
+                    v1::ResetReason::FutureVersion => "future_version",
+                    v1::ResetReason::Unspecified => "unspecified",
+                };
+                tracing::info!(group = %core.group(), reason, detail = %r.detail, "σ reset by the snapshot service");
+                metrics.watch_reset(reason);
+            }
+            if sigma.group() != core.group().as_str() {
+                tracing::error!(group = %core.group(), got = %sigma.group(), "snapshot of another group; resubscribing");
+                feed.handle.resync();
+                return;
+            }
+            tracing::info!(group = %core.group(), epoch = sigma.epoch(), version = sigma.version(), "σ snapshot installed");
+            core.set_sigma(*sigma, now);
+        }
+        Update::Delta(d) => {
+            if let Err(e) = core.on_delta(&d, now) {
+                tracing::warn!(group = %core.group(), error = %e, "σ delta does not apply; asking for a fresh snapshot");
+                metrics.watch_reset("apply_error");
+                feed.handle.resync();
+            }
+        }
+    }
+    // Resubscriptions the watcher made on its own (gaps, stream errors).
+    let resubscribes = feed.handle.status().borrow().resubscribes;
+    if resubscribes > feed.resubscribes_seen {
+        metrics.watch_reset_by("resubscribe", resubscribes - feed.resubscribes_seen);
+        feed.resubscribes_seen = resubscribes;
+    }
+}
+
+fn flush(core: &mut GroupCore, ops: &Arc<dyn SnapshotOps>, done: &mpsc::Sender<ReserveDone>) {
+    let now = Instant::now();
+    while let Some(job) = core.take_reserve(now) {
+        let ops = Arc::clone(ops);
+        let done = done.clone();
+        tokio::spawn(async move {
+            let result = ops.reserve(job.request).await;
+            let _ = done
+                .send(ReserveDone {
+                    job: job.id,
+                    result,
+                })
+                .await;
+        });
+    }
+    if let Some(rel) = core.take_release() {
+        let ops = Arc::clone(ops);
+        let group = core.group().clone();
+        tokio::spawn(async move {
+            let n = rel.request_ids.len();
+            if let Err(s) = ops.release(rel).await {
+                // Best effort: an unreleased reservation expires after the TTL.
+                tracing::debug!(group = %group, n, code = ?s.code(), error = %s.message(), "Release failed");
+            }
+        });
+    }
+}
