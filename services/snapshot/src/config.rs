@@ -1,0 +1,144 @@
+//! `br-snapshot`'s flags. Each is also `BALANCEROUTE_<FLAG>` and may be set in the `--config`
+//! TOML file (precedence: defaults < file < environment < flags).
+
+use std::time::Duration;
+
+use br_runtime::config::{CommonArgs, Validate};
+
+use crate::group::Settings;
+
+/// Default number of deltas kept per group for resumption.
+pub const DEFAULT_HISTORY: usize = 4096;
+/// Default reservation TTL.
+pub const DEFAULT_RESERVATION_TTL: &str = "10s";
+/// Default grace period before a disconnected worker is fenced.
+pub const DEFAULT_WORKER_GRACE: &str = "5s";
+/// Default idle period before a progress mark.
+pub const DEFAULT_PROGRESS_INTERVAL: &str = "250ms";
+/// Default events queued per watcher before it counts as slow.
+pub const DEFAULT_WATCHER_QUEUE: usize = 1024;
+
+/// br-snapshot: the single writer of σ per group; serves Snapshot (Watch, Get, Apply, Reserve,
+/// Release).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "br-snapshot", version)]
+#[command(mut_arg("listen", |a| a.default_value("127.0.0.1:50061")))]
+#[command(mut_arg("admin_listen", |a| a.default_value("127.0.0.1:9061")))]
+pub struct Args {
+    #[command(flatten)]
+    pub common: CommonArgs,
+
+    /// Deltas kept per group so a watcher can resume without a snapshot.
+    #[arg(long, env = "BALANCEROUTE_HISTORY", default_value_t = DEFAULT_HISTORY)]
+    pub history: usize,
+
+    /// A reservation with no telemetry for this long expires (RequestExpired).
+    #[arg(long, env = "BALANCEROUTE_RESERVATION_TTL", value_parser = humantime::parse_duration, default_value = DEFAULT_RESERVATION_TTL)]
+    pub reservation_ttl: Duration,
+
+    /// A worker whose stream is gone is SUSPECT for this long, then FENCED.
+    #[arg(long, env = "BALANCEROUTE_WORKER_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_WORKER_GRACE)]
+    pub worker_grace: Duration,
+
+    /// Watchers get a progress mark after this long without a delta.
+    #[arg(long, env = "BALANCEROUTE_PROGRESS_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_PROGRESS_INTERVAL)]
+    pub progress_interval: Duration,
+
+    /// Events queued per watcher; a watcher whose queue overflows is reset (SLOW_CONSUMER).
+    #[arg(long, env = "BALANCEROUTE_WATCHER_QUEUE", default_value_t = DEFAULT_WATCHER_QUEUE)]
+    pub watcher_queue: usize,
+}
+
+impl Args {
+    /// The group tunables.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            history: self.history,
+            reservation_ttl: self.reservation_ttl,
+            worker_grace: self.worker_grace,
+            progress_interval: self.progress_interval,
+            watcher_queue: self.watcher_queue,
+        }
+    }
+}
+
+fn in_range(flag: &str, d: Duration, min: Duration, max: Duration) -> Result<(), String> {
+    if d < min || d > max {
+        return Err(format!(
+            "--{flag} is {}, it must be in {}..={}",
+            humantime::format_duration(d),
+            humantime::format_duration(min),
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(())
+}
+
+impl Validate for Args {
+    fn validate(&self) -> Result<(), String> {
+        self.common.validate()?;
+        if !(1..=1_000_000).contains(&self.history) {
+            return Err("--history must be in 1..=1000000".into());
+        }
+        if !(2..=1_000_000).contains(&self.watcher_queue) {
+            return Err("--watcher-queue must be in 2..=1000000".into());
+        }
+        let ms = Duration::from_millis;
+        let hour = Duration::from_secs(3600);
+        in_range("reservation-ttl", self.reservation_ttl, ms(1), hour)?;
+        in_range("worker-grace", self.worker_grace, ms(1), hour)?;
+        in_range(
+            "progress-interval",
+            self.progress_interval,
+            ms(1),
+            Duration::from_secs(60),
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    fn parse(args: &[&str]) -> Result<Args, br_runtime::config::ConfigError> {
+        br_runtime::config::parse_from(std::iter::once("br-snapshot").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn defaults_follow_the_conventions() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.common.listen, "127.0.0.1:50061".parse().unwrap());
+        assert_eq!(a.common.admin_listen, "127.0.0.1:9061".parse().unwrap());
+        assert_eq!(a.history, 4096);
+        assert_eq!(a.reservation_ttl, Duration::from_secs(10));
+        assert_eq!(a.worker_grace, Duration::from_secs(5));
+        assert_eq!(a.progress_interval, Duration::from_millis(250));
+        assert_eq!(a.watcher_queue, 1024);
+        assert_eq!(
+            br_runtime::config::check_env_names(&Args::command()),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn flags_parse_and_are_validated() {
+        let a = parse(&[
+            "--reservation-ttl",
+            "300ms",
+            "--worker-grace",
+            "2s",
+            "--history",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(a.settings().reservation_ttl, Duration::from_millis(300));
+        assert_eq!(a.settings().history, 8);
+        assert!(parse(&["--history", "0"]).is_err());
+        assert!(parse(&["--watcher-queue", "1"]).is_err());
+        assert!(parse(&["--worker-grace", "0s"]).is_err());
+        assert!(parse(&["--progress-interval", "2h"]).is_err());
+    }
+}

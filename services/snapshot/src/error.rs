@@ -1,0 +1,38 @@
+//! The service's one error enum and its single mapping to gRPC statuses.
+
+use br_proto::ValidationError;
+use br_runtime::error::ServiceError;
+
+/// Why a call failed as a whole (per-change and per-reservation rejections are answered in
+/// the response instead).
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The request failed validation (empty or oversized group or id, bad counts, ...).
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    /// The writer is gone: the service is shutting down.
+    #[error("the snapshot service is shutting down")]
+    ShuttingDown,
+}
+
+impl ServiceError for SnapshotError {
+    fn grpc_code(&self) -> tonic::Code {
+        match self {
+            SnapshotError::Invalid(_) => tonic::Code::InvalidArgument,
+            SnapshotError::ShuttingDown => tonic::Code::Unavailable,
+        }
+    }
+
+    fn reason(&self) -> &'static str {
+        match self {
+            SnapshotError::Invalid(e) => e.reason_label(),
+            SnapshotError::ShuttingDown => "unavailable",
+        }
+    }
+}
+
+impl From<SnapshotError> for tonic::Status {
+    fn from(e: SnapshotError) -> tonic::Status {
+        e.to_status()
+    }
+}

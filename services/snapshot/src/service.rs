@@ -1,0 +1,210 @@
+//! The `balanceroute.v1.Snapshot` gRPC handlers: validate at the edge, then ask the writer.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use br_proto::v1;
+use br_proto::v1::snapshot_server::Snapshot;
+use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidWatch};
+use br_runtime::error::ServiceError as _;
+use futures::{Stream, StreamExt as _};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::SnapshotError;
+use crate::metrics::Metrics;
+use crate::writer::{Command, WriterHandle};
+
+/// Acks queued towards one Apply stream.
+const ACK_QUEUE: usize = 64;
+
+/// The Snapshot service. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct SnapshotService {
+    writer: WriterHandle,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+    next_stream: Arc<AtomicU64>,
+}
+
+impl SnapshotService {
+    pub fn new(writer: WriterHandle, metrics: Metrics, shutdown: CancellationToken) -> Self {
+        SnapshotService {
+            writer,
+            metrics,
+            shutdown,
+            next_stream: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    /// Counts and converts a whole-call failure.
+    fn fail(&self, e: SnapshotError) -> Status {
+        if matches!(e, SnapshotError::Invalid(_)) {
+            self.metrics.reject("invalid");
+        }
+        tracing::debug!(error = %e, reason = e.reason(), "call rejected");
+        e.into()
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Snapshot for SnapshotService {
+    type WatchStream = BoxStream<v1::WatchEvent>;
+
+    #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, epoch = req.get_ref().epoch, last_version = req.get_ref().last_version))]
+    async fn watch(
+        &self,
+        req: Request<v1::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let req = ValidWatch::try_from(req.into_inner()).map_err(|e| self.fail(e.into()))?;
+        let rx = self
+            .writer
+            .call(|reply| Command::Watch { req, reply })
+            .await
+            .map_err(|e| self.fail(e))?;
+        // The writer ends the stream (drops the queue's sender) on shutdown.
+        let stream = ReceiverStream::new(rx).map(|ev| Ok(v1::WatchEvent::clone(&ev)));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    #[tracing::instrument(skip_all, fields(group = %req.get_ref().group))]
+    async fn get(
+        &self,
+        req: Request<v1::GetRequest>,
+    ) -> Result<Response<v1::ClusterSnapshot>, Status> {
+        let group = GroupId::new(&req.into_inner().group).map_err(|e| self.fail(e.into()))?;
+        let snap = self
+            .writer
+            .call(|reply| Command::Get { group, reply })
+            .await
+            .map_err(|e| self.fail(e))?;
+        Ok(Response::new(snap))
+    }
+
+    type ApplyStream = BoxStream<v1::ApplyAck>;
+
+    async fn apply(
+        &self,
+        req: Request<Streaming<v1::ChangeBatch>>,
+    ) -> Result<Response<Self::ApplyStream>, Status> {
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(ACK_QUEUE);
+        let stream = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        let this = self.clone();
+        tokio::spawn(async move {
+            tracing::debug!(stream, "Apply stream opened");
+            let mut last_seq = 0u64;
+            loop {
+                let msg = tokio::select! {
+                    m = inbound.message() => m,
+                    () = this.shutdown.cancelled() => break,
+                };
+                let batch = match msg {
+                    Ok(Some(b)) => b,
+                    Ok(None) => break,
+                    Err(status) => {
+                        tracing::debug!(stream, error = %status, "Apply stream failed");
+                        break;
+                    }
+                };
+                let ack = match this.apply_batch(batch, stream, &mut last_seq).await {
+                    Ok(ack) => Ok(ack),
+                    Err(e) => Err(this.fail(e)),
+                };
+                let stop = ack.is_err();
+                if tx.send(ack).await.is_err() || stop {
+                    break;
+                }
+            }
+            // Every worker whose Hello came on this stream is disconnected now.
+            this.writer.stream_ended(stream).await;
+            tracing::debug!(stream, "Apply stream closed");
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, n = req.get_ref().reservations.len()))]
+    async fn reserve(
+        &self,
+        req: Request<v1::ReserveRequest>,
+    ) -> Result<Response<v1::ReserveResponse>, Status> {
+        let req = ValidReserve::try_from(req.into_inner()).map_err(|e| self.fail(e.into()))?;
+        let resp = self
+            .writer
+            .call(|reply| Command::Reserve { req, reply })
+            .await
+            .map_err(|e| self.fail(e))?;
+        Ok(Response::new(resp))
+    }
+
+    #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, n = req.get_ref().request_ids.len()))]
+    async fn release(
+        &self,
+        req: Request<v1::ReleaseRequest>,
+    ) -> Result<Response<v1::ReleaseResponse>, Status> {
+        let req = ValidRelease::try_from(req.into_inner()).map_err(|e| self.fail(e.into()))?;
+        let resp = self
+            .writer
+            .call(|reply| Command::Release { req, reply })
+            .await
+            .map_err(|e| self.fail(e))?;
+        Ok(Response::new(resp))
+    }
+}
+
+impl SnapshotService {
+    /// One ChangeBatch: a batch the writer cannot take as a whole (bad group, batch_seq not
+    /// increasing) is answered with every change rejected as INVALID, and σ is untouched.
+    async fn apply_batch(
+        &self,
+        batch: v1::ChangeBatch,
+        stream: u64,
+        last_seq: &mut u64,
+    ) -> Result<v1::ApplyAck, SnapshotError> {
+        let whole = |detail: String, n: usize| {
+            self.metrics.reject("invalid");
+            v1::ApplyAck {
+                batch_seq: batch.batch_seq,
+                epoch: self.writer.epoch(),
+                version: 0,
+                rejected: (0..n)
+                    .map(|i| v1::ChangeRejection {
+                        index: u32::try_from(i).unwrap_or(u32::MAX),
+                        reason: v1::RejectReason::Invalid as i32,
+                        detail: detail.clone(),
+                    })
+                    .collect(),
+            }
+        };
+        let group = match GroupId::new(&batch.group) {
+            Ok(g) => g,
+            Err(e) => return Ok(whole(e.to_string(), batch.changes.len())),
+        };
+        if batch.batch_seq <= *last_seq {
+            return Ok(whole(
+                format!(
+                    "batch_seq {} does not follow {} (it must rise on each stream, from 1)",
+                    batch.batch_seq, *last_seq
+                ),
+                batch.changes.len(),
+            ));
+        }
+        *last_seq = batch.batch_seq;
+        let batch_seq = batch.batch_seq;
+        let changes = batch.changes;
+        self.writer
+            .call(|reply| Command::Apply {
+                group,
+                batch_seq,
+                changes,
+                stream,
+                reply,
+            })
+            .await
+    }
+}

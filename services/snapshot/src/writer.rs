@@ -1,0 +1,272 @@
+//! The single writer: one task owns every group's [`Group`] and is fed by a bounded queue of
+//! [`Command`]s from the gRPC handlers, each answered on a oneshot. It also runs the clock:
+//! reservation expiry, grace-period fencing, progress marks and lagging watchers, on a short
+//! periodic tick. Nothing else mutates σ, so there are no locks.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use br_proto::v1;
+use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidWatch};
+use rand::Rng as _;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::SnapshotError;
+use crate::group::{Event, Group, Settings, StreamId};
+use crate::metrics::Metrics;
+
+/// Commands queued towards the writer before handlers wait.
+pub const COMMAND_QUEUE: usize = 4096;
+
+/// One request to the writer.
+#[derive(Debug)]
+pub enum Command {
+    Apply {
+        group: GroupId,
+        batch_seq: u64,
+        changes: Vec<v1::TelemetryChange>,
+        stream: StreamId,
+        reply: oneshot::Sender<v1::ApplyAck>,
+    },
+    StreamEnded {
+        stream: StreamId,
+    },
+    Reserve {
+        req: ValidReserve,
+        reply: oneshot::Sender<v1::ReserveResponse>,
+    },
+    Release {
+        req: ValidRelease,
+        reply: oneshot::Sender<v1::ReleaseResponse>,
+    },
+    Get {
+        group: GroupId,
+        reply: oneshot::Sender<v1::ClusterSnapshot>,
+    },
+    Watch {
+        req: ValidWatch,
+        reply: oneshot::Sender<mpsc::Receiver<Event>>,
+    },
+}
+
+/// The handlers' side of the writer: cheap to clone.
+#[derive(Debug, Clone)]
+pub struct WriterHandle {
+    tx: mpsc::Sender<Command>,
+    epoch: u64,
+}
+
+impl WriterHandle {
+    /// This process's epoch (every group's).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Sends a command built around a fresh oneshot and waits for the answer.
+    pub async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, SnapshotError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(make(reply))
+            .await
+            .map_err(|_| SnapshotError::ShuttingDown)?;
+        rx.await.map_err(|_| SnapshotError::ShuttingDown)
+    }
+
+    /// Tells the writer an Apply stream ended (its workers are disconnected now).
+    pub async fn stream_ended(&self, stream: StreamId) {
+        let _ = self.tx.send(Command::StreamEnded { stream }).await;
+    }
+}
+
+/// A random non-zero epoch for this process.
+pub fn random_epoch() -> u64 {
+    let mut rng = rand::rng();
+    loop {
+        let e: u64 = rng.random();
+        if e != 0 {
+            return e;
+        }
+    }
+}
+
+/// How often the writer's clock runs: a quarter of the shortest configured period, within
+/// [1 ms, 50 ms].
+pub fn tick_period(s: &Settings) -> Duration {
+    let shortest = s
+        .progress_interval
+        .min(s.reservation_ttl)
+        .min(s.worker_grace);
+    (shortest / 4).clamp(Duration::from_millis(1), Duration::from_millis(50))
+}
+
+/// Starts the writer. It stops when `shutdown` is cancelled (dropping every watcher's queue,
+/// which ends their streams) or when every handle is gone.
+pub fn spawn(
+    settings: Settings,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> (WriterHandle, JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+    let epoch = random_epoch();
+    let writer = Writer {
+        groups: HashMap::new(),
+        settings: Arc::new(settings),
+        metrics,
+        epoch,
+        stream_groups: HashMap::new(),
+    };
+    let task = tokio::spawn(writer.run(rx, shutdown));
+    (WriterHandle { tx, epoch }, task)
+}
+
+struct Writer {
+    groups: HashMap<GroupId, Group>,
+    settings: Arc<Settings>,
+    metrics: Metrics,
+    epoch: u64,
+    /// The groups each Apply stream touched.
+    stream_groups: HashMap<StreamId, Vec<GroupId>>,
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Writer {
+    async fn run(mut self, mut rx: mpsc::Receiver<Command>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(tick_period(&self.settings));
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        tracing::info!(epoch = self.epoch, "snapshot writer started");
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break,
+                cmd = rx.recv() => match cmd {
+                    Some(cmd) => self.handle(cmd),
+                    None => break,
+                },
+                _ = tick.tick() => {
+                    let now = Instant::now();
+                    for g in self.groups.values_mut() {
+                        g.tick(now);
+                    }
+                }
+            }
+        }
+        tracing::info!("snapshot writer stopped");
+    }
+
+    fn group(&mut self, name: &GroupId) -> &mut Group {
+        let (settings, metrics, epoch) = (&self.settings, &self.metrics, self.epoch);
+        self.groups.entry(name.clone()).or_insert_with(|| {
+            tracing::info!(group = %name, "new group");
+            Group::new(
+                name.as_str(),
+                epoch,
+                Arc::clone(settings),
+                metrics,
+                Instant::now(),
+            )
+        })
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        let now = Instant::now();
+        match cmd {
+            Command::Apply {
+                group,
+                batch_seq,
+                changes,
+                stream,
+                reply,
+            } => {
+                let touched = self.stream_groups.entry(stream).or_default();
+                if !touched.contains(&group) {
+                    touched.push(group.clone());
+                }
+                let ack = self
+                    .group(&group)
+                    .apply(batch_seq, changes, stream, now, wall_ms());
+                let _ = reply.send(ack);
+            }
+            Command::StreamEnded { stream } => {
+                for name in self.stream_groups.remove(&stream).unwrap_or_default() {
+                    if let Some(g) = self.groups.get_mut(&name) {
+                        g.stream_ended(stream, now);
+                    }
+                }
+            }
+            Command::Reserve { req, reply } => {
+                let resp = match self.groups.get_mut(&req.group) {
+                    Some(g) => {
+                        let (accepted, rejected) = g.reserve(req.reservations, now);
+                        v1::ReserveResponse {
+                            epoch: g.epoch(),
+                            version: g.version(),
+                            accepted,
+                            rejected,
+                        }
+                    }
+                    // No group: nothing can be reserved (and no state is created for it).
+                    None => v1::ReserveResponse {
+                        epoch: self.epoch,
+                        version: 0,
+                        accepted: Vec::new(),
+                        rejected: req
+                            .reservations
+                            .iter()
+                            .map(|r| {
+                                self.metrics.reject("unknown_worker");
+                                v1::ReservationRejection {
+                                    request_id: r.request_id.to_string(),
+                                    reason: v1::RejectReason::UnknownWorker as i32,
+                                    detail: format!("worker {} is not in σ", r.worker_id),
+                                }
+                            })
+                            .collect(),
+                    },
+                };
+                let _ = reply.send(resp);
+            }
+            Command::Release { req, reply } => {
+                let resp = match self.groups.get_mut(&req.group) {
+                    Some(g) => {
+                        let released = g.release(&req.request_ids, now);
+                        v1::ReleaseResponse {
+                            version: g.version(),
+                            released,
+                        }
+                    }
+                    None => v1::ReleaseResponse::default(),
+                };
+                let _ = reply.send(resp);
+            }
+            Command::Get { group, reply } => {
+                let snap = match self.groups.get(&group) {
+                    Some(g) => g.snapshot(),
+                    None => v1::ClusterSnapshot {
+                        group: group.to_string(),
+                        epoch: self.epoch,
+                        ..Default::default()
+                    },
+                };
+                let _ = reply.send(snap);
+            }
+            Command::Watch { req, reply } => {
+                let rx = self
+                    .group(&req.group)
+                    .subscribe(req.epoch, req.last_version);
+                let _ = reply.send(rx);
+            }
+        }
+    }
+}
