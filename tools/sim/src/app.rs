@@ -250,6 +250,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
     if seeds.len() > 1 {
         println!("averaged over {} seeds: {:?}", seeds.len(), seeds);
     }
+    let points = scaling_points(&rows);
     let (runs, steady): (Vec<RunReport>, Vec<SteadyExtra>) = rows.into_iter().unzip();
     print!("{}", render_table(&runs, &steady));
     let report = Report { runs };
@@ -261,11 +262,10 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
     if args.param.is_some() {
         return Ok(());
     }
-    let points = scaling_points(&report.runs);
     for p in &points {
         println!(
-            "G={:<3} {:<20} gain {:+6.1}%  steady gain {:+6.1}%  imbalance {:.0}",
-            p.workers, p.policy, p.gain_pct, p.steady_gain_pct, p.avg_imbalance
+            "G={:<3} {:<20} gain {:+6.1}%  steady gain {:+6.1}%  imbalance {:.0}  steady imbalance {:.0}",
+            p.workers, p.policy, p.gain_pct, p.steady_gain_pct, p.avg_imbalance, p.steady_imbalance
         );
     }
     if let Some(dir) = &args.run.plot {
@@ -351,9 +351,10 @@ fn param_rows(run: &RunArgs, param: &str) -> anyhow::Result<Vec<Row>> {
 
 /// Gains of every policy over the best baseline (by whole-run throughput) at the same G,
 /// plus the imbalance; the best baseline itself is included (gain 0) for reference.
-pub fn scaling_points(runs: &[RunReport]) -> Vec<ScalingPoint> {
+pub fn scaling_points(rows: &[Row]) -> Vec<ScalingPoint> {
+    let runs: Vec<&RunReport> = rows.iter().map(|r| &r.0).collect();
     let mut out = Vec::new();
-    for r in runs {
+    for (i, r) in runs.iter().enumerate() {
         let best = runs
             .iter()
             .filter(|b| b.workers == r.workers && is_baseline(&b.policy))
@@ -384,6 +385,7 @@ pub fn scaling_points(runs: &[RunReport]) -> Vec<ScalingPoint> {
             gain_pct: pct(r.throughput_tok_s, best.throughput_tok_s),
             steady_gain_pct: pct(r.steady_throughput_tok_s, best_steady),
             avg_imbalance: r.avg_imbalance,
+            steady_imbalance: rows[i].1.imbalance,
         });
     }
     out
@@ -439,8 +441,7 @@ mod tests {
         assert_eq!(avg[0].0.throughput_tok_s, 150.0);
         assert_eq!(avg[1].0.avg_imbalance, 3.0);
         assert_eq!(avg[1].1.imbalance, 3.0);
-        let runs: Vec<RunReport> = avg.into_iter().map(|r| r.0).collect();
-        let pts = scaling_points(&runs);
+        let pts = scaling_points(&avg);
         assert_eq!(pts.len(), 2);
         assert_eq!(pts[0].policy, "best baseline");
         assert!((pts[1].gain_pct - 100.0 * (160.0 / 150.0 - 1.0)).abs() < 1e-9);

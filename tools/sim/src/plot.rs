@@ -44,6 +44,8 @@ pub struct ScalingPoint {
     pub steady_gain_pct: f64,
     /// Average imbalance (max − min load), KV tokens.
     pub avg_imbalance: f64,
+    /// Average imbalance over the steady-state steps (while requests wait), KV tokens.
+    pub steady_imbalance: f64,
 }
 
 /// Plot errors.
@@ -179,7 +181,8 @@ fn draw_load_panel(
 }
 
 /// Writes the scaling figure: left, throughput gain over the best baseline against G (solid:
-/// whole run, thin: steady state while requests wait); right, average imbalance against G.
+/// whole run, thin: steady state while requests wait); right, average imbalance against G
+/// (solid: whole run, thin: steady state).
 /// G is on a log2 axis.
 pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result<(), PlotError> {
     if points.is_empty() {
@@ -217,7 +220,7 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
     let gpad = ((gmax - gmin) * 0.1).max(1.0);
     let imax = points
         .iter()
-        .map(|p| p.avg_imbalance)
+        .flat_map(|p| [p.avg_imbalance, p.steady_imbalance])
         .fold(0.0f64, f64::max)
         .max(1.0)
         * 1.1;
@@ -281,6 +284,10 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
             .iter()
             .map(|p| (lg(p.workers), p.avg_imbalance))
             .collect();
+        let steady_imbs: Vec<(f64, f64)> = pts
+            .iter()
+            .map(|p| (lg(p.workers), p.steady_imbalance))
+            .collect();
         gain.draw_series(LineSeries::new(whole.clone(), color.stroke_width(2)))
             .map_err(draw_err(path))?
             .label(pol.to_string())
@@ -308,6 +315,21 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
             });
         imb.draw_series(imbs.iter().map(|&p| Circle::new(p, 3, color.filled())))
             .map_err(draw_err(path))?;
+        imb.draw_series(LineSeries::new(
+            steady_imbs.clone(),
+            color.mix(0.6).stroke_width(1),
+        ))
+        .map_err(draw_err(path))?
+        .label(format!("{pol} (steady)"))
+        .legend(move |(x, y)| {
+            PathElement::new(vec![(x, y), (x + 18, y)], color.mix(0.6).stroke_width(1))
+        });
+        imb.draw_series(
+            steady_imbs
+                .iter()
+                .map(|&p| Circle::new(p, 2, color.mix(0.6))),
+        )
+        .map_err(draw_err(path))?;
     }
     gain.configure_series_labels()
         .background_style(WHITE.mix(0.85))
@@ -379,6 +401,7 @@ mod tests {
                     gain_pct: f * (g as f64).sqrt(),
                     steady_gain_pct: f * 1.5 * (g as f64).sqrt(),
                     avg_imbalance: 1000.0 * g as f64 / (1.0 + 3.0 * f),
+                    steady_imbalance: 800.0 * g as f64 / (1.0 + 3.0 * f),
                 })
             })
             .collect();
