@@ -1,1 +1,305 @@
-fn main() {}
+//! `br-emu engine` (an emulated lockstep DP decode engine) and `br-emu load` (a gateway that
+//! replays a trace through BalanceRoute), plus `br-emu report` (side-by-side table).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use br_emu::engine::{EngineConfig, EngineServer, StepModel};
+use br_emu::load::{self, LoadConfig, Summary};
+use br_sim::cli::Arrival;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Parser)]
+#[command(name = "br-emu", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// G ranks in lockstep behind an OpenAI-compatible API (one port per rank, plus one port
+    /// honouring `X-data-parallel-rank`).
+    Engine(EngineArgs),
+    /// Replay a workload: Assign on br-decision, stream from the chosen rank, summarise.
+    Load(LoadArgs),
+    /// Print the side-by-side table of `load --json` files (and a br-sim `--json` report).
+    Report(ReportArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct EngineArgs {
+    /// G: data-parallel ranks.
+    #[arg(long, env = "BALANCEROUTE_RANKS", default_value_t = 8)]
+    ranks: usize,
+    /// B: slots (max_num_seqs) per rank; more requests wait in the rank's FIFO queue.
+    #[arg(long, env = "BALANCEROUTE_SLOTS", default_value_t = 16)]
+    slots: usize,
+    /// a: model ms per KV token of the most loaded rank.
+    #[arg(long, env = "BALANCEROUTE_STEP_A", default_value_t = 2e-4)]
+    step_a: f64,
+    /// b: model ms of fixed overhead per step.
+    #[arg(long, env = "BALANCEROUTE_STEP_B", default_value_t = 30.0)]
+    step_b: f64,
+    /// Wall time = model time × this (0 runs steps back to back).
+    #[arg(long, env = "BALANCEROUTE_TIME_SCALE", default_value_t = 0.1)]
+    time_scale: f64,
+    /// Address to bind.
+    #[arg(long, env = "BALANCEROUTE_HOST", default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Rank g serves on base-port + g (0: OS-chosen ports, printed at start).
+    #[arg(long, env = "BALANCEROUTE_BASE_PORT", default_value_t = 8000)]
+    base_port: u16,
+    /// The port honouring `X-data-parallel-rank` (default base-port + G).
+    #[arg(long, env = "BALANCEROUTE_DP_PORT")]
+    dp_port: Option<u16>,
+    /// The model name served.
+    #[arg(long, env = "BALANCEROUTE_MODEL", default_value = "br-emu")]
+    model: String,
+    /// max_tokens of requests that give none.
+    #[arg(long, env = "BALANCEROUTE_DEFAULT_MAX_TOKENS", default_value_t = 16)]
+    default_max_tokens: u32,
+}
+
+#[derive(Debug, clap::Args)]
+struct LoadArgs {
+    /// The decision service.
+    #[arg(
+        long,
+        env = "BALANCEROUTE_DECISION_ADDR",
+        default_value = "http://127.0.0.1:50063"
+    )]
+    decision_addr: String,
+    /// The lockstep group.
+    #[arg(long, env = "BALANCEROUTE_GROUP", default_value = "default")]
+    group: String,
+    /// Comma-separated base URL of each rank (its shim), rank 0 first.
+    #[arg(long, env = "BALANCEROUTE_RANK_URLS", value_delimiter = ',')]
+    rank_urls: Vec<String>,
+    /// Send each request to the endpoint its worker announced (when set).
+    #[arg(long, env = "BALANCEROUTE_USE_ENDPOINT")]
+    use_endpoint: bool,
+    /// The engine's URL, to read its per-step loads (`/stats`).
+    #[arg(long, env = "BALANCEROUTE_ENGINE_URL")]
+    engine_url: Option<String>,
+    /// A trace file (Azure CSV, Mooncake JSONL, length-only CSV) or paper-azure / paper-prop.
+    #[arg(long, env = "BALANCEROUTE_TRACE", default_value = "paper-azure")]
+    trace: String,
+    /// Use at most N requests.
+    #[arg(long, env = "BALANCEROUTE_LIMIT")]
+    limit: Option<usize>,
+    /// Keep only requests with at least N output tokens.
+    #[arg(long, env = "BALANCEROUTE_FILTER_MIN_OUTPUT")]
+    filter_min_output: Option<u32>,
+    /// Seed of the synthetic workloads and Poisson arrivals.
+    #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = br_sim::synth::DEFAULT_SEED)]
+    seed: u64,
+    /// saturated (all at t = 0), trace (its timestamps / --rate-scale) or poisson (--rate).
+    #[arg(long, env = "BALANCEROUTE_ARRIVAL", value_enum, default_value_t = Arrival::Saturated)]
+    arrival: Arrival,
+    /// Requests per second (wall clock) for --arrival poisson.
+    #[arg(long, env = "BALANCEROUTE_RATE")]
+    rate: Option<f64>,
+    /// With --arrival trace: speed the trace up by X.
+    #[arg(long, env = "BALANCEROUTE_RATE_SCALE", default_value_t = 1.0)]
+    rate_scale: f64,
+    /// The model name in requests.
+    #[arg(long, env = "BALANCEROUTE_MODEL", default_value = "br-emu")]
+    model: String,
+    /// Longest wait for a rank (pool wait included).
+    #[arg(long, env = "BALANCEROUTE_ASSIGN_TIMEOUT", value_parser = humantime::parse_duration, default_value = "300s")]
+    assign_timeout: Duration,
+    /// A label for the summary (default: the policy the decision service names).
+    #[arg(long, env = "BALANCEROUTE_LABEL")]
+    label: Option<String>,
+    /// Write the summary (and per-request results) as JSON.
+    #[arg(long, env = "BALANCEROUTE_JSON")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+struct ReportArgs {
+    /// `br-emu load --json` files, in table order.
+    #[arg(required = true)]
+    runs: Vec<PathBuf>,
+    /// br-sim's `--json` report for the same workload.
+    #[arg(long)]
+    sim: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Engine(a) => engine(a).await,
+        Command::Load(a) => load_cmd(a).await,
+        Command::Report(a) => report(a),
+    }
+}
+
+async fn engine(a: EngineArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.ranks >= 1, "--ranks must be at least 1");
+    anyhow::ensure!(a.slots >= 1, "--slots must be at least 1");
+    anyhow::ensure!(
+        a.time_scale.is_finite() && a.time_scale >= 0.0,
+        "--time-scale must be >= 0"
+    );
+    let stop = CancellationToken::new();
+    let server = EngineServer::start(
+        EngineConfig {
+            ranks: a.ranks,
+            slots: a.slots,
+            model: StepModel {
+                a_ms_per_token: a.step_a,
+                b_ms: a.step_b,
+            },
+            time_scale: a.time_scale,
+            model_name: a.model,
+            created: None,
+            default_max_tokens: a.default_max_tokens,
+            host: a.host,
+            base_port: a.base_port,
+            dp_port: a.dp_port,
+        },
+        stop.clone(),
+    )
+    .await
+    .context("binding the engine's ports")?;
+    let ranks: Vec<String> = server
+        .addrs
+        .ranks
+        .iter()
+        .map(|a| format!("http://{a}"))
+        .collect();
+    println!(
+        "br-emu engine ready: G={} B={} T=({}·max L + {}) ms × {} ranks={} dp=http://{}",
+        a.ranks,
+        a.slots,
+        a.step_a,
+        a.step_b,
+        a.time_scale,
+        ranks.join(","),
+        server.addrs.dp
+    );
+    let s = stop.clone();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        s.cancel();
+    });
+    #[cfg(unix)]
+    {
+        let s = stop.clone();
+        if let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            tokio::spawn(async move {
+                term.recv().await;
+                s.cancel();
+            });
+        }
+    }
+    server.wait().await;
+    Ok(())
+}
+
+async fn load_cmd(a: LoadArgs) -> anyhow::Result<()> {
+    let run_id = format!(
+        "{}-{:x}",
+        a.label.as_deref().unwrap_or("load"),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    );
+    let cfg = LoadConfig {
+        decision_addr: a.decision_addr,
+        group: a.group,
+        rank_urls: a.rank_urls,
+        use_endpoint: a.use_endpoint,
+        engine_url: a.engine_url,
+        trace: a.trace,
+        limit: a.limit,
+        filter_min_output: a.filter_min_output,
+        seed: a.seed,
+        arrival: a.arrival,
+        rate: a.rate,
+        rate_scale: a.rate_scale,
+        model: a.model,
+        assign_timeout: a.assign_timeout,
+        label: a.label.clone().unwrap_or_default(),
+        run_id,
+    };
+    let mut s = load::run(cfg).await?;
+    if s.label.is_empty() {
+        s.label = s.policy.clone();
+    }
+    print_summary(&s);
+    for r in s.results.iter().filter(|r| r.error.is_some()).take(5) {
+        eprintln!(
+            "  failed {}: {}",
+            r.request_id,
+            r.error.as_deref().unwrap_or("")
+        );
+    }
+    if let Some(path) = a.json {
+        let text = serde_json::to_string_pretty(&s)?;
+        std::fs::write(&path, text + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn print_summary(s: &Summary) {
+    println!(
+        "{} ({}): {} requests, {} completed, {} failed, {:.1} s wall, {} tokens",
+        s.label, s.workload, s.requests, s.completed, s.failed, s.wall_s, s.tokens
+    );
+    println!(
+        "  model time (wall / {}): throughput {:.0} tok/s, TPOT p50 {:.1} ms p95 {:.1} ms, TTFT p50 {:.0} ms p95 {:.0} ms",
+        s.time_scale,
+        s.throughput_tok_s,
+        s.tpot_ms.p50,
+        s.tpot_ms.p95,
+        s.ttft_ms.p50,
+        s.ttft_ms.p95
+    );
+    if let (Some(i), Some(steps)) = (s.imbalance_tokens, s.steps) {
+        println!(
+            "  engine: {steps} steps, imbalance (mean max-min) {i:.0} tokens, mean step {:.1} ms; requests per rank {:?}",
+            s.mean_step_ms.unwrap_or(f64::NAN),
+            s.per_rank
+        );
+    }
+}
+
+fn report(a: ReportArgs) -> anyhow::Result<()> {
+    let mut runs = Vec::new();
+    for p in &a.runs {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let s: Summary =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+        runs.push(s);
+    }
+    let sim = match &a.sim {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Some(
+                serde_json::from_str::<br_sim::report::Report>(&text)
+                    .with_context(|| format!("parsing {}", p.display()))?,
+            )
+        }
+        None => None,
+    };
+    print!("{}", load::table(&runs, sim.as_ref()));
+    Ok(())
+}

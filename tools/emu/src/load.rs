@@ -1,0 +1,528 @@
+//! `br-emu load`: a minimal gateway. It replays a workload (br-sim's trace loaders and
+//! synthetic generators), asks BalanceRoute's decision service for each request's rank
+//! (`Assign`), sends the request to that rank (through its shim) as an OpenAI streaming
+//! completion with the trace's output length as `max_tokens` (`ignore_eos`), and records TTFT,
+//! TPOT and throughput; it reads the engine's per-step loads from `GET /stats` for imbalance.
+//!
+//! Times are reported in wall-clock ms and in *model* ms (wall / the engine's time scale), the
+//! unit br-sim uses, so the two can be compared directly.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use br_client::assign::{AssignClient, AssignParams};
+use br_sim::cli::{Arrival, stamp_arrivals};
+use br_sim::synth::{self, SynthConfig, SynthKind};
+use br_sim::trace::{self, Filter, TraceRequest};
+use futures::StreamExt as _;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::engine::Stats;
+
+/// What to replay and where.
+#[derive(Debug, Clone)]
+pub struct LoadConfig {
+    /// Decision service URL.
+    pub decision_addr: String,
+    pub group: String,
+    /// Rank g's base URL (its shim) at index g.
+    pub rank_urls: Vec<String>,
+    /// Send to the endpoint the worker announced (when not empty) instead of `rank_urls`.
+    pub use_endpoint: bool,
+    /// The engine's URL for `/stats` (any of its ports).
+    pub engine_url: Option<String>,
+    /// A trace file, or `paper-azure` / `paper-prop`.
+    pub trace: String,
+    pub limit: Option<usize>,
+    pub filter_min_output: Option<u32>,
+    pub seed: u64,
+    pub arrival: Arrival,
+    pub rate: Option<f64>,
+    pub rate_scale: f64,
+    /// The model name in requests.
+    pub model: String,
+    /// Longest wait for `Assign` (pool wait included).
+    pub assign_timeout: Duration,
+    /// A label for the summary (e.g. the decision policy).
+    pub label: String,
+    /// A prefix for request ids (unique per run).
+    pub run_id: String,
+}
+
+/// One request's outcome.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RequestResult {
+    pub request_id: String,
+    pub worker_id: Option<u32>,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    pub generated: u32,
+    /// Arrival to Assign answered, wall ms.
+    pub assign_ms: f64,
+    /// Arrival to first token, wall ms.
+    pub ttft_ms: Option<f64>,
+    /// Mean time between tokens after the first, wall ms.
+    pub tpot_ms: Option<f64>,
+    /// Arrival to last token, wall ms.
+    pub e2e_ms: Option<f64>,
+    pub error: Option<String>,
+}
+
+/// Percentiles of one metric.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct Pct {
+    pub p50: f64,
+    pub p95: f64,
+    pub mean: f64,
+}
+
+impl Pct {
+    pub fn of(mut v: Vec<f64>) -> Pct {
+        if v.is_empty() {
+            return Pct::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+            v[i]
+        };
+        Pct {
+            p50: at(0.50),
+            p95: at(0.95),
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+        }
+    }
+
+    fn scaled(self, k: f64) -> Pct {
+        Pct {
+            p50: self.p50 * k,
+            p95: self.p95 * k,
+            mean: self.mean * k,
+        }
+    }
+}
+
+/// The summary of one run (`--json`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Summary {
+    pub label: String,
+    /// The policy the decision service named in its answers.
+    pub policy: String,
+    pub workload: String,
+    pub requests: usize,
+    pub completed: usize,
+    pub failed: usize,
+    /// The engine's time scale (wall = model × scale); 1 if unknown.
+    pub time_scale: f64,
+    pub wall_s: f64,
+    /// Output tokens received.
+    pub tokens: u64,
+    /// Output tokens per second of model time (wall time / time scale).
+    pub throughput_tok_s: f64,
+    pub throughput_tok_s_wall: f64,
+    /// Model ms.
+    pub ttft_ms: Pct,
+    /// Model ms.
+    pub tpot_ms: Pct,
+    /// Model ms from arrival to the Assign answer (pool wait).
+    pub assign_ms: Pct,
+    /// Mean over engine steps of max_g L_g − min_g L_g (KV tokens), the paper's metric.
+    pub imbalance_tokens: Option<f64>,
+    /// Mean over steps of G·max L − Σ L.
+    pub idle_tokens: Option<f64>,
+    pub steps: Option<usize>,
+    /// Mean model step time, ms.
+    pub mean_step_ms: Option<f64>,
+    /// Requests per rank.
+    pub per_rank: Vec<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub results: Vec<RequestResult>,
+}
+
+/// Why the run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("workload: {0}")]
+    Workload(String),
+    #[error("decision service: {0}")]
+    Assign(#[from] br_client::assign::AssignError),
+    #[error("http: {0}")]
+    Http(#[from] reqwest::Error),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Loads or generates the workload with br-sim's loaders and stamps arrival times.
+pub fn workload(cfg: &LoadConfig) -> Result<(String, Vec<TraceRequest>), LoadError> {
+    let filter = Filter {
+        min_output: cfg.filter_min_output,
+        limit: cfg.limit,
+    };
+    let (name, reqs) = if let Some(kind) = SynthKind::from_name(&cfg.trace) {
+        let mut sc = SynthConfig::new(kind);
+        sc.seed = cfg.seed;
+        if let Some(n) = cfg.limit {
+            sc.requests = n;
+        }
+        if let Some(r) = cfg.rate {
+            sc.rate_per_s = r;
+        }
+        let (reqs, _) = filter.apply(synth::generate(kind, &sc));
+        (format!("{} (synthetic)", kind.name()), reqs)
+    } else {
+        let path = PathBuf::from(&cfg.trace);
+        let t = trace::load(&path, &filter).map_err(|e| LoadError::Workload(e.to_string()))?;
+        (cfg.trace.clone(), t.requests)
+    };
+    if reqs.is_empty() {
+        return Err(LoadError::Workload(format!("{name}: no requests")));
+    }
+    let reqs = stamp_arrivals(reqs, cfg.arrival, cfg.rate_scale, cfg.rate, cfg.seed)
+        .map_err(LoadError::Workload)?;
+    Ok((name, reqs))
+}
+
+struct Ctx {
+    cfg: LoadConfig,
+    assign: AssignClient,
+    http: reqwest::Client,
+    start: Instant,
+}
+
+/// Runs the whole workload and summarises it.
+pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
+    if cfg.rank_urls.is_empty() && !cfg.use_endpoint {
+        return Err(LoadError::Invalid(
+            "give --rank-urls (one URL per rank) or --use-endpoint".into(),
+        ));
+    }
+    let (name, reqs) = workload(&cfg)?;
+    let http = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
+        .build()?;
+    if let Some(e) = &cfg.engine_url {
+        http.post(format!("{}/stats/reset", e.trim_end_matches('/')))
+            .send()
+            .await?
+            .error_for_status()?;
+    }
+    let assign = AssignClient::connect(cfg.decision_addr.clone()).await?;
+    let ctx = Arc::new(Ctx {
+        cfg: cfg.clone(),
+        assign,
+        http: http.clone(),
+        start: Instant::now(),
+    });
+    let mut tasks = Vec::with_capacity(reqs.len());
+    for (i, r) in reqs.iter().enumerate() {
+        let ctx = ctx.clone();
+        let r = *r;
+        tasks.push(tokio::spawn(async move { one(ctx, i, r).await }));
+    }
+    let mut results = Vec::with_capacity(tasks.len());
+    let mut policy = String::new();
+    for t in tasks {
+        match t.await {
+            Ok((res, p)) => {
+                if policy.is_empty()
+                    && let Some(p) = p
+                {
+                    policy = p;
+                }
+                results.push(res);
+            }
+            Err(e) => results.push(RequestResult {
+                error: Some(format!("task: {e}")),
+                ..RequestResult::default()
+            }),
+        }
+    }
+    let wall = ctx.start.elapsed().as_secs_f64();
+    let stats = match &cfg.engine_url {
+        Some(e) => Some(
+            http.get(format!("{}/stats", e.trim_end_matches('/')))
+                .send()
+                .await?
+                .error_for_status()?
+                .json::<Stats>()
+                .await?,
+        ),
+        None => None,
+    };
+    Ok(summarise(&cfg, name, policy, wall, results, stats.as_ref()))
+}
+
+fn summarise(
+    cfg: &LoadConfig,
+    workload: String,
+    policy: String,
+    wall_s: f64,
+    results: Vec<RequestResult>,
+    stats: Option<&Stats>,
+) -> Summary {
+    let scale = stats
+        .map(|s| s.time_scale)
+        .filter(|s| *s > 0.0)
+        .unwrap_or(1.0);
+    let to_model = 1.0 / scale;
+    let ok: Vec<&RequestResult> = results.iter().filter(|r| r.error.is_none()).collect();
+    let tokens: u64 = results.iter().map(|r| u64::from(r.generated)).sum();
+    let ranks = cfg.rank_urls.len().max(
+        results
+            .iter()
+            .filter_map(|r| r.worker_id)
+            .max()
+            .map_or(0, |w| w as usize + 1),
+    );
+    let mut per_rank = vec![0u64; ranks];
+    for r in &results {
+        if let Some(w) = r.worker_id {
+            per_rank[w as usize] += 1;
+        }
+    }
+    Summary {
+        label: cfg.label.clone(),
+        policy,
+        workload,
+        requests: results.len(),
+        completed: ok.len(),
+        failed: results.len() - ok.len(),
+        time_scale: scale,
+        wall_s,
+        tokens,
+        throughput_tok_s: tokens as f64 / (wall_s * to_model).max(1e-9),
+        throughput_tok_s_wall: tokens as f64 / wall_s.max(1e-9),
+        ttft_ms: Pct::of(ok.iter().filter_map(|r| r.ttft_ms).collect()).scaled(to_model),
+        tpot_ms: Pct::of(ok.iter().filter_map(|r| r.tpot_ms).collect()).scaled(to_model),
+        assign_ms: Pct::of(ok.iter().map(|r| r.assign_ms).collect()).scaled(to_model),
+        imbalance_tokens: stats.map(Stats::mean_max_minus_min),
+        idle_tokens: stats.map(Stats::mean_idle_tokens),
+        steps: stats.map(|s| s.steps),
+        mean_step_ms: stats.map(Stats::mean_model_ms),
+        per_rank,
+        results,
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+async fn one(ctx: Arc<Ctx>, i: usize, r: TraceRequest) -> (RequestResult, Option<String>) {
+    let arrival = Duration::from_secs_f64(r.arrival_ms.unwrap_or(0.0).max(0.0) / 1e3);
+    tokio::time::sleep_until(ctx.start + arrival).await;
+    let t0 = Instant::now();
+    let id = format!("{}-{i}", ctx.cfg.run_id);
+    let mut res = RequestResult {
+        request_id: id.clone(),
+        prompt_tokens: r.prompt_tokens,
+        output_tokens: r.output_tokens,
+        ..RequestResult::default()
+    };
+    let mut params = AssignParams::new(ctx.cfg.group.clone(), id.clone(), r.prompt_tokens.max(1))
+        .with_max_tokens(r.output_tokens.max(1));
+    if let Some(h) = r.prompt_hash {
+        params = params.with_prompt_hash(h);
+    }
+    let a = match ctx
+        .assign
+        .assign_within(&params, ctx.cfg.assign_timeout)
+        .await
+    {
+        Ok(a) => a,
+        Err(e) => {
+            res.error = Some(format!("assign: {e}"));
+            return (res, None);
+        }
+    };
+    res.assign_ms = ms(t0.elapsed());
+    res.worker_id = Some(a.worker_id);
+    let base = if ctx.cfg.use_endpoint && !a.endpoint.is_empty() {
+        Some(a.endpoint.clone())
+    } else {
+        ctx.cfg.rank_urls.get(a.worker_id as usize).cloned()
+    };
+    let Some(base) = base else {
+        res.error = Some(format!("no URL for rank {}", a.worker_id));
+        let _ = ctx.assign.cancel(&ctx.cfg.group, &id).await;
+        return (res, Some(a.policy));
+    };
+    if let Err(e) = stream(&ctx, &base, &id, &r, t0, &mut res).await {
+        res.error = Some(e);
+        let _ = ctx.assign.cancel(&ctx.cfg.group, &id).await;
+    }
+    (res, Some(a.policy))
+}
+
+/// Sends one streaming completion and reads it to the end.
+async fn stream(
+    ctx: &Ctx,
+    base: &str,
+    id: &str,
+    r: &TraceRequest,
+    t0: Instant,
+    res: &mut RequestResult,
+) -> Result<(), String> {
+    let body = serde_json::json!({
+        "model": ctx.cfg.model,
+        // Token ids: any OpenAI-compatible engine counts them exactly.
+        "prompt": vec![1u32; r.prompt_tokens.max(1) as usize],
+        "max_tokens": r.output_tokens.max(1),
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let resp = ctx
+        .http
+        .post(format!("{}/v1/completions", base.trim_end_matches('/')))
+        .header("x-request-id", id)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    if !resp.status().is_success() {
+        let st = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        return Err(format!(
+            "HTTP {st}: {}",
+            text.chars().take(200).collect::<String>()
+        ));
+    }
+    let mut body = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut tokens = 0u32;
+    let mut usage_tokens = None;
+    let mut first = None;
+    let mut last = None;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| format!("stream: {e}"))?;
+        let now = Instant::now();
+        buf.extend_from_slice(&chunk);
+        while let Some(p) = buf.windows(2).position(|w| w == b"\n\n") {
+            let ev: Vec<u8> = buf.drain(..p + 2).collect();
+            let Some(data) = ev.strip_prefix(b"data: ") else {
+                continue;
+            };
+            let data = &data[..data.len() - 2];
+            if data == b"[DONE]" {
+                continue;
+            }
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else {
+                continue;
+            };
+            let n = v["choices"].as_array().map_or(0, Vec::len);
+            if n > 0 {
+                tokens += 1;
+                first.get_or_insert(now);
+                last = Some(now);
+            }
+            if let Some(u) = v["usage"]["completion_tokens"].as_u64() {
+                usage_tokens = Some(u as u32);
+            }
+        }
+    }
+    let generated = usage_tokens.unwrap_or(tokens);
+    res.generated = generated;
+    if let (Some(f), Some(l)) = (first, last) {
+        res.ttft_ms = Some(ms(f - t0));
+        res.e2e_ms = Some(ms(l - t0));
+        if tokens > 1 {
+            res.tpot_ms = Some(ms(l - f) / f64::from(tokens - 1));
+        }
+    }
+    if generated < r.output_tokens {
+        return Err(format!(
+            "stream ended after {generated} of {} tokens",
+            r.output_tokens
+        ));
+    }
+    Ok(())
+}
+
+/// A side-by-side table of runs (and br-sim's prediction for each policy, if given).
+pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12} {:>11} {:>9}",
+        "policy", "source", "imbalance", "TPOT p50 ms", "TPOT p95 ms", "tok/s", "step ms", "failed"
+    );
+    for s in runs {
+        let _ = writeln!(
+            out,
+            "{:<10} {:>9} {:>14.0} {:>12.1} {:>12.1} {:>12.0} {:>11.1} {:>9}",
+            s.label,
+            "emulated",
+            s.imbalance_tokens.unwrap_or(f64::NAN),
+            s.tpot_ms.p50,
+            s.tpot_ms.p95,
+            s.throughput_tok_s,
+            s.mean_step_ms.unwrap_or(f64::NAN),
+            s.failed,
+        );
+        if let Some(r) = sim.and_then(|rep| rep.runs.iter().find(|r| r.policy == s.label)) {
+            let _ = writeln!(
+                out,
+                "{:<10} {:>9} {:>14.0} {:>12.1} {:>12.1} {:>12.0} {:>11} {:>9}",
+                "",
+                "br-sim",
+                r.avg_imbalance,
+                r.tpot_p50_ms,
+                r.tpot_p95_ms,
+                r.throughput_tok_s,
+                "",
+                "",
+            );
+            let rel = |a: f64, b: f64| {
+                if b.abs() > 0.0 {
+                    format!("{:+.0}%", (a / b - 1.0) * 100.0)
+                } else {
+                    "-".into()
+                }
+            };
+            let _ = writeln!(
+                out,
+                "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12}",
+                "",
+                "emu/sim",
+                rel(s.imbalance_tokens.unwrap_or(f64::NAN), r.avg_imbalance),
+                rel(s.tpot_ms.p50, r.tpot_p50_ms),
+                rel(s.tpot_ms.p95, r.tpot_p95_ms),
+                rel(s.throughput_tok_s, r.throughput_tok_s),
+            );
+        }
+    }
+    if runs.len() == 2 {
+        let (a, b) = (&runs[0], &runs[1]);
+        let gain = |x: f64, y: f64| (y / x - 1.0) * 100.0;
+        let _ = writeln!(
+            out,
+            "\n{} vs {}: imbalance {:+.0}%, TPOT p95 {:+.1}%, throughput {:+.1}%",
+            b.label,
+            a.label,
+            gain(
+                a.imbalance_tokens.unwrap_or(f64::NAN),
+                b.imbalance_tokens.unwrap_or(f64::NAN)
+            ),
+            gain(a.tpot_ms.p95, b.tpot_ms.p95),
+            gain(a.throughput_tok_s, b.throughput_tok_s),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let p = Pct::of((1..=100).map(f64::from).collect());
+        assert_eq!((p.p50, p.p95), (50.0, 95.0));
+        assert_eq!(Pct::of(vec![]), Pct::default());
+    }
+}
