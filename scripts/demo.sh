@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The one-command demo (`make run`): builds the release binaries, starts br-snapshot,
+# br-ingest, br-decision, G br-shims and `br-emu engine` on loopback (free ports), replays a
+# paper-shaped workload through them first with JSQ and then with BR-0 (decision restarted with
+# --policy), and prints the measured imbalance, TPOT and throughput side by side with br-sim's
+# prediction for the same workload. Every process it starts is stopped on exit.
+#
+# Knobs (environment): DEMO_TRACE (paper-azure), DEMO_REQUESTS (requests per policy), DEMO_G
+# (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
+# DEMO_TIME_SCALE (wall = model × this), DEMO_POLICIES ("jsq br0"), DEMO_OUT (target/demo),
+# DEMO_SKIP_BUILD=1.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+TRACE="${DEMO_TRACE:-paper-azure}"
+N="${DEMO_REQUESTS:-384}"
+G="${DEMO_G:-8}"
+B="${DEMO_B:-16}"
+STEP_A="${DEMO_STEP_A:-0.0002}"
+STEP_B="${DEMO_STEP_B:-30}"
+SCALE="${DEMO_TIME_SCALE:-0.15}"
+POLICIES="${DEMO_POLICIES:-jsq br0}"
+OUT="${DEMO_OUT:-$ROOT/target/demo}"
+GROUP="demo"
+BIN="$ROOT/target/release"
+
+mkdir -p "$OUT"
+rm -f "$OUT"/*.log "$OUT"/*.json
+
+OUT_LOGS="$OUT"
+# shellcheck source=scripts/lib/stack.sh
+source "$ROOT/scripts/lib/stack.sh"
+
+# --- build ------------------------------------------------------------------------------------
+if [ "${DEMO_SKIP_BUILD:-0}" != 1 ]; then
+    say "building (release): br-snapshot br-ingest br-decision br-shim br-emu br-sim"
+    cargo build --release -q -p br-snapshot -p br-ingest -p br-decision -p br-shim -p br-emu -p br-sim
+fi
+for b in br-snapshot br-ingest br-decision br-shim br-emu br-sim; do
+    [ -x "$BIN/$b" ] || { echo "missing $BIN/$b" >&2; exit 1; }
+done
+
+T0=$(date +%s)
+
+start_stack
+
+# --- the runs ---------------------------------------------------------------------------------
+RUNS=()
+for policy in $POLICIES; do
+    say "br-decision --policy $policy; replaying $N requests of $TRACE (saturated)"
+    start_decision "$policy"
+    "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$GROUP" \
+        --rank-urls "$RANK_URLS" --engine-url "http://127.0.0.1:$ENGINE" \
+        --trace "$TRACE" --limit "$N" --arrival saturated --label "$policy" \
+        --json "$OUT/$policy.json"
+    RUNS+=("$OUT/$policy.json")
+    stop_decision
+done
+
+say "br-sim: the twin's prediction for the same workload"
+SIM_POLICIES=$(echo "$POLICIES" | tr ' ' ',')
+"$BIN/br-sim" run --trace "$TRACE" --limit "$N" --workers "$G" --slots "$B" \
+    --policies "$SIM_POLICIES" --arrival saturated --step-a "$STEP_A" --step-b "$STEP_B" \
+    --json "$OUT/sim.json" >"$OUT/sim.log" 2>&1 || {
+    echo "(br-sim failed; see $OUT/sim.log)"
+    rm -f "$OUT/sim.json"
+}
+
+say "results: $TRACE, $N requests, G=$G, B=$B; model time (wall / $SCALE)"
+if [ -f "$OUT/sim.json" ]; then
+    "$BIN/br-emu" report "${RUNS[@]}" --sim "$OUT/sim.json"
+else
+    "$BIN/br-emu" report "${RUNS[@]}"
+fi
+echo
+echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric)"
+echo "run took $(( $(date +%s) - T0 )) s after the build; JSON and logs in $OUT"

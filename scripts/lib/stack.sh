@@ -1,0 +1,122 @@
+# Helpers to run BalanceRoute processes on loopback from a script: free ports, start in the
+# background with a log file, wait for an HTTP 200, and stop everything on exit.
+# The sourcing script sets OUT_LOGS (a directory for the logs) and `set -euo pipefail`.
+
+PIDS=()
+cleanup() {
+    local code=$?
+    trap - EXIT INT TERM
+    for pid in "${PIDS[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for pid in "${PIDS[@]}"; do
+        # Give each a moment to drain, then insist.
+        for _ in $(seq 1 50); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    if [ "$code" -ne 0 ]; then
+        echo "${0##*/} failed (exit $code); logs in $OUT_LOGS" >&2
+    fi
+    exit "$code"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+say() { printf '\n==> %s\n' "$*"; }
+
+# --- free loopback ports --------------------------------------------------------------------
+USED=" "
+port_free() { # a port is free if nothing accepts on it and we did not hand it out
+    case "$USED" in *" $1 "*) return 1 ;; esac
+    ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+free_ports() { # free_ports COUNT VAR: finds COUNT consecutive free ports, sets VAR to the first
+    local count=$1 base ok i
+    for _ in $(seq 1 200); do
+        base=$(( 20000 + RANDOM % 30000 ))
+        ok=1
+        for ((i = 0; i < count; i++)); do
+            port_free $((base + i)) || { ok=0; break; }
+        done
+        if [ "$ok" = 1 ]; then
+            for ((i = 0; i < count; i++)); do USED="$USED$((base + i)) "; done
+            printf -v "$2" '%s' "$base"
+            return 0
+        fi
+    done
+    echo "no free ports" >&2
+    return 1
+}
+
+wait_http() { # wait_http URL WHAT: until URL answers 200 (at most 60 s)
+    for _ in $(seq 1 600); do
+        if curl -fsS -o /dev/null "$1" 2>/dev/null; then return 0; fi
+        sleep 0.1
+    done
+    echo "timed out waiting for $2 ($1)" >&2
+    return 1
+}
+
+start() { # start NAME CMD...: runs CMD in the background, logging to $OUT/NAME.log
+    local name=$1
+    shift
+    "$@" >"$OUT_LOGS/$name.log" 2>&1 &
+    PIDS+=("$!")
+    LAST_PID=$!
+}
+
+
+# start_stack: br-snapshot, br-ingest, `br-emu engine` and G br-shims (one per rank) on free
+# loopback ports. Uses BIN, G, B, STEP_A, STEP_B, SCALE, GROUP; sets SNAP, INGEST, DECISION,
+# ENGINE (rank g on ENGINE+g, the X-data-parallel-rank port on ENGINE+G), SHIMS (shim g on
+# SHIMS+2g, its admin port next) and RANK_URLS (the shims, comma-separated).
+start_stack() {
+    free_ports 2 SNAP
+    free_ports 2 INGEST
+    free_ports 2 DECISION
+    free_ports $((G + 1)) ENGINE
+    free_ports $((2 * G)) SHIMS
+
+    say "starting br-snapshot :$SNAP, br-ingest :$INGEST, br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, T=($STEP_A·max L + $STEP_B) ms × $SCALE), $G br-shims :$SHIMS.."
+    start snapshot "$BIN/br-snapshot" --listen "127.0.0.1:$SNAP" --admin-listen "127.0.0.1:$((SNAP + 1))" \
+        --reservation-ttl 60s
+    start ingest "$BIN/br-ingest" --listen "127.0.0.1:$INGEST" --admin-listen "127.0.0.1:$((INGEST + 1))" \
+        --snapshot-addr "http://127.0.0.1:$SNAP"
+    start engine "$BIN/br-emu" engine --ranks "$G" --slots "$B" --step-a "$STEP_A" --step-b "$STEP_B" \
+        --time-scale "$SCALE" --base-port "$ENGINE" --dp-port "$((ENGINE + G))"
+    RANK_URLS=""
+    for ((g = 0; g < G; g++)); do
+        p=$((SHIMS + 2 * g))
+        start "shim$g" "$BIN/br-shim" --listen "127.0.0.1:$p" --admin-listen "127.0.0.1:$((p + 1))" \
+            --upstream "http://127.0.0.1:$((ENGINE + g))" --ingest-addr "http://127.0.0.1:$INGEST" \
+            --group "$GROUP" --worker-id "$g" --capacity "$B"
+        RANK_URLS="$RANK_URLS${RANK_URLS:+,}http://127.0.0.1:$p"
+    done
+    wait_http "http://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
+    wait_http "http://127.0.0.1:$((INGEST + 1))/readyz" br-ingest
+    wait_http "http://127.0.0.1:$ENGINE/health" "br-emu engine"
+    for ((g = 0; g < G; g++)); do
+        wait_http "http://127.0.0.1:$((SHIMS + 2 * g + 1))/readyz" "br-shim $g"
+    done
+
+}
+
+# start_decision POLICY: br-decision for GROUP on DECISION with --policy POLICY; waits until
+# it is ready (complete σ). stop_decision: SIGTERM and wait.
+DECISION_PID=""
+start_decision() {
+    start "decision-$1" "$BIN/br-decision" --listen "127.0.0.1:$DECISION" \
+        --admin-listen "127.0.0.1:$((DECISION + 1))" --snapshot-addr "http://127.0.0.1:$SNAP" \
+        --groups "$GROUP" --policy "$1" --max-wait 600s
+    DECISION_PID=$LAST_PID
+    wait_http "http://127.0.0.1:$((DECISION + 1))/readyz" "br-decision ($1)"
+}
+stop_decision() {
+    kill -TERM "$DECISION_PID" 2>/dev/null || true
+    wait "$DECISION_PID" 2>/dev/null || true
+}
