@@ -177,6 +177,71 @@ pub fn load_window(outcomes: &[RunOutcome]) -> std::ops::Range<usize> {
     start..start + LOAD_WINDOW_STEPS
 }
 
+/// Standard error of the mean across seeds of the figures parameter choices are judged by.
+pub fn render_spread(per_seed: &[Vec<Row>]) -> String {
+    use std::fmt::Write as _;
+    let Some(first) = per_seed.first() else {
+        return String::new();
+    };
+    let k = per_seed.len() as f64;
+    let sem = |i: usize, f: &dyn Fn(&Row) -> f64| {
+        let xs: Vec<f64> = per_seed.iter().map(|rows| f(&rows[i])).collect();
+        let m = xs.iter().sum::<f64>() / k;
+        let var = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (k - 1.0).max(1.0);
+        (m, (var / k).sqrt())
+    };
+    let width = first
+        .iter()
+        .map(|r| r.0.policy.len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
+    let mut s = format!(
+        "mean ± standard error over seeds (s.gain%: paired, against the best baseline of the same seed and G)\n{:<width$} {:>3} {:>18} {:>18} {:>20} {:>14} {:>16}\n",
+        "policy", "G", "imbalance", "s.imbal", "steady tok/s", "s.gain%", "tpot95"
+    );
+    // per seed: steady gain over the best baseline (by steady throughput) at the same G
+    let steady_gain = |rows: &Vec<Row>, i: usize| {
+        let r = &rows[i].0;
+        let best = rows
+            .iter()
+            .filter(|b| b.0.workers == r.workers && is_baseline(&b.0.policy))
+            .map(|b| b.0.steady_throughput_tok_s)
+            .fold(0.0f64, f64::max);
+        if best > 0.0 {
+            100.0 * (r.steady_throughput_tok_s / best - 1.0)
+        } else {
+            0.0
+        }
+    };
+    for (i, (r, _)) in first.iter().enumerate() {
+        let (a, da) = sem(i, &|r| r.0.avg_imbalance);
+        let (b, db) = sem(i, &|r| r.1.imbalance);
+        let (c, dc) = sem(i, &|r| r.0.steady_throughput_tok_s);
+        let (d, dd) = sem(i, &|r| r.0.tpot_p95_ms);
+        let gains: Vec<f64> = per_seed.iter().map(|rows| steady_gain(rows, i)).collect();
+        let gm = gains.iter().sum::<f64>() / k;
+        let gv = gains.iter().map(|x| (x - gm).powi(2)).sum::<f64>() / (k - 1.0).max(1.0);
+        let _ = writeln!(
+            s,
+            "{:<width$} {:>3} {:>10.0} ±{:>6.0} {:>10.0} ±{:>6.0} {:>11.1} ±{:>7.1} {:>+7.2} ±{:>5.2} {:>8.2} ±{:>6.2}",
+            r.policy,
+            r.workers,
+            a,
+            da,
+            b,
+            db,
+            c,
+            dc,
+            gm,
+            (gv / k).sqrt(),
+            d,
+            dd
+        );
+    }
+    s
+}
+
 /// A table row: the JSON report and the steady-state extras.
 pub type Row = (RunReport, SteadyExtra);
 
@@ -249,6 +314,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
     );
     if seeds.len() > 1 {
         println!("averaged over {} seeds: {:?}", seeds.len(), seeds);
+        print!("{}", render_spread(&per_seed));
     }
     let points = scaling_points(&rows);
     let (runs, steady): (Vec<RunReport>, Vec<SteadyExtra>) = rows.into_iter().unzip();
