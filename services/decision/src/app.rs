@@ -146,29 +146,12 @@ pub async fn start(cfg: DecisionConfig, shutdown: CancellationToken) -> anyhow::
         .set_service_status(service_names::DECISION, HealthStatus::NotServing)
         .await;
     // Decision's health follows readiness (NOT_SERVING until σ is complete, and from shutdown).
-    {
-        let mut rx = readiness.subscribe();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                let status = if *rx.borrow_and_update() && !shutdown.is_cancelled() {
-                    HealthStatus::Serving
-                } else {
-                    HealthStatus::NotServing
-                };
-                health
-                    .set_service_status(service_names::DECISION, status)
-                    .await;
-                if shutdown.is_cancelled() {
-                    return;
-                }
-                tokio::select! {
-                    r = rx.changed() => if r.is_err() { return },
-                    () = shutdown.cancelled() => {}
-                }
-            }
-        });
-    }
+    tokio::spawn(br_runtime::serve::follow_readiness(
+        health,
+        readiness.clone(),
+        vec![service_names::DECISION.to_owned()],
+        shutdown.clone(),
+    ));
 
     let svc = DecisionService::new(
         groups.clone(),

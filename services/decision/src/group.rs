@@ -543,6 +543,40 @@ impl GroupCore {
         }
         let key = self.next_key;
         self.next_key += 1;
+        let known = self
+            .sigma
+            .as_ref()
+            .and_then(|s| s.request(req.request_id.as_str()))
+            .map(|sr| (sr.worker, sr.incarnation));
+        if let Some((worker, incarnation)) = known {
+            // σ already places this id (decided by an earlier incarnation of this service, or
+            // routed without us): that is the answer, as for any retry.
+            let version = self.sigma.as_ref().map_or(0, Sigma::version);
+            self.ids.insert(req.request_id.clone(), key);
+            self.reqs.insert(
+                key,
+                Req {
+                    id: req.request_id,
+                    prompt_tokens: req.prompt_tokens,
+                    prompt_hash: req.prompt_hash,
+                    max_tokens: req.max_tokens,
+                    arrived: now,
+                    state: State::Reserving {
+                        at: Placement {
+                            worker,
+                            incarnation,
+                            admitted: now,
+                            sigma_version: version,
+                        },
+                        abandoned: false,
+                        reroutes: 0,
+                    },
+                    waiters: vec![Waiter { call, tx: reply }],
+                },
+            );
+            self.answer(key, false, now);
+            return;
+        }
         let entry = PoolEntry {
             key,
             prompt_tokens: req.prompt_tokens,
@@ -868,10 +902,19 @@ impl GroupCore {
         } else {
             return None;
         };
-        let reservations = keys
-            .iter()
-            .filter_map(|k| self.local.get(k).map(Local::reservation))
-            .collect();
+        let (with_local, without): (Vec<RequestKey>, Vec<RequestKey>) =
+            keys.into_iter().partition(|k| self.local.contains_key(k));
+        for key in without {
+            // σ showed it before it was sent (placed by an earlier incarnation of this service).
+            self.answer_from_sigma(key, now);
+        }
+        let (keys, reservations): (Vec<RequestKey>, Vec<v1::Reservation>) = with_local
+            .into_iter()
+            .filter_map(|k| self.local.get(&k).map(|l| (k, l.reservation())))
+            .unzip();
+        if keys.is_empty() {
+            return None;
+        }
         let id = self.next_job;
         self.next_job += 1;
         let job = ReserveJob {
@@ -911,12 +954,15 @@ impl GroupCore {
                 }
             }
             Ok(resp) => {
-                let mut by_id: FxHashMap<&str, RequestKey> = FxHashMap::default();
-                for k in &job.keys {
-                    if let Some(l) = self.local.get(k) {
-                        by_id.insert(l.id.as_str(), *k);
-                    }
-                }
+                // By the job's own list: σ may show a request before its Reserve answer
+                // arrives, and then the own copy is gone already.
+                let mut by_id: FxHashMap<&str, RequestKey> = job
+                    .request
+                    .reservations
+                    .iter()
+                    .zip(&job.keys)
+                    .map(|(r, k)| (r.request_id.as_str(), *k))
+                    .collect();
                 let mut accepted = Vec::with_capacity(resp.accepted.len());
                 for id in &resp.accepted {
                     if let Some(k) = by_id.remove(id.as_str()) {
@@ -1026,6 +1072,29 @@ impl GroupCore {
         }
     }
 
+    /// Answers an admitted request with σ's placement of its id, if σ has one.
+    fn answer_from_sigma(&mut self, key: RequestKey, now: Instant) {
+        let Some(r) = self.reqs.get_mut(&key) else {
+            return;
+        };
+        let placed = self.sigma.as_ref().and_then(|s| {
+            let sr = s.request(r.id.as_str())?;
+            Some((sr.worker, sr.incarnation, s.version()))
+        });
+        match (placed, &mut r.state) {
+            (Some((worker, incarnation, version)), State::Reserving { at, .. }) => {
+                at.worker = worker;
+                at.incarnation = incarnation;
+                at.sigma_version = version;
+                self.answer(key, false, now);
+            }
+            _ => self.fail(
+                key,
+                DecisionError::ReserveRefused("lost its reservation".into()),
+            ),
+        }
+    }
+
     fn rejected(
         &mut self,
         key: RequestKey,
@@ -1036,21 +1105,20 @@ impl GroupCore {
     ) {
         let reason = v1::RejectReason::try_from(reason).unwrap_or(v1::RejectReason::Unspecified);
         self.metrics.reserve_failed(reject_label(reason), 1);
-        let Some(l) = self.local.remove(&key) else {
-            return;
-        };
-        self.view.remove(key).ok();
+        if self.local.remove(&key).is_some() {
+            self.view.remove(key).ok();
+        }
         if recommit {
-            tracing::debug!(group = %self.group, request_id = %l.id, ?reason, "re-reservation after an outage refused");
+            tracing::debug!(group = %self.group, ?reason, "re-reservation after an outage refused");
             return;
         }
         let Some(r) = self.reqs.get_mut(&key) else {
             return;
         };
         let State::Reserving {
+            at,
             abandoned,
             reroutes,
-            ..
         } = r.state
         else {
             return;
@@ -1059,13 +1127,15 @@ impl GroupCore {
             self.forget(key);
             return;
         }
+        let worker = at.worker;
+        let id = r.id.clone();
         match reason {
             v1::RejectReason::WorkerFenced
             | v1::RejectReason::UnknownWorker
             | v1::RejectReason::StaleIncarnation
             | v1::RejectReason::WorkerFull => {
                 // σ is behind: keep the worker out of this view until σ moves.
-                self.view.set_accepting(l.worker, false).ok();
+                self.view.set_accepting(worker, false).ok();
                 let entry = PoolEntry {
                     key,
                     prompt_tokens: r.prompt_tokens,
@@ -1094,7 +1164,7 @@ impl GroupCore {
                 // σ already holds this request id on another worker (e.g. reserved by an
                 // earlier incarnation of this service): that placement is the answer.
                 let placed = self.sigma.as_ref().and_then(|s| {
-                    let sr = s.request(l.id.as_str())?;
+                    let sr = s.request(id.as_str())?;
                     Some((sr.worker, sr.incarnation, s.version()))
                 });
                 match placed {
@@ -1623,11 +1693,11 @@ mod tests {
     #[test]
     fn duplicate_rejection_answers_with_sigmas_placement() {
         let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0], 8);
-        // σ already holds "r" on worker 1 (reserved by an earlier incarnation of this service).
-        fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
         let (_, mut rx) = fx.assign("r", 50);
         let job = fx.core.take_reserve(fx.now).unwrap();
         assert_eq!(job.request.reservations[0].worker_id, 0);
+        // Meanwhile σ got "r" on worker 1 (another replica, or an earlier incarnation).
+        fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
         fx.core.on_reserve_done(
             job.id,
             Ok(v1::ReserveResponse {
@@ -1644,6 +1714,34 @@ mod tests {
         );
         let a = answer(&mut rx);
         assert_eq!((a.worker_id, a.incarnation), (1, 101));
+    }
+
+    #[test]
+    fn an_id_sigma_already_places_is_answered_from_sigma() {
+        let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+        fx.sigma_change(vec![change::request_reserved(
+            "old", 1, 101, 50, None, None,
+        )]);
+        let (_, mut rx) = fx.assign("old", 50);
+        let a = answer(&mut rx);
+        assert_eq!((a.worker_id, a.incarnation, a.stale), (1, 101, false));
+        assert_eq!(fx.tick_and_commit(false), 0, "no second reservation");
+        assert_eq!(fx.core.stats().pool, 0);
+    }
+
+    #[test]
+    fn sigma_showing_a_reservation_before_its_answer_still_answers() {
+        let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+        let (_, mut rx) = fx.assign("r", 10);
+        fx.core.tick(fx.now);
+        let job = fx.core.take_reserve(fx.now).unwrap();
+        let (resp, delta) = fx.serve_reserve(&job);
+        // The Watch delta overtakes the Reserve answer, and a tick rebuilds the view.
+        fx.core.on_delta(&delta.unwrap(), fx.now).unwrap();
+        fx.core.tick(fx.now);
+        fx.core.on_reserve_done(job.id, Ok(resp), fx.now);
+        assert!(!answer(&mut rx).stale);
+        assert_eq!(fx.core.stats().local, 0);
     }
 
     #[test]

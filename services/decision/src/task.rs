@@ -184,6 +184,7 @@ async fn run(
                 }
             }
             Some(done) = done_rx.recv() => {
+                tracing::trace!(group = %core.group(), job = done.job, ok = done.result.is_ok(), "Reserve done");
                 core.on_reserve_done(done.job, done.result, Instant::now());
             }
             Some(u) = recv_feed(&mut feed) => {
@@ -284,6 +285,7 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
 fn flush(core: &mut GroupCore, ops: &Arc<dyn SnapshotOps>, done: &mpsc::Sender<ReserveDone>) {
     let now = Instant::now();
     while let Some(job) = core.take_reserve(now) {
+        tracing::trace!(group = %core.group(), job = job.id, n = job.request.reservations.len(), "Reserve");
         let ops = Arc::clone(ops);
         let done = done.clone();
         tokio::spawn(async move {

@@ -1,0 +1,627 @@
+//! br-decision over real gRPC on 127.0.0.1, with the real br-snapshot in-process and the
+//! gateway client (`br_client::assign`). Telemetry is played by an `Apply` stream to the
+//! snapshot service (what ingest does). Waits are for conditions (bounded), never timings.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use br_client::assign::{AssignClient, AssignError, AssignParams, CancelOutcome, RetryPolicy};
+use br_core::PolicyKind;
+use br_decision::{DecisionConfig, Running};
+use br_proto::v1;
+use br_proto::v1::snapshot_client::SnapshotClient;
+use br_proto::v1::telemetry_change::Kind as T;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+
+const GROUP: &str = "g";
+const WAIT: Duration = Duration::from_secs(15);
+
+/// Polls `cond` until it holds (or panics after `WAIT`: a hang, not a timing assertion).
+async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+struct Snapshot {
+    running: br_snapshot::Running,
+    stop: CancellationToken,
+    addr: SocketAddr,
+}
+
+async fn start_snapshot(listen: &str) -> Snapshot {
+    let args: br_snapshot::Args = br_runtime::config::parse_from([
+        "br-snapshot",
+        "--listen",
+        listen,
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--shutdown-grace",
+        "300ms",
+    ])
+    .unwrap();
+    let stop = CancellationToken::new();
+    let running = br_snapshot::start(&args, stop.clone()).await.unwrap();
+    let addr = running.grpc_addr;
+    Snapshot {
+        running,
+        stop,
+        addr,
+    }
+}
+
+impl Snapshot {
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn kill(self) {
+        self.stop.cancel();
+        let _ = tokio::time::timeout(WAIT, self.running.wait()).await;
+    }
+
+    async fn get(&self) -> v1::ClusterSnapshot {
+        let mut c = SnapshotClient::connect(self.url()).await.unwrap();
+        c.get(v1::GetRequest {
+            group: GROUP.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+    }
+
+    async fn request_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .get()
+            .await
+            .requests
+            .into_iter()
+            .map(|r| r.request_id)
+            .collect();
+        ids.sort();
+        ids
+    }
+}
+
+/// A telemetry source (one Apply stream, as ingest has): workers stay LIVE while it is open.
+struct Telemetry {
+    tx: mpsc::Sender<v1::ChangeBatch>,
+    seq: u64,
+    acks: tonic::Streaming<v1::ApplyAck>,
+}
+
+impl Telemetry {
+    async fn open(snap: &Snapshot) -> Telemetry {
+        let mut c = SnapshotClient::connect(snap.url()).await.unwrap();
+        let (tx, rx) = mpsc::channel(64);
+        let acks = c.apply(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        Telemetry { tx, seq: 0, acks }
+    }
+
+    async fn send(&mut self, changes: Vec<T>) {
+        self.seq += 1;
+        let batch = v1::ChangeBatch {
+            batch_seq: self.seq,
+            group: GROUP.into(),
+            changes: changes
+                .into_iter()
+                .map(|k| v1::TelemetryChange { kind: Some(k) })
+                .collect(),
+        };
+        self.tx.send(batch).await.unwrap();
+        let ack = self.acks.message().await.unwrap().unwrap();
+        assert_eq!(ack.batch_seq, self.seq);
+        assert!(ack.rejected.is_empty(), "{:?}", ack.rejected);
+    }
+
+    async fn hello(&mut self, workers: u32, capacity: u32) {
+        let changes = (0..workers)
+            .map(|w| {
+                T::WorkerHello(v1::telemetry_change::WorkerHello {
+                    worker_id: w,
+                    incarnation: 1000 + u64::from(w),
+                    capacity,
+                    endpoint: format!("http://rank{w}"),
+                })
+            })
+            .collect();
+        self.send(changes).await;
+    }
+
+    /// Active requests that give worker `w` the load `s` each.
+    async fn running(&mut self, w: u32, ids_and_tokens: &[(&str, u32)]) {
+        let changes = ids_and_tokens
+            .iter()
+            .map(|(id, s)| {
+                T::RequestProgress(v1::telemetry_change::RequestProgress {
+                    worker_id: w,
+                    incarnation: 1000 + u64::from(w),
+                    request_id: (*id).into(),
+                    prompt_tokens: *s,
+                    generated_tokens: 1,
+                    finished: false,
+                })
+            })
+            .collect();
+        self.send(changes).await;
+    }
+}
+
+fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+async fn start_decision(
+    snapshot_url: &str,
+    policy: PolicyKind,
+    tweak: impl FnOnce(&mut DecisionConfig),
+) -> Running {
+    init_logs();
+    let mut cfg = DecisionConfig::for_test(snapshot_url, policy, &[GROUP]);
+    tweak(&mut cfg);
+    br_decision::start(cfg, CancellationToken::new())
+        .await
+        .unwrap()
+}
+
+async fn ready(d: &Running) {
+    eventually("decision ready", || async { d.readiness().is_ready() }).await;
+}
+
+async fn client(d: &Running) -> AssignClient {
+    AssignClient::connect(format!("http://{}", d.grpc_addr()))
+        .await
+        .unwrap()
+        .with_retry(RetryPolicy {
+            initial_backoff: Duration::from_millis(5),
+            max_backoff: Duration::from_millis(50),
+            max_attempts: 1000,
+        })
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    let (head, body) = buf.split_once("\r\n\r\n").unwrap();
+    (
+        head.split(' ').nth(1).unwrap().parse().unwrap(),
+        body.to_owned(),
+    )
+}
+
+async fn health(d: &Running) -> i32 {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", d.grpc_addr()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut c = HealthClient::new(ch);
+    c.check(HealthCheckRequest {
+        service: "balanceroute.v1.Decision".into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .status
+}
+
+fn params(id: &str, s: u32) -> AssignParams {
+    AssignParams::new(GROUP, id, s)
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_ready_until_sigma_then_serves() {
+    use tonic_health::pb::health_check_response::ServingStatus as H;
+    let listen = free_port();
+    let d = start_decision(&format!("http://{listen}"), PolicyKind::Br0, |_| {}).await;
+    assert!(!d.readiness().is_ready());
+    assert_eq!(http_get(d.admin_addr(), "/readyz").await.0, 503);
+    assert_eq!(health(&d).await, H::NotServing as i32);
+    let c = client(&d).await.with_retry(RetryPolicy {
+        max_attempts: 1,
+        ..RetryPolicy::default()
+    });
+    let err = c
+        .assign_within(&params("early", 10), Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+
+    let snap = start_snapshot(&listen).await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(2, 8).await;
+    ready(&d).await;
+    assert_eq!(http_get(d.admin_addr(), "/readyz").await.0, 200);
+    eventually("health SERVING", || async {
+        health(&d).await == H::Serving as i32
+    })
+    .await;
+    let a = client(&d)
+        .await
+        .assign_within(&params("r1", 10), WAIT)
+        .await
+        .unwrap();
+    assert!(a.worker_id < 2);
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn assignments_follow_the_policy() {
+    // Worker 0: one request of 10,000 tokens. Worker 1: three of 100. JSQ counts requests
+    // (-> 0); BR-0 balances tokens (-> 1).
+    for (policy, want) in [
+        (PolicyKind::Jsq, 0),
+        (PolicyKind::Br0, 1),
+        (PolicyKind::MinTokens, 1),
+    ] {
+        let snap = start_snapshot("127.0.0.1:0").await;
+        let mut t = Telemetry::open(&snap).await;
+        t.hello(2, 16).await;
+        t.running(0, &[("big", 10_000)]).await;
+        t.running(1, &[("s1", 100), ("s2", 100), ("s3", 100)]).await;
+        let d = start_decision(&snap.url(), policy, |_| {}).await;
+        ready(&d).await;
+        eventually("σ has the running requests", || async {
+            d.stats(GROUP)
+                .await
+                .and_then(|s| s.sigma)
+                .is_some_and(|(_, v)| v >= 3)
+        })
+        .await;
+        let a = client(&d)
+            .await
+            .assign_within(&params("new", 500), WAIT)
+            .await
+            .unwrap();
+        assert_eq!(a.worker_id, want, "{policy}");
+        assert_eq!(a.policy, policy.name());
+        assert_eq!(a.endpoint, format!("http://rank{want}"));
+        assert_eq!(a.incarnation, 1000 + u64::from(want));
+        assert!(!a.stale);
+        assert!(
+            snap.request_ids().await.contains(&"new".to_string()),
+            "reserved in σ before the answer"
+        );
+        d.stop().await.unwrap();
+        snap.kill().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_callers_are_all_reserved_once() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(4, 64).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    ready(&d).await;
+    let c = client(&d).await;
+    let mut calls = Vec::new();
+    for i in 0..200u32 {
+        let c = c.clone();
+        calls.push(tokio::spawn(async move {
+            c.assign_within(&params(&format!("c{i}"), 100 + (i * 37) % 900), WAIT)
+                .await
+        }));
+    }
+    let mut per_worker = [0u32; 4];
+    for call in calls {
+        let a = call.await.unwrap().unwrap();
+        per_worker[a.worker_id as usize] += 1;
+        assert_eq!(a.policy, "br0");
+    }
+    assert_eq!(per_worker.iter().sum::<u32>(), 200);
+    assert!(per_worker.iter().all(|&n| n <= 64), "{per_worker:?}");
+    assert!(per_worker.iter().all(|&n| n > 0), "spread: {per_worker:?}");
+    let ids = snap.request_ids().await;
+    assert_eq!(ids.len(), 200, "each request reserved exactly once");
+    let st = d.stats(GROUP).await.unwrap();
+    assert_eq!((st.pool, st.waiting_calls, st.reserving), (0, 0, 0));
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_leave_nothing_behind() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(1, 1).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    ready(&d).await;
+    let c = client(&d).await;
+    c.assign_within(&params("first", 10), WAIT).await.unwrap();
+    // The only slot is taken: the next one waits until its deadline.
+    let err = c
+        .assign_within(&params("late", 10), Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AssignError::DeadlineExceeded), "{err:?}");
+    eventually("the pool is empty", || async {
+        d.stats(GROUP)
+            .await
+            .is_some_and(|s| s.pool == 0 && s.waiting_calls == 0 && s.reserving == 0)
+    })
+    .await;
+    assert_eq!(
+        snap.request_ids().await,
+        vec!["first".to_string()],
+        "no reservation for 'late'"
+    );
+    let m = http_get(d.admin_addr(), "/metrics").await.1;
+    assert!(
+        m.contains("balanceroute_decision_assign_total{code=\"deadline_exceeded\",group=\"g\"} 1"),
+        "{m}"
+    );
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_and_idempotent_retries() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(3, 1).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    ready(&d).await;
+    let c = client(&d).await;
+
+    let a = c.assign_within(&params("r1", 100), WAIT).await.unwrap();
+    let again = c.assign_within(&params("r1", 100), WAIT).await.unwrap();
+    assert_eq!(
+        (again.worker_id, again.incarnation),
+        (a.worker_id, a.incarnation),
+        "same answer"
+    );
+    assert_eq!(snap.request_ids().await, vec!["r1".to_string()]);
+    let err = c.assign_within(&params("r1", 101), WAIT).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::InvalidArgument,
+        "same id, other prompt: {err}"
+    );
+
+    assert_eq!(
+        c.cancel(GROUP, "r1").await.unwrap(),
+        CancelOutcome::Released
+    );
+    eventually("r1 released in σ", || async {
+        snap.request_ids().await.is_empty()
+    })
+    .await;
+    assert_eq!(
+        c.cancel(GROUP, "r1").await.unwrap(),
+        CancelOutcome::NotFound
+    );
+    assert_eq!(
+        c.cancel(GROUP, "never").await.unwrap(),
+        CancelOutcome::NotFound
+    );
+
+    // Fill the three slots, then cancel a waiting request: its Assign ends CANCELLED.
+    for i in 0..3 {
+        c.assign_within(&params(&format!("f{i}"), 10), WAIT)
+            .await
+            .unwrap();
+    }
+    let waiting = {
+        let c = c.clone();
+        tokio::spawn(async move { c.assign_within(&params("w", 10), WAIT).await })
+    };
+    eventually("w waits in the pool", || async {
+        d.stats(GROUP).await.is_some_and(|s| s.pool == 1)
+    })
+    .await;
+    assert_eq!(
+        c.cancel(GROUP, "w").await.unwrap(),
+        CancelOutcome::Withdrawn
+    );
+    let err = waiting.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Code::Cancelled, "{err}");
+    assert_eq!(d.stats(GROUP).await.unwrap().pool, 0);
+    assert!(!snap.request_ids().await.contains(&"w".to_string()));
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_typed_statuses() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(1, 1).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, |c| c.group.max_pool = 1).await;
+    ready(&d).await;
+    let c = client(&d).await;
+    let code = |r: Result<_, AssignError>| r.unwrap_err().code();
+    assert_eq!(
+        code(c.assign_within(&AssignParams::new("", "r", 1), WAIT).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(c.assign_within(&params("", 1), WAIT).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(c.assign_within(&params("r", 0), WAIT).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(c.assign_within(&params("r", 10_000_001), WAIT).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            c.assign_within(&AssignParams::new("other", "r", 1), WAIT)
+                .await
+        ),
+        Code::NotFound,
+        "unknown groups are NOT_FOUND"
+    );
+    assert_eq!(
+        c.cancel("other", "r").await.unwrap_err().code(),
+        Code::NotFound
+    );
+    // Pool full: one slot taken, one waiting, the next is refused.
+    c.assign_within(&params("a", 1), WAIT).await.unwrap();
+    let waiting = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            c.assign_within(&params("b", 1), Duration::from_secs(2))
+                .await
+        })
+    };
+    eventually("b waits", || async {
+        d.stats(GROUP).await.is_some_and(|s| s.pool == 1)
+    })
+    .await;
+    assert_eq!(
+        code(c.assign_within(&params("c", 1), WAIT).await),
+        Code::ResourceExhausted
+    );
+    let _ = waiting.await;
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_outage_answers_stale_then_resyncs() {
+    let listen = free_port();
+    let snap = start_snapshot(&listen).await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(2, 8).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    ready(&d).await;
+    let c = client(&d).await;
+    let before = c.assign_within(&params("before", 100), WAIT).await.unwrap();
+    assert!(!before.stale);
+    let first_epoch = snap.get().await.epoch;
+
+    drop(t);
+    snap.kill().await;
+    eventually("σ stale", || async {
+        d.stats(GROUP).await.is_some_and(|s| s.stale)
+    })
+    .await;
+    let m = http_get(d.admin_addr(), "/metrics").await.1;
+    assert!(
+        m.contains("balanceroute_decision_sigma_stale{group=\"g\"} 1"),
+        "{m}"
+    );
+    assert!(d.readiness().is_ready(), "still ready: it keeps answering");
+    let away = c.assign_within(&params("away", 100), WAIT).await.unwrap();
+    assert!(away.stale, "decided without the snapshot service");
+
+    // Back (a new epoch), the workers say hello again.
+    let snap = start_snapshot(&listen).await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(2, 8).await;
+    eventually("resynced", || async {
+        d.stats(GROUP)
+            .await
+            .is_some_and(|s| !s.stale && s.sigma.is_some_and(|(e, _)| e != first_epoch))
+    })
+    .await;
+    eventually("what was decided while away is reserved", || async {
+        snap.request_ids().await.contains(&"away".to_string())
+    })
+    .await;
+    let after = c.assign_within(&params("after", 100), WAIT).await.unwrap();
+    assert!(!after.stale);
+    let m = http_get(d.admin_addr(), "/metrics").await.1;
+    assert!(
+        m.contains("balanceroute_decision_sigma_stale{group=\"g\"} 0"),
+        "{m}"
+    );
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_arrival_baselines_answer_at_once() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(3, 8).await;
+    let d = start_decision(&snap.url(), PolicyKind::RoundRobin, |_| {}).await;
+    ready(&d).await;
+    let c = client(&d).await;
+    let mut ws = Vec::new();
+    for i in 0..6 {
+        let a = c
+            .assign_within(&params(&format!("rr{i}"), 10), WAIT)
+            .await
+            .unwrap();
+        assert_eq!(a.pool_wait, Duration::ZERO);
+        ws.push(a.worker_id);
+    }
+    assert_eq!(ws, [0, 1, 2, 0, 1, 2]);
+    assert_eq!(snap.request_ids().await.len(), 6);
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_export_every_contract_name() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(1, 8).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    ready(&d).await;
+    client(&d)
+        .await
+        .assign_within(&params("m", 10), WAIT)
+        .await
+        .unwrap();
+    let (code, body) = http_get(d.admin_addr(), "/metrics").await;
+    assert_eq!(code, 200);
+    let contract = include_str!("../../../deploy/metrics-contract.txt");
+    let mut in_section = false;
+    let mut names = Vec::new();
+    for line in contract.lines() {
+        let line = line.trim();
+        if let Some(h) = line.strip_prefix("# ") {
+            in_section = h.trim() == "decision";
+            continue;
+        }
+        if in_section && !line.is_empty() {
+            names.push(line.split_whitespace().next().unwrap().to_owned());
+        }
+    }
+    assert!(names.len() >= 13, "{names:?}");
+    for n in names {
+        assert!(
+            body.contains(&format!("# TYPE {n} ")),
+            "{n} missing from /metrics"
+        );
+    }
+    assert!(body.contains("balanceroute_decision_ready 1"));
+    assert_eq!(http_get(d.admin_addr(), "/livez").await.0, 200);
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
