@@ -361,7 +361,7 @@ impl GroupCore {
                 }
             }
         }
-        self.sigma_moved();
+        self.sigma_moved(now);
     }
 
     /// Applies a delta in order. An error means the replica must resubscribe (a gap, another
@@ -404,7 +404,7 @@ impl GroupCore {
         }
         self.connected = true;
         self.last_confirmed = Some(now);
-        self.sigma_moved();
+        self.sigma_moved(now);
         Ok(())
     }
 
@@ -425,22 +425,22 @@ impl GroupCore {
         self.update_gauges(now);
     }
 
-    fn sigma_moved(&mut self) {
+    fn sigma_moved(&mut self, now: Instant) {
         self.view_dirty = true;
-        self.tick_wanted = true;
+        self.prune_local(now);
+        // Freed slots may admit waiting requests.
+        if !self.pool.is_empty() {
+            self.tick_wanted = true;
+        }
         if let Some(s) = &self.sigma {
             self.metrics.sigma_version.set(s.version() as i64);
         }
     }
 
-    /// Rebuilds the view from σ plus own reservations σ does not show yet.
-    fn refresh_view(&mut self, now: Instant) {
-        if !self.view_dirty {
-            return;
-        }
-        self.view_dirty = false;
+    /// Forgets own reservations σ shows now (or already dropped again), and uncommitted ones
+    /// past their TTL. O(own reservations), run on every σ change.
+    fn prune_local(&mut self, now: Instant) {
         let Some(sigma) = &self.sigma else { return };
-        self.view = sigma.cluster().clone();
         let ttl = self.cfg.local_ttl;
         self.local.retain(|_, l| {
             if sigma.request(l.id.as_str()).is_some() {
@@ -455,6 +455,17 @@ impl GroupCore {
                 LocalState::InFlight => true,
             }
         });
+    }
+
+    /// Rebuilds the view from σ plus own reservations σ does not show yet.
+    fn refresh_view(&mut self, now: Instant) {
+        if !self.view_dirty {
+            return;
+        }
+        self.view_dirty = false;
+        self.prune_local(now);
+        let Some(sigma) = &self.sigma else { return };
+        self.view = sigma.cluster().clone();
         let mut gone = Vec::new();
         for (&key, l) in &self.local {
             let current = sigma.incarnation(l.worker) == Some(l.incarnation)
@@ -472,9 +483,9 @@ impl GroupCore {
                         oracle_output: None,
                     })
                     .is_ok();
-            // A reservation on a fenced or replaced worker is void; one on a suspect worker
-            // still counts (set_accepting(false) refuses it in the view, so count it anyway
-            // by leaving it out: the worker takes no new work either way).
+            // A reservation on a fenced or replaced worker is void. One on a suspect worker
+            // cannot be placed (the view refuses new work for it) and is left out until the
+            // worker is live again: it takes no new work either way.
             if !current && !matches!(l.state, LocalState::InFlight) {
                 gone.push(key);
             } else if !placed {
@@ -789,11 +800,11 @@ impl GroupCore {
             return;
         }
         let started = Instant::now();
-        self.refresh_view(now);
         if self.mode == Mode::Pooled
             && !self.pool.is_empty()
             && self.inflight.len() < self.cfg.max_inflight_reserves
         {
+            self.refresh_view(now);
             let mut out = std::mem::take(&mut self.scratch);
             out.clear();
             self.policy.dispatch(&mut self.pool, &self.view, &mut out);
@@ -1229,8 +1240,19 @@ impl GroupCore {
             }
         }
         // Handlers that vanished without telling us (their future was dropped).
+        // Only requests still waiting or being reserved have callers (not the answered ones,
+        // which may be many).
         let mut gone = Vec::new();
-        for (&key, r) in &mut self.reqs {
+        let pending = self
+            .pool
+            .iter()
+            .map(|e| e.key)
+            .chain(self.inflight.values().flat_map(|j| j.keys.iter().copied()))
+            .chain(self.outbox.iter().copied());
+        for key in pending {
+            let Some(r) = self.reqs.get_mut(&key) else {
+                continue;
+            };
             if matches!(r.state, State::Answered { .. }) || r.waiters.is_empty() {
                 continue;
             }

@@ -1,0 +1,351 @@
+//! assign-load: an open-loop `Assign` load generator for a running stack, reporting the latency
+//! the decision service adds (client-observed latency minus the response's `pool_wait_us`).
+//!
+//! ```text
+//! br-snapshot &  br-decision --policy br0 &
+//! assign-load --rate 5000 --duration 20s --workers 8 --capacity 512 \
+//!             --progress-events 100000 --hold 300ms
+//! ```
+//!
+//! With `--workers N` (default 8) it also plays the telemetry side directly on the snapshot
+//! service's `Apply` stream (what ingest does after coalescing): it says Hello for N workers,
+//! reports each assigned request as running on its rank, sends `--progress-events` progress
+//! updates per second in 1 ms batches, and finishes each request `--hold` after its answer, so
+//! σ stays bounded. `--workers 0` leaves telemetry to a real ingest/shim/emulator setup.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use br_client::assign::{AssignClient, AssignParams, RetryPolicy};
+use br_proto::v1;
+use br_proto::v1::snapshot_client::SnapshotClient;
+use br_proto::v1::telemetry_change::Kind as T;
+use clap::Parser;
+use rand::Rng as _;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+#[derive(Debug, Parser)]
+#[command(name = "assign-load", version)]
+struct Opts {
+    /// The decision service.
+    #[arg(long, default_value = "http://127.0.0.1:50063")]
+    decision_addr: String,
+    /// The snapshot service (for the telemetry side, see --workers).
+    #[arg(long, default_value = "http://127.0.0.1:50061")]
+    snapshot_addr: String,
+    #[arg(long, default_value = "default")]
+    group: String,
+    /// Assign calls per second (open loop).
+    #[arg(long, default_value_t = 5000.0)]
+    rate: f64,
+    /// How long to send (after the warm-up).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "20s")]
+    duration: Duration,
+    /// Results of the first part are not counted.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    warmup: Duration,
+    /// Most calls in flight; beyond it the generator counts a "skipped" call.
+    #[arg(long, default_value_t = 4096)]
+    max_in_flight: usize,
+    /// Deadline of each call.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    deadline: Duration,
+    /// Prompt tokens are uniform in [prompt-min, prompt-max].
+    #[arg(long, default_value_t = 700)]
+    prompt_min: u32,
+    #[arg(long, default_value_t = 8000)]
+    prompt_max: u32,
+    /// Play N workers on the snapshot service's Apply stream (0: telemetry comes from elsewhere).
+    #[arg(long, default_value_t = 8)]
+    workers: u32,
+    /// Capacity B of each played worker.
+    #[arg(long, default_value_t = 512)]
+    capacity: u32,
+    /// Progress updates per second sent for the running requests (in 1 ms batches).
+    #[arg(long, default_value_t = 100_000)]
+    progress_events: u64,
+    /// A request finishes this long after its answer.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "300ms")]
+    hold: Duration,
+}
+
+/// One answered call.
+struct Sample {
+    at: Instant,
+    latency: Duration,
+    pool_wait: Duration,
+    stale: bool,
+}
+
+enum Outcome {
+    Ok(Sample, String, u32, u64),
+    Err(tonic::Code),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let o = Opts::parse();
+    anyhow::ensure!(o.rate > 0.0, "--rate must be positive");
+    anyhow::ensure!(
+        o.prompt_min >= 1 && o.prompt_min <= o.prompt_max,
+        "--prompt-min must be in 1..=--prompt-max"
+    );
+    let client = AssignClient::connect(o.decision_addr.clone())
+        .await
+        .context("connecting to --decision-addr")?
+        .with_retry(RetryPolicy {
+            max_attempts: 1,
+            ..RetryPolicy::default()
+        });
+
+    // Telemetry side: hello, then running / progress / finished in 1 ms batches.
+    let (assigned_tx, assigned_rx) = mpsc::channel::<(String, u32, u64, u32)>(65_536);
+    let telemetry = if o.workers > 0 {
+        Some(tokio::spawn(telemetry(
+            o.snapshot_addr.clone(),
+            o.group.clone(),
+            o.workers,
+            o.capacity,
+            o.progress_events,
+            o.hold,
+            assigned_rx,
+        )))
+    } else {
+        drop(assigned_rx);
+        None
+    };
+    if telemetry.is_some() {
+        // Let σ show the workers before the first call.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    let (res_tx, mut res_rx) = mpsc::channel::<Outcome>(65_536);
+    let sem = Arc::new(Semaphore::new(o.max_in_flight));
+    let start = Instant::now();
+    let total = o.warmup + o.duration;
+    let mut sent = 0u64;
+    let mut skipped = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let collector = {
+        let assigned_tx = assigned_tx.clone();
+        tokio::spawn(async move {
+            let mut out = Vec::new();
+            while let Some(r) = res_rx.recv().await {
+                if let Outcome::Ok(_, id, w, inc) = &r {
+                    let _ = assigned_tx.try_send((id.clone(), *w, *inc, 0));
+                }
+                out.push(r);
+            }
+            out
+        })
+    };
+    let run = rand::rng().random::<u32>();
+    loop {
+        tick.tick().await;
+        let elapsed = start.elapsed();
+        if elapsed >= total {
+            break;
+        }
+        let due = (o.rate * elapsed.as_secs_f64()) as u64;
+        while sent < due {
+            sent += 1;
+            let Ok(permit) = Arc::clone(&sem).try_acquire_owned() else {
+                skipped += 1;
+                continue;
+            };
+            let prompt = rand::rng().random_range(o.prompt_min..=o.prompt_max);
+            let params =
+                AssignParams::new(o.group.clone(), format!("load-{run:08x}-{sent}"), prompt);
+            let client = client.clone();
+            let tx = res_tx.clone();
+            let deadline = o.deadline;
+            tokio::spawn(async move {
+                let t0 = Instant::now();
+                let r = client.assign_within(&params, deadline).await;
+                let latency = t0.elapsed();
+                let out = match r {
+                    Ok(a) => Outcome::Ok(
+                        Sample {
+                            at: t0,
+                            latency,
+                            pool_wait: a.pool_wait,
+                            stale: a.stale,
+                        },
+                        params.request_id,
+                        a.worker_id,
+                        a.incarnation,
+                    ),
+                    Err(e) => Outcome::Err(e.code()),
+                };
+                let _ = tx.send(out).await;
+                drop(permit);
+            });
+        }
+    }
+    drop(res_tx);
+    // Wait for the calls in flight.
+    let _ = sem.acquire_many(o.max_in_flight as u32).await;
+    let results = collector.await?;
+    drop(assigned_tx);
+    if let Some(t) = telemetry {
+        t.abort();
+    }
+
+    let counted_from = start + o.warmup;
+    let mut added = Vec::new();
+    let mut client_lat = Vec::new();
+    let mut waits = Vec::new();
+    let mut errors: std::collections::BTreeMap<String, u64> = Default::default();
+    let mut stale = 0u64;
+    for r in &results {
+        match r {
+            Outcome::Ok(s, ..) if s.at >= counted_from => {
+                added.push(s.latency.saturating_sub(s.pool_wait));
+                client_lat.push(s.latency);
+                waits.push(s.pool_wait);
+                stale += u64::from(s.stale);
+            }
+            Outcome::Ok(..) => {}
+            Outcome::Err(code) => *errors.entry(format!("{code:?}")).or_default() += 1,
+        }
+    }
+    let secs = o.duration.as_secs_f64();
+    println!(
+        "sent {sent} calls in {:.1}s (target {:.0}/s), counted {} answers after a {:?} warm-up ({:.0}/s), skipped {skipped} (in-flight limit), stale {stale}, errors {errors:?}",
+        total.as_secs_f64(),
+        o.rate,
+        added.len(),
+        o.warmup,
+        added.len() as f64 / secs
+    );
+    report("added latency (client - pool_wait)", &mut added);
+    report("client-observed latency", &mut client_lat);
+    report("pool wait (from responses)", &mut waits);
+    Ok(())
+}
+
+fn report(what: &str, v: &mut [Duration]) {
+    if v.is_empty() {
+        println!("{what}: no samples");
+        return;
+    }
+    v.sort_unstable();
+    let q = |p: f64| v[((v.len() as f64 - 1.0) * p).round() as usize];
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "{what}: p50 {:.0} µs, p90 {:.0} µs, p99 {:.0} µs, p99.9 {:.0} µs, max {:.0} µs (n = {})",
+        us(q(0.50)),
+        us(q(0.90)),
+        us(q(0.99)),
+        us(q(0.999)),
+        us(q(1.0)),
+        v.len()
+    );
+}
+
+/// One running request the telemetry side reports.
+struct Active {
+    id: String,
+    worker: u32,
+    incarnation: u64,
+    prompt: u32,
+    generated: u32,
+    finish_at: Instant,
+}
+
+/// Plays `workers` workers on one Apply stream (as ingest would after coalescing).
+async fn telemetry(
+    addr: String,
+    group: String,
+    workers: u32,
+    capacity: u32,
+    events_per_sec: u64,
+    hold: Duration,
+    mut assigned: mpsc::Receiver<(String, u32, u64, u32)>,
+) -> anyhow::Result<()> {
+    let mut c = SnapshotClient::connect(addr.clone())
+        .await
+        .with_context(|| format!("connecting to --snapshot-addr {addr}"))?;
+    let (tx, rx) = mpsc::channel::<v1::ChangeBatch>(1024);
+    let mut acks = c.apply(ReceiverStream::new(rx)).await?.into_inner();
+    tokio::spawn(async move { while let Ok(Some(_)) = acks.message().await {} });
+    let incarnation = rand::rng().random_range(1..u64::MAX / 2);
+    let mut seq = 0u64;
+    let mut send = |changes: Vec<T>| {
+        seq += 1;
+        v1::ChangeBatch {
+            batch_seq: seq,
+            group: group.clone(),
+            changes: changes
+                .into_iter()
+                .map(|k| v1::TelemetryChange { kind: Some(k) })
+                .collect(),
+        }
+    };
+    let hello = (0..workers)
+        .map(|w| {
+            T::WorkerHello(v1::telemetry_change::WorkerHello {
+                worker_id: w,
+                incarnation: incarnation + u64::from(w),
+                capacity,
+                endpoint: String::new(),
+            })
+        })
+        .collect();
+    tx.send(send(hello)).await?;
+    let mut active: VecDeque<Active> = VecDeque::new();
+    let per_ms = (events_per_sec / 1000).max(1) as usize;
+    let mut cursor = 0usize;
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        let mut changes = Vec::new();
+        while let Ok((id, worker, inc, _)) = assigned.try_recv() {
+            active.push_back(Active {
+                id,
+                worker,
+                incarnation: inc,
+                prompt: 0,
+                generated: 0,
+                finish_at: now + hold,
+            });
+        }
+        // Finished ones (oldest first).
+        while active.front().is_some_and(|a| a.finish_at <= now) {
+            if let Some(a) = active.pop_front() {
+                changes.push(T::RequestProgress(v1::telemetry_change::RequestProgress {
+                    worker_id: a.worker,
+                    incarnation: a.incarnation,
+                    request_id: a.id,
+                    prompt_tokens: a.prompt,
+                    generated_tokens: a.generated.max(1),
+                    finished: true,
+                }));
+            }
+        }
+        // Progress of running ones, round robin.
+        let n = active.len();
+        for _ in 0..per_ms.min(n) {
+            cursor = (cursor + 1) % n;
+            let a = &mut active[cursor];
+            a.generated += 1;
+            changes.push(T::RequestProgress(v1::telemetry_change::RequestProgress {
+                worker_id: a.worker,
+                incarnation: a.incarnation,
+                request_id: a.id.clone(),
+                prompt_tokens: a.prompt,
+                generated_tokens: a.generated,
+                finished: false,
+            }));
+        }
+        if !changes.is_empty() && tx.send(send(changes)).await.is_err() {
+            anyhow::bail!("the Apply stream closed");
+        }
+    }
+}
