@@ -625,3 +625,37 @@ async fn metrics_export_every_contract_name() {
     d.stop().await.unwrap();
     snap.kill().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_goes_away_leaves_the_pool() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(1, 1).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    ready(&d).await;
+    let c = client(&d).await;
+    c.assign_within(&params("full", 10), WAIT).await.unwrap();
+    let gone = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            c.assign_within(&params("gone", 10), Duration::from_secs(60))
+                .await
+        })
+    };
+    eventually("it waits", || async {
+        d.stats(GROUP).await.is_some_and(|s| s.pool == 1)
+    })
+    .await;
+    gone.abort(); // the gateway drops the call: the server's handler future is dropped
+    eventually("withdrawn by the drop guard", || async {
+        d.stats(GROUP)
+            .await
+            .is_some_and(|s| s.pool == 0 && s.waiting_calls == 0)
+    })
+    .await;
+    // The slot frees up: nothing was reserved for the caller that left.
+    t.running(0, &[("full", 10)]).await;
+    assert_eq!(snap.request_ids().await, vec!["full".to_string()]);
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
