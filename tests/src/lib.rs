@@ -16,14 +16,19 @@ use std::time::{Duration, Instant};
 
 /// The workspace root.
 pub fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the workspace root")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ sits in the workspace root")
 }
 
 /// The directory the test binary runs from (`target/<profile>`), where `cargo build` puts bins.
 fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test>  ->  target/<profile>
-    exe.parent().and_then(Path::parent).expect("target/<profile>/deps").to_path_buf()
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps")
+        .to_path_buf()
 }
 
 /// Builds the service binaries once (same profile as the tests), returns their directory.
@@ -34,7 +39,16 @@ pub fn binaries() -> &'static Path {
         let profile_release = dir.file_name().is_some_and(|n| n == "release");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.current_dir(root()).args(["build", "--bins", "-p", "br-snapshot", "-p", "br-ingest", "-p", "br-decision"]);
+        cmd.current_dir(root()).args([
+            "build",
+            "--bins",
+            "-p",
+            "br-snapshot",
+            "-p",
+            "br-ingest",
+            "-p",
+            "br-decision",
+        ]);
         if profile_release {
             cmd.arg("--release");
         }
@@ -46,7 +60,10 @@ pub fn binaries() -> &'static Path {
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
 }
 
 /// A running service process, killed on drop.
@@ -72,7 +89,13 @@ impl Service {
             format!("127.0.0.1:{admin_port}"),
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
-        let mut s = Service { name: bin, grpc_port, admin_port, child: None, args };
+        let mut s = Service {
+            name: bin,
+            grpc_port,
+            admin_port,
+            child: None,
+            args,
+        };
         s.spawn();
         s
     }
@@ -82,7 +105,10 @@ impl Service {
         let log = std::env::var_os("BR_E2E_LOGS").is_some();
         let child = Command::new(&path)
             .args(&self.args)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(if log { Stdio::inherit() } else { Stdio::null() })
             .stderr(if log { Stdio::inherit() } else { Stdio::null() })
             .spawn()
@@ -109,8 +135,12 @@ impl Service {
     /// Sends SIGTERM and waits for the process to exit; returns whether it exited by itself
     /// within `grace`.
     pub fn terminate(&mut self, grace: Duration) -> bool {
-        let Some(mut c) = self.child.take() else { return true };
-        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let Some(mut c) = self.child.take() else {
+            return true;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
             if let Ok(Some(_)) = c.try_wait() {
@@ -135,19 +165,32 @@ impl Service {
         let deadline = Instant::now() + within;
         let client = reqwest::Client::new();
         loop {
-            if let Ok(r) = client.get(&url).timeout(Duration::from_millis(500)).send().await
+            if let Ok(r) = client
+                .get(&url)
+                .timeout(Duration::from_millis(500))
+                .send()
+                .await
                 && r.status().is_success()
             {
                 return;
             }
-            assert!(Instant::now() < deadline, "{} did not answer 200 on {path} within {within:?}", self.name);
+            assert!(
+                Instant::now() < deadline,
+                "{} did not answer 200 on {path} within {within:?}",
+                self.name
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
     /// The admin `/metrics` text.
     pub async fn metrics(&self) -> String {
-        reqwest::get(self.admin_url("/metrics")).await.expect("metrics reachable").text().await.expect("metrics text")
+        reqwest::get(self.admin_url("/metrics"))
+            .await
+            .expect("metrics reachable")
+            .text()
+            .await
+            .expect("metrics text")
     }
 }
 
@@ -220,10 +263,19 @@ mod worker {
 
     impl FakeWorker {
         /// Opens the stream and says Hello.
-        pub async fn connect(ingest: &str, group: &str, worker_id: u32, capacity: u32) -> FakeWorker {
-            let mut client = TelemetryClient::connect(ingest.to_owned()).await.expect("ingest reachable");
+        pub async fn connect(
+            ingest: &str,
+            group: &str,
+            worker_id: u32,
+            capacity: u32,
+        ) -> FakeWorker {
+            let mut client = TelemetryClient::connect(ingest.to_owned())
+                .await
+                .expect("ingest reachable");
             let (tx, rx) = mpsc::channel(1024);
-            let incarnation = 0x5eed_0000_0000_0000 | (u64::from(worker_id) << 16) | u64::from(std::process::id() & 0xffff);
+            let incarnation = 0x5eed_0000_0000_0000
+                | (u64::from(worker_id) << 16)
+                | u64::from(std::process::id() & 0xffff);
             tx.send(v1::WorkerReport {
                 kind: Some(worker_report::Kind::Hello(v1::Hello {
                     group: group.to_owned(),
@@ -235,11 +287,20 @@ mod worker {
             })
             .await
             .expect("stream open");
-            let mut acks = client.report(ReceiverStream::new(rx)).await.expect("report stream").into_inner();
+            let mut acks = client
+                .report(ReceiverStream::new(rx))
+                .await
+                .expect("report stream")
+                .into_inner();
             let running: Arc<Mutex<BTreeMap<String, Running>>> = Arc::default();
             let full_state_requests: Arc<Mutex<u64>> = Arc::default();
             let seq = Arc::new(AtomicU64::new(0));
-            let (r2, f2, tx2, seq2) = (running.clone(), full_state_requests.clone(), tx.clone(), seq.clone());
+            let (r2, f2, tx2, seq2) = (
+                running.clone(),
+                full_state_requests.clone(),
+                tx.clone(),
+                seq.clone(),
+            );
             let reader = tokio::spawn(async move {
                 while let Some(Ok(ack)) = acks.next().await {
                     if ack.full_state_requested {
@@ -264,8 +325,15 @@ mod worker {
 
         /// Starts running a request (reports generated = 0 with its prompt).
         pub async fn start(&mut self, request_id: &str, prompt_tokens: u32) {
-            self.running.lock().unwrap().insert(request_id.to_owned(), Running { prompt_tokens, generated: 0 });
-            self.report(vec![update(request_id, prompt_tokens, 0, false)], false).await;
+            self.running.lock().unwrap().insert(
+                request_id.to_owned(),
+                Running {
+                    prompt_tokens,
+                    generated: 0,
+                },
+            );
+            self.report(vec![update(request_id, prompt_tokens, 0, false)], false)
+                .await;
         }
 
         /// Every running request writes `tokens` more tokens; one batched report.
@@ -285,7 +353,11 @@ mod worker {
         pub async fn finish(&mut self, request_id: &str) {
             let st = self.running.lock().unwrap().remove(request_id);
             if let Some(st) = st {
-                self.report(vec![update(request_id, st.prompt_tokens, st.generated, true)], false).await;
+                self.report(
+                    vec![update(request_id, st.prompt_tokens, st.generated, true)],
+                    false,
+                )
+                .await;
             }
         }
 
@@ -304,7 +376,12 @@ mod worker {
 
         /// Ground truth load: Σ prompt + generated.
         pub fn load(&self) -> u64 {
-            self.running.lock().unwrap().values().map(|r| u64::from(r.prompt_tokens) + u64::from(r.generated)).sum()
+            self.running
+                .lock()
+                .unwrap()
+                .values()
+                .map(|r| u64::from(r.prompt_tokens) + u64::from(r.generated))
+                .sum()
         }
 
         /// Drops the stream without a goodbye (the shim or its node died).
@@ -314,15 +391,36 @@ mod worker {
         }
     }
 
-    fn update(id: &str, prompt_tokens: u32, generated_tokens: u32, finished: bool) -> v1::RequestProgress {
-        v1::RequestProgress { request_id: id.to_owned(), prompt_tokens, generated_tokens, finished }
+    fn update(
+        id: &str,
+        prompt_tokens: u32,
+        generated_tokens: u32,
+        finished: bool,
+    ) -> v1::RequestProgress {
+        v1::RequestProgress {
+            request_id: id.to_owned(),
+            prompt_tokens,
+            generated_tokens,
+            finished,
+        }
     }
 
     fn snapshot_updates(running: &Mutex<BTreeMap<String, Running>>) -> Vec<v1::RequestProgress> {
-        running.lock().unwrap().iter().map(|(id, st)| update(id, st.prompt_tokens, st.generated, false)).collect()
+        running
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, st)| update(id, st.prompt_tokens, st.generated, false))
+            .collect()
     }
 
     fn progress(seq: u64, updates: Vec<v1::RequestProgress>, full_state: bool) -> v1::WorkerReport {
-        v1::WorkerReport { kind: Some(worker_report::Kind::Progress(v1::Progress { seq, updates, full_state })) }
+        v1::WorkerReport {
+            kind: Some(worker_report::Kind::Progress(v1::Progress {
+                seq,
+                updates,
+                full_state,
+            })),
+        }
     }
 }
