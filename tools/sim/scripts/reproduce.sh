@@ -72,6 +72,14 @@ for wl in "paper-azure --arrival poisson --rate 8" "paper-prop --arrival poisson
   done
 done
 
+# D'. The open choices at moderate load (paper-azure at 85% of capacity, mean of 5 seeds)
+for p in stage1_worker=most-free-slots,least-loaded s_greedy=0,32,256,none; do
+  run "D-moderate-paperazure_5.5-${p%%=*}" sweep --trace paper-azure --arrival poisson --rate 5.5 \
+      --policies jsq,mintok,br0 --param "$p" --seeds "$SEEDS"
+done
+run "D-moderate-paperazure_5.5-tie_break" sweep --trace paper-azure --arrival poisson --rate 5.5 \
+    --policies jsq,mintok,br0-bypass --param tie_break=least-loaded,fewest-requests --seeds "$SEEDS"
+
 # E. Speed: all policies, 10k paper-azure, G = 8 (wall time per run on stderr)
 { echo "\$ time br-sim --trace paper-azure --workers 8 --slots 256 --policies $ALL";
   /usr/bin/env time -f "%e s wall, %M KB max RSS" "$SIM" --trace paper-azure --workers 8 --slots 256 --policies "$ALL" 2>&1 >/dev/null; } > "$OUT/E-speed.txt" 2>&1 || true
