@@ -15,7 +15,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 TRACE="${DEMO_TRACE:-paper-azure}"
-N="${DEMO_REQUESTS:-384}"
+N="${DEMO_REQUESTS:-640}"
 G="${DEMO_G:-8}"
 B="${DEMO_B:-16}"
 STEP_A="${DEMO_STEP_A:-0.0002}"
@@ -36,7 +36,7 @@ source "$ROOT/scripts/lib/stack.sh"
 # --- build ------------------------------------------------------------------------------------
 if [ "${DEMO_SKIP_BUILD:-0}" != 1 ]; then
     say "building (release): br-snapshot br-ingest br-decision br-shim br-emu br-sim"
-    cargo build --release -q -p br-snapshot -p br-ingest -p br-decision -p br-shim -p br-emu -p br-sim
+    cargo build --release -q --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu --bin br-sim
 fi
 for b in br-snapshot br-ingest br-decision br-shim br-emu br-sim; do
     [ -x "$BIN/$b" ] || { echo "missing $BIN/$b" >&2; exit 1; }
@@ -49,7 +49,15 @@ start_stack
 # --- the runs ---------------------------------------------------------------------------------
 RUNS=()
 for policy in $POLICIES; do
-    say "br-decision --policy $policy; replaying $N requests of $TRACE (saturated)"
+    # BalanceRoute's pooled policies admit a request only into a free slot (capacity B). The
+    # baselines route on arrival, as vLLM's or a gateway's JSQ does, and requests queue in the
+    # rank's local FIFO: their shims announce room for the whole workload so σ never refuses.
+    case "$policy" in
+        br0 | brh*) cap=$B ;;
+        *) cap=$((B + N)) ;;
+    esac
+    say "br-decision --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE (saturated)"
+    start_shims "$cap"
     start_decision "$policy"
     "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$GROUP" \
         --rank-urls "$RANK_URLS" --engine-url "http://127.0.0.1:$ENGINE" \
@@ -57,6 +65,7 @@ for policy in $POLICIES; do
         --json "$OUT/$policy.json"
     RUNS+=("$OUT/$policy.json")
     stop_decision
+    stop_shims
 done
 
 say "br-sim: the twin's prediction for the same workload"

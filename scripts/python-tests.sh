@@ -29,11 +29,12 @@ fi
 say "building ($PROFILE): br-snapshot br-ingest br-decision br-shim br-emu"
 flags=()
 [ "$PROFILE" = release ] && flags=(--release)
-cargo build -q "${flags[@]}" -p br-snapshot -p br-ingest -p br-decision -p br-shim -p br-emu
+cargo build -q "${flags[@]}" --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu
 BIN="$ROOT/target/$PROFILE"
 
 G=2 B=4 STEP_A=0.0002 STEP_B=20 SCALE=0.05 GROUP=pytest
 start_stack
+start_shims "$B"
 start_decision jsq
 
 say "pytest tests/python"

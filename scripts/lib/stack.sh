@@ -38,7 +38,8 @@ port_free() { # a port is free if nothing accepts on it and we did not hand it o
 free_ports() { # free_ports COUNT VAR: finds COUNT consecutive free ports, sets VAR to the first
     local count=$1 base ok i
     for _ in $(seq 1 200); do
-        base=$(( 20000 + RANDOM % 30000 ))
+        # Below the kernel's ephemeral range (32768+), where outgoing connections take ports.
+        base=$(( 15000 + RANDOM % 17000 ))
         ok=1
         for ((i = 0; i < count; i++)); do
             port_free $((base + i)) || { ok=0; break; }
@@ -71,8 +72,8 @@ start() { # start NAME CMD...: runs CMD in the background, logging to $OUT/NAME.
 }
 
 
-# start_stack: br-snapshot, br-ingest, `br-emu engine` and G br-shims (one per rank) on free
-# loopback ports. Uses BIN, G, B, STEP_A, STEP_B, SCALE, GROUP; sets SNAP, INGEST, DECISION,
+# start_stack: br-snapshot, br-ingest and `br-emu engine` on free loopback ports, and ports for
+# G br-shims (start_shims). Uses BIN, G, B, STEP_A, STEP_B, SCALE, GROUP; sets SNAP, INGEST, DECISION,
 # ENGINE (rank g on ENGINE+g, the X-data-parallel-rank port on ENGINE+G), SHIMS (shim g on
 # SHIMS+2g, its admin port next) and RANK_URLS (the shims, comma-separated).
 start_stack() {
@@ -89,20 +90,9 @@ start_stack() {
         --snapshot-addr "http://127.0.0.1:$SNAP"
     start engine "$BIN/br-emu" engine --ranks "$G" --slots "$B" --step-a "$STEP_A" --step-b "$STEP_B" \
         --time-scale "$SCALE" --base-port "$ENGINE" --dp-port "$((ENGINE + G))"
-    RANK_URLS=""
-    for ((g = 0; g < G; g++)); do
-        p=$((SHIMS + 2 * g))
-        start "shim$g" "$BIN/br-shim" --listen "127.0.0.1:$p" --admin-listen "127.0.0.1:$((p + 1))" \
-            --upstream "http://127.0.0.1:$((ENGINE + g))" --ingest-addr "http://127.0.0.1:$INGEST" \
-            --group "$GROUP" --worker-id "$g" --capacity "$B"
-        RANK_URLS="$RANK_URLS${RANK_URLS:+,}http://127.0.0.1:$p"
-    done
     wait_http "http://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
     wait_http "http://127.0.0.1:$((INGEST + 1))/readyz" br-ingest
     wait_http "http://127.0.0.1:$ENGINE/health" "br-emu engine"
-    for ((g = 0; g < G; g++)); do
-        wait_http "http://127.0.0.1:$((SHIMS + 2 * g + 1))/readyz" "br-shim $g"
-    done
 
 }
 
@@ -119,4 +109,30 @@ start_decision() {
 stop_decision() {
     kill -TERM "$DECISION_PID" 2>/dev/null || true
     wait "$DECISION_PID" 2>/dev/null || true
+}
+
+# start_shims CAPACITY: one br-shim per rank in front of the engine, announcing CAPACITY;
+# sets RANK_URLS. stop_shims: SIGTERM and wait (a restart is a new incarnation).
+SHIM_PIDS=()
+start_shims() {
+    local g p
+    RANK_URLS=""
+    SHIM_PIDS=()
+    for ((g = 0; g < G; g++)); do
+        p=$((SHIMS + 2 * g))
+        start "shim$g-cap$1" "$BIN/br-shim" --listen "127.0.0.1:$p" --admin-listen "127.0.0.1:$((p + 1))" \
+            --upstream "http://127.0.0.1:$((ENGINE + g))" --ingest-addr "http://127.0.0.1:$INGEST" \
+            --group "$GROUP" --worker-id "$g" --capacity "$1"
+        SHIM_PIDS+=("$LAST_PID")
+        RANK_URLS="$RANK_URLS${RANK_URLS:+,}http://127.0.0.1:$p"
+    done
+    for ((g = 0; g < G; g++)); do
+        wait_http "http://127.0.0.1:$((SHIMS + 2 * g + 1))/readyz" "br-shim $g"
+    done
+}
+stop_shims() {
+    local pid
+    for pid in "${SHIM_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${SHIM_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    SHIM_PIDS=()
 }

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use br_client::assign::{AssignClient, AssignParams};
+use br_client::assign::{AssignClient, AssignParams, RetryPolicy};
 use br_sim::cli::{Arrival, stamp_arrivals};
 use br_sim::synth::{self, SynthConfig, SynthKind};
 use br_sim::trace::{self, Filter, TraceRequest};
@@ -163,9 +163,8 @@ pub fn workload(cfg: &LoadConfig) -> Result<(String, Vec<TraceRequest>), LoadErr
     let (name, reqs) = if let Some(kind) = SynthKind::from_name(&cfg.trace) {
         let mut sc = SynthConfig::new(kind);
         sc.seed = cfg.seed;
-        if let Some(n) = cfg.limit {
-            sc.requests = n;
-        }
+        // The published count, cut by `limit` below: the same requests `br-sim --limit N`
+        // simulates.
         if let Some(r) = cfg.rate {
             sc.rate_per_s = r;
         }
@@ -209,7 +208,14 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
             .await?
             .error_for_status()?;
     }
-    let assign = AssignClient::connect(cfg.decision_addr.clone()).await?;
+    // UNAVAILABLE (e.g. an on-arrival policy while σ shows every worker full) is retried
+    // with the same request id until the deadline, not a fixed number of times.
+    let assign = AssignClient::connect(cfg.decision_addr.clone())
+        .await?
+        .with_retry(RetryPolicy {
+            max_attempts: u32::MAX,
+            ..RetryPolicy::default()
+        });
     let ctx = Arc::new(Ctx {
         cfg: cfg.clone(),
         assign,
