@@ -468,6 +468,8 @@ async fn bad_assign_input_gets_typed_errors() {
 /// own reservations (flagged stale), and everything resynchronises when it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_restart_during_traffic() {
+    let t0 = Instant::now();
+    let mark = |what: &str| eprintln!("[{:>6.2}s] {what}", t0.elapsed().as_secs_f64());
     let mut stack = Stack::start("br0").await;
     let mut ws = stack.workers(3, 8).await;
     let mut d = stack.decision().await;
@@ -482,6 +484,7 @@ async fn snapshot_restart_during_traffic() {
     }
     stack.settle(&ws).await;
 
+    mark("settled before the outage");
     stack.snapshot.kill();
     let mut stale_answers = 0;
     for i in 0..6 {
@@ -508,9 +511,35 @@ async fn snapshot_restart_during_traffic() {
         ) >= 1.0
     );
 
+    mark("answered during the outage");
     stack.snapshot.restart();
     stack.snapshot.wait_for("/livez", START).await;
-    // ingest reconnects, asks every worker for its full state; σ is rebuilt from the workers
+    // Ingest sees the new epoch and asks every worker for its full state on that worker's next
+    // ack (acks answer reports, so the workers keep decoding meanwhile).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let asked = ws
+            .iter()
+            .filter(|w| {
+                w.full_state_requests
+                    .lock()
+                    .map(|n| *n > 0)
+                    .unwrap_or(false)
+            })
+            .count();
+        if asked == ws.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {asked} of {} workers were asked for a full state",
+            ws.len()
+        );
+        for w in ws.iter_mut() {
+            w.step(1).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     eventually(
         Duration::from_secs(20),
         "σ rebuilt from the workers after the restart",
