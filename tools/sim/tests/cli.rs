@@ -1,0 +1,161 @@
+//! End-to-end tests of the `br-sim` binary (small workloads; no network).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn br_sim(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_br-sim"))
+        .args(args)
+        .output()
+        .expect("run br-sim")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn run_writes_table_json_and_figure() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let json = dir.path().join("out.json");
+    let figs = dir.path().join("figs");
+    let out = br_sim(&[
+        "--trace",
+        "paper-azure",
+        "--workers",
+        "4",
+        "--slots",
+        "32",
+        "--limit",
+        "300",
+        "--policies",
+        "jsq,br0",
+        "--json",
+        json.to_str().expect("utf8"),
+        "--plot",
+        figs.to_str().expect("utf8"),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("paper-azure (synthetic)"), "{stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("br0 ")), "{stdout}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("parse");
+    let runs = v["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2);
+    for r in runs {
+        for k in [
+            "policy",
+            "workers",
+            "avg_imbalance",
+            "avg_barrier_idle",
+            "throughput_tok_s",
+            "steady_throughput_tok_s",
+            "fluid_throughput_tok_s",
+            "tpot_p50_ms",
+            "tpot_p95_ms",
+            "mean_queue_ms",
+            "steps",
+            "requests",
+        ] {
+            assert!(r.get(k).is_some(), "missing {k}");
+        }
+        assert_eq!(r["requests"], 300);
+        assert_eq!(r["workers"], 4);
+    }
+    assert!(figs.join("worker_loads.svg").is_file());
+}
+
+#[test]
+fn sweep_writes_scaling_figure() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = br_sim(&[
+        "sweep",
+        "--trace",
+        "paper-prop",
+        "--workers-list",
+        "2,4",
+        "--per-worker",
+        "40",
+        "--slots",
+        "16",
+        "--policies",
+        "rr,br0",
+        "--plot",
+        dir.path().to_str().expect("utf8"),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(dir.path().join("scaling.svg").is_file());
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("G=4"), "{stdout}");
+
+    let out = br_sim(&[
+        "sweep",
+        "--trace",
+        "paper-prop",
+        "--limit",
+        "100",
+        "--workers",
+        "2",
+        "--slots",
+        "16",
+        "--policies",
+        "jsq,br0",
+        "--param",
+        "r_max=1,4",
+        "--seeds",
+        "1,2",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("br0[r_max=1]") && stdout.contains("standard error"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn calibrate_fixture() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/step_samples.csv");
+    let out = br_sim(&["calibrate", fixture.to_str().expect("utf8")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("rejected line 13"), "{stdout}");
+    assert!(stdout.contains("R² = 0.99"), "{stdout}");
+    let out = br_sim(&["calibrate", "--strict", fixture.to_str().expect("utf8")]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("step_samples.csv:13"));
+}
+
+#[test]
+fn bad_inputs_fail_with_a_message() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(&bad, "prompt_tokens,output_tokens\n10,5\nx,5\n").expect("write");
+    let out = br_sim(&["--trace", bad.to_str().expect("utf8"), "--policies", "jsq"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("bad.csv:3"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = br_sim(&["--trace", "paper-azure", "--policies", "jsq,warp"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("unknown policy"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = br_sim(&["--trace", "paper-azure", "--arrival", "poisson"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--rate"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = br_sim(&["--workers", "8"]);
+    assert!(!out.status.success(), "--trace is required");
+}
