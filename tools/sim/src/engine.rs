@@ -499,6 +499,145 @@ mod tests {
         }
     }
 
+    /// An independent, deliberately naive model of the same semantics for round-robin
+    /// (request k in arrival order goes to worker k mod G), written without br-core.
+    fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64) -> RunReport {
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        let t = |i: usize| reqs[i].arrival_ms.unwrap_or(0.0);
+        order.sort_by(|&x, &y| t(x).total_cmp(&t(y)));
+        let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); g];
+        // active: (request, generated, first token time)
+        let mut active: Vec<Vec<(usize, u32, f64)>> = vec![Vec::new(); g];
+        let (mut now, mut next, mut steps) = (0.0f64, 0usize, 0u64);
+        let (mut busy, mut fluid, mut tokens, mut steady_ms, mut steady_tok) =
+            (0.0, 0.0, 0u64, 0.0, 0u64);
+        let (mut imb, mut idle, mut queue_sum) = (0.0, 0.0, 0.0);
+        let mut tpots = Vec::new();
+        let mut routed = 0usize;
+        loop {
+            while next < order.len() && t(order[next]) <= now {
+                queues[routed % g].push_back(order[next]);
+                routed += 1;
+                next += 1;
+            }
+            for w in 0..g {
+                while active[w].len() < b {
+                    let Some(i) = queues[w].pop_front() else {
+                        break;
+                    };
+                    queue_sum += now - t(i);
+                    active[w].push((i, 0, f64::NAN));
+                }
+            }
+            let waiting = queues.iter().any(|q| !q.is_empty());
+            if active.iter().all(Vec::is_empty) {
+                if next < order.len() {
+                    now = t(order[next]);
+                    continue;
+                }
+                break;
+            }
+            let loads: Vec<f64> = active
+                .iter()
+                .map(|v| {
+                    v.iter()
+                        .map(|&(i, j, _)| f64::from(reqs[i].prompt_tokens + j))
+                        .sum()
+                })
+                .collect();
+            let max = loads.iter().cloned().fold(0.0, f64::max);
+            let min = loads.iter().cloned().fold(f64::INFINITY, f64::min);
+            let sum: f64 = loads.iter().sum();
+            let step = a * max + b0;
+            let n: u64 = active.iter().map(|v| v.len() as u64).sum();
+            busy += step;
+            fluid += a * sum / g as f64 + b0;
+            tokens += n;
+            imb += max - min;
+            idle += g as f64 * max - sum;
+            if waiting {
+                steady_ms += step;
+                steady_tok += n;
+            }
+            now += step;
+            for v in active.iter_mut() {
+                for e in v.iter_mut() {
+                    e.1 += 1;
+                    if e.1 == 1 {
+                        e.2 = now;
+                    }
+                }
+                v.retain(|&(i, j, first)| {
+                    let o = reqs[i].output_tokens;
+                    if j < o {
+                        return true;
+                    }
+                    if o > 1 {
+                        tpots.push((now - first) / f64::from(o - 1));
+                    }
+                    false
+                });
+            }
+            steps += 1;
+        }
+        tpots.sort_by(f64::total_cmp);
+        let q = |p: f64| tpots[((p * tpots.len() as f64).ceil() as usize).max(1) - 1];
+        RunReport {
+            policy: "rr".into(),
+            workers: g,
+            avg_imbalance: imb / steps as f64,
+            avg_barrier_idle: idle / steps as f64,
+            throughput_tok_s: tokens as f64 / (busy / 1000.0),
+            steady_throughput_tok_s: steady_tok as f64 / (steady_ms / 1000.0),
+            fluid_throughput_tok_s: tokens as f64 / (fluid / 1000.0),
+            tpot_p50_ms: q(0.5),
+            tpot_p95_ms: q(0.95),
+            mean_queue_ms: queue_sum / reqs.len() as f64,
+            steps,
+            requests: reqs.len() as u64,
+        }
+    }
+
+    #[test]
+    fn engine_matches_an_independent_model() {
+        // timed arrivals that overload 3 workers x 4 slots part of the time
+        let reqs: Vec<TraceRequest> = (0..400u32)
+            .map(|i| {
+                req(
+                    f64::from(i) * 37.0 + f64::from((i * 7919) % 50),
+                    50 + (i * 7919) % 2500,
+                    1 + (i * 104_729) % 90,
+                )
+            })
+            .collect();
+        let got = sim(&reqs, "rr", &cfg(3, 4, 1e-3, 5.0)).report;
+        let want = reference_rr(&reqs, 3, 4, 1e-3, 5.0);
+        assert_eq!(got.steps, want.steps);
+        assert_eq!(got.requests, want.requests);
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y.abs().max(1.0);
+        for (name, x, y) in [
+            ("imbalance", got.avg_imbalance, want.avg_imbalance),
+            ("idle", got.avg_barrier_idle, want.avg_barrier_idle),
+            ("tput", got.throughput_tok_s, want.throughput_tok_s),
+            (
+                "steady",
+                got.steady_throughput_tok_s,
+                want.steady_throughput_tok_s,
+            ),
+            (
+                "fluid",
+                got.fluid_throughput_tok_s,
+                want.fluid_throughput_tok_s,
+            ),
+            ("tpot50", got.tpot_p50_ms, want.tpot_p50_ms),
+            ("tpot95", got.tpot_p95_ms, want.tpot_p95_ms),
+            ("queue", got.mean_queue_ms, want.mean_queue_ms),
+        ] {
+            assert!(close(x, y), "{name}: engine {x} vs reference {y}");
+        }
+        assert!(want.steady_throughput_tok_s > 0.0 && want.mean_queue_ms > 0.0);
+    }
+
     #[test]
     fn deterministic() {
         let reqs: Vec<TraceRequest> = (0..200u32)
