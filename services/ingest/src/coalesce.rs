@@ -182,8 +182,28 @@ impl Coalescer {
         None
     }
 
+    /// Takes everything (the common case: the buffer is drained every tick), without
+    /// maintaining the indexes entry by entry.
+    fn take_all(&mut self) -> Vec<(GroupId, Change)> {
+        // Logical indexes keep rising; `base` moves past every slot, tombstones included.
+        self.base += self.slots.len() as u64;
+        let out: Vec<(GroupId, Change)> = self
+            .slots
+            .drain(..)
+            .flatten()
+            .map(|s| (s.group, s.change))
+            .collect();
+        self.live = 0;
+        self.progress.clear();
+        self.syncs.clear();
+        out
+    }
+
     /// Takes up to `max` changes from the front, in order, as (group, change).
     pub fn take(&mut self, max: usize) -> Vec<(GroupId, Change)> {
+        if max >= self.live {
+            return self.take_all();
+        }
         let mut out = Vec::with_capacity(max.min(self.live));
         while out.len() < max {
             let Some(slot) = self.slots.pop_front() else {

@@ -157,6 +157,8 @@ impl Forwarder {
                     Some(ev) => self.on_link(ev),
                     None => return,
                 },
+                // Before the inputs: under a steady flood of input the tick must still fire.
+                _ = tick.tick() => self.flush(),
                 n = inputs.recv_many(&mut batch, 256) => {
                     if n == 0 {
                         return;
@@ -165,7 +167,6 @@ impl Forwarder {
                         self.absorb(input, &mut dropped);
                     }
                 }
-                _ = tick.tick() => self.flush(),
             }
             if !dropped.is_empty() {
                 self.metrics.dropped_changes.inc_by(dropped.len() as u64);

@@ -1,1 +1,406 @@
-fn main() {}
+//! ingest-load: N concurrent telemetry streams sending batched Progress messages to an ingest,
+//! with a fake snapshot service behind it; prints the sustained progress events/s.
+//!
+//! By default it starts everything itself: a fake snapshot service in this process (it counts
+//! what arrives and acks every batch) and a `br-ingest` child process (the binary next to this
+//! one) pointed at it. With `--ingest-addr` it loads an ingest that is already running (whose
+//! snapshot service may be real).
+//!
+//! ```text
+//! cargo build --release -p br-ingest
+//! target/release/ingest-load --streams 16 --updates-per-message 64 --duration 10s
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use br_proto::v1;
+use clap::Parser;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+/// Load generator for br-ingest.
+#[derive(Debug, Parser)]
+#[command(name = "ingest-load")]
+struct Args {
+    /// Concurrent worker streams.
+    #[arg(long, default_value_t = 16)]
+    streams: u32,
+    /// Request updates per Progress message.
+    #[arg(long, default_value_t = 64)]
+    updates_per_message: u32,
+    /// Distinct requests per stream (each message updates the next `updates_per_message`).
+    #[arg(long, default_value_t = 1024)]
+    requests_per_stream: u32,
+    /// Measured time (after the warm-up).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    duration: Duration,
+    /// Warm-up before measuring.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    warmup: Duration,
+    /// Messages queued per stream ahead of the network (the pipelining window).
+    #[arg(long, default_value_t = 32)]
+    window: usize,
+    /// Load this running ingest instead of starting one (e.g. http://127.0.0.1:50062).
+    #[arg(long)]
+    ingest_addr: Option<String>,
+    /// The admin address of that ingest (for its own counters), e.g. 127.0.0.1:9062.
+    #[arg(long)]
+    ingest_admin: Option<SocketAddr>,
+    /// The br-ingest binary to start (default: next to this binary).
+    #[arg(long)]
+    ingest_bin: Option<PathBuf>,
+    /// Extra flags for the started br-ingest (e.g. "--batch-interval=5ms").
+    #[arg(long, allow_hyphen_values = true)]
+    ingest_arg: Vec<String>,
+    /// Where the in-process fake snapshot service listens (default: an ephemeral port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    fake_snapshot_listen: SocketAddr,
+    /// Tokio worker threads for the load generator.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+#[derive(Default)]
+struct Counters {
+    acked_msgs: AtomicU64,
+    acked_events: AtomicU64,
+    not_ok: AtomicU64,
+    snap_batches: AtomicU64,
+    snap_changes: AtomicU64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.max(1))
+        .enable_all()
+        .build()?;
+    rt.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let counters = Arc::new(Counters::default());
+    let stop = CancellationToken::new();
+
+    let fake = FakeSnapshot {
+        counters: counters.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind(args.fake_snapshot_listen).await?;
+    let snap_addr = listener.local_addr()?;
+    {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let r = tonic::transport::Server::builder()
+                .add_service(
+                    v1::snapshot_server::SnapshotServer::new(fake)
+                        .max_decoding_message_size(64 << 20),
+                )
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                )
+                .await;
+            if let Err(e) = r {
+                eprintln!("fake snapshot: {e}");
+            }
+        });
+    }
+
+    let mut child = None;
+    let (ingest_url, admin) = match &args.ingest_addr {
+        Some(url) => (url.clone(), args.ingest_admin),
+        None => {
+            let grpc = free_addr().await?;
+            let admin = free_addr().await?;
+            let bin = match &args.ingest_bin {
+                Some(b) => b.clone(),
+                None => std::env::current_exe()?
+                    .parent()
+                    .context("binary directory")?
+                    .join("br-ingest"),
+            };
+            let mut cmd = tokio::process::Command::new(&bin);
+            cmd.arg("--listen")
+                .arg(grpc.to_string())
+                .arg("--admin-listen")
+                .arg(admin.to_string())
+                .arg("--snapshot-addr")
+                .arg(format!("http://{snap_addr}"))
+                .arg("--max-events-per-sec-per-stream")
+                .arg("100000000")
+                .args(&args.ingest_arg)
+                .env("RUST_LOG", "warn")
+                .kill_on_drop(true);
+            child = Some(
+                cmd.spawn()
+                    .with_context(|| format!("starting {}", bin.display()))?,
+            );
+            (format!("http://{grpc}"), Some(admin))
+        }
+    };
+
+    if let Some(admin) = admin {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !matches!(http_get(admin, "/readyz").await, Ok((200, _))) {
+            if Instant::now() > deadline {
+                bail!("ingest at {admin} never became ready");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    let mut tasks = Vec::new();
+    for w in 0..args.streams {
+        tasks.push(tokio::spawn(stream(
+            ingest_url.clone(),
+            w,
+            args.updates_per_message,
+            args.requests_per_stream,
+            args.window,
+            counters.clone(),
+            stop.clone(),
+        )));
+    }
+
+    tokio::time::sleep(args.warmup).await;
+    let ingest_before = match admin {
+        Some(a) => ingest_events(a).await.ok(),
+        None => None,
+    };
+    let t0 = Instant::now();
+    let (m0, e0, b0, c0) = snapshot(&counters);
+    tokio::time::sleep(args.duration).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let (m1, e1, b1, c1) = snapshot(&counters);
+    let ingest_after = match admin {
+        Some(a) => ingest_events(a).await.ok(),
+        None => None,
+    };
+    stop.cancel();
+    for t in tasks {
+        let _ = t.await;
+    }
+
+    println!(
+        "streams={} updates/message={} requests/stream={} window={} measured={:.1}s",
+        args.streams, args.updates_per_message, args.requests_per_stream, args.window, secs
+    );
+    println!(
+        "acked progress events/s: {:.0}   (messages/s: {:.0}; non-OK acks: {})",
+        (e1 - e0) as f64 / secs,
+        (m1 - m0) as f64 / secs,
+        counters.not_ok.load(Ordering::Relaxed)
+    );
+    if let (Some(a), Some(b)) = (ingest_before, ingest_after) {
+        println!(
+            "ingest balanceroute_ingest_progress_events_total rate: {:.0}/s",
+            (b - a) / secs
+        );
+    }
+    println!(
+        "snapshot side: {:.0} batches/s, {:.0} changes/s (after coalescing)",
+        (b1 - b0) as f64 / secs,
+        (c1 - c0) as f64 / secs
+    );
+    if let Some(mut c) = child {
+        let _ = c.start_kill();
+        let _ = c.wait().await;
+    }
+    Ok(())
+}
+
+fn snapshot(c: &Counters) -> (u64, u64, u64, u64) {
+    (
+        c.acked_msgs.load(Ordering::Relaxed),
+        c.acked_events.load(Ordering::Relaxed),
+        c.snap_batches.load(Ordering::Relaxed),
+        c.snap_changes.load(Ordering::Relaxed),
+    )
+}
+
+/// One worker: Hello, then Progress messages as fast as the window allows.
+async fn stream(
+    url: String,
+    worker: u32,
+    per_message: u32,
+    requests: u32,
+    window: usize,
+    counters: Arc<Counters>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut client = v1::telemetry_client::TelemetryClient::connect(url).await?;
+    let (tx, rx) = mpsc::channel(window.max(1));
+    tx.send(v1::WorkerReport {
+        kind: Some(v1::worker_report::Kind::Hello(v1::Hello {
+            group: "bench".into(),
+            worker_id: worker,
+            incarnation: 1000 + u64::from(worker),
+            capacity: requests,
+            endpoint: String::new(),
+        })),
+    })
+    .await?;
+    let mut acks = client.report(ReceiverStream::new(rx)).await?.into_inner();
+    let ids: Vec<String> = (0..requests).map(|i| format!("w{worker}-r{i}")).collect();
+    let per_message = per_message.min(requests).max(1) as usize;
+
+    let reader = {
+        let counters = counters.clone();
+        tokio::spawn(async move {
+            let mut last = 0;
+            while let Ok(Some(a)) = acks.message().await {
+                if a.seq > last {
+                    let msgs = if last == 0 { 1 } else { a.seq - last };
+                    last = a.seq;
+                    counters.acked_msgs.fetch_add(msgs, Ordering::Relaxed);
+                    counters
+                        .acked_events
+                        .fetch_add(msgs * per_message as u64, Ordering::Relaxed);
+                }
+                if a.status != v1::AckStatus::Ok as i32 {
+                    counters.not_ok.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+
+    let mut seq = 0u64;
+    let mut cursor = 0usize;
+    let mut generated = vec![0u32; ids.len()];
+    loop {
+        seq += 1;
+        let mut updates = Vec::with_capacity(per_message);
+        for _ in 0..per_message {
+            let i = cursor % ids.len();
+            cursor += 1;
+            generated[i] = (generated[i] + 1) % 1_000_000;
+            updates.push(v1::RequestProgress {
+                request_id: ids[i].clone(),
+                prompt_tokens: 1000,
+                generated_tokens: generated[i],
+                finished: false,
+            });
+        }
+        let msg = v1::WorkerReport {
+            kind: Some(v1::worker_report::Kind::Progress(v1::Progress {
+                seq,
+                updates,
+                full_state: false,
+            })),
+        };
+        tokio::select! {
+            r = tx.send(msg) => if r.is_err() { break },
+            () = stop.cancelled() => break,
+        }
+    }
+    drop(tx);
+    let _ = tokio::time::timeout(Duration::from_secs(2), reader).await;
+    Ok(())
+}
+
+async fn free_addr() -> std::io::Result<SocketAddr> {
+    tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await?
+        .local_addr()
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await?;
+    let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    Ok((code, body.to_owned()))
+}
+
+async fn ingest_events(admin: SocketAddr) -> anyhow::Result<f64> {
+    let (_, body) = http_get(admin, "/metrics").await?;
+    body.lines()
+        .find_map(|l| {
+            l.strip_prefix("balanceroute_ingest_progress_events_total ")
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .context("no balanceroute_ingest_progress_events_total")
+}
+
+/// Counts what arrives and acks it.
+#[derive(Clone)]
+struct FakeSnapshot {
+    counters: Arc<Counters>,
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl v1::snapshot_server::Snapshot for FakeSnapshot {
+    type WatchStream = BoxStream<v1::WatchEvent>;
+    type ApplyStream = BoxStream<v1::ApplyAck>;
+
+    async fn watch(
+        &self,
+        _: tonic::Request<v1::WatchRequest>,
+    ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
+    async fn get(
+        &self,
+        _: tonic::Request<v1::GetRequest>,
+    ) -> Result<tonic::Response<v1::ClusterSnapshot>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
+    async fn reserve(
+        &self,
+        _: tonic::Request<v1::ReserveRequest>,
+    ) -> Result<tonic::Response<v1::ReserveResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
+    async fn release(
+        &self,
+        _: tonic::Request<v1::ReleaseRequest>,
+    ) -> Result<tonic::Response<v1::ReleaseResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
+    async fn apply(
+        &self,
+        req: tonic::Request<tonic::Streaming<v1::ChangeBatch>>,
+    ) -> Result<tonic::Response<Self::ApplyStream>, tonic::Status> {
+        let mut inbound = req.into_inner();
+        let counters = self.counters.clone();
+        let (tx, rx) = mpsc::channel(256);
+        tokio::spawn(async move {
+            let mut version = 0;
+            while let Ok(Some(b)) = inbound.message().await {
+                version += 1;
+                counters.snap_batches.fetch_add(1, Ordering::Relaxed);
+                counters
+                    .snap_changes
+                    .fetch_add(b.changes.len() as u64, Ordering::Relaxed);
+                let ack = v1::ApplyAck {
+                    batch_seq: b.batch_seq,
+                    epoch: 1,
+                    version,
+                    rejected: vec![],
+                };
+                if tx.send(Ok(ack)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
