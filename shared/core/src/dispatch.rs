@@ -28,6 +28,10 @@ pub enum Stage1Worker {
     MostFreeSlots,
     /// The live worker with free slots and the least load (balances KV tokens).
     LeastLoaded,
+    /// Request first: the Stage 1 candidates largest first (LPT), each to the worker with the
+    /// best `F_g({i})`; ties (every worker where it fits scores `s_i`) go by `tie_break`. With
+    /// fewest-requests this also balances how fast loads grow (one token per request per step).
+    ByScore,
 }
 
 /// What Stage 1 does when every margin is 0 (all workers equally loaded, e.g. at cold start),
@@ -82,10 +86,10 @@ impl Default for DispatcherConfig {
         Self {
             s_greedy: None,
             r_max: 4,
-            stage1_worker: Stage1Worker::LeastLoaded,
+            stage1_worker: Stage1Worker::ByScore,
             stage1_scope: Stage1Scope::HeadBatch,
             cold_start: ColdStart::LargestFirst,
-            tie_break: TieBreak::LeastLoaded,
+            tie_break: TieBreak::FewestRequests,
         }
     }
 }
@@ -151,7 +155,38 @@ pub fn dispatch_tick(
             Some(batch)
         }
     };
-    while s_tot > s_greedy && !pool.is_empty() {
+    if cfg.stage1_worker == Stage1Worker::ByScore {
+        let mut order: Vec<PoolEntry> = match head.take() {
+            Some(batch) => batch.iter().cloned().collect(),
+            None => pool.iter().cloned().collect(),
+        };
+        // largest first; the sort is stable, so equal sizes keep arrival order
+        order.sort_by_key(|e| std::cmp::Reverse(e.prompt_tokens));
+        let mut admitted = vec![0u32; free.len()];
+        for entry in order {
+            if s_tot <= s_greedy {
+                break;
+            }
+            let s = f64::from(entry.prompt_tokens);
+            let Some((w, score)) = best_worker(cfg.tie_break, state, &free, &admitted, margins, s)
+            else {
+                break;
+            };
+            admitted[w as usize] += 1;
+            admit(
+                pool,
+                margins,
+                &mut free,
+                &mut s_tot,
+                out,
+                &entry,
+                w,
+                score,
+                Stage::Greedy,
+            );
+        }
+    }
+    while cfg.stage1_worker != Stage1Worker::ByScore && s_tot > s_greedy && !pool.is_empty() {
         let Some(w) = stage1_worker(cfg.stage1_worker, &free, margins) else {
             break;
         };
@@ -280,7 +315,7 @@ fn stage1_worker(rule: Stage1Worker, free: &[u32], margins: &Margins) -> Option<
             })
             .map(|c| c.0),
         // least loaded; ties: most free slots, then lowest id
-        Stage1Worker::LeastLoaded => candidates
+        Stage1Worker::LeastLoaded | Stage1Worker::ByScore => candidates
             .min_by(|a, b| {
                 margins
                     .load(a.0)
@@ -289,6 +324,45 @@ fn stage1_worker(rule: Stage1Worker, free: &[u32], margins: &Margins) -> Option<
             })
             .map(|c| c.0),
     }
+}
+
+/// The worker with a free slot and the best score for one request of size `s`, ties broken by
+/// `tie` over this tick's working loads and request counts.
+fn best_worker(
+    tie: TieBreak,
+    state: &ClusterState,
+    free: &[u32],
+    admitted: &[u32],
+    margins: &Margins,
+    s: f64,
+) -> Option<(WorkerId, f64)> {
+    let key = |w: WorkerId| {
+        let requests = state.workers()[w as usize].requests() + admitted[w as usize];
+        match tie {
+            TieBreak::LowestId => (0, 0.0),
+            TieBreak::LeastLoaded => (0, margins.load(w)),
+            TieBreak::FewestRequests => (requests, margins.load(w)),
+        }
+    };
+    let mut best: Option<(WorkerId, f64)> = None;
+    for (w, &f) in free.iter().enumerate() {
+        if f == 0 {
+            continue;
+        }
+        let w = w as WorkerId;
+        let score = margins.score(w, s);
+        let better = match best {
+            None => true,
+            Some((bw, bs)) => {
+                let (ka, kb) = (key(w), key(bw));
+                score > bs || (score == bs && (ka.0 < kb.0 || (ka.0 == kb.0 && ka.1 < kb.1)))
+            }
+        };
+        if better {
+            best = Some((w, score));
+        }
+    }
+    best
 }
 
 /// Stage 2's priority: most free slots, then the largest `min_h m_{g,h}`, then lowest id.

@@ -39,10 +39,16 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 prop::option::of(0u32..40),
                 prop_oneof![
                     Just(Stage1Worker::MostFreeSlots),
-                    Just(Stage1Worker::LeastLoaded)
+                    Just(Stage1Worker::LeastLoaded),
+                    Just(Stage1Worker::ByScore)
                 ],
                 prop_oneof![Just(ColdStart::Score), Just(ColdStart::LargestFirst)],
                 prop_oneof![Just(Stage1Scope::WholePool), Just(Stage1Scope::HeadBatch)],
+                prop_oneof![
+                    Just(TieBreak::LowestId),
+                    Just(TieBreak::LeastLoaded),
+                    Just(TieBreak::FewestRequests)
+                ],
             ),
         )
             .prop_map(
@@ -50,7 +56,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     capacities,
                     existing,
                     pool,
-                    (r_max, s_greedy, stage1_worker, cold_start, stage1_scope),
+                    (r_max, s_greedy, stage1_worker, cold_start, stage1_scope, tie_break),
                 )| {
                     Scenario {
                         capacities,
@@ -62,7 +68,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             stage1_worker,
                             stage1_scope,
                             cold_start,
-                            tie_break: TieBreak::LeastLoaded,
+                            tie_break,
                         },
                     }
                 },
