@@ -20,6 +20,7 @@ pub mod sse;
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use axum::Router;
@@ -44,6 +45,9 @@ pub struct Shim {
     client: reqwest::Client,
     upstream: String,
     inject_usage: bool,
+    /// Cleared the first time the engine refuses a request only because of the injected
+    /// `stream_options` (it does not support them): from then on the shim counts chunks.
+    engine_takes_usage: AtomicBool,
     max_body: usize,
     sink: Arc<dyn ProgressSink>,
     metrics: ShimMetrics,
@@ -87,6 +91,7 @@ impl Shim {
             client,
             upstream,
             inject_usage,
+            engine_takes_usage: AtomicBool::new(true),
             max_body: DEFAULT_MAX_BODY_BYTES,
             sink,
             metrics,
@@ -202,20 +207,41 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         .filter(|s| !s.is_empty())
         .map(str::to_owned);
 
-    let (out_body, stream, strip) = plan(&raw, shim.inject_usage);
+    let inject = shim.inject_usage && shim.engine_takes_usage.load(Ordering::Relaxed);
+    let (out_body, stream, mut strip) = plan(&raw, inject);
     let mut track = Track::new(shim.clone(), header_id);
 
-    let resp = match shim
-        .client
-        .post(&url)
-        .headers(headers)
-        .body(out_body)
-        .send()
-        .await
-    {
+    let send = |body: Bytes| {
+        shim.client
+            .post(&url)
+            .headers(headers.clone())
+            .body(body)
+            .send()
+    };
+    let mut resp = match send(out_body).await {
         Ok(r) => r,
         Err(e) => return bad_gateway(format!("upstream: {e}")),
     };
+    if strip.is_some()
+        && matches!(resp.status().as_u16(), 400 | 422)
+        && resp.headers().get(header::CONTENT_TYPE).is_some()
+    {
+        // The engine refused the request we changed. If it accepts the client's own request,
+        // it does not support per-chunk usage: count chunks from now on.
+        match send(raw.clone()).await {
+            Ok(r) if r.status().is_success() => {
+                if shim.engine_takes_usage.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "the engine refuses stream_options; counting chunks instead of reading usage"
+                    );
+                }
+                strip = None;
+                resp = r;
+            }
+            Ok(r) => resp = r,
+            Err(e) => return bad_gateway(format!("upstream: {e}")),
+        }
+    }
     let status = resp.status();
     let mut out = Response::builder().status(status);
     if let Some(h) = out.headers_mut() {

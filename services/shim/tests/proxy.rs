@@ -351,3 +351,121 @@ async fn exports_every_contract_metric() {
     assert!(text.contains("balanceroute_shim_active_requests 0"));
     s.close().await;
 }
+
+/// An engine that refuses `stream_options` (as older OpenAI-compatible servers do).
+async fn strict_engine() -> SocketAddr {
+    use axum::body::Bytes;
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+    async fn complete(body: Bytes) -> axum::response::Response {
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        if v.get("stream_options").is_some() {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({"error": "unknown field stream_options"})),
+            )
+                .into_response();
+        }
+        let sse = "data: {\"id\":\"s1\",\"choices\":[{\"text\":\"a\"}]}\n\n\
+                   data: {\"id\":\"s1\",\"choices\":[{\"text\":\"b\"}]}\n\n\
+                   data: {\"id\":\"s1\",\"choices\":[{\"text\":\"c\"}]}\n\ndata: [DONE]\n\n";
+        ([("content-type", "text/event-stream")], sse).into_response()
+    }
+    let app = axum::Router::new().route("/v1/completions", axum::routing::post(complete));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+#[tokio::test]
+async fn an_engine_without_stream_options_gets_the_clients_request_and_chunks_are_counted() {
+    let upstream = strict_engine().await;
+    let sink = RecordingSink::default();
+    let registry = prometheus::Registry::new();
+    let shim = Arc::new(
+        Shim::new(
+            &format!("http://{upstream}"),
+            true,
+            Arc::new(sink.clone()),
+            ShimMetrics::new(&registry).unwrap(),
+        )
+        .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, br_shim::router(shim)).await });
+    let body = json!({"prompt": "x", "max_tokens": 3, "stream": true});
+    for id in ["strict-1", "strict-2"] {
+        let (s1, direct) = post(&format!("http://{upstream}"), "/v1/completions", id, &body).await;
+        let (s2, proxied) = post(&format!("http://{addr}"), "/v1/completions", id, &body).await;
+        assert_eq!((s1, s2), (200, 200));
+        assert_eq!(direct, proxied);
+        let r = last(&sink, id);
+        assert_eq!((r.prompt_tokens, r.generated, r.finished), (0, 3, true));
+    }
+}
+
+#[tokio::test]
+async fn forwards_while_ingest_is_away() {
+    // The real reporter, pointed at a port where no ingest listens: it keeps the state and
+    // retries in the background; the client's traffic is not affected.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = l.local_addr().unwrap();
+    drop(l);
+    let reporter = br_client::reporter::Reporter::spawn(br_client::reporter::ReporterConfig::new(
+        format!("http://{dead}"),
+        "g",
+        0,
+        4,
+    ))
+    .unwrap();
+    let stop = CancellationToken::new();
+    let engine = EngineServer::start(
+        EngineConfig {
+            ranks: 1,
+            time_scale: 0.0,
+            created: Some(1),
+            ..EngineConfig::default()
+        },
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let registry = prometheus::Registry::new();
+    let sink = br_shim::report::ReporterSink(reporter.clone());
+    assert!(!sink.connected());
+    let shim = Arc::new(
+        Shim::new(
+            &format!("http://{}", engine.addrs.ranks[0]),
+            true,
+            Arc::new(sink),
+            ShimMetrics::new(&registry).unwrap(),
+        )
+        .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, br_shim::router(shim)).await });
+    for i in 0..3 {
+        let body = json!({"model": "br-emu", "prompt": "x", "max_tokens": 8, "stream": true});
+        let id = format!("away-{i}");
+        let (s1, direct) = post(
+            &format!("http://{}", engine.addrs.ranks[0]),
+            "/v1/completions",
+            &id,
+            &body,
+        )
+        .await;
+        let (s2, proxied) = post(&format!("http://{addr}"), "/v1/completions", &id, &body).await;
+        assert_eq!((s1, s2), (200, 200));
+        assert_eq!(direct, proxied);
+    }
+    assert!(
+        reporter.stats().pending > 0,
+        "the reporter keeps the state for later"
+    );
+    reporter.shutdown().await;
+    stop.cancel();
+    engine.shutdown().await;
+}
