@@ -8,7 +8,7 @@
 //! gets the single best one (the starvation guard), and is then done for this tick.
 //!
 //! The paper leaves three choices open; each is a [`DispatcherConfig`] field and the simulator
-//! (see docs/simulation.md) chose the defaults.
+//! (see tools/sim/README.md) chose the defaults.
 
 use serde::{Deserialize, Serialize};
 

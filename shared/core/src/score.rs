@@ -39,7 +39,7 @@ impl Default for HorizonParams {
     /// The paper's H = 80 with its (β, γ) = (43, 0.86) pair. br-sim chose this pair over
     /// (14.67, 0.64): steady-state imbalance 12.6k vs 13.1k (oracle) and 13.7k vs 16.0k
     /// (Survival) on paper-azure at G = 8; longer effective horizons (γ ≥ 0.95 with β = 8) were
-    /// 5× worse, since far-future margins then outweigh overflow now. See docs/simulation.md.
+    /// 5× worse, since far-future margins then outweigh overflow now. See tools/sim/README.md.
     fn default() -> Self {
         Self {
             horizon: 80,
