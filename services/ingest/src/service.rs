@@ -301,8 +301,14 @@ async fn serve_session(
             detail,
             full_state_requested: full_state,
         };
-        if tx.send(Ok(ack)).await.is_err() {
-            return;
+        // A worker that does not read its acks only slows itself down; it never holds up a
+        // shutdown.
+        tokio::select! {
+            r = tx.send(Ok(ack)) => if r.is_err() { return },
+            () = inner.shutdown.cancelled() => {
+                inner.end(tx, StreamError::ShuttingDown).await;
+                return;
+            }
         }
     }
 }

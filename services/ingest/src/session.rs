@@ -184,6 +184,9 @@ impl Session {
             None => self.reject("missing", "WorkerReport.kind is missing".into(), false),
             Some(Kind::Hello(h)) => self.on_hello(h),
             Some(Kind::Heartbeat(hb)) => {
+                if let Some(limited) = self.rate_limit(0, now) {
+                    return limited;
+                }
                 if hb.seq == 0 {
                     return self.reject("out_of_range", "seq must be at least 1".into(), false);
                 }
@@ -237,6 +240,29 @@ impl Session {
         })
     }
 
+    /// The token bucket: a message costs max(updates, 1). `Some` when over the limit (a
+    /// rejection, or the end of the stream after `FLOOD_STRIKES` in a row).
+    fn rate_limit(&mut self, updates: usize, now: Instant) -> Option<Step> {
+        if self.bucket.take(updates.max(1), now) {
+            self.strikes = 0;
+            return None;
+        }
+        self.strikes += 1;
+        if self.strikes >= FLOOD_STRIKES {
+            return Some(Step::End(StreamError::Flood {
+                limit: self.limits.max_events_per_sec,
+            }));
+        }
+        Some(self.reject(
+            "rate_limited",
+            format!(
+                "over the limit of {} progress events/s for this stream",
+                self.limits.max_events_per_sec
+            ),
+            false,
+        ))
+    }
+
     fn on_progress(&mut self, p: v1::Progress, now: Instant) -> Step {
         let n = p.updates.len();
         if n > self.limits.max_updates_per_message {
@@ -249,23 +275,9 @@ impl Session {
                 false,
             );
         }
-        if !self.bucket.take(n.max(1), now) {
-            self.strikes += 1;
-            if self.strikes >= FLOOD_STRIKES {
-                return Step::End(StreamError::Flood {
-                    limit: self.limits.max_events_per_sec,
-                });
-            }
-            return self.reject(
-                "rate_limited",
-                format!(
-                    "over the limit of {} progress events/s for this stream",
-                    self.limits.max_events_per_sec
-                ),
-                false,
-            );
+        if let Some(limited) = self.rate_limit(n, now) {
+            return limited;
         }
-        self.strikes = 0;
         let v = match ValidProgress::try_from(p) {
             Ok(v) => v,
             Err(e) => return self.reject(e.reason_label(), e.to_string(), true),
@@ -574,7 +586,15 @@ mod tests {
         assert_eq!(r.rejection.unwrap().reason, "rate_limited");
         let mut ended = false;
         for seq in 12..200 {
-            if let Step::End(e) = s.on_message(progress(seq, false, &[]), now) {
+            // Heartbeats count too (one each).
+            let m = if seq % 2 == 0 {
+                progress(seq, false, &[])
+            } else {
+                v1::WorkerReport {
+                    kind: Some(Kind::Heartbeat(v1::Heartbeat { seq })),
+                }
+            };
+            if let Step::End(e) = s.on_message(m, now) {
                 assert!(matches!(e, StreamError::Flood { limit: 10 }));
                 ended = true;
                 break;

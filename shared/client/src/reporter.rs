@@ -50,6 +50,10 @@ pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(50);
 /// Default longest reconnect delay.
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
+/// Shortest time between two full states sent because ingest asked (or a message was
+/// rejected); the periodic ones and the one after connecting are not held back.
+const MIN_FULL_STATE_GAP: Duration = Duration::from_millis(50);
+
 /// Messages queued towards one connection before the reporter stops draining its map (the
 /// state keeps accumulating in the map, coalesced, until the stream takes more).
 const OUTBOUND_QUEUE: usize = 16;
@@ -695,9 +699,14 @@ async fn connection(
                     continue;
                 }
                 let now = Instant::now();
-                let msg = if shared.full_state_requested.swap(false, Ordering::Relaxed)
-                    || now.duration_since(last_full) >= full_state_every
-                {
+                let since_full = now.duration_since(last_full);
+                // Requested full states at most every MIN_FULL_STATE_GAP: a rejected message
+                // asks for one, and a worker being rate limited must not answer every
+                // rejection with its whole state.
+                let requested = since_full >= MIN_FULL_STATE_GAP
+                    && shared.full_state_requested.swap(false, Ordering::Relaxed);
+                let msg = if requested || since_full >= full_state_every {
+                    shared.full_state_requested.store(false, Ordering::Relaxed);
                     last_full = now;
                     Some(full_state(shared, seq))
                 } else {
