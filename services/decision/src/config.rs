@@ -81,49 +81,50 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_RESERVE_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_RESERVE_TIMEOUT)]
     pub reserve_timeout: Duration,
 
-    /// Dispatcher: Stage 2 candidate window R_max (1..=8).
-    #[arg(long, env = "BALANCEROUTE_R_MAX", default_value_t = 4)]
-    pub r_max: usize,
+    /// Dispatcher: Stage 2 candidate window R_max (1..=8). Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_R_MAX")]
+    pub r_max: Option<usize>,
 
     /// Dispatcher: Stage 1 runs while total free slots exceed this (default G·R_max).
     #[arg(long, env = "BALANCEROUTE_S_GREEDY")]
     pub s_greedy: Option<u32>,
 
-    /// Dispatcher: which worker Stage 1 serves (least-loaded, most-free-slots).
-    #[arg(long, env = "BALANCEROUTE_STAGE1_WORKER", value_parser = parse_stage1, default_value = "least-loaded")]
-    pub stage1_worker: Stage1Worker,
+    /// Dispatcher: which worker Stage 1 serves (e.g. by-score, least-loaded, most-free-slots).
+    /// Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_STAGE1_WORKER", value_parser = kebab::<Stage1Worker>)]
+    pub stage1_worker: Option<Stage1Worker>,
 
     /// Dispatcher: which requests Stage 1 may pick from (head-batch, whole-pool).
-    #[arg(long, env = "BALANCEROUTE_STAGE1_SCOPE", value_parser = parse_stage1_scope, default_value = "head-batch")]
-    pub stage1_scope: Stage1Scope,
+    #[arg(long, env = "BALANCEROUTE_STAGE1_SCOPE", value_parser = kebab::<Stage1Scope>)]
+    pub stage1_scope: Option<Stage1Scope>,
 
     /// Dispatcher: at equal loads, largest-first or score.
-    #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = parse_cold_start, default_value = "largest-first")]
-    pub cold_start: ColdStart,
+    #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
+    pub cold_start: Option<ColdStart>,
 
-    /// br0-bypass tie break (lowest-id, least-loaded, fewest-requests).
-    #[arg(long, env = "BALANCEROUTE_TIE_BREAK", value_parser = parse_tie_break, default_value = "least-loaded")]
-    pub tie_break: TieBreak,
+    /// Tie break between equal scores (lowest-id, least-loaded, fewest-requests).
+    #[arg(long, env = "BALANCEROUTE_TIE_BREAK", value_parser = kebab::<TieBreak>)]
+    pub tie_break: Option<TieBreak>,
 
-    /// BR-H horizon H in decode steps (0..=4096).
-    #[arg(long, env = "BALANCEROUTE_HORIZON", default_value_t = HorizonParams::default().horizon)]
-    pub horizon: u32,
+    /// BR-H horizon H in decode steps (0..=4096). Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_HORIZON")]
+    pub horizon: Option<u32>,
 
     /// BR-H reward scale α.
-    #[arg(long, env = "BALANCEROUTE_ALPHA", default_value_t = HorizonParams::default().alpha)]
-    pub alpha: f64,
+    #[arg(long, env = "BALANCEROUTE_ALPHA")]
+    pub alpha: Option<f64>,
 
     /// BR-H overflow penalty β; `G` means the group size (the BR-0 value).
-    #[arg(long, env = "BALANCEROUTE_BETA", value_parser = parse_beta, default_value_t = Beta(HorizonParams::default().beta))]
-    pub beta: Beta,
+    #[arg(long, env = "BALANCEROUTE_BETA", value_parser = parse_beta)]
+    pub beta: Option<Beta>,
 
     /// BR-H discount γ per step, in (0, 1].
-    #[arg(long, env = "BALANCEROUTE_GAMMA", default_value_t = HorizonParams::default().gamma)]
-    pub gamma: f64,
+    #[arg(long, env = "BALANCEROUTE_GAMMA")]
+    pub gamma: Option<f64>,
 
     /// BR-H confidence gate in [0, 1].
-    #[arg(long, env = "BALANCEROUTE_GATE", default_value_t = HorizonParams::default().gate)]
-    pub gate: f64,
+    #[arg(long, env = "BALANCEROUTE_GATE")]
+    pub gate: Option<f64>,
 
     /// Seed of the randomised baselines (random, p2c).
     #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = 0)]
@@ -143,6 +144,13 @@ impl std::fmt::Display for Beta {
     }
 }
 
+/// Parses a core enum by its serde (kebab-case) name, so new variants need no change here.
+fn kebab<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, String> {
+    use serde::de::IntoDeserializer as _;
+    let de: serde::de::value::StrDeserializer<'_, serde::de::value::Error> = s.into_deserializer();
+    T::deserialize(de).map_err(|e| e.to_string())
+}
+
 fn parse_beta(s: &str) -> Result<Beta, String> {
     if s.eq_ignore_ascii_case("g") {
         return Ok(Beta(None));
@@ -150,39 +158,6 @@ fn parse_beta(s: &str) -> Result<Beta, String> {
     s.parse::<f64>()
         .map(|b| Beta(Some(b)))
         .map_err(|e| format!("expected a number or G: {e}"))
-}
-
-fn parse_stage1(s: &str) -> Result<Stage1Worker, String> {
-    match s {
-        "least-loaded" => Ok(Stage1Worker::LeastLoaded),
-        "most-free-slots" => Ok(Stage1Worker::MostFreeSlots),
-        _ => Err("expected least-loaded or most-free-slots".into()),
-    }
-}
-
-fn parse_stage1_scope(s: &str) -> Result<Stage1Scope, String> {
-    match s {
-        "head-batch" => Ok(Stage1Scope::HeadBatch),
-        "whole-pool" => Ok(Stage1Scope::WholePool),
-        _ => Err("expected head-batch or whole-pool".into()),
-    }
-}
-
-fn parse_cold_start(s: &str) -> Result<ColdStart, String> {
-    match s {
-        "largest-first" => Ok(ColdStart::LargestFirst),
-        "score" => Ok(ColdStart::Score),
-        _ => Err("expected largest-first or score".into()),
-    }
-}
-
-fn parse_tie_break(s: &str) -> Result<TieBreak, String> {
-    match s {
-        "lowest-id" => Ok(TieBreak::LowestId),
-        "least-loaded" => Ok(TieBreak::LeastLoaded),
-        "fewest-requests" => Ok(TieBreak::FewestRequests),
-        _ => Err("expected lowest-id, least-loaded or fewest-requests".into()),
-    }
 }
 
 /// Everything the service needs, validated.
@@ -232,22 +207,24 @@ impl Args {
         if groups.is_empty() {
             return Err("--groups must name at least one group".into());
         }
+        let d = DispatcherConfig::default();
+        let h = HorizonParams::default();
         let policy = PolicyConfig {
             kind: self.policy,
             dispatcher: DispatcherConfig {
-                s_greedy: self.s_greedy,
-                r_max: self.r_max,
-                stage1_worker: self.stage1_worker,
-                stage1_scope: self.stage1_scope,
-                cold_start: self.cold_start,
-                tie_break: self.tie_break,
+                s_greedy: self.s_greedy.or(d.s_greedy),
+                r_max: self.r_max.unwrap_or(d.r_max),
+                stage1_worker: self.stage1_worker.unwrap_or(d.stage1_worker),
+                stage1_scope: self.stage1_scope.unwrap_or(d.stage1_scope),
+                cold_start: self.cold_start.unwrap_or(d.cold_start),
+                tie_break: self.tie_break.unwrap_or(d.tie_break),
             },
             horizon: HorizonParams {
-                horizon: self.horizon,
-                alpha: self.alpha,
-                beta: self.beta.0,
-                gamma: self.gamma,
-                gate: self.gate,
+                horizon: self.horizon.unwrap_or(h.horizon),
+                alpha: self.alpha.unwrap_or(h.alpha),
+                beta: self.beta.map_or(h.beta, |b| b.0),
+                gamma: self.gamma.unwrap_or(h.gamma),
+                gate: self.gate.unwrap_or(h.gate),
             },
             seed: self.seed,
         };
@@ -362,6 +339,19 @@ mod tests {
         assert_eq!(c.group.max_pool, 10);
         assert_eq!(c.policy.dispatcher.r_max, 3);
         assert_eq!(c.policy.horizon.beta, None);
+        let a = parse(&[
+            "--stage1-worker",
+            "most-free-slots",
+            "--tie-break",
+            "lowest-id",
+        ])
+        .unwrap();
+        let c = a.to_config().unwrap();
+        assert_eq!(
+            c.policy.dispatcher.stage1_worker,
+            Stage1Worker::MostFreeSlots
+        );
+        assert_eq!(c.policy.dispatcher.tie_break, TieBreak::LowestId);
     }
 
     #[test]
