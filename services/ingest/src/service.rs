@@ -13,6 +13,7 @@ use br_runtime::error::ServiceError as _;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::change::Change;
 use crate::error::StreamError;
@@ -211,8 +212,12 @@ async fn run_stream(
         full_state_requested: !forwarded,
     };
     if tx.send(Ok(ack)).await.is_ok() {
+        let span = tracing::info_span!("report", group = %hello.group, worker = hello.worker_id,
+            incarnation = hello.incarnation);
         let session = Session::new(hello, inner.limits, Instant::now());
-        serve_session(inner, &mut inbound, &tx, session, &reg).await;
+        serve_session(inner, &mut inbound, &tx, session, &reg)
+            .instrument(span)
+            .await;
     }
 
     inner.registry.unregister(&reg);
