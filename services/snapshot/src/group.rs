@@ -13,8 +13,10 @@ use std::time::Duration;
 use br_client::sigma::{Delta, Liveness, MAX_WORKER_ID, Sigma, SigmaError, change};
 use br_core::{Phase, RequestKey, WorkerId};
 use br_proto::v1;
-use br_proto::v1::telemetry_change as tc;
-use br_proto::valid::{RequestId, ValidReservation, limits};
+use br_proto::valid::{
+    RequestId, ValidRequestProgress, ValidReservation, ValidTelemetryChange,
+    ValidTelemetryChange as V,
+};
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -31,9 +33,6 @@ pub type Event = Arc<v1::WatchEvent>;
 /// A merged catch-up delta holds at most this many changes (then another one starts), so a
 /// resuming watcher gets a few bounded messages rather than thousands of small ones.
 pub const MERGE_MAX_CHANGES: usize = 4096;
-
-/// Most request ids in one WorkerSync.
-pub const MAX_SYNC_IDS: usize = 65_536;
 
 /// The tunables of a group (from the flags).
 #[derive(Debug, Clone)]
@@ -215,19 +214,51 @@ impl Group {
         wall_ms: u64,
     ) -> v1::ApplyAck {
         let mut rejected = Vec::new();
-        let mut seen: FxHashSet<String> = FxHashSet::default();
+        let mut seen: FxHashSet<RequestId> = FxHashSet::default();
         let settings = Arc::clone(&self.settings);
         let mut b = self.sigma.batch();
         let side = &mut self.side;
         for (index, c) in changes.into_iter().enumerate() {
-            let res = match c.kind {
-                None => Err(Reject::invalid("TelemetryChange.kind is missing")),
-                Some(tc::Kind::WorkerHello(h)) => hello(&mut b, side, &h, stream),
-                Some(tc::Kind::WorkerDisconnected(d)) => {
-                    disconnected(&mut b, side, &d, stream, &settings, now, wall_ms)
+            let res = match ValidTelemetryChange::try_from(c) {
+                Err(e) => Err(Reject::invalid(e.to_string())),
+                Ok(V::WorkerHello {
+                    worker_id,
+                    incarnation,
+                    capacity,
+                    endpoint,
+                }) => hello(
+                    &mut b,
+                    side,
+                    worker_id,
+                    incarnation,
+                    capacity,
+                    &endpoint,
+                    stream,
+                ),
+                Ok(V::WorkerDisconnected {
+                    worker_id,
+                    incarnation,
+                    disconnected_at_unix_ms,
+                }) => {
+                    let at = Disconnect {
+                        stream,
+                        now,
+                        wall_ms,
+                        reported_ms: disconnected_at_unix_ms,
+                        grace: settings.worker_grace,
+                    };
+                    disconnected(&mut b, side, worker_id, incarnation, &at)
                 }
-                Some(tc::Kind::RequestProgress(p)) => progress(&mut b, &p, &mut seen),
-                Some(tc::Kind::WorkerSync(s)) => sync(&mut b, &s),
+                Ok(V::RequestProgress {
+                    worker_id,
+                    incarnation,
+                    progress: p,
+                }) => progress(&mut b, worker_id, incarnation, &p, &mut seen),
+                Ok(V::WorkerSync {
+                    worker_id,
+                    incarnation,
+                    request_ids,
+                }) => sync(&mut b, worker_id, incarnation, &request_ids),
             };
             if let Err(r) = res {
                 self.metrics.family().reject(r.label());
@@ -597,27 +628,6 @@ fn merge(chunk: &[&Event]) -> Event {
 
 type Batch<'a> = br_client::sigma::Batch<'a>;
 
-fn check_incarnation(inc: u64) -> Result<(), Reject> {
-    if inc == 0 {
-        return Err(Reject::invalid("incarnation must not be 0"));
-    }
-    Ok(())
-}
-
-fn check_tokens(field: &str, v: u32) -> Result<(), Reject> {
-    if v > limits::MAX_TOKENS {
-        return Err(Reject::invalid(format!(
-            "{field} is {v}, at most {} is allowed",
-            limits::MAX_TOKENS
-        )));
-    }
-    Ok(())
-}
-
-fn request_id(s: &str) -> Result<RequestId, Reject> {
-    RequestId::new(s).map_err(|e| Reject::invalid(e.to_string()))
-}
-
 /// The worker as σ holds it, if it is this incarnation.
 fn current_worker(b: &Batch<'_>, id: WorkerId, inc: u64) -> Result<Liveness, Reject> {
     let w = b.sigma().worker(id).ok_or_else(|| {
@@ -638,67 +648,70 @@ fn current_worker(b: &Batch<'_>, id: WorkerId, inc: u64) -> Result<Liveness, Rej
 fn hello(
     b: &mut Batch<'_>,
     side: &mut Side,
-    h: &tc::WorkerHello,
+    worker_id: WorkerId,
+    incarnation: u64,
+    capacity: u32,
+    endpoint: &str,
     stream: StreamId,
 ) -> Result<(), Reject> {
-    if h.worker_id > MAX_WORKER_ID {
+    if worker_id > MAX_WORKER_ID {
+        // The wire allows larger ranks; the routing core sizes arrays by id.
         return Err(Reject::invalid(format!(
-            "worker_id {} is above {MAX_WORKER_ID}",
-            h.worker_id
+            "worker_id {worker_id} is above {MAX_WORKER_ID}"
         )));
-    }
-    check_incarnation(h.incarnation)?;
-    if h.capacity == 0 || h.capacity > limits::MAX_CAPACITY {
-        return Err(Reject::invalid(format!(
-            "capacity is {}, it must be in 1..={}",
-            h.capacity,
-            limits::MAX_CAPACITY
-        )));
-    }
-    if h.endpoint.len() > limits::MAX_ENDPOINT_BYTES || h.endpoint.chars().any(char::is_control) {
-        return Err(Reject::invalid(
-            "endpoint is too long or contains control characters",
-        ));
     }
     // A Hello of the same incarnation brings a suspect (or fenced: it holds nothing any more)
     // worker back; another incarnation replaces the entry and starts clean.
     b.apply(change::worker_up(
-        h.worker_id,
-        h.incarnation,
-        h.capacity,
-        &h.endpoint,
+        worker_id,
+        incarnation,
+        capacity,
+        endpoint,
     ))?;
-    side.fences.remove(&h.worker_id);
-    side.hello_stream.insert(h.worker_id, stream);
+    side.fences.remove(&worker_id);
+    side.hello_stream.insert(worker_id, stream);
     Ok(())
+}
+
+/// Where and when a WorkerDisconnected arrived.
+struct Disconnect {
+    stream: StreamId,
+    now: Instant,
+    /// Our wall clock, ms since the Unix epoch.
+    wall_ms: u64,
+    /// When ingest saw the stream end (its clock); 0 = unknown.
+    reported_ms: u64,
+    grace: Duration,
 }
 
 fn disconnected(
     b: &mut Batch<'_>,
     side: &mut Side,
-    d: &tc::WorkerDisconnected,
-    stream: StreamId,
-    settings: &Settings,
-    now: Instant,
-    wall_ms: u64,
+    worker_id: WorkerId,
+    incarnation: u64,
+    at: &Disconnect,
 ) -> Result<(), Reject> {
-    check_incarnation(d.incarnation)?;
-    current_worker(b, d.worker_id, d.incarnation)?;
-    if side.hello_stream.get(&d.worker_id) != Some(&stream) {
+    current_worker(b, worker_id, incarnation)?;
+    if side.hello_stream.get(&worker_id) != Some(&at.stream) {
         // The worker's current Hello came through another stream (it reconnected elsewhere
         // before this report arrived), or this stream already reported it: nothing to do.
         return Ok(());
     }
-    side.hello_stream.remove(&d.worker_id);
+    side.hello_stream.remove(&worker_id);
     // The grace period runs from when ingest saw the stream end (its clock, trusted only
     // within [0, grace]).
-    let grace = settings.worker_grace;
-    let elapsed = if d.disconnected_at_unix_ms == 0 || d.disconnected_at_unix_ms > wall_ms {
+    let elapsed = if at.reported_ms == 0 || at.reported_ms > at.wall_ms {
         Duration::ZERO
     } else {
-        Duration::from_millis(wall_ms - d.disconnected_at_unix_ms).min(grace)
+        Duration::from_millis(at.wall_ms - at.reported_ms).min(at.grace)
     };
-    suspect(b, side, d.worker_id, d.incarnation, now + (grace - elapsed));
+    suspect(
+        b,
+        side,
+        worker_id,
+        incarnation,
+        at.now + (at.grace - elapsed),
+    );
     Ok(())
 }
 
@@ -724,34 +737,33 @@ fn suspect(b: &mut Batch<'_>, side: &mut Side, w: WorkerId, inc: u64, fence_at: 
 
 fn progress(
     b: &mut Batch<'_>,
-    p: &tc::RequestProgress,
-    seen: &mut FxHashSet<String>,
+    worker_id: WorkerId,
+    incarnation: u64,
+    p: &ValidRequestProgress,
+    seen: &mut FxHashSet<RequestId>,
 ) -> Result<(), Reject> {
-    let id = request_id(&p.request_id)?;
-    check_incarnation(p.incarnation)?;
-    check_tokens("prompt_tokens", p.prompt_tokens)?;
-    check_tokens("generated_tokens", p.generated_tokens)?;
-    if current_worker(b, p.worker_id, p.incarnation)? == Liveness::Fenced {
+    if current_worker(b, worker_id, incarnation)? == Liveness::Fenced {
         return Err(Reject::new(
             v1::RejectReason::WorkerFenced,
-            format!("worker {} is fenced", p.worker_id),
+            format!("worker {worker_id} is fenced"),
         ));
     }
+    let id = p.request_id.as_str();
     // Only changes that pass count: a rejected one does not make a later one a duplicate.
     if !seen.insert(p.request_id.clone()) {
         return Err(Reject::new(
             v1::RejectReason::Duplicate,
-            format!("request {:?} appears twice in the batch", p.request_id),
+            format!("request {id:?} appears twice in the batch"),
         ));
     }
     let held = b
         .sigma()
-        .request(id.as_str())
+        .request(id)
         .map(|r| (r.prompt_tokens, r.generated_tokens));
     if p.finished {
         if let Some((_, generated)) = held {
             b.apply(change::request_finished(
-                id.as_str(),
+                id,
                 generated.max(p.generated_tokens),
             ))?;
         }
@@ -769,34 +781,29 @@ fn progress(
         None => (p.prompt_tokens, p.generated_tokens),
     };
     b.apply(change::request_progress(
-        id.as_str(),
-        p.worker_id,
-        p.incarnation,
+        id,
+        worker_id,
+        incarnation,
         prompt,
         generated,
     ))?;
     Ok(())
 }
 
-fn sync(b: &mut Batch<'_>, s: &tc::WorkerSync) -> Result<(), Reject> {
-    check_incarnation(s.incarnation)?;
-    if s.request_ids.len() > MAX_SYNC_IDS {
-        return Err(Reject::invalid(format!(
-            "request_ids has {} entries, at most {MAX_SYNC_IDS} are allowed",
-            s.request_ids.len()
-        )));
-    }
-    for id in &s.request_ids {
-        request_id(id)?;
-    }
-    if current_worker(b, s.worker_id, s.incarnation)? == Liveness::Fenced {
+fn sync(
+    b: &mut Batch<'_>,
+    worker_id: WorkerId,
+    incarnation: u64,
+    request_ids: &[RequestId],
+) -> Result<(), Reject> {
+    if current_worker(b, worker_id, incarnation)? == Liveness::Fenced {
         return Ok(()); // it holds nothing in σ
     }
-    let listed: FxHashSet<&str> = s.request_ids.iter().map(String::as_str).collect();
+    let listed: FxHashSet<&str> = request_ids.iter().map(RequestId::as_str).collect();
     let gone: Vec<(String, u32)> = b
         .sigma()
         .cluster()
-        .requests_of(s.worker_id)
+        .requests_of(worker_id)
         .filter(|info| info.phase == Phase::Running)
         .filter_map(|info| b.sigma().id_of(info.key).map(|id| (id, info.generated)))
         .filter(|(id, _)| !listed.contains(id))
@@ -866,6 +873,8 @@ fn reserve_one(b: &mut Batch<'_>, r: &ValidReservation) -> Result<bool, Reject> 
 #[allow(clippy::unwrap_used)] // tests may panic on purpose
 mod tests {
     use super::*;
+    use br_proto::v1::telemetry_change as tc;
+    use br_proto::valid::limits;
     use v1::RejectReason as R;
     use v1::watch_event::Kind as Ev;
 

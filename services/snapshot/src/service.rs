@@ -181,10 +181,6 @@ impl SnapshotService {
                     .collect(),
             }
         };
-        let group = match GroupId::new(&batch.group) {
-            Ok(g) => g,
-            Err(e) => return Ok(whole(e.to_string(), batch.changes.len())),
-        };
         if batch.batch_seq <= *last_seq {
             return Ok(whole(
                 format!(
@@ -195,6 +191,10 @@ impl SnapshotService {
             ));
         }
         *last_seq = batch.batch_seq;
+        let group = match GroupId::new(&batch.group) {
+            Ok(g) => g,
+            Err(e) => return Ok(whole(e.to_string(), batch.changes.len())),
+        };
         let batch_seq = batch.batch_seq;
         let changes = batch.changes;
         self.writer

@@ -1,0 +1,891 @@
+//! br-snapshot over real gRPC on 127.0.0.1: the server runs in-process on ephemeral ports and
+//! is driven with tonic clients (and br-client's watcher). No assertion is about speed: waits
+//! are for events, bounded only to turn a hang into a failure.
+#![allow(clippy::unwrap_used)] // tests may panic on purpose
+
+use std::time::Duration;
+
+use br_client::sigma::Sigma;
+use br_proto::v1;
+use br_proto::v1::snapshot_client::SnapshotClient;
+use br_proto::v1::telemetry_change as tc;
+use br_proto::v1::watch_event::Kind as Ev;
+use br_snapshot::{Args, Running};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use v1::RejectReason as R;
+
+/// Upper bound on any single wait (a hang guard, not a performance assertion).
+const PATIENCE: Duration = Duration::from_secs(20);
+
+struct Server {
+    running: Option<Running>,
+    shutdown: CancellationToken,
+    client: SnapshotClient<Channel>,
+    url: String,
+}
+
+impl Server {
+    async fn start(flags: &[&str]) -> Server {
+        let mut argv = vec![
+            "br-snapshot",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--shutdown-grace",
+            "5s",
+        ];
+        argv.extend_from_slice(flags);
+        let args: Args = br_runtime::config::parse_from(argv).unwrap();
+        let shutdown = CancellationToken::new();
+        let running = br_snapshot::start(&args, shutdown.clone()).await.unwrap();
+        let url = format!("http://{}", running.grpc_addr);
+        let client = SnapshotClient::connect(url.clone()).await.unwrap();
+        Server {
+            running: Some(running),
+            shutdown,
+            client,
+            url,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.running.as_ref().unwrap().epoch
+    }
+
+    async fn get(&self, group: &str) -> v1::ClusterSnapshot {
+        self.client
+            .clone()
+            .get(v1::GetRequest {
+                group: group.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn watch(
+        &self,
+        group: &str,
+        epoch: u64,
+        last_version: u64,
+    ) -> tonic::Streaming<v1::WatchEvent> {
+        self.client
+            .clone()
+            .watch(v1::WatchRequest {
+                group: group.into(),
+                epoch,
+                last_version,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn watch_on_new_connection(
+        &self,
+        group: &str,
+        epoch: u64,
+        last_version: u64,
+    ) -> tonic::Streaming<v1::WatchEvent> {
+        SnapshotClient::connect(self.url.clone())
+            .await
+            .unwrap()
+            .watch(v1::WatchRequest {
+                group: group.into(),
+                epoch,
+                last_version,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn ingest(&self) -> Ingest {
+        let (tx, rx) = mpsc::channel(16);
+        let acks = self
+            .client
+            .clone()
+            .apply(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        Ingest { tx, acks, seq: 0 }
+    }
+
+    async fn reserve(&self, group: &str, rs: Vec<v1::Reservation>) -> v1::ReserveResponse {
+        self.client
+            .clone()
+            .reserve(v1::ReserveRequest {
+                group: group.into(),
+                reservations: rs,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn scrape(&self, path: &str) -> String {
+        let addr = self.running.as_ref().unwrap().admin_addr;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    /// Shuts down and checks that every call (open Watch and Apply streams included) drained.
+    async fn stop(mut self) {
+        self.shutdown.cancel();
+        let outcome = self.running.take().unwrap().wait().await.unwrap();
+        assert_eq!(outcome, br_runtime::serve::ServeOutcome::Drained);
+    }
+}
+
+/// One Apply stream, as ingest holds it.
+struct Ingest {
+    tx: mpsc::Sender<v1::ChangeBatch>,
+    acks: tonic::Streaming<v1::ApplyAck>,
+    seq: u64,
+}
+
+impl Ingest {
+    async fn send(&mut self, group: &str, changes: Vec<v1::TelemetryChange>) -> v1::ApplyAck {
+        self.seq += 1;
+        self.send_raw(v1::ChangeBatch {
+            batch_seq: self.seq,
+            group: group.into(),
+            changes,
+        })
+        .await
+    }
+
+    async fn send_raw(&mut self, batch: v1::ChangeBatch) -> v1::ApplyAck {
+        let seq = batch.batch_seq;
+        self.tx.send(batch).await.unwrap();
+        let ack = tokio::time::timeout(PATIENCE, self.acks.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(ack.batch_seq, seq);
+        ack
+    }
+}
+
+fn tcw(kind: tc::Kind) -> v1::TelemetryChange {
+    v1::TelemetryChange { kind: Some(kind) }
+}
+
+fn hello(w: u32, inc: u64, cap: u32) -> v1::TelemetryChange {
+    tcw(tc::Kind::WorkerHello(tc::WorkerHello {
+        worker_id: w,
+        incarnation: inc,
+        capacity: cap,
+        endpoint: format!("http://10.0.0.{w}:8000"),
+    }))
+}
+
+fn prog(w: u32, inc: u64, id: &str, p: u32, g: u32) -> v1::TelemetryChange {
+    tcw(tc::Kind::RequestProgress(tc::RequestProgress {
+        worker_id: w,
+        incarnation: inc,
+        request_id: id.into(),
+        prompt_tokens: p,
+        generated_tokens: g,
+        finished: false,
+    }))
+}
+
+fn reservation(id: &str, w: u32, inc: u64, p: u32) -> v1::Reservation {
+    v1::Reservation {
+        request_id: id.into(),
+        worker_id: w,
+        incarnation: inc,
+        prompt_tokens: p,
+        prompt_hash: Some(7),
+        max_tokens: Some(64),
+    }
+}
+
+async fn next(stream: &mut tonic::Streaming<v1::WatchEvent>) -> Ev {
+    tokio::time::timeout(PATIENCE, stream.message())
+        .await
+        .expect("no event in time")
+        .unwrap()
+        .expect("stream ended")
+        .kind
+        .unwrap()
+}
+
+/// The next event that is not a progress mark.
+async fn next_data(stream: &mut tonic::Streaming<v1::WatchEvent>) -> Ev {
+    loop {
+        match next(stream).await {
+            Ev::Progress(_) => {}
+            e => return e,
+        }
+    }
+}
+
+fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
+    match r {
+        Ok(_) => panic!("expected an error"),
+        Err(s) => s.code(),
+    }
+}
+
+fn rejections(ack: &v1::ApplyAck) -> Vec<(u32, R)> {
+    ack.rejected
+        .iter()
+        .map(|r| (r.index, R::try_from(r.reason).unwrap()))
+        .collect()
+}
+
+/// Polls Get until `pred` holds.
+async fn wait_for(
+    server: &Server,
+    group: &str,
+    pred: impl Fn(&v1::ClusterSnapshot) -> bool,
+) -> v1::ClusterSnapshot {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let s = server.get(group).await;
+        if pred(&s) {
+            return s;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition never held; σ = {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn liveness(s: &v1::ClusterSnapshot, w: u32) -> v1::Liveness {
+    let w = s.workers.iter().find(|x| x.worker_id == w).unwrap();
+    v1::Liveness::try_from(w.liveness).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_from_scratch_resume_with_deltas_and_the_watcher_replica_matches() {
+    let server = Server::start(&[]).await;
+    let epoch = server.epoch();
+    let mut w = server.watch("g", 0, 0).await;
+    let Ev::Snapshot(s0) = next(&mut w).await else {
+        panic!()
+    };
+    assert_eq!((s0.epoch, s0.version, s0.group.as_str()), (epoch, 0, "g"));
+    let mut replica = Sigma::from_snapshot(&s0).unwrap();
+
+    // br-client's watcher follows the same group (what the decision service runs)
+    let (handle, mut updates) = br_client::watch::Watcher::connect_lazy(
+        &server.url,
+        br_client::watch::WatchConfig::new("g"),
+    )
+    .unwrap();
+
+    let mut ingest = server.ingest().await;
+    let mut at: Vec<Sigma> = vec![replica.clone()];
+    ingest
+        .send("g", vec![hello(0, 10, 8), hello(1, 11, 8)])
+        .await;
+    for i in 0..6u32 {
+        let ack = ingest
+            .send(
+                "g",
+                vec![prog(i % 2, 10 + u64::from(i % 2), &format!("r{i}"), 100, i)],
+            )
+            .await;
+        assert!(ack.rejected.is_empty());
+    }
+    for v in 1..=7 {
+        let Ev::Delta(d) = next_data(&mut w).await else {
+            panic!()
+        };
+        assert_eq!((d.epoch, d.prev_version, d.version), (epoch, v - 1, v));
+        replica.apply_delta(&d).unwrap();
+        at.push(replica.clone());
+    }
+    let now = server.get("g").await;
+    assert_eq!(now.version, 7);
+    assert_eq!(replica.to_snapshot(), now);
+
+    // resuming from any held version brings that replica to the current σ
+    for v in [0u64, 3, 6, 7] {
+        let mut r = at[v as usize].clone();
+        let mut s = server.watch("g", epoch, v).await;
+        if v < 7 {
+            let Ev::Delta(d) = next_data(&mut s).await else {
+                panic!()
+            };
+            assert_eq!((d.prev_version, d.version), (v, 7));
+            r.apply_delta(&d).unwrap();
+        } else {
+            // up to date: the next thing is a progress mark at the current version
+            let Ev::Progress(p) = next(&mut s).await else {
+                panic!()
+            };
+            assert_eq!((p.epoch, p.version), (epoch, 7));
+        }
+        assert_eq!(r.to_snapshot(), now);
+    }
+
+    // the br-client watcher's replica converges to the same σ
+    let mut sigma: Option<Sigma> = None;
+    while sigma.as_ref().map(Sigma::version) != Some(7) {
+        match tokio::time::timeout(PATIENCE, updates.recv())
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            br_client::watch::Update::Snapshot { sigma: s, .. } => sigma = Some(*s),
+            br_client::watch::Update::Delta(d) => sigma.as_mut().unwrap().apply_delta(&d).unwrap(),
+            _ => {}
+        }
+    }
+    assert_eq!(sigma.unwrap().to_snapshot(), now);
+    assert!(handle.status().borrow().connected);
+    drop(handle);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_history_unknown_epoch_and_future_version_reset_then_snapshot() {
+    let server = Server::start(&["--history", "2"]).await;
+    let epoch = server.epoch();
+    let mut ingest = server.ingest().await;
+    ingest.send("g", vec![hello(0, 10, 8)]).await;
+    for i in 0..4 {
+        ingest.send("g", vec![prog(0, 10, "r", 10, i + 1)]).await;
+    }
+    let now = server.get("g").await;
+    assert_eq!(now.version, 5);
+    for (e, v, reason) in [
+        (epoch, 1, v1::ResetReason::HistoryTruncated),
+        (
+            epoch.wrapping_add(1).max(1),
+            3,
+            v1::ResetReason::UnknownEpoch,
+        ),
+        (epoch, 99, v1::ResetReason::FutureVersion),
+    ] {
+        let mut s = server.watch("g", e, v).await;
+        let Ev::Reset(r) = next(&mut s).await else {
+            panic!()
+        };
+        assert_eq!((r.reason, r.epoch), (reason as i32, epoch), "{e}@{v}");
+        let Ev::Snapshot(snap) = next(&mut s).await else {
+            panic!()
+        };
+        assert_eq!(snap, now);
+    }
+    // the oldest held delta still resumes
+    let mut s = server.watch("g", epoch, 3).await;
+    let Ev::Delta(d) = next(&mut s).await else {
+        panic!()
+    };
+    assert_eq!((d.prev_version, d.version), (3, 5));
+    let metrics = server.scrape("/metrics").await;
+    assert!(
+        metrics.contains(
+            "balanceroute_snapshot_watch_resets_total{group=\"g\",reason=\"history_truncated\"} 1"
+        ),
+        "{metrics}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_watcher_is_reset_while_another_receives_every_delta_in_order() {
+    let server = Server::start(&["--watcher-queue", "4"]).await;
+    let epoch = server.epoch();
+    // Each watcher on its own connection, as separate replicas are: on a shared HTTP/2
+    // connection an unread stream would also use up the connection's flow-control window.
+    let mut stalled = server.watch_on_new_connection("g", 0, 0).await; // never read until the end
+    let mut reader = server.watch_on_new_connection("g", 0, 0).await;
+    let Ev::Snapshot(_) = next(&mut reader).await else {
+        panic!()
+    };
+
+    // Deltas big enough to fill the stalled stream's HTTP/2 window, then its queue.
+    let pad = "x".repeat(200);
+    let mut ingest = server.ingest().await;
+    ingest.send("g", vec![hello(0, 10, 64)]).await;
+    let n = 1500u64;
+    let reading = tokio::spawn(async move {
+        let mut replica: Option<Sigma> = None;
+        let mut version = 0;
+        while version < n {
+            match next_data(&mut reader).await {
+                Ev::Snapshot(s) => replica = Some(Sigma::from_snapshot(&s).unwrap()),
+                Ev::Delta(d) => {
+                    assert_eq!(d.prev_version, version, "a delta was skipped");
+                    version = d.version;
+                    if let Some(r) = replica.as_mut() {
+                        r.apply_delta(&d).unwrap();
+                    }
+                }
+                e => panic!("the reading watcher got {e:?}"),
+            }
+        }
+        version
+    });
+    // ~2 KB per delta, 3 MB in all: more than the HTTP/2 buffers of the stalled stream (the
+    // client's window and the server's send buffer) plus its queue. σ itself stays small.
+    for i in 1..n {
+        let i = u32::try_from(i).unwrap();
+        let changes = (0..8)
+            .map(|r| prog(0, 10, &format!("{pad}-{r}"), 10, i))
+            .collect();
+        ingest.send("g", changes).await;
+    }
+    assert_eq!(
+        tokio::time::timeout(PATIENCE, reading)
+            .await
+            .unwrap()
+            .unwrap(),
+        n
+    );
+
+    // The stalled watcher: the deltas it had buffered, in order, then a SLOW_CONSUMER reset and
+    // a snapshot of the current σ.
+    let mut replica: Option<Sigma> = None;
+    let mut saw_reset = false;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        assert!(tokio::time::Instant::now() < deadline, "no reset came");
+        match next(&mut stalled).await {
+            Ev::Snapshot(s) => {
+                replica = Some(Sigma::from_snapshot(&s).unwrap());
+                if saw_reset {
+                    break;
+                }
+            }
+            Ev::Delta(d) => {
+                assert!(!saw_reset, "a delta between the reset and its snapshot");
+                replica.as_mut().unwrap().apply_delta(&d).unwrap();
+            }
+            Ev::Reset(r) => {
+                assert_eq!(r.reason, v1::ResetReason::SlowConsumer as i32);
+                saw_reset = true;
+            }
+            Ev::Progress(_) => {}
+        }
+    }
+    let replica = replica.unwrap();
+    assert_eq!(replica.epoch(), epoch);
+    assert_eq!(replica.to_snapshot(), server.get("g").await);
+    let metrics = server.scrape("/metrics").await;
+    assert!(metrics.contains("reason=\"slow_consumer\"} 1"), "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_count_at_once_become_active_or_expire_after_the_ttl() {
+    let server = Server::start(&["--reservation-ttl", "300ms"]).await;
+    let mut ingest = server.ingest().await;
+    ingest
+        .send("g", vec![hello(0, 10, 4), hello(1, 11, 4)])
+        .await;
+    let mut w = server.watch("g", 0, 0).await;
+    let Ev::Snapshot(_) = next(&mut w).await else {
+        panic!()
+    };
+
+    let resp = server
+        .reserve(
+            "g",
+            vec![reservation("a", 0, 10, 100), reservation("b", 1, 11, 50)],
+        )
+        .await;
+    assert_eq!(resp.accepted, vec!["a", "b"]);
+    assert!(resp.rejected.is_empty());
+    let s = server.get("g").await;
+    assert_eq!(s.version, resp.version);
+    assert_eq!(
+        s.workers.iter().map(|w| w.load_tokens).collect::<Vec<_>>(),
+        vec![100, 50],
+        "a reservation's prompt counts at once"
+    );
+    // a retry is idempotent; another worker is a duplicate
+    let again = server
+        .reserve(
+            "g",
+            vec![reservation("a", 0, 10, 100), reservation("b", 0, 10, 50)],
+        )
+        .await;
+    assert_eq!(
+        (again.accepted, again.version),
+        (vec!["a".to_string()], resp.version)
+    );
+    assert_eq!(again.rejected[0].reason, R::Duplicate as i32);
+
+    // "b" is reported by its worker: active; "a" never is: expires
+    ingest.send("g", vec![prog(1, 11, "b", 50, 3)]).await;
+    let s = wait_for(&server, "g", |s| {
+        s.requests.iter().all(|r| r.request_id != "a")
+    })
+    .await;
+    let b = s.requests.iter().find(|r| r.request_id == "b").unwrap();
+    assert_eq!(b.state, v1::RequestPhase::Active as i32);
+    assert_eq!(b.prompt_hash, Some(7), "the reservation's hash is kept");
+    // watchers saw the expiry as a change
+    let mut expired = false;
+    while !expired {
+        if let Ev::Delta(d) = next_data(&mut w).await {
+            expired = d.changes.iter().any(|c| {
+                matches!(&c.kind, Some(v1::change::Kind::RequestExpired(e)) if e.request_id == "a")
+            });
+        }
+    }
+    let metrics = server.scrape("/metrics").await;
+    assert!(
+        metrics.contains("balanceroute_snapshot_reservations_expired_total{group=\"g\"} 1"),
+        "{metrics}"
+    );
+    // release: only reserved requests
+    server.reserve("g", vec![reservation("c", 0, 10, 5)]).await;
+    let rel = server
+        .client
+        .clone()
+        .release(v1::ReleaseRequest {
+            group: "g".into(),
+            request_ids: vec!["c".into(), "b".into(), "unknown".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rel.released, 1);
+    let s = server.get("g").await;
+    assert_eq!(
+        s.requests
+            .iter()
+            .map(|r| r.request_id.as_str())
+            .collect::<Vec<_>>(),
+        vec!["b"]
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_stream_is_gone_is_fenced_after_the_grace_period() {
+    let server = Server::start(&["--worker-grace", "300ms"]).await;
+    let mut a = server.ingest().await;
+    a.send("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 1)])
+        .await;
+    let mut b = server.ingest().await;
+    b.send("g", vec![hello(1, 11, 4), prog(1, 11, "q", 10, 1)])
+        .await;
+    // ingest's stream A ends: its workers are disconnected at that moment
+    drop(a);
+    let s = wait_for(&server, "g", |s| liveness(s, 0) == v1::Liveness::Fenced).await;
+    assert!(
+        s.requests.iter().all(|r| r.worker_id != 0),
+        "a fenced worker holds nothing"
+    );
+    assert_eq!(
+        liveness(&s, 1),
+        v1::Liveness::Live,
+        "another stream's worker is untouched"
+    );
+    let resp = server.reserve("g", vec![reservation("n", 0, 10, 5)]).await;
+    assert_eq!(resp.rejected[0].reason, R::WorkerFenced as i32);
+    let metrics = server.scrape("/metrics").await;
+    assert!(
+        metrics.contains("balanceroute_snapshot_workers_fenced_total{group=\"g\"} 1"),
+        "{metrics}"
+    );
+    // a new incarnation comes back clean and takes work again
+    let ack = b.send("g", vec![hello(0, 12, 4)]).await;
+    assert!(ack.rejected.is_empty());
+    let resp = server.reserve("g", vec![reservation("n", 0, 12, 5)]).await;
+    assert_eq!(resp.accepted, vec!["n"]);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_says_hello_again_within_the_grace_period_keeps_its_requests() {
+    let server = Server::start(&["--worker-grace", "1h"]).await;
+    let mut a = server.ingest().await;
+    a.send("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 1)])
+        .await;
+    drop(a);
+    let s = wait_for(&server, "g", |s| liveness(s, 0) == v1::Liveness::Suspect).await;
+    assert_eq!(s.requests.len(), 1, "a suspect worker keeps its requests");
+    let resp = server.reserve("g", vec![reservation("n", 0, 10, 5)]).await;
+    assert_eq!(
+        resp.rejected[0].reason,
+        R::WorkerFenced as i32,
+        "but takes no new ones"
+    );
+    let mut b = server.ingest().await;
+    b.send("g", vec![hello(0, 10, 4)]).await;
+    let s = server.get("g").await;
+    assert_eq!(liveness(&s, 0), v1::Liveness::Live);
+    assert_eq!(s.requests.len(), 1);
+    // WorkerDisconnected from ingest: suspect as well
+    b.send(
+        "g",
+        vec![tcw(tc::Kind::WorkerDisconnected(tc::WorkerDisconnected {
+            worker_id: 0,
+            incarnation: 10,
+            disconnected_at_unix_ms: 0,
+        }))],
+    )
+    .await;
+    assert_eq!(liveness(&server.get("g").await, 0), v1::Liveness::Suspect);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_incarnation_starts_clean_and_the_old_one_is_stale() {
+    let server = Server::start(&[]).await;
+    let mut ingest = server.ingest().await;
+    ingest
+        .send(
+            "g",
+            vec![
+                hello(0, 10, 4),
+                prog(0, 10, "r", 10, 5),
+                prog(0, 10, "s", 10, 5),
+            ],
+        )
+        .await;
+    ingest.send("g", vec![hello(0, 20, 8)]).await;
+    let s = server.get("g").await;
+    assert_eq!(
+        (
+            s.workers[0].incarnation,
+            s.workers[0].capacity,
+            s.workers[0].load_tokens
+        ),
+        (20, 8, 0)
+    );
+    assert!(s.requests.is_empty());
+    let ack = ingest.send("g", vec![prog(0, 10, "r", 10, 6)]).await;
+    assert_eq!(rejections(&ack), vec![(0, R::StaleIncarnation)]);
+    let resp = server.reserve("g", vec![reservation("x", 0, 10, 5)]).await;
+    assert_eq!(resp.rejected[0].reason, R::StaleIncarnation as i32);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_on_every_rpc_gets_a_typed_answer_and_leaves_sigma_unchanged() {
+    let server = Server::start(&[]).await;
+    let mut ingest = server.ingest().await;
+    ingest
+        .send("g", vec![hello(0, 10, 2), prog(0, 10, "r", 10, 5)])
+        .await;
+    let before = server.get("g").await;
+    let mut c = server.client.clone();
+    let long_group = "g".repeat(129);
+    let long_id = "i".repeat(257);
+
+    let get = |g: &str| v1::GetRequest { group: g.into() };
+    assert_eq!(code(c.get(get("")).await), tonic::Code::InvalidArgument);
+    assert_eq!(
+        code(c.get(get(&long_group)).await),
+        tonic::Code::InvalidArgument
+    );
+    let watch = v1::WatchRequest {
+        group: "bad\ngroup".into(),
+        epoch: 0,
+        last_version: 0,
+    };
+    assert_eq!(code(c.watch(watch).await), tonic::Code::InvalidArgument);
+    for rs in [
+        vec![reservation("", 0, 10, 1)],
+        vec![reservation(&long_id, 0, 10, 1)],
+        vec![reservation("a", 0, 0, 1)],
+        vec![reservation("a", 0, 10, 0)],
+        vec![reservation("a", 0, 10, 1), reservation("a", 0, 10, 1)],
+    ] {
+        let req = v1::ReserveRequest {
+            group: "g".into(),
+            reservations: rs,
+        };
+        assert_eq!(code(c.reserve(req).await), tonic::Code::InvalidArgument);
+    }
+    let req = v1::ReserveRequest {
+        group: String::new(),
+        reservations: vec![],
+    };
+    assert_eq!(code(c.reserve(req).await), tonic::Code::InvalidArgument);
+    let req = v1::ReleaseRequest {
+        group: "g".into(),
+        request_ids: vec![String::new()],
+    };
+    assert_eq!(code(c.release(req).await), tonic::Code::InvalidArgument);
+    // valid calls that cannot be honoured: typed rejections in the answer
+    let resp = server
+        .reserve(
+            "g",
+            vec![
+                reservation("u", 9, 1, 1),
+                reservation("v", 2000, 1, 1),
+                reservation("w", 0, 11, 1),
+                reservation("r", 0, 10, 1), // already there: an idempotent accept
+            ],
+        )
+        .await;
+    assert_eq!(resp.accepted, vec!["r"]);
+    assert_eq!(resp.version, before.version);
+    let reasons: Vec<i32> = resp.rejected.iter().map(|r| r.reason).collect();
+    assert_eq!(
+        reasons,
+        vec![
+            R::UnknownWorker as i32,
+            R::UnknownWorker as i32,
+            R::StaleIncarnation as i32,
+        ]
+    );
+    let resp = server
+        .reserve("nogroup", vec![reservation("u", 0, 1, 1)])
+        .await;
+    assert_eq!(resp.rejected[0].reason, R::UnknownWorker as i32);
+    // Apply: bad changes one by one, a bad group or batch_seq for the whole batch
+    let ack = ingest
+        .send(
+            "g",
+            vec![
+                v1::TelemetryChange { kind: None },
+                prog(0, 10, &long_id, 1, 1),
+                prog(0, 10, "", 1, 1),
+                prog(0, 10, "z", 10_000_001, 1),
+                prog(7, 1, "z", 1, 1),
+                hello(0, 10, 0),
+                hello(5000, 1, 1),
+                tcw(tc::Kind::WorkerSync(tc::WorkerSync {
+                    worker_id: 0,
+                    incarnation: 10,
+                    request_ids: vec!["dup".into(), "dup".into()],
+                })),
+            ],
+        )
+        .await;
+    assert_eq!(
+        rejections(&ack),
+        vec![
+            (0, R::Invalid),
+            (1, R::Invalid),
+            (2, R::Invalid),
+            (3, R::Invalid),
+            (4, R::UnknownWorker),
+            (5, R::Invalid),
+            (6, R::Invalid),
+            (7, R::Invalid)
+        ]
+    );
+    assert_eq!(ack.version, before.version);
+    let ack = ingest.send(&long_group, vec![hello(1, 1, 1)]).await;
+    assert_eq!(rejections(&ack), vec![(0, R::Invalid)]);
+    let seq = ingest.seq;
+    let ack = ingest
+        .send_raw(v1::ChangeBatch {
+            batch_seq: seq,
+            group: "g".into(),
+            changes: vec![hello(1, 1, 1)],
+        })
+        .await;
+    assert_eq!(rejections(&ack), vec![(0, R::Invalid)]);
+    // nothing of it reached σ, and the stream still works
+    assert_eq!(server.get("g").await, before);
+    let ack = ingest.send("g", vec![hello(1, 1, 1)]).await;
+    assert!(ack.rejected.is_empty());
+    assert_eq!(ack.version, before.version + 1);
+    let metrics = server.scrape("/metrics").await;
+    let invalid = metrics
+        .lines()
+        .find(|l| l.starts_with("balanceroute_snapshot_rejected_total{reason=\"invalid\"}"))
+        .unwrap();
+    let n: u64 = invalid.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(n >= 17, "{invalid}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_exports_every_contract_metric_and_grpc_health_is_serving() {
+    let server = Server::start(&[]).await;
+    let mut ingest = server.ingest().await;
+    ingest
+        .send(
+            "g",
+            vec![hello(0, 10, 2), hello(1, 11, 2), prog(0, 10, "r", 10, 5)],
+        )
+        .await;
+    let _w = server.watch("g", 0, 0).await;
+    let metrics = server.scrape("/metrics").await;
+    let contract = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/metrics-contract.txt"
+    ))
+    .unwrap();
+    let mut section = false;
+    let mut names = Vec::new();
+    for line in contract.lines() {
+        let line = line.trim();
+        if let Some(h) = line.strip_prefix("# ") {
+            section = h.trim() == "snapshot";
+            continue;
+        }
+        if section && !line.is_empty() {
+            names.push(line.split_whitespace().next().unwrap().to_owned());
+        }
+    }
+    assert!(names.len() >= 11, "{names:?}");
+    for name in &names {
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} "))),
+            "{name} is not exported:\n{metrics}"
+        );
+    }
+    assert!(
+        metrics.contains("balanceroute_snapshot_worker_load_tokens{group=\"g\",worker=\"0\"} 15"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("balanceroute_snapshot_imbalance_tokens{group=\"g\"} 15"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("balanceroute_snapshot_barrier_idle_tokens{group=\"g\"} 15"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("balanceroute_snapshot_requests{group=\"g\",state=\"active\"} 1"),
+        "{metrics}"
+    );
+    assert!(server.scrape("/livez").await.starts_with("HTTP/1.0 200"));
+    assert!(server.scrape("/readyz").await.starts_with("HTTP/1.0 200"));
+
+    let ch = Channel::from_shared(server.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(ch);
+    for name in ["", "balanceroute.v1.Snapshot"] {
+        let st = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: name.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(
+            st,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        );
+    }
+    server.stop().await;
+}
