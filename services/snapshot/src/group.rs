@@ -429,6 +429,12 @@ impl Group {
 
     // ---- watchers ----
 
+    /// Ends every watcher's stream (shutdown).
+    pub fn drop_watchers(&mut self) {
+        self.watchers.clear();
+        self.metrics.watchers.set(0);
+    }
+
     /// Registers a watcher holding (epoch, last_version) and returns its queue, already
     /// holding what brings it up to date (see `Snapshot.Watch`).
     pub fn subscribe(&mut self, epoch: u64, last_version: u64) -> mpsc::Receiver<Event> {

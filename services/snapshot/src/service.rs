@@ -66,7 +66,8 @@ impl Snapshot for SnapshotService {
             .writer
             .call(|reply| Command::Watch { req, reply })
             .await
-            .map_err(|e| self.fail(e))?;
+            .map_err(|e| self.fail(e))?
+            .ok_or_else(|| self.fail(SnapshotError::ShuttingDown))?;
         // The writer ends the stream (drops the queue's sender) on shutdown.
         let stream = ReceiverStream::new(rx).map(|ev| Ok(v1::WatchEvent::clone(&ev)));
         Ok(Response::new(Box::pin(stream)))

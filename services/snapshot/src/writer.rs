@@ -49,7 +49,8 @@ pub enum Command {
     },
     Watch {
         req: ValidWatch,
-        reply: oneshot::Sender<mpsc::Receiver<Event>>,
+        /// None while the service shuts down.
+        reply: oneshot::Sender<Option<mpsc::Receiver<Event>>>,
     },
 }
 
@@ -106,8 +107,10 @@ pub fn tick_period(s: &Settings) -> Duration {
     (shortest / 4).clamp(Duration::from_millis(1), Duration::from_millis(50))
 }
 
-/// Starts the writer. It stops when `shutdown` is cancelled (dropping every watcher's queue,
-/// which ends their streams) or when every handle is gone.
+/// Starts the writer. When `shutdown` is cancelled it drops every watcher's queue (which ends
+/// their streams, so the server's drain is not held up by them) and refuses new watchers, but
+/// keeps answering Apply, Reserve, Release and Get calls still in flight; it stops when every
+/// handle is gone (the server has drained).
 pub fn spawn(
     settings: Settings,
     metrics: Metrics,
@@ -121,6 +124,7 @@ pub fn spawn(
         metrics,
         epoch,
         stream_groups: HashMap::new(),
+        draining: false,
     };
     let task = tokio::spawn(writer.run(rx, shutdown));
     (WriterHandle { tx, epoch }, task)
@@ -133,6 +137,8 @@ struct Writer {
     epoch: u64,
     /// The groups each Apply stream touched.
     stream_groups: HashMap<StreamId, Vec<GroupId>>,
+    /// Shutting down: no watchers.
+    draining: bool,
 }
 
 fn wall_ms() -> u64 {
@@ -149,7 +155,13 @@ impl Writer {
         loop {
             tokio::select! {
                 biased;
-                () = shutdown.cancelled() => break,
+                () = shutdown.cancelled(), if !self.draining => {
+                    tracing::info!("draining: ending every Watch stream");
+                    self.draining = true;
+                    for g in self.groups.values_mut() {
+                        g.drop_watchers();
+                    }
+                }
                 cmd = rx.recv() => match cmd {
                     Some(cmd) => self.handle(cmd),
                     None => break,
@@ -262,9 +274,10 @@ impl Writer {
                 let _ = reply.send(snap);
             }
             Command::Watch { req, reply } => {
-                let rx = self
-                    .group(&req.group)
-                    .subscribe(req.epoch, req.last_version);
+                let rx = (!self.draining).then(|| {
+                    self.group(&req.group)
+                        .subscribe(req.epoch, req.last_version)
+                });
                 let _ = reply.send(rx);
             }
         }
