@@ -469,3 +469,34 @@ async fn forwards_while_ingest_is_away() {
     stop.cancel();
     engine.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_engine_that_dies_mid_stream_finishes_the_request() {
+    let s = stack(1.0, true).await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", s.proxied()))
+        .header("x-request-id", "dies-1")
+        .json(&json!({"model": "br-emu", "prompt": "x", "max_tokens": 100000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut body = resp.bytes_stream();
+    let mut text = String::new();
+    while text.matches("data: ").count() < 2 {
+        text.push_str(&String::from_utf8_lossy(
+            &body.next().await.unwrap().unwrap(),
+        ));
+    }
+    // The engine stops: its stream ends without [DONE].
+    s.stop.cancel();
+    while let Some(Ok(chunk)) = body.next().await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(!text.contains("[DONE]"));
+    let r = last(&s.sink, "dies-1");
+    assert!(
+        r.finished && r.generated >= 2 && r.generated < 100000,
+        "{r:?}"
+    );
+    s.engine.shutdown().await;
+}
