@@ -61,7 +61,7 @@ fi
 # D. Parameter sweeps at G = 8 (mean of 3 seeds), heavy timed load and saturated
 for wl in "paper-azure --arrival poisson --rate 8" "paper-prop --arrival poisson --rate 10" "paper-prop --arrival saturated"; do
   tag=$(echo "$wl" | tr -d '-' | tr ' ' '_')
-  for p in s_greedy=0,8,16,32,64,128,256,1024 r_max=1,2,3,4,6,8 stage1_worker=most-free-slots,least-loaded \
+  for p in s_greedy=0,8,16,32,64,128,256,1024 r_max=1,2,3,4,6,8 stage1_worker=most-free-slots,least-loaded,by-score \
            cold_start=score,largest-first stage1_scope=whole-pool,head-batch; do
     run "D-$tag-${p%%=*}" sweep --trace $wl --policies jsq,mintok,br0 --param "$p" --seeds 1,2,3 || true
   done
@@ -73,7 +73,7 @@ for wl in "paper-azure --arrival poisson --rate 8" "paper-prop --arrival poisson
 done
 
 # D'. The open choices at moderate load (paper-azure at 85% of capacity, mean of 5 seeds)
-for p in stage1_worker=most-free-slots,least-loaded s_greedy=0,32,256,none; do
+for p in stage1_worker=most-free-slots,least-loaded,by-score s_greedy=0,32,256,none; do
   run "D-moderate-paperazure_5.5-${p%%=*}" sweep --trace paper-azure --arrival poisson --rate 5.5 \
       --policies jsq,mintok,br0 --param "$p" --seeds "$SEEDS"
 done
