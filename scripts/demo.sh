@@ -7,7 +7,8 @@
 #
 # Knobs (environment): DEMO_TRACE (paper-azure), DEMO_REQUESTS (requests per policy), DEMO_G
 # (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
-# DEMO_TIME_SCALE (wall = model × this), DEMO_POLICIES ("jsq br0"), DEMO_OUT (target/demo),
+# DEMO_TIME_SCALE (wall = model × this), DEMO_POLICIES ("jsq br0"), DEMO_ARRIVAL (saturated |
+# poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
 # DEMO_SKIP_BUILD=1.
 set -euo pipefail
 
@@ -22,6 +23,9 @@ STEP_A="${DEMO_STEP_A:-0.0002}"
 STEP_B="${DEMO_STEP_B:-30}"
 SCALE="${DEMO_TIME_SCALE:-0.15}"
 POLICIES="${DEMO_POLICIES:-jsq br0}"
+ARRIVAL="${DEMO_ARRIVAL:-saturated}"
+RATE_FLAGS=()
+[ -n "${DEMO_RATE:-}" ] && RATE_FLAGS=(--rate "$DEMO_RATE")
 OUT="${DEMO_OUT:-$ROOT/target/demo}"
 GROUP="demo"
 BIN="$ROOT/target/release"
@@ -56,12 +60,12 @@ for policy in $POLICIES; do
         br0 | brh*) cap=$B ;;
         *) cap=$((B + N)) ;;
     esac
-    say "br-decision --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE (saturated)"
+    say "br-decision --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)"
     start_shims "$cap"
     start_decision "$policy"
     "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$GROUP" \
         --rank-urls "$RANK_URLS" --engine-url "http://127.0.0.1:$ENGINE" \
-        --trace "$TRACE" --limit "$N" --arrival saturated --label "$policy" \
+        --trace "$TRACE" --limit "$N" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} --label "$policy" \
         --json "$OUT/$policy.json"
     RUNS+=("$OUT/$policy.json")
     stop_decision
@@ -71,7 +75,7 @@ done
 say "br-sim: the twin's prediction for the same workload"
 SIM_POLICIES=$(echo "$POLICIES" | tr ' ' ',')
 "$BIN/br-sim" run --trace "$TRACE" --limit "$N" --workers "$G" --slots "$B" \
-    --policies "$SIM_POLICIES" --arrival saturated --step-a "$STEP_A" --step-b "$STEP_B" \
+    --policies "$SIM_POLICIES" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} --step-a "$STEP_A" --step-b "$STEP_B" \
     --json "$OUT/sim.json" >"$OUT/sim.log" 2>&1 || {
     echo "(br-sim failed; see $OUT/sim.log)"
     rm -f "$OUT/sim.json"

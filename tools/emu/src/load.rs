@@ -4,8 +4,9 @@
 //! completion with the trace's output length as `max_tokens` (`ignore_eos`), and records TTFT,
 //! TPOT and throughput; it reads the engine's per-step loads from `GET /stats` for imbalance.
 //!
-//! Times are reported in wall-clock ms and in *model* ms (wall / the engine's time scale), the
-//! unit br-sim uses, so the two can be compared directly.
+//! Arrival times (`--arrival trace|poisson`, `--rate`) are model time, as in br-sim: with
+//! `--engine-url` they are multiplied by the engine's time scale. Times are reported in model
+//! ms (wall / the engine's time scale), the unit br-sim uses, so the two compare directly.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -188,6 +189,8 @@ struct Ctx {
     assign: AssignClient,
     http: reqwest::Client,
     start: Instant,
+    /// Wall seconds per model second.
+    time_scale: f64,
 }
 
 /// Runs the whole workload and summarises it.
@@ -202,8 +205,21 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(5))
         .build()?;
+    // Arrival times are model time, as in br-sim: with an engine, wall = model × its scale.
+    let mut time_scale = 1.0;
     if let Some(e) = &cfg.engine_url {
-        http.post(format!("{}/stats/reset", e.trim_end_matches('/')))
+        let e = e.trim_end_matches('/');
+        let st: Stats = http
+            .get(format!("{e}/stats?since={}", u64::MAX))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        if st.time_scale.is_finite() && st.time_scale > 0.0 {
+            time_scale = st.time_scale;
+        }
+        http.post(format!("{e}/stats/reset"))
             .send()
             .await?
             .error_for_status()?;
@@ -221,6 +237,7 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
         assign,
         http: http.clone(),
         start: Instant::now(),
+        time_scale,
     });
     let mut tasks = Vec::with_capacity(reqs.len());
     for (i, r) in reqs.iter().enumerate() {
@@ -318,7 +335,8 @@ fn ms(d: Duration) -> f64 {
 }
 
 async fn one(ctx: Arc<Ctx>, i: usize, r: TraceRequest) -> (RequestResult, Option<String>) {
-    let arrival = Duration::from_secs_f64(r.arrival_ms.unwrap_or(0.0).max(0.0) / 1e3);
+    let arrival =
+        Duration::from_secs_f64(r.arrival_ms.unwrap_or(0.0).max(0.0) / 1e3 * ctx.time_scale);
     tokio::time::sleep_until(ctx.start + arrival).await;
     let t0 = Instant::now();
     let id = format!("{}-{i}", ctx.cfg.run_id);

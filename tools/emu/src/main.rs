@@ -100,7 +100,8 @@ struct LoadArgs {
     /// saturated (all at t = 0), trace (its timestamps / --rate-scale) or poisson (--rate).
     #[arg(long, env = "BALANCEROUTE_ARRIVAL", value_enum, default_value_t = Arrival::Saturated)]
     arrival: Arrival,
-    /// Requests per second (wall clock) for --arrival poisson.
+    /// Requests per second of model time for --arrival poisson (and the synthetic traces'
+    /// timestamps); wall = model × the engine's time scale.
     #[arg(long, env = "BALANCEROUTE_RATE")]
     rate: Option<f64>,
     /// With --arrival trace: speed the trace up by X.
