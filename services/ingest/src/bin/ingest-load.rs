@@ -11,11 +11,13 @@
 //! target/release/ingest-load --streams 16 --updates-per-message 64 --duration 10s
 //! ```
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -67,7 +69,15 @@ struct Args {
     /// Tokio worker threads for the load generator.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Pace each stream at this many messages per second (0: as fast as the window allows).
+    /// With pacing, the first update of every message is a probe whose arrival at the fake
+    /// snapshot service is timed: the latency from a worker's message to its change batch.
+    #[arg(long, default_value_t = 0.0)]
+    messages_per_sec_per_stream: f64,
 }
+
+/// Send times of each stream's probe values, for the latency measurement.
+type Probes = Arc<Vec<Mutex<BTreeMap<u32, Instant>>>>;
 
 #[derive(Default)]
 struct Counters {
@@ -76,6 +86,8 @@ struct Counters {
     not_ok: AtomicU64,
     snap_batches: AtomicU64,
     snap_changes: AtomicU64,
+    measuring: AtomicBool,
+    latencies: Mutex<Vec<Duration>>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -91,8 +103,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let counters = Arc::new(Counters::default());
     let stop = CancellationToken::new();
 
+    let paced = args.messages_per_sec_per_stream > 0.0;
+    let probes: Probes = Arc::new((0..args.streams).map(|_| Mutex::default()).collect());
     let fake = FakeSnapshot {
         counters: counters.clone(),
+        probes: paced.then(|| probes.clone()),
     };
     let listener = tokio::net::TcpListener::bind(args.fake_snapshot_listen).await?;
     let snap_addr = listener.local_addr()?;
@@ -163,9 +178,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         tasks.push(tokio::spawn(stream(
             ingest_url.clone(),
             w,
-            args.updates_per_message,
-            args.requests_per_stream,
-            args.window,
+            Shape {
+                per_message: args.updates_per_message,
+                requests: args.requests_per_stream,
+                window: args.window,
+                rate: args.messages_per_sec_per_stream,
+            },
+            paced.then(|| probes.clone()),
             counters.clone(),
             stop.clone(),
         )));
@@ -178,7 +197,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     let t0 = Instant::now();
     let (m0, e0, b0, c0) = snapshot(&counters);
+    counters.measuring.store(true, Ordering::Relaxed);
     tokio::time::sleep(args.duration).await;
+    counters.measuring.store(false, Ordering::Relaxed);
     let secs = t0.elapsed().as_secs_f64();
     let (m1, e1, b1, c1) = snapshot(&counters);
     let ingest_after = match admin {
@@ -211,6 +232,29 @@ async fn run(args: Args) -> anyhow::Result<()> {
         (b1 - b0) as f64 / secs,
         (c1 - c0) as f64 / secs
     );
+    if paced {
+        let mut l = counters
+            .latencies
+            .lock()
+            .map(|l| l.clone())
+            .unwrap_or_default();
+        l.sort_unstable();
+        let pct = |p: f64| -> f64 {
+            if l.is_empty() {
+                return f64::NAN;
+            }
+            let i = ((l.len() - 1) as f64 * p).round() as usize;
+            l[i].as_secs_f64() * 1e3
+        };
+        println!(
+            "worker message -> change batch at the snapshot: n={} p50={:.3}ms p90={:.3}ms p99={:.3}ms max={:.3}ms",
+            l.len(),
+            pct(0.5),
+            pct(0.9),
+            pct(0.99),
+            pct(1.0)
+        );
+    }
     if let Some(mut c) = child {
         let _ = c.start_kill();
         let _ = c.wait().await;
@@ -228,15 +272,29 @@ fn snapshot(c: &Counters) -> (u64, u64, u64, u64) {
 }
 
 /// One worker: Hello, then Progress messages as fast as the window allows.
-async fn stream(
-    url: String,
-    worker: u32,
+/// What one stream sends.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
     per_message: u32,
     requests: u32,
     window: usize,
+    rate: f64,
+}
+
+async fn stream(
+    url: String,
+    worker: u32,
+    shape: Shape,
+    probes: Option<Probes>,
     counters: Arc<Counters>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
+    let Shape {
+        per_message,
+        requests,
+        window,
+        rate,
+    } = shape;
     let mut client = v1::telemetry_client::TelemetryClient::connect(url).await?;
     let (tx, rx) = mpsc::channel(window.max(1));
     tx.send(v1::WorkerReport {
@@ -276,10 +334,45 @@ async fn stream(
     let mut seq = 0u64;
     let mut cursor = 0usize;
     let mut generated = vec![0u32; ids.len()];
+    let probe_id = format!("w{worker}-probe");
+    // Streams start at staggered phases (as independent shims would), not in lockstep.
+    let period = if rate > 0.0 {
+        Duration::from_secs_f64(1.0 / rate)
+    } else {
+        Duration::ZERO
+    };
+    let phase = period.mul_f64(f64::from(worker % 97) / 97.0);
+    let mut pace = (rate > 0.0).then(|| {
+        let mut i = tokio::time::interval_at(tokio::time::Instant::now() + phase, period);
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        i
+    });
     loop {
+        if let Some(p) = pace.as_mut() {
+            tokio::select! {
+                _ = p.tick() => {}
+                () = stop.cancelled() => break,
+            }
+        }
         seq += 1;
         let mut updates = Vec::with_capacity(per_message);
-        for _ in 0..per_message {
+        let mut n = per_message;
+        if let Some(probes) = &probes {
+            // The probe: its generated_tokens is this message's seq.
+            n -= 1;
+            updates.push(v1::RequestProgress {
+                request_id: probe_id.clone(),
+                prompt_tokens: 1,
+                generated_tokens: u32::try_from(seq).unwrap_or(u32::MAX),
+                finished: false,
+            });
+            if let Some(m) = probes.get(worker as usize)
+                && let Ok(mut m) = m.lock()
+            {
+                m.insert(u32::try_from(seq).unwrap_or(u32::MAX), Instant::now());
+            }
+        }
+        for _ in 0..n {
             let i = cursor % ids.len();
             cursor += 1;
             generated[i] = (generated[i] + 1) % 1_000_000;
@@ -342,6 +435,42 @@ async fn ingest_events(admin: SocketAddr) -> anyhow::Result<f64> {
 #[derive(Clone)]
 struct FakeSnapshot {
     counters: Arc<Counters>,
+    probes: Option<Probes>,
+}
+
+impl FakeSnapshot {
+    /// Times the probes in a batch.
+    fn probe(&self, b: &v1::ChangeBatch) {
+        let Some(probes) = &self.probes else { return };
+        let now = Instant::now();
+        for c in &b.changes {
+            let Some(v1::telemetry_change::Kind::RequestProgress(p)) = &c.kind else {
+                continue;
+            };
+            let Some(w) = p
+                .request_id
+                .strip_suffix("-probe")
+                .and_then(|r| r.strip_prefix('w'))
+                .and_then(|w| w.parse::<usize>().ok())
+            else {
+                continue;
+            };
+            let Some(Ok(mut sent)) = probes.get(w).map(|m| m.lock()) else {
+                continue;
+            };
+            // Coalescing may skip values: older ones are forgotten, only this one is timed.
+            let newer = sent.split_off(&(p.generated_tokens + 1));
+            let at = sent.remove(&p.generated_tokens);
+            *sent = newer;
+            drop(sent);
+            if let Some(at) = at
+                && self.counters.measuring.load(Ordering::Relaxed)
+                && let Ok(mut l) = self.counters.latencies.lock()
+            {
+                l.push(now.duration_since(at));
+            }
+        }
+    }
 }
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, tonic::Status>> + Send>>;
@@ -381,10 +510,12 @@ impl v1::snapshot_server::Snapshot for FakeSnapshot {
     ) -> Result<tonic::Response<Self::ApplyStream>, tonic::Status> {
         let mut inbound = req.into_inner();
         let counters = self.counters.clone();
+        let me = self.clone();
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(async move {
             let mut version = 0;
             while let Ok(Some(b)) = inbound.message().await {
+                me.probe(&b);
                 version += 1;
                 counters.snap_batches.fetch_add(1, Ordering::Relaxed);
                 counters
