@@ -140,6 +140,7 @@ impl Forwarder {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut batch: Vec<Input> = Vec::with_capacity(256);
+        let mut last_flush = tokio::time::Instant::now();
         let mut dropped = Vec::new();
         loop {
             tokio::select! {
@@ -158,13 +159,22 @@ impl Forwarder {
                     None => return,
                 },
                 // Before the inputs: under a steady flood of input the tick must still fire.
-                _ = tick.tick() => self.flush(),
+                _ = tick.tick() => {
+                    self.flush();
+                    last_flush = tokio::time::Instant::now();
+                }
                 n = inputs.recv_many(&mut batch, 256) => {
                     if n == 0 {
                         return;
                     }
                     for input in batch.drain(..) {
                         self.absorb(input, &mut dropped);
+                    }
+                    // Leading edge: after a quiet interval, send at once rather than wait for
+                    // the next tick (still at most one flush per interval).
+                    if last_flush.elapsed() >= interval {
+                        self.flush();
+                        last_flush = tokio::time::Instant::now();
                     }
                 }
             }
