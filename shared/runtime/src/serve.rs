@@ -162,7 +162,7 @@ impl GrpcServer {
         let server = tonic::transport::Server::builder()
             .add_routes(routes)
             .serve_with_incoming_shutdown(
-                TcpListenerStream::new(listener),
+                nodelay_incoming(listener),
                 drain_signal.cancelled_owned(),
             );
         tokio::pin!(server);
@@ -464,5 +464,34 @@ mod tests {
             }))
             .await
             .map_or(-1, |r| r.into_inner().status) // -1: not registered yet
+    }
+}
+
+/// The accepted connections of `listener`, each with TCP_NODELAY set. With Nagle on, a unary
+/// answer's trailers wait for the peer's delayed ACK (up to 40 ms on Linux): measured in
+/// docs/benchmarks.md ("decision").
+pub fn nodelay_incoming(
+    listener: TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
+        conn.and_then(|stream| stream.set_nodelay(true).map(|()| stream))
+    })
+}
+
+#[cfg(test)]
+mod nodelay_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn accepted_connections_get_nodelay() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = Box::pin(nodelay_incoming(listener));
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = tokio_stream::StreamExt::next(&mut incoming)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(accepted.nodelay().unwrap());
     }
 }
