@@ -324,8 +324,20 @@ async fn exports_every_contract_metric() {
     let s = stack(0.0, true).await;
     let body = json!({"model": "br-emu", "prompt": "x", "max_tokens": 3, "stream": true});
     post(&s.proxied(), "/v1/completions", "m-1", &body).await;
-    let text = prometheus::TextEncoder::new()
-        .encode_to_string(&s.registry.gather())
+    // Scraped over HTTP from the admin server the binary runs.
+    let admin = br_runtime::admin::AdminServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        s.registry.clone(),
+        br_runtime::admin::Readiness::new(true),
+        s.stop.clone(),
+    )
+    .await
+    .unwrap();
+    let text = reqwest::get(format!("http://{}/metrics", admin.local_addr()))
+        .await
+        .unwrap()
+        .text()
+        .await
         .unwrap();
     let contract = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
