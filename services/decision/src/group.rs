@@ -470,6 +470,9 @@ impl GroupCore {
         for (&key, l) in &self.local {
             let current = sigma.incarnation(l.worker) == Some(l.incarnation)
                 && sigma.liveness(l.worker) != Some(Liveness::Fenced);
+            // After a snapshot-service restart σ is rebuilt from the workers' hellos: a worker
+            // not (yet) in σ may come back with the same incarnation.
+            let absent = sigma.worker(l.worker).is_none();
             let placed = current
                 && self
                     .view
@@ -486,7 +489,8 @@ impl GroupCore {
             // A reservation on a fenced or replaced worker is void. One on a suspect worker
             // cannot be placed (the view refuses new work for it) and is left out until the
             // worker is live again: it takes no new work either way.
-            if !current && !matches!(l.state, LocalState::InFlight) {
+            let waiting = absent && matches!(l.state, LocalState::Uncommitted { .. });
+            if !current && !waiting && !matches!(l.state, LocalState::InFlight) {
                 gone.push(key);
             } else if !placed {
                 tracing::trace!(group = %self.group, request_id = %l.id, "own reservation not placeable in view");
@@ -540,20 +544,6 @@ impl GroupCore {
             let _ = reply.send(Err(DecisionError::NoSigma(self.group.to_string())));
             return;
         }
-        self.refresh_view(now);
-        if self.view.accepting_worker_ids().next().is_none() {
-            let _ = reply.send(Err(DecisionError::NoLiveWorker(self.group.to_string())));
-            return;
-        }
-        if self.mode == Mode::Pooled && self.pool.len() >= self.cfg.max_pool {
-            let _ = reply.send(Err(DecisionError::PoolFull {
-                group: self.group.to_string(),
-                max: self.cfg.max_pool,
-            }));
-            return;
-        }
-        let key = self.next_key;
-        self.next_key += 1;
         let known = self
             .sigma
             .as_ref()
@@ -562,6 +552,8 @@ impl GroupCore {
         if let Some((worker, incarnation)) = known {
             // σ already places this id (decided by an earlier incarnation of this service, or
             // routed without us): that is the answer, as for any retry.
+            let key = self.next_key;
+            self.next_key += 1;
             let version = self.sigma.as_ref().map_or(0, Sigma::version);
             self.ids.insert(req.request_id.clone(), key);
             self.reqs.insert(
@@ -588,6 +580,20 @@ impl GroupCore {
             self.answer(key, false, now);
             return;
         }
+        self.refresh_view(now);
+        if self.view.accepting_worker_ids().next().is_none() {
+            let _ = reply.send(Err(DecisionError::NoLiveWorker(self.group.to_string())));
+            return;
+        }
+        if self.mode == Mode::Pooled && self.pool.len() >= self.cfg.max_pool {
+            let _ = reply.send(Err(DecisionError::PoolFull {
+                group: self.group.to_string(),
+                max: self.cfg.max_pool,
+            }));
+            return;
+        }
+        let key = self.next_key;
+        self.next_key += 1;
         let entry = PoolEntry {
             key,
             prompt_tokens: req.prompt_tokens,
@@ -901,6 +907,20 @@ impl GroupCore {
                     .get(k)
                     .is_some_and(|l| matches!(l.state, LocalState::Uncommitted { .. }))
             });
+            // Only where σ shows the worker live with the same incarnation; the others wait
+            // for it (a restarted snapshot service learns the workers from their hellos).
+            let sigma = self.sigma.as_ref();
+            let (ready, later): (Vec<RequestKey>, Vec<RequestKey>) =
+                keys.into_iter().partition(|k| {
+                    self.local.get(k).is_some_and(|l| {
+                        sigma.is_some_and(|s| {
+                            s.incarnation(l.worker) == Some(l.incarnation)
+                                && s.liveness(l.worker) == Some(Liveness::Live)
+                        })
+                    })
+                });
+            self.recommit = later;
+            let keys = ready;
             if keys.is_empty() {
                 return None;
             }
@@ -948,6 +968,10 @@ impl GroupCore {
         result: Result<v1::ReserveResponse, tonic::Status>,
         now: Instant,
     ) {
+        // A tick skipped for the in-flight limit may admit now.
+        if !self.pool.is_empty() {
+            self.tick_wanted = true;
+        }
         let Some(job) = self.inflight.remove(&job_id) else {
             return;
         };
@@ -1917,6 +1941,36 @@ mod tests {
             .core
             .take_reserve(fx.now)
             .expect("re-commit after the restart");
+        assert_eq!(job.request.reservations[0].request_id, "a");
+    }
+
+    #[test]
+    fn recommits_wait_until_the_worker_is_back() {
+        let mut fx = Fx::new(PolicyKind::Br0, &[0], 8);
+        fx.core.on_disconnected(fx.now, fx.now);
+        let (_, mut a) = fx.assign("a", 1);
+        fx.core.tick(fx.now);
+        assert!(fx.core.take_reserve(fx.now).is_none());
+        assert!(answer(&mut a).stale);
+        // The restarted snapshot service has no workers yet.
+        let mut fresh = Sigma::with_epoch("g", EPOCH + 1);
+        fx.core.set_sigma(fresh.clone(), fx.now);
+        assert!(
+            fx.core.take_reserve(fx.now).is_none(),
+            "worker 0 not back yet"
+        );
+        fx.core.tick(fx.now);
+        assert_eq!(
+            fx.core.stats().uncommitted,
+            1,
+            "kept while the worker may come back"
+        );
+        // Its hello arrives (same incarnation): now it is reserved again.
+        let mut b = fresh.batch();
+        b.apply(change::worker_up(0, 100, 8, "http://w0")).unwrap();
+        let d = b.commit().unwrap();
+        fx.core.on_delta(&d, fx.now).unwrap();
+        let job = fx.core.take_reserve(fx.now).expect("re-commit");
         assert_eq!(job.request.reservations[0].request_id, "a");
     }
 
