@@ -53,6 +53,11 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
 
+    /// Highest worker id (DP rank) accepted; a Hello above it is refused with
+    /// INVALID_ARGUMENT. Set it to the group size minus one to catch misconfigured shims.
+    #[arg(long, env = "BALANCEROUTE_MAX_WORKER_ID", default_value_t = limits::MAX_WORKER_ID)]
+    pub max_worker_id: u32,
+
     /// Groups this ingest accepts (comma-separated); any group when empty. A Hello for
     /// another group is refused with PERMISSION_DENIED.
     #[arg(long, env = "BALANCEROUTE_GROUPS", value_delimiter = ',')]
@@ -91,6 +96,12 @@ impl Validate for Args {
         }
         if self.max_message_bytes < 4096 {
             return Err("--max-message-bytes must be at least 4096".into());
+        }
+        if self.max_worker_id > limits::MAX_WORKER_ID {
+            return Err(format!(
+                "--max-worker-id must be at most {}",
+                limits::MAX_WORKER_ID
+            ));
         }
         for g in &self.groups {
             GroupId::new(g).map_err(|e| format!("--groups: {e}"))?;

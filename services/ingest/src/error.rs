@@ -14,6 +14,9 @@ pub enum StreamError {
     /// The Hello (first or repeated) failed validation.
     #[error("invalid Hello: {0}")]
     InvalidHello(ValidationError),
+    /// The worker id is above `--max-worker-id`.
+    #[error("worker_id {worker_id} is above this deployment's highest rank {max}")]
+    WorkerIdOutOfRange { worker_id: u32, max: u32 },
     /// The group is not in `--groups`.
     #[error("group {0:?} is not served by this ingest")]
     GroupNotAllowed(String),
@@ -51,9 +54,9 @@ impl ServiceError for StreamError {
         use tonic::Code;
         match self {
             StreamError::FirstNotHello => Code::FailedPrecondition,
-            StreamError::InvalidHello(_) | StreamError::IdentityChanged { .. } => {
-                Code::InvalidArgument
-            }
+            StreamError::InvalidHello(_)
+            | StreamError::IdentityChanged { .. }
+            | StreamError::WorkerIdOutOfRange { .. } => Code::InvalidArgument,
             StreamError::GroupNotAllowed(_) => Code::PermissionDenied,
             StreamError::AlreadyConnected { .. } => Code::AlreadyExists,
             StreamError::Flood { .. } | StreamError::MessageTooLarge(_) => Code::ResourceExhausted,
@@ -65,6 +68,7 @@ impl ServiceError for StreamError {
         match self {
             StreamError::FirstNotHello => "first_not_hello",
             StreamError::InvalidHello(_) => "invalid_hello",
+            StreamError::WorkerIdOutOfRange { .. } => "worker_id_out_of_range",
             StreamError::GroupNotAllowed(_) => "group_not_allowed",
             StreamError::IdentityChanged { .. } => "identity_changed",
             StreamError::AlreadyConnected { .. } => "already_connected",
@@ -123,6 +127,13 @@ mod tests {
                 Code::AlreadyExists,
             ),
             (StreamError::Flood { limit: 5 }, Code::ResourceExhausted),
+            (
+                StreamError::WorkerIdOutOfRange {
+                    worker_id: 9,
+                    max: 7,
+                },
+                Code::InvalidArgument,
+            ),
             (
                 StreamError::MessageTooLarge("x".into()),
                 Code::ResourceExhausted,

@@ -104,8 +104,15 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     };
     let groups: Option<HashSet<String>> =
         (!args.groups.is_empty()).then(|| args.groups.iter().cloned().collect());
-    let svc =
-        service::TelemetryService::new(limits, groups, workers, fwd, metrics, shutdown.clone());
+    let svc = service::TelemetryService::new(
+        limits,
+        args.max_worker_id,
+        groups,
+        workers,
+        fwd,
+        metrics,
+        shutdown.clone(),
+    );
     let routes = tonic::service::Routes::new(
         br_proto::v1::telemetry_server::TelemetryServer::new(svc)
             .max_decoding_message_size(args.max_message_bytes),

@@ -8,6 +8,7 @@ pub const REJECT_REASONS: &[&str] = &[
     // stream-ending (see StreamError::reason)
     "first_not_hello",
     "invalid_hello",
+    "worker_id_out_of_range",
     "group_not_allowed",
     "identity_changed",
     "already_connected",

@@ -38,6 +38,7 @@ pub struct TelemetryService {
 #[derive(Debug)]
 struct Inner {
     limits: Limits,
+    max_worker_id: u32,
     allowed_groups: Option<HashSet<String>>,
     registry: Registry,
     forwarder: ForwarderHandle,
@@ -48,6 +49,7 @@ struct Inner {
 impl TelemetryService {
     pub fn new(
         limits: Limits,
+        max_worker_id: u32,
         allowed_groups: Option<HashSet<String>>,
         registry: Registry,
         forwarder: ForwarderHandle,
@@ -57,6 +59,7 @@ impl TelemetryService {
         TelemetryService {
             inner: Arc::new(Inner {
                 limits,
+                max_worker_id,
                 allowed_groups,
                 registry,
                 forwarder,
@@ -166,6 +169,17 @@ impl Inner {
                 return None;
             }
         };
+        if hello.worker_id > self.max_worker_id {
+            self.end(
+                tx,
+                StreamError::WorkerIdOutOfRange {
+                    worker_id: hello.worker_id,
+                    max: self.max_worker_id,
+                },
+            )
+            .await;
+            return None;
+        }
         if let Some(allowed) = &self.allowed_groups
             && !allowed.contains(hello.group.as_str())
         {

@@ -21,7 +21,7 @@ fn code(r: Result<v1::ReportAck, tonic::Status>) -> tonic::Code {
 async fn hello_first_and_identity_rules() {
     let snap = FakeSnapshot::default();
     let (saddr, _stop) = snap.start().await;
-    let ing = TestIngest::start(saddr, &["--groups", "g0,g1"]).await;
+    let ing = TestIngest::start(saddr, &["--groups", "g0,g1", "--max-worker-id", "7"]).await;
     ing.connected().await;
 
     // A Progress before any Hello.
@@ -39,6 +39,11 @@ async fn hello_first_and_identity_rules() {
             "{g:?} {id} {inc}"
         );
     }
+
+    // A rank above this deployment's group size.
+    let mut w = ing.worker().await;
+    w.send(hello("g0", 8, 1)).await;
+    assert_eq!(code(w.next().await), tonic::Code::InvalidArgument);
 
     // A group not served.
     let mut w = ing.worker().await;
@@ -77,6 +82,7 @@ async fn hello_first_and_identity_rules() {
     for reason in [
         "first_not_hello",
         "invalid_hello",
+        "worker_id_out_of_range",
         "group_not_allowed",
         "already_connected",
         "identity_changed",
