@@ -241,6 +241,13 @@ fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
     }
 }
 
+async fn recv_update(u: &mut mpsc::Receiver<br_client::watch::Update>) -> br_client::watch::Update {
+    tokio::time::timeout(PATIENCE, u.recv())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 fn rejections(ack: &v1::ApplyAck) -> Vec<(u32, R)> {
     ack.rejected
         .iter()
@@ -888,4 +895,84 @@ async fn admin_exports_every_contract_metric_and_grpc_health_is_serving() {
         );
     }
     server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_watcher_resyncs_across_a_server_restart() {
+    use br_client::watch::{Update, WatchConfig, Watcher};
+    let first = Server::start(&[]).await;
+    let addr = first.running.as_ref().unwrap().grpc_addr;
+    let mut ingest = first.ingest().await;
+    ingest
+        .send("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 1)])
+        .await;
+    let mut cfg = WatchConfig::new("g");
+    cfg.backoff_initial = Duration::from_millis(10);
+    cfg.backoff_max = Duration::from_millis(100);
+    let (handle, mut updates) = Watcher::connect_lazy(&first.url, cfg).unwrap();
+    let mut sigma = loop {
+        if let Update::Snapshot { sigma, reset } = recv_update(&mut updates).await {
+            assert!(reset.is_none());
+            break *sigma;
+        }
+    };
+    assert_eq!(sigma.to_snapshot(), first.get("g").await);
+    let old_epoch = sigma.epoch();
+    drop(ingest);
+    first.stop().await;
+    loop {
+        if let Update::Disconnected { .. } = recv_update(&mut updates).await {
+            break;
+        }
+    }
+    assert!(!handle.status().borrow().connected);
+
+    // a new process on the same address: a new epoch, rebuilt from telemetry
+    let args: Args = br_runtime::config::parse_from([
+        "br-snapshot",
+        "--listen",
+        &addr.to_string(),
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let running = br_snapshot::start(&args, shutdown.clone()).await.unwrap();
+    let second = Server {
+        url: format!("http://{addr}"),
+        client: SnapshotClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap(),
+        running: Some(running),
+        shutdown,
+    };
+    let mut ingest = second.ingest().await;
+    ingest
+        .send("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 2)])
+        .await;
+    loop {
+        match recv_update(&mut updates).await {
+            Update::Snapshot { sigma: s, reset } => {
+                assert_eq!(reset.unwrap().reason, v1::ResetReason::UnknownEpoch);
+                sigma = *s;
+                break;
+            }
+            Update::Delta(d) => panic!("a delta of another epoch: {d:?}"),
+            Update::Connected { .. } | Update::Disconnected { .. } => {}
+        }
+    }
+    assert_ne!(sigma.epoch(), old_epoch);
+    assert_eq!(sigma.epoch(), second.epoch());
+    // then it follows the new epoch by deltas
+    ingest.send("g", vec![prog(0, 10, "r", 10, 3)]).await;
+    let want = second.get("g").await;
+    while sigma.version() < want.version {
+        if let Update::Delta(d) = recv_update(&mut updates).await {
+            sigma.apply_delta(&d).unwrap();
+        }
+    }
+    assert_eq!(sigma.to_snapshot(), want);
+    assert!(handle.status().borrow().resets >= 1);
+    drop(handle);
+    second.stop().await;
 }
