@@ -70,11 +70,14 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         what: "--admin-listen",
         source,
     })?;
-    let listener = bind_nodelay(args.common.listen).map_err(|source| StartError::Bind {
-        what: "--listen",
-        source,
-    })?;
-    let server = GrpcServer::from_listener(listener).with_grace(args.common.shutdown_grace);
+    // br-runtime's server sets TCP_NODELAY on every accepted connection.
+    let server = GrpcServer::bind(args.common.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            what: "--listen",
+            source,
+        })?
+        .with_grace(args.common.shutdown_grace);
     let grpc_addr = server.local_addr().map_err(|source| StartError::Bind {
         what: "--listen",
         source,
@@ -144,32 +147,4 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         readiness,
         task,
     })
-}
-
-/// Binds a listener whose accepted connections have TCP_NODELAY (Linux copies it from the
-/// listening socket): without it Nagle's algorithm can hold acks and HTTP/2 window updates
-/// back until the peer's delayed ACK, milliseconds at a time.
-pub fn bind_nodelay(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.set_nodelay(true)?;
-    socket.bind(addr)?;
-    socket.listen(1024)
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    #[tokio::test]
-    async fn accepted_connections_have_nodelay() {
-        let l = super::bind_nodelay(([127, 0, 0, 1], 0).into()).unwrap();
-        let addr = l.local_addr().unwrap();
-        let _c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (s, _) = l.accept().await.unwrap();
-        assert!(s.nodelay().unwrap());
-    }
 }
