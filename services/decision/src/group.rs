@@ -168,6 +168,9 @@ struct Local {
     prompt_hash: Option<u64>,
     max_tokens: Option<u32>,
     state: LocalState,
+    /// Cancelled while its `Reserve` was in flight: release it once that call is answered (a
+    /// Release sent now could reach the snapshot service before the Reserve and miss it).
+    release_when_done: bool,
 }
 
 impl Local {
@@ -468,6 +471,9 @@ impl GroupCore {
         self.view = sigma.cluster().clone();
         let mut gone = Vec::new();
         for (&key, l) in &self.local {
+            if l.release_when_done {
+                continue; // cancelled: counts for nothing
+            }
             let current = sigma.incarnation(l.worker) == Some(l.incarnation)
                 && sigma.liveness(l.worker) != Some(Liveness::Fenced);
             // After a snapshot-service restart σ is rebuilt from the workers' hellos: a worker
@@ -754,9 +760,16 @@ impl GroupCore {
                 released = true;
             }
             None => {
-                if let Some(l) = self.local.remove(&key) {
-                    if !matches!(l.state, LocalState::Uncommitted { .. }) {
-                        self.releases.push(id.to_string());
+                if let Some(l) = self.local.get_mut(&key) {
+                    match l.state {
+                        LocalState::InFlight => l.release_when_done = true,
+                        LocalState::Committed { .. } => {
+                            self.releases.push(id.to_string());
+                            self.local.remove(&key);
+                        }
+                        LocalState::Uncommitted { .. } => {
+                            self.local.remove(&key);
+                        }
                     }
                     self.view.remove(key).ok();
                     released = true;
@@ -874,6 +887,7 @@ impl GroupCore {
                 prompt_hash: r.prompt_hash,
                 max_tokens: r.max_tokens,
                 state: LocalState::InFlight,
+                release_when_done: false,
             },
         );
         self.outbox.push(key);
@@ -972,9 +986,23 @@ impl GroupCore {
         if !self.pool.is_empty() {
             self.tick_wanted = true;
         }
-        let Some(job) = self.inflight.remove(&job_id) else {
+        let Some(mut job) = self.inflight.remove(&job_id) else {
             return;
         };
+        // Cancelled while in flight: release (best effort, whatever the outcome) and forget.
+        let mut keep = Vec::with_capacity(job.keys.len());
+        let mut reservations = Vec::with_capacity(job.keys.len());
+        for (key, r) in job.keys.iter().zip(job.request.reservations.drain(..)) {
+            if self.local.get(key).is_some_and(|l| l.release_when_done) {
+                self.local.remove(key);
+                self.releases.push(r.request_id);
+            } else {
+                keep.push(*key);
+                reservations.push(r);
+            }
+        }
+        job.keys = keep;
+        job.request.reservations = reservations;
         match result {
             Err(status) => {
                 tracing::warn!(group = %self.group, code = ?status.code(), error = %status.message(),
@@ -1001,7 +1029,7 @@ impl GroupCore {
                 let mut accepted = Vec::with_capacity(resp.accepted.len());
                 for id in &resp.accepted {
                     if let Some(k) = by_id.remove(id.as_str()) {
-                        accepted.push(k);
+                        accepted.push((k, id.clone()));
                     }
                 }
                 let mut rejected = Vec::with_capacity(resp.rejected.len());
@@ -1011,15 +1039,25 @@ impl GroupCore {
                     }
                 }
                 let unanswered: Vec<RequestKey> = by_id.into_values().collect();
-                for key in accepted {
+                for (key, id) in accepted {
                     if let Some(l) = self.local.get_mut(&key) {
                         l.state = LocalState::Committed {
                             epoch: resp.epoch,
                             version: resp.version,
                         };
                     }
-                    if !job.recommit {
+                    if job.recommit {
+                        continue;
+                    }
+                    if self.reqs.contains_key(&key) {
                         self.answer(key, false, now);
+                    } else {
+                        // Forgotten meanwhile (nobody waits): it is in σ now, release it by
+                        // id (the own copy may be gone already).
+                        self.releases.push(id);
+                        if self.local.remove(&key).is_some() {
+                            self.view.remove(key).ok();
+                        }
                     }
                 }
                 for (key, reason, detail) in rejected {
@@ -1082,8 +1120,18 @@ impl GroupCore {
         }
         r.waiters.clear();
         if delivered == 0 {
-            // Every caller left before the answer: the gateway will not send the request.
-            self.release_local(key);
+            // Every caller left before the answer: the gateway will not send the request. A
+            // committed reservation is released by id (the own copy may have been pruned when
+            // σ showed an earlier request of the same id).
+            if stale {
+                self.release_local(key);
+            } else {
+                let id = r.id.to_string();
+                if self.local.remove(&key).is_some() {
+                    self.view.remove(key).ok();
+                }
+                self.releases.push(id);
+            }
             self.forget(key);
             return;
         }
@@ -2013,5 +2061,240 @@ mod tests {
         fx.sigma_change(vec![change::request_finished("a", 5)]);
         fx.tick_and_commit(true);
         assert_eq!(answer(&mut c).worker_id, wa);
+    }
+
+    mod prop {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Assign(u8, u16),
+            Withdraw(u8),
+            Cancel(u8),
+            Tick,
+            Serve { accept: bool, deliver_delta: bool },
+            Fail,
+            Disconnect,
+            Connect,
+            Housekeeping,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0u8..8, 1u16..500).prop_map(|(i, s)| Op::Assign(i, s)),
+                2 => (0u8..8).prop_map(Op::Withdraw),
+                1 => (0u8..8).prop_map(Op::Cancel),
+                3 => Just(Op::Tick),
+                3 => (any::<bool>(), any::<bool>())
+                    .prop_map(|(accept, deliver_delta)| Op::Serve { accept, deliver_delta }),
+                1 => Just(Op::Fail),
+                1 => Just(Op::Disconnect),
+                1 => Just(Op::Connect),
+                1 => Just(Op::Housekeeping),
+            ]
+        }
+
+        struct Sim {
+            fx: Fx,
+            jobs: VecDeque<ReserveJob>,
+            deltas: Vec<Delta>,
+            callers: Vec<(String, u64, Rx)>,
+            /// The last answer each id's caller actually received.
+            delivered: FxHashMap<String, u32>,
+        }
+
+        impl Sim {
+            fn collect(&mut self) {
+                while let Some(job) = self.fx.core.take_reserve(self.fx.now) {
+                    self.jobs.push_back(job);
+                }
+                if let Some(rel) = self.fx.core.take_release() {
+                    let mut b = self.fx.writer.batch();
+                    for id in rel.request_ids {
+                        let queued = b
+                            .sigma()
+                            .request(&id)
+                            .is_some_and(|r| r.phase == Phase::Queued);
+                        if queued {
+                            b.apply(change::request_released(&id)).unwrap();
+                        }
+                    }
+                    if let Some(d) = b.commit() {
+                        self.deltas.push(d);
+                    }
+                }
+                // Callers read what arrived.
+                let mut still = Vec::new();
+                for (id, call, mut rx) in self.callers.drain(..) {
+                    match rx.try_recv() {
+                        Ok(Ok(a)) => {
+                            self.delivered.insert(id, a.worker_id);
+                        }
+                        Ok(Err(_)) | Err(TryRecvError::Closed) => {}
+                        Err(TryRecvError::Empty) => still.push((id, call, rx)),
+                    }
+                }
+                self.callers = still;
+            }
+
+            fn serve(&mut self, accept: bool, deliver_delta: bool) {
+                let Some(job) = self.jobs.pop_front() else {
+                    return;
+                };
+                if accept {
+                    let (resp, delta) = self.fx.serve_reserve(&job);
+                    if let Some(d) = delta {
+                        self.deltas.push(d);
+                    }
+                    self.fx.core.on_reserve_done(job.id, Ok(resp), self.fx.now);
+                } else {
+                    self.fx.core.on_reserve_done(
+                        job.id,
+                        Err(tonic::Status::unavailable("down")),
+                        self.fx.now,
+                    );
+                }
+                if deliver_delta {
+                    self.deliver();
+                }
+            }
+
+            fn deliver(&mut self) {
+                for d in std::mem::take(&mut self.deltas) {
+                    self.fx.core.on_delta(&d, self.fx.now).unwrap();
+                }
+            }
+
+            fn run(&mut self, op: Op) {
+                match op {
+                    Op::Assign(i, s) => {
+                        let id = format!("p{i}");
+                        let (call, rx) = self.fx.assign(&id, u32::from(s));
+                        self.callers.push((id, call, rx));
+                    }
+                    Op::Withdraw(i) => {
+                        let id = format!("p{i}");
+                        if let Some(pos) = self.callers.iter().position(|c| c.0 == id) {
+                            let (id, call, mut rx) = self.callers.remove(pos);
+                            rx.close();
+                            let undelivered = matches!(rx.try_recv(), Ok(Ok(_)));
+                            self.fx.core.withdraw(&id, call, undelivered);
+                        }
+                    }
+                    Op::Cancel(i) => {
+                        self.fx.core.cancel(&format!("p{i}"));
+                    }
+                    Op::Tick => self.fx.core.tick(self.fx.now),
+                    Op::Serve {
+                        accept,
+                        deliver_delta,
+                    } => self.serve(accept, deliver_delta),
+                    Op::Fail => self.serve(false, false),
+                    Op::Disconnect => self.fx.core.on_disconnected(self.fx.now, self.fx.now),
+                    Op::Connect => self.fx.core.on_connected(self.fx.now),
+                    Op::Housekeeping => self.fx.core.housekeeping(self.fx.now),
+                }
+                self.fx.advance(Duration::from_millis(1));
+                self.collect();
+            }
+        }
+
+        /// Runs `ops`, lets everything settle, and checks that every reservation σ holds is
+        /// one whose caller received an answer naming that worker.
+        fn settle_and_check(ops: Vec<Op>) -> Result<(), TestCaseError> {
+            let mut sim = Sim {
+                fx: Fx::new(PolicyKind::Br0, &[0, 0, 0], 3),
+                jobs: VecDeque::new(),
+                deltas: Vec::new(),
+                callers: Vec::new(),
+                delivered: FxHashMap::default(),
+            };
+            for op in ops {
+                sim.run(op);
+            }
+            // Settle: the service is reachable, callers still waiting give up, every
+            // Reserve is answered and every delta seen.
+            sim.run(Op::Connect);
+            for (id, call, mut rx) in std::mem::take(&mut sim.callers) {
+                rx.close();
+                match rx.try_recv() {
+                    Ok(Ok(a)) => {
+                        sim.delivered.insert(id, a.worker_id);
+                    }
+                    _ => sim.fx.core.withdraw(&id, call, false),
+                }
+            }
+            for _ in 0..50 {
+                sim.collect();
+                sim.serve(true, true);
+                sim.fx.core.tick(sim.fx.now);
+                sim.deliver();
+            }
+            sim.collect();
+            sim.deliver();
+            let st = sim.fx.core.stats();
+            prop_assert_eq!((st.pool, st.reserving, st.inflight_reserves), (0, 0, 0));
+            for r in sim.fx.writer.requests() {
+                let got = sim.delivered.get(r.id.as_str());
+                prop_assert_eq!(
+                    got,
+                    Some(&r.worker),
+                    "{} reserved on {} in σ",
+                    r.id,
+                    r.worker
+                );
+            }
+            // The replica agrees with the writer.
+            let replica = sim.fx.core.sigma().unwrap();
+            prop_assert_eq!(replica.version(), sim.fx.writer.version());
+            Ok(())
+        }
+
+        /// A case proptest found: a cancelled request's id was reused while a re-reservation
+        /// of the old one was in flight, and σ showing the old one made the new one's own
+        /// copy vanish, so its release was skipped.
+        #[test]
+        fn reused_ids_leave_nothing_behind() {
+            use Op::*;
+            let serve = |accept| Serve {
+                accept,
+                deliver_delta: false,
+            };
+            let ops = vec![
+                Assign(3, 1),
+                Tick,
+                Assign(0, 1),
+                Tick,
+                Assign(2, 1),
+                serve(true),
+                Assign(0, 1),
+                serve(true),
+                Assign(4, 1),
+                Withdraw(2),
+                Tick,
+                Assign(0, 1),
+                Assign(2, 1),
+                Tick,
+                Withdraw(2),
+                serve(false),
+                serve(true),
+                Assign(2, 1),
+                Tick,
+            ];
+            settle_and_check(ops).unwrap();
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            /// Whatever happens, once everything settles every reservation σ holds is one whose
+            /// caller received an answer naming that worker: nothing is left behind for callers
+            /// that left, were cancelled, or never heard back.
+            #[test]
+            fn nothing_is_left_behind(ops in proptest::collection::vec(op(), 1..80)) {
+                settle_and_check(ops)?;
+            }
+        }
     }
 }
