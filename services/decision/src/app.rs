@@ -136,9 +136,12 @@ pub async fn start(cfg: DecisionConfig, shutdown: CancellationToken) -> anyhow::
     .with_context(|| format!("binding --admin-listen {}", cfg.admin_listen))?;
     let admin_addr = admin.local_addr();
 
-    let listener =
-        bind_nodelay(cfg.listen).with_context(|| format!("binding --listen {}", cfg.listen))?;
-    let server = GrpcServer::from_listener(listener).with_grace(cfg.shutdown_grace);
+    // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
+    // 40 ms per unary call at low rates).
+    let server = GrpcServer::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding --listen {}", cfg.listen))?
+        .with_grace(cfg.shutdown_grace);
     let grpc_addr = server.local_addr()?;
     let health = server.health_reporter();
     health
@@ -176,34 +179,4 @@ pub async fn start(cfg: DecisionConfig, shutdown: CancellationToken) -> anyhow::
         admin,
         after,
     })
-}
-
-/// Binds a listener whose accepted connections have TCP_NODELAY (Linux copies it from the
-/// listening socket). Without it, Nagle's algorithm holds a response's last small frames until
-/// the peer's (delayed) ACK: milliseconds on every Assign.
-pub fn bind_nodelay(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.set_nodelay(true)?;
-    socket.bind(addr)?;
-    socket.listen(1024)
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)] // tests may panic on purpose
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn accepted_connections_have_nodelay() {
-        let l = bind_nodelay(([127, 0, 0, 1], 0).into()).unwrap();
-        let addr = l.local_addr().unwrap();
-        let _c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (s, _) = l.accept().await.unwrap();
-        assert!(s.nodelay().unwrap());
-    }
 }
