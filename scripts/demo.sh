@@ -53,13 +53,11 @@ start_stack
 # --- the runs ---------------------------------------------------------------------------------
 RUNS=()
 for policy in $POLICIES; do
-    # BalanceRoute's pooled policies admit a request only into a free slot (capacity B). The
-    # baselines route on arrival, as vLLM's or a gateway's JSQ does, and requests queue in the
-    # rank's local FIFO: their shims announce room for the whole workload so σ never refuses.
-    case "$policy" in
-        br0 | brh*) cap=$B ;;
-        *) cap=$((B + N)) ;;
-    esac
+    # Every shim announces the engine's real capacity B. BalanceRoute's pooled policies admit a
+    # request only into a free slot; the baselines route on arrival, as vLLM's or a gateway's
+    # JSQ does, and their reservations are accepted past capacity (queue_if_full): the request
+    # waits in the rank's local FIFO, as in br-sim's model.
+    cap=$B
     say "br-decision --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)"
     start_shims "$cap"
     start_decision "$policy"

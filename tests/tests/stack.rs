@@ -638,3 +638,28 @@ async fn services_shut_down_gracefully_on_sigterm() {
         "snapshot exits on SIGTERM"
     );
 }
+
+/// Baselines route on arrival like today's routers: when every rank is full the request still
+/// gets a rank and waits in that rank's own queue (it is not refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn baselines_queue_at_the_rank_when_every_worker_is_full() {
+    let stack = Stack::start("jsq").await;
+    let _ws = stack.workers(2, 1).await;
+    let mut d = stack.decision().await;
+    let mut per_worker = [0u32; 2];
+    for i in 0..6 {
+        let r = d
+            .assign(assign_req(&format!("q{i}"), 100, Duration::from_secs(5)))
+            .await
+            .unwrap_or_else(|e| panic!("q{i} refused: {e}"))
+            .into_inner();
+        per_worker[r.worker_id as usize] += 1;
+    }
+    assert_eq!(per_worker, [3, 3], "JSQ spreads the queue evenly");
+    let s = stack.sigma().await;
+    assert_eq!(
+        s.requests.len(),
+        6,
+        "every reservation is in σ, past capacity"
+    );
+}

@@ -174,7 +174,9 @@ struct Local {
 }
 
 impl Local {
-    fn reservation(&self) -> v1::Reservation {
+    /// `queue_if_full` for on-arrival policies: like today's routers they route regardless of
+    /// free slots and the request waits in the rank's own queue.
+    fn reservation(&self, queue_if_full: bool) -> v1::Reservation {
         v1::Reservation {
             request_id: self.id.to_string(),
             worker_id: self.worker,
@@ -182,6 +184,7 @@ impl Local {
             prompt_tokens: self.prompt_tokens,
             prompt_hash: self.prompt_hash,
             max_tokens: self.max_tokens,
+            queue_if_full,
         }
     }
 }
@@ -953,9 +956,14 @@ impl GroupCore {
             // σ showed it before it was sent (placed by an earlier incarnation of this service).
             self.answer_from_sigma(key, now);
         }
+        let queue_if_full = self.mode == Mode::OnArrival;
         let (keys, reservations): (Vec<RequestKey>, Vec<v1::Reservation>) = with_local
             .into_iter()
-            .filter_map(|k| self.local.get(&k).map(|l| (k, l.reservation())))
+            .filter_map(|k| {
+                self.local
+                    .get(&k)
+                    .map(|l| (k, l.reservation(queue_if_full)))
+            })
             .unzip();
         if keys.is_empty() {
             return None;

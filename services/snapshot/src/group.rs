@@ -860,7 +860,7 @@ fn reserve_one(b: &mut Batch<'_>, r: &ValidReservation) -> Result<bool, Reject> 
         .cluster()
         .worker(r.worker_id)
         .map_or(0, |w| w.requests());
-    if used >= capacity {
+    if used >= capacity && !r.queue_if_full {
         return Err(Reject::new(
             v1::RejectReason::WorkerFull,
             format!("worker {} holds {used} of {capacity} requests", r.worker_id),
@@ -957,6 +957,7 @@ mod tests {
             prompt_tokens: p,
             prompt_hash: Some(1),
             max_tokens: None,
+            queue_if_full: false,
         }
     }
 
@@ -1086,6 +1087,25 @@ mod tests {
         assert!(g.sigma().request("a").is_none());
         assert!(g.sigma().request("kept").is_some());
         assert_eq!(load(&g, 0), 7);
+    }
+
+    #[test]
+    fn on_arrival_reservations_queue_past_capacity_pooled_ones_do_not() {
+        let (mut g, now) = group();
+        g.apply(1, vec![hello(0, 10, 1)], S1, now, 0);
+        let (acc, _) = g.reserve(vec![res("a", 0, 10, 100)], now);
+        assert_eq!(acc.len(), 1);
+        // the worker is full: a pooled policy's reservation is refused ...
+        let (_, rej) = g.reserve(vec![res("b", 0, 10, 50)], now);
+        assert_eq!(R::try_from(rej[0].reason).unwrap(), R::WorkerFull);
+        // ... an on-arrival policy's is accepted: the request waits in the rank's queue
+        let queued = ValidReservation {
+            queue_if_full: true,
+            ..res("c", 0, 10, 50)
+        };
+        let (acc, rej) = g.reserve(vec![queued], now);
+        assert_eq!((acc, rej.len()), (vec!["c".to_string()], 0));
+        assert_eq!(load(&g, 0), 150);
     }
 
     #[test]

@@ -211,6 +211,7 @@ fn reservation(id: &str, w: u32, inc: u64, p: u32) -> v1::Reservation {
         prompt_tokens: p,
         prompt_hash: Some(7),
         max_tokens: Some(64),
+        queue_if_full: false,
     }
 }
 

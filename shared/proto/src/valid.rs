@@ -466,6 +466,8 @@ pub struct ValidReservation {
     pub prompt_tokens: u32,
     pub prompt_hash: Option<u64>,
     pub max_tokens: Option<u32>,
+    /// Accept past capacity (the request queues at the rank): on-arrival policies.
+    pub queue_if_full: bool,
 }
 
 impl TryFrom<v1::Reservation> for ValidReservation {
@@ -478,6 +480,7 @@ impl TryFrom<v1::Reservation> for ValidReservation {
             prompt_tokens: check_prompt_tokens(m.prompt_tokens)?,
             prompt_hash: m.prompt_hash,
             max_tokens: check_max_tokens(m.max_tokens)?,
+            queue_if_full: m.queue_if_full,
         })
     }
 }
@@ -713,6 +716,7 @@ mod tests {
             prompt_tokens: 5,
             prompt_hash: None,
             max_tokens: None,
+            queue_if_full: false,
         }
     }
 
