@@ -137,18 +137,26 @@ pub fn dispatch_tick(
     margins: &mut Margins,
     out: &mut Vec<Admission>,
 ) {
-    let mut free: Vec<u32> = state.workers().iter().map(|w| w.free_slots()).collect();
-    let mut s_tot: u32 = free.iter().sum();
-    let g = state.live_workers();
-    let s_greedy = cfg.s_greedy.unwrap_or(g * cfg.r_max as u32);
+    let free: Vec<u32> = state.workers().iter().map(|w| w.free_slots()).collect();
+    let s_tot: u32 = free.iter().sum();
+    let s_greedy = cfg
+        .s_greedy
+        .unwrap_or(state.live_workers() * cfg.r_max as u32);
+    let mut t = Tick {
+        pool,
+        margins,
+        free,
+        s_tot,
+        out,
+    };
 
     // Stage 1: abundant capacity. Candidates: the whole pool, or just the head batch.
     let mut head = match cfg.stage1_scope {
         Stage1Scope::WholePool => None,
         Stage1Scope::HeadBatch => {
-            let budget = s_tot.saturating_sub(s_greedy) as usize;
+            let budget = t.s_tot.saturating_sub(s_greedy) as usize;
             let mut batch = Pool::new();
-            for e in pool.oldest(budget) {
+            for e in t.pool.oldest(budget) {
                 // keys are unique in `pool`, so they are unique here
                 let _ = batch.push(e.clone());
             }
@@ -158,142 +166,104 @@ pub fn dispatch_tick(
     if cfg.stage1_worker == Stage1Worker::ByScore {
         let mut order: Vec<PoolEntry> = match head.take() {
             Some(batch) => batch.iter().cloned().collect(),
-            None => pool.iter().cloned().collect(),
+            None => t.pool.iter().cloned().collect(),
         };
         // largest first; the sort is stable, so equal sizes keep arrival order
         order.sort_by_key(|e| std::cmp::Reverse(e.prompt_tokens));
-        let mut admitted = vec![0u32; free.len()];
+        let mut admitted = vec![0u32; t.free.len()];
         for entry in order {
-            if s_tot <= s_greedy {
+            if t.s_tot <= s_greedy {
                 break;
             }
             let s = f64::from(entry.prompt_tokens);
-            let Some((w, score)) = best_worker(cfg.tie_break, state, &free, &admitted, margins, s)
+            let Some((w, score)) =
+                best_worker(cfg.tie_break, state, &t.free, &admitted, t.margins, s)
             else {
                 break;
             };
             admitted[w as usize] += 1;
-            admit(
-                pool,
-                margins,
-                &mut free,
-                &mut s_tot,
-                out,
-                &entry,
-                w,
-                score,
-                Stage::Greedy,
-            );
+            t.admit(&entry, w, score, Stage::Greedy);
         }
     }
-    while cfg.stage1_worker != Stage1Worker::ByScore && s_tot > s_greedy && !pool.is_empty() {
-        let Some(w) = stage1_worker(cfg.stage1_worker, &free, margins) else {
+    while cfg.stage1_worker != Stage1Worker::ByScore && t.s_tot > s_greedy && !t.pool.is_empty() {
+        let Some(w) = stage1_worker(cfg.stage1_worker, &t.free, t.margins) else {
             break;
         };
-        let candidates = head.as_ref().unwrap_or(pool);
+        let candidates = head.as_ref().unwrap_or(t.pool);
         let all_level =
-            cfg.cold_start == ColdStart::LargestFirst && all_margins_zero(state, margins);
+            cfg.cold_start == ColdStart::LargestFirst && all_margins_zero(state, t.margins);
         let pick = if all_level {
             candidates.largest().cloned()
         } else {
-            best_single(candidates, margins, w)
+            best_single(candidates, t.margins, w)
         };
         let Some(entry) = pick else { break };
         if let Some(batch) = head.as_mut() {
             batch.remove(entry.key);
         }
-        let s = f64::from(entry.prompt_tokens);
-        let score = margins.score(w, s);
-        admit(
-            pool,
-            margins,
-            &mut free,
-            &mut s_tot,
-            out,
-            &entry,
-            w,
-            score,
-            Stage::Greedy,
-        );
+        let score = t.margins.score(w, f64::from(entry.prompt_tokens));
+        t.admit(&entry, w, score, Stage::Greedy);
     }
 
     // Stage 2: scarce capacity. Each worker is served until it admits with a non-positive score.
-    let mut done = vec![false; free.len()];
+    let mut done = vec![false; t.free.len()];
     let mut window: Vec<PoolEntry> = Vec::with_capacity(cfg.r_max);
-    while !pool.is_empty() {
-        let Some(w) = stage2_worker(&free, &done, margins) else {
+    while !t.pool.is_empty() {
+        let Some(w) = stage2_worker(&t.free, &done, t.margins) else {
             break;
         };
         window.clear();
-        window.extend(pool.oldest(cfg.r_max).cloned());
+        window.extend(t.pool.oldest(cfg.r_max).cloned());
         let sizes: Vec<f64> = window.iter().map(|e| f64::from(e.prompt_tokens)).collect();
-        let (mask, score) =
-            best_subset(&sizes, free[w as usize] as usize, |ds| margins.score(w, ds));
+        let (mask, score) = best_subset(&sizes, t.free[w as usize] as usize, |ds| {
+            t.margins.score(w, ds)
+        });
         if score > 0.0 {
             for (i, entry) in window.iter().enumerate() {
                 if mask & (1 << i) != 0 {
-                    admit(
-                        pool,
-                        margins,
-                        &mut free,
-                        &mut s_tot,
-                        out,
-                        entry,
-                        w,
-                        score,
-                        Stage::Subset,
-                    );
+                    t.admit(entry, w, score, Stage::Subset);
                 }
             }
         } else {
             let (i, score) = sizes
                 .iter()
                 .enumerate()
-                .map(|(i, &s)| (i, margins.score(w, s)))
+                .map(|(i, &s)| (i, t.margins.score(w, s)))
                 .fold(
                     (0, f64::NEG_INFINITY),
                     |best, c| if c.1 > best.1 { c } else { best },
                 );
-            let entry = &window[i];
-            admit(
-                pool,
-                margins,
-                &mut free,
-                &mut s_tot,
-                out,
-                entry,
-                w,
-                score,
-                Stage::Guard,
-            );
+            t.admit(&window[i], w, score, Stage::Guard);
             done[w as usize] = true;
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn admit(
-    pool: &mut Pool,
-    margins: &mut Margins,
-    free: &mut [u32],
-    s_tot: &mut u32,
-    out: &mut Vec<Admission>,
-    entry: &PoolEntry,
-    w: WorkerId,
-    score: f64,
-    stage: Stage,
-) {
-    pool.remove(entry.key);
-    margins.admit(w, f64::from(entry.prompt_tokens));
-    free[w as usize] -= 1;
-    *s_tot -= 1;
-    out.push(Admission {
-        key: entry.key,
-        worker: w,
-        prompt_tokens: entry.prompt_tokens,
-        score,
-        stage,
-    });
+/// One tick's working state: what admitting a request changes.
+struct Tick<'a> {
+    pool: &'a mut Pool,
+    margins: &'a mut Margins,
+    /// Free slots per worker, as admissions take them.
+    free: Vec<u32>,
+    /// `S_tot`: the sum of `free`.
+    s_tot: u32,
+    out: &'a mut Vec<Admission>,
+}
+
+impl Tick<'_> {
+    fn admit(&mut self, entry: &PoolEntry, w: WorkerId, score: f64, stage: Stage) {
+        self.pool.remove(entry.key);
+        self.margins.admit(w, f64::from(entry.prompt_tokens));
+        self.free[w as usize] -= 1;
+        self.s_tot -= 1;
+        self.out.push(Admission {
+            key: entry.key,
+            worker: w,
+            prompt_tokens: entry.prompt_tokens,
+            score,
+            stage,
+        });
+    }
 }
 
 fn all_margins_zero(state: &ClusterState, margins: &Margins) -> bool {
