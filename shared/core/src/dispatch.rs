@@ -184,25 +184,26 @@ pub fn dispatch_tick(
             admitted[w as usize] += 1;
             t.admit(&entry, w, score, Stage::Greedy);
         }
-    }
-    while cfg.stage1_worker != Stage1Worker::ByScore && t.s_tot > s_greedy && !t.pool.is_empty() {
-        let Some(w) = stage1_worker(cfg.stage1_worker, &t.free, t.margins) else {
-            break;
-        };
-        let candidates = head.as_ref().unwrap_or(t.pool);
-        let all_level =
-            cfg.cold_start == ColdStart::LargestFirst && all_margins_zero(state, t.margins);
-        let pick = if all_level {
-            candidates.largest().cloned()
-        } else {
-            best_single(candidates, t.margins, w)
-        };
-        let Some(entry) = pick else { break };
-        if let Some(batch) = head.as_mut() {
-            batch.remove(entry.key);
+    } else {
+        while t.s_tot > s_greedy && !t.pool.is_empty() {
+            let Some(w) = stage1_worker(cfg.stage1_worker, &t.free, t.margins) else {
+                break;
+            };
+            let candidates = head.as_ref().unwrap_or(t.pool);
+            let all_level =
+                cfg.cold_start == ColdStart::LargestFirst && all_margins_zero(state, t.margins);
+            let pick = if all_level {
+                candidates.largest().cloned()
+            } else {
+                best_single(candidates, t.margins, w)
+            };
+            let Some(entry) = pick else { break };
+            if let Some(batch) = head.as_mut() {
+                batch.remove(entry.key);
+            }
+            let score = t.margins.score(w, f64::from(entry.prompt_tokens));
+            t.admit(&entry, w, score, Stage::Greedy);
         }
-        let score = t.margins.score(w, f64::from(entry.prompt_tokens));
-        t.admit(&entry, w, score, Stage::Greedy);
     }
 
     // Stage 2: scarce capacity. Each worker is served until it admits with a non-positive score.
@@ -308,11 +309,7 @@ fn best_worker(
 ) -> Option<(WorkerId, f64)> {
     let key = |w: WorkerId| {
         let requests = state.workers()[w as usize].requests() + admitted[w as usize];
-        match tie {
-            TieBreak::LowestId => (0, 0.0),
-            TieBreak::LeastLoaded => (0, margins.load(w)),
-            TieBreak::FewestRequests => (requests, margins.load(w)),
-        }
+        tie_key(tie, w, requests, margins.load(w))
     };
     let mut best: Option<(WorkerId, f64)> = None;
     for (w, &f) in free.iter().enumerate() {
@@ -323,10 +320,7 @@ fn best_worker(
         let score = margins.score(w, s);
         let better = match best {
             None => true,
-            Some((bw, bs)) => {
-                let (ka, kb) = (key(w), key(bw));
-                score > bs || (score == bs && (ka.0 < kb.0 || (ka.0 == kb.0 && ka.1 < kb.1)))
-            }
+            Some((bw, bs)) => score > bs || (score == bs && key(w) < key(bw)),
         };
         if better {
             best = Some((w, score));
@@ -424,13 +418,21 @@ pub fn route_bypass(entry: &PoolEntry, state: &ClusterState, tie: TieBreak) -> O
     best.map(|b| b.0)
 }
 
-/// Whether `a` wins a tie against `b`.
+/// Whether `a` wins a tie against `b`, by σ's loads and request counts.
 pub(crate) fn tie_prefers(tie: TieBreak, state: &ClusterState, a: WorkerId, b: WorkerId) -> bool {
-    let (wa, wb) = (&state.workers()[a as usize], &state.workers()[b as usize]);
-    let key = |w: &crate::WorkerInfo, id: WorkerId| match tie {
-        TieBreak::LowestId => (0, 0, id),
-        TieBreak::LeastLoaded => (w.load(), 0, id),
-        TieBreak::FewestRequests => (u64::from(w.requests()), w.load(), id),
+    let key = |w: WorkerId| {
+        let info = &state.workers()[w as usize];
+        tie_key(tie, w, info.requests(), info.load() as f64)
     };
-    key(wa, a) < key(wb, b)
+    key(a) < key(b)
+}
+
+/// The order in which tied workers are preferred (smaller first): the one definition both the
+/// pool-bypass router and Stage 1's placement use. Loads are whole token counts (exact in f64).
+fn tie_key(tie: TieBreak, w: WorkerId, requests: u32, load: f64) -> (u32, f64, WorkerId) {
+    match tie {
+        TieBreak::LowestId => (0, 0.0, w),
+        TieBreak::LeastLoaded => (0, load, w),
+        TieBreak::FewestRequests => (requests, load, w),
+    }
 }

@@ -68,21 +68,6 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
-    /// Every distinct policy (`brh-exact` is the same as `brh`).
-    pub const ALL: [PolicyKind; 11] = [
-        PolicyKind::Random,
-        PolicyKind::RoundRobin,
-        PolicyKind::PowerOfTwo,
-        PolicyKind::Jsq,
-        PolicyKind::VllmDp,
-        PolicyKind::MinTokens,
-        PolicyKind::Br0,
-        PolicyKind::Br0Bypass,
-        PolicyKind::BrH(PredictorKind::ExactMatch),
-        PolicyKind::BrH(PredictorKind::Survival),
-        PolicyKind::BrH(PredictorKind::Oracle),
-    ];
-
     pub fn name(self) -> &'static str {
         match self {
             PolicyKind::Random => "random",
