@@ -21,11 +21,11 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use br_client::sigma::{Delta, Liveness, Sigma, SigmaError};
 use br_core::dispatch::Admission;
 use br_core::{ClusterState, Mode, Phase, Policy, Pool, PoolEntry, RequestInfo, RequestKey};
 use br_proto::v1;
 use br_proto::valid::{GroupId, RequestId, ValidAssign};
+use br_sigma::{Delta, Liveness, Sigma, SigmaError};
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
 
@@ -1396,8 +1396,8 @@ fn reject_label(r: v1::RejectReason) -> &'static str {
 #[allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
 mod tests {
     use super::*;
-    use br_client::sigma::change;
     use br_core::{PolicyConfig, PolicyKind, build_policy};
+    use br_sigma::change;
     use tokio::sync::oneshot::error::TryRecvError;
 
     type Rx = oneshot::Receiver<Result<v1::AssignResponse, DecisionError>>;

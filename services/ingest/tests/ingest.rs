@@ -17,6 +17,32 @@ fn code(r: Result<v1::ReportAck, tonic::Status>) -> tonic::Code {
     }
 }
 
+/// One worker-id limit for every service: ingest with its default `--max-worker-id` refuses a
+/// Hello above `limits::MAX_WORKER_ID` itself (before, worker 2000 was acknowledged OK by ingest
+/// and then silently dropped by the snapshot service, which holds ids up to 1023 only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_above_the_contract_worker_id_limit_is_invalid_argument_naming_it() {
+    let snap = FakeSnapshot::default();
+    let (saddr, _stop) = snap.start().await;
+    let ing = TestIngest::start(saddr, &["--groups", "g0"]).await;
+    ing.connected().await;
+    let limit = br_proto::valid::limits::MAX_WORKER_ID;
+    let mut w = ing.worker().await;
+    w.send(hello("g0", 2000, 1)).await;
+    let err = w.next().await.expect_err("the stream must end");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains(&limit.to_string()), "{err:?}");
+    assert_eq!(
+        snap.hellos_of(2000),
+        0,
+        "the snapshot service never hears of it"
+    );
+    // the highest id in range is accepted
+    let mut top = ing.worker().await;
+    let a = top.hello("g0", limit, 7).await;
+    assert_eq!(status(&a), v1::AckStatus::Ok);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hello_first_and_identity_rules() {
     let snap = FakeSnapshot::default();
@@ -30,7 +56,7 @@ async fn hello_first_and_identity_rules() {
     assert_eq!(code(w.next().await), tonic::Code::FailedPrecondition);
 
     // Invalid Hellos: empty group, worker id out of range, zero incarnation.
-    for (g, id, inc) in [("", 0, 1), ("g0", 65_536, 1), ("g0", 1, 0)] {
+    for (g, id, inc) in [("", 0, 1), ("g0", 1_024, 1), ("g0", 1, 0)] {
         let mut w = ing.worker().await;
         w.send(hello(g, id, inc)).await;
         assert_eq!(

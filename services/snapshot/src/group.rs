@@ -10,13 +10,13 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use br_client::sigma::{Delta, Liveness, MAX_WORKER_ID, Sigma, SigmaError, change};
 use br_core::{Phase, RequestKey, WorkerId};
 use br_proto::v1;
 use br_proto::valid::{
     RequestId, ValidRequestProgress, ValidReservation, ValidTelemetryChange,
     ValidTelemetryChange as V,
 };
+use br_sigma::{Delta, Liveness, MAX_WORKER_ID, Sigma, SigmaError, change};
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -121,7 +121,7 @@ struct WatcherSlot {
     lagging: bool,
 }
 
-/// Everything but σ, so a [`br_client::sigma::Batch`] (which borrows σ) and this can be
+/// Everything but σ, so a [`br_sigma::Batch`] (which borrows σ) and this can be
 /// borrowed at once.
 #[derive(Default)]
 struct Side {
@@ -634,7 +634,7 @@ fn merge(chunk: &[&Event]) -> Event {
 
 // ---- telemetry changes (free functions: they borrow the batch and the side state) ----
 
-type Batch<'a> = br_client::sigma::Batch<'a>;
+type Batch<'a> = br_sigma::Batch<'a>;
 
 /// The worker as σ holds it, if it is this incarnation.
 fn current_worker(b: &Batch<'_>, id: WorkerId, inc: u64) -> Result<Liveness, Reject> {

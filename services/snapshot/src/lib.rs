@@ -6,7 +6,7 @@
 //! * [`service`]: the gRPC handlers (validation at the edge, then the writer).
 //! * [`metrics`], [`config`], [`error`].
 //!
-//! σ itself is [`br_client::sigma::Sigma`], the same type (and the same "apply a change"
+//! σ itself is [`br_sigma::Sigma`], the same type (and the same "apply a change"
 //! code) every watcher's replica uses, so a replica that applies the deltas in order holds the
 //! writer's σ by construction.
 

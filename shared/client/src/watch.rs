@@ -30,7 +30,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), tonic::transport::Error> {
-//! use br_client::sigma::Sigma;
+//! use br_sigma::Sigma;
 //! use br_client::watch::{Update, WatchConfig, Watcher};
 //! let (handle, mut updates) = Watcher::connect_lazy("http://127.0.0.1:50061", WatchConfig::new("g0"))?;
 //! let mut sigma: Option<Sigma> = None;
@@ -60,7 +60,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::sigma::{Delta, Sigma};
+use br_sigma::{Delta, Sigma};
 
 /// Default first retry delay after a failed retry (doubles up to [`DEFAULT_BACKOFF_MAX`]).
 pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(50);
@@ -507,7 +507,7 @@ fn backoff(cfg: &WatchConfig, failures: u32) -> Duration {
 #[allow(clippy::unwrap_used)] // tests may panic on purpose
 mod tests {
     use super::*;
-    use crate::sigma::change;
+    use br_sigma::change;
     use std::collections::VecDeque;
     use std::sync::{Arc, Mutex};
     use tokio_stream::wrappers::ReceiverStream;

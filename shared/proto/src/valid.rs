@@ -26,8 +26,9 @@ pub mod limits {
     pub const MAX_TOKENS: u32 = 10_000_000;
     /// Largest worker capacity B (max_num_seqs).
     pub const MAX_CAPACITY: u32 = 65_536;
-    /// Largest worker id (DP rank).
-    pub const MAX_WORKER_ID: u32 = 65_535;
+    /// Largest worker id (DP rank) in a group. One limit for every service and the routing core
+    /// (σ mirrors a group into per-worker arrays); wide-EP groups run up to ~144 ranks.
+    pub const MAX_WORKER_ID: u32 = 1_023;
     /// Most request updates in one telemetry `Progress`.
     pub const MAX_UPDATES_PER_PROGRESS: usize = 16_384;
     /// Most reservations in one `Reserve` call, or ids in one `Release` call.
@@ -297,7 +298,7 @@ impl TryFrom<v1::CancelRequest> for ValidCancel {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidHello {
     pub group: GroupId,
-    /// DP rank, 0..=65,535.
+    /// DP rank, 0..=[`MAX_WORKER_ID`].
     pub worker_id: u32,
     /// Non-zero.
     pub incarnation: u64,
@@ -878,10 +879,10 @@ mod tests {
         m.capacity = 65_537;
         assert!(ValidHello::try_from(m).is_err());
         let mut m = hello();
-        m.worker_id = 65_536;
+        m.worker_id = 1_024;
         assert_eq!(
             ValidHello::try_from(m).unwrap_err(),
-            out_of_range("worker_id", 65_536, 0, 65_535)
+            out_of_range("worker_id", 1_024, 0, 1_023)
         );
         let mut m = hello();
         m.endpoint = String::new();
@@ -1110,7 +1111,7 @@ mod tests {
         };
         assert_eq!(
             ValidTelemetryChange::try_from(change(Kind::WorkerDisconnected(d))).unwrap_err(),
-            out_of_range("worker_id", 70_000, 0, 65_535)
+            out_of_range("worker_id", 70_000, 0, 1_023)
         );
 
         let p = RequestProgress {

@@ -1,0 +1,550 @@
+//! [`Sigma`]: the store itself, its snapshot round trip and the one "apply a change".
+
+use std::collections::BTreeMap;
+
+use br_core::{ClusterState, Phase, RequestInfo, RequestKey, WorkerId};
+use br_proto::v1;
+use br_proto::v1::change::Kind;
+use br_proto::valid::{RequestId, limits};
+use rustc_hash::FxHashMap;
+
+use crate::MAX_WORKER_ID;
+use crate::batch::Batch;
+use crate::types::{Delta, Liveness, Request, SigmaError, Worker};
+
+/// σ of one group at one (epoch, version), with its routing-core mirror.
+#[derive(Debug, Clone)]
+pub struct Sigma {
+    group: String,
+    pub(crate) epoch: u64,
+    pub(crate) version: u64,
+    workers: BTreeMap<WorkerId, Worker>,
+    pub(crate) requests: FxHashMap<RequestId, Request>,
+    pub(crate) ids: FxHashMap<RequestKey, RequestId>,
+    next_key: RequestKey,
+    cluster: ClusterState,
+}
+
+impl Sigma {
+    /// An empty σ holding nothing: epoch 0, version 0 (a replica before its first snapshot).
+    pub fn new(group: impl Into<String>) -> Sigma {
+        Sigma::with_epoch(group, 0)
+    }
+
+    /// An empty σ at version 0 of `epoch` (the snapshot service's store for a new group).
+    pub fn with_epoch(group: impl Into<String>, epoch: u64) -> Sigma {
+        Sigma {
+            group: group.into(),
+            epoch,
+            version: 0,
+            workers: BTreeMap::new(),
+            requests: FxHashMap::default(),
+            ids: FxHashMap::default(),
+            next_key: 1,
+            cluster: ClusterState::new(),
+        }
+    }
+
+    /// Builds σ from a full snapshot, validating it: a non-empty group, a non-zero epoch,
+    /// workers with distinct ids (at most [`MAX_WORKER_ID`]), non-zero incarnations and
+    /// capacities; requests with valid distinct ids on a known, non-fenced worker of the same
+    /// incarnation, RESERVED ones with no generated tokens. `load_tokens` is recomputed.
+    pub fn from_snapshot(snap: &v1::ClusterSnapshot) -> Result<Sigma, SigmaError> {
+        if snap.group.is_empty() || snap.group.len() > limits::MAX_GROUP_BYTES {
+            return Err(SigmaError::Invalid(format!(
+                "group must be 1..={} bytes",
+                limits::MAX_GROUP_BYTES
+            )));
+        }
+        if snap.epoch == 0 {
+            return Err(SigmaError::Invalid("snapshot epoch must not be 0".into()));
+        }
+        let mut s = Sigma::with_epoch(snap.group.clone(), snap.epoch);
+        s.version = snap.version;
+        for w in &snap.workers {
+            if s.workers.contains_key(&w.worker_id) {
+                return Err(SigmaError::Invalid(format!(
+                    "worker {} listed twice",
+                    w.worker_id
+                )));
+            }
+            s.worker_up(w.worker_id, w.incarnation, w.capacity, &w.endpoint)?;
+        }
+        for r in &snap.requests {
+            let id = request_id(&r.request_id)?;
+            let phase = match v1::RequestPhase::try_from(r.state) {
+                Ok(v1::RequestPhase::Reserved) => Phase::Queued,
+                Ok(v1::RequestPhase::Active) => Phase::Running,
+                _ => {
+                    return Err(SigmaError::Invalid(format!(
+                        "request {:?} has no valid state",
+                        r.request_id
+                    )));
+                }
+            };
+            if phase == Phase::Queued && r.generated_tokens != 0 {
+                return Err(SigmaError::Invalid(format!(
+                    "reserved request {:?} has generated tokens",
+                    r.request_id
+                )));
+            }
+            check_tokens("prompt_tokens", r.prompt_tokens)?;
+            check_tokens("generated_tokens", r.generated_tokens)?;
+            if s.requests.contains_key(id.as_str()) {
+                return Err(SigmaError::DuplicateRequest(r.request_id.clone()));
+            }
+            s.check_worker(r.worker_id, r.incarnation)?;
+            let fenced = snap.workers.iter().any(|w| {
+                w.worker_id == r.worker_id && Liveness::from_wire(w.liveness) == Liveness::Fenced
+            });
+            if fenced {
+                return Err(SigmaError::WorkerFenced(r.worker_id));
+            }
+            s.insert(Request {
+                id,
+                key: 0,
+                worker: r.worker_id,
+                incarnation: r.incarnation,
+                prompt_tokens: r.prompt_tokens,
+                generated_tokens: r.generated_tokens,
+                phase,
+                prompt_hash: r.prompt_hash,
+                max_tokens: r.max_tokens,
+            })?;
+        }
+        for w in &snap.workers {
+            match Liveness::from_wire(w.liveness) {
+                Liveness::Live => {}
+                Liveness::Suspect => {
+                    s.worker_suspect(w.worker_id, w.incarnation)?;
+                }
+                Liveness::Fenced => {
+                    s.worker_fenced(w.worker_id, w.incarnation)?;
+                }
+            }
+        }
+        Ok(s)
+    }
+
+    /// The full σ, deterministic: workers sorted by id, requests by request id.
+    pub fn to_snapshot(&self) -> v1::ClusterSnapshot {
+        let workers = self
+            .workers
+            .values()
+            .map(|w| v1::WorkerState {
+                worker_id: w.id,
+                incarnation: w.incarnation,
+                capacity: w.capacity,
+                endpoint: w.endpoint.clone(),
+                liveness: w.liveness.to_wire() as i32,
+                load_tokens: self.cluster.worker(w.id).map_or(0, |c| c.load()),
+            })
+            .collect();
+        let mut reqs: Vec<&Request> = self.requests.values().collect();
+        reqs.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+        let requests = reqs
+            .into_iter()
+            .map(|r| v1::RequestState {
+                request_id: r.id.to_string(),
+                worker_id: r.worker,
+                incarnation: r.incarnation,
+                prompt_tokens: r.prompt_tokens,
+                generated_tokens: r.generated_tokens,
+                state: match r.phase {
+                    Phase::Queued => v1::RequestPhase::Reserved,
+                    Phase::Running => v1::RequestPhase::Active,
+                } as i32,
+                prompt_hash: r.prompt_hash,
+                max_tokens: r.max_tokens,
+            })
+            .collect();
+        v1::ClusterSnapshot {
+            group: self.group.clone(),
+            epoch: self.epoch,
+            version: self.version,
+            workers,
+            requests,
+        }
+    }
+
+    /// Applies a delta if it continues this σ: same epoch, `prev_version` = [`version`]
+    /// (Self::version). Otherwise nothing changes and the error says why
+    /// ([`SigmaError::EpochMismatch`], [`SigmaError::Gap`]). See the module docs for a change
+    /// that fails halfway.
+    pub fn apply_delta(&mut self, d: &Delta) -> Result<(), SigmaError> {
+        if d.epoch != self.epoch {
+            return Err(SigmaError::EpochMismatch {
+                have: self.epoch,
+                got: d.epoch,
+            });
+        }
+        if d.prev_version != self.version {
+            return Err(SigmaError::Gap {
+                have: self.version,
+                prev: d.prev_version,
+            });
+        }
+        if d.version <= d.prev_version {
+            return Err(SigmaError::BadVersion {
+                prev: d.prev_version,
+                version: d.version,
+            });
+        }
+        for (index, c) in d.changes.iter().enumerate() {
+            self.apply_change(c).map_err(|e| SigmaError::Change {
+                index,
+                source: Box::new(e),
+            })?;
+        }
+        self.version = d.version;
+        Ok(())
+    }
+
+    /// Applies one change exactly as `types.proto` specifies it. Returns whether σ changed (a
+    /// change that restates σ, or a Suspect/Fenced of an incarnation σ does not hold, changes
+    /// nothing). On error σ is untouched. Does not move the version: the writer commits a
+    /// [`Batch`], a replica applies whole deltas.
+    pub fn apply_change(&mut self, c: &v1::Change) -> Result<bool, SigmaError> {
+        let Some(kind) = &c.kind else {
+            return Err(SigmaError::Invalid("Change.kind is missing".into()));
+        };
+        match kind {
+            Kind::WorkerUp(u) => {
+                self.worker_up(u.worker_id, u.incarnation, u.capacity, &u.endpoint)
+            }
+            Kind::WorkerSuspect(s) => self.worker_suspect(s.worker_id, s.incarnation),
+            Kind::WorkerFenced(f) => self.worker_fenced(f.worker_id, f.incarnation),
+            Kind::RequestReserved(r) => self.request_reserved(r),
+            Kind::RequestProgress(p) => self.request_progress(p),
+            Kind::RequestFinished(f) => self.remove_request(&f.request_id, false).map(|_| true),
+            Kind::RequestExpired(e) => self.remove_request(&e.request_id, true).map(|_| true),
+            Kind::RequestReleased(r) => self.remove_request(&r.request_id, true).map(|_| true),
+        }
+    }
+
+    /// Starts a batch of changes for the writer: the changes are applied at once, and
+    /// [`Batch::commit`] turns those that changed σ into the next version's delta.
+    #[must_use = "a batch's changes are applied at once; commit it to move the version"]
+    pub fn batch(&mut self) -> Batch<'_> {
+        Batch {
+            sigma: self,
+            changes: Vec::new(),
+        }
+    }
+
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// 0 for a σ that holds nothing yet ([`Sigma::new`]).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The routing core's view, kept in step with every change.
+    pub fn cluster(&self) -> &ClusterState {
+        &self.cluster
+    }
+
+    /// The core key of a request in σ.
+    pub fn key_of(&self, request_id: &str) -> Option<RequestKey> {
+        self.requests.get(request_id).map(|r| r.key)
+    }
+
+    /// The request id of a core key.
+    pub fn id_of(&self, key: RequestKey) -> Option<&str> {
+        self.ids.get(&key).map(RequestId::as_str)
+    }
+
+    pub fn worker(&self, id: WorkerId) -> Option<&Worker> {
+        self.workers.get(&id)
+    }
+
+    /// Every worker, sorted by id (including SUSPECT and FENCED ones).
+    pub fn workers(&self) -> impl Iterator<Item = &Worker> + '_ {
+        self.workers.values()
+    }
+
+    pub fn endpoint(&self, worker: WorkerId) -> Option<&str> {
+        self.workers.get(&worker).map(|w| w.endpoint.as_str())
+    }
+
+    pub fn incarnation(&self, worker: WorkerId) -> Option<u64> {
+        self.workers.get(&worker).map(|w| w.incarnation)
+    }
+
+    pub fn liveness(&self, worker: WorkerId) -> Option<Liveness> {
+        self.workers.get(&worker).map(|w| w.liveness)
+    }
+
+    pub fn request(&self, request_id: &str) -> Option<&Request> {
+        self.requests.get(request_id)
+    }
+
+    /// Every request, in no particular order.
+    pub fn requests(&self) -> impl Iterator<Item = &Request> + '_ {
+        self.requests.values()
+    }
+
+    pub fn request_count(&self) -> usize {
+        self.requests.len()
+    }
+
+    // ---- the changes ----
+
+    fn worker_up(
+        &mut self,
+        id: WorkerId,
+        incarnation: u64,
+        capacity: u32,
+        endpoint: &str,
+    ) -> Result<bool, SigmaError> {
+        if id > MAX_WORKER_ID {
+            return Err(SigmaError::WorkerIdTooLarge(id));
+        }
+        if incarnation == 0 {
+            return Err(SigmaError::Invalid("incarnation must not be 0".into()));
+        }
+        if capacity == 0 || capacity > limits::MAX_CAPACITY {
+            return Err(SigmaError::Invalid(format!(
+                "capacity {capacity} is not in 1..={}",
+                limits::MAX_CAPACITY
+            )));
+        }
+        if endpoint.len() > limits::MAX_ENDPOINT_BYTES || endpoint.chars().any(char::is_control) {
+            return Err(SigmaError::Invalid(
+                "endpoint is too long or has control characters".into(),
+            ));
+        }
+        match self.workers.get(&id) {
+            Some(w) if w.incarnation == incarnation => {
+                let same = w.capacity == capacity && w.endpoint == endpoint;
+                if same && w.liveness == Liveness::Live {
+                    return Ok(false);
+                }
+            }
+            Some(_) => {
+                // Another incarnation: the old one's requests leave with it.
+                let dropped = self.cluster.fence_worker(id)?;
+                self.forget(&dropped);
+            }
+            None => {}
+        }
+        self.cluster.upsert_worker(id, capacity)?;
+        self.workers.insert(
+            id,
+            Worker {
+                id,
+                incarnation,
+                capacity,
+                endpoint: endpoint.to_owned(),
+                liveness: Liveness::Live,
+            },
+        );
+        Ok(true)
+    }
+
+    fn worker_suspect(&mut self, id: WorkerId, incarnation: u64) -> Result<bool, SigmaError> {
+        match self.workers.get_mut(&id) {
+            Some(w) if w.incarnation == incarnation && w.liveness == Liveness::Live => {
+                self.cluster.set_accepting(id, false)?;
+                w.liveness = Liveness::Suspect;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    fn worker_fenced(&mut self, id: WorkerId, incarnation: u64) -> Result<bool, SigmaError> {
+        match self.workers.get(&id) {
+            Some(w) if w.incarnation == incarnation && w.liveness != Liveness::Fenced => {
+                let dropped = self.cluster.fence_worker(id)?;
+                self.forget(&dropped);
+                if let Some(w) = self.workers.get_mut(&id) {
+                    w.liveness = Liveness::Fenced;
+                }
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    fn request_reserved(&mut self, r: &v1::change::RequestReserved) -> Result<bool, SigmaError> {
+        let id = request_id(&r.request_id)?;
+        if r.prompt_tokens == 0 {
+            return Err(SigmaError::Invalid("prompt_tokens must not be 0".into()));
+        }
+        check_tokens("prompt_tokens", r.prompt_tokens)?;
+        let w = self.check_worker(r.worker_id, r.incarnation)?;
+        match w.liveness {
+            Liveness::Live => {}
+            Liveness::Suspect => return Err(SigmaError::WorkerSuspect(r.worker_id)),
+            Liveness::Fenced => return Err(SigmaError::WorkerFenced(r.worker_id)),
+        }
+        if self.requests.contains_key(id.as_str()) {
+            return Err(SigmaError::DuplicateRequest(r.request_id.clone()));
+        }
+        self.insert(Request {
+            id,
+            key: 0,
+            worker: r.worker_id,
+            incarnation: r.incarnation,
+            prompt_tokens: r.prompt_tokens,
+            generated_tokens: 0,
+            phase: Phase::Queued,
+            prompt_hash: r.prompt_hash,
+            max_tokens: r.max_tokens,
+        })?;
+        Ok(true)
+    }
+
+    fn request_progress(&mut self, p: &v1::change::RequestProgress) -> Result<bool, SigmaError> {
+        let id = request_id(&p.request_id)?;
+        check_tokens("prompt_tokens", p.prompt_tokens)?;
+        check_tokens("generated_tokens", p.generated_tokens)?;
+        let w = self.check_worker(p.worker_id, p.incarnation)?;
+        if w.liveness == Liveness::Fenced {
+            return Err(SigmaError::WorkerFenced(p.worker_id));
+        }
+        let Some(old) = self.requests.get(id.as_str()) else {
+            self.insert(Request {
+                id,
+                key: 0,
+                worker: p.worker_id,
+                incarnation: p.incarnation,
+                prompt_tokens: p.prompt_tokens,
+                generated_tokens: p.generated_tokens,
+                phase: Phase::Running,
+                prompt_hash: None,
+                max_tokens: None,
+            })?;
+            return Ok(true);
+        };
+        if old.worker == p.worker_id
+            && old.incarnation == p.incarnation
+            && old.prompt_tokens == p.prompt_tokens
+            && old.generated_tokens == p.generated_tokens
+            && old.phase == Phase::Running
+        {
+            return Ok(false);
+        }
+        let key = old.key;
+        if old.worker == p.worker_id
+            && old.prompt_tokens == p.prompt_tokens
+            && old.generated_tokens <= p.generated_tokens
+        {
+            // The common case: more tokens on the same worker (O(log G) in the core).
+            self.cluster.set_generated(key, p.generated_tokens)?;
+            if let Some(r) = self.requests.get_mut(id.as_str()) {
+                r.generated_tokens = p.generated_tokens;
+                r.incarnation = p.incarnation;
+                r.phase = Phase::Running;
+            }
+            return Ok(true);
+        }
+        // Moved to another worker, or the prompt count changed: re-insert in the core.
+        let mut r = old.clone();
+        self.cluster.remove(key)?;
+        r.worker = p.worker_id;
+        r.incarnation = p.incarnation;
+        r.prompt_tokens = p.prompt_tokens;
+        r.generated_tokens = p.generated_tokens;
+        r.phase = Phase::Running;
+        self.core_insert(&r)?;
+        self.requests.insert(r.id.clone(), r);
+        Ok(true)
+    }
+
+    /// Removes a request; with `reserved_only`, only a RESERVED one (expiry, release).
+    fn remove_request(&mut self, id: &str, reserved_only: bool) -> Result<Request, SigmaError> {
+        let r = self
+            .requests
+            .get(id)
+            .ok_or_else(|| SigmaError::UnknownRequest(id.to_owned()))?;
+        if reserved_only && r.phase != Phase::Queued {
+            return Err(SigmaError::NotReserved(id.to_owned()));
+        }
+        self.cluster.remove(r.key)?;
+        let r = self
+            .requests
+            .remove(id)
+            .ok_or_else(|| SigmaError::UnknownRequest(id.to_owned()))?;
+        self.ids.remove(&r.key);
+        Ok(r)
+    }
+
+    // ---- helpers ----
+
+    /// The worker, if σ holds it with this incarnation.
+    fn check_worker(&self, id: WorkerId, incarnation: u64) -> Result<&Worker, SigmaError> {
+        let w = self.workers.get(&id).ok_or(SigmaError::UnknownWorker(id))?;
+        if w.incarnation != incarnation {
+            return Err(SigmaError::StaleIncarnation {
+                worker: id,
+                have: w.incarnation,
+                got: incarnation,
+            });
+        }
+        Ok(w)
+    }
+
+    /// Adds a new request (its worker checked by the caller), interning its id.
+    fn insert(&mut self, mut r: Request) -> Result<(), SigmaError> {
+        r.key = self.next_key;
+        self.core_insert(&r)?;
+        self.next_key += 1;
+        self.ids.insert(r.key, r.id.clone());
+        self.requests.insert(r.id.clone(), r);
+        Ok(())
+    }
+
+    /// Inserts into the core. A SUSPECT worker still gets telemetry-reported requests (they
+    /// run on it), so it accepts for the duration of the insert.
+    fn core_insert(&mut self, r: &Request) -> Result<(), SigmaError> {
+        let info = RequestInfo {
+            key: r.key,
+            worker: r.worker,
+            prompt_tokens: r.prompt_tokens,
+            generated: r.generated_tokens,
+            phase: r.phase,
+            prompt_hash: r.prompt_hash,
+            oracle_output: None,
+        };
+        let suspect = self.liveness(r.worker) == Some(Liveness::Suspect);
+        if suspect {
+            self.cluster.set_accepting(r.worker, true)?;
+        }
+        let res = self.cluster.reserve(info);
+        if suspect {
+            self.cluster.set_accepting(r.worker, false)?;
+        }
+        Ok(res?)
+    }
+
+    /// Drops requests the core already removed (a fenced or replaced worker).
+    fn forget(&mut self, dropped: &[RequestInfo]) {
+        for info in dropped {
+            if let Some(id) = self.ids.remove(&info.key) {
+                self.requests.remove(id.as_str());
+            }
+        }
+    }
+}
+
+fn request_id(s: &str) -> Result<RequestId, SigmaError> {
+    RequestId::new(s).map_err(|e| SigmaError::Invalid(e.to_string()))
+}
+
+fn check_tokens(field: &str, v: u32) -> Result<(), SigmaError> {
+    if v > limits::MAX_TOKENS {
+        return Err(SigmaError::Invalid(format!(
+            "{field} {v} is above {}",
+            limits::MAX_TOKENS
+        )));
+    }
+    Ok(())
+}

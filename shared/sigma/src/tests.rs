@@ -1,0 +1,365 @@
+//! Unit and property tests of σ: loads follow the changes, replicas end equal to the writer,
+//! snapshots round-trip, bad changes leave σ untouched.
+
+use std::collections::BTreeMap;
+
+use br_core::{Phase, WorkerId};
+use br_proto::v1;
+
+use super::change::*;
+use super::*;
+use proptest::prelude::*;
+
+fn sigma() -> Sigma {
+    Sigma::with_epoch("g", 7)
+}
+
+fn commit(s: &mut Sigma, changes: Vec<v1::Change>) -> Option<Delta> {
+    let mut b = s.batch();
+    for c in changes {
+        b.apply(c).unwrap();
+    }
+    b.commit()
+}
+
+fn load(s: &Sigma, w: WorkerId) -> u64 {
+    s.cluster().worker(w).unwrap().load()
+}
+
+#[test]
+fn reservation_progress_finish_move_loads() {
+    let mut s = sigma();
+    let d = commit(
+        &mut s,
+        vec![
+            worker_up(0, 11, 4, "http://a"),
+            worker_up(1, 12, 4, ""),
+            request_reserved("r1", 0, 11, 100, Some(5), Some(50)),
+        ],
+    )
+    .unwrap();
+    assert_eq!((d.prev_version, d.version, s.version()), (0, 1, 1));
+    assert_eq!(load(&s, 0), 100);
+    let key = s.key_of("r1").unwrap();
+    assert_eq!(s.id_of(key), Some("r1"));
+    assert_eq!(s.cluster().get(key).unwrap().phase, Phase::Queued);
+
+    commit(&mut s, vec![request_progress("r1", 0, 11, 100, 7)]);
+    assert_eq!(load(&s, 0), 107);
+    assert_eq!(s.cluster().worker(0).unwrap().running, 1);
+    assert_eq!(s.request("r1").unwrap().prompt_hash, Some(5));
+    // restating is no change, and no version
+    assert!(commit(&mut s, vec![request_progress("r1", 0, 11, 100, 7)]).is_none());
+    assert_eq!(s.version(), 2);
+    // the worker's report moves it, and its prompt count wins
+    commit(&mut s, vec![request_progress("r1", 1, 12, 90, 8)]);
+    assert_eq!((load(&s, 0), load(&s, 1)), (0, 98));
+    assert_eq!(s.key_of("r1"), Some(key), "the key survives a move");
+    commit(&mut s, vec![request_finished("r1", 8)]);
+    assert_eq!(load(&s, 1), 0);
+    assert_eq!((s.key_of("r1"), s.id_of(key)), (None, None));
+}
+
+#[test]
+fn worker_lifecycle_follows_the_contract() {
+    let mut s = sigma();
+    commit(
+        &mut s,
+        vec![
+            worker_up(0, 11, 4, ""),
+            request_reserved("a", 0, 11, 10, None, None),
+            request_progress("b", 0, 11, 20, 1),
+        ],
+    );
+    // suspect of another incarnation: ignored
+    assert!(!s.apply_change(&worker_suspect(0, 99)).unwrap());
+    assert!(s.apply_change(&worker_suspect(0, 11)).unwrap());
+    assert_eq!(s.liveness(0), Some(Liveness::Suspect));
+    assert_eq!(load(&s, 0), 31, "a suspect keeps its load");
+    assert_eq!(s.cluster().worker(0).unwrap().free_slots(), 0);
+    assert_eq!(
+        s.apply_change(&request_reserved("c", 0, 11, 1, None, None)),
+        Err(SigmaError::WorkerSuspect(0))
+    );
+    // telemetry still lands on a suspect worker
+    assert!(s.apply_change(&request_progress("d", 0, 11, 5, 0)).unwrap());
+    assert!(!s.cluster().worker(0).unwrap().accepting);
+    // reconnect of the same incarnation: live, requests stay
+    assert!(s.apply_change(&worker_up(0, 11, 8, "x")).unwrap());
+    assert_eq!((s.request_count(), load(&s, 0)), (3, 36));
+    assert_eq!(s.endpoint(0), Some("x"));
+    // fenced: requests gone
+    assert!(!s.apply_change(&worker_fenced(0, 12)).unwrap());
+    assert!(s.apply_change(&worker_fenced(0, 11)).unwrap());
+    assert_eq!((s.request_count(), load(&s, 0)), (0, 0));
+    assert_eq!(
+        s.apply_change(&request_progress("e", 0, 11, 5, 0)),
+        Err(SigmaError::WorkerFenced(0))
+    );
+    // a new incarnation starts clean, replacing an old one with requests
+    s.apply_change(&worker_up(0, 13, 4, "")).unwrap();
+    s.apply_change(&request_reserved("f", 0, 13, 3, None, None))
+        .unwrap();
+    s.apply_change(&worker_up(0, 14, 4, "")).unwrap();
+    assert_eq!((s.request_count(), load(&s, 0)), (0, 0));
+    assert_eq!(s.incarnation(0), Some(14));
+    assert!(s.key_of("f").is_none());
+}
+
+#[test]
+fn errors_leave_sigma_untouched() {
+    let mut s = sigma();
+    commit(
+        &mut s,
+        vec![
+            worker_up(0, 11, 4, ""),
+            request_reserved("a", 0, 11, 10, None, None),
+            request_progress("b", 0, 11, 20, 1),
+        ],
+    );
+    let before = s.to_snapshot();
+    let bad = [
+        v1::Change { kind: None },
+        worker_up(MAX_WORKER_ID + 1, 1, 1, ""),
+        worker_up(1, 0, 1, ""),
+        worker_up(1, 1, 0, ""),
+        request_reserved("", 0, 11, 1, None, None),
+        request_reserved(&"x".repeat(257), 0, 11, 1, None, None),
+        request_reserved("a", 0, 11, 1, None, None),
+        request_reserved("z", 3, 11, 1, None, None),
+        request_reserved("z", 0, 12, 1, None, None),
+        request_reserved("z", 0, 11, 0, None, None),
+        request_progress("z", 0, 11, limits::MAX_TOKENS + 1, 0),
+        request_finished("nope", 0),
+        request_expired("b"),
+        request_released("b"),
+        request_released("nope"),
+    ];
+    for c in &bad {
+        assert!(s.apply_change(c).is_err(), "{c:?}");
+        assert_eq!(s.to_snapshot(), before, "{c:?}");
+    }
+}
+
+#[test]
+fn deltas_apply_only_in_order() {
+    let mut w = sigma();
+    let d1 = commit(&mut w, vec![worker_up(0, 1, 2, "")]).unwrap();
+    let d2 = commit(&mut w, vec![request_progress("a", 0, 1, 3, 4)]).unwrap();
+    let mut r = Sigma::from_snapshot(&Sigma::with_epoch("g", 7).to_snapshot()).unwrap();
+    assert_eq!(
+        r.apply_delta(&d2),
+        Err(SigmaError::Gap { have: 0, prev: 1 })
+    );
+    let mut other = d1.clone();
+    other.epoch = 8;
+    assert_eq!(
+        r.apply_delta(&other),
+        Err(SigmaError::EpochMismatch { have: 7, got: 8 })
+    );
+    r.apply_delta(&d1).unwrap();
+    assert_eq!(
+        r.apply_delta(&d1),
+        Err(SigmaError::Gap { have: 1, prev: 0 })
+    );
+    r.apply_delta(&d2).unwrap();
+    assert_eq!(r.to_snapshot(), w.to_snapshot());
+    assert_eq!(Sigma::new("g").epoch(), 0);
+}
+
+#[test]
+fn bad_snapshots_are_refused() {
+    let mut s = sigma();
+    commit(
+        &mut s,
+        vec![
+            worker_up(0, 1, 2, ""),
+            worker_up(1, 2, 2, ""),
+            request_progress("a", 0, 1, 3, 4),
+        ],
+    );
+    let good = s.to_snapshot();
+    assert!(Sigma::from_snapshot(&good).is_ok());
+    let mut m = good.clone();
+    m.epoch = 0;
+    assert!(Sigma::from_snapshot(&m).is_err());
+    let mut m = good.clone();
+    m.workers[1].worker_id = 0;
+    assert!(Sigma::from_snapshot(&m).is_err());
+    let mut m = good.clone();
+    m.requests[0].incarnation = 9;
+    assert!(Sigma::from_snapshot(&m).is_err());
+    let mut m = good.clone();
+    m.workers[0].liveness = v1::Liveness::Fenced as i32;
+    assert!(Sigma::from_snapshot(&m).is_err());
+    let mut m = good.clone();
+    m.requests.push(m.requests[0].clone());
+    assert!(Sigma::from_snapshot(&m).is_err());
+    let mut m = good;
+    m.requests[0].state = v1::RequestPhase::Reserved as i32;
+    assert!(Sigma::from_snapshot(&m).is_err(), "reserved with tokens");
+}
+
+// ---- property tests ----
+
+#[derive(Debug, Clone)]
+enum Op {
+    Up(u32, u64, u32, bool),
+    Suspect(u32, u64),
+    Fence(u32, u64),
+    Reserve(u8, u32, u64, u32, Option<u64>),
+    Progress(u8, u32, u64, u32, u32),
+    Finish(u8, u32),
+    Expire(u8),
+    Release(u8),
+    Commit,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let w = 0u32..4;
+    let inc = 1u64..3;
+    let r = 0u8..12;
+    prop_oneof![
+        (w.clone(), inc.clone(), 1u32..4, any::<bool>())
+            .prop_map(|(a, b, c, d)| Op::Up(a, b, c, d)),
+        (w.clone(), inc.clone()).prop_map(|(a, b)| Op::Suspect(a, b)),
+        (w.clone(), inc.clone()).prop_map(|(a, b)| Op::Fence(a, b)),
+        (
+            r.clone(),
+            w.clone(),
+            inc.clone(),
+            1u32..100,
+            proptest::option::of(0u64..3)
+        )
+            .prop_map(|(a, b, c, d, e)| Op::Reserve(a, b, c, d, e)),
+        (r.clone(), w, inc, 0u32..100, 0u32..50)
+            .prop_map(|(a, b, c, d, e)| Op::Progress(a, b, c, d, e)),
+        (r.clone(), 0u32..50).prop_map(|(a, b)| Op::Finish(a, b)),
+        r.clone().prop_map(Op::Expire),
+        r.prop_map(Op::Release),
+        Just(Op::Commit),
+    ]
+}
+
+fn to_change(op: &Op) -> Option<v1::Change> {
+    let id = |r: &u8| format!("req-{r}");
+    Some(match op {
+        Op::Up(w, i, c, e) => worker_up(*w, *i, *c, if *e { "http://e" } else { "" }),
+        Op::Suspect(w, i) => worker_suspect(*w, *i),
+        Op::Fence(w, i) => worker_fenced(*w, *i),
+        Op::Reserve(r, w, i, p, h) => request_reserved(&id(r), *w, *i, *p, *h, Some(9)),
+        Op::Progress(r, w, i, p, g) => request_progress(&id(r), *w, *i, *p, *g),
+        Op::Finish(r, g) => request_finished(&id(r), *g),
+        Op::Expire(r) => request_expired(&id(r)),
+        Op::Release(r) => request_released(&id(r)),
+        Op::Commit => return None,
+    })
+}
+
+/// The core mirror agrees with σ's own entries, and its incremental loads with loads
+/// recomputed from scratch.
+fn check_mirror(s: &Sigma) {
+    let core = s.cluster();
+    assert_eq!(core.request_count(), s.request_count());
+    let mut expect: BTreeMap<WorkerId, (u32, u32, u64, u64)> = BTreeMap::new();
+    for r in s.requests() {
+        assert_eq!(s.id_of(r.key), Some(r.id.as_str()));
+        let info = core.get(r.key).unwrap();
+        assert_eq!(
+            (
+                info.worker,
+                info.prompt_tokens,
+                info.generated,
+                info.phase,
+                info.prompt_hash
+            ),
+            (
+                r.worker,
+                r.prompt_tokens,
+                r.generated_tokens,
+                r.phase,
+                r.prompt_hash
+            )
+        );
+        let w = s.worker(r.worker).unwrap();
+        assert_eq!(w.incarnation, r.incarnation);
+        assert_ne!(w.liveness, Liveness::Fenced);
+        let e = expect.entry(r.worker).or_default();
+        match r.phase {
+            Phase::Queued => {
+                e.0 += 1;
+                e.2 += r.kv_tokens();
+            }
+            Phase::Running => {
+                e.1 += 1;
+                e.3 += r.kv_tokens();
+            }
+        }
+    }
+    assert_eq!(s.ids.len(), s.requests.len());
+    let mut max = 0;
+    let mut live = 0;
+    for w in s.workers() {
+        let c = core.worker(w.id).unwrap();
+        let (q, run, ql, rl) = expect.get(&w.id).copied().unwrap_or_default();
+        assert_eq!(
+            (c.queued, c.running, c.queued_load, c.running_load),
+            (q, run, ql, rl)
+        );
+        assert_eq!(c.alive, w.liveness != Liveness::Fenced);
+        assert_eq!(c.accepting, w.liveness == Liveness::Live);
+        assert_eq!(c.capacity, w.capacity);
+        if c.alive {
+            live += 1;
+            max = max.max(ql + rl);
+        }
+    }
+    assert_eq!(core.live_workers(), live);
+    assert_eq!(core.max_load(), max);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn any_version_plus_its_deltas_is_the_latest(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut w = Sigma::with_epoch("g", 42);
+        let mut snaps = vec![w.to_snapshot()];
+        let mut deltas: Vec<Delta> = Vec::new();
+        let mut batch: Vec<v1::Change> = Vec::new();
+        let flush = |w: &mut Sigma, batch: &mut Vec<v1::Change>, snaps: &mut Vec<v1::ClusterSnapshot>, deltas: &mut Vec<Delta>| {
+            let mut b = w.batch();
+            for c in batch.drain(..) {
+                let before = b.sigma().to_snapshot();
+                if b.apply(c).is_err() {
+                    // an error changes nothing
+                    assert_eq!(b.sigma().to_snapshot(), before);
+                }
+            }
+            if let Some(d) = b.commit() {
+                deltas.push(d);
+                snaps.push(w.to_snapshot());
+            }
+            check_mirror(w);
+        };
+        for op in &ops {
+            match to_change(op) {
+                Some(c) => batch.push(c),
+                None => flush(&mut w, &mut batch, &mut snaps, &mut deltas),
+            }
+        }
+        flush(&mut w, &mut batch, &mut snaps, &mut deltas);
+        let last = w.to_snapshot();
+        prop_assert_eq!(last.version as usize, deltas.len());
+        for (v, snap) in snaps.iter().enumerate() {
+            let mut r = Sigma::from_snapshot(snap).unwrap();
+            prop_assert_eq!(&r.to_snapshot(), snap, "snapshot round trip");
+            check_mirror(&r);
+            for d in &deltas[v..] {
+                r.apply_delta(d).unwrap();
+            }
+            check_mirror(&r);
+            prop_assert_eq!(&r.to_snapshot(), &last);
+        }
+    }
+}
