@@ -1,0 +1,240 @@
+//! Who a peer is: the SPIFFE-shaped identity in its certificate's URI SAN.
+//!
+//! `spiffe://<trust-domain>/br/<role>` for the services, gateways and operators, and
+//! `spiffe://<trust-domain>/br/worker/<group>/<worker_id>` for a decode worker's shim, so that
+//! certificates issued by SPIRE or cert-manager's csi-driver-spiffe work as they are. A
+//! certificate with no URI SAN of our trust domain, or with more than one, has no identity (a
+//! certificate that could be read two ways is refused rather than guessed at).
+
+use std::fmt;
+
+use br_proto::valid::{GroupId, limits};
+
+/// The default trust domain (`--trust-domain`).
+pub const DEFAULT_TRUST_DOMAIN: &str = "balanceroute.local";
+
+/// What a peer may do is decided by its role alone (and, for a worker, its group and id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    /// A decode worker's shim: streams its own telemetry.
+    Worker,
+    /// br-ingest: applies validated telemetry to σ.
+    Ingest,
+    /// br-decision: reserves and releases capacity, watches σ.
+    Decision,
+    /// br-snapshot: owns σ (it calls no one, but has a certificate to serve with).
+    Snapshot,
+    /// An HTTP gateway: asks `Assign` and `Cancel`.
+    Gateway,
+    /// An operator's tools: read σ, cordon and drain.
+    Admin,
+}
+
+impl Role {
+    /// Every role, in a fixed order (tests iterate over it).
+    pub const ALL: [Role; 6] = [
+        Role::Worker,
+        Role::Ingest,
+        Role::Decision,
+        Role::Snapshot,
+        Role::Gateway,
+        Role::Admin,
+    ];
+
+    /// The path segment after `/br/` (and the file name `scripts/dev-certs.sh` uses).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Worker => "worker",
+            Role::Ingest => "ingest",
+            Role::Decision => "decision",
+            Role::Snapshot => "snapshot",
+            Role::Gateway => "gateway",
+            Role::Admin => "admin",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A worker's place: the one (group, worker id) its certificate lets it report for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct WorkerSlot {
+    pub group: String,
+    pub worker_id: u32,
+}
+
+/// An authenticated peer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Identity {
+    pub role: Role,
+    /// Set exactly when `role` is [`Role::Worker`].
+    pub worker: Option<WorkerSlot>,
+    /// The URI SAN it was read from (for logs and denials).
+    pub spiffe_id: String,
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.spiffe_id)
+    }
+}
+
+/// Why a certificate gives no identity.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    #[error("the certificate cannot be parsed: {0}")]
+    BadCertificate(String),
+    #[error("the certificate has no spiffe://{0}/br/... URI SAN")]
+    NoSpiffeId(String),
+    #[error(
+        "the certificate has {0} spiffe:// URI SANs of the trust domain; exactly one is allowed"
+    )]
+    Ambiguous(usize),
+    #[error("{uri:?} is not a BalanceRoute identity: {why}")]
+    Malformed { uri: String, why: String },
+}
+
+impl Identity {
+    /// The SPIFFE id for a role (not a worker).
+    pub fn uri_for_role(trust_domain: &str, role: Role) -> String {
+        format!("spiffe://{trust_domain}/br/{}", role.as_str())
+    }
+
+    /// The SPIFFE id for a worker.
+    pub fn uri_for_worker(trust_domain: &str, group: &str, worker_id: u32) -> String {
+        format!("spiffe://{trust_domain}/br/worker/{group}/{worker_id}")
+    }
+
+    /// Reads one URI; `Ok(None)` when it is not of `trust_domain` at all (another SAN the
+    /// certificate may carry), an error when it is ours but malformed.
+    pub fn from_uri(uri: &str, trust_domain: &str) -> Result<Option<Identity>, IdentityError> {
+        let prefix = format!("spiffe://{trust_domain}/");
+        let Some(path) = uri.strip_prefix(&prefix) else {
+            return Ok(None);
+        };
+        let malformed = |why: &str| IdentityError::Malformed {
+            uri: uri.to_owned(),
+            why: why.to_owned(),
+        };
+        let parts: Vec<&str> = path.split('/').collect();
+        let (role, worker) = match parts.as_slice() {
+            ["br", "worker", group, id] => {
+                let group = GroupId::new(group).map_err(|e| malformed(&e.to_string()))?;
+                // digits only: no sign, no spaces, no leading '+'
+                if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(malformed("the worker id is not a number"));
+                }
+                let worker_id: u32 = id
+                    .parse()
+                    .map_err(|_| malformed("the worker id is too large"))?;
+                if worker_id > limits::MAX_WORKER_ID {
+                    return Err(malformed(&format!(
+                        "the worker id is above {}",
+                        limits::MAX_WORKER_ID
+                    )));
+                }
+                let slot = WorkerSlot {
+                    group: group.as_str().to_owned(),
+                    worker_id,
+                };
+                (Role::Worker, Some(slot))
+            }
+            ["br", "worker", ..] => return Err(malformed("a worker is br/worker/<group>/<id>")),
+            ["br", role] => match Role::parse(role) {
+                Some(r) => (r, None),
+                None => return Err(malformed("unknown role")),
+            },
+            _ => return Err(malformed("the path is not br/<role>")),
+        };
+        Ok(Some(Identity {
+            role,
+            worker,
+            spiffe_id: uri.to_owned(),
+        }))
+    }
+
+    /// Reads a DER certificate's URI SANs.
+    pub fn from_cert_der(der: &[u8], trust_domain: &str) -> Result<Identity, IdentityError> {
+        use x509_parser::prelude::*;
+        let (_, cert) = X509Certificate::from_der(der)
+            .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
+        let mut found = Vec::new();
+        let san = cert
+            .subject_alternative_name()
+            .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
+        if let Some(san) = san {
+            for name in &san.value.general_names {
+                if let GeneralName::URI(uri) = name
+                    && let Some(id) = Identity::from_uri(uri, trust_domain)?
+                {
+                    found.push(id);
+                }
+            }
+        }
+        match found.len() {
+            0 => Err(IdentityError::NoSpiffeId(trust_domain.to_owned())),
+            1 => Ok(found.remove(0)),
+            n => Err(IdentityError::Ambiguous(n)),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const TD: &str = "balanceroute.local";
+
+    #[test]
+    fn roles_and_workers_round_trip() {
+        for role in Role::ALL {
+            if role == Role::Worker {
+                continue;
+            }
+            let uri = Identity::uri_for_role(TD, role);
+            let id = Identity::from_uri(&uri, TD).unwrap().unwrap();
+            assert_eq!((id.role, id.worker), (role, None));
+        }
+        let uri = Identity::uri_for_worker(TD, "g0", 7);
+        let id = Identity::from_uri(&uri, TD).unwrap().unwrap();
+        assert_eq!(id.role, Role::Worker);
+        let slot = WorkerSlot {
+            group: "g0".into(),
+            worker_id: 7,
+        };
+        assert_eq!(id.worker, Some(slot));
+    }
+
+    #[test]
+    fn other_trust_domains_are_not_ours_and_malformed_ones_are_refused() {
+        let other = "spiffe://evil.example/br/decision";
+        assert_eq!(Identity::from_uri(other, TD).unwrap(), None);
+        // a prefix trick: balanceroute.local.evil is another trust domain
+        let trick = "spiffe://balanceroute.local.evil/br/decision";
+        assert_eq!(Identity::from_uri(trick, TD).unwrap(), None);
+        for bad in [
+            "spiffe://balanceroute.local/br/root",
+            "spiffe://balanceroute.local/br/worker/g0",
+            "spiffe://balanceroute.local/br/worker/g0/-1",
+            "spiffe://balanceroute.local/br/worker/g0/+1",
+            "spiffe://balanceroute.local/br/worker/g0/1024",
+            "spiffe://balanceroute.local/br/worker/g0/99999999999",
+            "spiffe://balanceroute.local/br/worker//1",
+            "spiffe://balanceroute.local/br/worker/g0/1/extra",
+            "spiffe://balanceroute.local/br/decision/extra",
+            "spiffe://balanceroute.local/decision",
+            "spiffe://balanceroute.local/",
+        ] {
+            assert!(Identity::from_uri(bad, TD).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,22 @@
+//! Trust for every BalanceRoute endpoint: mutual TLS with rotating certificates, SPIFFE-shaped
+//! identities, and the one method × role authorisation table.
+//!
+//! * [`identity`]: reading `spiffe://<trust-domain>/br/<role>` (and
+//!   `.../br/worker/<group>/<worker_id>`) from a certificate's URI SAN.
+//! * [`policy`]: which roles may call which gRPC method, and the tower layer that enforces it
+//!   on every server (denials are PERMISSION_DENIED naming the role and the method).
+//! * [`tls`]: certificates, keys and CA loaded from files and reloaded when they change; rustls
+//!   server and client configs over them; a TLS acceptor for tonic servers and a connector for
+//!   tonic channels.
+//! * [`args`]: the `--tls-*` flags every binary takes, and the loopback-only default without
+//!   them.
+
+pub mod args;
+pub mod identity;
+pub mod policy;
+pub mod tls;
+
+pub use args::TlsArgs;
+pub use identity::{Identity, Role, WorkerSlot};
+pub use policy::{AuthzLayer, DenyReason};
+pub use tls::{TlsFiles, TlsMaterial};
