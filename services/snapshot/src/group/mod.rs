@@ -10,8 +10,10 @@
 //! This module owns σ and the order of things: each operation opens one σ batch, lets the
 //! concern modules apply into it, commits it as at most one new version, then publishes the
 //! delta to the watchers and the metrics. Every operation takes `now` (and wall-clock
-//! milliseconds where ingest's clock is involved), so the writer task drives it with real time
-//! and the unit tests with made-up instants.
+//! milliseconds where ingest's clock is involved) and reads no clock, so the writer task
+//! drives it with real time and the unit tests with made-up instants. It speaks domain types
+//! (validated input, [`Applied`], [`Reserved`], [`Released`], [`Event`]); `crate::wire` turns
+//! them into messages.
 
 mod apply;
 mod reserve;
@@ -120,6 +122,35 @@ impl From<SigmaError> for Reject {
     }
 }
 
+/// What an Apply batch did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub epoch: u64,
+    /// σ's version after the batch (unchanged if it altered nothing).
+    pub version: u64,
+    /// The changes not applied, by their index in the batch.
+    pub rejected: Vec<(usize, Reject)>,
+}
+
+/// What a Reserve call did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    pub epoch: u64,
+    /// σ's version that holds the accepted reservations.
+    pub version: u64,
+    /// In σ, idempotent repeats included.
+    pub accepted: Vec<RequestId>,
+    pub rejected: Vec<(RequestId, Reject)>,
+}
+
+/// What a Release call did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Released {
+    pub version: u64,
+    /// How many RESERVED requests left σ.
+    pub released: u32,
+}
+
 /// The worker as σ holds it, if it is this incarnation (what telemetry and reservations both
 /// check first).
 fn current_worker(b: &Batch<'_>, id: WorkerId, inc: u64) -> Result<Liveness, Reject> {
@@ -200,17 +231,16 @@ impl Group {
         self.sigma.to_snapshot()
     }
 
-    /// Applies one batch of telemetry changes from Apply stream `stream` as one version (or
-    /// none if nothing changed). Rejected changes are listed by index (and counted); the rest
-    /// apply in order.
+    /// Applies one batch of validated telemetry changes (each with its index in the batch)
+    /// from Apply stream `stream` as one version (or none if nothing changed). Rejected
+    /// changes are returned by index (and counted); the rest apply in order.
     pub fn apply(
         &mut self,
-        batch_seq: u64,
-        changes: Vec<v1::TelemetryChange>,
+        changes: Vec<(usize, ValidTelemetryChange)>,
         stream: StreamId,
         now: Instant,
         wall_ms: u64,
-    ) -> v1::ApplyAck {
+    ) -> Applied {
         let at = Arrival {
             stream,
             now,
@@ -220,25 +250,16 @@ impl Group {
         let mut rejected = Vec::new();
         let mut seen: FxHashSet<RequestId> = FxHashSet::default();
         let mut b = self.sigma.batch();
-        for (index, c) in changes.into_iter().enumerate() {
-            let res = match ValidTelemetryChange::try_from(c) {
-                Err(e) => Err(Reject::invalid(e.to_string())),
-                Ok(c) => self.presence.apply(&mut b, c, &at, &mut seen),
-            };
-            if let Err(r) = res {
+        for (index, c) in changes {
+            if let Err(r) = self.presence.apply(&mut b, c, &at, &mut seen) {
                 self.metrics.family().reject(r.label());
-                rejected.push(v1::ChangeRejection {
-                    index: u32::try_from(index).unwrap_or(u32::MAX),
-                    reason: r.reason as i32,
-                    detail: r.detail,
-                });
+                rejected.push((index, r));
             }
         }
         if let Some(d) = b.commit() {
             self.publish(d, now);
         }
-        v1::ApplyAck {
-            batch_seq,
+        Applied {
             epoch: self.sigma.epoch(),
             version: self.sigma.version(),
             rejected,
@@ -256,40 +277,35 @@ impl Group {
     }
 
     /// Commits reservations (validated by br-proto) as one version; each accepted or rejected
-    /// on its own. Returns the accepted ids and the rejections.
-    pub fn reserve(
-        &mut self,
-        reservations: Vec<ValidReservation>,
-        now: Instant,
-    ) -> (Vec<String>, Vec<v1::ReservationRejection>) {
+    /// (and counted) on its own.
+    pub fn reserve(&mut self, reservations: Vec<ValidReservation>, now: Instant) -> Reserved {
         let mut b = self.sigma.batch();
         let (accepted, rejected) = self.reservations.reserve(&mut b, reservations, now);
         if let Some(d) = b.commit() {
             self.publish(d, now);
         }
-        let accepted = accepted.iter().map(ToString::to_string).collect();
-        let rejected = rejected
-            .into_iter()
-            .map(|(id, rej)| {
-                self.metrics.family().reject(rej.label());
-                v1::ReservationRejection {
-                    request_id: id.to_string(),
-                    reason: rej.reason as i32,
-                    detail: rej.detail,
-                }
-            })
-            .collect();
-        (accepted, rejected)
+        for (_, rej) in &rejected {
+            self.metrics.family().reject(rej.label());
+        }
+        Reserved {
+            epoch: self.sigma.epoch(),
+            version: self.sigma.version(),
+            accepted,
+            rejected,
+        }
     }
 
-    /// Releases RESERVED requests (others are ignored) as one version; returns how many.
-    pub fn release(&mut self, ids: &[RequestId], now: Instant) -> u32 {
+    /// Releases RESERVED requests (others are ignored) as one version.
+    pub fn release(&mut self, ids: &[RequestId], now: Instant) -> Released {
         let mut b = self.sigma.batch();
         let released = reserve::release(&mut b, ids);
         if let Some(d) = b.commit() {
             self.publish(d, now);
         }
-        released
+        Released {
+            version: self.sigma.version(),
+            released,
+        }
     }
 
     /// What time does: expires reservations and fences workers that are due (one version for

@@ -19,8 +19,23 @@ use tokio::time::Instant;
 use super::Settings;
 use crate::metrics::GroupMetrics;
 
-/// What one watcher's queue carries (shared between watchers: one allocation per event).
-pub type Event = Arc<v1::WatchEvent>;
+/// What one watcher's queue carries; the Watch stream turns it into a `WatchEvent`
+/// (`crate::wire`). Deltas and snapshots are shared by every watcher (one allocation each).
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// The whole σ at one version.
+    Snapshot(Arc<v1::ClusterSnapshot>),
+    /// The changes from `prev_version` to `version` (one committed batch, or several merged).
+    Delta(Arc<Delta>),
+    /// Nothing changed for a while: σ is still at (epoch, version).
+    Progress { epoch: u64, version: u64 },
+    /// What the watcher holds cannot be brought up to date by deltas; a snapshot follows.
+    Reset {
+        reason: v1::ResetReason,
+        epoch: u64,
+        detail: Arc<str>,
+    },
+}
 
 /// A merged catch-up delta holds at most this many changes (then another one starts), so a
 /// resuming watcher gets a few bounded messages rather than thousands of small ones.
@@ -127,15 +142,13 @@ impl Watchers {
         metrics: &GroupMetrics,
         now: Instant,
     ) {
-        let ev = Arc::new(v1::WatchEvent {
-            kind: Some(v1::watch_event::Kind::Delta(d)),
-        });
+        let ev = Event::Delta(Arc::new(d));
         self.snapshot = None;
         if self.history_len > 0 {
             if self.history.len() >= self.history_len {
                 self.history.pop_front();
             }
-            self.history.push_back(Arc::clone(&ev));
+            self.history.push_back(ev.clone());
         }
         // Lagging watchers skip this delta; then those with room get a snapshot that already
         // contains it (in the other order they would get the snapshot and then this delta).
@@ -149,14 +162,10 @@ impl Watchers {
     pub(super) fn tick(&mut self, sigma: &Sigma, metrics: &GroupMetrics, now: Instant) {
         self.serve_lagging(sigma, metrics);
         if now.saturating_duration_since(self.last_sent) >= self.progress_interval {
-            let mark = Arc::new(v1::WatchEvent {
-                kind: Some(v1::watch_event::Kind::Progress(
-                    v1::watch_event::ProgressMark {
-                        epoch: sigma.epoch(),
-                        version: sigma.version(),
-                    },
-                )),
-            });
+            let mark = Event::Progress {
+                epoch: sigma.epoch(),
+                version: sigma.version(),
+            };
             self.broadcast(&mark, metrics);
             self.last_sent = now;
         }
@@ -192,12 +201,10 @@ impl Watchers {
 
     fn snapshot_event(&mut self, sigma: &Sigma) -> Event {
         if let Some(s) = &self.snapshot {
-            return Arc::clone(s);
+            return s.clone();
         }
-        let ev = Arc::new(v1::WatchEvent {
-            kind: Some(v1::watch_event::Kind::Snapshot(sigma.to_snapshot())),
-        });
-        self.snapshot = Some(Arc::clone(&ev));
+        let ev = Event::Snapshot(Arc::new(sigma.to_snapshot()));
+        self.snapshot = Some(ev.clone());
         ev
     }
 
@@ -208,7 +215,7 @@ impl Watchers {
             if w.lagging {
                 return !w.tx.is_closed();
             }
-            match w.tx.try_send(Arc::clone(ev)) {
+            match w.tx.try_send(ev.clone()) {
                 Ok(()) => true,
                 Err(TrySendError::Full(_)) => {
                     w.lagging = true;
@@ -238,7 +245,7 @@ impl Watchers {
                     "the watcher's queue overflowed; deltas were dropped".into(),
                 );
                 let _ = w.tx.try_send(reset);
-                let _ = w.tx.try_send(Arc::clone(&snap));
+                let _ = w.tx.try_send(snap.clone());
             }
         }
         for _ in 0..resets {
@@ -248,18 +255,16 @@ impl Watchers {
 }
 
 fn reset_event(reason: v1::ResetReason, epoch: u64, detail: String) -> Event {
-    Arc::new(v1::WatchEvent {
-        kind: Some(v1::watch_event::Kind::Reset(v1::watch_event::Reset {
-            reason: reason as i32,
-            epoch,
-            detail,
-        })),
-    })
+    Event::Reset {
+        reason,
+        epoch,
+        detail: detail.into(),
+    }
 }
 
 fn delta_of(ev: &Event) -> Option<&Delta> {
-    match &ev.kind {
-        Some(v1::watch_event::Kind::Delta(d)) => Some(d),
+    match ev {
+        Event::Delta(d) => Some(d),
         _ => None,
     }
 }
@@ -267,18 +272,16 @@ fn delta_of(ev: &Event) -> Option<&Delta> {
 /// One delta from consecutive ones (the first's prev_version to the last's version).
 fn merge(chunk: &[&Event]) -> Event {
     if let [one] = chunk {
-        return Arc::clone(one);
+        return (*one).clone();
     }
     let ds: Vec<&Delta> = chunk.iter().filter_map(|e| delta_of(e)).collect();
     let (Some(first), Some(last)) = (ds.first(), ds.last()) else {
-        return Arc::clone(chunk[0]);
+        return chunk[0].clone();
     };
-    Arc::new(v1::WatchEvent {
-        kind: Some(v1::watch_event::Kind::Delta(Delta {
-            epoch: first.epoch,
-            prev_version: first.prev_version,
-            version: last.version,
-            changes: ds.iter().flat_map(|d| d.changes.iter().cloned()).collect(),
-        })),
-    })
+    Event::Delta(Arc::new(Delta {
+        epoch: first.epoch,
+        prev_version: first.prev_version,
+        version: last.version,
+        changes: ds.iter().flat_map(|d| d.changes.iter().cloned()).collect(),
+    }))
 }

@@ -5,7 +5,7 @@ use super::*;
 #[test]
 fn a_batch_is_one_version_and_bad_changes_are_rejected_one_by_one() {
     let (mut g, now) = group();
-    let ack = g.apply(
+    let ack = g.apply_msgs(
         1,
         vec![
             hello(0, 10, 4),
@@ -45,7 +45,7 @@ fn a_batch_is_one_version_and_bad_changes_are_rejected_one_by_one() {
     assert_eq!(load(&g, 0), 105);
     // a batch that changes nothing makes no version
     let before = g.snapshot();
-    let ack = g.apply(
+    let ack = g.apply_msgs(
         2,
         vec![
             prog(0, 10, "a", 100, 5, false),
@@ -62,10 +62,10 @@ fn a_batch_is_one_version_and_bad_changes_are_rejected_one_by_one() {
 #[test]
 fn progress_takes_the_max_finish_and_sync_remove() {
     let (mut g, now) = group();
-    g.apply(1, vec![hello(0, 10, 8)], S1, now, 0);
-    g.reserve(vec![res("r", 0, 10, 50), res("kept", 0, 10, 7)], now);
+    g.apply_msgs(1, vec![hello(0, 10, 8)], S1, now, 0);
+    g.reserve_msgs(vec![res("r", 0, 10, 50), res("kept", 0, 10, 7)], now);
     assert_eq!(load(&g, 0), 57);
-    g.apply(
+    g.apply_msgs(
         2,
         vec![
             prog(0, 10, "r", 0, 9, false),
@@ -82,19 +82,19 @@ fn progress_takes_the_max_finish_and_sync_remove() {
         "prompt 0 keeps σ's"
     );
     // reordered older report: absorbed
-    g.apply(3, vec![prog(0, 10, "r", 50, 4, false)], S1, now, 0);
+    g.apply_msgs(3, vec![prog(0, 10, "r", 50, 4, false)], S1, now, 0);
     assert_eq!(g.sigma().request("r").unwrap().generated_tokens, 9);
     // finished removes, with the max of the counts
     let v = g.version();
-    g.apply(4, vec![prog(0, 10, "r", 50, 2, true)], S1, now, 0);
+    g.apply_msgs(4, vec![prog(0, 10, "r", 50, 2, true)], S1, now, 0);
     assert_eq!(g.version(), v + 1);
     assert!(g.sigma().request("r").is_none());
-    let Some(Ev::Delta(d)) = g.watchers.history.back().unwrap().kind.as_ref() else {
+    let Some(Event::Delta(d)) = g.watchers.history.back() else {
         panic!()
     };
     assert_eq!(d.changes, vec![change::request_finished("r", 9)]);
     // a full state without "a": the active one leaves, the reserved one stays
-    g.apply(5, vec![sync(0, 10, &[])], S1, now, 0);
+    g.apply_msgs(5, vec![sync(0, 10, &[])], S1, now, 0);
     assert!(g.sigma().request("a").is_none());
     assert!(g.sigma().request("kept").is_some());
     assert_eq!(load(&g, 0), 7);
@@ -103,7 +103,7 @@ fn progress_takes_the_max_finish_and_sync_remove() {
 #[test]
 fn a_disconnected_worker_is_suspect_then_fenced_unless_it_comes_back() {
     let (mut g, now) = group();
-    g.apply(
+    g.apply_msgs(
         1,
         vec![
             hello(0, 10, 4),
@@ -116,13 +116,13 @@ fn a_disconnected_worker_is_suspect_then_fenced_unless_it_comes_back() {
         0,
     );
     // ingest saw worker 0's stream end 2 s ago (its clock): 3 s of grace are left
-    g.apply(2, vec![gone(0, 10, 8_000), gone(1, 11, 0)], S1, now, 10_000);
+    g.apply_msgs(2, vec![gone(0, 10, 8_000), gone(1, 11, 0)], S1, now, 10_000);
     assert_eq!(g.sigma().liveness(0), Some(Liveness::Suspect));
     assert_eq!(load(&g, 0), 6, "a suspect keeps its requests");
-    let (_, rej) = g.reserve(vec![res("c", 0, 10, 1)], now);
+    let (_, rej) = g.reserve_msgs(vec![res("c", 0, 10, 1)], now);
     assert_eq!(rej[0].reason, R::WorkerFenced as i32);
     // worker 1 says Hello again (same incarnation) within the grace period
-    g.apply(
+    g.apply_msgs(
         3,
         vec![hello(1, 11, 4)],
         S2,
@@ -139,9 +139,9 @@ fn a_disconnected_worker_is_suspect_then_fenced_unless_it_comes_back() {
     assert!(g.sigma().request("b").is_some());
     assert_eq!(g.metrics.fenced.get(), 1);
     // fenced: telemetry rejected until a Hello; a new incarnation starts clean
-    let ack = g.apply(4, vec![prog(0, 10, "a", 5, 2, false)], S1, now, 0);
+    let ack = g.apply_msgs(4, vec![prog(0, 10, "a", 5, 2, false)], S1, now, 0);
     assert_eq!(reasons(&ack), vec![(0, R::WorkerFenced)]);
-    g.apply(5, vec![hello(1, 12, 4)], S2, now, 0);
+    g.apply_msgs(5, vec![hello(1, 12, 4)], S2, now, 0);
     assert_eq!(
         (
             g.sigma().request("b"),
@@ -155,11 +155,11 @@ fn a_disconnected_worker_is_suspect_then_fenced_unless_it_comes_back() {
 #[test]
 fn an_ended_stream_disconnects_only_the_workers_whose_hello_it_carried() {
     let (mut g, now) = group();
-    g.apply(1, vec![hello(0, 10, 4), hello(1, 11, 4)], S1, now, 0);
+    g.apply_msgs(1, vec![hello(0, 10, 4), hello(1, 11, 4)], S1, now, 0);
     // worker 1 reconnected through another ingest stream
-    g.apply(1, vec![hello(1, 11, 4)], S2, now, 0);
+    g.apply_msgs(1, vec![hello(1, 11, 4)], S2, now, 0);
     // a late disconnect report from the old stream does not touch it
-    g.apply(2, vec![gone(1, 11, 0)], S1, now, 0);
+    g.apply_msgs(2, vec![gone(1, 11, 0)], S1, now, 0);
     assert_eq!(g.sigma().liveness(1), Some(Liveness::Live));
     g.stream_ended(S1, now);
     assert_eq!(g.sigma().liveness(0), Some(Liveness::Suspect));

@@ -9,6 +9,7 @@ mod reserve;
 mod watchers;
 
 use super::*;
+use crate::wire;
 use br_core::Phase;
 use br_proto::v1::telemetry_change as tc;
 use br_proto::valid::limits;
@@ -104,21 +105,65 @@ fn load(g: &Group, w: u32) -> u64 {
     g.sigma().cluster().worker(w).unwrap().load()
 }
 
-fn drain(rx: &mut mpsc::Receiver<Event>) -> Vec<Event> {
+/// What a watcher's queue holds, as its Watch stream sends it.
+fn drain(rx: &mut mpsc::Receiver<Event>) -> Vec<v1::WatchEvent> {
     let mut out = Vec::new();
     while let Ok(e) = rx.try_recv() {
-        out.push(e);
+        out.push(wire::watch_event(&e));
     }
     out
 }
 
 /// Follows a watcher's events like a replica does; returns the replica.
-fn follow(replica: &mut Option<Sigma>, events: &[Event]) {
+fn follow(replica: &mut Option<Sigma>, events: &[v1::WatchEvent]) {
     for e in events {
         match e.kind.as_ref().unwrap() {
             Ev::Snapshot(s) => *replica = Some(Sigma::from_snapshot(s).unwrap()),
             Ev::Delta(d) => replica.as_mut().unwrap().apply_delta(d).unwrap(),
             Ev::Progress(_) | Ev::Reset(_) => {}
         }
+    }
+}
+
+/// Apply and Reserve as the service calls them: messages parsed and answers built by
+/// `crate::wire`, so the tests read the acks a client reads.
+trait ThroughTheEdge {
+    fn apply_msgs(
+        &mut self,
+        batch_seq: u64,
+        changes: Vec<v1::TelemetryChange>,
+        stream: StreamId,
+        now: Instant,
+        wall_ms: u64,
+    ) -> v1::ApplyAck;
+
+    fn reserve_msgs(
+        &mut self,
+        reservations: Vec<ValidReservation>,
+        now: Instant,
+    ) -> (Vec<String>, Vec<v1::ReservationRejection>);
+}
+
+impl ThroughTheEdge for Group {
+    fn apply_msgs(
+        &mut self,
+        batch_seq: u64,
+        changes: Vec<v1::TelemetryChange>,
+        stream: StreamId,
+        now: Instant,
+        wall_ms: u64,
+    ) -> v1::ApplyAck {
+        let wire::Changes { valid, invalid } = wire::telemetry_changes(changes);
+        let applied = self.apply(valid, stream, now, wall_ms);
+        wire::apply_ack(batch_seq, invalid, applied)
+    }
+
+    fn reserve_msgs(
+        &mut self,
+        reservations: Vec<ValidReservation>,
+        now: Instant,
+    ) -> (Vec<String>, Vec<v1::ReservationRejection>) {
+        let r = wire::reserve_response(self.reserve(reservations, now));
+        (r.accepted, r.rejected)
     }
 }

@@ -51,6 +51,7 @@ impl Follower {
     fn read(&mut self, n: usize) {
         for _ in 0..n {
             let Ok(ev) = self.rx.try_recv() else { return };
+            let ev = crate::wire::watch_event(&ev);
             match ev.kind.as_ref().unwrap() {
                 Ev::Snapshot(s) => {
                     self.replica = Some(Sigma::from_snapshot(s).unwrap());
@@ -96,22 +97,22 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         seq += 1;
         match op {
             Op::Hello(w, i, s) => {
-                g.apply(seq, vec![hello(w, i, 3)], s, now, 0);
+                g.apply_msgs(seq, vec![hello(w, i, 3)], s, now, 0);
             }
             Op::Gone(w, i, s) => {
-                g.apply(seq, vec![gone(w, i, 0)], s, now, 0);
+                g.apply_msgs(seq, vec![gone(w, i, 0)], s, now, 0);
             }
             Op::StreamEnd(s) => g.stream_ended(s, now),
             Op::Progress(w, i, r, p, gen_tokens, fin) => {
-                g.apply(seq, vec![prog(w, i, &id(r), p, gen_tokens, fin)], 1, now, 0);
+                g.apply_msgs(seq, vec![prog(w, i, &id(r), p, gen_tokens, fin)], 1, now, 0);
             }
             Op::Sync(w, i, rs) => {
                 let ids: Vec<String> = rs.iter().map(|r| id(*r)).collect();
                 let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-                g.apply(seq, vec![sync(w, i, &refs)], 1, now, 0);
+                g.apply_msgs(seq, vec![sync(w, i, &refs)], 1, now, 0);
             }
             Op::Reserve(r, w, i, p) => {
-                g.reserve(vec![res(&id(r), w, i, p)], now);
+                g.reserve_msgs(vec![res(&id(r), w, i, p)], now);
             }
             Op::Release(r) => {
                 g.release(&[RequestId::new(&id(r)).unwrap()], now);

@@ -8,10 +8,10 @@ fn watchers_resume_or_reset_and_replicas_match() {
         ..settings()
     });
     let mut from_scratch = g.subscribe(0, 0);
-    g.apply(1, vec![hello(0, 10, 64)], S1, now, 0);
+    g.apply_msgs(1, vec![hello(0, 10, 64)], S1, now, 0);
     let mut at2 = None;
     for i in 0..5 {
-        g.apply(
+        g.apply_msgs(
             i + 2,
             vec![prog(0, 10, &format!("r{i}"), 10, i as u32, false)],
             S1,
@@ -55,7 +55,7 @@ fn watchers_resume_or_reset_and_replicas_match() {
         assert!(matches!(evs[1].kind, Some(Ev::Snapshot(_))));
     }
     for i in 0..10 {
-        g.apply(
+        g.apply_msgs(
             i + 10,
             vec![prog(0, 10, &format!("s{i}"), 10, 1, false)],
             S1,
@@ -83,10 +83,10 @@ fn a_slow_watcher_is_reset_and_never_holds_up_the_others() {
     let mut slow = g.subscribe(0, 0);
     let mut fast = g.subscribe(0, 0);
     let mut fast_replica = None;
-    g.apply(1, vec![hello(0, 10, 64)], S1, now, 0);
+    g.apply_msgs(1, vec![hello(0, 10, 64)], S1, now, 0);
     follow(&mut fast_replica, &drain(&mut fast));
     for i in 0..20 {
-        g.apply(
+        g.apply_msgs(
             i + 2,
             vec![prog(0, 10, &format!("r{i}"), 10, 1, false)],
             S1,
