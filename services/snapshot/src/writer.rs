@@ -142,6 +142,7 @@ struct Writer {
     draining: bool,
 }
 
+/// The wall clock in ms since the Unix epoch (0 before it).
 fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -163,8 +164,10 @@ impl Writer {
                         g.drop_watchers();
                     }
                 }
+                // The clock is read here, in the async loop, and only here: the groups take time
+                // as arguments.
                 cmd = rx.recv() => match cmd {
-                    Some(cmd) => self.handle(cmd),
+                    Some(cmd) => self.handle(cmd, Instant::now(), wall_ms()),
                     None => break,
                 },
                 _ = tick.tick() => {
@@ -187,8 +190,9 @@ impl Writer {
         })
     }
 
-    fn handle(&mut self, cmd: Command) {
-        let now = Instant::now();
+    /// Answers one command at `now` (`wall_ms`: the wall clock, against which ingest's
+    /// disconnect times are read).
+    fn handle(&mut self, cmd: Command, now: Instant, wall_ms: u64) {
         match cmd {
             Command::Apply {
                 group,
@@ -200,9 +204,7 @@ impl Writer {
                 if !touched.contains(&group) {
                     touched.push(group.clone());
                 }
-                let applied = self
-                    .group(&group, now)
-                    .apply(changes, stream, now, wall_ms());
+                let applied = self.group(&group, now).apply(changes, stream, now, wall_ms);
                 let _ = reply.send(applied);
             }
             Command::StreamEnded { stream } => {
