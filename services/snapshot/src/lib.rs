@@ -15,6 +15,7 @@ pub mod error;
 pub mod group;
 pub mod metrics;
 pub mod service;
+mod wire;
 pub mod writer;
 
 use std::net::SocketAddr;

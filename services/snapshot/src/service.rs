@@ -1,4 +1,5 @@
-//! The `balanceroute.v1.Snapshot` gRPC handlers: validate at the edge, then ask the writer.
+//! The `balanceroute.v1.Snapshot` gRPC handlers: the edge. Each parses its request into
+//! domain types (`br_proto::valid`, `crate::wire`), asks the writer, and builds the answer.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::SnapshotError;
 use crate::metrics::Metrics;
+use crate::wire;
 use crate::writer::{Command, WriterHandle};
 
 /// Acks queued towards one Apply stream.
@@ -69,7 +71,7 @@ impl Snapshot for SnapshotService {
             .map_err(|e| self.fail(e))?
             .ok_or_else(|| self.fail(SnapshotError::ShuttingDown))?;
         // The writer ends the stream (drops the queue's sender) on shutdown.
-        let stream = ReceiverStream::new(rx).map(|ev| Ok(v1::WatchEvent::clone(&ev)));
+        let stream = ReceiverStream::new(rx).map(|ev| Ok(wire::watch_event(&ev)));
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -79,11 +81,13 @@ impl Snapshot for SnapshotService {
         req: Request<v1::GetRequest>,
     ) -> Result<Response<v1::ClusterSnapshot>, Status> {
         let group = GroupId::new(&req.into_inner().group).map_err(|e| self.fail(e.into()))?;
+        let name = group.clone();
         let snap = self
             .writer
             .call(|reply| Command::Get { group, reply })
             .await
-            .map_err(|e| self.fail(e))?;
+            .map_err(|e| self.fail(e))?
+            .unwrap_or_else(|| wire::empty_snapshot(name.as_str(), self.writer.epoch()));
         Ok(Response::new(snap))
     }
 
@@ -140,7 +144,7 @@ impl Snapshot for SnapshotService {
             .call(|reply| Command::Reserve { req, reply })
             .await
             .map_err(|e| self.fail(e))?;
-        Ok(Response::new(resp))
+        Ok(Response::new(wire::reserve_response(resp)))
     }
 
     #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, n = req.get_ref().request_ids.len()))]
@@ -154,7 +158,7 @@ impl Snapshot for SnapshotService {
             .call(|reply| Command::Release { req, reply })
             .await
             .map_err(|e| self.fail(e))?;
-        Ok(Response::new(resp))
+        Ok(Response::new(wire::release_response(resp)))
     }
 }
 
@@ -197,15 +201,21 @@ impl SnapshotService {
             Err(e) => return Ok(whole(e.to_string(), batch.changes.len())),
         };
         let batch_seq = batch.batch_seq;
-        let changes = batch.changes;
-        self.writer
+        // Validated here, not in the writer: one change at a time, so a bad one is rejected
+        // by its index and the rest apply (and the single writer does less work).
+        let wire::Changes { valid, invalid } = wire::telemetry_changes(batch.changes);
+        let applied = self
+            .writer
             .call(|reply| Command::Apply {
                 group,
-                batch_seq,
-                changes,
+                changes: valid,
                 stream,
                 reply,
             })
-            .await
+            .await?;
+        for (_, r) in &invalid {
+            self.metrics.reject(r.label());
+        }
+        Ok(wire::apply_ack(batch_seq, invalid, applied))
     }
 }

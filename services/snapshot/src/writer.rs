@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use br_proto::v1;
-use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidWatch};
+use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidTelemetryChange, ValidWatch};
 use rand::Rng as _;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -16,36 +16,37 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::SnapshotError;
-use crate::group::{Event, Group, Settings, StreamId};
+use crate::group::{Applied, Event, Group, Reject, Released, Reserved, Settings, StreamId};
 use crate::metrics::Metrics;
 
 /// Commands queued towards the writer before handlers wait.
 pub const COMMAND_QUEUE: usize = 4096;
 
-/// One request to the writer.
+/// One request to the writer, in domain types (the handlers parse and build the messages).
 #[derive(Debug)]
 pub enum Command {
     Apply {
         group: GroupId,
-        batch_seq: u64,
-        changes: Vec<v1::TelemetryChange>,
+        /// The batch's valid changes, each with its index in the batch.
+        changes: Vec<(usize, ValidTelemetryChange)>,
         stream: StreamId,
-        reply: oneshot::Sender<v1::ApplyAck>,
+        reply: oneshot::Sender<Applied>,
     },
     StreamEnded {
         stream: StreamId,
     },
     Reserve {
         req: ValidReserve,
-        reply: oneshot::Sender<v1::ReserveResponse>,
+        reply: oneshot::Sender<Reserved>,
     },
     Release {
         req: ValidRelease,
-        reply: oneshot::Sender<v1::ReleaseResponse>,
+        reply: oneshot::Sender<Released>,
     },
     Get {
         group: GroupId,
-        reply: oneshot::Sender<v1::ClusterSnapshot>,
+        /// None for a group the writer does not hold.
+        reply: oneshot::Sender<Option<v1::ClusterSnapshot>>,
     },
     Watch {
         req: ValidWatch,
@@ -141,6 +142,7 @@ struct Writer {
     draining: bool,
 }
 
+/// The wall clock in ms since the Unix epoch (0 before it).
 fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -162,8 +164,10 @@ impl Writer {
                         g.drop_watchers();
                     }
                 }
+                // The clock is read here, in the async loop, and only here: the groups take time
+                // as arguments.
                 cmd = rx.recv() => match cmd {
-                    Some(cmd) => self.handle(cmd),
+                    Some(cmd) => self.handle(cmd, Instant::now(), wall_ms()),
                     None => break,
                 },
                 _ = tick.tick() => {
@@ -177,26 +181,21 @@ impl Writer {
         tracing::info!("snapshot writer stopped");
     }
 
-    fn group(&mut self, name: &GroupId) -> &mut Group {
+    /// The group named `name`, created at `now` if it is new.
+    fn group(&mut self, name: &GroupId, now: Instant) -> &mut Group {
         let (settings, metrics, epoch) = (&self.settings, &self.metrics, self.epoch);
         self.groups.entry(name.clone()).or_insert_with(|| {
             tracing::info!(group = %name, "new group");
-            Group::new(
-                name.as_str(),
-                epoch,
-                Arc::clone(settings),
-                metrics,
-                Instant::now(),
-            )
+            Group::new(name.as_str(), epoch, Arc::clone(settings), metrics, now)
         })
     }
 
-    fn handle(&mut self, cmd: Command) {
-        let now = Instant::now();
+    /// Answers one command at `now` (`wall_ms`: the wall clock, against which ingest's
+    /// disconnect times are read).
+    fn handle(&mut self, cmd: Command, now: Instant, wall_ms: u64) {
         match cmd {
             Command::Apply {
                 group,
-                batch_seq,
                 changes,
                 stream,
                 reply,
@@ -205,10 +204,8 @@ impl Writer {
                 if !touched.contains(&group) {
                     touched.push(group.clone());
                 }
-                let ack = self
-                    .group(&group)
-                    .apply(batch_seq, changes, stream, now, wall_ms());
-                let _ = reply.send(ack);
+                let applied = self.group(&group, now).apply(changes, stream, now, wall_ms);
+                let _ = reply.send(applied);
             }
             Command::StreamEnded { stream } => {
                 for name in self.stream_groups.remove(&stream).unwrap_or_default() {
@@ -219,30 +216,22 @@ impl Writer {
             }
             Command::Reserve { req, reply } => {
                 let resp = match self.groups.get_mut(&req.group) {
-                    Some(g) => {
-                        let (accepted, rejected) = g.reserve(req.reservations, now);
-                        v1::ReserveResponse {
-                            epoch: g.epoch(),
-                            version: g.version(),
-                            accepted,
-                            rejected,
-                        }
-                    }
+                    Some(g) => g.reserve(req.reservations, now),
                     // No group: nothing can be reserved (and no state is created for it).
-                    None => v1::ReserveResponse {
+                    None => Reserved {
                         epoch: self.epoch,
                         version: 0,
                         accepted: Vec::new(),
                         rejected: req
                             .reservations
-                            .iter()
+                            .into_iter()
                             .map(|r| {
-                                self.metrics.reject("unknown_worker");
-                                v1::ReservationRejection {
-                                    request_id: r.request_id.to_string(),
-                                    reason: v1::RejectReason::UnknownWorker as i32,
-                                    detail: format!("worker {} is not in σ", r.worker_id),
-                                }
+                                let rej = Reject::new(
+                                    v1::RejectReason::UnknownWorker,
+                                    format!("worker {} is not in σ", r.worker_id),
+                                );
+                                self.metrics.reject(rej.label());
+                                (r.request_id, rej)
                             })
                             .collect(),
                     },
@@ -251,31 +240,17 @@ impl Writer {
             }
             Command::Release { req, reply } => {
                 let resp = match self.groups.get_mut(&req.group) {
-                    Some(g) => {
-                        let released = g.release(&req.request_ids, now);
-                        v1::ReleaseResponse {
-                            version: g.version(),
-                            released,
-                        }
-                    }
-                    None => v1::ReleaseResponse::default(),
+                    Some(g) => g.release(&req.request_ids, now),
+                    None => Released::default(),
                 };
                 let _ = reply.send(resp);
             }
             Command::Get { group, reply } => {
-                let snap = match self.groups.get(&group) {
-                    Some(g) => g.snapshot(),
-                    None => v1::ClusterSnapshot {
-                        group: group.to_string(),
-                        epoch: self.epoch,
-                        ..Default::default()
-                    },
-                };
-                let _ = reply.send(snap);
+                let _ = reply.send(self.groups.get(&group).map(Group::snapshot));
             }
             Command::Watch { req, reply } => {
                 let rx = (!self.draining).then(|| {
-                    self.group(&req.group)
+                    self.group(&req.group, now)
                         .subscribe(req.epoch, req.last_version)
                 });
                 let _ = reply.send(rx);

@@ -249,24 +249,35 @@ fn rejections(ack: &v1::ApplyAck) -> Vec<(u32, R)> {
         .collect()
 }
 
-/// Polls Get until `pred` holds.
+/// Follows a Watch of `group` until its σ satisfies `pred` and returns that σ: each new version
+/// is the signal to look again (no polling); a hang fails after PATIENCE.
 async fn wait_for(
     server: &Server,
     group: &str,
     pred: impl Fn(&v1::ClusterSnapshot) -> bool,
 ) -> v1::ClusterSnapshot {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let s = server.get(group).await;
-        if pred(&s) {
-            return s;
+    let mut stream = server.watch(group, 0, 0).await;
+    let mut replica: Option<Sigma> = None;
+    let found = tokio::time::timeout(PATIENCE, async {
+        loop {
+            match next(&mut stream).await {
+                Ev::Snapshot(s) => replica = Some(Sigma::from_snapshot(&s).unwrap()),
+                Ev::Delta(d) => replica.as_mut().unwrap().apply_delta(&d).unwrap(),
+                Ev::Progress(_) | Ev::Reset(_) => continue,
+            }
+            let s = replica.as_ref().unwrap().to_snapshot();
+            if pred(&s) {
+                return s;
+            }
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "condition never held; σ = {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
+    found.unwrap_or_else(|_| {
+        panic!(
+            "condition never held; σ = {:?}",
+            replica.map(|r| r.to_snapshot())
+        )
+    })
 }
 
 fn liveness(s: &v1::ClusterSnapshot, w: u32) -> v1::Liveness {

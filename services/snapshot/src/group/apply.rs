@@ -1,0 +1,270 @@
+//! Telemetry into σ, and worker liveness.
+//!
+//! Owns what ingest's validated changes do to σ (Hello, WorkerDisconnected, RequestProgress,
+//! WorkerSync), which Apply stream carries each worker's current Hello, and the grace-period
+//! fences of SUSPECT workers: scheduled here when a disconnect is reported or a stream ends,
+//! carried out by [`Presence::fence_due`] once `now` passes them. Every function works inside
+//! the caller's σ batch, so the group commits what one call changed as one version.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use br_core::{Phase, WorkerId};
+use br_proto::v1;
+use br_proto::valid::{RequestId, ValidRequestProgress, ValidTelemetryChange as V};
+use br_sigma::{Batch, Liveness, MAX_WORKER_ID, change};
+use rustc_hash::{FxHashMap, FxHashSet};
+use tokio::time::Instant;
+
+use super::{Reject, StreamId, current_worker};
+
+/// Where and when one Apply batch arrived.
+pub(super) struct Arrival {
+    pub stream: StreamId,
+    pub now: Instant,
+    /// Our wall clock, ms since the Unix epoch (ingest reports disconnects in its wall clock).
+    pub wall_ms: u64,
+    pub grace: Duration,
+}
+
+/// Which stream says each worker is connected, and when each SUSPECT worker is fenced.
+#[derive(Default)]
+pub(super) struct Presence {
+    /// Suspect workers: (incarnation, when to fence).
+    fences: BTreeMap<WorkerId, (u64, Instant)>,
+    /// The Apply stream that carried each worker's current Hello.
+    hello_stream: FxHashMap<WorkerId, StreamId>,
+}
+
+impl Presence {
+    /// Applies one validated change into `b`. `seen` holds the requests this batch already
+    /// reported (a request named twice in one batch is a DUPLICATE).
+    pub(super) fn apply(
+        &mut self,
+        b: &mut Batch<'_>,
+        change: V,
+        at: &Arrival,
+        seen: &mut FxHashSet<RequestId>,
+    ) -> Result<(), Reject> {
+        match change {
+            V::WorkerHello {
+                worker_id,
+                incarnation,
+                capacity,
+                endpoint,
+            } => self.hello(b, worker_id, incarnation, capacity, &endpoint, at.stream),
+            V::WorkerDisconnected {
+                worker_id,
+                incarnation,
+                disconnected_at_unix_ms,
+            } => self.disconnected(b, worker_id, incarnation, disconnected_at_unix_ms, at),
+            V::RequestProgress {
+                worker_id,
+                incarnation,
+                progress: p,
+            } => progress(b, worker_id, incarnation, &p, seen),
+            V::WorkerSync {
+                worker_id,
+                incarnation,
+                request_ids,
+            } => sync(b, worker_id, incarnation, &request_ids),
+        }
+    }
+
+    /// An Apply stream ended: every worker whose current Hello came on it is SUSPECT from now,
+    /// fenced at `fence_at` unless it says Hello again.
+    pub(super) fn stream_ended(&mut self, b: &mut Batch<'_>, stream: StreamId, fence_at: Instant) {
+        let workers: Vec<WorkerId> = self
+            .hello_stream
+            .iter()
+            .filter(|(_, s)| **s == stream)
+            .map(|(w, _)| *w)
+            .collect();
+        for w in workers {
+            self.hello_stream.remove(&w);
+            let Some(inc) = b.sigma().incarnation(w) else {
+                continue;
+            };
+            self.suspect(b, w, inc, fence_at);
+        }
+    }
+
+    /// Fences the workers whose grace period ended by `now` and who are still the SUSPECT
+    /// incarnation it was scheduled for; returns how many.
+    pub(super) fn fence_due(&mut self, b: &mut Batch<'_>, now: Instant) -> u64 {
+        let due: Vec<(WorkerId, u64)> = self
+            .fences
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(w, (inc, _))| (*w, *inc))
+            .collect();
+        let mut fenced = 0;
+        for (w, inc) in due {
+            self.fences.remove(&w);
+            let suspect = b
+                .sigma()
+                .worker(w)
+                .is_some_and(|x| x.incarnation == inc && x.liveness == Liveness::Suspect);
+            if suspect && b.apply(change::worker_fenced(w, inc)).is_ok() {
+                fenced += 1;
+                tracing::info!(group = %b.sigma().group(), worker = w, incarnation = inc, "worker fenced after the grace period");
+            }
+        }
+        fenced
+    }
+
+    fn hello(
+        &mut self,
+        b: &mut Batch<'_>,
+        worker_id: WorkerId,
+        incarnation: u64,
+        capacity: u32,
+        endpoint: &str,
+        stream: StreamId,
+    ) -> Result<(), Reject> {
+        if worker_id > MAX_WORKER_ID {
+            // The wire allows larger ranks; the routing core sizes arrays by id.
+            return Err(Reject::invalid(format!(
+                "worker_id {worker_id} is above {MAX_WORKER_ID}"
+            )));
+        }
+        // A Hello of the same incarnation brings a suspect (or fenced: it holds nothing any
+        // more) worker back; another incarnation replaces the entry and starts clean.
+        b.apply(change::worker_up(
+            worker_id,
+            incarnation,
+            capacity,
+            endpoint,
+        ))?;
+        self.fences.remove(&worker_id);
+        self.hello_stream.insert(worker_id, stream);
+        Ok(())
+    }
+
+    fn disconnected(
+        &mut self,
+        b: &mut Batch<'_>,
+        worker_id: WorkerId,
+        incarnation: u64,
+        reported_ms: u64,
+        at: &Arrival,
+    ) -> Result<(), Reject> {
+        current_worker(b, worker_id, incarnation)?;
+        if self.hello_stream.get(&worker_id) != Some(&at.stream) {
+            // The worker's current Hello came through another stream (it reconnected
+            // elsewhere before this report arrived), or this stream already reported it:
+            // nothing to do.
+            return Ok(());
+        }
+        self.hello_stream.remove(&worker_id);
+        // The grace period runs from when ingest saw the stream end (its clock, trusted only
+        // within [0, grace]; 0 = unknown).
+        let elapsed = if reported_ms == 0 || reported_ms > at.wall_ms {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(at.wall_ms - reported_ms).min(at.grace)
+        };
+        self.suspect(b, worker_id, incarnation, at.now + (at.grace - elapsed));
+        Ok(())
+    }
+
+    /// Marks a live worker SUSPECT and schedules its fence (keeping an earlier one).
+    fn suspect(&mut self, b: &mut Batch<'_>, w: WorkerId, inc: u64, fence_at: Instant) {
+        match b.sigma().liveness(w) {
+            Some(Liveness::Live) => {
+                if b.apply(change::worker_suspect(w, inc)).is_ok() {
+                    self.fences.insert(w, (inc, fence_at));
+                }
+            }
+            Some(Liveness::Suspect) => {
+                let e = self.fences.entry(w).or_insert((inc, fence_at));
+                if e.0 == inc {
+                    e.1 = e.1.min(fence_at);
+                } else {
+                    *e = (inc, fence_at);
+                }
+            }
+            Some(Liveness::Fenced) | None => {}
+        }
+    }
+}
+
+fn progress(
+    b: &mut Batch<'_>,
+    worker_id: WorkerId,
+    incarnation: u64,
+    p: &ValidRequestProgress,
+    seen: &mut FxHashSet<RequestId>,
+) -> Result<(), Reject> {
+    if current_worker(b, worker_id, incarnation)? == Liveness::Fenced {
+        return Err(Reject::new(
+            v1::RejectReason::WorkerFenced,
+            format!("worker {worker_id} is fenced"),
+        ));
+    }
+    let id = p.request_id.as_str();
+    // Only changes that pass count: a rejected one does not make a later one a duplicate.
+    if !seen.insert(p.request_id.clone()) {
+        return Err(Reject::new(
+            v1::RejectReason::Duplicate,
+            format!("request {id:?} appears twice in the batch"),
+        ));
+    }
+    let held = b
+        .sigma()
+        .request(id)
+        .map(|r| (r.prompt_tokens, r.generated_tokens));
+    if p.finished {
+        if let Some((_, generated)) = held {
+            b.apply(change::request_finished(
+                id,
+                generated.max(p.generated_tokens),
+            ))?;
+        }
+        return Ok(());
+    }
+    let (prompt, generated) = match held {
+        Some((prompt, generated)) => (
+            if p.prompt_tokens == 0 {
+                prompt
+            } else {
+                p.prompt_tokens
+            },
+            generated.max(p.generated_tokens),
+        ),
+        None => (p.prompt_tokens, p.generated_tokens),
+    };
+    b.apply(change::request_progress(
+        id,
+        worker_id,
+        incarnation,
+        prompt,
+        generated,
+    ))?;
+    Ok(())
+}
+
+fn sync(
+    b: &mut Batch<'_>,
+    worker_id: WorkerId,
+    incarnation: u64,
+    request_ids: &[RequestId],
+) -> Result<(), Reject> {
+    if current_worker(b, worker_id, incarnation)? == Liveness::Fenced {
+        return Ok(()); // it holds nothing in σ
+    }
+    let listed: FxHashSet<&str> = request_ids.iter().map(RequestId::as_str).collect();
+    let gone: Vec<(String, u32)> = b
+        .sigma()
+        .cluster()
+        .requests_of(worker_id)
+        .filter(|info| info.phase == Phase::Running)
+        .filter_map(|info| b.sigma().id_of(info.key).map(|id| (id, info.generated)))
+        .filter(|(id, _)| !listed.contains(id))
+        .map(|(id, g)| (id.to_owned(), g))
+        .collect();
+    for (id, generated) in gone {
+        b.apply(change::request_finished(&id, generated))?;
+    }
+    Ok(())
+}

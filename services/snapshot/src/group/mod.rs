@@ -1,0 +1,354 @@
+//! The state machine of one group, without network, tasks or clocks: σ (a [`Sigma`]) and
+//! what the writer needs around it, composed from one module per concern:
+//!
+//! * [`apply`]: validated telemetry changes into σ; which Apply stream carries each worker's
+//!   Hello; SUSPECT workers and their grace-period fences.
+//! * [`reserve`]: Reserve and Release, and the TTL of reservations.
+//! * [`watchers`]: subscribers with bounded queues (never waited on), the bounded delta
+//!   history, resets, catch-up deltas and snapshots, progress marks.
+//!
+//! This module owns σ and the order of things: each operation opens one σ batch, lets the
+//! concern modules apply into it, commits it as at most one new version, then publishes the
+//! delta to the watchers and the metrics. Every operation takes `now` (and wall-clock
+//! milliseconds where ingest's clock is involved) and reads no clock, so the writer task
+//! drives it with real time and the unit tests with made-up instants. It speaks domain types
+//! (validated input, [`Applied`], [`Reserved`], [`Released`], [`Event`]); `crate::wire` turns
+//! them into messages.
+
+mod apply;
+mod reserve;
+mod watchers;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use br_core::WorkerId;
+use br_proto::v1;
+use br_proto::valid::{RequestId, ValidReservation, ValidTelemetryChange};
+use br_sigma::{Batch, Delta, Liveness, Sigma, SigmaError};
+use rustc_hash::FxHashSet;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::metrics::{GroupMetrics, Metrics};
+use apply::{Arrival, Presence};
+use reserve::Reservations;
+use watchers::Watchers;
+pub use watchers::{Event, MERGE_MAX_CHANGES};
+
+/// Identifies one Apply stream (per process).
+pub type StreamId = u64;
+
+/// The tunables of a group (from the flags).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Deltas kept for resumption.
+    pub history: usize,
+    /// A RESERVED request without telemetry for this long expires.
+    pub reservation_ttl: Duration,
+    /// A SUSPECT worker without a Hello for this long is fenced.
+    pub worker_grace: Duration,
+    /// A progress mark is sent after this long without a delta.
+    pub progress_interval: Duration,
+    /// Events queued per watcher before it counts as slow.
+    pub watcher_queue: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            history: crate::config::DEFAULT_HISTORY,
+            reservation_ttl: Duration::from_secs(10),
+            worker_grace: Duration::from_secs(5),
+            progress_interval: Duration::from_millis(250),
+            watcher_queue: crate::config::DEFAULT_WATCHER_QUEUE,
+        }
+    }
+}
+
+/// Why a change or reservation was not applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reject {
+    pub reason: v1::RejectReason,
+    pub detail: String,
+}
+
+impl Reject {
+    pub fn new(reason: v1::RejectReason, detail: impl Into<String>) -> Reject {
+        Reject {
+            reason,
+            detail: detail.into(),
+        }
+    }
+
+    pub fn invalid(detail: impl Into<String>) -> Reject {
+        Reject::new(v1::RejectReason::Invalid, detail)
+    }
+
+    /// The `reason` label of the rejection counter.
+    pub fn label(&self) -> &'static str {
+        reason_label(self.reason)
+    }
+}
+
+/// The metric label of a reject reason.
+pub fn reason_label(r: v1::RejectReason) -> &'static str {
+    match r {
+        v1::RejectReason::UnknownWorker => "unknown_worker",
+        v1::RejectReason::WorkerFenced => "worker_fenced",
+        v1::RejectReason::StaleIncarnation => "stale_incarnation",
+        v1::RejectReason::Duplicate => "duplicate",
+        v1::RejectReason::WorkerFull => "worker_full",
+        v1::RejectReason::UnknownRequest => "unknown_request",
+        v1::RejectReason::Invalid | v1::RejectReason::Unspecified => "invalid",
+    }
+}
+
+impl From<SigmaError> for Reject {
+    fn from(e: SigmaError) -> Reject {
+        use v1::RejectReason as R;
+        let reason = match &e {
+            SigmaError::UnknownWorker(_) => R::UnknownWorker,
+            SigmaError::StaleIncarnation { .. } => R::StaleIncarnation,
+            SigmaError::WorkerFenced(_) | SigmaError::WorkerSuspect(_) => R::WorkerFenced,
+            SigmaError::DuplicateRequest(_) => R::Duplicate,
+            SigmaError::UnknownRequest(_) | SigmaError::NotReserved(_) => R::UnknownRequest,
+            _ => R::Invalid,
+        };
+        Reject::new(reason, e.to_string())
+    }
+}
+
+/// What an Apply batch did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub epoch: u64,
+    /// σ's version after the batch (unchanged if it altered nothing).
+    pub version: u64,
+    /// The changes not applied, by their index in the batch.
+    pub rejected: Vec<(usize, Reject)>,
+}
+
+/// What a Reserve call did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    pub epoch: u64,
+    /// σ's version that holds the accepted reservations.
+    pub version: u64,
+    /// In σ, idempotent repeats included.
+    pub accepted: Vec<RequestId>,
+    pub rejected: Vec<(RequestId, Reject)>,
+}
+
+/// What a Release call did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Released {
+    pub version: u64,
+    /// How many RESERVED requests left σ.
+    pub released: u32,
+}
+
+/// The worker as σ holds it, if it is this incarnation (what telemetry and reservations both
+/// check first).
+fn current_worker(b: &Batch<'_>, id: WorkerId, inc: u64) -> Result<Liveness, Reject> {
+    let w = b.sigma().worker(id).ok_or_else(|| {
+        Reject::new(
+            v1::RejectReason::UnknownWorker,
+            format!("worker {id} is not in σ"),
+        )
+    })?;
+    if w.incarnation != inc {
+        return Err(Reject::new(
+            v1::RejectReason::StaleIncarnation,
+            format!("worker {id} is incarnation {}, not {inc}", w.incarnation),
+        ));
+    }
+    Ok(w.liveness)
+}
+
+/// One group: σ plus what the writer needs around it.
+pub struct Group {
+    sigma: Sigma,
+    settings: Arc<Settings>,
+    presence: Presence,
+    reservations: Reservations,
+    watchers: Watchers,
+    metrics: GroupMetrics,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("group", &self.sigma.group())
+            .field("epoch", &self.sigma.epoch())
+            .field("version", &self.sigma.version())
+            .field("watchers", &self.watchers.count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Group {
+    pub fn new(
+        name: &str,
+        epoch: u64,
+        settings: Arc<Settings>,
+        metrics: &Metrics,
+        now: Instant,
+    ) -> Group {
+        let mut g = Group {
+            sigma: Sigma::with_epoch(name, epoch),
+            presence: Presence::default(),
+            reservations: Reservations::new(settings.reservation_ttl),
+            watchers: Watchers::new(&settings, now),
+            settings,
+            metrics: metrics.group(name),
+        };
+        g.observe();
+        g
+    }
+
+    pub fn sigma(&self) -> &Sigma {
+        &self.sigma
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.sigma.epoch()
+    }
+
+    pub fn version(&self) -> u64 {
+        self.sigma.version()
+    }
+
+    pub fn watcher_count(&self) -> usize {
+        self.watchers.count()
+    }
+
+    /// The current σ.
+    pub fn snapshot(&self) -> v1::ClusterSnapshot {
+        self.sigma.to_snapshot()
+    }
+
+    /// Applies one batch of validated telemetry changes (each with its index in the batch)
+    /// from Apply stream `stream` as one version (or none if nothing changed). Rejected
+    /// changes are returned by index (and counted); the rest apply in order.
+    pub fn apply(
+        &mut self,
+        changes: Vec<(usize, ValidTelemetryChange)>,
+        stream: StreamId,
+        now: Instant,
+        wall_ms: u64,
+    ) -> Applied {
+        let at = Arrival {
+            stream,
+            now,
+            wall_ms,
+            grace: self.settings.worker_grace,
+        };
+        let mut rejected = Vec::new();
+        let mut seen: FxHashSet<RequestId> = FxHashSet::default();
+        let mut b = self.sigma.batch();
+        for (index, c) in changes {
+            if let Err(r) = self.presence.apply(&mut b, c, &at, &mut seen) {
+                self.metrics.family().reject(r.label());
+                rejected.push((index, r));
+            }
+        }
+        if let Some(d) = b.commit() {
+            self.publish(d, now);
+        }
+        Applied {
+            epoch: self.sigma.epoch(),
+            version: self.sigma.version(),
+            rejected,
+        }
+    }
+
+    /// An Apply stream ended: every worker whose current Hello came on it is disconnected now.
+    pub fn stream_ended(&mut self, stream: StreamId, now: Instant) {
+        let mut b = self.sigma.batch();
+        self.presence
+            .stream_ended(&mut b, stream, now + self.settings.worker_grace);
+        if let Some(d) = b.commit() {
+            self.publish(d, now);
+        }
+    }
+
+    /// Commits reservations (validated by br-proto) as one version; each accepted or rejected
+    /// (and counted) on its own.
+    pub fn reserve(&mut self, reservations: Vec<ValidReservation>, now: Instant) -> Reserved {
+        let mut b = self.sigma.batch();
+        let (accepted, rejected) = self.reservations.reserve(&mut b, reservations, now);
+        if let Some(d) = b.commit() {
+            self.publish(d, now);
+        }
+        for (_, rej) in &rejected {
+            self.metrics.family().reject(rej.label());
+        }
+        Reserved {
+            epoch: self.sigma.epoch(),
+            version: self.sigma.version(),
+            accepted,
+            rejected,
+        }
+    }
+
+    /// Releases RESERVED requests (others are ignored) as one version.
+    pub fn release(&mut self, ids: &[RequestId], now: Instant) -> Released {
+        let mut b = self.sigma.batch();
+        let released = reserve::release(&mut b, ids);
+        if let Some(d) = b.commit() {
+            self.publish(d, now);
+        }
+        Released {
+            version: self.sigma.version(),
+            released,
+        }
+    }
+
+    /// What time does: expires reservations and fences workers that are due (one version for
+    /// both), then serves watchers (resets lagging ones that have room again, progress marks,
+    /// drops closed ones).
+    pub fn tick(&mut self, now: Instant) {
+        let mut b = self.sigma.batch();
+        let expired = self.reservations.expire_due(&mut b, now);
+        let fenced = self.presence.fence_due(&mut b, now);
+        if let Some(d) = b.commit() {
+            self.publish(d, now);
+        }
+        self.metrics.expired.inc_by(expired);
+        self.metrics.fenced.inc_by(fenced);
+        self.watchers.tick(&self.sigma, &self.metrics, now);
+    }
+
+    /// Ends every watcher's stream (shutdown).
+    pub fn drop_watchers(&mut self) {
+        self.watchers.drop_all(&self.metrics);
+    }
+
+    /// Registers a watcher holding (epoch, last_version) and returns its queue, already
+    /// holding what brings it up to date (see `Snapshot.Watch`).
+    pub fn subscribe(&mut self, epoch: u64, last_version: u64) -> mpsc::Receiver<Event> {
+        self.watchers
+            .subscribe(&self.sigma, &self.metrics, epoch, last_version)
+    }
+
+    /// A batch committed: its delta goes to the watchers, the metrics follow σ.
+    fn publish(&mut self, d: Delta, now: Instant) {
+        self.watchers.publish(d, &self.sigma, &self.metrics, now);
+        self.metrics.batches.inc();
+        self.observe();
+    }
+
+    fn observe(&mut self) {
+        let (mut reserved, mut active) = (0, 0);
+        for w in self.sigma.cluster().workers() {
+            reserved += w.queued as usize;
+            active += w.running as usize;
+        }
+        self.metrics
+            .observe(self.sigma.version(), self.sigma.cluster(), reserved, active);
+    }
+}

@@ -1,0 +1,76 @@
+//! Reserve, Release and the reservations' TTL.
+use super::*;
+
+#[test]
+fn on_arrival_reservations_queue_past_capacity_pooled_ones_do_not() {
+    let (mut g, now) = group();
+    g.apply_msgs(1, vec![hello(0, 10, 1)], S1, now, 0);
+    let (acc, _) = g.reserve_msgs(vec![res("a", 0, 10, 100)], now);
+    assert_eq!(acc.len(), 1);
+    // the worker is full: a pooled policy's reservation is refused ...
+    let (_, rej) = g.reserve_msgs(vec![res("b", 0, 10, 50)], now);
+    assert_eq!(R::try_from(rej[0].reason).unwrap(), R::WorkerFull);
+    // ... an on-arrival policy's is accepted: the request waits in the rank's queue
+    let queued = ValidReservation {
+        queue_if_full: true,
+        ..res("c", 0, 10, 50)
+    };
+    let (acc, rej) = g.reserve_msgs(vec![queued], now);
+    assert_eq!((acc, rej.len()), (vec!["c".to_string()], 0));
+    assert_eq!(load(&g, 0), 150);
+}
+
+#[test]
+fn reservations_count_at_once_expire_after_the_ttl_unless_reported() {
+    let (mut g, now) = group();
+    g.apply_msgs(1, vec![hello(0, 10, 2), hello(1, 11, 4)], S1, now, 0);
+    let (acc, rej) = g.reserve_msgs(vec![res("a", 0, 10, 100), res("b", 0, 10, 10)], now);
+    assert_eq!((acc.len(), rej.len(), load(&g, 0)), (2, 0, 110));
+    let v = g.version();
+    // idempotent repeat: accepted, no new version
+    let (acc, _) = g.reserve_msgs(vec![res("a", 0, 10, 100)], now);
+    assert_eq!((acc, g.version()), (vec!["a".to_string()], v));
+    let (_, rej) = g.reserve_msgs(
+        vec![
+            res("c", 0, 10, 1),   // full (2 of 2)
+            res("a", 1, 11, 1),   // on another worker
+            res("d", 5, 1, 1),    // unknown worker
+            res("e", 1, 99, 1),   // stale incarnation
+            res("f", 4000, 1, 1), // above the core's limit
+        ],
+        now,
+    );
+    let got: Vec<R> = rej.iter().map(|r| R::try_from(r.reason).unwrap()).collect();
+    assert_eq!(
+        got,
+        vec![
+            R::WorkerFull,
+            R::Duplicate,
+            R::UnknownWorker,
+            R::StaleIncarnation,
+            R::UnknownWorker
+        ]
+    );
+    assert_eq!(g.version(), v);
+    // "b" gets telemetry: it stays; "a" expires at the TTL
+    g.apply_msgs(2, vec![prog(0, 10, "b", 10, 1, false)], S1, now, 0);
+    g.tick(now + Duration::from_secs(9));
+    assert!(g.sigma().request("a").is_some());
+    g.tick(now + Duration::from_secs(10));
+    assert!(g.sigma().request("a").is_none());
+    assert!(g.sigma().request("b").is_some());
+    assert_eq!(load(&g, 0), 11);
+    assert_eq!(g.metrics.expired.get(), 1);
+    // release: only reserved ones
+    g.reserve_msgs(vec![res("x", 1, 11, 5)], now);
+    let released = g.release(
+        &[
+            RequestId::new("x").unwrap(),
+            RequestId::new("b").unwrap(),
+            RequestId::new("nope").unwrap(),
+        ],
+        now,
+    );
+    assert_eq!(released.released, 1);
+    assert!(g.sigma().request("b").is_some());
+}

@@ -1,0 +1,287 @@
+//! Watchers: who follows σ, and what brings each one up to date.
+//!
+//! Owns the subscribers' bounded queues (never waited on: a full one makes its watcher lag,
+//! and it gets a SLOW_CONSUMER reset and a snapshot once it has room), the bounded history of
+//! deltas a resuming watcher catches up from (merged into few messages), the reset that
+//! answers a position it cannot resume from, the cached snapshot of the current version, and
+//! progress marks after `progress_interval` without a delta. It never changes σ; it reads it.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use br_proto::v1;
+use br_sigma::{Delta, Sigma};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::time::Instant;
+
+use super::Settings;
+use crate::metrics::GroupMetrics;
+
+/// What one watcher's queue carries; the Watch stream turns it into a `WatchEvent`
+/// (`crate::wire`). Deltas and snapshots are shared by every watcher (one allocation each).
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// The whole σ at one version.
+    Snapshot(Arc<v1::ClusterSnapshot>),
+    /// The changes from `prev_version` to `version` (one committed batch, or several merged).
+    Delta(Arc<Delta>),
+    /// Nothing changed for a while: σ is still at (epoch, version).
+    Progress { epoch: u64, version: u64 },
+    /// What the watcher holds cannot be brought up to date by deltas; a snapshot follows.
+    Reset {
+        reason: v1::ResetReason,
+        epoch: u64,
+        detail: Arc<str>,
+    },
+}
+
+/// A merged catch-up delta holds at most this many changes (then another one starts), so a
+/// resuming watcher gets a few bounded messages rather than thousands of small ones.
+pub const MERGE_MAX_CHANGES: usize = 4096;
+
+struct WatcherSlot {
+    tx: mpsc::Sender<Event>,
+    /// Its queue overflowed: deltas are dropped for it until it has room for a reset and a
+    /// snapshot.
+    lagging: bool,
+}
+
+/// The watchers of one group and the deltas kept for them.
+pub(super) struct Watchers {
+    /// Deltas kept for resumption (at most `history_len`), oldest first.
+    pub(super) history: VecDeque<Event>,
+    history_len: usize,
+    /// Events queued per watcher before it lags.
+    queue: usize,
+    progress_interval: Duration,
+    /// The snapshot event of the current version, built once for every watcher that needs it.
+    snapshot: Option<Event>,
+    slots: Vec<WatcherSlot>,
+    /// When the last delta or progress mark went out.
+    last_sent: Instant,
+}
+
+impl Watchers {
+    pub(super) fn new(settings: &Settings, now: Instant) -> Watchers {
+        Watchers {
+            history: VecDeque::new(),
+            history_len: settings.history,
+            queue: settings.watcher_queue,
+            progress_interval: settings.progress_interval,
+            snapshot: None,
+            slots: Vec::new(),
+            last_sent: now,
+        }
+    }
+
+    pub(super) fn count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Ends every watcher's stream.
+    pub(super) fn drop_all(&mut self, metrics: &GroupMetrics) {
+        self.slots.clear();
+        metrics.watchers.set(0);
+    }
+
+    /// Registers a watcher holding (epoch, last_version) of `sigma` and returns its queue,
+    /// already holding what brings it up to date (see `Snapshot.Watch`).
+    pub(super) fn subscribe(
+        &mut self,
+        sigma: &Sigma,
+        metrics: &GroupMetrics,
+        epoch: u64,
+        last_version: u64,
+    ) -> mpsc::Receiver<Event> {
+        use v1::ResetReason as R;
+        let current = sigma.version();
+        let mut initial: Vec<Event> = Vec::new();
+        let reset = if epoch == 0 {
+            None
+        } else if epoch != sigma.epoch() {
+            Some(R::UnknownEpoch)
+        } else if last_version > current {
+            Some(R::FutureVersion)
+        } else if last_version == current {
+            None
+        } else {
+            match self.catch_up(last_version) {
+                Some(deltas) => {
+                    initial = deltas;
+                    None
+                }
+                None => Some(R::HistoryTruncated),
+            }
+        };
+        if let Some(reason) = reset {
+            let detail = format!("watcher held {epoch}@{last_version}");
+            metrics.reset(reason);
+            tracing::debug!(group = %sigma.group(), ?reason, detail, "watcher reset");
+            initial.push(reset_event(reason, sigma.epoch(), detail));
+        }
+        if epoch == 0 || reset.is_some() {
+            initial.push(self.snapshot_event(sigma));
+        }
+        let (tx, rx) = mpsc::channel(self.queue.max(2) + initial.len());
+        for ev in initial {
+            // Cannot fail: the channel was sized for it and nobody reads yet.
+            let _ = tx.try_send(ev);
+        }
+        self.slots.push(WatcherSlot { tx, lagging: false });
+        metrics.watchers.set(self.slots.len() as i64);
+        rx
+    }
+
+    /// Records a committed delta of `sigma` and sends it to every watcher that keeps up.
+    pub(super) fn publish(
+        &mut self,
+        d: Delta,
+        sigma: &Sigma,
+        metrics: &GroupMetrics,
+        now: Instant,
+    ) {
+        let ev = Event::Delta(Arc::new(d));
+        self.snapshot = None;
+        if self.history_len > 0 {
+            if self.history.len() >= self.history_len {
+                self.history.pop_front();
+            }
+            self.history.push_back(ev.clone());
+        }
+        // Lagging watchers skip this delta; then those with room get a snapshot that already
+        // contains it (in the other order they would get the snapshot and then this delta).
+        self.broadcast(&ev, metrics);
+        self.serve_lagging(sigma, metrics);
+        self.last_sent = now;
+    }
+
+    /// What time does to watchers: lagging ones that have room again are reset, a progress
+    /// mark goes out when nothing was sent for the progress interval, closed ones are dropped.
+    pub(super) fn tick(&mut self, sigma: &Sigma, metrics: &GroupMetrics, now: Instant) {
+        self.serve_lagging(sigma, metrics);
+        if now.saturating_duration_since(self.last_sent) >= self.progress_interval {
+            let mark = Event::Progress {
+                epoch: sigma.epoch(),
+                version: sigma.version(),
+            };
+            self.broadcast(&mark, metrics);
+            self.last_sent = now;
+        }
+        self.slots.retain(|w| !w.tx.is_closed());
+        metrics.watchers.set(self.slots.len() as i64);
+    }
+
+    /// The held deltas after `last_version`, merged into few events; None if not all held.
+    fn catch_up(&self, last_version: u64) -> Option<Vec<Event>> {
+        let first = delta_of(self.history.front()?)?.prev_version;
+        if last_version < first {
+            return None;
+        }
+        let skip = usize::try_from(last_version - first).ok()?;
+        let mut out = Vec::new();
+        let mut chunk: Vec<&Event> = Vec::new();
+        let mut count = 0;
+        for ev in self.history.iter().skip(skip) {
+            let n = delta_of(ev).map_or(0, |d| d.changes.len());
+            if !chunk.is_empty() && count + n > MERGE_MAX_CHANGES {
+                out.push(merge(&chunk));
+                chunk.clear();
+                count = 0;
+            }
+            chunk.push(ev);
+            count += n;
+        }
+        if !chunk.is_empty() {
+            out.push(merge(&chunk));
+        }
+        Some(out)
+    }
+
+    fn snapshot_event(&mut self, sigma: &Sigma) -> Event {
+        if let Some(s) = &self.snapshot {
+            return s.clone();
+        }
+        let ev = Event::Snapshot(Arc::new(sigma.to_snapshot()));
+        self.snapshot = Some(ev.clone());
+        ev
+    }
+
+    /// Sends `ev` to every watcher that is not lagging; one whose queue is full starts
+    /// lagging (it is never waited for), a closed one is dropped.
+    fn broadcast(&mut self, ev: &Event, metrics: &GroupMetrics) {
+        self.slots.retain_mut(|w| {
+            if w.lagging {
+                return !w.tx.is_closed();
+            }
+            match w.tx.try_send(ev.clone()) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_)) => {
+                    w.lagging = true;
+                    true
+                }
+                Err(TrySendError::Closed(_)) => false,
+            }
+        });
+        metrics.watchers.set(self.slots.len() as i64);
+    }
+
+    /// A lagging watcher with room for two events gets a SLOW_CONSUMER reset and a fresh
+    /// snapshot, and follows deltas again.
+    fn serve_lagging(&mut self, sigma: &Sigma, metrics: &GroupMetrics) {
+        if !self.slots.iter().any(|w| w.lagging && w.tx.capacity() >= 2) {
+            return;
+        }
+        let snap = self.snapshot_event(sigma);
+        let mut resets = 0;
+        for w in &mut self.slots {
+            if w.lagging && w.tx.capacity() >= 2 {
+                resets += 1;
+                w.lagging = false;
+                let reset = reset_event(
+                    v1::ResetReason::SlowConsumer,
+                    sigma.epoch(),
+                    "the watcher's queue overflowed; deltas were dropped".into(),
+                );
+                let _ = w.tx.try_send(reset);
+                let _ = w.tx.try_send(snap.clone());
+            }
+        }
+        for _ in 0..resets {
+            metrics.reset(v1::ResetReason::SlowConsumer);
+        }
+    }
+}
+
+fn reset_event(reason: v1::ResetReason, epoch: u64, detail: String) -> Event {
+    Event::Reset {
+        reason,
+        epoch,
+        detail: detail.into(),
+    }
+}
+
+fn delta_of(ev: &Event) -> Option<&Delta> {
+    match ev {
+        Event::Delta(d) => Some(d),
+        _ => None,
+    }
+}
+
+/// One delta from consecutive ones (the first's prev_version to the last's version).
+fn merge(chunk: &[&Event]) -> Event {
+    if let [one] = chunk {
+        return (*one).clone();
+    }
+    let ds: Vec<&Delta> = chunk.iter().filter_map(|e| delta_of(e)).collect();
+    let (Some(first), Some(last)) = (ds.first(), ds.last()) else {
+        return chunk[0].clone();
+    };
+    Event::Delta(Arc::new(Delta {
+        epoch: first.epoch,
+        prev_version: first.prev_version,
+        version: last.version,
+        changes: ds.iter().flat_map(|d| d.changes.iter().cloned()).collect(),
+    }))
+}
