@@ -47,11 +47,33 @@ impl Pool {
 
     /// Adds a request at the back. A key already waiting is refused (nothing changes).
     pub fn push(&mut self, entry: PoolEntry) -> Result<(), CoreError> {
+        let seq = self.next_seq;
+        self.insert(entry, seq)?;
+        self.next_seq += 1;
+        Ok(())
+    }
+
+    /// The arrival position of a waiting request (what [`Pool::push_at`] takes back).
+    pub fn position(&self, key: RequestKey) -> Option<u64> {
+        self.seq_of.get(&key).copied()
+    }
+
+    /// Puts a request back at an arrival position it held before (a reservation that another
+    /// decider's won: it rejoins the pool where it was, not at the back). A key already waiting
+    /// or a position already taken is refused (nothing changes).
+    pub fn push_at(&mut self, entry: PoolEntry, position: u64) -> Result<(), CoreError> {
+        if self.by_arrival.contains_key(&position) {
+            return Err(CoreError::DuplicateRequest(entry.key));
+        }
+        self.insert(entry, position)?;
+        self.next_seq = self.next_seq.max(position + 1);
+        Ok(())
+    }
+
+    fn insert(&mut self, entry: PoolEntry, seq: u64) -> Result<(), CoreError> {
         if self.seq_of.contains_key(&entry.key) {
             return Err(CoreError::DuplicateRequest(entry.key));
         }
-        let seq = self.next_seq;
-        self.next_seq += 1;
         self.seq_of.insert(entry.key, seq);
         self.by_size.insert((entry.prompt_tokens, seq));
         self.by_arrival.insert(seq, entry);
@@ -112,6 +134,28 @@ mod tests {
             prompt_hash: None,
             oracle_output: None,
         }
+    }
+
+    #[test]
+    fn a_request_put_back_rejoins_at_its_arrival_position() {
+        let mut p = Pool::new();
+        for (k, s) in [(1, 500), (2, 100), (3, 900)] {
+            p.push(e(k, s)).unwrap();
+        }
+        let pos = p.position(2).unwrap();
+        let taken = p.remove(2).unwrap();
+        p.push(e(4, 10)).unwrap();
+        p.push_at(taken, pos).unwrap();
+        let keys: Vec<_> = p.oldest(4).map(|e| e.key).collect();
+        assert_eq!(keys, vec![1, 2, 3, 4]);
+        // the position is taken now, and the key waits already
+        assert!(p.push_at(e(9, 1), pos).is_err());
+        assert!(p.push_at(e(2, 1), 99).is_err());
+        assert_eq!(p.len(), 4);
+        // later pushes go after every position used
+        p.push_at(e(5, 1), 50).unwrap();
+        p.push(e(6, 1)).unwrap();
+        assert_eq!(p.oldest(6).last().unwrap().key, 6);
     }
 
     #[test]

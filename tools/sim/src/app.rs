@@ -7,7 +7,7 @@ use anyhow::Context as _;
 
 use crate::calibrate;
 use crate::cli::{Arrival, CalibrateArgs, Command, RunArgs, SweepArgs, Workload};
-use crate::engine::{EngineConfig, RunOutcome, simulate};
+use crate::engine::{ControlPlane, EngineConfig, RunOutcome, simulate_deciders};
 use crate::plot::{LoadSeries, ScalingPoint, plot_scaling, plot_worker_loads};
 use crate::report::{Report, RunReport, SteadyExtra, is_baseline, render_table};
 use crate::spec::{PolicySpec, parse_spec, parse_sweep_param, set_param};
@@ -42,6 +42,10 @@ fn engine_config(args: &RunArgs, workers: u32, record_loads: bool) -> EngineConf
         step_a: args.step_a,
         step_b: args.step_b,
         record_loads,
+        control: ControlPlane {
+            telemetry_lag_steps: args.telemetry_lag_steps,
+            deciders: args.deciders,
+        },
     }
 }
 
@@ -52,11 +56,20 @@ pub fn run_one(
     label: &str,
     cfg: &EngineConfig,
 ) -> anyhow::Result<RunOutcome> {
-    let mut policy = br_core::build_policy(&spec.config)
+    let mut policies = (0..cfg.control.deciders.max(1))
+        .map(|_| br_core::build_policy(&spec.config))
+        .collect::<Result<Vec<_>, _>>()
         .with_context(|| format!("building policy {}", spec.label))?;
-    let out = simulate(&w.requests, policy.as_mut(), label, cfg)?;
+    let mut refs: Vec<&mut dyn br_core::Policy> =
+        policies.iter_mut().map(|p| p.as_mut() as _).collect();
+    let out = simulate_deciders(&w.requests, &mut refs, label, cfg)?;
+    let refused = if cfg.control.deciders > 1 {
+        format!("  {} reservations refused", out.refused_reservations)
+    } else {
+        String::new()
+    };
     eprintln!(
-        "  {:<24} G={:<3} {:>7} steps  {:>8.1} ms wall  ({:.1} ns per step·worker)",
+        "  {:<24} G={:<3} {:>7} steps  {:>8.1} ms wall  ({:.1} ns per step·worker){refused}",
         label,
         cfg.workers,
         out.report.steps,
@@ -84,9 +97,17 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         Arrival::Trace => format!("trace timestamps x{}", args.rate_scale),
         Arrival::Poisson => format!("poisson {}/s", args.rate.unwrap_or(0.0)),
     };
+    let control = if args.telemetry_lag_steps > 0 || args.deciders > 1 {
+        format!(
+            " control plane: {} decider(s), telemetry lag {} step(s)",
+            args.deciders, args.telemetry_lag_steps
+        )
+    } else {
+        String::new()
+    };
     format!(
         "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts\n\
-         G={} B={} arrival={} step T = {:e}·max L + {} ms",
+         G={} B={} arrival={} step T = {:e}·max L + {} ms{}",
         w.name,
         s.requests,
         s.mean_prompt,
@@ -100,7 +121,8 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         args.slots,
         arrival,
         args.step_a,
-        args.step_b
+        args.step_b,
+        control
     )
 }
 
@@ -525,6 +547,7 @@ mod tests {
             wall: Duration::ZERO,
             steady_fluid_tok_s: 0.0,
             steady_imbalance: 0.0,
+            refused_reservations: 0,
         };
         assert_eq!(
             load_window(&[out(10_000, 0..5000), out(9000, 100..6000)]),

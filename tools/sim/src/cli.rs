@@ -111,6 +111,15 @@ pub struct RunArgs {
     /// b: fixed step overhead, in ms.
     #[arg(long, default_value_t = 30.0)]
     pub step_b: f64,
+    /// d: deciders see worker progress this many steps late (telemetry -> σ -> replica); their
+    /// own and each other's reservations are not delayed. 0 is the paper's ideal view.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub telemetry_lag_steps: u32,
+    /// K: decision replicas routing at once, each with its own pool; they see each other's
+    /// reservations one step late, and a reservation that finds its worker full rejoins its
+    /// pool at its arrival position.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub deciders: u32,
 }
 
 /// Flags of `sweep`.

@@ -55,6 +55,41 @@ pub struct EngineConfig {
     pub step_b: f64,
     /// Keep the per-step per-worker loads (for the load figure).
     pub record_loads: bool,
+    /// How the control plane sees the group (ideal: one decider with a perfect view).
+    pub control: ControlPlane,
+}
+
+/// The control plane as deployed, not as idealised: telemetry reaches the deciders late, and
+/// several deciders (decision replicas) route at once. [`ControlPlane::IDEAL`] is the paper's
+/// model (and what every figure used before this was added).
+///
+/// * `telemetry_lag_steps` = d: a decider's σ shows worker progress (tokens written, requests
+///   finished, requests started) as it was d steps ago. Reservations are not lagged: σ learns
+///   them from the `Reserve` call itself, so every reservation made since then is in the view,
+///   as a reservation (its prompt counts; its progress is unknown).
+/// * `deciders` = K: arrivals are spread round-robin over K deciders, each with its own pool
+///   (or, for on-arrival policies, its own routing) and its own view; a decider sees the others'
+///   reservations of the same step only at the next step (one `Reserve` round trip). A pooled
+///   admission that finds its worker full when it reaches σ is refused and rejoins its decider's
+///   pool at its arrival position, as the snapshot service's serialised `Reserve` would do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlPlane {
+    pub telemetry_lag_steps: u32,
+    pub deciders: u32,
+}
+
+impl ControlPlane {
+    /// One decider, no lag.
+    pub const IDEAL: ControlPlane = ControlPlane {
+        telemetry_lag_steps: 0,
+        deciders: 1,
+    };
+}
+
+impl Default for ControlPlane {
+    fn default() -> Self {
+        ControlPlane::IDEAL
+    }
 }
 
 /// Errors of a simulation run.
@@ -113,6 +148,9 @@ pub struct RunOutcome {
     /// Mean of max − min load over the steady-state steps (the whole-run figure when nothing
     /// waited): the imbalance a router controls, without the drain at the end of the trace.
     pub steady_imbalance: f64,
+    /// Pooled admissions refused because another decider filled the worker first (always 0
+    /// with one decider).
+    pub refused_reservations: u64,
 }
 
 impl RunOutcome {
@@ -125,24 +163,45 @@ impl RunOutcome {
     }
 }
 
-/// Simulates one policy over `requests` (any order; arrival times `None` count as 0).
+/// Simulates one policy over `requests` (any order; arrival times `None` count as 0) with one
+/// decider.
 pub fn simulate(
     requests: &[TraceRequest],
     policy: &mut dyn Policy,
     label: &str,
     cfg: &EngineConfig,
 ) -> Result<RunOutcome, SimError> {
+    simulate_deciders(requests, &mut [policy], label, cfg)
+}
+
+/// Simulates `cfg.control.deciders` deciders, one policy instance each (built from the same
+/// config; `policies.len()` must equal K).
+pub fn simulate_deciders(
+    requests: &[TraceRequest],
+    policies: &mut [&mut dyn Policy],
+    label: &str,
+    cfg: &EngineConfig,
+) -> Result<RunOutcome, SimError> {
     let started = Instant::now();
     let g = cfg.workers as usize;
     let n = requests.len();
+    let k_count = policies.len().max(1);
     let mut state = ClusterState::with_workers(&vec![cfg.slots; g]);
-    let mut pool = Pool::new();
-    let mode = policy.mode();
+    let mut pools: Vec<Pool> = (0..k_count).map(|_| Pool::new()).collect();
+    let mode = policies.first().map_or(Mode::OnArrival, |p| p.mode());
+    let ideal = cfg.control == ControlPlane::IDEAL && k_count == 1;
+    let mut views = Views::new(cfg.control.telemetry_lag_steps, k_count);
 
     // Arrival order (stable).
     let arrival = |i: usize| requests[i].arrival_ms.unwrap_or(0.0).max(0.0);
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&x, &y| arrival(x).total_cmp(&arrival(y)));
+    // arrival rank of each request: its decider (round-robin) and its pool position
+    let mut rank = vec![0u64; n];
+    for (r, &i) in order.iter().enumerate() {
+        rank[i] = r as u64;
+    }
+    let decider_of = |i: usize| (rank[i] % k_count as u64) as usize;
 
     let mut queues: Vec<VecDeque<u32>> = vec![VecDeque::new(); g];
     let mut queued_total = 0usize;
@@ -165,6 +224,7 @@ pub fn simulate(
     let mut queue_sum = 0.0f64;
     let mut finished = 0u64;
     let mut loads: Vec<u64> = Vec::new();
+    let mut refused = 0u64;
 
     let core_err = |step: u64| {
         move |source| SimError::Core {
@@ -175,6 +235,9 @@ pub fn simulate(
     };
 
     loop {
+        if !ideal {
+            views.begin_step(step, &state);
+        }
         // 1. arrivals
         while next < n && arrival(order[next]) <= now {
             let i = order[next];
@@ -186,10 +249,13 @@ pub fn simulate(
                 prompt_hash: r.prompt_hash,
                 oracle_output: Some(r.output_tokens),
             };
+            let k = decider_of(i);
             match mode {
-                Mode::Pooled => pool.push(entry).map_err(core_err(step))?,
+                Mode::Pooled if ideal => pools[0].push(entry).map_err(core_err(step))?,
+                Mode::Pooled => pools[k].push_at(entry, rank[i]).map_err(core_err(step))?,
                 Mode::OnArrival => {
-                    let w = policy.route(&entry, &state);
+                    let view = if ideal { &state } else { views.view(k) };
+                    let w = policies[k].route(&entry, view);
                     let Some(w) = w.filter(|&w| (w as usize) < g) else {
                         return Err(SimError::BadRoute {
                             policy: label.to_string(),
@@ -198,19 +264,25 @@ pub fn simulate(
                             workers: cfg.workers,
                         });
                     };
-                    state
-                        .reserve(queued_info(&entry, w))
-                        .map_err(core_err(step))?;
+                    let info = queued_info(&entry, w);
+                    if !ideal {
+                        views.admitted(k, step, &info);
+                    }
+                    state.reserve(info).map_err(core_err(step))?;
                     queues[w as usize].push_back(i as u32);
                     queued_total += 1;
                 }
             }
         }
 
-        // 2. pooled batch admission
-        if mode == Mode::Pooled && !pool.is_empty() {
+        // 2. pooled batch admission, one per decider, each against its own view
+        for (k, (policy, pool)) in policies.iter_mut().zip(pools.iter_mut()).enumerate() {
+            if mode != Mode::Pooled || pool.is_empty() {
+                continue;
+            }
             admissions.clear();
-            policy.dispatch(&mut pool, &state, &mut admissions);
+            let view = if ideal { &state } else { views.view(k) };
+            policy.dispatch(pool, view, &mut admissions);
             for a in &admissions {
                 let i = a.key as usize;
                 if i >= n || (a.worker as usize) >= g {
@@ -228,9 +300,19 @@ pub fn simulate(
                     prompt_hash: r.prompt_hash,
                     oracle_output: Some(r.output_tokens),
                 };
-                state
-                    .reserve(queued_info(&entry, a.worker))
-                    .map_err(core_err(step))?;
+                let info = queued_info(&entry, a.worker);
+                if !ideal {
+                    // σ serialises reservations: one for a worker another decider filled
+                    // first is refused and rejoins this decider's pool where it was.
+                    let full = state.worker(a.worker).is_none_or(|w| w.free_slots() == 0);
+                    if full {
+                        refused += 1;
+                        pool.push_at(entry, rank[i]).map_err(core_err(step))?;
+                        continue;
+                    }
+                    views.admitted(k, step, &info);
+                }
+                state.reserve(info).map_err(core_err(step))?;
                 queues[a.worker as usize].push_back(i as u32);
                 queued_total += 1;
             }
@@ -249,7 +331,8 @@ pub fn simulate(
             }
         }
         // Steady state: requests are left waiting (pool or local queues) after admission.
-        let waiting = queued_total > 0 || !pool.is_empty();
+        let pooled: usize = pools.iter().map(Pool::len).sum();
+        let waiting = queued_total > 0 || pooled > 0;
 
         let total_running: u32 = running.iter().sum();
         if total_running == 0 {
@@ -257,13 +340,13 @@ pub fn simulate(
                 now = now.max(arrival(order[next]));
                 continue;
             }
-            if pool.is_empty() && queued_total == 0 {
+            if pooled == 0 && queued_total == 0 {
                 break;
             }
             return Err(SimError::Stuck {
                 policy: label.to_string(),
                 step,
-                pool: pool.len(),
+                pool: pooled,
             });
         }
 
@@ -309,7 +392,9 @@ pub fn simulate(
             let info = state.remove(u64::from(i)).map_err(core_err(step))?;
             running[info.worker as usize] -= 1;
             let r = &requests[i as usize];
-            policy.observe_finished(r.prompt_hash, r.output_tokens);
+            for policy in policies.iter_mut() {
+                policy.observe_finished(r.prompt_hash, r.output_tokens);
+            }
             finished += 1;
             if r.output_tokens > 1 {
                 tpot.push((now - first_ms[i as usize]) / f64::from(r.output_tokens - 1));
@@ -363,6 +448,7 @@ pub fn simulate(
             first_wait..last_wait
         },
         wall: started.elapsed(),
+        refused_reservations: refused,
         steady_imbalance: if steady_steps > 0 {
             steady_imb / steady_steps as f64
         } else {
@@ -374,6 +460,63 @@ pub fn simulate(
             rate(tokens, fluid_ms)
         },
     })
+}
+
+/// What the deciders see (see [`ControlPlane`]): the true σ of `lag` steps ago, every
+/// reservation made since, and each decider's own reservations of this step.
+struct Views {
+    lag: usize,
+    /// The true state at the start of each of the last `lag + 1` steps, oldest first.
+    history: VecDeque<ClusterState>,
+    /// Reservations (by any decider) with the step they were made in, oldest first.
+    log: VecDeque<(u64, RequestInfo)>,
+    views: Vec<ClusterState>,
+}
+
+impl Views {
+    fn new(lag: u32, deciders: usize) -> Views {
+        Views {
+            lag: lag as usize,
+            history: VecDeque::new(),
+            log: VecDeque::new(),
+            views: vec![ClusterState::new(); deciders],
+        }
+    }
+
+    fn begin_step(&mut self, step: u64, truth: &ClusterState) {
+        self.history.push_back(truth.clone());
+        while self.history.len() > self.lag + 1 {
+            self.history.pop_front();
+        }
+        let since = step.saturating_sub(self.lag as u64);
+        while self.log.front().is_some_and(|(s, _)| *s < since) {
+            self.log.pop_front();
+        }
+        let mut common = self
+            .history
+            .front()
+            .cloned()
+            .unwrap_or_else(|| truth.clone());
+        for (_, info) in &self.log {
+            if !common.contains(info.key) {
+                // refused only when the stale view shows its worker fenced, which the
+                // simulated group never is
+                let _ = common.reserve(info.clone());
+            }
+        }
+        for v in &mut self.views {
+            v.clone_from(&common);
+        }
+    }
+
+    fn view(&self, decider: usize) -> &ClusterState {
+        &self.views[decider]
+    }
+
+    fn admitted(&mut self, decider: usize, step: u64, info: &RequestInfo) {
+        let _ = self.views[decider].reserve(info.clone());
+        self.log.push_back((step, info.clone()));
+    }
 }
 
 fn queued_info(entry: &PoolEntry, worker: WorkerId) -> RequestInfo {
@@ -409,6 +552,7 @@ mod tests {
             step_a: a,
             step_b: b,
             record_loads: true,
+            control: ControlPlane::IDEAL,
         }
     }
 
@@ -416,6 +560,124 @@ mod tests {
         let spec = parse_spec(policy, 1).expect("spec");
         let mut p = br_core::build_policy(&spec.config).expect("build");
         simulate(reqs, p.as_mut(), policy, c).expect("simulate")
+    }
+
+    fn sim_plane(reqs: &[TraceRequest], policy: &str, c: &EngineConfig) -> RunOutcome {
+        let spec = parse_spec(policy, 1).expect("spec");
+        let mut ps: Vec<_> = (0..c.control.deciders)
+            .map(|_| br_core::build_policy(&spec.config).expect("build"))
+            .collect();
+        let mut refs: Vec<&mut dyn Policy> = ps.iter_mut().map(|p| p.as_mut() as _).collect();
+        simulate_deciders(reqs, &mut refs, policy, c).expect("simulate")
+    }
+
+    fn saturated(n: u32) -> Vec<TraceRequest> {
+        (0..n)
+            .map(|i| req(0.0, 100 + (i * 7919) % 3000, 1 + (i * 104_729) % 200))
+            .collect()
+    }
+
+    #[test]
+    fn two_deciders_collide_on_free_slots_and_the_refused_rejoin_their_pool() {
+        let reqs = saturated(400);
+        let mut c = cfg(4, 4, 2e-4, 30.0);
+        c.control = ControlPlane {
+            telemetry_lag_steps: 0,
+            deciders: 2,
+        };
+        for policy in ["br0", "brh", "jsq"] {
+            let out = sim_plane(&reqs, policy, &c);
+            // nothing lost, nothing run twice: every request finished exactly once
+            assert_eq!(out.report.requests, 400, "{policy}");
+            if policy.starts_with("br") {
+                // both pools see the same free slots at each step: some reservations collide
+                assert!(out.refused_reservations > 0, "{policy}");
+            } else {
+                assert_eq!(
+                    out.refused_reservations, 0,
+                    "on-arrival queues at the worker"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn telemetry_lag_loses_nothing_and_one_ideal_decider_is_the_plain_engine() {
+        let reqs = saturated(300);
+        let ideal = cfg(4, 8, 2e-4, 30.0);
+        for policy in ["br0", "brh", "jsq", "mintok"] {
+            let plain = sim(&reqs, policy, &ideal);
+            let via_planes = sim_plane(&reqs, policy, &ideal);
+            assert_eq!(plain.report, via_planes.report, "{policy}");
+            let mut lagged = ideal;
+            lagged.control.telemetry_lag_steps = 5;
+            let out = sim_plane(&reqs, policy, &lagged);
+            assert_eq!(out.report.requests, 300, "{policy}");
+            assert_eq!(
+                out.refused_reservations, 0,
+                "{policy}: a stale view only under-counts slots"
+            );
+            if policy == "br0" {
+                // a lagged view sees finishes and progress late: the same policy must decide
+                // differently somewhere (else the lag is not modelled at all)
+                assert_ne!(out.report, plain.report, "{policy}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_lagged_view_is_the_truth_of_lag_steps_ago_plus_every_reservation_since() {
+        let info = |key: u64, worker: u32| RequestInfo {
+            key,
+            worker,
+            prompt_tokens: 100,
+            generated: 0,
+            phase: Phase::Queued,
+            prompt_hash: None,
+            oracle_output: None,
+        };
+        let mut truth = ClusterState::with_workers(&[4, 4]);
+        let mut views = Views::new(2, 2);
+        // step 0: request 1 is running on worker 0
+        truth.reserve(info(1, 0)).unwrap();
+        truth.activate(1).unwrap();
+        views.begin_step(0, &truth);
+        views.admitted(0, 0, &info(2, 1));
+        truth.reserve(info(2, 1)).unwrap();
+        assert!(
+            views.view(0).contains(2),
+            "a decider sees its own reservation at once"
+        );
+        assert!(
+            !views.view(1).contains(2),
+            "the other decider sees it only next step"
+        );
+        truth.advance_step();
+        // step 1: request 1 has written one token, request 3 is reserved by decider 1
+        views.begin_step(1, &truth);
+        assert!(
+            views.view(1).contains(2),
+            "one step later every decider sees it"
+        );
+        views.admitted(1, 1, &info(3, 0));
+        truth.reserve(info(3, 0)).unwrap();
+        truth.advance_step();
+        truth.remove(1).unwrap(); // request 1 finishes
+        // step 2: with a lag of 2 the view is the truth of step 0 plus reservations 2 and 3
+        views.begin_step(2, &truth);
+        let v = views.view(0);
+        assert_eq!(v.get(1).map(|r| r.generated), Some(0), "progress lags");
+        assert!(v.contains(1), "the finish is not seen yet");
+        assert!(v.contains(2) && v.contains(3));
+        // step 4: the finish of step 1 is visible, reservations older than the lag come from
+        // the lagged truth itself
+        truth.advance_step();
+        views.begin_step(3, &truth);
+        truth.advance_step();
+        views.begin_step(4, &truth);
+        let v = views.view(1);
+        assert!(!v.contains(1));
+        assert!(v.contains(2) && v.contains(3));
     }
 
     #[test]
