@@ -223,7 +223,29 @@ impl TlsMaterial {
     /// A server config that requires a client certificate chained to the CA. `alpn`: the
     /// protocols served (`h2` for gRPC, `http/1.1` for the admin server).
     pub fn server_config(self: &Arc<Self>, alpn: &[&[u8]]) -> Arc<rustls::ServerConfig> {
-        let verifier = Arc::new(CurrentClientVerifier(self.clone()));
+        self.server_config_with(alpn, true)
+    }
+
+    /// A server config that asks for a client certificate and verifies one if given, but also
+    /// lets clients without one connect: for the admin port, whose `/livez` and `/readyz` a
+    /// kubelet probes without a certificate (the routes that reveal anything check the
+    /// identity themselves, see `admin`).
+    pub fn server_config_optional_client(
+        self: &Arc<Self>,
+        alpn: &[&[u8]],
+    ) -> Arc<rustls::ServerConfig> {
+        self.server_config_with(alpn, false)
+    }
+
+    fn server_config_with(
+        self: &Arc<Self>,
+        alpn: &[&[u8]],
+        mandatory: bool,
+    ) -> Arc<rustls::ServerConfig> {
+        let verifier = Arc::new(CurrentClientVerifier {
+            material: self.clone(),
+            mandatory,
+        });
         let builder = rustls::ServerConfig::builder_with_provider(self.provider.clone())
             .with_protocol_versions(rustls::DEFAULT_VERSIONS)
             .expect("the ring provider supports the default protocol versions");
@@ -280,7 +302,10 @@ impl rustls::client::ResolvesClientCert for CurrentCert {
 
 /// Verifies client chains against whatever CA bundle is current.
 #[derive(Debug)]
-struct CurrentClientVerifier(Arc<TlsMaterial>);
+struct CurrentClientVerifier {
+    material: Arc<TlsMaterial>,
+    mandatory: bool,
+}
 
 impl ClientCertVerifier for CurrentClientVerifier {
     fn offer_client_auth(&self) -> bool {
@@ -288,7 +313,7 @@ impl ClientCertVerifier for CurrentClientVerifier {
     }
 
     fn client_auth_mandatory(&self) -> bool {
-        true
+        self.mandatory
     }
 
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
@@ -302,7 +327,7 @@ impl ClientCertVerifier for CurrentClientVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        let g = self.0.generation();
+        let g = self.material.generation();
         g.client_verifier
             .verify_client_cert(end_entity, intermediates, now)
     }
@@ -317,7 +342,7 @@ impl ClientCertVerifier for CurrentClientVerifier {
             message,
             cert,
             dss,
-            &self.0.provider.signature_verification_algorithms,
+            &self.material.provider.signature_verification_algorithms,
         )
     }
 
@@ -331,12 +356,12 @@ impl ClientCertVerifier for CurrentClientVerifier {
             message,
             cert,
             dss,
-            &self.0.provider.signature_verification_algorithms,
+            &self.material.provider.signature_verification_algorithms,
         )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0
+        self.material
             .provider
             .signature_verification_algorithms
             .supported_schemes()
