@@ -237,7 +237,7 @@ impl Writer {
                             .reservations
                             .iter()
                             .map(|r| {
-                                self.metrics.reject("unknown_worker");
+                                self.metrics.reject(v1::RejectReason::UnknownWorker.label());
                                 v1::ReservationRejection {
                                     request_id: r.request_id.to_string(),
                                     reason: v1::RejectReason::UnknownWorker as i32,
