@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use br_client::assign::{AssignClient, AssignParams, RetryPolicy};
+use br_core::stats::quantile;
 use br_sim::cli::{Arrival, stamp_arrivals};
 use br_sim::synth::{self, SynthConfig, SynthKind};
 use br_sim::trace::{self, Filter, TraceRequest};
@@ -71,7 +72,9 @@ pub struct RequestResult {
     pub error: Option<String>,
 }
 
-/// Percentiles of one metric.
+/// Percentiles of one metric: exact, by br-core's nearest-rank definition, the one br-sim's
+/// report uses, because these are printed beside br-sim's prediction and must be the same
+/// statistic (a histogram's quantisation would show up as a disagreement).
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct Pct {
     pub p50: f64,
@@ -84,14 +87,9 @@ impl Pct {
         if v.is_empty() {
             return Pct::default();
         }
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| {
-            let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-            v[i]
-        };
         Pct {
-            p50: at(0.50),
-            p95: at(0.95),
+            p50: quantile(&mut v, 0.50),
+            p95: quantile(&mut v, 0.95),
             mean: v.iter().sum::<f64>() / v.len() as f64,
         }
     }

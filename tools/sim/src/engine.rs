@@ -36,10 +36,11 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 use br_core::dispatch::Admission;
+use br_core::stats::quantile;
 use br_core::{ClusterState, Mode, Phase, Policy, Pool, PoolEntry, RequestInfo, WorkerId};
 
 use crate::plot::LoadSeries;
-use crate::report::{RunReport, SteadyExtra, quantile};
+use crate::report::{RunReport, SteadyExtra};
 use crate::trace::TraceRequest;
 
 /// Engine parameters.
