@@ -581,6 +581,7 @@ mod tests {
             }
             steps += 1;
         }
+        // Nearest rank (br_core::stats's definition), computed independently on purpose.
         tpots.sort_by(f64::total_cmp);
         let q = |p: f64| tpots[((p * tpots.len() as f64).ceil() as usize).max(1) - 1];
         RunReport {
