@@ -1195,7 +1195,7 @@ impl GroupCore {
         now: Instant,
     ) {
         let reason = v1::RejectReason::try_from(reason).unwrap_or(v1::RejectReason::Unspecified);
-        self.metrics.reserve_failed(reject_label(reason), 1);
+        self.metrics.reserve_failed(reason.label(), 1);
         if self.local.remove(&key).is_some() {
             self.view.remove(key).ok();
         }
@@ -1376,19 +1376,6 @@ impl GroupCore {
         };
         self.metrics.sigma_staleness.set(staleness);
         self.metrics.pool_size.set(self.pool.len() as i64);
-    }
-}
-
-fn reject_label(r: v1::RejectReason) -> &'static str {
-    match r {
-        v1::RejectReason::Unspecified => "unspecified",
-        v1::RejectReason::UnknownWorker => "unknown_worker",
-        v1::RejectReason::WorkerFenced => "worker_fenced",
-        v1::RejectReason::StaleIncarnation => "stale_incarnation",
-        v1::RejectReason::Duplicate => "duplicate",
-        v1::RejectReason::WorkerFull => "worker_full",
-        v1::RejectReason::UnknownRequest => "unknown_request",
-        v1::RejectReason::Invalid => "invalid",
     }
 }
 

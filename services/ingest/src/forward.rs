@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use br_backoff::Backoff;
 use br_proto::v1;
 use br_proto::valid::GroupId;
 use br_runtime::admin::Readiness;
@@ -35,7 +36,9 @@ pub const MAX_INFLIGHT: u64 = 64;
 pub const INPUT_QUEUE: usize = 4096;
 /// Batches queued towards the Apply stream.
 const LINK_QUEUE: usize = 16;
+/// First delay before reconnecting the Apply stream (br-backoff's schedule, equal jitter).
 const BACKOFF_INITIAL: Duration = Duration::from_millis(50);
+/// Longest delay between reconnects.
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// The changes of one telemetry message.
@@ -295,7 +298,7 @@ async fn run_link(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
-    let mut delay = BACKOFF_INITIAL;
+    let mut backoff = Backoff::new(BACKOFF_INITIAL, BACKOFF_MAX);
     loop {
         if shutdown.is_cancelled() {
             return;
@@ -305,16 +308,15 @@ async fn run_link(
             () = shutdown.cancelled() => return,
         };
         if up {
-            delay = BACKOFF_INITIAL;
+            backoff.reset();
             if events.send(LinkEvent::Down).await.is_err() {
                 return;
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(delay) => {}
+            () = tokio::time::sleep(backoff.next_delay()) => {}
             () = shutdown.cancelled() => return,
         }
-        delay = (delay * 2).min(BACKOFF_MAX);
     }
 }
 

@@ -8,19 +8,18 @@
 //!   (the paper's I(k)), the same definitions as `br-sim`'s report.
 
 use br_core::ClusterState;
+use br_proto::v1::RejectReason;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 /// `reason` label values of `balanceroute_snapshot_rejected_total` created at start, so the
-/// family is exported before anything was rejected.
-pub const REJECT_REASONS: &[&str] = &[
-    "unknown_worker",
-    "worker_fenced",
-    "stale_incarnation",
-    "duplicate",
-    "worker_full",
-    "unknown_request",
-    "invalid",
-];
+/// family is exported before anything was rejected: every reject reason's label (br-proto's
+/// one map) except `unspecified`, which this service never sends.
+pub fn reject_reasons() -> impl Iterator<Item = &'static str> {
+    RejectReason::ALL
+        .into_iter()
+        .filter(|r| *r != RejectReason::Unspecified)
+        .map(RejectReason::label)
+}
 
 /// `reason` label values of `balanceroute_snapshot_watch_resets_total`.
 pub const RESET_REASONS: &[&str] = &[
@@ -142,8 +141,8 @@ impl Metrics {
             )?,
             registry: r,
         };
-        for reason in REJECT_REASONS {
-            m.rejected.with_label_values(&[*reason]);
+        for reason in reject_reasons() {
+            m.rejected.with_label_values(&[reason]);
         }
         Ok(m)
     }

@@ -45,7 +45,7 @@ impl SnapshotService {
     /// Counts and converts a whole-call failure.
     fn fail(&self, e: SnapshotError) -> Status {
         if matches!(e, SnapshotError::Invalid(_)) {
-            self.metrics.reject("invalid");
+            self.metrics.reject(v1::RejectReason::Invalid.label());
         }
         tracing::debug!(error = %e, reason = e.reason(), "call rejected");
         e.into()
@@ -172,7 +172,7 @@ impl SnapshotService {
         last_seq: &mut u64,
     ) -> Result<v1::ApplyAck, SnapshotError> {
         let whole = |detail: String, n: usize| {
-            self.metrics.reject("invalid");
+            self.metrics.reject(v1::RejectReason::Invalid.label());
             v1::ApplyAck {
                 batch_seq: batch.batch_seq,
                 epoch: self.writer.epoch(),

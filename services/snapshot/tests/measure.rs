@@ -10,6 +10,7 @@ use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change as tc;
 use br_proto::v1::watch_event::Kind as Ev;
+use hdrhistogram::Histogram;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -41,9 +42,18 @@ fn batch(seq: u64, step: u32) -> v1::ChangeBatch {
     }
 }
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
+/// The latencies in an hdrhistogram (nanoseconds up to an hour, 3 significant digits).
+fn histogram(lat: &[Duration]) -> Histogram<u64> {
+    let mut h = Histogram::new_with_bounds(1, 3_600_000_000_000, 3).unwrap();
+    for d in lat {
+        h.saturating_record(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    }
+    h
+}
+
+/// The `p`-quantile (nearest rank, hdrhistogram's buckets).
+fn pct(h: &Histogram<u64>, p: f64) -> Duration {
+    Duration::from_nanos(h.value_at_quantile(p))
 }
 
 /// Sends `n` batches (paced every `every`, or as fast as the stream takes them), returns
@@ -141,12 +151,11 @@ async fn run(
         Ok(Ok(g)) => g,
         _ => HashMap::new(),
     };
-    let mut lat: Vec<Duration> = versions
+    let lat: Vec<Duration> = versions
         .iter()
         .zip(&sent)
         .filter_map(|(v, s)| got.get(v).map(|r| r.saturating_duration_since(*s)))
         .collect();
-    lat.sort();
     (elapsed, lat)
 }
 
@@ -168,6 +177,7 @@ async fn apply_throughput_and_telemetry_to_watcher_latency() {
 
     let n = 2000;
     let (elapsed, lat) = run(&url, 1, n, None).await;
+    let lat = histogram(&lat);
     let events = (n * per_batch) as f64 / elapsed.as_secs_f64();
     println!(
         "saturated: {n} batches x {per_batch} progress changes in {elapsed:?}: {:.0} batches/s, {events:.0} changes/s; send->watcher p50 {:?} p99 {:?} (includes queueing)",
@@ -179,11 +189,12 @@ async fn apply_throughput_and_telemetry_to_watcher_latency() {
     // 100k progress events/s: one 512-change batch every 5 ms
     let n = 1000;
     let (_, lat) = run(&url, 10_000, n, Some(Duration::from_millis(5))).await;
+    let lat = histogram(&lat);
     println!(
         "paced 100k changes/s ({per_batch} per 5 ms batch): send->watcher p50 {:?} p99 {:?} max {:?} ({} samples)",
         pct(&lat, 0.5),
         pct(&lat, 0.99),
-        lat.last().unwrap(),
+        Duration::from_nanos(lat.max()),
         lat.len()
     );
     shutdown.cancel();
@@ -207,11 +218,12 @@ async fn apply_throughput_and_telemetry_to_watcher_latency() {
     let url = format!("http://{addr}");
     let n = 1000;
     let (_, lat) = run(&url, 1, n, Some(Duration::from_millis(5))).await;
+    let lat = histogram(&lat);
     println!(
         "paced, TCP_NODELAY on the server: send->watcher p50 {:?} p99 {:?} max {:?} ({} samples)",
         pct(&lat, 0.5),
         pct(&lat, 0.99),
-        lat.last().unwrap(),
+        Duration::from_nanos(lat.max()),
         lat.len()
     );
     shutdown.cancel();

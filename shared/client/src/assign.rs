@@ -51,7 +51,6 @@ use std::time::{Duration, Instant};
 
 use br_proto::v1;
 use br_proto::v1::decision_client::DecisionClient;
-use rand::Rng as _;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
@@ -227,8 +226,8 @@ impl AssignError {
     }
 }
 
-/// Backoff between retries: `initial`, doubling up to `max`, each with ±50% jitter, and never
-/// past the deadline.
+/// Backoff between retries: `initial`, doubling up to `max`, each drawn with br-backoff's equal
+/// jitter (in [d/2, d], so never above `max`), and never past the deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     pub initial_backoff: Duration,
@@ -248,13 +247,14 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The pause after the `attempt`-th failed call (1-based).
     fn backoff(&self, attempt: u32) -> Duration {
-        let exp = self
-            .initial_backoff
-            .saturating_mul(1u32 << attempt.saturating_sub(1).min(16))
-            .min(self.max_backoff);
-        let jitter = rand::rng().random_range(0.5..1.5);
-        exp.mul_f64(jitter)
+        br_backoff::delay(
+            self.initial_backoff,
+            self.max_backoff,
+            attempt.saturating_sub(1),
+            &mut rand::rng(),
+        )
     }
 }
 
@@ -646,11 +646,18 @@ mod tests {
     }
 
     #[test]
-    fn backoff_is_capped_and_grows() {
+    fn backoff_starts_at_initial_and_never_exceeds_max() {
         let p = RetryPolicy::default();
-        for attempt in 1..40 {
-            assert!(p.backoff(attempt) <= p.max_backoff.mul_f64(1.5));
+        // The first retry waits about `initial_backoff`, not twice it (attempt is 1-based).
+        let d = p.backoff(1);
+        assert!(
+            d >= p.initial_backoff / 2 && d <= p.initial_backoff,
+            "{d:?}"
+        );
+        for attempt in 2..40 {
+            let d = p.backoff(attempt);
+            assert!(d <= p.max_backoff, "{attempt}: {d:?}");
         }
-        assert!(p.backoff(1) < p.backoff(20));
+        assert!(p.backoff(20) >= p.max_backoff / 2);
     }
 }

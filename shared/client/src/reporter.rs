@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
+use br_backoff::Backoff;
 use br_proto::ValidationError;
 use br_proto::v1;
 use br_proto::valid::{RequestId, ValidHello, limits};
@@ -45,7 +46,8 @@ pub const DEFAULT_MAX_PENDING: usize = 4096;
 pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_millis(5);
 /// Default idle period after which a `Heartbeat` is sent.
 pub const DEFAULT_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
-/// Default first reconnect delay (doubles up to [`DEFAULT_BACKOFF_MAX`]).
+/// Default first reconnect delay (doubles up to [`DEFAULT_BACKOFF_MAX`]; each delay is drawn
+/// with br-backoff's equal jitter).
 pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(50);
 /// Default longest reconnect delay.
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -550,35 +552,6 @@ impl Pending {
                 self.requests.remove(&id);
             }
         }
-    }
-}
-
-/// Exponential backoff with "equal jitter": half the delay fixed, half random.
-#[derive(Debug)]
-struct Backoff {
-    initial: Duration,
-    max: Duration,
-    current: Duration,
-}
-
-impl Backoff {
-    fn new(initial: Duration, max: Duration) -> Self {
-        Backoff {
-            initial,
-            max: max.max(initial),
-            current: initial,
-        }
-    }
-
-    fn reset(&mut self) {
-        self.current = self.initial;
-    }
-
-    fn next_delay(&mut self) -> Duration {
-        let d = self.current;
-        self.current = (self.current * 2).min(self.max);
-        let half = d / 2;
-        half + rand::rng().random_range(Duration::ZERO..=half)
     }
 }
 
@@ -1219,17 +1192,6 @@ mod tests {
             let h = Reporter::spawn(ok).unwrap();
             h.shutdown().await;
         });
-    }
-
-    #[test]
-    fn backoff_grows_with_jitter_and_resets() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(400));
-        let d: Vec<Duration> = (0..5).map(|_| b.next_delay()).collect();
-        assert!(d[0] >= Duration::from_millis(50) && d[0] <= Duration::from_millis(100));
-        assert!(d[1] >= Duration::from_millis(100) && d[1] <= Duration::from_millis(200));
-        assert!(d[4] >= Duration::from_millis(200) && d[4] <= Duration::from_millis(400));
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(100));
     }
 
     #[test]

@@ -54,7 +54,6 @@ use std::time::Duration;
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::watch_event::Kind;
-use rand::Rng as _;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -492,15 +491,18 @@ impl Task {
 }
 
 /// The delay before retry number `failures` (0 = the first retry after a healthy period:
-/// immediate). Exponential from `backoff_initial`, capped at `backoff_max`, drawn in [d/2, d].
+/// immediate). Then br-backoff's schedule: exponential from `backoff_initial`, capped at
+/// `backoff_max`, drawn in [d/2, d].
 fn backoff(cfg: &WatchConfig, failures: u32) -> Duration {
     if failures == 0 {
         return Duration::ZERO;
     }
-    let exp = 2u32.saturating_pow(failures.saturating_sub(1).min(20));
-    let d = cfg.backoff_initial.saturating_mul(exp).min(cfg.backoff_max);
-    let half = d / 2;
-    half + rand::rng().random_range(Duration::ZERO..=half)
+    br_backoff::delay(
+        cfg.backoff_initial,
+        cfg.backoff_max,
+        failures - 1,
+        &mut rand::rng(),
+    )
 }
 
 #[cfg(test)]
@@ -748,16 +750,18 @@ mod tests {
     }
 
     #[test]
-    fn backoff_is_capped_with_jitter() {
+    fn first_retry_is_immediate_then_the_schedule_starts_at_initial() {
         let cfg = WatchConfig::new("g");
         assert_eq!(backoff(&cfg, 0), Duration::ZERO);
-        for f in 1..40 {
+        let d = backoff(&cfg, 1);
+        assert!(
+            d >= cfg.backoff_initial / 2 && d <= cfg.backoff_initial,
+            "{d:?}"
+        );
+        for f in 2..40 {
             let d = backoff(&cfg, f);
-            let full = cfg
-                .backoff_initial
-                .saturating_mul(1 << (f - 1).min(20))
-                .min(cfg.backoff_max);
-            assert!(d >= full / 2 && d <= full, "{f}: {d:?}");
+            assert!(d <= cfg.backoff_max, "{f}: {d:?}");
         }
+        assert!(backoff(&cfg, 39) >= cfg.backoff_max / 2);
     }
 }

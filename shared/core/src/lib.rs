@@ -12,6 +12,8 @@
 //! * [`predict`]: termination predictors for BR-H (Survival, ExactMatch, Oracle).
 //! * [`policy`]: one [`policy::Policy`] trait, the baselines used by today's routers, and a
 //!   factory that builds any policy from a [`policy::PolicyConfig`] by name.
+//! * [`stats::quantile`]: the project's one percentile definition (nearest rank), shared by
+//!   the simulator's report and everything else that needs exact order statistics.
 
 #[doc(hidden)]
 pub mod bench_support;
@@ -22,6 +24,7 @@ pub mod pool;
 pub mod predict;
 pub mod score;
 pub mod state;
+pub mod stats;
 mod tree;
 
 pub use error::CoreError;

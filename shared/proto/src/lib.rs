@@ -17,6 +17,41 @@ pub mod v1 {
     tonic::include_proto!("balanceroute.v1");
 }
 
+/// The one map from reject reasons to the `reason` label of the services' rejection counters
+/// (`balanceroute_snapshot_rejected_total`, `balanceroute_decision_reserve_failures_total`).
+/// It lives beside the enum so every service counts a reason under the same name.
+impl v1::RejectReason {
+    /// Every value, in wire order (for pre-creating counter series; a test checks it is
+    /// complete).
+    pub const ALL: [v1::RejectReason; 8] = [
+        v1::RejectReason::Unspecified,
+        v1::RejectReason::UnknownWorker,
+        v1::RejectReason::WorkerFenced,
+        v1::RejectReason::StaleIncarnation,
+        v1::RejectReason::Duplicate,
+        v1::RejectReason::WorkerFull,
+        v1::RejectReason::UnknownRequest,
+        v1::RejectReason::Invalid,
+    ];
+
+    /// The metric label: the proto name without its `REJECT_REASON_` prefix, in lower case.
+    /// `Unspecified` (an unset or unknown value from a peer) keeps its own label instead of
+    /// being folded into `invalid`, so a peer that sends no reason is told apart from a change
+    /// that failed validation.
+    pub fn label(self) -> &'static str {
+        match self {
+            v1::RejectReason::Unspecified => "unspecified",
+            v1::RejectReason::UnknownWorker => "unknown_worker",
+            v1::RejectReason::WorkerFenced => "worker_fenced",
+            v1::RejectReason::StaleIncarnation => "stale_incarnation",
+            v1::RejectReason::Duplicate => "duplicate",
+            v1::RejectReason::WorkerFull => "worker_full",
+            v1::RejectReason::UnknownRequest => "unknown_request",
+            v1::RejectReason::Invalid => "invalid",
+        }
+    }
+}
+
 /// The encoded `FileDescriptorSet` of every BalanceRoute proto (with imports and source info),
 /// for `tonic_reflection::server::Builder::register_encoded_file_descriptor_set`.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
@@ -56,6 +91,27 @@ mod tests {
         ] {
             assert!(services.iter().any(|s| s == name), "{name} missing");
         }
+    }
+
+    #[test]
+    fn every_reject_reason_has_a_distinct_label_matching_its_proto_name() {
+        // ALL lists every value the enum decodes (a value added to the proto must be added).
+        let decodable: Vec<v1::RejectReason> = (0..64)
+            .filter_map(|i| v1::RejectReason::try_from(i).ok())
+            .collect();
+        assert_eq!(decodable, v1::RejectReason::ALL.to_vec());
+        let mut labels: Vec<&str> = v1::RejectReason::ALL.iter().map(|r| r.label()).collect();
+        for (r, l) in v1::RejectReason::ALL.iter().zip(&labels) {
+            // An independent derivation: the proto name, as Prometheus labels are spelled.
+            let from_proto = r
+                .as_str_name()
+                .strip_prefix("REJECT_REASON_")
+                .map(str::to_ascii_lowercase);
+            assert_eq!(from_proto.as_deref(), Some(*l), "{r:?}");
+        }
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), v1::RejectReason::ALL.len(), "{labels:?}");
     }
 
     #[test]

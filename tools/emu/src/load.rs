@@ -13,9 +13,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use br_client::assign::{AssignClient, AssignParams, RetryPolicy};
+use br_core::stats::quantile;
 use br_sim::cli::{Arrival, stamp_arrivals};
 use br_sim::synth::{self, SynthConfig, SynthKind};
 use br_sim::trace::{self, Filter, TraceRequest};
+use bytes::Bytes;
+use eventsource_stream::{Event, EventStreamError, Eventsource as _};
 use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
@@ -71,7 +74,9 @@ pub struct RequestResult {
     pub error: Option<String>,
 }
 
-/// Percentiles of one metric.
+/// Percentiles of one metric: exact, by br-core's nearest-rank definition, the one br-sim's
+/// report uses, because these are printed beside br-sim's prediction and must be the same
+/// statistic (a histogram's quantisation would show up as a disagreement).
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct Pct {
     pub p50: f64,
@@ -84,14 +89,9 @@ impl Pct {
         if v.is_empty() {
             return Pct::default();
         }
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| {
-            let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-            v[i]
-        };
         Pct {
-            p50: at(0.50),
-            p95: at(0.95),
+            p50: quantile(&mut v, 0.50),
+            p95: quantile(&mut v, 0.95),
             mean: v.iter().sum::<f64>() / v.len() as f64,
         }
     }
@@ -415,37 +415,28 @@ async fn stream(
             text.chars().take(200).collect::<String>()
         ));
     }
-    let mut body = resp.bytes_stream();
-    let mut buf: Vec<u8> = Vec::new();
+    let mut events = std::pin::pin!(sse_events(resp.bytes_stream()));
     let mut tokens = 0u32;
     let mut usage_tokens = None;
     let mut first = None;
     let mut last = None;
-    while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| format!("stream: {e}"))?;
+    while let Some(ev) = events.next().await {
+        let ev = ev.map_err(|e| format!("stream: {e}"))?;
         let now = Instant::now();
-        buf.extend_from_slice(&chunk);
-        while let Some(p) = buf.windows(2).position(|w| w == b"\n\n") {
-            let ev: Vec<u8> = buf.drain(..p + 2).collect();
-            let Some(data) = ev.strip_prefix(b"data: ") else {
-                continue;
-            };
-            let data = &data[..data.len() - 2];
-            if data == b"[DONE]" {
-                continue;
-            }
-            let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else {
-                continue;
-            };
-            let n = v["choices"].as_array().map_or(0, Vec::len);
-            if n > 0 {
-                tokens += 1;
-                first.get_or_insert(now);
-                last = Some(now);
-            }
-            if let Some(u) = v["usage"]["completion_tokens"].as_u64() {
-                usage_tokens = Some(u as u32);
-            }
+        if ev.data == "[DONE]" {
+            continue;
+        }
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&ev.data) else {
+            continue;
+        };
+        let n = v["choices"].as_array().map_or(0, Vec::len);
+        if n > 0 {
+            tokens += 1;
+            first.get_or_insert(now);
+            last = Some(now);
+        }
+        if let Some(u) = v["usage"]["completion_tokens"].as_u64() {
+            usage_tokens = Some(u as u32);
         }
     }
     let generated = usage_tokens.unwrap_or(tokens);
@@ -464,6 +455,37 @@ async fn stream(
         ));
     }
     Ok(())
+}
+
+/// The server-sent events of a response body, parsed by eventsource-stream (any of the three
+/// line endings the SSE spec allows: LF, CRLF, CR, split anywhere across chunks).
+///
+/// The parser cannot tell a lone CR from the first half of a CRLF until the next byte arrives,
+/// so it holds the line until then; a body that ends in CR would lose its last event. One LF
+/// is fed after such a body, which only completes that line ending. (With CR-only framing each
+/// event is therefore seen when the next bytes arrive; OpenAI-compatible engines send LF.)
+fn sse_events<S, E>(body: S) -> impl futures::Stream<Item = Result<Event, EventStreamError<E>>>
+where
+    S: futures::Stream<Item = Result<Bytes, E>>,
+{
+    let body = futures::stream::unfold(
+        (Box::pin(body), false, false),
+        |(mut body, ended_in_cr, done)| async move {
+            if done {
+                return None;
+            }
+            match body.next().await {
+                Some(Ok(b)) => {
+                    let cr = b.last().map_or(ended_in_cr, |c| *c == b'\r');
+                    Some((Ok(b), (body, cr, false)))
+                }
+                Some(Err(e)) => Some((Err(e), (body, ended_in_cr, false))),
+                None if ended_in_cr => Some((Ok(Bytes::from_static(b"\n")), (body, false, true))),
+                None => None,
+            }
+        },
+    );
+    body.eventsource()
 }
 
 /// A side-by-side table of runs (and br-sim's prediction for each policy, if given).
@@ -542,6 +564,50 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `data` of every event parsed from `body` cut into chunks at `cuts`.
+    fn parse(body: &[u8], cuts: &[usize]) -> Vec<String> {
+        let mut chunks = Vec::new();
+        let mut at = 0;
+        for &c in cuts.iter().chain([&body.len()]) {
+            chunks.push(Ok::<_, std::convert::Infallible>(Bytes::copy_from_slice(
+                &body[at..c],
+            )));
+            at = c;
+        }
+        futures::executor::block_on(
+            sse_events(futures::stream::iter(chunks))
+                .map(|e| e.map(|e| e.data).unwrap_or_else(|e| format!("error: {e}")))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn sse_parses_lf_crlf_and_cr_framing_split_anywhere() {
+        let want = vec![
+            r#"{"choices":[{"text":"a"}]}"#.to_string(),
+            r#"{"choices":[],"usage":{"completion_tokens":1}}"#.to_string(),
+            "[DONE]".to_string(),
+        ];
+        for eol in ["\n", "\r\n", "\r"] {
+            let body: String = want
+                .iter()
+                .map(|d| format!("data: {d}{eol}{eol}"))
+                .collect();
+            let body = body.as_bytes();
+            assert_eq!(parse(body, &[]), want, "{eol:?} in one chunk");
+            // Every cut, including between the CR and the LF of a CRLF.
+            for cut in 1..body.len() {
+                assert_eq!(parse(body, &[cut]), want, "{eol:?} cut at {cut}");
+            }
+            let bytewise: Vec<usize> = (1..body.len()).collect();
+            assert_eq!(parse(body, &bytewise), want, "{eol:?} byte by byte");
+        }
+        // The old splitter only knew "\n\n" and a "data: " at the very start of an event:
+        // comments, other fields and multi-line data are SSE too.
+        let body = b": keep-alive\r\nevent: message\r\ndata: x\r\ndata: y\r\n\r\n";
+        assert_eq!(parse(body, &[]), vec!["x\ny".to_string()]);
+    }
 
     #[test]
     fn percentiles() {

@@ -36,10 +36,11 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 use br_core::dispatch::Admission;
+use br_core::stats::quantile;
 use br_core::{ClusterState, Mode, Phase, Policy, Pool, PoolEntry, RequestInfo, WorkerId};
 
 use crate::plot::LoadSeries;
-use crate::report::{RunReport, SteadyExtra, quantile};
+use crate::report::{RunReport, SteadyExtra};
 use crate::trace::TraceRequest;
 
 /// Engine parameters.
@@ -842,6 +843,7 @@ mod tests {
             }
             steps += 1;
         }
+        // Nearest rank (br_core::stats's definition), computed independently on purpose.
         tpots.sort_by(f64::total_cmp);
         let q = |p: f64| tpots[((p * tpots.len() as f64).ceil() as usize).max(1) - 1];
         RunReport {

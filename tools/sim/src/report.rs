@@ -205,17 +205,6 @@ pub struct SteadyExtra {
     pub imbalance: f64,
 }
 
-/// The `q`-quantile (0..=1) of `values` by nearest rank; reorders `values`. NaN-free input.
-pub fn quantile(values: &mut [f64], q: f64) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    let n = values.len();
-    let rank = ((q.clamp(0.0, 1.0) * n as f64).ceil() as usize).clamp(1, n) - 1;
-    let (_, v, _) = values.select_nth_unstable_by(rank, f64::total_cmp);
-    *v
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,15 +273,5 @@ mod tests {
         assert!(render_table(&runs, &[]).lines().count() == 3);
         let g = gap_captured(&runs[1], &runs[0]).expect("gap");
         assert!((g - 0.75).abs() < 1e-12, "{g}");
-    }
-
-    #[test]
-    fn quantiles() {
-        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(quantile(&mut v, 0.5), 50.0);
-        assert_eq!(quantile(&mut v, 0.95), 95.0);
-        assert_eq!(quantile(&mut v, 1.0), 100.0);
-        assert_eq!(quantile(&mut v, 0.0), 1.0);
-        assert_eq!(quantile(&mut [], 0.5), 0.0);
     }
 }

@@ -23,6 +23,7 @@ use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change::Kind as T;
 use clap::Parser;
+use hdrhistogram::Histogram;
 use rand::Rng as _;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -196,17 +197,18 @@ async fn main() -> anyhow::Result<()> {
     }
 
     let counted_from = start + o.warmup;
-    let mut added = Vec::new();
-    let mut client_lat = Vec::new();
-    let mut waits = Vec::new();
+    let mut added = latency_histogram()?;
+    let mut client_lat = latency_histogram()?;
+    let mut waits = latency_histogram()?;
     let mut errors: std::collections::BTreeMap<String, u64> = Default::default();
     let mut stale = 0u64;
+    let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
     for r in &results {
         match r {
             Outcome::Ok(s, ..) if s.at >= counted_from => {
-                added.push(s.latency.saturating_sub(s.pool_wait));
-                client_lat.push(s.latency);
-                waits.push(s.pool_wait);
+                added.saturating_record(us(s.latency.saturating_sub(s.pool_wait)));
+                client_lat.saturating_record(us(s.latency));
+                waits.saturating_record(us(s.pool_wait));
                 stale += u64::from(s.stale);
             }
             Outcome::Ok(..) => {}
@@ -222,28 +224,31 @@ async fn main() -> anyhow::Result<()> {
         o.warmup,
         added.len() as f64 / secs
     );
-    report("added latency (client - pool_wait)", &mut added);
-    report("client-observed latency", &mut client_lat);
-    report("pool wait (from responses)", &mut waits);
+    report("added latency (client - pool_wait)", &added);
+    report("client-observed latency", &client_lat);
+    report("pool wait (from responses)", &waits);
     Ok(())
 }
 
-fn report(what: &str, v: &mut [Duration]) {
-    if v.is_empty() {
+/// Microseconds from 1 µs to an hour (longer is clamped), 3 significant digits.
+fn latency_histogram() -> anyhow::Result<Histogram<u64>> {
+    Ok(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)
+}
+
+fn report(what: &str, h: &Histogram<u64>) {
+    if h.is_empty() {
         println!("{what}: no samples");
         return;
     }
-    v.sort_unstable();
-    let q = |p: f64| v[((v.len() as f64 - 1.0) * p).round() as usize];
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let q = |p: f64| h.value_at_quantile(p);
     println!(
-        "{what}: p50 {:.0} µs, p90 {:.0} µs, p99 {:.0} µs, p99.9 {:.0} µs, max {:.0} µs (n = {})",
-        us(q(0.50)),
-        us(q(0.90)),
-        us(q(0.99)),
-        us(q(0.999)),
-        us(q(1.0)),
-        v.len()
+        "{what}: p50 {} µs, p90 {} µs, p99 {} µs, p99.9 {} µs, max {} µs (n = {})",
+        q(0.50),
+        q(0.90),
+        q(0.99),
+        q(0.999),
+        h.max(),
+        h.len()
     );
 }
 

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use br_proto::v1;
 use clap::Parser;
+use hdrhistogram::Histogram;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -233,26 +234,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
         (c1 - c0) as f64 / secs
     );
     if paced {
-        let mut l = counters
-            .latencies
-            .lock()
-            .map(|l| l.clone())
-            .unwrap_or_default();
-        l.sort_unstable();
-        let pct = |p: f64| -> f64 {
-            if l.is_empty() {
+        // Microseconds from 1 µs to an hour, 3 significant digits.
+        let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)?;
+        if let Ok(l) = counters.latencies.lock() {
+            for d in l.iter() {
+                h.saturating_record(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+            }
+        }
+        let ms = |us: u64| -> f64 {
+            if h.is_empty() {
                 return f64::NAN;
             }
-            let i = ((l.len() - 1) as f64 * p).round() as usize;
-            l[i].as_secs_f64() * 1e3
+            us as f64 / 1e3
         };
         println!(
             "worker message -> change batch at the snapshot: n={} p50={:.3}ms p90={:.3}ms p99={:.3}ms max={:.3}ms",
-            l.len(),
-            pct(0.5),
-            pct(0.9),
-            pct(0.99),
-            pct(1.0)
+            h.len(),
+            ms(h.value_at_quantile(0.5)),
+            ms(h.value_at_quantile(0.9)),
+            ms(h.value_at_quantile(0.99)),
+            ms(h.max())
         );
     }
     if let Some(mut c) = child {

@@ -90,20 +90,7 @@ impl Reject {
 
     /// The `reason` label of the rejection counter.
     pub fn label(&self) -> &'static str {
-        reason_label(self.reason)
-    }
-}
-
-/// The metric label of a reject reason.
-pub fn reason_label(r: v1::RejectReason) -> &'static str {
-    match r {
-        v1::RejectReason::UnknownWorker => "unknown_worker",
-        v1::RejectReason::WorkerFenced => "worker_fenced",
-        v1::RejectReason::StaleIncarnation => "stale_incarnation",
-        v1::RejectReason::Duplicate => "duplicate",
-        v1::RejectReason::WorkerFull => "worker_full",
-        v1::RejectReason::UnknownRequest => "unknown_request",
-        v1::RejectReason::Invalid | v1::RejectReason::Unspecified => "invalid",
+        self.reason.label()
     }
 }
 
