@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::error::DecisionError;
-use crate::group::CancelOutcome;
+use crate::group::{Assignment, CancelOutcome};
 use crate::metrics::Metrics;
 use crate::task::{Command, GroupHandle};
 
@@ -79,7 +79,7 @@ impl DecisionService {
         &self,
         req: ValidAssign,
         deadline: Instant,
-    ) -> Result<v1::AssignResponse, DecisionError> {
+    ) -> Result<Assignment, DecisionError> {
         if self.shutdown.is_cancelled() {
             return Err(DecisionError::ShuttingDown);
         }
@@ -110,11 +110,11 @@ struct Withdraw {
     handle: GroupHandle,
     id: RequestId,
     call: u64,
-    rx: Option<oneshot::Receiver<Result<v1::AssignResponse, DecisionError>>>,
+    rx: Option<oneshot::Receiver<Result<Assignment, DecisionError>>>,
 }
 
 impl Withdraw {
-    async fn wait(&mut self, deadline: Instant) -> Result<v1::AssignResponse, DecisionError> {
+    async fn wait(&mut self, deadline: Instant) -> Result<Assignment, DecisionError> {
         let Some(rx) = self.rx.as_mut() else {
             return Err(DecisionError::ShuttingDown);
         };
@@ -208,7 +208,8 @@ impl v1::decision_server::Decision for DecisionService {
         let result = match ValidAssign::try_from(msg) {
             Ok(req) => self.do_assign(req, deadline).await,
             Err(e) => Err(e.into()),
-        };
+        }
+        .map(v1::AssignResponse::from);
         let label = self.label(&group);
         match result {
             Ok(resp) => {
@@ -263,13 +264,8 @@ impl v1::decision_server::Decision for DecisionService {
                     .cancel_total
                     .with_label_values(&[&label, outcome.label()])
                     .inc();
-                let outcome = match outcome {
-                    CancelOutcome::Withdrawn => v1::CancelOutcome::Withdrawn,
-                    CancelOutcome::Released => v1::CancelOutcome::Released,
-                    CancelOutcome::NotFound => v1::CancelOutcome::NotFound,
-                };
                 Ok(Response::new(v1::CancelResponse {
-                    outcome: outcome as i32,
+                    outcome: v1::CancelOutcome::from(outcome) as i32,
                 }))
             }
             Err(e) => {

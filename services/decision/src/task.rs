@@ -4,6 +4,10 @@
 //!
 //! Ticks run on new arrivals (coalesced: at most one per `tick_min_interval`), on every σ
 //! change, and every `tick_interval` (which also does the housekeeping).
+//!
+//! This is the group's async shell: the clock is read here (and only here) and passed down as
+//! `now`, and the `Reserve`/`Release` messages are built and parsed through
+//! [`crate::group::wire`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +20,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::DecisionError;
-use crate::group::{CancelOutcome, GroupCore, GroupStats, Reply};
+use crate::group::{CancelOutcome, GroupCore, GroupStats, Reply, wire};
 use crate::metrics::GroupMetrics;
 use crate::upstream::SnapshotOps;
 use br_client::watch::{Update, WatchHandle};
@@ -176,7 +180,10 @@ async fn run(
             biased;
             () = tokio::time::sleep_until(due.into()) => {
                 let now = Instant::now();
-                core.tick(now);
+                if core.tick(now) {
+                    metrics.ticks_total.inc();
+                    metrics.tick_duration.observe(now.elapsed().as_secs_f64());
+                }
                 last_tick = now;
                 if now >= next_timer {
                     core.housekeeping(now);
@@ -185,7 +192,7 @@ async fn run(
             }
             Some(done) = done_rx.recv() => {
                 tracing::trace!(group = %core.group(), job = done.job, ok = done.result.is_ok(), "Reserve done");
-                core.on_reserve_done(done.job, done.result, Instant::now());
+                core.on_reserve_done(done.job, wire::reserve_outcome(done.result), Instant::now());
             }
             Some(u) = recv_feed(&mut feed) => {
                 if let Some(f) = feed.as_mut() {
@@ -228,7 +235,7 @@ fn on_command(core: &mut GroupCore, cmd: Command) {
             undelivered,
         } => core.withdraw(id.as_str(), call, undelivered),
         Command::Cancel { id, reply } => {
-            let _ = reply.send(core.cancel(id.as_str()));
+            let _ = reply.send(core.cancel(id.as_str(), now));
         }
         Command::Stats { reply } => {
             let _ = reply.send(core.stats());
@@ -285,11 +292,12 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
 fn flush(core: &mut GroupCore, ops: &Arc<dyn SnapshotOps>, done: &mpsc::Sender<ReserveDone>) {
     let now = Instant::now();
     while let Some(job) = core.take_reserve(now) {
-        tracing::trace!(group = %core.group(), job = job.id, n = job.request.reservations.len(), "Reserve");
+        tracing::trace!(group = %core.group(), job = job.id, n = job.reservations.len(), "Reserve");
+        let request = wire::reserve_request(core.group(), &job);
         let ops = Arc::clone(ops);
         let done = done.clone();
         tokio::spawn(async move {
-            let result = ops.reserve(job.request).await;
+            let result = ops.reserve(request).await;
             let _ = done
                 .send(ReserveDone {
                     job: job.id,
@@ -298,7 +306,8 @@ fn flush(core: &mut GroupCore, ops: &Arc<dyn SnapshotOps>, done: &mpsc::Sender<R
                 .await;
         });
     }
-    if let Some(rel) = core.take_release() {
+    if let Some(ids) = core.take_release(now) {
+        let rel = wire::release_request(core.group(), ids);
         let ops = Arc::clone(ops);
         let group = core.group().clone();
         tokio::spawn(async move {

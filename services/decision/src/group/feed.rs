@@ -1,0 +1,68 @@
+//! σ events from the Watch feed, as they reach the parts of a group: the replica and the view
+//! change ([`super::view`]), own reservations σ shows now are forgotten and, after a restart
+//! of the snapshot service, re-committed ([`super::reservations`]), the policy learns from
+//! finished requests, and freed slots want a tick. Owns no state of its own.
+
+use std::time::Instant;
+
+use br_sigma::{Delta, Sigma, SigmaError};
+
+use super::{GroupCore, wire};
+
+impl GroupCore {
+    /// Installs a replica (a snapshot, or a σ built directly in tests).
+    pub fn set_sigma(&mut self, sigma: Sigma, now: Instant) {
+        if self.view.install(sigma, now) {
+            // The snapshot service restarted: what it accepted before is gone unless the
+            // workers report it.
+            self.reservations.recommit_committed(now);
+        }
+        self.sigma_moved(now);
+    }
+
+    /// Applies a delta in order. An error means the replica must resubscribe (a gap, another
+    /// epoch) or be replaced (a change failed halfway); it is kept for answering meanwhile.
+    pub fn on_delta(&mut self, d: &Delta, now: Instant) -> Result<(), SigmaError> {
+        // Finished requests teach the predictors (BR-H); read their hashes before they leave.
+        let finished: Vec<(Option<u64>, u32)> = wire::finished_requests(d)
+            .map(|(id, tokens)| {
+                let hash = self
+                    .view
+                    .sigma()
+                    .and_then(|s| s.request(id))
+                    .and_then(|r| r.prompt_hash);
+                (hash, tokens)
+            })
+            .collect();
+        self.view.apply_delta(d, now)?;
+        for (hash, tokens) in finished {
+            self.policy.observe_finished(hash, tokens);
+        }
+        self.sigma_moved(now);
+        Ok(())
+    }
+
+    /// The Watch stream is up again (the replica may still be catching up).
+    pub fn on_connected(&mut self, now: Instant) {
+        self.view.confirmed(now);
+        self.update_gauges(now);
+    }
+
+    /// The Watch stream is gone since `at`: keep answering from the last σ plus own
+    /// reservations.
+    pub fn on_disconnected(&mut self, at: Instant, now: Instant) {
+        self.view.disconnected(at);
+        self.update_gauges(now);
+    }
+
+    fn sigma_moved(&mut self, now: Instant) {
+        self.reservations.prune(self.view.sigma(), now);
+        // Freed slots may admit waiting requests.
+        if !self.requests.pool_is_empty() {
+            self.tick_wanted = true;
+        }
+        if let Some(s) = self.view.sigma() {
+            self.metrics.sigma_version.set(s.version() as i64);
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! The state of one group, owned by one task: the σ replica, the pool, the policy, the requests
+//! by id (waiting, being reserved, answered), and this service's own reservations that σ does
+//! not show yet. Synchronous and free of I/O, so every rule is unit-tested without a network;
+//! [`crate::task`] drives it. Time only comes in as the `now` argument: nothing here reads a
+//! clock.
+//!
+//! # The parts
+//! [`GroupCore`] is the one API [`crate::task`] uses. It composes three parts, each owning its
+//! state and keeping its invariants behind its own methods:
+//! * `requests`: the requests known by id, their callers, the pool of the waiting ones and the
+//!   answered ones kept for retries (the first per-request state machine, below);
+//! * `reservations`: this service's own reservations σ does not show yet, the `Reserve` calls
+//!   in flight, what to re-commit and what to release (the second one);
+//! * `view`: the σ replica, whether it is confirmed current, and the view the policy decides
+//!   on (its rebuild reads the own reservations, through their methods).
+//!
+//! A transition that moves one request through several parts at once is a method of
+//! [`GroupCore`], grouped by flow: `feed` (σ events from the Watch), `admit` (arrivals,
+//! ticks, routing), `reserve` (the `Reserve` round trip and `Release`) and `depart`
+//! (answers, withdrawals, cancels, failures). Domain types go in and out; the protobuf
+//! messages are built and parsed only in [`wire`], at the edge.
+//!
+//! # The view
+//! The policy decides on a *view*: a copy of σ's `ClusterState` plus this service's own
+//! reservations σ does not contain yet (in flight to `Reserve`, accepted but not yet seen in a
+//! delta, or decided while the snapshot service was away). The view is rebuilt lazily, only
+//! when σ moved since the last decision, and admissions are applied to it at once, so the next
+//! tick sees them. Local keys live in their own key space (`LOCAL_KEY_BASE` and up) and never
+//! collide with the keys σ interns.
+//!
+//! # A request's life here
+//! `Waiting` (in the pool; pooled policies only) -> `Reserving` (admitted, in a `Reserve` call)
+//! -> `Answered` (kept for `answered_ttl` so retries get the same answer). A rejected
+//! reservation goes back to `Waiting` (pooled) or is routed again (on-arrival). When every
+//! caller of a request has gone (deadline, cancel, disconnect) it leaves the pool; if it had
+//! been reserved but the answer reached nobody, the reservation is released.
+//!
+//! # A reservation's life here
+//! `InFlight` (in a `Reserve` call) -> `Committed` (accepted; until a delta shows it) or
+//! `Uncommitted` (decided while the snapshot service was away, or the call failed; reserved
+//! again when it is back). It is forgotten once σ shows it.
+
+mod admit;
+mod depart;
+mod feed;
+mod requests;
+mod reservations;
+mod reserve;
+mod view;
+pub mod wire;
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
+mod tests;
+
+use std::time::{Duration, Instant};
+
+use br_core::dispatch::Admission;
+use br_core::{Mode, Policy, RequestKey};
+use br_proto::valid::GroupId;
+use br_sigma::Sigma;
+
+use crate::metrics::GroupMetrics;
+
+pub use requests::{Assignment, Reply};
+pub use reservations::{RejectReason, Rejection, Reservation, ReserveJob, ReserveOutcome};
+
+use requests::Requests;
+use reservations::Reservations;
+use view::SigmaView;
+
+/// Keys of requests this service knows locally start here; σ's interned keys start at 1.
+pub const LOCAL_KEY_BASE: RequestKey = 1 << 62;
+
+/// Limits of one group.
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    /// Most requests waiting in the pool (`--max-pool`).
+    pub max_pool: usize,
+    /// How long answered requests are remembered for idempotent retries (`--answered-ttl`).
+    pub answered_ttl: Duration,
+    /// Most answered requests remembered (oldest forgotten first).
+    pub answered_max: usize,
+    /// Most `Reserve` calls in flight at once; further admissions wait (backpressure).
+    pub max_inflight_reserves: usize,
+    /// Own reservations not (yet) committed to σ are forgotten after this long.
+    pub local_ttl: Duration,
+}
+
+impl Default for GroupConfig {
+    fn default() -> Self {
+        GroupConfig {
+            max_pool: 65_536,
+            answered_ttl: Duration::from_secs(60),
+            answered_max: 262_144,
+            max_inflight_reserves: 2,
+            local_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What `Cancel` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelOutcome {
+    Withdrawn,
+    Released,
+    NotFound,
+}
+
+impl CancelOutcome {
+    pub fn label(self) -> &'static str {
+        match self {
+            CancelOutcome::Withdrawn => "withdrawn",
+            CancelOutcome::Released => "released",
+            CancelOutcome::NotFound => "not_found",
+        }
+    }
+}
+
+/// Numbers for tests and logs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupStats {
+    pub pool: usize,
+    pub waiting_calls: usize,
+    pub reserving: usize,
+    pub answered: usize,
+    /// Own reservations σ does not show yet.
+    pub local: usize,
+    pub inflight_reserves: usize,
+    pub uncommitted: usize,
+    pub sigma: Option<(u64, u64)>,
+    pub stale: bool,
+}
+
+/// The state of one group. See the module docs.
+pub struct GroupCore {
+    group: GroupId,
+    policy: Box<dyn Policy>,
+    mode: Mode,
+    cfg: GroupConfig,
+    metrics: GroupMetrics,
+    view: SigmaView,
+    requests: Requests,
+    reservations: Reservations,
+    /// Admissions since the last tick want a tick soon.
+    tick_wanted: bool,
+    shutting_down: bool,
+    scratch: Vec<Admission>,
+}
+
+impl std::fmt::Debug for GroupCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupCore")
+            .field("group", &self.group)
+            .field("policy", &self.policy.name())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl GroupCore {
+    pub fn new(
+        group: GroupId,
+        policy: Box<dyn Policy>,
+        cfg: GroupConfig,
+        metrics: GroupMetrics,
+    ) -> GroupCore {
+        let mode = policy.mode();
+        GroupCore {
+            view: SigmaView::new(),
+            requests: Requests::new(metrics.pool_size.clone()),
+            reservations: Reservations::new(cfg.max_inflight_reserves, cfg.local_ttl),
+            group,
+            policy,
+            mode,
+            cfg,
+            metrics,
+            tick_wanted: false,
+            shutting_down: false,
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn group(&self) -> &GroupId {
+        &self.group
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// True once a complete σ was received (it stays true through outages: the service keeps
+    /// answering from its last σ).
+    pub fn has_sigma(&self) -> bool {
+        self.view.sigma().is_some()
+    }
+
+    /// True while σ is not confirmed current by the snapshot service.
+    pub fn is_stale(&self) -> bool {
+        self.view.is_stale()
+    }
+
+    /// The position the Watch follower resubscribes from.
+    pub fn position(&self) -> (u64, u64) {
+        self.view.position()
+    }
+
+    pub fn sigma(&self) -> Option<&Sigma> {
+        self.view.sigma()
+    }
+
+    /// Whether a tick should run soon (arrivals or returned requests since the last one).
+    pub fn tick_wanted(&self) -> bool {
+        self.tick_wanted
+    }
+
+    pub fn pool_len(&self) -> usize {
+        self.requests.pool_len()
+    }
+
+    pub fn stats(&self) -> GroupStats {
+        let (waiting_calls, reserving) = self.requests.callers_and_reserving();
+        GroupStats {
+            pool: self.requests.pool_len(),
+            waiting_calls,
+            reserving,
+            answered: self.requests.answered(),
+            local: self.reservations.len(),
+            inflight_reserves: self.reservations.inflight(),
+            uncommitted: self.reservations.uncommitted(),
+            sigma: self.view.sigma().map(|s| (s.epoch(), s.version())),
+            stale: self.is_stale(),
+        }
+    }
+
+    /// Stops taking new requests (waiting ones are still served).
+    pub fn shut_down(&mut self) {
+        self.shutting_down = true;
+    }
+
+    /// Forgets old answers, drops waiters whose handler has gone, updates the gauges.
+    pub fn housekeeping(&mut self, now: Instant) {
+        self.requests
+            .expire_answered(now, self.cfg.answered_ttl, self.cfg.answered_max);
+        // Handlers that vanished without telling us (their future was dropped). Only requests
+        // still waiting or being reserved have callers (not the answered ones, which may be
+        // many).
+        for key in self
+            .requests
+            .sweep_closed_callers(self.reservations.keys_in_progress())
+        {
+            self.requests.abandon(key);
+        }
+        self.requests.compact_answered();
+        self.reservations
+            .expire_released(self.view.sigma(), now, self.cfg.answered_ttl);
+        // Expire own uncommitted reservations even while σ does not move.
+        if self.reservations.uncommitted_expired(now) {
+            self.view.mark_dirty();
+        }
+        self.update_gauges(now);
+    }
+
+    fn update_gauges(&self, now: Instant) {
+        self.metrics.sigma_stale.set(i64::from(self.is_stale()));
+        self.metrics
+            .sigma_staleness
+            .set(self.view.staleness(now).as_secs_f64());
+        self.metrics.pool_size.set(self.requests.pool_len() as i64);
+    }
+
+    /// Rebuilds the view if σ moved since the last decision.
+    fn refresh_view(&mut self, now: Instant) {
+        self.view.refresh(&mut self.reservations, now, &self.group);
+    }
+
+    /// Drops one of this service's reservations from the reservations and the view (no
+    /// Release: the caller decides that).
+    fn drop_own(&mut self, key: RequestKey) {
+        if self.reservations.remove(key).is_some() {
+            self.view.remove(key);
+        }
+    }
+}

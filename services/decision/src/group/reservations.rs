@@ -1,0 +1,530 @@
+//! This service's own reservations that σ does not show yet: the second of the two per-request
+//! state machines (a request's is in [`super::requests`]).
+//!
+//! `InFlight` (in a `Reserve` call) -> `Committed` (accepted at σ's epoch and version; waiting
+//! for the delta that shows it) or `Uncommitted` (decided while the snapshot service was away,
+//! or its call failed: to be reserved again when it is back). A reservation is forgotten once
+//! σ shows it, once σ passed the version that accepted it, or when uncommitted past its TTL.
+//! A new epoch (the snapshot service restarted) makes every committed one uncommitted again.
+//!
+//! Owns: the reservations by key, the outbox (admitted, not sent yet), the list to re-commit,
+//! the `Reserve` calls in flight and the key of each reservation in them, the ids to release
+//! (one `Release` call) and those released recently (so a repeated `Cancel` finds nothing).
+//! It decides what goes into the next `Reserve` call; [`super::wire`] builds the message. It
+//! reads σ but never changes it, and knows nothing of callers.
+
+use std::time::{Duration, Instant};
+
+use br_core::{Phase, RequestInfo, RequestKey};
+use br_proto::valid::RequestId;
+use br_sigma::{Liveness, Sigma};
+use rustc_hash::FxHashMap;
+
+/// One reservation to make at the snapshot service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub request_id: RequestId,
+    pub worker: u32,
+    pub incarnation: u64,
+    pub prompt_tokens: u32,
+    pub prompt_hash: Option<u64>,
+    pub max_tokens: Option<u32>,
+}
+
+impl Reservation {
+    /// The reservation as the view counts it: queued on its worker.
+    pub(super) fn info(&self, key: RequestKey) -> RequestInfo {
+        RequestInfo {
+            key,
+            worker: self.worker,
+            prompt_tokens: self.prompt_tokens,
+            generated: 0,
+            phase: Phase::Queued,
+            prompt_hash: self.prompt_hash,
+            oracle_output: None,
+        }
+    }
+}
+
+/// One `Reserve` call to make: the assignments of one tick (or a re-commit after an outage).
+#[derive(Debug, Clone)]
+pub struct ReserveJob {
+    pub id: u64,
+    pub reservations: Vec<Reservation>,
+    /// On-arrival policies route regardless of free slots, like today's routers, and the
+    /// request waits in the rank's own queue.
+    pub queue_if_full: bool,
+}
+
+/// How a `Reserve` call ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReserveOutcome {
+    /// No answer (unreachable, timed out, refused as a whole): nothing is known committed.
+    Failed { error: String },
+    /// The snapshot service answered, at σ's `epoch` and `version`. A reservation in neither
+    /// list is treated as not committed.
+    Answered {
+        epoch: u64,
+        version: u64,
+        accepted: Vec<String>,
+        rejected: Vec<Rejection>,
+    },
+}
+
+/// One reservation the snapshot service refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub request_id: String,
+    pub reason: RejectReason,
+    pub detail: String,
+}
+
+/// Why the snapshot service refused a reservation: the contract's own enum (a plain enum, no
+/// message), whose metric label is defined once, in br-proto (`RejectReason::label`).
+pub use br_proto::v1::RejectReason;
+
+/// The worker cannot take it, which σ did not show yet: another worker may.
+pub fn worker_refused(reason: RejectReason) -> bool {
+    matches!(
+        reason,
+        RejectReason::WorkerFenced
+            | RejectReason::UnknownWorker
+            | RejectReason::StaleIncarnation
+            | RejectReason::WorkerFull
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LocalState {
+    /// In a `Reserve` call.
+    InFlight,
+    /// Accepted at σ (epoch, version); waiting for the delta to show it.
+    Committed { epoch: u64, version: u64 },
+    /// Decided without the snapshot service; to be reserved when it is back.
+    Uncommitted { since: Instant },
+}
+
+/// One of this service's reservations that σ does not show yet.
+#[derive(Debug, Clone)]
+struct Local {
+    res: Reservation,
+    state: LocalState,
+    /// Cancelled while its `Reserve` was in flight: release it once that call is answered (a
+    /// Release sent now could reach the snapshot service before the Reserve and miss it).
+    release_when_done: bool,
+}
+
+/// A `Reserve` call in flight: the key of each reservation in it.
+struct Inflight {
+    keys: Vec<RequestKey>,
+    ids: Vec<RequestId>,
+    recommit: bool,
+}
+
+/// What goes into the next `Reserve` call (see [`Reservations::next_batch`]).
+pub(super) struct Batch {
+    /// To reserve.
+    pub(super) send: Vec<RequestKey>,
+    /// Admitted, but σ showed the id before it was sent (the own copy is gone): answer from σ.
+    pub(super) lost: Vec<RequestKey>,
+    /// Re-commits after an outage (their callers were answered already).
+    pub(super) recommit: bool,
+}
+
+/// A `Reserve` call that returned, without the reservations cancelled meanwhile.
+pub(super) struct Finished {
+    keys: Vec<RequestKey>,
+    ids: Vec<RequestId>,
+    pub(super) recommit: bool,
+}
+
+/// A `Reserve` answer matched to the reservations of the call.
+pub(super) struct Sorted {
+    pub(super) accepted: Vec<(RequestKey, RequestId)>,
+    pub(super) rejected: Vec<(RequestKey, Rejection)>,
+    /// Neither accepted nor rejected.
+    pub(super) unanswered: Vec<RequestKey>,
+}
+
+impl Finished {
+    pub(super) fn keys(&self) -> &[RequestKey] {
+        &self.keys
+    }
+
+    /// Matches the answer to the call by id (not by σ: it may show a request before its
+    /// `Reserve` answer arrives, and then the own copy is gone already).
+    pub(super) fn sort(&self, accepted: &[String], rejected: Vec<Rejection>) -> Sorted {
+        let mut by_id: FxHashMap<&str, (RequestKey, &RequestId)> = self
+            .ids
+            .iter()
+            .zip(&self.keys)
+            .map(|(id, &k)| (id.as_str(), (k, id)))
+            .collect();
+        let accepted = accepted
+            .iter()
+            .filter_map(|id| by_id.remove(id.as_str()))
+            .map(|(k, id)| (k, id.clone()))
+            .collect();
+        let rejected = rejected
+            .into_iter()
+            .filter_map(|rej| Some((by_id.remove(rej.request_id.as_str())?.0, rej)))
+            .collect();
+        let unanswered = by_id.into_values().map(|(k, _)| k).collect();
+        Sorted {
+            accepted,
+            rejected,
+            unanswered,
+        }
+    }
+}
+
+/// Whether σ shows `worker` with this incarnation and not fenced.
+fn current(sigma: &Sigma, worker: u32, incarnation: u64) -> bool {
+    sigma.incarnation(worker) == Some(incarnation)
+        && sigma.liveness(worker) != Some(Liveness::Fenced)
+}
+
+/// The own reservations of one group. See the module docs.
+pub(super) struct Reservations {
+    local: FxHashMap<RequestKey, Local>,
+    /// Admitted since the last `Reserve` call.
+    outbox: Vec<RequestKey>,
+    /// Uncommitted, to reserve again when the snapshot service (and the worker) is back.
+    recommit: Vec<RequestKey>,
+    inflight: FxHashMap<u64, Inflight>,
+    next_job: u64,
+    releases: Vec<String>,
+    /// Ids released recently (σ may still show them until the Release is applied), so a
+    /// repeated Cancel says NOT_FOUND.
+    released: FxHashMap<RequestId, Instant>,
+    max_inflight: usize,
+    /// How long an uncommitted reservation is kept.
+    ttl: Duration,
+}
+
+impl Reservations {
+    pub(super) fn new(max_inflight: usize, ttl: Duration) -> Reservations {
+        Reservations {
+            local: FxHashMap::default(),
+            outbox: Vec::new(),
+            recommit: Vec::new(),
+            inflight: FxHashMap::default(),
+            next_job: 1,
+            releases: Vec::new(),
+            released: FxHashMap::default(),
+            max_inflight,
+            ttl,
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.local.len()
+    }
+
+    /// `Reserve` calls in flight.
+    pub(super) fn inflight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    pub(super) fn inflight_full(&self) -> bool {
+        self.inflight.len() >= self.max_inflight
+    }
+
+    pub(super) fn uncommitted(&self) -> usize {
+        self.local
+            .values()
+            .filter(|l| matches!(l.state, LocalState::Uncommitted { .. }))
+            .count()
+    }
+
+    /// A new admission: in flight from now on, sent with the next `Reserve` call.
+    pub(super) fn admit(&mut self, key: RequestKey, res: Reservation) {
+        self.local.insert(
+            key,
+            Local {
+                res,
+                state: LocalState::InFlight,
+                release_when_done: false,
+            },
+        );
+        self.outbox.push(key);
+    }
+
+    /// Forgets a reservation (nothing is released); returns the state it was in.
+    pub(super) fn remove(&mut self, key: RequestKey) -> Option<LocalState> {
+        self.local.remove(&key).map(|l| l.state)
+    }
+
+    /// Not (known to be) at the snapshot service: reserve it again when it is back.
+    pub(super) fn mark_uncommitted(&mut self, key: RequestKey, now: Instant) {
+        if let Some(l) = self.local.get_mut(&key) {
+            l.state = LocalState::Uncommitted { since: now };
+            self.recommit.push(key);
+        }
+    }
+
+    /// The snapshot service restarted: what it accepted before is gone unless the workers
+    /// report it. Reserve again whatever σ does not show.
+    pub(super) fn recommit_committed(&mut self, now: Instant) {
+        for (key, l) in &mut self.local {
+            if matches!(l.state, LocalState::Committed { .. }) {
+                l.state = LocalState::Uncommitted { since: now };
+                self.recommit.push(*key);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- against σ
+
+    /// Forgets own reservations σ shows now (or already dropped again), and uncommitted ones
+    /// past their TTL. O(own reservations), run on every σ change.
+    pub(super) fn prune(&mut self, sigma: Option<&Sigma>, now: Instant) {
+        let Some(sigma) = sigma else { return };
+        let ttl = self.ttl;
+        self.local.retain(|_, l| {
+            if sigma.request(l.res.request_id.as_str()).is_some() {
+                return false; // σ shows it now
+            }
+            match l.state {
+                LocalState::Committed { epoch, version } => {
+                    // σ passed the version that accepted it: it already left σ again.
+                    !(sigma.epoch() == epoch && sigma.version() >= version)
+                }
+                LocalState::Uncommitted { since } => now.saturating_duration_since(since) < ttl,
+                LocalState::InFlight => true,
+            }
+        });
+    }
+
+    /// Forgets reservations on a fenced or replaced worker: they are void. Kept: those in
+    /// flight, uncommitted ones on a worker σ does not show (after a snapshot-service restart
+    /// σ is rebuilt from the workers' hellos, and it may come back with the same
+    /// incarnation), and cancelled ones waiting for their call to return.
+    pub(super) fn drop_void(&mut self, sigma: &Sigma) {
+        self.local.retain(|_, l| {
+            let waiting = sigma.worker(l.res.worker).is_none()
+                && matches!(l.state, LocalState::Uncommitted { .. });
+            l.release_when_done
+                || current(sigma, l.res.worker, l.res.incarnation)
+                || waiting
+                || l.state == LocalState::InFlight
+        });
+    }
+
+    /// The reservations the view counts, and whether their worker is current in σ (a
+    /// cancelled one counts for nothing).
+    pub(super) fn for_view<'a>(
+        &'a self,
+        sigma: &'a Sigma,
+    ) -> impl Iterator<Item = (RequestKey, &'a Reservation, bool)> + 'a {
+        self.local
+            .iter()
+            .filter(|(_, l)| !l.release_when_done)
+            .map(|(&k, l)| (k, &l.res, current(sigma, l.res.worker, l.res.incarnation)))
+    }
+
+    // ---------------------------------------------------------------- Reserve calls
+
+    /// Everything admitted since the last call, while σ is stale: nothing is sent, the
+    /// callers are answered from the view and the reservations re-committed later.
+    pub(super) fn take_outbox(&mut self) -> Vec<RequestKey> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// Decides what the next `Reserve` call carries, if one may start: the admissions since
+    /// the last call, else the re-commits whose worker σ shows live with the same
+    /// incarnation (the others wait for it: a restarted snapshot service learns the workers
+    /// from their hellos).
+    pub(super) fn next_batch(&mut self, sigma: &Sigma) -> Option<Batch> {
+        if self.inflight_full() {
+            return None;
+        }
+        let (keys, recommit) = if !self.outbox.is_empty() {
+            (std::mem::take(&mut self.outbox), false)
+        } else if !self.recommit.is_empty() {
+            let mut keys = std::mem::take(&mut self.recommit);
+            keys.retain(|k| {
+                self.local
+                    .get(k)
+                    .is_some_and(|l| matches!(l.state, LocalState::Uncommitted { .. }))
+            });
+            let (ready, later): (Vec<RequestKey>, Vec<RequestKey>) =
+                keys.into_iter().partition(|k| {
+                    self.local.get(k).is_some_and(|l| {
+                        sigma.incarnation(l.res.worker) == Some(l.res.incarnation)
+                            && sigma.liveness(l.res.worker) == Some(Liveness::Live)
+                    })
+                });
+            self.recommit = later;
+            if ready.is_empty() {
+                return None;
+            }
+            for k in &ready {
+                if let Some(l) = self.local.get_mut(k) {
+                    l.state = LocalState::InFlight;
+                }
+            }
+            (ready, true)
+        } else {
+            return None;
+        };
+        let (send, lost) = keys.into_iter().partition(|k| self.local.contains_key(k));
+        Some(Batch {
+            send,
+            lost,
+            recommit,
+        })
+    }
+
+    /// Starts a `Reserve` call with the reservations of `keys`.
+    pub(super) fn start_job(
+        &mut self,
+        keys: Vec<RequestKey>,
+        recommit: bool,
+        queue_if_full: bool,
+    ) -> Option<ReserveJob> {
+        let (keys, reservations): (Vec<RequestKey>, Vec<Reservation>) = keys
+            .into_iter()
+            .filter_map(|k| self.local.get(&k).map(|l| (k, l.res.clone())))
+            .unzip();
+        if keys.is_empty() {
+            return None;
+        }
+        let id = self.next_job;
+        self.next_job += 1;
+        let ids = reservations.iter().map(|r| r.request_id.clone()).collect();
+        self.inflight.insert(
+            id,
+            Inflight {
+                keys,
+                ids,
+                recommit,
+            },
+        );
+        Some(ReserveJob {
+            id,
+            reservations,
+            queue_if_full,
+        })
+    }
+
+    /// A `Reserve` call returned. Reservations cancelled while it was in flight are released
+    /// (best effort, whatever the outcome) and forgotten; the others are returned.
+    pub(super) fn finish_job(&mut self, job: u64) -> Option<Finished> {
+        let job = self.inflight.remove(&job)?;
+        let mut keys = Vec::with_capacity(job.keys.len());
+        let mut ids = Vec::with_capacity(job.keys.len());
+        for (key, id) in job.keys.into_iter().zip(job.ids) {
+            if self.local.get(&key).is_some_and(|l| l.release_when_done) {
+                self.local.remove(&key);
+                self.releases.push(id.to_string());
+            } else {
+                keys.push(key);
+                ids.push(id);
+            }
+        }
+        Some(Finished {
+            keys,
+            ids,
+            recommit: job.recommit,
+        })
+    }
+
+    /// Accepted at σ's `epoch` and `version`.
+    pub(super) fn commit(&mut self, key: RequestKey, epoch: u64, version: u64) {
+        if let Some(l) = self.local.get_mut(&key) {
+            l.state = LocalState::Committed { epoch, version };
+        }
+    }
+
+    /// Keys whose answer is still to come: in a `Reserve` call, or waiting for the next.
+    pub(super) fn keys_in_progress(&self) -> impl Iterator<Item = RequestKey> + '_ {
+        self.inflight
+            .values()
+            .flat_map(|j| j.keys.iter().copied())
+            .chain(self.outbox.iter().copied())
+    }
+
+    // ---------------------------------------------------------------- releases
+
+    /// Releases `id` at the snapshot service with the next `Release` call.
+    pub(super) fn release(&mut self, id: String) {
+        self.releases.push(id);
+    }
+
+    /// Drops a reservation, releasing it at the snapshot service if it may be there. Returns
+    /// whether there was one.
+    pub(super) fn release_local(&mut self, key: RequestKey) -> bool {
+        let Some(l) = self.local.remove(&key) else {
+            return false;
+        };
+        if !matches!(l.state, LocalState::Uncommitted { .. }) {
+            self.releases.push(l.res.request_id.to_string());
+        }
+        true
+    }
+
+    /// Releases the reservation of a cancelled answered request σ does not show: at once if
+    /// committed, once its call returns if in flight, just forgotten if uncommitted. Returns
+    /// whether there was one.
+    pub(super) fn release_unseen(&mut self, key: RequestKey) -> bool {
+        let Some(l) = self.local.get_mut(&key) else {
+            return false;
+        };
+        match l.state {
+            LocalState::InFlight => l.release_when_done = true,
+            LocalState::Committed { .. } => {
+                self.releases.push(l.res.request_id.to_string());
+                self.local.remove(&key);
+            }
+            LocalState::Uncommitted { .. } => {
+                self.local.remove(&key);
+            }
+        }
+        true
+    }
+
+    /// Ids to release at the snapshot service (one `Release` call), sorted; remembered as
+    /// released recently.
+    pub(super) fn take_release(&mut self, now: Instant) -> Option<Vec<String>> {
+        if self.releases.is_empty() {
+            return None;
+        }
+        let mut ids = std::mem::take(&mut self.releases);
+        for id in &ids {
+            if let Ok(rid) = RequestId::new(id) {
+                self.released.insert(rid, now);
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        Some(ids)
+    }
+
+    pub(super) fn recently_released(&self, id: &str) -> bool {
+        self.released.contains_key(id)
+    }
+
+    pub(super) fn note_released(&mut self, id: RequestId, now: Instant) {
+        self.released.insert(id, now);
+    }
+
+    /// Forgets released ids σ no longer shows, or released longer than `ttl` ago.
+    pub(super) fn expire_released(&mut self, sigma: Option<&Sigma>, now: Instant, ttl: Duration) {
+        if self.released.is_empty() {
+            return;
+        }
+        self.released.retain(|id, at| {
+            sigma.is_some_and(|s| s.request(id.as_str()).is_some())
+                && now.saturating_duration_since(*at) < ttl
+        });
+    }
+
+    /// Whether an uncommitted reservation is past its TTL (the next view rebuild drops it).
+    pub(super) fn uncommitted_expired(&self, now: Instant) -> bool {
+        self.local.values().any(|l| {
+            matches!(l.state, LocalState::Uncommitted { since }
+                if now.saturating_duration_since(since) >= self.ttl)
+        })
+    }
+}

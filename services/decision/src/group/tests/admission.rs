@@ -1,0 +1,210 @@
+//! Arrivals, the pool, ticks and routing: how a request gets a worker.
+
+use super::*;
+
+#[test]
+fn pooled_requests_wait_for_a_tick_and_one_reserve_per_tick() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0, 0, 0], 8);
+    let mut rxs: Vec<Rx> = (0..3)
+        .map(|i| fx.assign(&format!("r{i}"), 100 * (i + 1)).1)
+        .collect();
+    assert!(
+        rxs.iter_mut().all(pending),
+        "nothing answered before a tick"
+    );
+    assert_eq!(fx.core.stats().pool, 3);
+    assert!(fx.core.tick_wanted());
+    fx.advance(Duration::from_millis(3));
+    fx.core.tick(fx.now);
+    assert_eq!(fx.core.stats().pool, 0);
+    let job = fx.core.take_reserve(fx.now).expect("one Reserve");
+    assert_eq!(job.reservations.len(), 3, "the whole tick in one call");
+    assert!(fx.core.take_reserve(fx.now).is_none());
+    assert!(
+        rxs.iter_mut().all(pending),
+        "not answered before Reserve returns"
+    );
+    let (resp, _) = fx.serve_reserve(&job);
+    fx.done(&job, Ok(resp));
+    let answers: Vec<_> = rxs.iter_mut().map(answer).collect();
+    let mut workers: Vec<u32> = answers.iter().map(|a| a.worker).collect();
+    workers.sort_unstable();
+    workers.dedup();
+    assert_eq!(
+        workers.len(),
+        3,
+        "empty workers: one request each: {answers:?}"
+    );
+    for a in &answers {
+        assert_eq!(a.policy, "br0");
+        assert_eq!(a.pool_wait, Duration::from_millis(3));
+        assert_eq!(a.incarnation, 100 + u64::from(a.worker));
+        assert_eq!(a.endpoint, format!("http://w{}", a.worker));
+        assert!(!a.stale);
+    }
+    let st = fx.core.stats();
+    assert_eq!((st.answered, st.local, st.reserving), (3, 3, 0));
+}
+
+#[test]
+fn admitted_load_is_seen_by_the_next_tick_before_sigma_shows_it() {
+    // Two workers; BR-0 must not put both big requests on the same worker even though the
+    // first admission is not in σ yet when the second tick runs.
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+    let (_, mut a) = fx.assign("a", 1000);
+    fx.tick_and_commit(false);
+    let (_, mut b) = fx.assign("b", 1000);
+    fx.tick_and_commit(false);
+    assert_ne!(answer(&mut a).worker, answer(&mut b).worker);
+}
+
+#[test]
+fn own_reservations_are_dropped_once_sigma_shows_them() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+    let (_, mut a) = fx.assign("a", 500);
+    fx.tick_and_commit(true);
+    answer(&mut a);
+    fx.core.tick(fx.now); // rebuild the view from σ
+    assert_eq!(fx.core.stats().local, 0);
+    let total: u64 = fx
+        .core
+        .view
+        .cluster()
+        .workers()
+        .iter()
+        .map(|w| w.load())
+        .sum();
+    assert_eq!(total, 500, "counted once");
+}
+
+#[test]
+fn retries_join_the_wait_and_get_the_original_answer() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+    let (_, mut first) = fx.assign("r", 100);
+    let (_, mut second) = fx.assign("r", 100);
+    assert_eq!(fx.core.stats().pool, 1, "one request, two callers");
+    assert_eq!(fx.core.stats().waiting_calls, 2);
+    fx.tick_and_commit(false);
+    let a = answer(&mut first);
+    assert_eq!(answer(&mut second), a);
+    let (_, mut third) = fx.assign("r", 100);
+    assert_eq!(answer(&mut third), a, "after the answer: the same answer");
+    let (_, mut bad) = fx.assign("r", 101);
+    assert!(matches!(
+        error(&mut bad),
+        DecisionError::Conflict {
+            first: 100,
+            now: 101,
+            ..
+        }
+    ));
+    assert_eq!(fx.tick_and_commit(false), 0, "no second reservation");
+}
+
+#[test]
+fn an_id_sigma_already_places_is_answered_from_sigma() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+    fx.sigma_change(vec![change::request_reserved(
+        "old", 1, 101, 50, None, None,
+    )]);
+    let (_, mut rx) = fx.assign("old", 50);
+    let a = answer(&mut rx);
+    assert_eq!((a.worker, a.incarnation, a.stale), (1, 101, false));
+    assert_eq!(fx.tick_and_commit(false), 0, "no second reservation");
+    assert_eq!(fx.core.stats().pool, 0);
+}
+
+#[test]
+fn not_ready_no_worker_and_full_pool_are_typed() {
+    let mut c = core(PolicyKind::Br0, GroupConfig::default());
+    let (tx, mut rx) = oneshot::channel();
+    c.assign(valid("r", 1), 1, tx, t0());
+    assert!(matches!(error(&mut rx), DecisionError::NoSigma(_)));
+
+    let mut fx = Fx::new(PolicyKind::Br0, &[], 8);
+    let (_, mut rx) = fx.assign("r", 1);
+    assert!(matches!(error(&mut rx), DecisionError::NoLiveWorker(_)));
+
+    let cfg = GroupConfig {
+        max_pool: 2,
+        ..GroupConfig::default()
+    };
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0], 8, cfg);
+    let (_, _a) = fx.assign("a", 1);
+    let (_, _b) = fx.assign("b", 1);
+    let (_, mut c) = fx.assign("c", 1);
+    assert!(matches!(
+        error(&mut c),
+        DecisionError::PoolFull { max: 2, .. }
+    ));
+}
+
+#[test]
+fn answers_are_forgotten_after_the_ttl() {
+    let cfg = GroupConfig {
+        answered_ttl: Duration::from_secs(5),
+        ..GroupConfig::default()
+    };
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0], 8, cfg);
+    let (_, mut a) = fx.assign("a", 1);
+    fx.tick_and_commit(true);
+    answer(&mut a);
+    fx.advance(Duration::from_secs(4));
+    fx.core.housekeeping(fx.now);
+    assert_eq!(fx.core.stats().answered, 1);
+    fx.advance(Duration::from_secs(2));
+    fx.core.housekeeping(fx.now);
+    assert_eq!(fx.core.stats().answered, 0);
+}
+
+#[test]
+fn the_pool_waits_for_free_slots_and_admits_when_sigma_frees_them() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 1);
+    let (_, mut a) = fx.assign("a", 10);
+    let (_, mut b) = fx.assign("b", 10);
+    let (_, mut c) = fx.assign("c", 10);
+    fx.tick_and_commit(true);
+    let wa = answer(&mut a).worker;
+    let wb = answer(&mut b).worker;
+    assert_ne!(wa, wb);
+    assert!(pending(&mut c), "both workers full");
+    fx.sigma_change(vec![change::request_progress(
+        "a",
+        wa,
+        100 + u64::from(wa),
+        10,
+        5,
+    )]);
+    fx.sigma_change(vec![change::request_finished("a", 5)]);
+    fx.tick_and_commit(true);
+    assert_eq!(answer(&mut c).worker, wa);
+}
+
+#[test]
+fn on_arrival_policies_answer_without_a_tick_and_reroute_rejections() {
+    let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0, 0], 8);
+    let (_, mut a) = fx.assign("a", 10);
+    assert_eq!(fx.core.stats().pool, 0, "no pool");
+    let job = fx.core.take_reserve(fx.now).expect("reserved at once");
+    assert_eq!(job.reservations[0].worker, 0);
+    assert!(job.queue_if_full, "on arrival: queue at the rank");
+    // Rejected: routed again, to another worker.
+    let resp = refused(&fx, "a", v1::RejectReason::WorkerFull, "");
+    fx.done(&job, Ok(resp));
+    assert!(pending(&mut a));
+    let job = fx.core.take_reserve(fx.now).expect("rerouted");
+    assert_eq!(job.reservations[0].worker, 1);
+    let (resp, _) = fx.serve_reserve(&job);
+    fx.done(&job, Ok(resp));
+    let r = answer(&mut a);
+    assert_eq!(
+        (r.worker, r.pool_wait, r.policy),
+        (1, Duration::ZERO, "jsq")
+    );
+    // JSQ spreads by count; worker 0 said "full" and stays out until σ moves.
+    let (_, mut b) = fx.assign("b", 10);
+    fx.tick_and_commit(false);
+    let (_, mut c) = fx.assign("c", 10);
+    fx.tick_and_commit(false);
+    assert_eq!([answer(&mut b).worker, answer(&mut c).worker], [2, 1]);
+}

@@ -1,0 +1,89 @@
+//! What each `Reserve` outcome does: rejections, duplicates, σ overtaking the answer.
+
+use super::*;
+
+#[test]
+fn rejected_reservations_go_back_to_the_pool_and_avoid_the_worker() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 500], 8);
+    let (_, mut rx) = fx.assign("r", 100);
+    fx.core.tick(fx.now);
+    let job = fx.core.take_reserve(fx.now).unwrap();
+    let first = job.reservations[0].worker;
+    assert_eq!(first, 0, "the lighter worker");
+    let resp = refused(&fx, "r", v1::RejectReason::WorkerFenced, "fenced");
+    fx.done(&job, Ok(resp));
+    assert!(pending(&mut rx), "retried, not failed");
+    assert_eq!(fx.core.stats().pool, 1);
+    fx.tick_and_commit(false);
+    assert_eq!(
+        answer(&mut rx).worker,
+        1,
+        "σ is behind: avoid the fenced worker"
+    );
+}
+
+#[test]
+fn duplicate_rejection_answers_with_sigmas_placement() {
+    let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0], 8);
+    let (_, mut rx) = fx.assign("r", 50);
+    let job = fx.core.take_reserve(fx.now).unwrap();
+    assert_eq!(job.reservations[0].worker, 0);
+    // Meanwhile σ got "r" on worker 1 (another replica, or an earlier incarnation).
+    fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
+    let resp = refused(&fx, "r", v1::RejectReason::Duplicate, "on worker 1");
+    fx.done(&job, Ok(resp));
+    let a = answer(&mut rx);
+    assert_eq!((a.worker, a.incarnation), (1, 101));
+}
+
+#[test]
+fn other_rejections_fail_the_request_with_the_reason() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0], 8);
+    let (_, mut rx) = fx.assign("r", 50);
+    fx.core.tick(fx.now);
+    let job = fx.core.take_reserve(fx.now).unwrap();
+    let resp = refused(&fx, "r", v1::RejectReason::Invalid, "bad");
+    fx.done(&job, Ok(resp));
+    assert_eq!(
+        error(&mut rx),
+        DecisionError::ReserveRefused("REJECT_REASON_INVALID: bad".into())
+    );
+    let st = fx.core.stats();
+    assert_eq!((st.pool, st.reserving, st.local), (0, 0, 0));
+}
+
+#[test]
+fn sigma_showing_a_reservation_before_its_answer_still_answers() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+    let (_, mut rx) = fx.assign("r", 10);
+    fx.core.tick(fx.now);
+    let job = fx.core.take_reserve(fx.now).unwrap();
+    let (resp, delta) = fx.serve_reserve(&job);
+    // The Watch delta overtakes the Reserve answer, and a tick rebuilds the view.
+    fx.core.on_delta(&delta.unwrap(), fx.now).unwrap();
+    fx.core.tick(fx.now);
+    fx.done(&job, Ok(resp));
+    assert!(!answer(&mut rx).stale);
+    assert_eq!(fx.core.stats().local, 0);
+}
+
+#[test]
+fn at_most_the_limit_of_reserve_calls_is_in_flight() {
+    let cfg = GroupConfig {
+        max_inflight_reserves: 1,
+        ..GroupConfig::default()
+    };
+    let mut fx = Fx::with_cfg(PolicyKind::Jsq, &[0, 0], 8, cfg);
+    let (_, mut a) = fx.assign("a", 10);
+    let first = fx.core.take_reserve(fx.now).expect("the first call");
+    let (_, mut b) = fx.assign("b", 10);
+    assert!(fx.core.take_reserve(fx.now).is_none(), "one in flight");
+    let (resp, _) = fx.serve_reserve(&first);
+    fx.done(&first, Ok(resp));
+    answer(&mut a);
+    let second = fx.core.take_reserve(fx.now).expect("the next call");
+    assert_eq!(ids(&second), ["b"]);
+    let (resp, _) = fx.serve_reserve(&second);
+    fx.done(&second, Ok(resp));
+    answer(&mut b);
+}
