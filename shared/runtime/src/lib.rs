@@ -7,12 +7,12 @@
 //! - [`serve`]: a tonic server with health, reflection and a graceful, bounded drain on
 //!   SIGTERM/SIGINT.
 //! - [`error`]: one mapping from a service's error enum to a gRPC status.
-//! - [`service`]: the one shape of a service (`start(&Args, shutdown) -> Result<Running,
-//!   StartError>`), `--ready-file`, and [`service::main`], the whole of every binary's `main`.
+//! - [`skeleton`]: the one shape of a service (`start(&Args, shutdown) -> Result<Running,
+//!   StartError>`), `--ready-file`, and [`skeleton::main`], the whole of every binary's `main`.
 //!
 //! A service, in short (br-snapshot, br-ingest, br-decision and br-shim look like this):
 //! ```no_run
-//! use br_runtime::service::{self, Grpc, Running, ServiceArgs, StartError};
+//! use br_runtime::skeleton::{self, Grpc, Running, ServiceArgs, StartError};
 //! use br_runtime::{CancellationToken, admin::Readiness, config};
 //! # fn my_routes() -> tonic::service::Routes { tonic::service::Routes::default() }
 //!
@@ -32,20 +32,20 @@
 //! async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running<Grpc>, StartError> {
 //!     let registry = prometheus::Registry::new();
 //!     let ready = Readiness::default();
-//!     let admin = service::start_admin(&args.common, registry, ready.clone(), shutdown.clone()).await?;
-//!     let (server, grpc_addr) = service::bind_grpc(&args.common).await?;
+//!     let admin = skeleton::start_admin(&args.common, registry, ready.clone(), shutdown.clone()).await?;
+//!     let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
 //!     ready.set(true);
 //!     let admin_addr = admin.local_addr();
 //!     Ok(Running::spawn(grpc_addr, admin_addr, ready, shutdown.clone(), (), async move {
 //!         let outcome = server.serve(my_routes(), &[br_proto::service_names::DECISION], shutdown).await?;
-//!         service::wait_admin(admin).await?;
+//!         skeleton::wait_admin(admin).await?;
 //!         Ok(outcome)
 //!     }))
 //! }
 //!
 //! #[tokio::main]
 //! async fn main() -> std::process::ExitCode {
-//!     service::main("br-example", start).await
+//!     skeleton::main("br-example", start).await
 //! }
 //! ```
 
@@ -54,6 +54,6 @@ pub mod config;
 pub mod error;
 pub mod observability;
 pub mod serve;
-pub mod service;
+pub mod skeleton;
 
 pub use tokio_util::sync::CancellationToken;

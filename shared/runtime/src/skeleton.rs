@@ -296,7 +296,7 @@ fn temp_path(path: &Path) -> PathBuf {
 /// ```text
 /// #[tokio::main]
 /// async fn main() -> ExitCode {
-///     br_runtime::service::main("br-snapshot", br_snapshot::start).await
+///     br_runtime::skeleton::main("br-snapshot", br_snapshot::start).await
 /// }
 /// ```
 ///
