@@ -12,7 +12,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,8 @@ pub fn binaries() -> &'static Path {
             "br-ingest",
             "-p",
             "br-decision",
+            "-p",
+            "br-shim",
         ]);
         if profile_release {
             cmd.arg("--release");
@@ -66,7 +68,8 @@ const BIND_WAIT: Duration = Duration::from_secs(30);
 /// A running service process, killed on drop.
 pub struct Service {
     pub name: &'static str,
-    /// The ports the process bound (read from its ready file).
+    /// The ports the process bound (read from its ready file). `grpc_port` is the `--listen`
+    /// port: gRPC, or the HTTP proxy for br-shim.
     pub grpc_port: u16,
     pub admin_port: u16,
     child: Option<Child>,
@@ -90,10 +93,6 @@ impl Service {
         };
         s.spawn(0, 0);
         s
-    }
-
-    fn ready_file(&self) -> PathBuf {
-        self.dir.path().join("ready.json")
     }
 
     /// Starts the process on the given ports (0: any) and reads the ports it bound.
@@ -146,25 +145,28 @@ impl Service {
         }
     }
 
-    /// Sends SIGTERM and waits for the process to exit; returns whether it exited by itself
-    /// within `grace`.
-    pub fn terminate(&mut self, grace: Duration) -> bool {
-        let Some(mut c) = self.child.take() else {
-            return true;
-        };
+    /// Sends SIGTERM and waits for the process to exit; returns its exit status if it exited
+    /// by itself within `grace` (None: it was not running, or had to be killed).
+    pub fn terminate(&mut self, grace: Duration) -> Option<ExitStatus> {
+        let mut c = self.child.take()?;
         let _ = Command::new("kill")
             .args(["-TERM", &c.id().to_string()])
             .status();
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = c.try_wait() {
-                return true;
+            if let Ok(Some(status)) = c.try_wait() {
+                return Some(status);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = c.kill();
         let _ = c.wait();
-        false
+        None
+    }
+
+    /// The `--ready-file` the process wrote its addresses to.
+    pub fn ready_file(&self) -> PathBuf {
+        self.dir.path().join("ready.json")
     }
 
     /// Starts the same binary again with the same arguments on the ports it had (a restart:
@@ -215,8 +217,9 @@ impl Drop for Service {
     }
 }
 
-/// Waits until `child` has written its ready file (`{"grpc": ADDR, "admin": ADDR}`, written
-/// atomically by the binary once its ports are bound) and returns the two addresses. Fails
+/// Waits until `child` has written its ready file (`{"grpc": ADDR, "admin": ADDR}`, `"http"`
+/// instead of `"grpc"` for br-shim, written atomically by the binary once its ports are bound)
+/// and returns the `--listen` and admin addresses. Fails
 /// loudly if the process exits first or the file does not appear within [`BIND_WAIT`].
 fn wait_for_ready_file(name: &str, child: &mut Child, path: &Path) -> (SocketAddr, SocketAddr) {
     let deadline = Instant::now() + BIND_WAIT;
@@ -240,7 +243,12 @@ fn wait_for_ready_file(name: &str, child: &mut Child, path: &Path) -> (SocketAdd
                             panic!("{name}'s ready file has no {key:?} address: {v}")
                         })
                 };
-                return (addr("grpc"), addr("admin"));
+                let listen = if v.get("http").is_some() {
+                    "http"
+                } else {
+                    "grpc"
+                };
+                return (addr(listen), addr("admin"));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => panic!("reading {}: {e}", path.display()),
