@@ -2,15 +2,17 @@
 //! the end-to-end tests in `tests/tests/`.
 //!
 //! The binaries are built once per test run (`cargo build --bins` of the service packages, into
-//! the same target directory the tests run from), started on free ports, polled until their
-//! admin `/readyz` (or `/livez`) answers, and killed when their handle drops, so a failing test
-//! leaves no process behind.
+//! the same target directory the tests run from) and started on port 0 with `--ready-file`: each
+//! binds its own ports and writes them to that file, so no port is guessed (picking a free port
+//! and releasing it for the child races with every other test binding one). Tests then wait on
+//! the admin `/readyz` (or `/livez`). A process is killed when its handle drops, so a failing
+//! test leaves no process behind.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is the report
 
-use std::net::TcpListener;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -48,6 +50,8 @@ pub fn binaries() -> &'static Path {
             "br-ingest",
             "-p",
             "br-decision",
+            "-p",
+            "br-shim",
         ]);
         if profile_release {
             cmd.arg("--release");
@@ -58,52 +62,57 @@ pub fn binaries() -> &'static Path {
     })
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+/// How long a process may take to bind its ports and write its ready file.
+const BIND_WAIT: Duration = Duration::from_secs(30);
 
 /// A running service process, killed on drop.
 pub struct Service {
     pub name: &'static str,
+    /// The ports the process bound (read from its ready file). `grpc_port` is the `--listen`
+    /// port: gRPC, or the HTTP proxy for br-shim.
     pub grpc_port: u16,
     pub admin_port: u16,
     child: Option<Child>,
+    /// The caller's flags (the harness adds the ports and the ready file).
     args: Vec<String>,
+    /// Holds the ready file; removed with the handle.
+    dir: tempfile::TempDir,
 }
 
 impl Service {
-    /// Starts `bin` with `--listen`/`--admin-listen` on free ports plus `extra` arguments.
+    /// Starts `bin` on port 0 (`--listen`, `--admin-listen`) with `extra` arguments, and waits
+    /// until it has written the ports it bound to its `--ready-file`.
     pub fn start(bin: &'static str, extra: &[&str]) -> Service {
-        Self::start_on(bin, free_port(), free_port(), extra)
-    }
-
-    pub fn start_on(bin: &'static str, grpc_port: u16, admin_port: u16, extra: &[&str]) -> Service {
-        let mut args = vec![
-            "--listen".to_owned(),
-            format!("127.0.0.1:{grpc_port}"),
-            "--admin-listen".to_owned(),
-            format!("127.0.0.1:{admin_port}"),
-        ];
-        args.extend(extra.iter().map(|s| (*s).to_owned()));
         let mut s = Service {
             name: bin,
-            grpc_port,
-            admin_port,
+            grpc_port: 0,
+            admin_port: 0,
             child: None,
-            args,
+            args: extra.iter().map(|s| (*s).to_owned()).collect(),
+            dir: tempfile::tempdir().expect("a temporary directory"),
         };
-        s.spawn();
+        s.spawn(0, 0);
         s
     }
 
-    fn spawn(&mut self) {
+    /// Starts the process on the given ports (0: any) and reads the ports it bound.
+    fn spawn(&mut self, grpc_port: u16, admin_port: u16) {
+        let ready = self.ready_file();
+        // A previous run's file must not be mistaken for this one's.
+        match std::fs::remove_file(&ready) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => panic!("removing {}: {e}", ready.display()),
+        }
         let path = binaries().join(self.name);
         let log = std::env::var_os("BR_E2E_LOGS").is_some();
         let child = Command::new(&path)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{grpc_port}"))
+            .arg("--admin-listen")
+            .arg(format!("127.0.0.1:{admin_port}"))
+            .arg("--ready-file")
+            .arg(&ready)
             .args(&self.args)
             .env(
                 "RUST_LOG",
@@ -113,7 +122,11 @@ impl Service {
             .stderr(if log { Stdio::inherit() } else { Stdio::null() })
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", path.display()));
-        self.child = Some(child);
+        // Held by `self` before waiting: if the wait panics, the drop kills the process.
+        let child = self.child.insert(child);
+        let (grpc, admin) = wait_for_ready_file(self.name, child, &ready);
+        self.grpc_port = grpc.port();
+        self.admin_port = admin.port();
     }
 
     pub fn grpc_url(&self) -> String {
@@ -132,31 +145,35 @@ impl Service {
         }
     }
 
-    /// Sends SIGTERM and waits for the process to exit; returns whether it exited by itself
-    /// within `grace`.
-    pub fn terminate(&mut self, grace: Duration) -> bool {
-        let Some(mut c) = self.child.take() else {
-            return true;
-        };
+    /// Sends SIGTERM and waits for the process to exit; returns its exit status if it exited
+    /// by itself within `grace` (None: it was not running, or had to be killed).
+    pub fn terminate(&mut self, grace: Duration) -> Option<ExitStatus> {
+        let mut c = self.child.take()?;
         let _ = Command::new("kill")
             .args(["-TERM", &c.id().to_string()])
             .status();
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = c.try_wait() {
-                return true;
+            if let Ok(Some(status)) = c.try_wait() {
+                return Some(status);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = c.kill();
         let _ = c.wait();
-        false
+        None
     }
 
-    /// Starts the same binary again with the same ports and arguments (a restart).
+    /// The `--ready-file` the process wrote its addresses to.
+    pub fn ready_file(&self) -> PathBuf {
+        self.dir.path().join("ready.json")
+    }
+
+    /// Starts the same binary again with the same arguments on the ports it had (a restart:
+    /// its clients hold those addresses, so they are bound again, not picked anew).
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        self.spawn(self.grpc_port, self.admin_port);
     }
 
     /// Polls an admin path until it answers 200, or panics after `within`.
@@ -197,6 +214,52 @@ impl Service {
 impl Drop for Service {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// Waits until `child` has written its ready file (`{"grpc": ADDR, "admin": ADDR}`, `"http"`
+/// instead of `"grpc"` for br-shim, written atomically by the binary once its ports are bound)
+/// and returns the `--listen` and admin addresses. Fails
+/// loudly if the process exits first or the file does not appear within [`BIND_WAIT`].
+fn wait_for_ready_file(name: &str, child: &mut Child, path: &Path) -> (SocketAddr, SocketAddr) {
+    let deadline = Instant::now() + BIND_WAIT;
+    loop {
+        if let Some(status) = child.try_wait().expect("child status") {
+            panic!(
+                "{name} exited ({status}) before writing {}; rerun with BR_E2E_LOGS=1 for its log",
+                path.display()
+            );
+        }
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                    panic!("{name}'s ready file {} is not JSON: {e}", path.display())
+                });
+                let addr = |key: &str| -> SocketAddr {
+                    v[key]
+                        .as_str()
+                        .and_then(|a| a.parse().ok())
+                        .unwrap_or_else(|| {
+                            panic!("{name}'s ready file has no {key:?} address: {v}")
+                        })
+                };
+                let listen = if v.get("http").is_some() {
+                    "http"
+                } else {
+                    "grpc"
+                };
+                return (addr(listen), addr("admin"));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => panic!("reading {}: {e}", path.display()),
+        }
+        if Instant::now() >= deadline {
+            panic!(
+                "{name} did not write {} within {BIND_WAIT:?}",
+                path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

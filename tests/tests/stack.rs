@@ -621,21 +621,30 @@ async fn dead_worker_is_fenced_and_gets_no_assignments() {
     }
 }
 
-/// SIGTERM: each service stops serving and exits within its drain grace.
+/// SIGTERM: each service stops serving and exits with 0 within its drain grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn services_shut_down_gracefully_on_sigterm() {
     let mut stack = Stack::start("br0").await;
     assert!(
-        stack.decision.terminate(Duration::from_secs(15)),
-        "decision exits on SIGTERM"
+        stack
+            .decision
+            .terminate(Duration::from_secs(15))
+            .is_some_and(|s| s.success()),
+        "decision exits (with 0) on SIGTERM"
     );
     assert!(
-        stack.ingest.terminate(Duration::from_secs(15)),
-        "ingest exits on SIGTERM"
+        stack
+            .ingest
+            .terminate(Duration::from_secs(15))
+            .is_some_and(|s| s.success()),
+        "ingest exits (with 0) on SIGTERM"
     );
     assert!(
-        stack.snapshot.terminate(Duration::from_secs(15)),
-        "snapshot exits on SIGTERM"
+        stack
+            .snapshot
+            .terminate(Duration::from_secs(15))
+            .is_some_and(|s| s.success()),
+        "snapshot exits (with 0) on SIGTERM"
     );
 }
 

@@ -1,56 +1,39 @@
 //! Wiring: one group task and one Watch follower per served group, the gRPC server (Decision,
 //! health, reflection) and the admin server. Used by `main` and by the integration tests.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::Context as _;
 use br_client::watch::{WatchConfig, Watcher};
 use br_core::build_policy;
 use br_proto::service_names;
 use br_proto::v1::decision_server::DecisionServer;
-use br_runtime::admin::{AdminServer, Readiness};
-use br_runtime::serve::{GrpcServer, HealthStatus, ServeOutcome};
-use tokio::task::JoinHandle;
+use br_runtime::admin::Readiness;
+use br_runtime::serve::HealthStatus;
+use br_runtime::skeleton::{self, Grpc, StartError};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::DecisionConfig;
+use crate::config::Args;
 use crate::group::{GroupCore, GroupStats};
 use crate::metrics::Metrics;
 use crate::service::DecisionService;
 use crate::task::{Feed, GroupHandle, OnReady, spawn_group};
 use crate::upstream::{GrpcSnapshot, SnapshotOps, snapshot_channel};
 
-/// A running decision service.
+/// A running decision service (see [`br_runtime::skeleton::Running`]); its extra is
+/// [`Groups`]. Ready (and its Decision health SERVING) once every group has a complete σ.
+pub type Running = skeleton::Running<Grpc, Groups>;
+
+/// What only a running decision service has: its metrics and its group tasks.
 #[derive(Debug)]
-pub struct Running {
-    grpc_addr: SocketAddr,
-    admin_addr: SocketAddr,
+pub struct Groups {
     metrics: Metrics,
-    readiness: Readiness,
     groups: Vec<GroupHandle>,
-    shutdown: CancellationToken,
-    server: JoinHandle<Result<ServeOutcome, tonic::transport::Error>>,
-    admin: AdminServer,
-    after: CancellationToken,
 }
 
-impl Running {
-    pub fn grpc_addr(&self) -> SocketAddr {
-        self.grpc_addr
-    }
-
-    pub fn admin_addr(&self) -> SocketAddr {
-        self.admin_addr
-    }
-
+impl Groups {
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
-    }
-
-    pub fn readiness(&self) -> &Readiness {
-        &self.readiness
     }
 
     /// The numbers of one group's task (pool size, reservations, ...).
@@ -58,36 +41,24 @@ impl Running {
         let h = self.groups.iter().find(|h| h.group().as_str() == group)?;
         h.stats().await
     }
-
-    /// Starts the shutdown (same as SIGTERM) and waits for the drain.
-    pub async fn stop(self) -> anyhow::Result<ServeOutcome> {
-        self.shutdown.cancel();
-        self.wait().await
-    }
-
-    /// Waits until the gRPC server has drained after the shutdown token was cancelled, then
-    /// stops the followers, the group tasks and the admin server.
-    pub async fn wait(self) -> anyhow::Result<ServeOutcome> {
-        let outcome = self.server.await.context("gRPC server task")?;
-        self.after.cancel();
-        drop(self.groups);
-        self.admin.wait().await.context("admin server")?;
-        Ok(outcome?)
-    }
 }
 
 /// Starts everything; returns once the ports are bound. The service becomes ready (and its
 /// Decision health SERVING) when every group has a complete σ.
-pub async fn start(cfg: DecisionConfig, shutdown: CancellationToken) -> anyhow::Result<Running> {
-    let metrics = Metrics::new().context("metrics")?;
+pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
+    let cfg = args.to_config().map_err(StartError::Config)?;
+    let metrics = Metrics::new()?;
     let readiness = Readiness::default();
     metrics.ready.set(0);
     // Followers, group tasks and the admin port outlive the gRPC drain (waiting calls still
     // need ticks and σ); they stop after it.
     let after = CancellationToken::new();
 
-    let channel = snapshot_channel(&cfg.snapshot_addr)
-        .with_context(|| format!("--snapshot-addr {:?}", cfg.snapshot_addr))?;
+    let channel = snapshot_channel(&cfg.snapshot_addr).map_err(|e| StartError::Upstream {
+        flag: "--snapshot-addr",
+        value: cfg.snapshot_addr.clone(),
+        reason: e.to_string(),
+    })?;
     let ops: Arc<dyn SnapshotOps> =
         Arc::new(GrpcSnapshot::new(channel.clone(), cfg.reserve_timeout));
 
@@ -96,7 +67,8 @@ pub async fn start(cfg: DecisionConfig, shutdown: CancellationToken) -> anyhow::
     let mut groups = Vec::with_capacity(n_groups);
     for group in &cfg.groups {
         metrics.init_group(group.as_str());
-        let policy = build_policy(&cfg.policy).context("--policy")?;
+        let policy =
+            build_policy(&cfg.policy).map_err(|e| StartError::Config(format!("--policy: {e}")))?;
         let gm = metrics.group(group.as_str());
         let core = GroupCore::new(group.clone(), policy, cfg.group.clone(), gm.clone());
         let (watch, updates) = Watcher::spawn(channel.clone(), WatchConfig::new(group.as_str()));
@@ -126,23 +98,18 @@ pub async fn start(cfg: DecisionConfig, shutdown: CancellationToken) -> anyhow::
         groups.push(handle);
     }
 
-    let admin = AdminServer::start(
-        cfg.admin_listen,
+    let admin = skeleton::start_admin(
+        &args.common,
         metrics.registry.clone(),
         readiness.clone(),
         after.clone(),
     )
-    .await
-    .with_context(|| format!("binding --admin-listen {}", cfg.admin_listen))?;
+    .await?;
     let admin_addr = admin.local_addr();
 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
     // 40 ms per unary call at low rates).
-    let server = GrpcServer::bind(cfg.listen)
-        .await
-        .with_context(|| format!("binding --listen {}", cfg.listen))?
-        .with_grace(cfg.shutdown_grace);
-    let grpc_addr = server.local_addr()?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
     let health = server.health_reporter();
     health
         .set_service_status(service_names::DECISION, HealthStatus::NotServing)
@@ -162,21 +129,26 @@ pub async fn start(cfg: DecisionConfig, shutdown: CancellationToken) -> anyhow::
         shutdown.clone(),
     );
     let routes = tonic::service::Routes::new(DecisionServer::new(svc));
-    let server = {
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move { server.serve(routes, &[], shutdown).await })
-    };
     tracing::info!(grpc = %grpc_addr, admin = %admin_addr, policy = %cfg.policy.kind,
         groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, "br-decision started");
-    Ok(Running {
+    let serve_shutdown = shutdown.clone();
+    let extra = Groups {
+        metrics,
+        groups: groups.clone(),
+    };
+    Ok(Running::spawn(
         grpc_addr,
         admin_addr,
-        metrics,
         readiness,
-        groups,
         shutdown,
-        server,
-        admin,
-        after,
-    })
+        extra,
+        async move {
+            let outcome = server.serve(routes, &[], serve_shutdown).await;
+            // Only now (the drain is over) the followers, group tasks and admin port stop.
+            after.cancel();
+            drop(groups);
+            skeleton::wait_admin(admin).await?;
+            Ok(outcome?)
+        },
+    ))
 }

@@ -1,7 +1,6 @@
 //! `br-decision`'s flags. Each is also `BALANCEROUTE_<FLAG>` and a key of `--config FILE`
 //! (TOML, flat: keys are flag names); precedence defaults < file < env < flags.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use br_core::dispatch::{ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, TieBreak};
@@ -9,6 +8,7 @@ use br_core::score::HorizonParams;
 use br_core::{PolicyConfig, PolicyKind};
 use br_proto::valid::GroupId;
 use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
 use crate::group::GroupConfig;
@@ -160,11 +160,9 @@ fn parse_beta(s: &str) -> Result<Beta, String> {
         .map_err(|e| format!("expected a number or G: {e}"))
 }
 
-/// Everything the service needs, validated.
+/// Everything the service needs beyond the common flags, validated.
 #[derive(Debug, Clone)]
 pub struct DecisionConfig {
-    pub listen: SocketAddr,
-    pub admin_listen: SocketAddr,
     pub snapshot_addr: String,
     pub policy: PolicyConfig,
     pub groups: Vec<GroupId>,
@@ -172,25 +170,6 @@ pub struct DecisionConfig {
     pub group: GroupConfig,
     pub max_wait: Duration,
     pub reserve_timeout: Duration,
-    pub shutdown_grace: Duration,
-}
-
-impl DecisionConfig {
-    /// Defaults on ephemeral loopback ports, for tests.
-    pub fn for_test(snapshot_addr: &str, policy: PolicyKind, groups: &[&str]) -> DecisionConfig {
-        DecisionConfig {
-            listen: ([127, 0, 0, 1], 0).into(),
-            admin_listen: ([127, 0, 0, 1], 0).into(),
-            snapshot_addr: snapshot_addr.to_owned(),
-            policy: PolicyConfig::new(policy),
-            groups: groups.iter().filter_map(|g| GroupId::new(g).ok()).collect(),
-            ticks: TickConfig::default(),
-            group: GroupConfig::default(),
-            max_wait: Duration::from_secs(30),
-            reserve_timeout: Duration::from_secs(1),
-            shutdown_grace: Duration::from_secs(2),
-        }
-    }
 }
 
 impl Args {
@@ -258,8 +237,6 @@ impl Args {
             ));
         }
         Ok(DecisionConfig {
-            listen: self.common.listen,
-            admin_listen: self.common.admin_listen,
             snapshot_addr: self.snapshot_addr.clone(),
             policy,
             groups,
@@ -275,8 +252,13 @@ impl Args {
             },
             max_wait: self.max_wait,
             reserve_timeout: self.reserve_timeout,
-            shutdown_grace: self.common.shutdown_grace,
         })
+    }
+}
+
+impl ServiceArgs for Args {
+    fn common(&self) -> &CommonArgs {
+        &self.common
     }
 }
 
@@ -302,8 +284,8 @@ mod tests {
     fn defaults_start_with_no_arguments() {
         let a = parse(&[]).unwrap();
         let c = a.to_config().unwrap();
-        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
-        assert_eq!(c.admin_listen.to_string(), DEFAULT_ADMIN_LISTEN);
+        assert_eq!(a.common.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(a.common.admin_listen.to_string(), DEFAULT_ADMIN_LISTEN);
         assert_eq!(c.snapshot_addr, DEFAULT_SNAPSHOT_ADDR);
         assert_eq!(c.policy.kind, PolicyKind::Br0);
         assert_eq!(c.groups.len(), 1);

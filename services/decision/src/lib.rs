@@ -28,6 +28,6 @@ pub mod service;
 pub mod task;
 pub mod upstream;
 
-pub use app::{Running, start};
+pub use app::{Groups, Running, start};
 pub use config::{Args, DecisionConfig};
 pub use error::DecisionError;

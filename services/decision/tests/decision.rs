@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use br_client::assign::{AssignClient, AssignError, AssignParams, CancelOutcome, RetryPolicy};
 use br_core::PolicyKind;
-use br_decision::{DecisionConfig, Running};
+use br_decision::Running;
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change::Kind as T;
@@ -57,7 +57,7 @@ async fn start_snapshot(listen: &str) -> Snapshot {
     .unwrap();
     let stop = CancellationToken::new();
     let running = br_snapshot::start(&args, stop.clone()).await.unwrap();
-    let addr = running.grpc_addr;
+    let addr = running.grpc_addr();
     Snapshot {
         running,
         stop,
@@ -169,15 +169,28 @@ fn init_logs() {
         .try_init();
 }
 
-async fn start_decision(
-    snapshot_url: &str,
-    policy: PolicyKind,
-    tweak: impl FnOnce(&mut DecisionConfig),
-) -> Running {
+/// br-decision on ephemeral ports for `GROUP`, with `extra` flags.
+async fn start_decision(snapshot_url: &str, policy: PolicyKind, extra: &[&str]) -> Running {
     init_logs();
-    let mut cfg = DecisionConfig::for_test(snapshot_url, policy, &[GROUP]);
-    tweak(&mut cfg);
-    br_decision::start(cfg, CancellationToken::new())
+    let policy = policy.to_string();
+    let mut argv = vec![
+        "br-decision",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--snapshot-addr",
+        snapshot_url,
+        "--policy",
+        &policy,
+        "--groups",
+        GROUP,
+        "--shutdown-grace",
+        "2s",
+    ];
+    argv.extend_from_slice(extra);
+    let args: br_decision::Args = br_runtime::config::parse_from(argv).unwrap();
+    br_decision::start(&args, CancellationToken::new())
         .await
         .unwrap()
 }
@@ -232,16 +245,14 @@ fn params(id: &str, s: u32) -> AssignParams {
     AssignParams::new(GROUP, id, s)
 }
 
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn not_ready_until_sigma_then_serves() {
     use tonic_health::pb::health_check_response::ServingStatus as H;
-    let listen = free_port();
-    let d = start_decision(&format!("http://{listen}"), PolicyKind::Br0, |_| {}).await;
+    // The address of a snapshot service that has gone away: decision starts without one.
+    let gone = start_snapshot("127.0.0.1:0").await;
+    let listen = gone.addr.to_string();
+    gone.kill().await;
+    let d = start_decision(&format!("http://{listen}"), PolicyKind::Br0, &[]).await;
     assert!(!d.readiness().is_ready());
     assert_eq!(http_get(d.admin_addr(), "/readyz").await.0, 503);
     assert_eq!(health(&d).await, H::NotServing as i32);
@@ -255,6 +266,7 @@ async fn not_ready_until_sigma_then_serves() {
         .unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
 
+    // It comes back where decision expects it (a restart: the port is bound again).
     let snap = start_snapshot(&listen).await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(2, 8).await;
@@ -288,10 +300,11 @@ async fn assignments_follow_the_policy() {
         t.hello(2, 16).await;
         t.running(0, &[("big", 10_000)]).await;
         t.running(1, &[("s1", 100), ("s2", 100), ("s3", 100)]).await;
-        let d = start_decision(&snap.url(), policy, |_| {}).await;
+        let d = start_decision(&snap.url(), policy, &[]).await;
         ready(&d).await;
         eventually("σ has the running requests", || async {
-            d.stats(GROUP)
+            d.extra()
+                .stats(GROUP)
                 .await
                 .and_then(|s| s.sigma)
                 .is_some_and(|(_, v)| v >= 3)
@@ -321,7 +334,7 @@ async fn many_concurrent_callers_are_all_reserved_once() {
     let snap = start_snapshot("127.0.0.1:0").await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(4, 64).await;
-    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &[]).await;
     ready(&d).await;
     let c = client(&d).await;
     let mut calls = Vec::new();
@@ -343,7 +356,7 @@ async fn many_concurrent_callers_are_all_reserved_once() {
     assert!(per_worker.iter().all(|&n| n > 0), "spread: {per_worker:?}");
     let ids = snap.request_ids().await;
     assert_eq!(ids.len(), 200, "each request reserved exactly once");
-    let st = d.stats(GROUP).await.unwrap();
+    let st = d.extra().stats(GROUP).await.unwrap();
     assert_eq!((st.pool, st.waiting_calls, st.reserving), (0, 0, 0));
     d.stop().await.unwrap();
     snap.kill().await;
@@ -354,7 +367,7 @@ async fn deadlines_leave_nothing_behind() {
     let snap = start_snapshot("127.0.0.1:0").await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(1, 1).await;
-    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &[]).await;
     ready(&d).await;
     let c = client(&d).await;
     c.assign_within(&params("first", 10), WAIT).await.unwrap();
@@ -365,7 +378,8 @@ async fn deadlines_leave_nothing_behind() {
         .unwrap_err();
     assert!(matches!(err, AssignError::DeadlineExceeded), "{err:?}");
     eventually("the pool is empty", || async {
-        d.stats(GROUP)
+        d.extra()
+            .stats(GROUP)
             .await
             .is_some_and(|s| s.pool == 0 && s.waiting_calls == 0 && s.reserving == 0)
     })
@@ -389,7 +403,7 @@ async fn cancel_and_idempotent_retries() {
     let snap = start_snapshot("127.0.0.1:0").await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(3, 1).await;
-    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &[]).await;
     ready(&d).await;
     let c = client(&d).await;
 
@@ -436,7 +450,7 @@ async fn cancel_and_idempotent_retries() {
         tokio::spawn(async move { c.assign_within(&params("w", 10), WAIT).await })
     };
     eventually("w waits in the pool", || async {
-        d.stats(GROUP).await.is_some_and(|s| s.pool == 1)
+        d.extra().stats(GROUP).await.is_some_and(|s| s.pool == 1)
     })
     .await;
     assert_eq!(
@@ -445,7 +459,7 @@ async fn cancel_and_idempotent_retries() {
     );
     let err = waiting.await.unwrap().unwrap_err();
     assert_eq!(err.code(), Code::Cancelled, "{err}");
-    assert_eq!(d.stats(GROUP).await.unwrap().pool, 0);
+    assert_eq!(d.extra().stats(GROUP).await.unwrap().pool, 0);
     assert!(!snap.request_ids().await.contains(&"w".to_string()));
     d.stop().await.unwrap();
     snap.kill().await;
@@ -456,7 +470,7 @@ async fn bad_input_gets_typed_statuses() {
     let snap = start_snapshot("127.0.0.1:0").await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(1, 1).await;
-    let d = start_decision(&snap.url(), PolicyKind::Br0, |c| c.group.max_pool = 1).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &["--max-pool", "1"]).await;
     ready(&d).await;
     let c = client(&d).await;
     let code = |r: Result<_, AssignError>| r.unwrap_err().code();
@@ -498,7 +512,7 @@ async fn bad_input_gets_typed_statuses() {
         })
     };
     eventually("b waits", || async {
-        d.stats(GROUP).await.is_some_and(|s| s.pool == 1)
+        d.extra().stats(GROUP).await.is_some_and(|s| s.pool == 1)
     })
     .await;
     assert_eq!(
@@ -512,11 +526,11 @@ async fn bad_input_gets_typed_statuses() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_outage_answers_stale_then_resyncs() {
-    let listen = free_port();
-    let snap = start_snapshot(&listen).await;
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let listen = snap.addr.to_string();
     let mut t = Telemetry::open(&snap).await;
     t.hello(2, 8).await;
-    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &[]).await;
     ready(&d).await;
     let c = client(&d).await;
     let before = c.assign_within(&params("before", 100), WAIT).await.unwrap();
@@ -526,7 +540,7 @@ async fn snapshot_outage_answers_stale_then_resyncs() {
     drop(t);
     snap.kill().await;
     eventually("σ stale", || async {
-        d.stats(GROUP).await.is_some_and(|s| s.stale)
+        d.extra().stats(GROUP).await.is_some_and(|s| s.stale)
     })
     .await;
     let m = http_get(d.admin_addr(), "/metrics").await.1;
@@ -543,7 +557,8 @@ async fn snapshot_outage_answers_stale_then_resyncs() {
     let mut t = Telemetry::open(&snap).await;
     t.hello(2, 8).await;
     eventually("resynced", || async {
-        d.stats(GROUP)
+        d.extra()
+            .stats(GROUP)
             .await
             .is_some_and(|s| !s.stale && s.sigma.is_some_and(|(e, _)| e != first_epoch))
     })
@@ -568,7 +583,7 @@ async fn on_arrival_baselines_answer_at_once() {
     let snap = start_snapshot("127.0.0.1:0").await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(3, 8).await;
-    let d = start_decision(&snap.url(), PolicyKind::RoundRobin, |_| {}).await;
+    let d = start_decision(&snap.url(), PolicyKind::RoundRobin, &[]).await;
     ready(&d).await;
     let c = client(&d).await;
     let mut ws = Vec::new();
@@ -591,7 +606,7 @@ async fn metrics_export_every_contract_name() {
     let snap = start_snapshot("127.0.0.1:0").await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(1, 8).await;
-    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &[]).await;
     ready(&d).await;
     client(&d)
         .await
@@ -631,7 +646,7 @@ async fn a_caller_that_goes_away_leaves_the_pool() {
     let snap = start_snapshot("127.0.0.1:0").await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(1, 1).await;
-    let d = start_decision(&snap.url(), PolicyKind::Br0, |_| {}).await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &[]).await;
     ready(&d).await;
     let c = client(&d).await;
     c.assign_within(&params("full", 10), WAIT).await.unwrap();
@@ -643,12 +658,13 @@ async fn a_caller_that_goes_away_leaves_the_pool() {
         })
     };
     eventually("it waits", || async {
-        d.stats(GROUP).await.is_some_and(|s| s.pool == 1)
+        d.extra().stats(GROUP).await.is_some_and(|s| s.pool == 1)
     })
     .await;
     gone.abort(); // the gateway drops the call: the server's handler future is dropped
     eventually("withdrawn by the drop guard", || async {
-        d.stats(GROUP)
+        d.extra()
+            .stats(GROUP)
             .await
             .is_some_and(|s| s.pool == 0 && s.waiting_calls == 0)
     })

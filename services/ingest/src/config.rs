@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use br_proto::valid::{GroupId, limits};
 use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50062";
@@ -62,6 +63,12 @@ pub struct Args {
     /// another group is refused with PERMISSION_DENIED.
     #[arg(long, env = "BALANCEROUTE_GROUPS", value_delimiter = ',')]
     pub groups: Vec<String>,
+}
+
+impl ServiceArgs for Args {
+    fn common(&self) -> &CommonArgs {
+        &self.common
+    }
 }
 
 impl Validate for Args {

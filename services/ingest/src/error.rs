@@ -1,5 +1,5 @@
 //! Ingest's errors: the ones that end a telemetry stream (each maps to one gRPC status, in one
-//! place) and the ones that stop the service from starting.
+//! place). Start-up errors are br-runtime's `skeleton::StartError`, shared by every service.
 
 use br_proto::ValidationError;
 use br_runtime::error::ServiceError;
@@ -77,20 +77,6 @@ impl ServiceError for StreamError {
             StreamError::ShuttingDown => "shutting_down",
         }
     }
-}
-
-/// Why ingest could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error("binding {what}: {source}")]
-    Bind {
-        what: &'static str,
-        source: std::io::Error,
-    },
-    #[error("--snapshot-addr {addr:?}: {reason}")]
-    SnapshotAddr { addr: String, reason: String },
-    #[error("registering metrics: {0}")]
-    Metrics(#[from] prometheus::Error),
 }
 
 #[cfg(test)]

@@ -22,66 +22,30 @@ pub mod service;
 pub mod session;
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
 
-use br_runtime::admin::{AdminServer, Readiness};
-use br_runtime::serve::GrpcServer;
-use tokio::task::JoinHandle;
+use br_runtime::admin::Readiness;
+use br_runtime::config::Validate as _;
+use br_runtime::skeleton::{self, Grpc, StartError};
 use tokio_util::sync::CancellationToken;
 
 pub use config::Args;
-pub use error::{StartError, StreamError};
+pub use error::StreamError;
 
-/// A started ingest.
-#[derive(Debug)]
-pub struct Running {
-    /// Where the Telemetry service listens.
-    pub grpc_addr: SocketAddr,
-    /// Where /metrics, /livez and /readyz are served.
-    pub admin_addr: SocketAddr,
-    /// Whether ingest is connected to the snapshot service.
-    pub readiness: Readiness,
-    task: JoinHandle<()>,
-}
-
-impl Running {
-    /// Waits until everything has stopped (after the shutdown token is cancelled).
-    pub async fn wait(self) {
-        if let Err(e) = self.task.await {
-            tracing::error!(error = %e, "ingest task failed");
-        }
-    }
-}
+/// A started ingest (see [`br_runtime::skeleton::Running`]); ready while it is connected to
+/// the snapshot service.
+pub type Running = skeleton::Running<Grpc>;
 
 /// Binds the gRPC and admin listeners and starts serving; everything stops when `shutdown` is
 /// cancelled (streams end with UNAVAILABLE, the gRPC server drains within the grace period).
 pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
+    args.validate().map_err(StartError::Config)?;
     let registry = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&registry)?;
     let readiness = Readiness::default();
-    let admin = AdminServer::start(
-        args.common.admin_listen,
-        registry,
-        readiness.clone(),
-        shutdown.clone(),
-    )
-    .await
-    .map_err(|source| StartError::Bind {
-        what: "--admin-listen",
-        source,
-    })?;
+    let admin =
+        skeleton::start_admin(&args.common, registry, readiness.clone(), shutdown.clone()).await?;
     // br-runtime's server sets TCP_NODELAY on every accepted connection.
-    let server = GrpcServer::bind(args.common.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            what: "--listen",
-            source,
-        })?
-        .with_grace(args.common.shutdown_grace);
-    let grpc_addr = server.local_addr().map_err(|source| StartError::Bind {
-        what: "--listen",
-        source,
-    })?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
 
     let workers = registry::Registry::default();
     let (fwd, fwd_task) = forward::spawn(
@@ -95,8 +59,9 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         readiness.clone(),
         shutdown.clone(),
     )
-    .map_err(|e| StartError::SnapshotAddr {
-        addr: args.snapshot_addr.clone(),
+    .map_err(|e| StartError::Upstream {
+        flag: "--snapshot-addr",
+        value: args.snapshot_addr.clone(),
         reason: e.to_string(),
     })?;
 
@@ -121,30 +86,32 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             .max_decoding_message_size(args.max_message_bytes),
     );
     let admin_addr = admin.local_addr();
-    let task = tokio::spawn(async move {
-        match server
-            .serve(
-                routes,
-                &[br_proto::service_names::TELEMETRY],
-                shutdown.clone(),
-            )
-            .await
-        {
-            Ok(outcome) => tracing::info!(?outcome, "Telemetry server stopped"),
-            Err(e) => {
-                tracing::error!(error = %e, "Telemetry server failed");
-                shutdown.cancel();
-            }
-        }
-        let _ = fwd_task.await;
-        if let Err(e) = admin.wait().await {
-            tracing::error!(error = %e, "admin server failed");
-        }
-    });
-    Ok(Running {
+    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, snapshot = %args.snapshot_addr,
+        "br-ingest started");
+    let serve_shutdown = shutdown.clone();
+    Ok(Running::spawn(
         grpc_addr,
         admin_addr,
         readiness,
-        task,
-    })
+        shutdown,
+        (),
+        async move {
+            let served = server
+                .serve(
+                    routes,
+                    &[br_proto::service_names::TELEMETRY],
+                    serve_shutdown.clone(),
+                )
+                .await;
+            if let Err(e) = &served {
+                // Without its server ingest is useless: stop the forwarder and the admin port
+                // too, so the process exits (with an error) instead of idling.
+                tracing::error!(error = %e, "Telemetry server failed");
+                serve_shutdown.cancel();
+            }
+            fwd_task.await?;
+            skeleton::wait_admin(admin).await?;
+            Ok(served?)
+        },
+    ))
 }

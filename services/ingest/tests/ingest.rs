@@ -658,6 +658,7 @@ async fn shutdown_ends_streams_with_unavailable() {
     assert_eq!(code(w.next().await), tonic::Code::Unavailable);
     tokio::time::timeout(WAIT, running.unwrap().wait())
         .await
+        .unwrap()
         .unwrap();
 }
 

@@ -83,8 +83,8 @@ fn reporter(ingest: SocketAddr, worker: u32) -> ReporterHandle {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigma_follows_telemetry_and_is_rebuilt_after_a_snapshot_restart() {
     let (snap, snap_stop) = start_snapshot("127.0.0.1:0").await;
-    let saddr = snap.grpc_addr;
-    let first_epoch = snap.epoch;
+    let saddr = snap.grpc_addr();
+    let first_epoch = snap.extra().epoch;
     let ing = TestIngest::start(saddr, &[]).await;
     ing.connected().await;
 
@@ -127,7 +127,7 @@ async fn sigma_follows_telemetry_and_is_rebuilt_after_a_snapshot_restart() {
         .unwrap()
         .unwrap();
     let (snap2, snap2_stop) = start_snapshot(&saddr.to_string()).await;
-    assert_ne!(snap2.epoch, first_epoch);
+    assert_ne!(snap2.extra().epoch, first_epoch);
     w0.progress("a", 100, 41, false).unwrap();
     let s = sigma_until(saddr, "gs", "σ rebuilt from full states", |s| {
         s.workers.len() == 2
@@ -138,7 +138,7 @@ async fn sigma_follows_telemetry_and_is_rebuilt_after_a_snapshot_restart() {
             && request(s, "b").is_some_and(|r| r.generated_tokens == 20)
     })
     .await;
-    assert_eq!(s.epoch, snap2.epoch);
+    assert_eq!(s.epoch, snap2.extra().epoch);
     assert!(request(&s, "done").is_none(), "finished requests stay gone");
 
     // A worker's stream ends: it becomes SUSPECT (its requests stay during the grace period).

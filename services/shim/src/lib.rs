@@ -14,6 +14,8 @@
 //! - A client that goes away, an engine error or a failed upstream call ends the request
 //!   (`finished = true`).
 
+pub mod app;
+pub mod config;
 pub mod metrics;
 pub mod report;
 pub mod sse;
@@ -31,6 +33,8 @@ use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use serde_json::Value;
 
+pub use app::{Running, start};
+pub use config::Args;
 pub use metrics::ShimMetrics;
 pub use report::{NullSink, ProgressSink, RecordingSink, Report};
 

@@ -21,9 +21,9 @@ struct Stack {
     stop: CancellationToken,
 }
 
-async fn stack(time_scale: f64, inject: bool) -> Stack {
-    let stop = CancellationToken::new();
-    let engine = EngineServer::start(
+/// The emulated engine (2 ranks, 10 ms steps scaled by `time_scale`), stopped by `stop`.
+async fn engine(time_scale: f64, stop: &CancellationToken) -> EngineServer {
+    EngineServer::start(
         EngineConfig {
             ranks: 2,
             slots: 4,
@@ -38,7 +38,12 @@ async fn stack(time_scale: f64, inject: bool) -> Stack {
         stop.clone(),
     )
     .await
-    .unwrap();
+    .unwrap()
+}
+
+async fn stack(time_scale: f64, inject: bool) -> Stack {
+    let stop = CancellationToken::new();
+    let engine = engine(time_scale, &stop).await;
     let sink = RecordingSink::default();
     let registry = prometheus::Registry::new();
     let metrics = ShimMetrics::new(&registry).unwrap();
@@ -511,4 +516,224 @@ async fn an_engine_that_dies_mid_stream_finishes_the_request() {
         "{r:?}"
     );
     s.engine.shutdown().await;
+}
+
+/// br-shim as its binary runs it (`br_shim::start`), against the emulated engine and the real
+/// br-ingest and br-snapshot, all in-process on port 0.
+mod wiring {
+    use super::*;
+    use br_proto::v1;
+    use br_runtime::serve::ServeOutcome;
+    use br_runtime::skeleton::StartError;
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    fn shim_args(upstream: &str, ingest: &str, extra: &[&str]) -> br_shim::Args {
+        let mut argv = vec![
+            "br-shim",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--ingest-addr",
+            ingest,
+            "--group",
+            "wired",
+            "--worker-id",
+            "3",
+            "--capacity",
+            "4",
+            "--shutdown-grace",
+            "5s",
+        ];
+        argv.extend_from_slice(extra);
+        br_runtime::config::parse_from(argv).unwrap()
+    }
+
+    /// Polls `what` (bounded): the loud failure of a wait, not a timing assertion.
+    async fn eventually<F, Fut>(what: &str, mut cond: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !cond().await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for: {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn sigma(snapshot: SocketAddr) -> Option<v1::ClusterSnapshot> {
+        let mut c = v1::snapshot_client::SnapshotClient::connect(format!("http://{snapshot}"))
+            .await
+            .ok()?;
+        c.get(v1::GetRequest {
+            group: "wired".into(),
+        })
+        .await
+        .ok()
+        .map(|r| r.into_inner())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn started_shim_proxies_reports_to_ingest_and_shuts_down_cleanly() {
+        let stop = CancellationToken::new();
+        let snapshot_args: br_snapshot::Args = br_runtime::config::parse_from([
+            "br-snapshot",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--shutdown-grace",
+            "2s",
+        ])
+        .unwrap();
+        let snapshot = br_snapshot::start(&snapshot_args, stop.clone())
+            .await
+            .unwrap();
+        let snapshot_url = format!("http://{}", snapshot.grpc_addr());
+        let ingest_args: br_ingest::Args = br_runtime::config::parse_from([
+            "br-ingest",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--snapshot-addr",
+            &snapshot_url,
+            "--shutdown-grace",
+            "2s",
+        ])
+        .unwrap();
+        let ingest = br_ingest::start(&ingest_args, stop.clone()).await.unwrap();
+        // Slow steps (10 ms) so a long request is still running while σ is read.
+        let engine = engine(1.0, &stop).await;
+        let upstream = format!("http://{}", engine.addrs.ranks[0]);
+
+        let shim_stop = CancellationToken::new();
+        let args = shim_args(&upstream, &format!("http://{}", ingest.grpc_addr()), &[]);
+        let shim = br_shim::start(&args, shim_stop.clone()).await.unwrap();
+        let proxy = format!("http://{}", shim.http_addr());
+        assert_ne!(shim.http_addr().port(), 0);
+        assert!(shim.is_ready());
+        let readyz = reqwest::get(format!("http://{}/readyz", shim.admin_addr()))
+            .await
+            .unwrap();
+        assert_eq!(readyz.status(), 200);
+
+        // It proxies: the same bytes with and without it.
+        let body = json!({"model": "br-emu", "prompt": "x", "max_tokens": 3, "stream": true});
+        let (s1, direct) = post(&upstream, "/v1/completions", "w-short", &body).await;
+        let (s2, proxied) = post(&proxy, "/v1/completions", "w-short", &body).await;
+        assert_eq!((s1, s2), (200, 200));
+        assert_eq!(direct, proxied);
+
+        // It reports to ingest: the worker announced itself with this shim as its endpoint,
+        // and a request in flight through it is in σ with its tokens.
+        let resp = reqwest::Client::new()
+            .post(format!("{proxy}/v1/completions"))
+            .header("x-request-id", "w-long")
+            .json(&json!({"model": "br-emu", "prompt": "x", "max_tokens": 100000, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let mut stream = resp.bytes_stream();
+        let first = stream.next().await.unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&first).contains("data: "));
+        let saddr = snapshot.grpc_addr();
+        eventually("the shim's worker and its request in σ", || async {
+            let Some(s) = sigma(saddr).await else {
+                return false;
+            };
+            let worker = s.workers.iter().any(|w| {
+                w.worker_id == 3
+                    && w.capacity == 4
+                    && w.endpoint == proxy
+                    && w.liveness == v1::Liveness::Live as i32
+            });
+            let request = s
+                .requests
+                .iter()
+                .any(|r| r.request_id == "w-long" && r.worker_id == 3 && r.generated_tokens > 0);
+            worker && request
+        })
+        .await;
+        // The client leaves: the request is finished and leaves σ.
+        drop(stream);
+        eventually("the finished request leaves σ", || async {
+            sigma(saddr)
+                .await
+                .is_some_and(|s| s.requests.iter().all(|r| r.request_id != "w-long"))
+        })
+        .await;
+
+        // Shutdown: a clean drain, and the proxy port is closed.
+        let http_addr = shim.http_addr();
+        shim_stop.cancel();
+        let outcome = tokio::time::timeout(WAIT, shim.wait())
+            .await
+            .expect("the shim stops within the wait")
+            .unwrap();
+        assert_eq!(outcome, ServeOutcome::Drained);
+        assert!(tokio::net::TcpStream::connect(http_addr).await.is_err());
+
+        stop.cancel();
+        engine.shutdown().await;
+        tokio::time::timeout(WAIT, ingest.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::timeout(WAIT, snapshot.wait())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_worker_id_above_the_contract_limit_is_refused_at_start() {
+        let mut args = shim_args("http://127.0.0.1:1", "", &[]);
+        args.worker_id = br_proto::valid::limits::MAX_WORKER_ID + 1;
+        let err = br_shim::start(&args, CancellationToken::new())
+            .await
+            .unwrap_err();
+        let StartError::Config(msg) = &err else {
+            panic!("expected a config error, got {err}");
+        };
+        assert!(msg.contains("--worker-id 1024"), "{msg}");
+        assert!(msg.contains("1023"), "names the limit: {msg}");
+        // The limit itself is a valid id.
+        args.worker_id = br_proto::valid::limits::MAX_WORKER_ID;
+        let running = br_shim::start(&args, CancellationToken::new())
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, running.stop())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_taken_port_is_a_bind_error_naming_the_flag() {
+        let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = taken.local_addr().unwrap().to_string();
+        let mut args = shim_args("http://127.0.0.1:1", "", &[]);
+        args.common.admin_listen = addr.parse().unwrap();
+        let err = br_shim::start(&args, CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StartError::Bind {
+                    flag: "--admin-listen",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
 }

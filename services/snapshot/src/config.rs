@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::skeleton::ServiceArgs;
 
 use crate::group::Settings;
 
@@ -72,6 +73,12 @@ fn in_range(flag: &str, d: Duration, min: Duration, max: Duration) -> Result<(),
         ));
     }
     Ok(())
+}
+
+impl ServiceArgs for Args {
+    fn common(&self) -> &CommonArgs {
+        &self.common
+    }
 }
 
 impl Validate for Args {

@@ -18,12 +18,10 @@ pub mod service;
 mod wire;
 pub mod writer;
 
-use std::net::SocketAddr;
-
 use br_proto::v1::snapshot_server::SnapshotServer;
-use br_runtime::admin::{AdminServer, Readiness};
-use br_runtime::serve::{GrpcServer, ServeOutcome};
-use tokio::task::JoinHandle;
+use br_runtime::admin::Readiness;
+use br_runtime::config::Validate as _;
+use br_runtime::skeleton::{self, Grpc, StartError};
 use tokio_util::sync::CancellationToken;
 
 pub use config::Args;
@@ -32,47 +30,30 @@ pub use group::Settings;
 /// Largest gRPC message accepted (an Apply batch or a Reserve call).
 pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
-/// A started service: its bound addresses and its tasks.
-#[derive(Debug)]
-pub struct Running {
-    pub grpc_addr: SocketAddr,
-    pub admin_addr: SocketAddr,
-    pub epoch: u64,
-    grpc: JoinHandle<Result<ServeOutcome, tonic::transport::Error>>,
-    admin: AdminServer,
-    writer: JoinHandle<()>,
-}
+/// A started snapshot service (see [`br_runtime::skeleton::Running`]); its extra is the epoch.
+pub type Running = skeleton::Running<Grpc, Started>;
 
-impl Running {
-    /// Waits until the service has stopped (after `shutdown` was cancelled).
-    pub async fn wait(self) -> Result<ServeOutcome, std::io::Error> {
-        let outcome = match self.grpc.await {
-            Ok(Ok(o)) => o,
-            Ok(Err(e)) => return Err(std::io::Error::other(e)),
-            Err(e) => return Err(std::io::Error::other(e)),
-        };
-        self.admin.wait().await?;
-        let _ = self.writer.await;
-        Ok(outcome)
-    }
+/// What only a started snapshot service has.
+#[derive(Debug, Clone, Copy)]
+pub struct Started {
+    /// This incarnation's random epoch: every σ it serves carries it.
+    pub epoch: u64,
 }
 
 /// Binds both ports (port 0 picks a free one), starts the writer, the gRPC server (with
 /// health and reflection) and the admin server; everything stops when `shutdown` is cancelled.
-pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, std::io::Error> {
-    let metrics = metrics::Metrics::new().map_err(std::io::Error::other)?;
+pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
+    args.validate().map_err(StartError::Config)?;
+    let metrics = metrics::Metrics::new()?;
     let readiness = Readiness::default();
-    let admin = AdminServer::start(
-        args.common.admin_listen,
+    let admin = skeleton::start_admin(
+        &args.common,
         metrics.registry().clone(),
         readiness.clone(),
         shutdown.clone(),
     )
     .await?;
-    let server = GrpcServer::bind(args.common.listen)
-        .await?
-        .with_grace(args.common.shutdown_grace);
-    let grpc_addr = server.local_addr()?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
     let (writer, writer_task) = writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
     let epoch = writer.epoch();
     let svc = service::SnapshotService::new(writer, metrics, shutdown.clone());
@@ -82,20 +63,25 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             .max_encoding_message_size(usize::MAX),
     );
     readiness.set(true);
-    let grpc = tokio::spawn(async move {
-        let r = server
-            .serve(routes, &[br_proto::service_names::SNAPSHOT], shutdown)
-            .await;
-        readiness.set(false);
-        r
-    });
-    tracing::info!(%grpc_addr, admin_addr = %admin.local_addr(), epoch, "br-snapshot started");
-    Ok(Running {
+    let admin_addr = admin.local_addr();
+    tracing::info!(%grpc_addr, %admin_addr, epoch, "br-snapshot started");
+    let ready = readiness.clone();
+    let serve_shutdown = shutdown.clone();
+    Ok(Running::spawn(
         grpc_addr,
-        admin_addr: admin.local_addr(),
-        epoch,
-        grpc,
-        admin,
-        writer: writer_task,
-    })
+        admin_addr,
+        readiness,
+        shutdown,
+        Started { epoch },
+        async move {
+            let served = server
+                .serve(routes, &[br_proto::service_names::SNAPSHOT], serve_shutdown)
+                .await;
+            ready.set(false);
+            let outcome = served?;
+            skeleton::wait_admin(admin).await?;
+            writer_task.await?;
+            Ok(outcome)
+        },
+    ))
 }

@@ -172,7 +172,7 @@ async fn apply_throughput_and_telemetry_to_watcher_latency() {
     .unwrap();
     let shutdown = CancellationToken::new();
     let running = br_snapshot::start(&args, shutdown.clone()).await.unwrap();
-    let url = format!("http://{}", running.grpc_addr);
+    let url = format!("http://{}", running.grpc_addr());
     let per_batch = u64::from(WORKERS * PER_WORKER);
 
     let n = 2000;

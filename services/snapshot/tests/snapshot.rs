@@ -43,7 +43,7 @@ impl Server {
         let args: Args = br_runtime::config::parse_from(argv).unwrap();
         let shutdown = CancellationToken::new();
         let running = br_snapshot::start(&args, shutdown.clone()).await.unwrap();
-        let url = format!("http://{}", running.grpc_addr);
+        let url = format!("http://{}", running.grpc_addr());
         let client = SnapshotClient::connect(url.clone()).await.unwrap();
         Server {
             running: Some(running),
@@ -54,7 +54,7 @@ impl Server {
     }
 
     fn epoch(&self) -> u64 {
-        self.running.as_ref().unwrap().epoch
+        self.running.as_ref().unwrap().extra().epoch
     }
 
     async fn get(&self, group: &str) -> v1::ClusterSnapshot {
@@ -130,7 +130,7 @@ impl Server {
     }
 
     async fn scrape(&self, path: &str) -> String {
-        let addr = self.running.as_ref().unwrap().admin_addr;
+        let addr = self.running.as_ref().unwrap().admin_addr();
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
             .await

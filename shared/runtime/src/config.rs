@@ -86,6 +86,13 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_SHUTDOWN_GRACE)]
     pub shutdown_grace: Duration,
 
+    /// Once every port is bound, write the bound addresses here as JSON
+    /// (`{"grpc": "127.0.0.1:50061", "admin": "127.0.0.1:9061"}`, `"http"` for the shim),
+    /// atomically. With port 0 in `--listen`/`--admin-listen`, this is how a script or test
+    /// learns the ports. Written when bound, not when ready (see `/readyz`).
+    #[arg(long, env = "BALANCEROUTE_READY_FILE")]
+    pub ready_file: Option<PathBuf>,
+
     /// TOML file that may set any flag (keys are flag names, `snake_case` or `kebab-case`).
     /// Precedence: defaults < file < environment < command line.
     #[arg(long, env = "BALANCEROUTE_CONFIG")]
@@ -360,6 +367,7 @@ mod tests {
         assert_eq!(a.common.admin_listen.port(), 0);
         assert_eq!(a.common.shutdown_grace, Duration::from_secs(10));
         assert_eq!(a.common.log_format, LogFormat::Plain);
+        assert_eq!(a.common.ready_file, None);
     }
 
     #[test]
@@ -371,7 +379,8 @@ mod tests {
              test_item = [\"a\", \"b\"]\n\
              shutdown_grace = \"250ms\"\n\
              log_format = \"json\"\n\
-             listen = \"127.0.0.1:6000\"\n",
+             listen = \"127.0.0.1:6000\"\n\
+             ready-file = \"/run/br/ready.json\"\n",
         );
         let a = parse(&["--config", f.path().to_str().unwrap()]).unwrap();
         assert_eq!(a.test_name, "from-file");
@@ -381,6 +390,10 @@ mod tests {
         assert_eq!(a.common.shutdown_grace, Duration::from_millis(250));
         assert_eq!(a.common.log_format, LogFormat::Json);
         assert_eq!(a.common.listen.port(), 6000);
+        assert_eq!(
+            a.common.ready_file,
+            Some(PathBuf::from("/run/br/ready.json"))
+        );
     }
 
     #[test]

@@ -7,30 +7,45 @@
 //! - [`serve`]: a tonic server with health, reflection and a graceful, bounded drain on
 //!   SIGTERM/SIGINT.
 //! - [`error`]: one mapping from a service's error enum to a gRPC status.
+//! - [`skeleton`]: the one shape of a service (`start(&Args, shutdown) -> Result<Running,
+//!   StartError>`), `--ready-file`, and [`skeleton::main`], the whole of every binary's `main`.
 //!
-//! A service's `main`, in short:
+//! A service, in short (br-snapshot, br-ingest, br-decision and br-shim look like this):
 //! ```no_run
-//! use br_runtime::{admin, config, observability, serve};
-//! # #[derive(Debug, clap::Parser)]
-//! # struct Args { #[command(flatten)] common: config::CommonArgs }
-//! # impl config::Validate for Args { fn validate(&self) -> Result<(), String> { self.common.validate() } }
+//! use br_runtime::skeleton::{self, Grpc, Running, ServiceArgs, StartError};
+//! use br_runtime::{CancellationToken, admin::Readiness, config};
 //! # fn my_routes() -> tonic::service::Routes { tonic::service::Routes::default() }
-//! #[tokio::main]
-//! async fn main() -> anyhow::Result<()> {
-//!     let args: Args = config::parse_or_exit();
-//!     let _guard = observability::init("br-decision", args.common.log_format,
-//!                                      args.common.otlp_endpoint.as_deref())?;
-//!     let shutdown = serve::shutdown_on_signal();
+//!
+//! #[derive(Debug, clap::Parser)]
+//! struct Args {
+//!     #[command(flatten)]
+//!     common: config::CommonArgs,
+//! }
+//! impl config::Validate for Args {
+//!     fn validate(&self) -> Result<(), String> { self.common.validate() }
+//! }
+//! impl ServiceArgs for Args {
+//!     fn common(&self) -> &config::CommonArgs { &self.common }
+//! }
+//!
+//! /// Binds every port, starts serving, returns at once; stops when `shutdown` is cancelled.
+//! async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running<Grpc>, StartError> {
 //!     let registry = prometheus::Registry::new();
-//!     let ready = admin::Readiness::default();
-//!     let admin = admin::AdminServer::start(args.common.admin_listen, registry.clone(),
-//!                                           ready.clone(), shutdown.clone()).await?;
-//!     let server = serve::GrpcServer::bind(args.common.listen).await?
-//!         .with_grace(args.common.shutdown_grace);
+//!     let ready = Readiness::default();
+//!     let admin = skeleton::start_admin(&args.common, registry, ready.clone(), shutdown.clone()).await?;
+//!     let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
 //!     ready.set(true);
-//!     server.serve(my_routes(), &[br_proto::service_names::DECISION], shutdown).await?;
-//!     admin.wait().await?;
-//!     Ok(())
+//!     let admin_addr = admin.local_addr();
+//!     Ok(Running::spawn(grpc_addr, admin_addr, ready, shutdown.clone(), (), async move {
+//!         let outcome = server.serve(my_routes(), &[br_proto::service_names::DECISION], shutdown).await?;
+//!         skeleton::wait_admin(admin).await?;
+//!         Ok(outcome)
+//!     }))
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> std::process::ExitCode {
+//!     skeleton::main("br-example", start).await
 //! }
 //! ```
 
@@ -39,5 +54,6 @@ pub mod config;
 pub mod error;
 pub mod observability;
 pub mod serve;
+pub mod skeleton;
 
 pub use tokio_util::sync::CancellationToken;

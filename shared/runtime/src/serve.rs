@@ -239,21 +239,41 @@ async fn set_all(health: &HealthReporter, names: &[&str], status: ServingStatus)
 #[allow(clippy::unwrap_used)] // tests may panic on purpose
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
     use br_proto::v1;
+    use tokio::sync::Notify;
+    use tokio_stream::StreamExt as _;
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus as Pb;
     use tonic_health::pb::health_client::HealthClient;
 
-    #[derive(Clone)]
-    struct Slow(Duration);
+    /// A Decision service whose `assign` says when a call has arrived and answers only when
+    /// the test releases it: a call held in flight without guessing how long it takes.
+    #[derive(Clone, Default)]
+    struct Gate {
+        entered: Arc<Notify>,
+        release: Arc<Notify>,
+    }
+
+    impl Gate {
+        /// Waits (bounded) until a call is inside `assign`.
+        async fn entered(&self) {
+            tokio::time::timeout(WAIT, self.entered.notified())
+                .await
+                .expect("the call never reached the handler");
+        }
+    }
 
     #[tonic::async_trait]
-    impl v1::decision_server::Decision for Slow {
+    impl v1::decision_server::Decision for Gate {
         async fn assign(
             &self,
             _: tonic::Request<v1::AssignRequest>,
         ) -> Result<tonic::Response<v1::AssignResponse>, tonic::Status> {
-            tokio::time::sleep(self.0).await;
+            // notify_one keeps a permit if the test is not waiting yet: no lost signal.
+            self.entered.notify_one();
+            self.release.notified().await;
             Ok(tonic::Response::new(v1::AssignResponse {
                 worker_id: 5,
                 ..Default::default()
@@ -266,6 +286,9 @@ mod tests {
             Err(tonic::Status::unimplemented("test"))
         }
     }
+
+    /// The longest any step of these tests may take before it fails (a hang, not a timing).
+    const WAIT: Duration = Duration::from_secs(10);
 
     async fn status(ch: tonic::transport::Channel, name: &str) -> i32 {
         HealthClient::new(ch)
@@ -292,13 +315,12 @@ mod tests {
         let server = GrpcServer::bind("127.0.0.1:0".parse().unwrap())
             .await
             .unwrap()
-            .with_grace(Duration::from_secs(5));
+            .with_grace(WAIT);
         let addr = server.local_addr().unwrap();
         let health = server.health_reporter();
         let shutdown = CancellationToken::new();
-        let routes = Routes::new(v1::decision_server::DecisionServer::new(Slow(
-            Duration::from_millis(300),
-        )));
+        let gate = Gate::default();
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(gate.clone()));
         let task = tokio::spawn(server.serve(
             routes,
             &[br_proto::service_names::DECISION],
@@ -345,18 +367,25 @@ mod tests {
         // A call in flight when shutdown starts completes; health turns NOT_SERVING first.
         let mut client = v1::decision_client::DecisionClient::new(ch.clone());
         let in_flight = tokio::spawn(async move { client.assign(assign()).await });
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        gate.entered().await;
+        let mut decision_health = watch(&health, "balanceroute.v1.Decision").await;
+        let mut server_health = watch(&health, "").await;
         shutdown.cancel();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        // Still draining (the call sleeps 300 ms): health already says NOT_SERVING.
-        assert_eq!(
-            reported(&health, "balanceroute.v1.Decision").await,
-            Pb::NotServing as i32
+        until(&mut decision_health, Pb::NotServing).await;
+        until(&mut server_health, Pb::NotServing).await;
+        // The call is still held, so the server is still draining.
+        assert!(
+            !task.is_finished(),
+            "the drain waits for the call in flight"
         );
-        assert_eq!(reported(&health, "").await, Pb::NotServing as i32);
-        let resp = in_flight.await.unwrap().unwrap();
+        gate.release.notify_one();
+        let resp = tokio::time::timeout(WAIT, in_flight)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
         assert_eq!(resp.into_inner().worker_id, 5);
-        let outcome = tokio::time::timeout(Duration::from_secs(10), task)
+        let outcome = tokio::time::timeout(WAIT, task)
             .await
             .unwrap()
             .unwrap()
@@ -372,9 +401,9 @@ mod tests {
             .with_grace(Duration::from_millis(200));
         let addr = server.local_addr().unwrap();
         let shutdown = CancellationToken::new();
-        let routes = Routes::new(v1::decision_server::DecisionServer::new(Slow(
-            Duration::from_secs(30),
-        )));
+        // Never released: only the grace period can end the drain.
+        let gate = Gate::default();
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(gate.clone()));
         let task = tokio::spawn(server.serve(routes, &[], shutdown.clone()));
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .unwrap()
@@ -383,16 +412,14 @@ mod tests {
             .unwrap();
         let mut client = v1::decision_client::DecisionClient::new(ch);
         let _in_flight = tokio::spawn(async move { client.assign(assign()).await });
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let started = std::time::Instant::now();
+        gate.entered().await;
         shutdown.cancel();
-        let outcome = tokio::time::timeout(Duration::from_secs(10), task)
+        let outcome = tokio::time::timeout(WAIT, task)
             .await
             .unwrap()
             .unwrap()
             .unwrap();
         assert_eq!(outcome, ServeOutcome::GraceExpired);
-        assert!(started.elapsed() < Duration::from_secs(5));
     }
 
     #[tokio::test]
@@ -404,9 +431,7 @@ mod tests {
         let health = server.health_reporter();
         let shutdown = CancellationToken::new();
         shutdown.cancel();
-        let routes = Routes::new(v1::decision_server::DecisionServer::new(Slow(
-            Duration::ZERO,
-        )));
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(Gate::default()));
         let outcome = server
             .serve(routes, &["balanceroute.v1.Decision"], shutdown)
             .await
@@ -424,34 +449,65 @@ mod tests {
         let ready = crate::admin::Readiness::default();
         let shutdown = CancellationToken::new();
         let name = "balanceroute.v1.Decision";
+        // Registered (so it can be watched) as SERVING: the first NOT_SERVING below is the
+        // follower's doing (readiness starts false).
+        health
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+        let mut updates = watch(&health, name).await;
+        until(&mut updates, Pb::Serving).await;
         let task = tokio::spawn(follow_readiness(
             health.clone(),
             ready.clone(),
             vec![name.to_string()],
             shutdown.clone(),
         ));
-        let wait_for = |want: Pb| {
-            let health = health.clone();
-            async move {
-                for _ in 0..200 {
-                    if reported(&health, name).await == want as i32 {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                panic!("status never became {want:?}");
-            }
-        };
-        wait_for(Pb::NotServing).await;
+        until(&mut updates, Pb::NotServing).await;
         ready.set(true);
-        wait_for(Pb::Serving).await;
+        until(&mut updates, Pb::Serving).await;
         ready.set(false);
-        wait_for(Pb::NotServing).await;
+        until(&mut updates, Pb::NotServing).await;
         ready.set(true);
-        wait_for(Pb::Serving).await;
+        until(&mut updates, Pb::Serving).await;
         shutdown.cancel();
-        task.await.unwrap();
+        tokio::time::timeout(WAIT, task).await.unwrap().unwrap();
         assert_eq!(reported(&health, name).await, Pb::NotServing as i32);
+    }
+
+    type Updates = std::pin::Pin<
+        Box<
+            dyn futures::Stream<Item = Result<tonic_health::pb::HealthCheckResponse, tonic::Status>>
+                + Send,
+        >,
+    >;
+
+    /// The health service's `Watch` of `name` (in-process, no network): the current status,
+    /// then every change. Waiting on it is waiting on the signal, not on time.
+    async fn watch(health: &HealthReporter, name: &str) -> Updates {
+        use tonic_health::pb::health_server::Health as _;
+        let stream = HealthService::from_health_reporter(health.clone())
+            .watch(tonic::Request::new(HealthCheckRequest {
+                service: name.into(),
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        Box::pin(stream)
+    }
+
+    /// Reads `updates` until the status is `want` (or fails after `WAIT`).
+    async fn until(updates: &mut Updates, want: Pb) {
+        let reached = async {
+            while let Some(update) = updates.next().await {
+                if update.unwrap().status == want as i32 {
+                    return;
+                }
+            }
+            panic!("health watch ended before {want:?}");
+        };
+        tokio::time::timeout(WAIT, reached)
+            .await
+            .unwrap_or_else(|_| panic!("status never became {want:?}"));
     }
 
     /// The status the reporter holds, read through a fresh health service (no network); -1 if

@@ -241,8 +241,8 @@ impl TestIngest {
         let shutdown = CancellationToken::new();
         let running = br_ingest::start(&args, shutdown.clone()).await.unwrap();
         TestIngest {
-            grpc: running.grpc_addr,
-            admin: running.admin_addr,
+            grpc: running.grpc_addr(),
+            admin: running.admin_addr(),
             shutdown,
             running: Some(running),
         }
@@ -263,7 +263,7 @@ impl TestIngest {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         if let Some(r) = self.running.take() {
-            tokio::time::timeout(WAIT, r.wait()).await.unwrap();
+            tokio::time::timeout(WAIT, r.wait()).await.unwrap().unwrap();
         }
     }
 

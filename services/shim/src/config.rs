@@ -1,0 +1,134 @@
+//! `br-shim`'s flags. Each is also `BALANCEROUTE_<FLAG>` and may be set in the `--config`
+//! TOML file (precedence: defaults < file < environment < flags).
+
+use br_proto::valid::limits;
+use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::skeleton::ServiceArgs;
+use clap::Parser;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8100";
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9064";
+pub const DEFAULT_UPSTREAM: &str = "http://127.0.0.1:8000";
+pub const DEFAULT_INGEST_ADDR: &str = "http://127.0.0.1:50062";
+
+/// br-shim: forwards an OpenAI-compatible decode rank's traffic untouched and reports each
+/// request's token progress to BalanceRoute's ingest.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "br-shim", version)]
+#[command(mut_arg("listen", |a| a.default_value(DEFAULT_LISTEN)))]
+#[command(mut_arg("admin_listen", |a| a.default_value(DEFAULT_ADMIN_LISTEN)))]
+pub struct Args {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// The decode rank's OpenAI-compatible base URL.
+    #[arg(long, env = "BALANCEROUTE_UPSTREAM", default_value = DEFAULT_UPSTREAM)]
+    pub upstream: String,
+    /// Ingest's gRPC URL; empty to forward without reporting.
+    #[arg(long, env = "BALANCEROUTE_INGEST_ADDR", default_value = DEFAULT_INGEST_ADDR)]
+    pub ingest_addr: String,
+    /// The lockstep group the rank belongs to.
+    #[arg(long, env = "BALANCEROUTE_GROUP", default_value = "default")]
+    pub group: String,
+    /// The rank's DP rank within its group (at most 1023, the contract's limit).
+    #[arg(long, env = "BALANCEROUTE_WORKER_ID", default_value_t = 0)]
+    pub worker_id: u32,
+    /// B: the most requests the rank runs at once (the engine's max_num_seqs).
+    #[arg(long, env = "BALANCEROUTE_CAPACITY", default_value_t = 256)]
+    pub capacity: u32,
+    /// Where gateways should send this rank's requests, as announced to ingest (default: this
+    /// shim's own http://LISTEN).
+    #[arg(long, env = "BALANCEROUTE_ENDPOINT")]
+    pub endpoint: Option<String>,
+    /// Ask the engine for per-chunk usage (vLLM's stream_options) and strip what the client
+    /// did not ask for; `false` for engines that reject stream_options (then chunks are counted).
+    #[arg(long, env = "BALANCEROUTE_INJECT_USAGE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub inject_usage: bool,
+}
+
+impl ServiceArgs for Args {
+    fn common(&self) -> &CommonArgs {
+        &self.common
+    }
+}
+
+impl Validate for Args {
+    fn validate(&self) -> Result<(), String> {
+        self.common.validate()?;
+        if !self.upstream.starts_with("http://") {
+            return Err(format!(
+                "--upstream {:?} must be an http:// URL",
+                self.upstream
+            ));
+        }
+        let ok = |u: &str| u.starts_with("http://") || u.starts_with("https://");
+        if !(self.ingest_addr.is_empty() || ok(&self.ingest_addr)) {
+            return Err(format!(
+                "--ingest-addr {:?} must be an http(s):// URL (or empty)",
+                self.ingest_addr
+            ));
+        }
+        // Checked here and not only by ingest: a shim with a bad id would forward traffic
+        // while every Hello it sends is refused, so nothing it serves would reach σ.
+        if self.worker_id > limits::MAX_WORKER_ID {
+            return Err(format!(
+                "--worker-id {} is above the highest worker id {} (the contract's limit)",
+                self.worker_id,
+                limits::MAX_WORKER_ID
+            ));
+        }
+        if self.capacity == 0 {
+            return Err("--capacity must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use br_runtime::config::{ConfigError, check_env_names, parse_from};
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_flag_has_its_env_var() {
+        assert_eq!(check_env_names(&Args::command()), Ok(()));
+    }
+
+    #[test]
+    fn defaults_follow_the_conventions() {
+        let a: Args = parse_from(["br-shim"]).expect("defaults parse");
+        assert_eq!(a.common.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(a.common.admin_listen.to_string(), DEFAULT_ADMIN_LISTEN);
+        assert_eq!(a.ingest_addr, DEFAULT_INGEST_ADDR);
+        assert_eq!(a.upstream, DEFAULT_UPSTREAM);
+        assert!(a.inject_usage);
+    }
+
+    #[test]
+    fn worker_id_is_bounded_by_the_contract() {
+        let max = limits::MAX_WORKER_ID.to_string();
+        let a: Args = parse_from(["br-shim", "--worker-id", &max]).unwrap();
+        assert_eq!(a.worker_id, limits::MAX_WORKER_ID);
+        let above = (limits::MAX_WORKER_ID + 1).to_string();
+        let Err(ConfigError::Invalid(msg)) =
+            parse_from::<Args, _, _>(["br-shim", "--worker-id", &above])
+        else {
+            panic!("--worker-id {above} accepted");
+        };
+        assert!(msg.contains("--worker-id") && msg.contains(&max), "{msg}");
+    }
+
+    #[test]
+    fn bad_urls_and_capacity_are_refused() {
+        for bad in [
+            vec!["br-shim", "--upstream", "127.0.0.1:8000"],
+            vec!["br-shim", "--ingest-addr", "127.0.0.1:50062"],
+            vec!["br-shim", "--capacity", "0"],
+        ] {
+            assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
+        }
+        let a: Args = parse_from(["br-shim", "--ingest-addr", ""]).unwrap();
+        assert!(a.ingest_addr.is_empty(), "empty: forward without reporting");
+    }
+}

@@ -1,0 +1,519 @@
+//! The one shape of a BalanceRoute service. br-snapshot, br-ingest, br-decision and br-shim
+//! each expose
+//!
+//! ```text
+//! pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError>
+//! ```
+//!
+//! which binds every port (port 0 picks a free one), starts serving and returns at once with a
+//! [`Running`]: the bound addresses, the readiness flag and [`Running::wait`]. Cancelling
+//! `shutdown` (SIGTERM in a binary, the test itself in-process) drains the service within
+//! `--shutdown-grace`. This module owns that shape ([`Running`], [`StartError`],
+//! [`ServeError`]), the binding helpers that name the flag in their errors, the `--ready-file`
+//! (see [`write_ready_file`]) and [`main`], the whole of every service binary's `main`.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::{AdminServer, Readiness};
+use crate::config::{self, CommonArgs, Validate};
+use crate::serve::{GrpcServer, ServeOutcome};
+
+/// Why a service could not start. Every variant names the flag to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener could not be bound (address in use, not local, no permission).
+    #[error("binding {flag} {addr}: {source}")]
+    Bind {
+        flag: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    /// The configuration is invalid (the message names the flag).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A client of another service (or of the engine) could not be set up.
+    #[error("{flag} {value:?}: {reason}")]
+    Upstream {
+        flag: &'static str,
+        value: String,
+        reason: String,
+    },
+    /// The service's metrics could not be registered (a duplicate name: a build bug).
+    #[error("registering metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// Why a started service stopped other than by a clean drain.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The gRPC server failed (an accept error).
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    /// An HTTP server (admin, or the shim's proxy) failed.
+    #[error("{server} server: {source}")]
+    Io {
+        server: &'static str,
+        source: std::io::Error,
+    },
+    /// A task of the service panicked.
+    #[error("service task: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// The flags [`main`] needs from a service's `Args`: the shared ones.
+pub trait ServiceArgs: clap::Parser + Validate {
+    fn common(&self) -> &CommonArgs;
+}
+
+/// What the `--listen` port speaks; decides the accessor of [`Running`] and the ready-file key.
+pub trait Protocol: sealed::Sealed + Send + Sync + 'static {
+    /// `"grpc"` or `"http"`.
+    const KEY: &'static str;
+}
+
+/// `--listen` serves gRPC (snapshot, ingest, decision): [`Running::grpc_addr`].
+#[derive(Debug)]
+pub enum Grpc {}
+/// `--listen` serves HTTP (the shim's proxy): [`Running::http_addr`].
+#[derive(Debug)]
+pub enum Http {}
+
+impl Protocol for Grpc {
+    const KEY: &'static str = "grpc";
+}
+impl Protocol for Http {
+    const KEY: &'static str = "http";
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Grpc {}
+    impl Sealed for super::Http {}
+}
+
+/// The addresses a service bound, as written to `--ready-file`:
+/// `{"grpc": "127.0.0.1:50061", "admin": "127.0.0.1:9061"}` (`"http"` instead of `"grpc"` for
+/// the shim).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BoundAddrs {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc: Option<SocketAddr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<SocketAddr>,
+    pub admin: SocketAddr,
+}
+
+/// A started service: what it bound, whether it is ready, and its serving task. `P` says what
+/// `--listen` speaks; `X` holds what only one service has (snapshot's epoch, decision's group
+/// stats), reached with [`extra`](Self::extra).
+#[derive(Debug)]
+pub struct Running<P: Protocol, X = ()> {
+    listen: SocketAddr,
+    admin: SocketAddr,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<ServeOutcome, ServeError>>,
+    extra: X,
+    protocol: PhantomData<P>,
+}
+
+impl<P: Protocol, X> Running<P, X> {
+    /// Spawns `serve` (the future that serves until `shutdown` and then drains and stops the
+    /// service's tasks) and returns the handle. For a service's `start`.
+    pub fn spawn<F>(
+        listen: SocketAddr,
+        admin: SocketAddr,
+        readiness: Readiness,
+        shutdown: CancellationToken,
+        extra: X,
+        serve: F,
+    ) -> Self
+    where
+        F: Future<Output = Result<ServeOutcome, ServeError>> + Send + 'static,
+    {
+        Running {
+            listen,
+            admin,
+            readiness,
+            shutdown,
+            task: tokio::spawn(serve),
+            extra,
+            protocol: PhantomData,
+        }
+    }
+
+    /// Where `/metrics`, `/livez` and `/readyz` are served.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
+    }
+
+    /// Every bound address (what `--ready-file` holds).
+    pub fn addrs(&self) -> BoundAddrs {
+        let main = Some(self.listen);
+        let (grpc, http) = match P::KEY {
+            "grpc" => (main, None),
+            _ => (None, main),
+        };
+        BoundAddrs {
+            grpc,
+            http,
+            admin: self.admin,
+        }
+    }
+
+    /// The flag behind `/readyz` (subscribe to it to wait for a change).
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.readiness.is_ready()
+    }
+
+    /// What only this service has.
+    pub fn extra(&self) -> &X {
+        &self.extra
+    }
+
+    /// Waits until the service has stopped (after `shutdown` was cancelled, or after it failed).
+    pub async fn wait(self) -> Result<ServeOutcome, ServeError> {
+        // The extras may hold handles that keep the service's tasks alive; they are not needed
+        // once the caller waits for the end.
+        drop(self.extra);
+        self.task.await?
+    }
+
+    /// Starts the shutdown (as SIGTERM does) and waits for the drain.
+    pub async fn stop(self) -> Result<ServeOutcome, ServeError> {
+        self.shutdown.cancel();
+        self.wait().await
+    }
+}
+
+impl<X> Running<Grpc, X> {
+    /// Where the gRPC service (with health and reflection) listens.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.listen
+    }
+}
+
+impl<X> Running<Http, X> {
+    /// Where the HTTP proxy listens.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.listen
+    }
+}
+
+/// Binds `--listen` for a gRPC server with the `--shutdown-grace` drain; returns it with the
+/// bound address.
+pub async fn bind_grpc(common: &CommonArgs) -> Result<(GrpcServer, SocketAddr), StartError> {
+    let bind_err = |source| StartError::Bind {
+        flag: "--listen",
+        addr: common.listen,
+        source,
+    };
+    let server = GrpcServer::bind(common.listen)
+        .await
+        .map_err(bind_err)?
+        .with_grace(common.shutdown_grace);
+    let addr = server.local_addr().map_err(bind_err)?;
+    Ok((server, addr))
+}
+
+/// Binds `--listen` as a plain TCP listener (the shim's HTTP proxy); returns it with the bound
+/// address.
+pub async fn bind_listen(common: &CommonArgs) -> Result<(TcpListener, SocketAddr), StartError> {
+    let bind_err = |source| StartError::Bind {
+        flag: "--listen",
+        addr: common.listen,
+        source,
+    };
+    let listener = TcpListener::bind(common.listen).await.map_err(bind_err)?;
+    let addr = listener.local_addr().map_err(bind_err)?;
+    Ok((listener, addr))
+}
+
+/// Starts the admin server on `--admin-listen`; it stops when `stop` is cancelled.
+pub async fn start_admin(
+    common: &CommonArgs,
+    registry: prometheus::Registry,
+    readiness: Readiness,
+    stop: CancellationToken,
+) -> Result<AdminServer, StartError> {
+    AdminServer::start(common.admin_listen, registry, readiness, stop)
+        .await
+        .map_err(|source| StartError::Bind {
+            flag: "--admin-listen",
+            addr: common.admin_listen,
+            source,
+        })
+}
+
+/// Waits for the admin server started by [`start_admin`].
+pub async fn wait_admin(admin: AdminServer) -> Result<(), ServeError> {
+    admin.wait().await.map_err(|source| ServeError::Io {
+        server: "admin",
+        source,
+    })
+}
+
+/// Writes `addrs` to `path` as JSON, atomically (a temporary file in the same directory, then
+/// a rename), so a reader never sees a partial file. This is `--ready-file PATH`: tests pass
+/// port 0 and read the real ports from it instead of guessing a free port. Bound is not
+/// ready: `/readyz` says when the service can do its job.
+pub fn write_ready_file(path: &Path, addrs: &BoundAddrs) -> std::io::Result<()> {
+    let json = serde_json::to_vec(addrs).map_err(std::io::Error::other)?;
+    let tmp = temp_path(path);
+    std::fs::write(&tmp, json)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// Reads a file written by [`write_ready_file`] (for tests and tools that start a binary).
+pub fn read_ready_file(path: &Path) -> std::io::Result<BoundAddrs> {
+    let text = std::fs::read(path)?;
+    serde_json::from_slice(&text).map_err(std::io::Error::other)
+}
+
+/// `PATH.<pid>.tmp` beside `path`: the same directory, so the rename stays on one filesystem.
+fn temp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{}.tmp", std::process::id()));
+    path.with_file_name(name)
+}
+
+/// The whole `main` of a service binary (see the crate docs for an example):
+///
+/// ```text
+/// #[tokio::main]
+/// async fn main() -> ExitCode {
+///     br_runtime::skeleton::main("br-snapshot", br_snapshot::start).await
+/// }
+/// ```
+///
+/// It parses the flags (clap, `BALANCEROUTE_*` variables, `--config` TOML; a bad configuration
+/// exits with 2), initialises logging and tracing, cancels the shutdown token on the first
+/// SIGTERM or SIGINT, starts the service, writes `--ready-file`, logs the bound addresses and
+/// waits. Exit code: 0 after a drain (even one cut short by the grace period), 1 if the
+/// service could not start or failed while serving (the error is printed on stderr).
+pub async fn main<A, P, X>(
+    name: &'static str,
+    start: impl AsyncFnOnce(&A, CancellationToken) -> Result<Running<P, X>, StartError>,
+) -> ExitCode
+where
+    A: ServiceArgs,
+    P: Protocol,
+{
+    let args: A = config::parse_or_exit();
+    let common = args.common();
+    let _guard = match crate::observability::init(
+        name,
+        common.log_format,
+        common.otlp_endpoint.as_deref(),
+    ) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: {name}: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let shutdown = crate::serve::shutdown_on_signal();
+    let running = match start(&args, shutdown.clone()).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: starting {name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let addrs = running.addrs();
+    if let Some(path) = &common.ready_file
+        && let Err(e) = write_ready_file(path, &addrs)
+    {
+        eprintln!(
+            "error: {name}: writing --ready-file {}: {e}",
+            path.display()
+        );
+        shutdown.cancel();
+        let _ = running.wait().await;
+        return ExitCode::FAILURE;
+    }
+    match (addrs.grpc, addrs.http) {
+        (Some(grpc), _) => tracing::info!(%grpc, admin = %addrs.admin, "{name} listening"),
+        (None, Some(http)) => tracing::info!(%http, admin = %addrs.admin, "{name} listening"),
+        (None, None) => tracing::info!(admin = %addrs.admin, "{name} listening"),
+    }
+    match running.wait().await {
+        Ok(outcome) => {
+            tracing::info!(?outcome, "{name} stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "{name} failed");
+            eprintln!("error: {name}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn ready_file_is_json_with_the_protocol_key_and_written_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ready.json");
+        let addrs = BoundAddrs {
+            grpc: Some("127.0.0.1:4001".parse().unwrap()),
+            http: None,
+            admin: "127.0.0.1:4002".parse().unwrap(),
+        };
+        write_ready_file(&path, &addrs).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            r#"{"grpc":"127.0.0.1:4001","admin":"127.0.0.1:4002"}"#
+        );
+        assert_eq!(read_ready_file(&path).unwrap(), addrs);
+        // Only the file itself is left: the temporary was renamed, not copied.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("ready.json")]);
+        // A rewrite replaces it.
+        let http = BoundAddrs {
+            grpc: None,
+            http: Some("127.0.0.1:4003".parse().unwrap()),
+            admin: "127.0.0.1:4004".parse().unwrap(),
+        };
+        write_ready_file(&path, &http).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            r#"{"http":"127.0.0.1:4003","admin":"127.0.0.1:4004"}"#
+        );
+    }
+
+    #[test]
+    fn ready_file_in_a_missing_directory_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nope").join("ready.json");
+        let addrs = BoundAddrs {
+            grpc: None,
+            http: None,
+            admin: "127.0.0.1:1".parse().unwrap(),
+        };
+        assert!(write_ready_file(&path, &addrs).is_err());
+    }
+
+    fn common(listen: &str, admin: &str) -> CommonArgs {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct A {
+            #[command(flatten)]
+            common: CommonArgs,
+        }
+        A::try_parse_from(["x", "--listen", listen, "--admin-listen", admin])
+            .unwrap()
+            .common
+    }
+
+    #[tokio::test]
+    async fn bind_errors_name_the_flag_and_address() {
+        let taken = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = taken.local_addr().unwrap().to_string();
+        let c = common(&addr, "127.0.0.1:0");
+        let e = bind_grpc(&c).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StartError::Bind {
+                    flag: "--listen",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with(&format!("binding --listen {addr}: "))
+        );
+        let e = bind_listen(&c).await.unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("binding --listen {addr}: "))
+        );
+        let c = common("127.0.0.1:0", &addr);
+        let e = start_admin(
+            &c,
+            prometheus::Registry::new(),
+            Readiness::default(),
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("binding --admin-listen {addr}: ")),
+            "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn running_reports_its_addresses_and_waits_for_its_task() {
+        let shutdown = CancellationToken::new();
+        let readiness = Readiness::new(true);
+        let listen: SocketAddr = "127.0.0.1:7001".parse().unwrap();
+        let admin: SocketAddr = "127.0.0.1:7002".parse().unwrap();
+        let stop = shutdown.clone();
+        let r: Running<Grpc, u64> =
+            Running::spawn(listen, admin, readiness, shutdown.clone(), 42, async move {
+                stop.cancelled().await;
+                Ok(ServeOutcome::GraceExpired)
+            });
+        assert_eq!(r.grpc_addr(), listen);
+        assert_eq!(r.admin_addr(), admin);
+        assert_eq!(
+            r.addrs(),
+            BoundAddrs {
+                grpc: Some(listen),
+                http: None,
+                admin
+            }
+        );
+        assert!(r.is_ready());
+        assert_eq!(*r.extra(), 42);
+        let outcome = tokio::time::timeout(Duration::from_secs(10), r.stop())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome, ServeOutcome::GraceExpired);
+        assert!(shutdown.is_cancelled());
+
+        let r: Running<Http> = Running::spawn(
+            listen,
+            admin,
+            Readiness::default(),
+            CancellationToken::new(),
+            (),
+            async { panic!("the serving task dies") },
+        );
+        assert_eq!(r.http_addr(), listen);
+        assert_eq!(r.addrs().http, Some(listen));
+        let e = tokio::time::timeout(Duration::from_secs(10), r.wait())
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(matches!(e, ServeError::Task(_)), "{e}");
+    }
+}

@@ -1,0 +1,115 @@
+//! Each service binary as its `main` runs it (br-runtime's `skeleton::main`): it binds port 0
+//! and reports the ports in `--ready-file`, exits 0 after a drain on SIGTERM, exits 1 naming
+//! the flag when it cannot bind, and 2 on an invalid flag.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use br_e2e::{Service, binaries};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Nothing listens there: the services start without their upstreams.
+const NOWHERE: &str = "http://127.0.0.1:1";
+
+/// Runs `bin` until it exits by itself (it is expected to refuse to start); returns its status
+/// and stderr. Fails loudly if it is still running after `WAIT`.
+fn run_to_exit(bin: &str, args: &[&str]) -> (ExitStatus, String) {
+    let mut child = Command::new(binaries().join(bin))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("{bin} {args:?} still running after {WAIT:?}; it should have refused to start");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    (status, stderr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_binary_reports_its_ports_and_exits_0_on_sigterm() {
+    let cases: [(&'static str, &str, Vec<&str>); 4] = [
+        ("br-snapshot", "grpc", vec![]),
+        ("br-ingest", "grpc", vec!["--snapshot-addr", NOWHERE]),
+        ("br-decision", "grpc", vec!["--snapshot-addr", NOWHERE]),
+        (
+            "br-shim",
+            "http",
+            vec!["--upstream", NOWHERE, "--ingest-addr", ""],
+        ),
+    ];
+    for (bin, key, args) in cases {
+        let mut s = Service::start(bin, &args);
+        let file: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(s.ready_file()).unwrap()).unwrap();
+        let keys: Vec<&str> = file
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut want = vec![key, "admin"];
+        want.sort_unstable();
+        let mut got = keys.clone();
+        got.sort_unstable();
+        assert_eq!(got, want, "{bin}: {file}");
+        assert_ne!(s.grpc_port, 0, "{bin}");
+        assert_ne!(s.admin_port, 0, "{bin}");
+        // The reported admin port is the one serving.
+        s.wait_for("/livez", WAIT).await;
+        let status = s.terminate(WAIT);
+        assert!(
+            status.is_some_and(|st| st.code() == Some(0)),
+            "{bin} exits with 0 on SIGTERM: {status:?}"
+        );
+    }
+}
+
+#[test]
+fn a_port_in_use_exits_1_naming_the_flag() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let (status, stderr) = run_to_exit(
+        "br-snapshot",
+        &["--listen", &addr, "--admin-listen", "127.0.0.1:0"],
+    );
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("binding --listen {addr}")),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_invalid_flag_exits_2_naming_the_limit() {
+    let (status, stderr) = run_to_exit(
+        "br-shim",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--worker-id",
+            "1024",
+        ],
+    );
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--worker-id 1024") && stderr.contains("1023"),
+        "{stderr}"
+    );
+}
