@@ -42,7 +42,7 @@ impl Server {
         .unwrap();
         let shutdown = CancellationToken::new();
         let running = br_snapshot::start(&args, shutdown.clone()).await.unwrap();
-        let url = format!("http://{}", running.grpc_addr);
+        let url = format!("http://{}", running.grpc_addr());
         let client = SnapshotClient::connect(url.clone()).await.unwrap();
         Server {
             running,
@@ -53,7 +53,7 @@ impl Server {
     }
 
     fn addr(&self) -> SocketAddr {
-        self.running.grpc_addr
+        self.running.grpc_addr()
     }
 
     async fn get(&self, group: &str) -> v1::ClusterSnapshot {
@@ -206,7 +206,7 @@ async fn the_watcher_resyncs_across_a_snapshot_service_restart() {
         }
     }
     assert_ne!(sigma.epoch(), old_epoch);
-    assert_eq!(sigma.epoch(), second.running.epoch);
+    assert_eq!(sigma.epoch(), second.running.extra().epoch);
     // then it follows the new epoch by deltas
     ingest.send("g", vec![prog(0, 10, "r", 10, 3)]).await;
     let want = second.get("g").await;
