@@ -50,15 +50,17 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let metrics = Metrics::new()?;
     let readiness = Readiness::default();
     metrics.ready.set(0);
+    let trust = skeleton::Trust::load(&args.common, "decision", &metrics.registry, &shutdown)?;
     // Followers, group tasks and the admin port outlive the gRPC drain (waiting calls still
     // need ticks and σ); they stop after it.
     let after = CancellationToken::new();
 
-    let channel = snapshot_channel(&cfg.snapshot_addr).map_err(|e| StartError::Upstream {
-        flag: "--snapshot-addr",
-        value: cfg.snapshot_addr.clone(),
-        reason: e.to_string(),
-    })?;
+    let channel =
+        snapshot_channel(&cfg.snapshot_addr, trust.tls()).map_err(|e| StartError::Upstream {
+            flag: "--snapshot-addr",
+            value: cfg.snapshot_addr.clone(),
+            reason: e.to_string(),
+        })?;
     let ops: Arc<dyn SnapshotOps> =
         Arc::new(GrpcSnapshot::new(channel.clone(), cfg.reserve_timeout));
 
@@ -100,6 +102,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
 
     let admin = skeleton::start_admin(
         &args.common,
+        &trust,
         metrics.registry.clone(),
         readiness.clone(),
         after.clone(),
@@ -109,7 +112,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
     // 40 ms per unary call at low rates).
-    let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
     let health = server.health_reporter();
     health
         .set_service_status(service_names::DECISION, HealthStatus::NotServing)

@@ -21,14 +21,22 @@ pub trait SnapshotOps: Send + Sync + 'static {
 }
 
 /// A lazily connecting channel to the snapshot service (it may start after us, or restart).
-pub fn snapshot_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(addr.to_owned())?
+/// Over mutual TLS (verifying the server is the snapshot role) when `tls` is given.
+pub fn snapshot_channel(
+    addr: &str,
+    tls: Option<&std::sync::Arc<br_trust::TlsMaterial>>,
+) -> Result<Channel, tonic::transport::Error> {
+    let endpoint = Endpoint::from_shared(addr.to_owned())?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(1))
         .http2_keep_alive_interval(Duration::from_secs(5))
         .keep_alive_timeout(Duration::from_secs(3))
-        .keep_alive_while_idle(true)
-        .connect_lazy())
+        .keep_alive_while_idle(true);
+    Ok(br_trust::tls::connect_lazy(
+        endpoint,
+        tls,
+        Some(br_trust::Role::Snapshot),
+    ))
 }
 
 /// [`SnapshotOps`] over gRPC, each call bounded by `timeout`.

@@ -20,6 +20,15 @@ pub enum StreamError {
     /// The group is not in `--groups`.
     #[error("group {0:?} is not served by this ingest")]
     GroupNotAllowed(String),
+    /// Under mutual TLS: the Hello claims a worker the client certificate is not.
+    #[error(
+        "{certified} may report only as its own worker; this Hello claims group {group:?} worker {worker_id}"
+    )]
+    NotYourWorker {
+        certified: String,
+        group: String,
+        worker_id: u32,
+    },
     /// A second Hello names another identity than the first.
     #[error(
         "a second Hello on this stream claims worker {worker_id} incarnation {incarnation} of group {group:?}; a stream carries one worker identity"
@@ -57,7 +66,9 @@ impl ServiceError for StreamError {
             StreamError::InvalidHello(_)
             | StreamError::IdentityChanged { .. }
             | StreamError::WorkerIdOutOfRange { .. } => Code::InvalidArgument,
-            StreamError::GroupNotAllowed(_) => Code::PermissionDenied,
+            StreamError::GroupNotAllowed(_) | StreamError::NotYourWorker { .. } => {
+                Code::PermissionDenied
+            }
             StreamError::AlreadyConnected { .. } => Code::AlreadyExists,
             StreamError::Flood { .. } | StreamError::MessageTooLarge(_) => Code::ResourceExhausted,
             StreamError::ShuttingDown => Code::Unavailable,
@@ -70,6 +81,7 @@ impl ServiceError for StreamError {
             StreamError::InvalidHello(_) => "invalid_hello",
             StreamError::WorkerIdOutOfRange { .. } => "worker_id_out_of_range",
             StreamError::GroupNotAllowed(_) => "group_not_allowed",
+            StreamError::NotYourWorker { .. } => "not_your_worker",
             StreamError::IdentityChanged { .. } => "identity_changed",
             StreamError::AlreadyConnected { .. } => "already_connected",
             StreamError::Flood { .. } => "flood",
@@ -125,6 +137,14 @@ mod tests {
                 Code::ResourceExhausted,
             ),
             (StreamError::ShuttingDown, Code::Unavailable),
+            (
+                StreamError::NotYourWorker {
+                    certified: "spiffe://td/br/worker/g/1".into(),
+                    group: "g".into(),
+                    worker_id: 2,
+                },
+                Code::PermissionDenied,
+            ),
         ];
         for (e, code) in cases {
             assert_eq!(e.to_status().code(), code, "{e}");

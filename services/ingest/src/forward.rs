@@ -54,6 +54,8 @@ pub struct ForwarderConfig {
     pub snapshot_addr: String,
     pub batch_interval: Duration,
     pub max_buffered: usize,
+    /// Mutual TLS to the snapshot service (as the ingest role), when configured.
+    pub tls: Option<Arc<br_trust::TlsMaterial>>,
 }
 
 /// What the streams need from the forwarder.
@@ -96,7 +98,13 @@ pub fn spawn(
     let (in_tx, in_rx) = mpsc::channel(INPUT_QUEUE);
     let (ev_tx, ev_rx) = mpsc::channel(8);
     let connected = Arc::new(AtomicBool::new(false));
-    let link = tokio::spawn(run_link(endpoint, ev_tx, metrics.clone(), shutdown.clone()));
+    let link = tokio::spawn(run_link(
+        endpoint,
+        cfg.tls.clone(),
+        ev_tx,
+        metrics.clone(),
+        shutdown.clone(),
+    ));
     let fwd = Forwarder {
         buf: Coalescer::new(cfg.max_buffered),
         pending: VecDeque::new(),
@@ -294,6 +302,7 @@ impl Forwarder {
 
 async fn run_link(
     endpoint: tonic::transport::Endpoint,
+    tls: Option<Arc<br_trust::TlsMaterial>>,
     events: mpsc::Sender<LinkEvent>,
     metrics: Metrics,
     shutdown: CancellationToken,
@@ -304,7 +313,7 @@ async fn run_link(
             return;
         }
         let up = tokio::select! {
-            r = one_link(&endpoint, &events, &metrics) => r,
+            r = one_link(&endpoint, tls.as_ref(), &events, &metrics) => r,
             () = shutdown.cancelled() => return,
         };
         if up {
@@ -323,10 +332,12 @@ async fn run_link(
 /// Runs one Apply stream until it ends. Returns whether it came up.
 async fn one_link(
     endpoint: &tonic::transport::Endpoint,
+    tls: Option<&Arc<br_trust::TlsMaterial>>,
     events: &mpsc::Sender<LinkEvent>,
     metrics: &Metrics,
 ) -> bool {
-    let channel = match endpoint.connect().await {
+    let snapshot = Some(br_trust::Role::Snapshot);
+    let channel = match br_trust::tls::connect(endpoint, tls, snapshot).await {
         Ok(c) => c,
         Err(e) => {
             tracing::debug!(error = %e, addr = %endpoint.uri(), "snapshot service unreachable");

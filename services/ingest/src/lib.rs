@@ -42,10 +42,17 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let registry = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&registry)?;
     let readiness = Readiness::default();
-    let admin =
-        skeleton::start_admin(&args.common, registry, readiness.clone(), shutdown.clone()).await?;
+    let trust = skeleton::Trust::load(&args.common, "ingest", &registry, &shutdown)?;
+    let admin = skeleton::start_admin(
+        &args.common,
+        &trust,
+        registry,
+        readiness.clone(),
+        shutdown.clone(),
+    )
+    .await?;
     // br-runtime's server sets TCP_NODELAY on every accepted connection.
-    let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
 
     let workers = registry::Registry::default();
     let (fwd, fwd_task) = forward::spawn(
@@ -53,6 +60,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             snapshot_addr: args.snapshot_addr.clone(),
             batch_interval: args.batch_interval,
             max_buffered: args.max_buffered,
+            tls: trust.tls().cloned(),
         },
         workers.clone(),
         metrics.clone(),

@@ -10,6 +10,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "invalid_hello",
     "worker_id_out_of_range",
     "group_not_allowed",
+    "not_your_worker",
     "identity_changed",
     "already_connected",
     "flood",

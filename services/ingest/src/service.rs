@@ -80,12 +80,15 @@ impl v1::telemetry_server::Telemetry for TelemetryService {
         &self,
         request: tonic::Request<tonic::Streaming<v1::WorkerReport>>,
     ) -> Result<tonic::Response<Self::ReportStream>, tonic::Status> {
+        // Under mutual TLS the authorisation layer has put the caller's identity here: a
+        // worker certificate admits Hellos for that one worker only.
+        let caller = br_trust::policy::caller(&request).cloned();
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(ACK_QUEUE);
         let inner = self.inner.clone();
         tokio::spawn(async move {
             inner.metrics.streams.inc();
-            run_stream(&inner, inbound, tx).await;
+            run_stream(&inner, caller, inbound, tx).await;
             inner.metrics.streams.dec();
         });
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
@@ -135,6 +138,7 @@ impl Inner {
     /// Waits for the Hello and checks it. `None`: the stream is over.
     async fn accept_hello(
         &self,
+        caller: Option<&br_trust::Identity>,
         inbound: &mut tonic::Streaming<v1::WorkerReport>,
         tx: &mpsc::Sender<AckResult>,
     ) -> Option<ValidHello> {
@@ -187,16 +191,32 @@ impl Inner {
                 .await;
             return None;
         }
+        if let Some(id) = caller {
+            let own = id.worker.as_ref().is_some_and(|slot| {
+                slot.group == hello.group.as_str() && slot.worker_id == hello.worker_id
+            });
+            if !own {
+                let e = StreamError::NotYourWorker {
+                    certified: id.spiffe_id.clone(),
+                    group: hello.group.to_string(),
+                    worker_id: hello.worker_id,
+                };
+                tracing::warn!(error = %e, "telemetry stream refused");
+                self.end(tx, e).await;
+                return None;
+            }
+        }
         Some(hello)
     }
 }
 
 async fn run_stream(
     inner: &Inner,
+    caller: Option<br_trust::Identity>,
     mut inbound: tonic::Streaming<v1::WorkerReport>,
     tx: mpsc::Sender<AckResult>,
 ) {
-    let Some(hello) = inner.accept_hello(&mut inbound, &tx).await else {
+    let Some(hello) = inner.accept_hello(caller.as_ref(), &mut inbound, &tx).await else {
         return;
     };
     let Some(reg) = inner.registry.register(&hello) else {

@@ -27,6 +27,9 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     args.validate().map_err(StartError::Config)?;
     let registry = prometheus::Registry::new();
     let metrics = ShimMetrics::new(&registry)?;
+    // The proxy port carries the engine's own (plaintext HTTP) traffic, as the engine's port
+    // does; TLS and the loopback default apply to the admin port and to the ingest stream.
+    let trust = skeleton::Trust::load(&args.common, "shim", &registry, &shutdown)?;
     let (listener, http_addr) = skeleton::bind_listen(&args.common).await?;
     let endpoint = args
         .endpoint
@@ -45,6 +48,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             args.capacity,
         );
         cfg.endpoint = endpoint.clone();
+        cfg.tls = trust.tls().cloned();
         let handle =
             br_client::reporter::Reporter::spawn(cfg).map_err(|e| StartError::Upstream {
                 flag: "--ingest-addr",
@@ -67,8 +71,14 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         reason: e.to_string(),
     })?;
     let readiness = Readiness::default();
-    let admin =
-        skeleton::start_admin(&args.common, registry, readiness.clone(), shutdown.clone()).await?;
+    let admin = skeleton::start_admin(
+        &args.common,
+        &trust,
+        registry,
+        readiness.clone(),
+        shutdown.clone(),
+    )
+    .await?;
     let admin_addr = admin.local_addr();
 
     // The ingest_connected gauge follows the reporter.

@@ -73,6 +73,8 @@ pub struct ReporterConfig {
     pub capacity: u32,
     /// Where the gateway sends this rank's requests; may be empty.
     pub endpoint: String,
+    /// Mutual TLS to ingest (the worker's own certificate), when configured.
+    pub tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
     /// Period between full states (one is always sent right after connecting).
     pub full_state_every: Duration,
     /// Most requests tracked at once (at most 16,384, the most one `Progress` may carry, so a
@@ -95,6 +97,7 @@ impl ReporterConfig {
             worker_id,
             capacity,
             endpoint: String::new(),
+            tls: None,
             full_state_every: DEFAULT_FULL_STATE_EVERY,
             max_pending: DEFAULT_MAX_PENDING,
         }
@@ -238,6 +241,7 @@ impl Reporter {
             close_notify: Notify::new(),
             connected: AtomicBool::new(false),
             full_state_requested: AtomicBool::new(false),
+            tls: config.tls.clone(),
             reports_sent: AtomicU64::new(0),
             updates_sent: AtomicU64::new(0),
             full_states_sent: AtomicU64::new(0),
@@ -413,6 +417,7 @@ struct Shared {
     close_notify: Notify,
     connected: AtomicBool,
     full_state_requested: AtomicBool,
+    tls: Option<Arc<br_trust::TlsMaterial>>,
     reports_sent: AtomicU64,
     updates_sent: AtomicU64,
     full_states_sent: AtomicU64,
@@ -617,7 +622,7 @@ async fn connection(
     backoff: &mut Backoff,
 ) -> Ended {
     let channel = tokio::select! {
-        r = endpoint.connect() => match r {
+        r = br_trust::tls::connect(endpoint, shared.tls.as_ref(), Some(br_trust::Role::Ingest)) => match r {
             Ok(c) => c,
             Err(e) => return Ended::Lost(format!("connect: {e}")),
         },

@@ -112,15 +112,47 @@ impl AdminServer {
         readiness: Readiness,
         shutdown: CancellationToken,
     ) -> std::io::Result<AdminServer> {
+        Self::start_with_tls(addr, None, registry, readiness, shutdown).await
+    }
+
+    /// [`AdminServer::start`], over TLS when `tls` is given: `/livez` and `/readyz` stay open
+    /// to clients without a certificate (kubelet probes), everything else needs the admin role
+    /// (see `br_trust::admin`).
+    pub async fn start_with_tls(
+        addr: SocketAddr,
+        tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
+        registry: prometheus::Registry,
+        readiness: Readiness,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<AdminServer> {
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
         let app = router(registry, readiness);
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
-                .await
-        });
-        tracing::info!(addr = %local_addr, "admin HTTP server listening");
+        let tls_on = tls.is_some();
+        let task = match tls {
+            None => tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(shutdown.cancelled_owned())
+                    .await
+            }),
+            Some(material) => {
+                let listener = br_trust::admin::AdminListener::new(
+                    listener,
+                    &material,
+                    crate::serve::TLS_HANDSHAKE_TIMEOUT,
+                )?;
+                let app = app.layer(axum::middleware::from_fn(br_trust::admin::require_admin));
+                tokio::spawn(async move {
+                    axum::serve(
+                        listener,
+                        app.into_make_service_with_connect_info::<br_trust::admin::Peer>(),
+                    )
+                    .with_graceful_shutdown(shutdown.cancelled_owned())
+                    .await
+                })
+            }
+        };
+        tracing::info!(addr = %local_addr, tls = tls_on, "admin HTTP server listening");
         Ok(AdminServer { local_addr, task })
     }
 

@@ -97,6 +97,28 @@ pub struct CommonArgs {
     /// Precedence: defaults < file < environment < command line.
     #[arg(long, env = "BALANCEROUTE_CONFIG")]
     pub config: Option<PathBuf>,
+
+    /// HTTP/2 keepalive: every connection this process serves or opens is pinged this often
+    /// when idle, so a dead peer (a half-open connection: a partition, a dead node, a dropped
+    /// conntrack entry) is found and its streams end. 0 turns it off.
+    #[arg(long, env = "BALANCEROUTE_KEEPALIVE_INTERVAL", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub keepalive_interval: Duration,
+
+    /// How long a keepalive ping may go unanswered before the connection is closed.
+    #[arg(long, env = "BALANCEROUTE_KEEPALIVE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "3s")]
+    pub keepalive_timeout: Duration,
+
+    /// Mutual TLS and the plaintext-on-loopback default (see br-trust).
+    #[command(flatten)]
+    pub tls: br_trust::TlsArgs,
+}
+
+impl CommonArgs {
+    /// The keepalive interval, `None` when turned off.
+    pub fn keepalive(&self) -> Option<(Duration, Duration)> {
+        (!self.keepalive_interval.is_zero())
+            .then_some((self.keepalive_interval, self.keepalive_timeout))
+    }
 }
 
 /// Checks a parsed configuration before the service starts.

@@ -71,7 +71,23 @@ pub struct GrpcServer {
     listener: TcpListener,
     health: HealthReporter,
     grace: Duration,
+    keepalive: Option<(Duration, Duration)>,
+    tls: Option<TlsServing>,
 }
+
+/// What a TLS-serving gRPC server needs besides its listener.
+#[derive(Clone)]
+pub struct TlsServing {
+    pub material: std::sync::Arc<br_trust::TlsMaterial>,
+    /// Called for each refused call (a counter by reason).
+    pub on_deny: Option<br_trust::policy::DenyHook>,
+    /// Called for each failed handshake (a counter).
+    pub on_handshake_failure: Option<br_trust::tls::HandshakeFailureHook>,
+}
+
+/// How long a TLS handshake may take before the connection is dropped (a silent client holds
+/// only its own task for this long).
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl std::fmt::Debug for GrpcServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -94,7 +110,22 @@ impl GrpcServer {
             listener,
             health: HealthReporter::new(),
             grace: Duration::from_secs(10),
+            keepalive: None,
+            tls: None,
         }
+    }
+
+    /// HTTP/2 keepalive pings (interval, timeout) on every connection, so half-open
+    /// connections are closed and their streams end.
+    pub fn with_keepalive(mut self, keepalive: Option<(Duration, Duration)>) -> Self {
+        self.keepalive = keepalive;
+        self
+    }
+
+    /// Serve mutual TLS, with every call authorised by br-trust's method × role table.
+    pub fn with_tls(mut self, tls: Option<TlsServing>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// The longest the server waits for in-flight calls after the shutdown signal.
@@ -130,6 +161,8 @@ impl GrpcServer {
             listener,
             health,
             grace,
+            keepalive,
+            tls,
         } = self;
         let addr = listener.local_addr().ok();
 
@@ -159,14 +192,34 @@ impl GrpcServer {
         // Stage 1 (on `shutdown`): NOT_SERVING, then tell tonic to stop accepting and drain.
         let drain = CancellationToken::new();
         let drain_signal = drain.clone();
-        let server = tonic::transport::Server::builder()
-            .add_routes(routes)
-            .serve_with_incoming_shutdown(
+        let mut builder = tonic::transport::Server::builder()
+            .http2_keepalive_interval(keepalive.map(|(i, _)| i))
+            .http2_keepalive_timeout(keepalive.map(|(_, t)| t));
+        let tls_on = tls.is_some();
+        let mut server: std::pin::Pin<
+            Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
+        > = match tls {
+            None => Box::pin(builder.add_routes(routes).serve_with_incoming_shutdown(
                 nodelay_incoming(listener),
                 drain_signal.cancelled_owned(),
-            );
-        tokio::pin!(server);
-        tracing::info!(addr = ?addr, services = ?service_names, "gRPC server listening");
+            )),
+            Some(tls) => {
+                let trust_domain = tls.material.trust_domain().to_owned();
+                let incoming = br_trust::tls::incoming(
+                    listener,
+                    tls.material.server_config(&[b"h2"]),
+                    TLS_HANDSHAKE_TIMEOUT,
+                    tls.on_handshake_failure,
+                );
+                Box::pin(
+                    builder
+                        .layer(br_trust::AuthzLayer::new(&trust_domain, tls.on_deny))
+                        .add_routes(routes)
+                        .serve_with_incoming_shutdown(incoming, drain_signal.cancelled_owned()),
+                )
+            }
+        };
+        tracing::info!(addr = ?addr, services = ?service_names, tls = tls_on, "gRPC server listening");
 
         tokio::select! {
             r = &mut server => {

@@ -17,6 +17,7 @@ use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -212,9 +213,104 @@ impl<X> Running<Http, X> {
     }
 }
 
-/// Binds `--listen` for a gRPC server with the `--shutdown-grace` drain; returns it with the
+/// A service's trust: its TLS material (when `--tls-*` are given) and the counters of what
+/// it refused. Made once per process by [`Trust::load`] and shared by its servers and clients.
+#[derive(Clone, Default)]
+pub struct Trust {
+    tls: Option<Arc<br_trust::TlsMaterial>>,
+    denied: Option<prometheus::IntCounterVec>,
+    handshake_failures: Option<prometheus::IntCounterVec>,
+}
+
+impl std::fmt::Debug for Trust {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trust")
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Trust {
+    /// Refuses a plaintext admin port beyond loopback (unless `--allow-insecure-remote`; the
+    /// gRPC port is checked by [`bind_grpc`]), loads the
+    /// certificate files and follows their rotation until `shutdown`, and registers
+    /// `balanceroute_<service>_calls_denied_total{reason}` and
+    /// `balanceroute_<service>_tls_handshake_failures_total{reason}` in `registry`.
+    pub fn load(
+        common: &CommonArgs,
+        service: &str,
+        registry: &prometheus::Registry,
+        shutdown: &CancellationToken,
+    ) -> Result<Trust, StartError> {
+        common
+            .tls
+            .check_bind(common.admin_listen)
+            .map_err(|e| StartError::Config(format!("--admin-listen: {e}")))?;
+        let tls = common
+            .tls
+            .load()
+            .map_err(|e| StartError::Config(format!("--tls-cert/--tls-key/--tls-ca: {e}")))?;
+        let Some(material) = tls else {
+            return Ok(Trust::default());
+        };
+        material.watch(common.tls.tls_reload_interval, shutdown.clone());
+        let denied = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                format!("balanceroute_{service}_calls_denied_total"),
+                "Calls refused by the method x role table (PERMISSION_DENIED), by reason",
+            ),
+            &["reason"],
+        )?;
+        let failures = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                format!("balanceroute_{service}_tls_handshake_failures_total"),
+                "TLS handshakes that failed (no or bad client certificate, plaintext) or timed out",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(denied.clone()))?;
+        registry.register(Box::new(failures.clone()))?;
+        Ok(Trust {
+            tls: Some(material),
+            denied: Some(denied),
+            handshake_failures: Some(failures),
+        })
+    }
+
+    /// The TLS material, `None` when serving plaintext on loopback.
+    pub fn tls(&self) -> Option<&Arc<br_trust::TlsMaterial>> {
+        self.tls.as_ref()
+    }
+
+    fn serving(&self) -> Option<crate::serve::TlsServing> {
+        let material = self.tls.clone()?;
+        let denied = self.denied.clone();
+        let failures = self.handshake_failures.clone();
+        Some(crate::serve::TlsServing {
+            material,
+            on_deny: denied.map(|c| -> br_trust::policy::DenyHook {
+                Arc::new(move |reason, _msg: &str| c.with_label_values(&[reason.label()]).inc())
+            }),
+            on_handshake_failure: failures.map(|c| -> br_trust::tls::HandshakeFailureHook {
+                Arc::new(move |reason: &str| c.with_label_values(&[reason]).inc())
+            }),
+        })
+    }
+}
+
+/// Binds `--listen` for a gRPC server with the `--shutdown-grace` drain, HTTP/2 keepalive
+/// and, when `trust` has TLS, mutual TLS with per-method authorisation; returns it with the
 /// bound address.
-pub async fn bind_grpc(common: &CommonArgs) -> Result<(GrpcServer, SocketAddr), StartError> {
+pub async fn bind_grpc(
+    common: &CommonArgs,
+    trust: &Trust,
+) -> Result<(GrpcServer, SocketAddr), StartError> {
+    if trust.tls.is_none() {
+        common
+            .tls
+            .check_bind(common.listen)
+            .map_err(|e| StartError::Config(format!("--listen: {e}")))?;
+    }
     let bind_err = |source| StartError::Bind {
         flag: "--listen",
         addr: common.listen,
@@ -223,7 +319,9 @@ pub async fn bind_grpc(common: &CommonArgs) -> Result<(GrpcServer, SocketAddr), 
     let server = GrpcServer::bind(common.listen)
         .await
         .map_err(bind_err)?
-        .with_grace(common.shutdown_grace);
+        .with_grace(common.shutdown_grace)
+        .with_keepalive(common.keepalive())
+        .with_tls(trust.serving());
     let addr = server.local_addr().map_err(bind_err)?;
     Ok((server, addr))
 }
@@ -244,17 +342,24 @@ pub async fn bind_listen(common: &CommonArgs) -> Result<(TcpListener, SocketAddr
 /// Starts the admin server on `--admin-listen`; it stops when `stop` is cancelled.
 pub async fn start_admin(
     common: &CommonArgs,
+    trust: &Trust,
     registry: prometheus::Registry,
     readiness: Readiness,
     stop: CancellationToken,
 ) -> Result<AdminServer, StartError> {
-    AdminServer::start(common.admin_listen, registry, readiness, stop)
-        .await
-        .map_err(|source| StartError::Bind {
-            flag: "--admin-listen",
-            addr: common.admin_listen,
-            source,
-        })
+    AdminServer::start_with_tls(
+        common.admin_listen,
+        trust.tls.clone(),
+        registry,
+        readiness,
+        stop,
+    )
+    .await
+    .map_err(|source| StartError::Bind {
+        flag: "--admin-listen",
+        addr: common.admin_listen,
+        source,
+    })
 }
 
 /// Waits for the admin server started by [`start_admin`].
@@ -433,7 +538,7 @@ mod tests {
         let taken = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = taken.local_addr().unwrap().to_string();
         let c = common(&addr, "127.0.0.1:0");
-        let e = bind_grpc(&c).await.unwrap_err();
+        let e = bind_grpc(&c, &Trust::default()).await.unwrap_err();
         assert!(
             matches!(
                 e,
@@ -456,6 +561,7 @@ mod tests {
         let c = common("127.0.0.1:0", &addr);
         let e = start_admin(
             &c,
+            &Trust::default(),
             prometheus::Registry::new(),
             Readiness::default(),
             CancellationToken::new(),

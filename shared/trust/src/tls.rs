@@ -538,3 +538,35 @@ pub fn incoming(
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
+
+/// A lazily connecting channel to `endpoint`: plaintext without `tls`, mutual TLS with it
+/// (verifying that the server is of role `expect`, when given). Every client of a service
+/// connects through this, so TLS is one flag away for all of them.
+pub fn connect_lazy(
+    endpoint: tonic::transport::Endpoint,
+    tls: Option<&Arc<TlsMaterial>>,
+    expect: Option<Role>,
+) -> tonic::transport::Channel {
+    match tls {
+        None => endpoint.connect_lazy(),
+        Some(material) => {
+            endpoint.connect_with_connector_lazy(connector(material.client_config(expect)))
+        }
+    }
+}
+
+/// Connects now (see [`connect_lazy`]).
+pub async fn connect(
+    endpoint: &tonic::transport::Endpoint,
+    tls: Option<&Arc<TlsMaterial>>,
+    expect: Option<Role>,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    match tls {
+        None => endpoint.connect().await,
+        Some(material) => {
+            endpoint
+                .connect_with_connector(connector(material.client_config(expect)))
+                .await
+        }
+    }
+}
