@@ -108,8 +108,8 @@ impl Metrics {
         self.types.get(name).map(String::as_str)
     }
 
-    /// Checks that every metric the contract lists under `# <service>` is exported with the
-    /// contract's type, and that each exported sample of a listed family carries the same label
+    /// Checks that every metric the contract lists under `# <service>` is exported (a `# TYPE`
+    /// line and at least one sample) with the contract's type, and that each exported sample of a listed family carries the same label
     /// names as the family's other samples. Returns the contract's names for that service (so a
     /// test can check the section is not accidentally empty).
     pub fn assert_contract(&self, service: &str) -> Vec<String> {
@@ -132,6 +132,9 @@ impl Metrics {
             } else {
                 name.clone()
             };
+            if self.type_of(name).is_some() && self.samples(&series).next().is_none() {
+                problems.push(format!("{name} has a # TYPE line but no samples"));
+            }
             let sets: BTreeSet<Vec<&String>> = self
                 .samples(&series)
                 .map(|s| s.labels.keys().collect())
