@@ -13,13 +13,11 @@ use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change as tc;
 use br_sigma::Sigma;
 use br_snapshot::{Args, Running};
+use br_testkit::{PATIENCE, within};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
-
-/// Upper bound on any single wait (a hang guard, not a performance assertion).
-const PATIENCE: Duration = Duration::from_secs(20);
 
 struct Server {
     running: Running,
@@ -73,7 +71,9 @@ impl Server {
 
     async fn stop(self) {
         self.shutdown.cancel();
-        let outcome = self.running.wait().await.unwrap();
+        let outcome = within(PATIENCE, "the snapshot service drains", self.running.wait())
+            .await
+            .unwrap();
         assert_eq!(outcome, br_runtime::serve::ServeOutcome::Drained);
     }
 }
@@ -94,8 +94,8 @@ impl Ingest {
             changes,
         };
         self.tx.send(batch).await.unwrap();
-        let ack = tokio::time::timeout(PATIENCE, self.acks.message());
-        let ack = ack.await.unwrap().unwrap().unwrap();
+        let ack = within(PATIENCE, "the Apply ack", self.acks.message());
+        let ack = ack.await.unwrap().unwrap();
         assert_eq!(ack.batch_seq, self.seq);
         assert!(ack.rejected.is_empty(), "{ack:?}");
     }
@@ -124,9 +124,8 @@ fn prog(w: u32, inc: u64, id: &str, p: u32, g: u32) -> v1::TelemetryChange {
 }
 
 async fn recv_update(u: &mut mpsc::Receiver<Update>) -> Update {
-    let next = tokio::time::timeout(PATIENCE, u.recv());
-    next.await
-        .expect("no watcher update in time")
+    within(PATIENCE, "the watcher's next update", u.recv())
+        .await
         .expect("watcher ended")
 }
 
