@@ -3,7 +3,6 @@
 //! are for events, bounded only to turn a hang into a failure.
 #![allow(clippy::unwrap_used)] // tests may panic on purpose
 
-
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change as tc;
