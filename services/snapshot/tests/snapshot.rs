@@ -9,9 +9,8 @@ use br_proto::v1::telemetry_change as tc;
 use br_proto::v1::watch_event::Kind as Ev;
 use br_sigma::Sigma;
 use br_snapshot::{Args, Running};
+use br_testkit::apply::{ApplyStream, change, hello, progress as prog};
 use br_testkit::{Metrics, PATIENCE, eventually_some};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use v1::RejectReason as R;
@@ -100,16 +99,8 @@ impl Server {
             .into_inner()
     }
 
-    async fn ingest(&self) -> Ingest {
-        let (tx, rx) = mpsc::channel(16);
-        let acks = self
-            .client
-            .clone()
-            .apply(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        Ingest { tx, acks, seq: 0 }
+    async fn ingest(&self) -> ApplyStream {
+        ApplyStream::open(&self.url).await
     }
 
     async fn reserve(&self, group: &str, rs: Vec<v1::Reservation>) -> v1::ReserveResponse {
@@ -138,61 +129,6 @@ impl Server {
         let outcome = self.running.take().unwrap().wait().await.unwrap();
         assert_eq!(outcome, br_runtime::serve::ServeOutcome::Drained);
     }
-}
-
-/// One Apply stream, as ingest holds it.
-struct Ingest {
-    tx: mpsc::Sender<v1::ChangeBatch>,
-    acks: tonic::Streaming<v1::ApplyAck>,
-    seq: u64,
-}
-
-impl Ingest {
-    async fn send(&mut self, group: &str, changes: Vec<v1::TelemetryChange>) -> v1::ApplyAck {
-        self.seq += 1;
-        self.send_raw(v1::ChangeBatch {
-            batch_seq: self.seq,
-            group: group.into(),
-            changes,
-        })
-        .await
-    }
-
-    async fn send_raw(&mut self, batch: v1::ChangeBatch) -> v1::ApplyAck {
-        let seq = batch.batch_seq;
-        self.tx.send(batch).await.unwrap();
-        let ack = tokio::time::timeout(PATIENCE, self.acks.message())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        assert_eq!(ack.batch_seq, seq);
-        ack
-    }
-}
-
-fn tcw(kind: tc::Kind) -> v1::TelemetryChange {
-    v1::TelemetryChange { kind: Some(kind) }
-}
-
-fn hello(w: u32, inc: u64, cap: u32) -> v1::TelemetryChange {
-    tcw(tc::Kind::WorkerHello(tc::WorkerHello {
-        worker_id: w,
-        incarnation: inc,
-        capacity: cap,
-        endpoint: format!("http://10.0.0.{w}:8000"),
-    }))
-}
-
-fn prog(w: u32, inc: u64, id: &str, p: u32, g: u32) -> v1::TelemetryChange {
-    tcw(tc::Kind::RequestProgress(tc::RequestProgress {
-        worker_id: w,
-        incarnation: inc,
-        request_id: id.into(),
-        prompt_tokens: p,
-        generated_tokens: g,
-        finished: false,
-    }))
 }
 
 fn reservation(id: &str, w: u32, inc: u64, p: u32) -> v1::Reservation {
@@ -609,11 +545,13 @@ async fn a_worker_that_says_hello_again_within_the_grace_period_keeps_its_reques
     // WorkerDisconnected from ingest: suspect as well
     b.send(
         "g",
-        vec![tcw(tc::Kind::WorkerDisconnected(tc::WorkerDisconnected {
-            worker_id: 0,
-            incarnation: 10,
-            disconnected_at_unix_ms: 0,
-        }))],
+        vec![change(tc::Kind::WorkerDisconnected(
+            tc::WorkerDisconnected {
+                worker_id: 0,
+                incarnation: 10,
+                disconnected_at_unix_ms: 0,
+            },
+        ))],
     )
     .await;
     assert_eq!(liveness(&server.get("g").await, 0), v1::Liveness::Suspect);
@@ -739,7 +677,7 @@ async fn bad_input_on_every_rpc_gets_a_typed_answer_and_leaves_sigma_unchanged()
                 prog(7, 1, "z", 1, 1),
                 hello(0, 10, 0),
                 hello(5000, 1, 1),
-                tcw(tc::Kind::WorkerSync(tc::WorkerSync {
+                change(tc::Kind::WorkerSync(tc::WorkerSync {
                     worker_id: 0,
                     incarnation: 10,
                     request_ids: vec!["dup".into(), "dup".into()],

@@ -9,6 +9,7 @@
 //!   the Snapshot and Telemetry services that record what they receive and whose behaviour a
 //!   test sets (scripted Watch streams, Apply acks and stalls, full-state requests, killed
 //!   streams, unary handlers).
+//! - [`apply`]: one Apply stream to a real snapshot service, and telemetry change builders.
 //! - [`http`] and [`prom`]: an HTTP GET on reqwest, and a Prometheus text-format reader that
 //!   parses names, labels and values, with the metric contract (`deploy/metrics-contract.txt`).
 //!
@@ -17,6 +18,7 @@
 
 use std::time::Duration;
 
+pub mod apply;
 pub mod fake_ingest;
 pub mod fake_snapshot;
 pub mod http;
