@@ -13,10 +13,9 @@ use br_decision::{DecisionConfig, Running};
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change::Kind as T;
+use br_testkit::apply::{ApplyStream, change};
 use br_testkit::eventually;
 use br_testkit::http::{get as http_get, metrics};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -85,34 +84,16 @@ impl Snapshot {
 }
 
 /// A telemetry source (one Apply stream, as ingest has): workers stay LIVE while it is open.
-struct Telemetry {
-    tx: mpsc::Sender<v1::ChangeBatch>,
-    seq: u64,
-    acks: tonic::Streaming<v1::ApplyAck>,
-}
+struct Telemetry(ApplyStream);
 
 impl Telemetry {
     async fn open(snap: &Snapshot) -> Telemetry {
-        let mut c = SnapshotClient::connect(snap.url()).await.unwrap();
-        let (tx, rx) = mpsc::channel(64);
-        let acks = c.apply(ReceiverStream::new(rx)).await.unwrap().into_inner();
-        Telemetry { tx, seq: 0, acks }
+        Telemetry(ApplyStream::open(&snap.url()).await)
     }
 
     async fn send(&mut self, changes: Vec<T>) {
-        self.seq += 1;
-        let batch = v1::ChangeBatch {
-            batch_seq: self.seq,
-            group: GROUP.into(),
-            changes: changes
-                .into_iter()
-                .map(|k| v1::TelemetryChange { kind: Some(k) })
-                .collect(),
-        };
-        self.tx.send(batch).await.unwrap();
-        let ack = self.acks.message().await.unwrap().unwrap();
-        assert_eq!(ack.batch_seq, self.seq);
-        assert!(ack.rejected.is_empty(), "{:?}", ack.rejected);
+        let changes = changes.into_iter().map(change).collect();
+        self.0.send_ok(GROUP, changes).await;
     }
 
     async fn hello(&mut self, workers: u32, capacity: u32) {
