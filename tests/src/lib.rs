@@ -263,31 +263,6 @@ fn wait_for_ready_file(name: &str, child: &mut Child, path: &Path) -> (SocketAdd
     }
 }
 
-/// The sum of every sample of a metric (all label sets) in Prometheus text.
-pub fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
-}
-
-/// Polls `check` until it returns true, or panics with `what` after `within`.
-pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
 pub use worker::FakeWorker;
 
 /// A decode worker as the control plane sees it: one `Telemetry.Report` stream saying Hello,

@@ -13,30 +13,15 @@ use br_decision::Running;
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change::Kind as T;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use br_testkit::apply::{ApplyStream, change};
+use br_testkit::eventually;
+use br_testkit::http::{get as http_get, metrics};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
 const GROUP: &str = "g";
-const WAIT: Duration = Duration::from_secs(15);
-
-/// Polls `cond` until it holds (or panics after `WAIT`: a hang, not a timing assertion).
-async fn eventually<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
+/// A hang guard for waits and calls, not a timing assertion.
+const WAIT: Duration = br_testkit::PATIENCE;
 
 struct Snapshot {
     running: br_snapshot::Running,
@@ -99,34 +84,16 @@ impl Snapshot {
 }
 
 /// A telemetry source (one Apply stream, as ingest has): workers stay LIVE while it is open.
-struct Telemetry {
-    tx: mpsc::Sender<v1::ChangeBatch>,
-    seq: u64,
-    acks: tonic::Streaming<v1::ApplyAck>,
-}
+struct Telemetry(ApplyStream);
 
 impl Telemetry {
     async fn open(snap: &Snapshot) -> Telemetry {
-        let mut c = SnapshotClient::connect(snap.url()).await.unwrap();
-        let (tx, rx) = mpsc::channel(64);
-        let acks = c.apply(ReceiverStream::new(rx)).await.unwrap().into_inner();
-        Telemetry { tx, seq: 0, acks }
+        Telemetry(ApplyStream::open(&snap.url()).await)
     }
 
     async fn send(&mut self, changes: Vec<T>) {
-        self.seq += 1;
-        let batch = v1::ChangeBatch {
-            batch_seq: self.seq,
-            group: GROUP.into(),
-            changes: changes
-                .into_iter()
-                .map(|k| v1::TelemetryChange { kind: Some(k) })
-                .collect(),
-        };
-        self.tx.send(batch).await.unwrap();
-        let ack = self.acks.message().await.unwrap().unwrap();
-        assert_eq!(ack.batch_seq, self.seq);
-        assert!(ack.rejected.is_empty(), "{:?}", ack.rejected);
+        let changes = changes.into_iter().map(change).collect();
+        self.0.send_ok(GROUP, changes).await;
     }
 
     async fn hello(&mut self, workers: u32, capacity: u32) {
@@ -196,7 +163,10 @@ async fn start_decision(snapshot_url: &str, policy: PolicyKind, extra: &[&str]) 
 }
 
 async fn ready(d: &Running) {
-    eventually("decision ready", || async { d.readiness().is_ready() }).await;
+    eventually(WAIT, "decision ready", || async {
+        d.readiness().is_ready()
+    })
+    .await;
 }
 
 async fn client(d: &Running) -> AssignClient {
@@ -208,19 +178,6 @@ async fn client(d: &Running) -> AssignClient {
             max_backoff: Duration::from_millis(50),
             max_attempts: 1000,
         })
-}
-
-async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    let (head, body) = buf.split_once("\r\n\r\n").unwrap();
-    (
-        head.split(' ').nth(1).unwrap().parse().unwrap(),
-        body.to_owned(),
-    )
 }
 
 async fn health(d: &Running) -> i32 {
@@ -272,7 +229,7 @@ async fn not_ready_until_sigma_then_serves() {
     t.hello(2, 8).await;
     ready(&d).await;
     assert_eq!(http_get(d.admin_addr(), "/readyz").await.0, 200);
-    eventually("health SERVING", || async {
+    eventually(WAIT, "health SERVING", || async {
         health(&d).await == H::Serving as i32
     })
     .await;
@@ -302,7 +259,7 @@ async fn assignments_follow_the_policy() {
         t.running(1, &[("s1", 100), ("s2", 100), ("s3", 100)]).await;
         let d = start_decision(&snap.url(), policy, &[]).await;
         ready(&d).await;
-        eventually("σ has the running requests", || async {
+        eventually(WAIT, "σ has the running requests", || async {
             d.extra()
                 .stats(GROUP)
                 .await
@@ -377,7 +334,7 @@ async fn deadlines_leave_nothing_behind() {
         .await
         .unwrap_err();
     assert!(matches!(err, AssignError::DeadlineExceeded), "{err:?}");
-    eventually("the pool is empty", || async {
+    eventually(WAIT, "the pool is empty", || async {
         d.extra()
             .stats(GROUP)
             .await
@@ -389,10 +346,13 @@ async fn deadlines_leave_nothing_behind() {
         vec!["first".to_string()],
         "no reservation for 'late'"
     );
-    let m = http_get(d.admin_addr(), "/metrics").await.1;
-    assert!(
-        m.contains("balanceroute_decision_assign_total{code=\"deadline_exceeded\",group=\"g\"} 1"),
-        "{m}"
+    let m = metrics(d.admin_addr()).await;
+    assert_eq!(
+        m.value(
+            "balanceroute_decision_assign_total",
+            &[("code", "deadline_exceeded"), ("group", "g")]
+        ),
+        1.0
     );
     d.stop().await.unwrap();
     snap.kill().await;
@@ -426,7 +386,7 @@ async fn cancel_and_idempotent_retries() {
         c.cancel(GROUP, "r1").await.unwrap(),
         CancelOutcome::Released
     );
-    eventually("r1 released in σ", || async {
+    eventually(WAIT, "r1 released in σ", || async {
         snap.request_ids().await.is_empty()
     })
     .await;
@@ -449,7 +409,7 @@ async fn cancel_and_idempotent_retries() {
         let c = c.clone();
         tokio::spawn(async move { c.assign_within(&params("w", 10), WAIT).await })
     };
-    eventually("w waits in the pool", || async {
+    eventually(WAIT, "w waits in the pool", || async {
         d.extra().stats(GROUP).await.is_some_and(|s| s.pool == 1)
     })
     .await;
@@ -511,7 +471,7 @@ async fn bad_input_gets_typed_statuses() {
                 .await
         })
     };
-    eventually("b waits", || async {
+    eventually(WAIT, "b waits", || async {
         d.extra().stats(GROUP).await.is_some_and(|s| s.pool == 1)
     })
     .await;
@@ -539,14 +499,14 @@ async fn snapshot_outage_answers_stale_then_resyncs() {
 
     drop(t);
     snap.kill().await;
-    eventually("σ stale", || async {
+    eventually(WAIT, "σ stale", || async {
         d.extra().stats(GROUP).await.is_some_and(|s| s.stale)
     })
     .await;
-    let m = http_get(d.admin_addr(), "/metrics").await.1;
-    assert!(
-        m.contains("balanceroute_decision_sigma_stale{group=\"g\"} 1"),
-        "{m}"
+    let m = metrics(d.admin_addr()).await;
+    assert_eq!(
+        m.value("balanceroute_decision_sigma_stale", &[("group", "g")]),
+        1.0
     );
     assert!(d.readiness().is_ready(), "still ready: it keeps answering");
     let away = c.assign_within(&params("away", 100), WAIT).await.unwrap();
@@ -556,23 +516,23 @@ async fn snapshot_outage_answers_stale_then_resyncs() {
     let snap = start_snapshot(&listen).await;
     let mut t = Telemetry::open(&snap).await;
     t.hello(2, 8).await;
-    eventually("resynced", || async {
+    eventually(WAIT, "resynced", || async {
         d.extra()
             .stats(GROUP)
             .await
             .is_some_and(|s| !s.stale && s.sigma.is_some_and(|(e, _)| e != first_epoch))
     })
     .await;
-    eventually("what was decided while away is reserved", || async {
+    eventually(WAIT, "what was decided while away is reserved", || async {
         snap.request_ids().await.contains(&"away".to_string())
     })
     .await;
     let after = c.assign_within(&params("after", 100), WAIT).await.unwrap();
     assert!(!after.stale);
-    let m = http_get(d.admin_addr(), "/metrics").await.1;
-    assert!(
-        m.contains("balanceroute_decision_sigma_stale{group=\"g\"} 0"),
-        "{m}"
+    let m = metrics(d.admin_addr()).await;
+    assert_eq!(
+        m.value("balanceroute_decision_sigma_stale", &[("group", "g")]),
+        0.0
     );
     d.stop().await.unwrap();
     snap.kill().await;
@@ -613,29 +573,18 @@ async fn metrics_export_every_contract_name() {
         .assign_within(&params("m", 10), WAIT)
         .await
         .unwrap();
-    let (code, body) = http_get(d.admin_addr(), "/metrics").await;
-    assert_eq!(code, 200);
-    let contract = include_str!("../../../deploy/metrics-contract.txt");
-    let mut in_section = false;
-    let mut names = Vec::new();
-    for line in contract.lines() {
-        let line = line.trim();
-        if let Some(h) = line.strip_prefix("# ") {
-            in_section = h.trim() == "decision";
-            continue;
-        }
-        if in_section && !line.is_empty() {
-            names.push(line.split_whitespace().next().unwrap().to_owned());
-        }
-    }
+    // Every name under `# decision` with the contract's type; labels read exactly below.
+    let m = metrics(d.admin_addr()).await;
+    let names = m.assert_contract("decision");
     assert!(names.len() >= 13, "{names:?}");
-    for n in names {
-        assert!(
-            body.contains(&format!("# TYPE {n} ")),
-            "{n} missing from /metrics"
-        );
-    }
-    assert!(body.contains("balanceroute_decision_ready 1"));
+    assert_eq!(m.value("balanceroute_decision_ready", &[]), 1.0);
+    assert_eq!(
+        m.value(
+            "balanceroute_decision_assign_total",
+            &[("code", "ok"), ("group", GROUP)]
+        ),
+        1.0
+    );
     assert_eq!(http_get(d.admin_addr(), "/livez").await.0, 200);
     d.stop().await.unwrap();
     snap.kill().await;
@@ -657,12 +606,12 @@ async fn a_caller_that_goes_away_leaves_the_pool() {
                 .await
         })
     };
-    eventually("it waits", || async {
+    eventually(WAIT, "it waits", || async {
         d.extra().stats(GROUP).await.is_some_and(|s| s.pool == 1)
     })
     .await;
     gone.abort(); // the gateway drops the call: the server's handler future is dropped
-    eventually("withdrawn by the drop guard", || async {
+    eventually(WAIT, "withdrawn by the drop guard", || async {
         d.extra()
             .stats(GROUP)
             .await

@@ -10,6 +10,30 @@ use br_proto::v1;
 use br_proto::v1::telemetry_change::Kind as TcKind;
 use common::*;
 
+/// Sends `report(seq)` (seq counting up) until an ack satisfies `done`; a report only gets its
+/// answer once ingest has handled it, so the round trips pace the loop. Bounded by WAIT.
+async fn call_until(
+    w: &mut Worker,
+    seq: &mut u64,
+    what: &str,
+    report: impl Fn(u64) -> v1::WorkerReport,
+    done: impl Fn(&v1::ReportAck) -> bool,
+) {
+    let state = tokio::sync::Mutex::new((w, *seq));
+    eventually(WAIT, what, || {
+        let (state, report, done) = (&state, &report, &done);
+        async move {
+            let mut g = state.lock().await;
+            let (w, seq) = &mut *g;
+            let a = w.call(report(*seq)).await;
+            *seq += 1;
+            done(&a)
+        }
+    })
+    .await;
+    *seq = state.into_inner().1;
+}
+
 fn code(r: Result<v1::ReportAck, tonic::Status>) -> tonic::Code {
     match r {
         Ok(a) => panic!("expected the stream to end, got an ack {a:?}"),
@@ -23,7 +47,8 @@ fn code(r: Result<v1::ReportAck, tonic::Status>) -> tonic::Code {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hello_above_the_contract_worker_id_limit_is_invalid_argument_naming_it() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &["--groups", "g0"]).await;
     ing.connected().await;
     let limit = br_proto::valid::limits::MAX_WORKER_ID;
@@ -46,7 +71,8 @@ async fn a_hello_above_the_contract_worker_id_limit_is_invalid_argument_naming_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hello_first_and_identity_rules() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &["--groups", "g0,g1", "--max-worker-id", "7"]).await;
     ing.connected().await;
 
@@ -114,9 +140,7 @@ async fn hello_first_and_identity_rules() {
         "identity_changed",
     ] {
         let v = ing
-            .metric(&format!(
-                "balanceroute_ingest_rejected_total{{reason=\"{reason}\"}}"
-            ))
+            .metric("balanceroute_ingest_rejected_total", &[("reason", reason)])
             .await;
         assert!(v >= 1.0, "{reason}: {v}");
     }
@@ -126,7 +150,8 @@ async fn hello_first_and_identity_rules() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_messages_are_rejected_typed_and_never_reach_the_snapshot() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &["--max-updates-per-message", "4"]).await;
     ing.connected().await;
     let mut w = ing.worker().await;
@@ -172,18 +197,14 @@ async fn bad_messages_are_rejected_typed_and_never_reach_the_snapshot() {
     ];
     for (m, reason) in cases {
         let before = ing
-            .metric(&format!(
-                "balanceroute_ingest_rejected_total{{reason=\"{reason}\"}}"
-            ))
+            .metric("balanceroute_ingest_rejected_total", &[("reason", reason)])
             .await;
         let a = w.call(m).await;
         assert_eq!(status(&a), v1::AckStatus::Rejected, "{reason}: {a:?}");
         assert!(!a.detail.is_empty());
         assert_eq!(a.seq, 1, "a rejected message does not move the seq");
         let after = ing
-            .metric(&format!(
-                "balanceroute_ingest_rejected_total{{reason=\"{reason}\"}}"
-            ))
+            .metric("balanceroute_ingest_rejected_total", &[("reason", reason)])
             .await;
         assert_eq!(after, before + 1.0, "{reason} counted");
     }
@@ -212,7 +233,8 @@ async fn bad_messages_are_rejected_typed_and_never_reach_the_snapshot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn floods_and_oversized_messages() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(
         saddr,
         &[
@@ -259,12 +281,15 @@ async fn floods_and_oversized_messages() {
     assert!(saw_rejected);
     assert_eq!(ended.code(), tonic::Code::ResourceExhausted);
     assert!(
-        ing.metric("balanceroute_ingest_rejected_total{reason=\"rate_limited\"}")
-            .await
+        ing.metric(
+            "balanceroute_ingest_rejected_total",
+            &[("reason", "rate_limited")]
+        )
+        .await
             >= 1.0
     );
     assert!(
-        ing.metric("balanceroute_ingest_rejected_total{reason=\"flood\"}")
+        ing.metric("balanceroute_ingest_rejected_total", &[("reason", "flood")])
             .await
             >= 1.0
     );
@@ -291,8 +316,11 @@ async fn floods_and_oversized_messages() {
     w.send(m).await;
     assert_eq!(code(w.next().await), tonic::Code::ResourceExhausted);
     assert!(
-        ing.metric("balanceroute_ingest_rejected_total{reason=\"message_too_large\"}")
-            .await
+        ing.metric(
+            "balanceroute_ingest_rejected_total",
+            &[("reason", "message_too_large")]
+        )
+        .await
             >= 1.0
     );
     ing.stop().await;
@@ -301,7 +329,8 @@ async fn floods_and_oversized_messages() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_and_reordering_are_absorbed() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &[]).await;
     ing.connected().await;
     let mut w = ing.worker().await;
@@ -351,7 +380,8 @@ async fn duplicates_and_reordering_are_absorbed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_state_becomes_worker_sync_and_stream_end_a_disconnect() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &[]).await;
     ing.connected().await;
     let mut w = ing.worker().await;
@@ -426,8 +456,8 @@ async fn full_state_becomes_worker_sync_and_stream_end_a_disconnect() {
         .unwrap();
     assert_eq!((d.worker_id, d.incarnation), (5, 77));
     assert!(d.disconnected_at_unix_ms >= before, "{d:?} vs {before}");
-    eventually("the stream gauge back to 0", || async {
-        ing.metric("balanceroute_ingest_streams").await == 0.0
+    eventually(WAIT, "the stream gauge back to 0", || async {
+        ing.metric("balanceroute_ingest_streams", &[]).await == 0.0
     })
     .await;
     ing.stop().await;
@@ -436,7 +466,8 @@ async fn full_state_becomes_worker_sync_and_stream_end_a_disconnect() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_away_acks_buffered_then_coalesced_backlog_and_full_state_request() {
     // The snapshot service is not there yet.
-    let saddr = free_addr().await;
+    let reserved = ReservedPort::new(); // refuses connections until the fake listens on it
+    let saddr = reserved.addr();
     let ing = TestIngest::start(saddr, &[]).await;
     assert_eq!(http_get(ing.admin, "/readyz").await.0, 503);
     assert_eq!(http_get(ing.admin, "/livez").await.0, 200);
@@ -457,17 +488,20 @@ async fn snapshot_away_acks_buffered_then_coalesced_backlog_and_full_state_reque
             .await;
         assert_eq!((a.seq, status(&a)), (seq, v1::AckStatus::Buffered));
     }
-    assert!(ing.metric("balanceroute_ingest_buffered_changes").await >= 2.0);
+    assert!(
+        ing.metric("balanceroute_ingest_buffered_changes", &[])
+            .await
+            >= 2.0
+    );
     assert_eq!(
-        ing.metric("balanceroute_ingest_snapshot_connected").await,
+        ing.metric("balanceroute_ingest_snapshot_connected", &[])
+            .await,
         0.0
     );
 
     // It comes back: the backlog arrives, one change per request.
     let snap = FakeSnapshot::default();
-    let l = tokio::net::TcpListener::bind(saddr).await.unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    snap.serve_on(l, stop.clone());
+    let srv = snap.serve_on(reserved.listen());
     snap.wait_for("the backlog", |s| {
         s.progress_of("hot")
             .iter()
@@ -484,12 +518,13 @@ async fn snapshot_away_acks_buffered_then_coalesced_backlog_and_full_state_reque
         matches!(first, TcKind::WorkerHello(h) if h.worker_id == 1),
         "{first:?}"
     );
-    eventually("ready", || async {
+    eventually(WAIT, "ready", || async {
         http_get(ing.admin, "/readyz").await.0 == 200
     })
     .await;
     assert_eq!(
-        ing.metric("balanceroute_ingest_snapshot_connected").await,
+        ing.metric("balanceroute_ingest_snapshot_connected", &[])
+            .await,
         1.0
     );
     // The worker is asked for a full state (σ may be new), and acks are OK again.
@@ -498,89 +533,85 @@ async fn snapshot_away_acks_buffered_then_coalesced_backlog_and_full_state_reque
     let a = w.call(heartbeat(102)).await;
     assert_eq!(status(&a), v1::AckStatus::Ok);
     assert!(!a.full_state_requested);
-    assert!(ing.metric("balanceroute_ingest_batches_sent_total").await >= 1.0);
-    stop.cancel();
+    assert!(
+        ing.metric("balanceroute_ingest_batches_sent_total", &[])
+            .await
+            >= 1.0
+    );
+    srv.stop().await;
     ing.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_epoch_or_a_reconnect_triggers_hellos_and_full_state_requests() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &[]).await;
     let mut w = ing.worker().await;
     w.hello("g0", 2, 3).await;
     // Wait for the link (acks turn OK), then a first batch acked with the first epoch.
     let mut seq = 1;
-    loop {
-        let a = w
-            .call(progress(seq, false, &[("a", 1, seq as u32, false)]))
-            .await;
-        seq += 1;
-        if status(&a) == v1::AckStatus::Ok && !a.full_state_requested {
-            break;
-        }
-    }
+    let report_a = |seq: u64| progress(seq, false, &[("a", 1, seq as u32, false)]);
+    call_until(&mut w, &mut seq, "acks turn OK", report_a, |a| {
+        status(a) == v1::AckStatus::Ok && !a.full_state_requested
+    })
+    .await;
     snap.wait_for("a batch", |s| !s.progress_of("a").is_empty())
         .await;
     let hellos = snap.hellos_of(2);
 
     // The snapshot service now answers with another epoch (it restarted behind a proxy).
-    snap.epoch.store(2222, std::sync::atomic::Ordering::SeqCst);
-    let mut asked = false;
-    for _ in 0..500 {
-        let a = w
-            .call(progress(seq, false, &[("a", 1, seq as u32, false)]))
-            .await;
-        seq += 1;
-        if a.full_state_requested {
-            asked = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(asked, "a new epoch asks the workers for a full state");
+    snap.set_epoch(2222);
+    call_until(
+        &mut w,
+        &mut seq,
+        "a new epoch asks the workers for a full state",
+        report_a,
+        |a| a.full_state_requested,
+    )
+    .await;
     snap.wait_for("the Hello re-sent", |s| s.hellos_of(2) > hellos)
         .await;
 
     // The Apply stream breaks: after the reconnect, Hello again and full state again.
-    let streams = snap.streams.load(std::sync::atomic::Ordering::SeqCst);
+    let streams = snap.apply_streams();
     let hellos = snap.hellos_of(2);
-    snap.kill.send_modify(|k| *k += 1);
-    eventually("a new Apply stream", || async {
-        snap.streams.load(std::sync::atomic::Ordering::SeqCst) > streams
+    snap.kill_streams();
+    eventually(WAIT, "a new Apply stream", || async {
+        snap.apply_streams() > streams
     })
     .await;
     snap.wait_for("the Hello re-sent after reconnect", |s| {
         s.hellos_of(2) > hellos
     })
     .await;
-    let mut asked = false;
-    for _ in 0..500 {
-        let a = w.call(heartbeat(seq)).await;
-        seq += 1;
-        if a.full_state_requested {
-            asked = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(asked, "a reconnect asks the workers for a full state");
+    call_until(
+        &mut w,
+        &mut seq,
+        "a reconnect asks the workers for a full state",
+        heartbeat,
+        |a| a.full_state_requested,
+    )
+    .await;
     ing.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_snapshot_never_blocks_workers_and_the_buffer_is_bounded() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &["--max-buffered", "200", "--batch-interval", "1ms"]).await;
     let mut w = ing.worker().await;
     w.hello("g0", 6, 1).await;
-    eventually("connected", || async {
-        ing.metric("balanceroute_ingest_snapshot_connected").await == 1.0
+    eventually(WAIT, "connected", || async {
+        ing.metric("balanceroute_ingest_snapshot_connected", &[])
+            .await
+            == 1.0
     })
     .await;
-    snap.stall.send_replace(true);
+    snap.stall(true);
     // 600 messages of 64 new requests each: every one is acked while nothing is applied.
     let mut ids = Vec::new();
     for seq in 1..=600u64 {
@@ -596,16 +627,18 @@ async fn a_stalled_snapshot_never_blocks_workers_and_the_buffer_is_bounded() {
         assert_ne!(status(&a), v1::AckStatus::Rejected);
     }
     assert!(
-        ing.metric("balanceroute_ingest_dropped_changes_total")
+        ing.metric("balanceroute_ingest_dropped_changes_total", &[])
             .await
             > 0.0
     );
-    let buffered = ing.metric("balanceroute_ingest_buffered_changes").await;
+    let buffered = ing
+        .metric("balanceroute_ingest_buffered_changes", &[])
+        .await;
     assert!(buffered <= 200.0 + 4.0 * 4096.0, "bounded: {buffered}");
     // The affected worker is asked for a full state.
     let a = w.call(heartbeat(601)).await;
     assert!(a.full_state_requested, "{a:?}");
-    snap.stall.send_replace(false);
+    snap.stall(false);
     snap.wait_for("batches flow again", |s| s.batches().len() > 1)
         .await;
     ing.stop().await;
@@ -614,40 +647,20 @@ async fn a_stalled_snapshot_never_blocks_workers_and_the_buffer_is_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_export_every_contract_name() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &[]).await;
-    let contract = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/metrics-contract.txt"
-    ))
-    .unwrap();
-    let mut names = Vec::new();
-    let mut in_ingest = false;
-    for line in contract.lines() {
-        let line = line.trim();
-        if let Some(h) = line.strip_prefix("# ") {
-            in_ingest = h.trim() == "ingest";
-            continue;
-        }
-        if in_ingest && !line.is_empty() && !line.starts_with('#') {
-            names.push(line.split_whitespace().next().unwrap().to_owned());
-        }
-    }
+    // Every name under `# ingest`, with the contract's type and one label set per family.
+    let names = ing.metrics().await.assert_contract("ingest");
     assert!(names.len() >= 7, "{names:?}");
-    let text = ing.metrics().await;
-    for n in &names {
-        assert!(
-            text.lines().any(|l| l.starts_with(&format!("# TYPE {n} "))),
-            "{n} not exported:\n{text}"
-        );
-    }
     ing.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_ends_streams_with_unavailable() {
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &[]).await;
     let mut w = ing.worker().await;
     w.hello("g0", 1, 1).await;
@@ -656,9 +669,8 @@ async fn shutdown_ends_streams_with_unavailable() {
     } = ing;
     shutdown.cancel();
     assert_eq!(code(w.next().await), tonic::Code::Unavailable);
-    tokio::time::timeout(WAIT, running.unwrap().wait())
+    within(WAIT, "ingest stops", running.unwrap().wait())
         .await
-        .unwrap()
         .unwrap();
 }
 
@@ -666,7 +678,8 @@ async fn shutdown_ends_streams_with_unavailable() {
 async fn the_reporter_feeds_the_snapshot_side_through_ingest() {
     use br_client::reporter::{Reporter, ReporterConfig, ReporterTuning};
     let snap = FakeSnapshot::default();
-    let (saddr, _stop) = snap.start().await;
+    let srv = snap.start().await;
+    let saddr = srv.addr;
     let ing = TestIngest::start(saddr, &[]).await;
     let cfg = ReporterConfig::new(format!("http://{}", ing.grpc), "g9", 7, 32);
     let tuning = ReporterTuning {
@@ -689,7 +702,7 @@ async fn the_reporter_feeds_the_snapshot_side_through_ingest() {
     .await;
     assert!(snap.hellos_of(7) >= 1);
     // r1 is forgotten once acked; the next full state lists only r2.
-    eventually("r1 forgotten", || async { h.stats().pending == 1 }).await;
+    eventually(WAIT, "r1 forgotten", || async { h.stats().pending == 1 }).await;
     h.shutdown().await;
     snap.wait_for("the disconnect", |s| {
         s.changes()

@@ -11,7 +11,6 @@ use std::time::Duration;
 use br_client::reporter::{Reporter, ReporterConfig, ReporterHandle, ReporterTuning};
 use br_proto::v1;
 use common::*;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 async fn start_snapshot(listen: &str) -> (br_snapshot::Running, CancellationToken) {
@@ -42,27 +41,17 @@ async fn get(addr: SocketAddr, group: &str) -> Option<v1::ClusterSnapshot> {
     .map(|r| r.into_inner())
 }
 
-/// Polls σ until `pred` holds (bounded).
+/// Polls σ until `pred` holds (bounded); returns it.
 async fn sigma_until(
     addr: SocketAddr,
     group: &str,
     what: &str,
     pred: impl Fn(&v1::ClusterSnapshot) -> bool,
 ) -> v1::ClusterSnapshot {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(s) = get(addr, group).await
-            && pred(&s)
-        {
-            return s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}: {:#?}",
-            get(addr, group).await
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    br_testkit::eventually_some(WAIT, what, || async {
+        get(addr, group).await.filter(|s| pred(s))
+    })
+    .await
 }
 
 fn request<'a>(s: &'a v1::ClusterSnapshot, id: &str) -> Option<&'a v1::RequestState> {
@@ -122,9 +111,8 @@ async fn sigma_follows_telemetry_and_is_rebuilt_after_a_snapshot_restart() {
     // The snapshot service restarts on the same port: a new, empty σ with a new epoch. Ingest
     // reconnects, re-sends the Hellos and asks the shims for full states: σ is rebuilt.
     snap_stop.cancel();
-    tokio::time::timeout(WAIT, snap.wait())
+    within(WAIT, "the snapshot service stops", snap.wait())
         .await
-        .unwrap()
         .unwrap();
     let (snap2, snap2_stop) = start_snapshot(&saddr.to_string()).await;
     assert_ne!(snap2.extra().epoch, first_epoch);
@@ -157,8 +145,7 @@ async fn sigma_follows_telemetry_and_is_rebuilt_after_a_snapshot_restart() {
     w0.shutdown().await;
     ing.stop().await;
     snap2_stop.cancel();
-    tokio::time::timeout(WAIT, snap2.wait())
+    within(WAIT, "the snapshot service stops", snap2.wait())
         .await
-        .unwrap()
         .unwrap();
 }

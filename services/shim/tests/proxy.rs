@@ -5,10 +5,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use br_emu::engine::{EngineConfig, EngineServer, StepModel};
 use br_shim::{ProgressSink, RecordingSink, Shim, ShimMetrics};
+use br_testkit::{PATIENCE, ReservedPort, eventually};
 use futures::StreamExt as _;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -273,19 +273,10 @@ async fn client_disconnect_finishes_the_request() {
         seen += String::from_utf8_lossy(&chunk).matches("data: ").count();
     }
     drop(body);
-    let mut finished = false;
-    for _ in 0..500 {
-        if s.sink.for_request("gone-1").iter().any(|r| r.finished) {
-            finished = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(
-        finished,
-        "a client disconnect ends the request: {:?}",
-        s.sink.for_request("gone-1")
-    );
+    eventually(PATIENCE, "a client disconnect ends the request", || async {
+        s.sink.for_request("gone-1").iter().any(|r| r.finished)
+    })
+    .await;
     let r = last(&s.sink, "gone-1");
     assert!(r.generated < 100000);
     s.close().await;
@@ -296,10 +287,9 @@ async fn upstream_down_is_a_502_and_ends_the_request() {
     let sink = RecordingSink::default();
     let registry = prometheus::Registry::new();
     let metrics = ShimMetrics::new(&registry).unwrap();
-    // A port nobody listens on.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = l.local_addr().unwrap();
-    drop(l);
+    // A port that refuses connections (bound, never listening: nothing else can take it).
+    let down = ReservedPort::new();
+    let dead = down.addr();
     let shim = Arc::new(
         Shim::new(
             &format!("http://{dead}"),
@@ -338,34 +328,11 @@ async fn exports_every_contract_metric() {
     )
     .await
     .unwrap();
-    let text = reqwest::get(format!("http://{}/metrics", admin.local_addr()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let contract = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/metrics-contract.txt"
-    ))
-    .unwrap();
-    let mut in_shim = false;
-    let mut names = Vec::new();
-    for line in contract.lines() {
-        if let Some(h) = line.strip_prefix("# ") {
-            in_shim = h.trim() == "shim";
-            continue;
-        }
-        if in_shim && let Some(name) = line.split_whitespace().next() {
-            names.push(name.to_owned());
-        }
-    }
+    let m = br_testkit::http::metrics(admin.local_addr()).await;
+    let names = m.assert_contract("shim");
     assert_eq!(names.len(), 5);
-    for n in names {
-        assert!(text.contains(&n), "{n} missing from /metrics:\n{text}");
-    }
-    assert!(text.contains("balanceroute_shim_tokens_total 3"));
-    assert!(text.contains("balanceroute_shim_active_requests 0"));
+    assert_eq!(m.value("balanceroute_shim_tokens_total", &[]), 3.0);
+    assert_eq!(m.value("balanceroute_shim_active_requests", &[]), 0.0);
     s.close().await;
 }
 
@@ -427,9 +394,8 @@ async fn an_engine_without_stream_options_gets_the_clients_request_and_chunks_ar
 async fn forwards_while_ingest_is_away() {
     // The real reporter, pointed at a port where no ingest listens: it keeps the state and
     // retries in the background; the client's traffic is not affected.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = l.local_addr().unwrap();
-    drop(l);
+    let down = ReservedPort::new();
+    let dead = down.addr();
     let reporter = br_client::reporter::Reporter::spawn(br_client::reporter::ReporterConfig::new(
         format!("http://{dead}"),
         "g",
@@ -525,6 +491,7 @@ mod wiring {
     use br_proto::v1;
     use br_runtime::serve::ServeOutcome;
     use br_runtime::skeleton::StartError;
+    use std::time::Duration;
 
     const WAIT: Duration = Duration::from_secs(20);
 
@@ -550,22 +517,6 @@ mod wiring {
         ];
         argv.extend_from_slice(extra);
         br_runtime::config::parse_from(argv).unwrap()
-    }
-
-    /// Polls `what` (bounded): the loud failure of a wait, not a timing assertion.
-    async fn eventually<F, Fut>(what: &str, mut cond: F)
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = bool>,
-    {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while !cond().await {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting for: {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
     }
 
     async fn sigma(snapshot: SocketAddr) -> Option<v1::ClusterSnapshot> {
@@ -645,7 +596,7 @@ mod wiring {
         let first = stream.next().await.unwrap().unwrap();
         assert!(String::from_utf8_lossy(&first).contains("data: "));
         let saddr = snapshot.grpc_addr();
-        eventually("the shim's worker and its request in σ", || async {
+        eventually(WAIT, "the shim's worker and its request in σ", || async {
             let Some(s) = sigma(saddr).await else {
                 return false;
             };
@@ -664,7 +615,7 @@ mod wiring {
         .await;
         // The client leaves: the request is finished and leaves σ.
         drop(stream);
-        eventually("the finished request leaves σ", || async {
+        eventually(WAIT, "the finished request leaves σ", || async {
             sigma(saddr)
                 .await
                 .is_some_and(|s| s.requests.iter().all(|r| r.request_id != "w-long"))

@@ -3,23 +3,17 @@
 //! are for events, bounded only to turn a hang into a failure.
 #![allow(clippy::unwrap_used)] // tests may panic on purpose
 
-use std::time::Duration;
-
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change as tc;
 use br_proto::v1::watch_event::Kind as Ev;
 use br_sigma::Sigma;
 use br_snapshot::{Args, Running};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use br_testkit::apply::{ApplyStream, change, hello, progress as prog};
+use br_testkit::{Metrics, PATIENCE};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use v1::RejectReason as R;
-
-/// Upper bound on any single wait (a hang guard, not a performance assertion).
-const PATIENCE: Duration = Duration::from_secs(20);
 
 struct Server {
     running: Option<Running>,
@@ -105,16 +99,8 @@ impl Server {
             .into_inner()
     }
 
-    async fn ingest(&self) -> Ingest {
-        let (tx, rx) = mpsc::channel(16);
-        let acks = self
-            .client
-            .clone()
-            .apply(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        Ingest { tx, acks, seq: 0 }
+    async fn ingest(&self) -> ApplyStream {
+        ApplyStream::open(&self.url).await
     }
 
     async fn reserve(&self, group: &str, rs: Vec<v1::Reservation>) -> v1::ReserveResponse {
@@ -129,15 +115,12 @@ impl Server {
             .into_inner()
     }
 
-    async fn scrape(&self, path: &str) -> String {
-        let addr = self.running.as_ref().unwrap().admin_addr();
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
+    fn admin(&self) -> std::net::SocketAddr {
+        self.running.as_ref().unwrap().admin_addr()
+    }
+
+    async fn metrics(&self) -> Metrics {
+        br_testkit::http::metrics(self.admin()).await
     }
 
     /// Shuts down and checks that every call (open Watch and Apply streams included) drained.
@@ -146,61 +129,6 @@ impl Server {
         let outcome = self.running.take().unwrap().wait().await.unwrap();
         assert_eq!(outcome, br_runtime::serve::ServeOutcome::Drained);
     }
-}
-
-/// One Apply stream, as ingest holds it.
-struct Ingest {
-    tx: mpsc::Sender<v1::ChangeBatch>,
-    acks: tonic::Streaming<v1::ApplyAck>,
-    seq: u64,
-}
-
-impl Ingest {
-    async fn send(&mut self, group: &str, changes: Vec<v1::TelemetryChange>) -> v1::ApplyAck {
-        self.seq += 1;
-        self.send_raw(v1::ChangeBatch {
-            batch_seq: self.seq,
-            group: group.into(),
-            changes,
-        })
-        .await
-    }
-
-    async fn send_raw(&mut self, batch: v1::ChangeBatch) -> v1::ApplyAck {
-        let seq = batch.batch_seq;
-        self.tx.send(batch).await.unwrap();
-        let ack = tokio::time::timeout(PATIENCE, self.acks.message())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        assert_eq!(ack.batch_seq, seq);
-        ack
-    }
-}
-
-fn tcw(kind: tc::Kind) -> v1::TelemetryChange {
-    v1::TelemetryChange { kind: Some(kind) }
-}
-
-fn hello(w: u32, inc: u64, cap: u32) -> v1::TelemetryChange {
-    tcw(tc::Kind::WorkerHello(tc::WorkerHello {
-        worker_id: w,
-        incarnation: inc,
-        capacity: cap,
-        endpoint: format!("http://10.0.0.{w}:8000"),
-    }))
-}
-
-fn prog(w: u32, inc: u64, id: &str, p: u32, g: u32) -> v1::TelemetryChange {
-    tcw(tc::Kind::RequestProgress(tc::RequestProgress {
-        worker_id: w,
-        incarnation: inc,
-        request_id: id.into(),
-        prompt_tokens: p,
-        generated_tokens: g,
-        finished: false,
-    }))
 }
 
 fn reservation(id: &str, w: u32, inc: u64, p: u32) -> v1::Reservation {
@@ -381,12 +309,13 @@ async fn truncated_history_unknown_epoch_and_future_version_reset_then_snapshot(
         panic!()
     };
     assert_eq!((d.prev_version, d.version), (3, 5));
-    let metrics = server.scrape("/metrics").await;
+    let metrics = server.metrics().await;
     assert!(
-        metrics.contains(
-            "balanceroute_snapshot_watch_resets_total{group=\"g\",reason=\"history_truncated\"} 1"
-        ),
-        "{metrics}"
+        metrics.value(
+            "balanceroute_snapshot_watch_resets_total",
+            &[("group", "g"), ("reason", "history_truncated")]
+        ) == 1.0,
+        "{metrics:?}"
     );
     server.stop().await;
 }
@@ -471,8 +400,15 @@ async fn a_stalled_watcher_is_reset_while_another_receives_every_delta_in_order(
     let replica = replica.unwrap();
     assert_eq!(replica.epoch(), epoch);
     assert_eq!(replica.to_snapshot(), server.get("g").await);
-    let metrics = server.scrape("/metrics").await;
-    assert!(metrics.contains("reason=\"slow_consumer\"} 1"), "{metrics}");
+    let metrics = server.metrics().await;
+    assert_eq!(
+        metrics.value(
+            "balanceroute_snapshot_watch_resets_total",
+            &[("group", "g"), ("reason", "slow_consumer")]
+        ),
+        1.0,
+        "{metrics:?}"
+    );
     server.stop().await;
 }
 
@@ -534,10 +470,13 @@ async fn reservations_count_at_once_become_active_or_expire_after_the_ttl() {
             });
         }
     }
-    let metrics = server.scrape("/metrics").await;
+    let metrics = server.metrics().await;
     assert!(
-        metrics.contains("balanceroute_snapshot_reservations_expired_total{group=\"g\"} 1"),
-        "{metrics}"
+        metrics.value(
+            "balanceroute_snapshot_reservations_expired_total",
+            &[("group", "g")]
+        ) == 1.0,
+        "{metrics:?}"
     );
     // release: only reserved requests
     server.reserve("g", vec![reservation("c", 0, 10, 5)]).await;
@@ -586,10 +525,13 @@ async fn a_worker_whose_stream_is_gone_is_fenced_after_the_grace_period() {
     );
     let resp = server.reserve("g", vec![reservation("n", 0, 10, 5)]).await;
     assert_eq!(resp.rejected[0].reason, R::WorkerFenced as i32);
-    let metrics = server.scrape("/metrics").await;
+    let metrics = server.metrics().await;
     assert!(
-        metrics.contains("balanceroute_snapshot_workers_fenced_total{group=\"g\"} 1"),
-        "{metrics}"
+        metrics.value(
+            "balanceroute_snapshot_workers_fenced_total",
+            &[("group", "g")]
+        ) == 1.0,
+        "{metrics:?}"
     );
     // a new incarnation comes back clean and takes work again
     let ack = b.send("g", vec![hello(0, 12, 4)]).await;
@@ -622,11 +564,13 @@ async fn a_worker_that_says_hello_again_within_the_grace_period_keeps_its_reques
     // WorkerDisconnected from ingest: suspect as well
     b.send(
         "g",
-        vec![tcw(tc::Kind::WorkerDisconnected(tc::WorkerDisconnected {
-            worker_id: 0,
-            incarnation: 10,
-            disconnected_at_unix_ms: 0,
-        }))],
+        vec![change(tc::Kind::WorkerDisconnected(
+            tc::WorkerDisconnected {
+                worker_id: 0,
+                incarnation: 10,
+                disconnected_at_unix_ms: 0,
+            },
+        ))],
     )
     .await;
     assert_eq!(liveness(&server.get("g").await, 0), v1::Liveness::Suspect);
@@ -752,7 +696,7 @@ async fn bad_input_on_every_rpc_gets_a_typed_answer_and_leaves_sigma_unchanged()
                 prog(7, 1, "z", 1, 1),
                 hello(0, 10, 0),
                 hello(5000, 1, 1),
-                tcw(tc::Kind::WorkerSync(tc::WorkerSync {
+                change(tc::Kind::WorkerSync(tc::WorkerSync {
                     worker_id: 0,
                     incarnation: 10,
                     request_ids: vec!["dup".into(), "dup".into()],
@@ -790,13 +734,12 @@ async fn bad_input_on_every_rpc_gets_a_typed_answer_and_leaves_sigma_unchanged()
     let ack = ingest.send("g", vec![hello(1, 1, 1)]).await;
     assert!(ack.rejected.is_empty());
     assert_eq!(ack.version, before.version + 1);
-    let metrics = server.scrape("/metrics").await;
-    let invalid = metrics
-        .lines()
-        .find(|l| l.starts_with("balanceroute_snapshot_rejected_total{reason=\"invalid\"}"))
-        .unwrap();
-    let n: u64 = invalid.rsplit(' ').next().unwrap().parse().unwrap();
-    assert!(n >= 17, "{invalid}");
+    let metrics = server.metrics().await;
+    let invalid = metrics.value(
+        "balanceroute_snapshot_rejected_total",
+        &[("reason", "invalid")],
+    );
+    assert!(invalid >= 17.0, "{invalid}");
     server.stop().await;
 }
 
@@ -811,51 +754,41 @@ async fn admin_exports_every_contract_metric_and_grpc_health_is_serving() {
         )
         .await;
     let _w = server.watch("g", 0, 0).await;
-    let metrics = server.scrape("/metrics").await;
-    let contract = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/metrics-contract.txt"
-    ))
-    .unwrap();
-    let mut section = false;
-    let mut names = Vec::new();
-    for line in contract.lines() {
-        let line = line.trim();
-        if let Some(h) = line.strip_prefix("# ") {
-            section = h.trim() == "snapshot";
-            continue;
-        }
-        if section && !line.is_empty() {
-            names.push(line.split_whitespace().next().unwrap().to_owned());
-        }
-    }
+    let metrics = server.metrics().await;
+    // Every name under `# snapshot`, exported with the contract's type; the values below are
+    // read with their exact label sets, so a renamed or missing label fails too.
+    let names = metrics.assert_contract("snapshot");
     assert!(names.len() >= 11, "{names:?}");
-    for name in &names {
-        assert!(
-            metrics
-                .lines()
-                .any(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} "))),
-            "{name} is not exported:\n{metrics}"
-        );
-    }
     assert!(
-        metrics.contains("balanceroute_snapshot_worker_load_tokens{group=\"g\",worker=\"0\"} 15"),
-        "{metrics}"
+        metrics.value(
+            "balanceroute_snapshot_worker_load_tokens",
+            &[("group", "g"), ("worker", "0")]
+        ) == 15.0,
+        "{metrics:?}"
     );
     assert!(
-        metrics.contains("balanceroute_snapshot_imbalance_tokens{group=\"g\"} 15"),
-        "{metrics}"
+        metrics.value("balanceroute_snapshot_imbalance_tokens", &[("group", "g")]) == 15.0,
+        "{metrics:?}"
     );
     assert!(
-        metrics.contains("balanceroute_snapshot_barrier_idle_tokens{group=\"g\"} 15"),
-        "{metrics}"
+        metrics.value(
+            "balanceroute_snapshot_barrier_idle_tokens",
+            &[("group", "g")]
+        ) == 15.0,
+        "{metrics:?}"
     );
     assert!(
-        metrics.contains("balanceroute_snapshot_requests{group=\"g\",state=\"active\"} 1"),
-        "{metrics}"
+        metrics.value(
+            "balanceroute_snapshot_requests",
+            &[("group", "g"), ("state", "active")]
+        ) == 1.0,
+        "{metrics:?}"
     );
-    assert!(server.scrape("/livez").await.starts_with("HTTP/1.0 200"));
-    assert!(server.scrape("/readyz").await.starts_with("HTTP/1.0 200"));
+    assert_eq!(br_testkit::http::get(server.admin(), "/livez").await.0, 200);
+    assert_eq!(
+        br_testkit::http::get(server.admin(), "/readyz").await.0,
+        200
+    );
 
     let ch = Channel::from_shared(server.url.clone())
         .unwrap()

@@ -607,11 +607,9 @@ mod tests {
 
     #[tokio::test]
     async fn unreachable_service_is_unavailable_and_lazy_client_retries() {
-        // A port nobody listens on.
-        let addr = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            format!("http://{}", l.local_addr().unwrap())
-        };
+        // A port that refuses connections, and that no other socket can take meanwhile.
+        let down = br_testkit::ReservedPort::new();
+        let addr = down.url();
         let err = AssignClient::connect(&*addr).await.unwrap_err();
         assert_eq!(err.code(), Code::Unavailable, "{err}");
         let client = AssignClient::connect_lazy(&*addr).unwrap();

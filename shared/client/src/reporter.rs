@@ -770,133 +770,14 @@ fn changed_state(shared: &Shared, seq: &mut u64) -> Option<v1::WorkerReport> {
 #[allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
 mod tests {
     use super::*;
+    use br_testkit::{FakeIngest, PATIENCE, eventually, within};
     use std::net::SocketAddr;
-    use std::pin::Pin;
-    use tokio_stream::Stream;
     use v1::worker_report::Kind;
 
-    /// An in-test Telemetry server that records every message and acks it.
-    #[derive(Clone)]
-    struct FakeIngest {
-        log: Arc<Mutex<Vec<v1::WorkerReport>>>,
-        ask_full_state: Arc<AtomicBool>,
-        /// Bumped to end every open stream with UNAVAILABLE.
-        kill: Arc<tokio::sync::watch::Sender<u64>>,
-        changed: Arc<Notify>,
-    }
-
-    type AckStream = Pin<Box<dyn Stream<Item = Result<v1::ReportAck, tonic::Status>> + Send>>;
-
-    #[tonic::async_trait]
-    impl v1::telemetry_server::Telemetry for FakeIngest {
-        type ReportStream = AckStream;
-        async fn report(
-            &self,
-            req: tonic::Request<tonic::Streaming<v1::WorkerReport>>,
-        ) -> Result<tonic::Response<AckStream>, tonic::Status> {
-            let mut inbound = req.into_inner();
-            let me = self.clone();
-            let (tx, rx) = mpsc::channel(64);
-            let mut kill = me.kill.subscribe();
-            tokio::spawn(async move {
-                loop {
-                    let m = tokio::select! {
-                        m = inbound.message() => m,
-                        _ = kill.changed() => {
-                            let _ = tx.send(Err(tonic::Status::unavailable("killed"))).await;
-                            return;
-                        }
-                    };
-                    let Ok(Some(m)) = m else { return };
-                    let seq = match &m.kind {
-                        Some(Kind::Progress(p)) => p.seq,
-                        Some(Kind::Heartbeat(h)) => h.seq,
-                        _ => 0,
-                    };
-                    me.log.lock().unwrap().push(m);
-                    me.changed.notify_waiters();
-                    let ack = v1::ReportAck {
-                        seq,
-                        status: v1::AckStatus::Ok as i32,
-                        detail: String::new(),
-                        full_state_requested: me.ask_full_state.swap(false, Ordering::SeqCst),
-                    };
-                    if tx.send(Ok(ack)).await.is_err() {
-                        return;
-                    }
-                }
-            });
-            Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
-        }
-    }
-
-    impl Default for FakeIngest {
-        fn default() -> Self {
-            FakeIngest {
-                log: Arc::default(),
-                ask_full_state: Arc::default(),
-                kill: Arc::new(tokio::sync::watch::channel(0).0),
-                changed: Arc::default(),
-            }
-        }
-    }
-
-    impl FakeIngest {
-        fn messages(&self) -> Vec<v1::WorkerReport> {
-            self.log.lock().unwrap().clone()
-        }
-
-        fn progresses(&self) -> Vec<v1::Progress> {
-            self.messages()
-                .into_iter()
-                .filter_map(|m| match m.kind {
-                    Some(Kind::Progress(p)) => Some(p),
-                    _ => None,
-                })
-                .collect()
-        }
-
-        /// Waits (bounded, generous) until `pred` holds for the log.
-        async fn wait_for(&self, what: &str, pred: impl Fn(&[v1::WorkerReport]) -> bool) {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                let notified = self.changed.notified();
-                if pred(&self.messages()) {
-                    return;
-                }
-                if Instant::now() > deadline {
-                    panic!("timed out waiting for {what}: {:#?}", self.messages());
-                }
-                let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
-            }
-        }
-    }
-
-    async fn serve_on(
-        fake: FakeIngest,
-        listener: tokio::net::TcpListener,
-    ) -> (tokio::sync::oneshot::Sender<()>, JoinHandle<()>) {
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(v1::telemetry_server::TelemetryServer::new(fake))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    async {
-                        let _ = stop_rx.await;
-                    },
-                )
-                .await
-                .unwrap();
-        });
-        (stop_tx, task)
-    }
-
-    async fn start(fake: FakeIngest) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (stop, _task) = serve_on(fake, l).await;
-        (addr, stop)
+    /// Starts the kit's fake ingest on an ephemeral port (it stops when the handle drops).
+    async fn start(fake: &FakeIngest) -> (SocketAddr, br_testkit::Served) {
+        let served = fake.start().await;
+        (served.addr, served)
     }
 
     fn tuning() -> ReporterTuning {
@@ -927,7 +808,7 @@ mod tests {
     #[tokio::test]
     async fn hello_then_full_state_then_batched_latest_values() {
         let fake = FakeIngest::default();
-        let (addr, _stop) = start(fake.clone()).await;
+        let (addr, _served) = start(&fake).await;
         let h = Reporter::spawn_tuned(config(addr), tuning()).unwrap();
         h.progress("a", 10, 1, false).unwrap();
         fake.wait_for("hello + full state", |m| m.len() >= 2).await;
@@ -993,7 +874,7 @@ mod tests {
     #[tokio::test]
     async fn finished_requests_are_forgotten_after_the_ack() {
         let fake = FakeIngest::default();
-        let (addr, _stop) = start(fake.clone()).await;
+        let (addr, _served) = start(&fake).await;
         let h = Reporter::spawn_tuned(config(addr), tuning()).unwrap();
         h.progress("done", 4, 9, true).unwrap();
         h.progress("running", 4, 9, false).unwrap();
@@ -1002,12 +883,13 @@ mod tests {
         })
         .await;
         // The ack for that message removes it; the next full state no longer lists it.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while h.stats().pending != 1 {
-            assert!(Instant::now() < deadline, "{:?}", h.stats());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        fake.ask_full_state.store(true, Ordering::SeqCst);
+        eventually(
+            PATIENCE,
+            "the acked finished request is forgotten",
+            || async { h.stats().pending == 1 },
+        )
+        .await;
+        fake.ask_full_state();
         let before = fake.progresses().len();
         // Something to ack so the request flag travels; then wait for the full state.
         h.progress("running", 4, 10, false).unwrap();
@@ -1028,7 +910,7 @@ mod tests {
     #[tokio::test]
     async fn periodic_full_state_and_heartbeats() {
         let fake = FakeIngest::default();
-        let (addr, _stop) = start(fake.clone()).await;
+        let (addr, _served) = start(&fake).await;
         let cfg = ReporterConfig {
             full_state_every: Duration::from_millis(30),
             ..config(addr)
@@ -1057,20 +939,24 @@ mod tests {
 
     #[tokio::test]
     async fn keeps_state_while_ingest_is_away_and_reconnects() {
-        // Reserve a port, then start ingest on it only after the reporter has been trying.
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        drop(l);
+        // Ingest is away: its port accepts connections and closes them at once, so each
+        // connect attempt fails and is seen; after two of them the fake takes over the same
+        // listener (no port is released and rebound, which another socket could take).
+        let (l, addr) = br_testkit::net::listener().await;
         let h = Reporter::spawn_tuned(config(addr), tuning()).unwrap();
         h.progress("early", 5, 3, false).unwrap();
         h.progress("early", 5, 4, false).unwrap();
         h.progress("gone", 5, 4, true).unwrap();
+        for _ in 0..2 {
+            let (conn, _) = within(PATIENCE, "a connect attempt", l.accept())
+                .await
+                .unwrap();
+            drop(conn);
+        }
         assert!(!h.is_connected());
-        tokio::time::sleep(Duration::from_millis(50)).await; // a few failed connects
 
         let fake = FakeIngest::default();
-        let l = tokio::net::TcpListener::bind(addr).await.unwrap();
-        let (_stop, _task) = serve_on(fake.clone(), l).await;
+        let _served = fake.serve_on(l);
         fake.wait_for("state kept across the outage", |_| {
             let ps = fake.progresses();
             ps.first().is_some_and(|p| {
@@ -1094,7 +980,7 @@ mod tests {
             .filter(|m| matches!(m.kind, Some(Kind::Hello(_))))
             .count();
         h.progress("early", 5, 9, false).unwrap();
-        fake.kill.send_modify(|g| *g += 1);
+        fake.kill_streams();
         fake.wait_for("a second hello and full state", |m| {
             let hellos: Vec<_> = m
                 .iter()
@@ -1130,7 +1016,7 @@ mod tests {
     #[tokio::test]
     async fn refuses_bad_input_and_bounds_the_map() {
         let fake = FakeIngest::default();
-        let (addr, _stop) = start(fake.clone()).await;
+        let (addr, _served) = start(&fake).await;
         let cfg = ReporterConfig {
             max_pending: 2,
             ..config(addr)

@@ -510,78 +510,20 @@ fn backoff(cfg: &WatchConfig, failures: u32) -> Duration {
 mod tests {
     use super::*;
     use br_sigma::change;
-    use std::collections::VecDeque;
-    use std::sync::{Arc, Mutex};
-    use tokio_stream::wrappers::ReceiverStream;
-    use v1::snapshot_server::{Snapshot, SnapshotServer};
+    use br_testkit::{FakeSnapshot, PATIENCE, ReservedPort, within};
 
-    type Script = Vec<Result<v1::WatchEvent, tonic::Status>>;
-
-    /// A Snapshot server whose Watch plays one script per call and records the requests.
-    /// A script that does not end in an error keeps the stream open.
-    #[derive(Clone, Default)]
-    struct Fake {
-        scripts: Arc<Mutex<VecDeque<Script>>>,
-        requests: Arc<Mutex<Vec<v1::WatchRequest>>>,
+    /// Starts the kit's fake Snapshot server; its Watch plays the queued scripts, one a call.
+    async fn serve(fake: &FakeSnapshot) -> (br_testkit::Served, String) {
+        let served = fake.start().await;
+        let url = served.url();
+        (served, url)
     }
 
-    #[tonic::async_trait]
-    impl Snapshot for Fake {
-        type WatchStream = ReceiverStream<Result<v1::WatchEvent, tonic::Status>>;
-        async fn watch(
-            &self,
-            req: tonic::Request<v1::WatchRequest>,
-        ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
-            self.requests.lock().unwrap().push(req.into_inner());
-            let script = self.scripts.lock().unwrap().pop_front().unwrap_or_default();
-            let (tx, rx) = mpsc::channel(64);
-            tokio::spawn(async move {
-                let ends = script.last().is_some_and(Result::is_err);
-                for ev in script {
-                    let _ = tx.send(ev).await;
-                }
-                if !ends {
-                    tx.closed().await; // keep the stream open until the client leaves
-                }
-            });
-            Ok(tonic::Response::new(ReceiverStream::new(rx)))
-        }
-        async fn get(
-            &self,
-            _: tonic::Request<v1::GetRequest>,
-        ) -> Result<tonic::Response<v1::ClusterSnapshot>, tonic::Status> {
-            Err(tonic::Status::unimplemented("fake"))
-        }
-        type ApplyStream = ReceiverStream<Result<v1::ApplyAck, tonic::Status>>;
-        async fn apply(
-            &self,
-            _: tonic::Request<tonic::Streaming<v1::ChangeBatch>>,
-        ) -> Result<tonic::Response<Self::ApplyStream>, tonic::Status> {
-            Err(tonic::Status::unimplemented("fake"))
-        }
-        async fn reserve(
-            &self,
-            _: tonic::Request<v1::ReserveRequest>,
-        ) -> Result<tonic::Response<v1::ReserveResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("fake"))
-        }
-        async fn release(
-            &self,
-            _: tonic::Request<v1::ReleaseRequest>,
-        ) -> Result<tonic::Response<v1::ReleaseResponse>, tonic::Status> {
-            Err(tonic::Status::unimplemented("fake"))
-        }
-    }
-
-    async fn serve(fake: Fake) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(SnapshotServer::new(fake))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        format!("http://{addr}")
+    /// The next update, bounded: a watcher that stops talking fails the test, never hangs it.
+    async fn recv(rx: &mut mpsc::Receiver<Update>) -> Update {
+        within(PATIENCE, "the watcher's next update", rx.recv())
+            .await
+            .expect("the watcher ended")
     }
 
     fn ev(kind: Kind) -> Result<v1::WatchEvent, tonic::Status> {
@@ -615,7 +557,7 @@ mod tests {
 
     async fn next_data(rx: &mut mpsc::Receiver<Update>) -> Update {
         loop {
-            match rx.recv().await.unwrap() {
+            match recv(rx).await {
                 Update::Connected { .. } | Update::Disconnected { .. } => {}
                 u => return u,
             }
@@ -625,37 +567,34 @@ mod tests {
     #[tokio::test]
     async fn syncs_follows_and_resubscribes_on_gap_and_error() {
         let (snaps, deltas) = history(6);
-        let fake = Fake::default();
-        {
-            let mut s = fake.scripts.lock().unwrap();
-            // 1: snapshot at 2, delta 3, then a gap (5 after 3)
-            s.push_back(vec![
-                ev(Kind::Snapshot(snaps[2].clone())),
-                ev(Kind::Delta(deltas[2].clone())),
-                ev(Kind::Delta(deltas[4].clone())),
-            ]);
-            // 2: the missing delta, a progress mark, then the stream fails
-            s.push_back(vec![
-                ev(Kind::Delta(deltas[3].clone())),
-                ev(Kind::Progress(v1::watch_event::ProgressMark {
-                    epoch: 5,
-                    version: 4,
-                })),
-                Err(tonic::Status::unavailable("going away")),
-            ]);
-            // 3: a reset (the server restarted) and its snapshot
-            let mut other = snaps[1].clone();
-            other.epoch = 9;
-            s.push_back(vec![
-                ev(Kind::Reset(v1::watch_event::Reset {
-                    reason: v1::ResetReason::UnknownEpoch as i32,
-                    epoch: 9,
-                    detail: "restart".into(),
-                })),
-                ev(Kind::Snapshot(other)),
-            ]);
-        }
-        let url = serve(fake.clone()).await;
+        let fake = FakeSnapshot::new();
+        // 1: snapshot at 2, delta 3, then a gap (5 after 3)
+        fake.script_watch(vec![
+            ev(Kind::Snapshot(snaps[2].clone())),
+            ev(Kind::Delta(deltas[2].clone())),
+            ev(Kind::Delta(deltas[4].clone())),
+        ]);
+        // 2: the missing delta, a progress mark, then the stream fails
+        fake.script_watch(vec![
+            ev(Kind::Delta(deltas[3].clone())),
+            ev(Kind::Progress(v1::watch_event::ProgressMark {
+                epoch: 5,
+                version: 4,
+            })),
+            Err(tonic::Status::unavailable("going away")),
+        ]);
+        // 3: a reset (the server restarted) and its snapshot
+        let mut other = snaps[1].clone();
+        other.epoch = 9;
+        fake.script_watch(vec![
+            ev(Kind::Reset(v1::watch_event::Reset {
+                reason: v1::ResetReason::UnknownEpoch as i32,
+                epoch: 9,
+                detail: "restart".into(),
+            })),
+            ev(Kind::Snapshot(other)),
+        ]);
+        let (_served, url) = serve(&fake).await;
         let (handle, mut rx) = Watcher::connect_lazy(&url, fast("g")).unwrap();
 
         let Update::Snapshot { sigma, reset } = next_data(&mut rx).await else {
@@ -672,7 +611,7 @@ mod tests {
             replica.apply_delta(&d).unwrap();
         }
         assert_eq!(replica.to_snapshot(), snaps[4]);
-        match rx.recv().await.unwrap() {
+        match recv(&mut rx).await {
             Update::Disconnected { error, .. } => assert!(error.contains("going away"), "{error}"),
             u => panic!("{u:?}"),
         }
@@ -682,7 +621,7 @@ mod tests {
         assert_eq!(reset.unwrap().reason, v1::ResetReason::UnknownEpoch);
         assert_eq!((sigma.epoch(), sigma.version()), (9, 1));
 
-        let reqs = fake.requests.lock().unwrap().clone();
+        let reqs = fake.watch_requests();
         let asked: Vec<(u64, u64)> = reqs.iter().map(|r| (r.epoch, r.last_version)).collect();
         assert_eq!(asked, vec![(0, 0), (5, 3), (5, 4)]);
         let st = handle.status().borrow().clone();
@@ -691,25 +630,22 @@ mod tests {
             (st.epoch, st.version, st.resets, st.resubscribes),
             (9, 1, 1, 2)
         );
-        handle.stop().await;
+        within(PATIENCE, "the watcher stops", handle.stop()).await;
     }
 
     #[tokio::test]
     async fn resync_starts_from_scratch_and_bad_snapshots_are_refused() {
         let (snaps, deltas) = history(3);
-        let fake = Fake::default();
-        {
-            let mut s = fake.scripts.lock().unwrap();
-            let mut bad = snaps[1].clone();
-            bad.epoch = 0; // unreadable: must not be handed out
-            s.push_back(vec![ev(Kind::Snapshot(bad))]);
-            s.push_back(vec![
-                ev(Kind::Snapshot(snaps[1].clone())),
-                ev(Kind::Delta(deltas[1].clone())),
-            ]);
-            s.push_back(vec![ev(Kind::Snapshot(snaps[3].clone()))]);
-        }
-        let url = serve(fake.clone()).await;
+        let fake = FakeSnapshot::new();
+        let mut bad = snaps[1].clone();
+        bad.epoch = 0; // unreadable: must not be handed out
+        fake.script_watch(vec![ev(Kind::Snapshot(bad))]);
+        fake.script_watch(vec![
+            ev(Kind::Snapshot(snaps[1].clone())),
+            ev(Kind::Delta(deltas[1].clone())),
+        ]);
+        fake.script_watch(vec![ev(Kind::Snapshot(snaps[3].clone()))]);
+        let (_served, url) = serve(&fake).await;
         let (handle, mut rx) = Watcher::connect_lazy(&url, fast("g")).unwrap();
         let Update::Snapshot { sigma, .. } = next_data(&mut rx).await else {
             panic!()
@@ -725,9 +661,7 @@ mod tests {
         };
         assert_eq!(sigma.version(), 3);
         let asked: Vec<(u64, u64)> = fake
-            .requests
-            .lock()
-            .unwrap()
+            .watch_requests()
             .iter()
             .map(|r| (r.epoch, r.last_version))
             .collect();
@@ -736,16 +670,22 @@ mod tests {
 
     #[tokio::test]
     async fn unreachable_server_reports_disconnected_and_retries() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        drop(listener);
-        let (handle, mut rx) = Watcher::connect_lazy(&format!("http://{addr}"), fast("g")).unwrap();
-        match rx.recv().await.unwrap() {
+        // Bound but not listening: every connect is refused, and no other socket can take the
+        // port meanwhile (a released port could be, and then the watcher would connect).
+        let down = ReservedPort::new();
+        let (handle, mut rx) = Watcher::connect_lazy(&down.url(), fast("g")).unwrap();
+        match recv(&mut rx).await {
             Update::Disconnected { .. } => {}
             u => panic!("{u:?}"),
         }
         let mut status = handle.status();
-        status.wait_for(|s| s.resubscribes >= 3).await.unwrap();
+        within(
+            PATIENCE,
+            "three resubscribes",
+            status.wait_for(|s| s.resubscribes >= 3),
+        )
+        .await
+        .unwrap();
         assert!(!status.borrow().connected);
     }
 

@@ -10,16 +10,13 @@ use std::time::Duration;
 use br_client::watch::{Update, WatchConfig, Watcher};
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
-use br_proto::v1::telemetry_change as tc;
 use br_sigma::Sigma;
 use br_snapshot::{Args, Running};
+use br_testkit::apply::{ApplyStream, hello, progress as prog};
+use br_testkit::{PATIENCE, within};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
-
-/// Upper bound on any single wait (a hang guard, not a performance assertion).
-const PATIENCE: Duration = Duration::from_secs(20);
 
 struct Server {
     running: Running,
@@ -63,70 +60,22 @@ impl Server {
         self.client.clone().get(req).await.unwrap().into_inner()
     }
 
-    async fn ingest(&self) -> Ingest {
-        let (tx, rx) = mpsc::channel(16);
-        let mut client = self.client.clone();
-        let acks = client.apply(ReceiverStream::new(rx)).await.unwrap();
-        let acks = acks.into_inner();
-        Ingest { tx, acks, seq: 0 }
+    async fn ingest(&self) -> ApplyStream {
+        ApplyStream::open(&self.url).await
     }
 
     async fn stop(self) {
         self.shutdown.cancel();
-        let outcome = self.running.wait().await.unwrap();
+        let outcome = within(PATIENCE, "the snapshot service drains", self.running.wait())
+            .await
+            .unwrap();
         assert_eq!(outcome, br_runtime::serve::ServeOutcome::Drained);
     }
 }
 
-/// One Apply stream, as ingest holds it.
-struct Ingest {
-    tx: mpsc::Sender<v1::ChangeBatch>,
-    acks: tonic::Streaming<v1::ApplyAck>,
-    seq: u64,
-}
-
-impl Ingest {
-    async fn send(&mut self, group: &str, changes: Vec<v1::TelemetryChange>) {
-        self.seq += 1;
-        let batch = v1::ChangeBatch {
-            batch_seq: self.seq,
-            group: group.into(),
-            changes,
-        };
-        self.tx.send(batch).await.unwrap();
-        let ack = tokio::time::timeout(PATIENCE, self.acks.message());
-        let ack = ack.await.unwrap().unwrap().unwrap();
-        assert_eq!(ack.batch_seq, self.seq);
-        assert!(ack.rejected.is_empty(), "{ack:?}");
-    }
-}
-
-fn hello(w: u32, inc: u64, cap: u32) -> v1::TelemetryChange {
-    let kind = tc::Kind::WorkerHello(tc::WorkerHello {
-        worker_id: w,
-        incarnation: inc,
-        capacity: cap,
-        endpoint: format!("http://10.0.0.{w}:8000"),
-    });
-    v1::TelemetryChange { kind: Some(kind) }
-}
-
-fn prog(w: u32, inc: u64, id: &str, p: u32, g: u32) -> v1::TelemetryChange {
-    let kind = tc::Kind::RequestProgress(tc::RequestProgress {
-        worker_id: w,
-        incarnation: inc,
-        request_id: id.into(),
-        prompt_tokens: p,
-        generated_tokens: g,
-        finished: false,
-    });
-    v1::TelemetryChange { kind: Some(kind) }
-}
-
 async fn recv_update(u: &mut mpsc::Receiver<Update>) -> Update {
-    let next = tokio::time::timeout(PATIENCE, u.recv());
-    next.await
-        .expect("no watcher update in time")
+    within(PATIENCE, "the watcher's next update", u.recv())
+        .await
         .expect("watcher ended")
 }
 
@@ -136,12 +85,12 @@ async fn the_watcher_replica_converges_to_the_writers_sigma() {
     let (handle, mut updates) = Watcher::connect_lazy(&server.url, WatchConfig::new("g")).unwrap();
     let mut ingest = server.ingest().await;
     ingest
-        .send("g", vec![hello(0, 10, 8), hello(1, 11, 8)])
+        .send_ok("g", vec![hello(0, 10, 8), hello(1, 11, 8)])
         .await;
     for i in 0..6u32 {
         let w = i % 2;
         let change = prog(w, 10 + u64::from(w), &format!("r{i}"), 100, i);
-        ingest.send("g", vec![change]).await;
+        ingest.send_ok("g", vec![change]).await;
     }
     let now = server.get("g").await;
     assert_eq!(now.version, 7);
@@ -165,7 +114,7 @@ async fn the_watcher_resyncs_across_a_snapshot_service_restart() {
     let addr = first.addr();
     let mut ingest = first.ingest().await;
     ingest
-        .send("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 1)])
+        .send_ok("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 1)])
         .await;
     let mut cfg = WatchConfig::new("g");
     cfg.backoff_initial = Duration::from_millis(10);
@@ -192,7 +141,7 @@ async fn the_watcher_resyncs_across_a_snapshot_service_restart() {
     let second = Server::start(&addr.to_string()).await;
     let mut ingest = second.ingest().await;
     ingest
-        .send("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 2)])
+        .send_ok("g", vec![hello(0, 10, 4), prog(0, 10, "r", 10, 2)])
         .await;
     loop {
         match recv_update(&mut updates).await {
@@ -208,7 +157,7 @@ async fn the_watcher_resyncs_across_a_snapshot_service_restart() {
     assert_ne!(sigma.epoch(), old_epoch);
     assert_eq!(sigma.epoch(), second.running.extra().epoch);
     // then it follows the new epoch by deltas
-    ingest.send("g", vec![prog(0, 10, "r", 10, 3)]).await;
+    ingest.send_ok("g", vec![prog(0, 10, "r", 10, 3)]).await;
     let want = second.get("g").await;
     while sigma.version() < want.version {
         if let Update::Delta(d) = recv_update(&mut updates).await {

@@ -537,20 +537,29 @@ mod tests {
 
     /// The environment cannot be changed in-process without `unsafe` (edition 2024), so the
     /// environment's place in the precedence is checked in a child process: this test re-runs
-    /// the test binary on `env_child_probe` with variables set.
+    /// its own binary on itself with the variables set, and the child (which sees
+    /// `BR_CONFIG_PROBE`) parses and prints what it got. One test plays both parts, so there
+    /// is no probe that could pass on its own without checking anything.
     #[test]
     fn env_overrides_file_and_flags_override_env() {
+        const ME: &str = "config::tests::env_overrides_file_and_flags_override_env";
+        if let Some(path) = std::env::var_os("BR_CONFIG_PROBE") {
+            let path = path.into_string().unwrap();
+            let a = parse(&["--config", &path, "--test-count", "9"]).unwrap();
+            println!(
+                "PROBE name={} count={} grace={} format={:?}",
+                a.test_name,
+                a.test_count,
+                humantime::format_duration(a.common.shutdown_grace),
+                a.common.log_format
+            );
+            return;
+        }
         let f = file("test_name = \"from-file\"\ntest_count = 7\nshutdown_grace = \"3s\"\n");
         let exe = std::env::current_exe().unwrap();
         let out = std::process::Command::new(exe)
-            .args([
-                "--exact",
-                "config::tests::env_child_probe",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("BR_CONFIG_PROBE", "1")
-            .env("BR_CONFIG_PROBE_FILE", f.path())
+            .args(["--exact", ME, "--nocapture", "--test-threads=1"])
+            .env("BR_CONFIG_PROBE", f.path())
             .env("BALANCEROUTE_TEST_NAME", "from-env")
             .env("BALANCEROUTE_TEST_COUNT", "8")
             .env("BALANCEROUTE_LOG_FORMAT", "json")
@@ -563,22 +572,6 @@ mod tests {
         assert!(
             stdout.contains("PROBE name=from-env count=9 grace=3s format=Json"),
             "{stdout}"
-        );
-    }
-
-    #[test]
-    fn env_child_probe() {
-        if std::env::var_os("BR_CONFIG_PROBE").is_none() {
-            return; // only meaningful when started by the test above
-        }
-        let path = std::env::var("BR_CONFIG_PROBE_FILE").unwrap();
-        let a = parse(&["--config", &path, "--test-count", "9"]).unwrap();
-        println!(
-            "PROBE name={} count={} grace={} format={:?}",
-            a.test_name,
-            a.test_count,
-            humantime::format_duration(a.common.shutdown_grace),
-            a.common.log_format
         );
     }
 }

@@ -1,218 +1,25 @@
-//! Test helpers: an in-test fake `Snapshot` server (only `Apply`, recording batches), an
-//! ingest started on 127.0.0.1:0, raw worker streams, and a /metrics scraper.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! Ingest's test helpers: an ingest started on 127.0.0.1:0, raw worker streams and their
+//! messages. The fake snapshot service, the waits and the /metrics reader come from br-testkit.
+#![allow(
+    dead_code,
+    unused_imports,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)]
 
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use br_proto::v1;
-use br_proto::v1::telemetry_change::Kind as TcKind;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::sync::{Notify, mpsc, watch};
-use tokio::time::Instant;
-use tokio_stream::Stream;
+pub use br_testkit::http::get as http_get;
+pub use br_testkit::{FakeSnapshot, Metrics, ReservedPort, eventually, within};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
-pub const WAIT: Duration = Duration::from_secs(20);
-
-/// A fake snapshot service: records every ChangeBatch, acks with its epoch. It can be made to
-/// stall (stop reading) and to kill its Apply streams.
-#[derive(Clone)]
-pub struct FakeSnapshot {
-    pub batches: Arc<Mutex<Vec<v1::ChangeBatch>>>,
-    pub epoch: Arc<AtomicU64>,
-    pub changed: Arc<Notify>,
-    pub stall: Arc<watch::Sender<bool>>,
-    pub kill: Arc<watch::Sender<u64>>,
-    pub streams: Arc<AtomicU64>,
-}
-
-impl Default for FakeSnapshot {
-    fn default() -> Self {
-        FakeSnapshot {
-            batches: Arc::default(),
-            epoch: Arc::new(AtomicU64::new(1111)),
-            changed: Arc::default(),
-            stall: Arc::new(watch::channel(false).0),
-            kill: Arc::new(watch::channel(0).0),
-            streams: Arc::default(),
-        }
-    }
-}
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, tonic::Status>> + Send>>;
-
-#[tonic::async_trait]
-impl v1::snapshot_server::Snapshot for FakeSnapshot {
-    type WatchStream = BoxStream<v1::WatchEvent>;
-    type ApplyStream = BoxStream<v1::ApplyAck>;
-
-    async fn watch(
-        &self,
-        _: tonic::Request<v1::WatchRequest>,
-    ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
-        Err(tonic::Status::unimplemented("fake"))
-    }
-    async fn get(
-        &self,
-        _: tonic::Request<v1::GetRequest>,
-    ) -> Result<tonic::Response<v1::ClusterSnapshot>, tonic::Status> {
-        Err(tonic::Status::unimplemented("fake"))
-    }
-    async fn reserve(
-        &self,
-        _: tonic::Request<v1::ReserveRequest>,
-    ) -> Result<tonic::Response<v1::ReserveResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented("fake"))
-    }
-    async fn release(
-        &self,
-        _: tonic::Request<v1::ReleaseRequest>,
-    ) -> Result<tonic::Response<v1::ReleaseResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented("fake"))
-    }
-
-    async fn apply(
-        &self,
-        req: tonic::Request<tonic::Streaming<v1::ChangeBatch>>,
-    ) -> Result<tonic::Response<Self::ApplyStream>, tonic::Status> {
-        let mut inbound = req.into_inner();
-        let me = self.clone();
-        me.streams.fetch_add(1, Ordering::SeqCst);
-        let (tx, rx) = mpsc::channel(256);
-        let mut kill = me.kill.subscribe();
-        let mut stall = me.stall.subscribe();
-        tokio::spawn(async move {
-            let mut version = 0;
-            loop {
-                // While stalled, do not read (like a service stuck in a long apply).
-                while *stall.borrow_and_update() {
-                    tokio::select! {
-                        _ = stall.changed() => {}
-                        _ = kill.changed() => {
-                            let _ = tx.send(Err(tonic::Status::unavailable("killed"))).await;
-                            return;
-                        }
-                    }
-                }
-                let m = tokio::select! {
-                    m = inbound.message() => m,
-                    _ = kill.changed() => {
-                        let _ = tx.send(Err(tonic::Status::unavailable("killed"))).await;
-                        return;
-                    }
-                    _ = stall.changed() => continue,
-                };
-                let Ok(Some(b)) = m else { return };
-                version += 1;
-                let ack = v1::ApplyAck {
-                    batch_seq: b.batch_seq,
-                    epoch: me.epoch.load(Ordering::SeqCst),
-                    version,
-                    rejected: vec![],
-                };
-                me.batches.lock().unwrap().push(b);
-                me.changed.notify_waiters();
-                if tx.send(Ok(ack)).await.is_err() {
-                    return;
-                }
-            }
-        });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-}
-
-impl FakeSnapshot {
-    pub fn batches(&self) -> Vec<v1::ChangeBatch> {
-        self.batches.lock().unwrap().clone()
-    }
-
-    /// Every change received, with its group, in order.
-    pub fn changes(&self) -> Vec<(String, TcKind)> {
-        self.batches()
-            .into_iter()
-            .flat_map(|b| {
-                let g = b.group.clone();
-                b.changes
-                    .into_iter()
-                    .filter_map(move |c| c.kind.map(|k| (g.clone(), k)))
-            })
-            .collect()
-    }
-
-    pub fn progress_of(&self, id: &str) -> Vec<v1::telemetry_change::RequestProgress> {
-        self.changes()
-            .into_iter()
-            .filter_map(|(_, k)| match k {
-                TcKind::RequestProgress(p) if p.request_id == id => Some(p),
-                _ => None,
-            })
-            .collect()
-    }
-
-    pub fn hellos_of(&self, worker: u32) -> usize {
-        self.changes()
-            .iter()
-            .filter(|(_, k)| matches!(k, TcKind::WorkerHello(h) if h.worker_id == worker))
-            .count()
-    }
-
-    pub async fn wait_for(&self, what: &str, pred: impl Fn(&FakeSnapshot) -> bool) {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let n = self.changed.notified();
-            if pred(self) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for {what}; got {:#?}",
-                self.changes()
-            );
-            let _ = tokio::time::timeout(Duration::from_millis(20), n).await;
-        }
-    }
-
-    /// Serves on `listener` until `stop` is cancelled (open streams are killed first).
-    pub fn serve_on(&self, listener: tokio::net::TcpListener, stop: CancellationToken) {
-        let me = self.clone();
-        tokio::spawn(async move {
-            let kill = me.kill.clone();
-            let stop2 = stop.clone();
-            tokio::spawn(async move {
-                stop2.cancelled().await;
-                kill.send_modify(|k| *k += 1);
-            });
-            tonic::transport::Server::builder()
-                .add_service(v1::snapshot_server::SnapshotServer::new(me))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    stop.cancelled_owned(),
-                )
-                .await
-                .unwrap();
-        });
-    }
-
-    /// Starts on an ephemeral port.
-    pub async fn start(&self) -> (SocketAddr, CancellationToken) {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let stop = CancellationToken::new();
-        self.serve_on(l, stop.clone());
-        (addr, stop)
-    }
-}
-
-/// A free port on 127.0.0.1 (bound and released; fine for tests).
-pub async fn free_addr() -> SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    l.local_addr().unwrap()
-}
+/// A hang guard, not a performance assertion.
+pub const WAIT: Duration = br_testkit::PATIENCE;
 
 pub struct TestIngest {
     pub grpc: SocketAddr,
@@ -250,52 +57,34 @@ impl TestIngest {
 
     /// Waits until the Apply stream to the snapshot service is up.
     pub async fn connected(&self) {
-        let deadline = Instant::now() + WAIT;
-        while self.metric("balanceroute_ingest_snapshot_connected").await != 1.0 {
-            assert!(
-                Instant::now() < deadline,
-                "ingest never connected to the snapshot"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(WAIT, "ingest connected to the snapshot service", || async {
+            self.metric("balanceroute_ingest_snapshot_connected", &[])
+                .await
+                == 1.0
+        })
+        .await;
     }
 
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         if let Some(r) = self.running.take() {
-            tokio::time::timeout(WAIT, r.wait()).await.unwrap().unwrap();
+            within(WAIT, "ingest stops", r.wait()).await.unwrap();
         }
     }
 
-    pub async fn metrics(&self) -> String {
-        http_get(self.admin, "/metrics").await.1
+    pub async fn metrics(&self) -> Metrics {
+        br_testkit::http::metrics(self.admin).await
     }
 
-    /// The value of one series (`name{labels}` as printed), 0 if absent.
-    pub async fn metric(&self, series: &str) -> f64 {
-        let text = self.metrics().await;
-        text.lines()
-            .find_map(|l| {
-                let (k, v) = l.rsplit_once(' ')?;
-                (k == series).then(|| v.parse().ok()).flatten()
-            })
-            .unwrap_or(0.0)
+    /// The value of the series `name` with exactly `labels`; 0 if it is absent (a labelled
+    /// counter appears on its first increment).
+    pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.metrics().await.get(name, labels).unwrap_or(0.0)
     }
 
     pub async fn worker(&self) -> Worker {
         Worker::connect(self.grpc).await
     }
-}
-
-pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    let (head, body) = buf.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, body.to_string())
 }
 
 /// A raw worker stream.
@@ -387,17 +176,4 @@ pub fn heartbeat(seq: u64) -> v1::WorkerReport {
 
 pub fn status(a: &v1::ReportAck) -> v1::AckStatus {
     v1::AckStatus::try_from(a.status).unwrap()
-}
-
-/// Waits until `f` holds (bounded).
-pub async fn eventually<F, Fut>(what: &str, f: F)
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + WAIT;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
