@@ -59,6 +59,14 @@ K8S_VERSIONS = ["1.29.0", kubernetes_validate.utils.latest_version()]
 SERVICEMONITOR_SCHEMA = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
+    "$defs": {
+        "secretKey": {"type": "object", "required": ["name", "key"], "additionalProperties": False,
+                      "properties": {"name": {"type": "string"}, "key": {"type": "string"},
+                                     "optional": {"type": "boolean"}}},
+        "secretOrConfigMap": {"type": "object", "additionalProperties": False, "maxProperties": 1,
+                              "properties": {"secret": {"$ref": "#/$defs/secretKey"},
+                                             "configMap": {"$ref": "#/$defs/secretKey"}}},
+    },
     "properties": {
         "apiVersion": {"const": "monitoring.coreos.com/v1"},
         "kind": {"const": "ServiceMonitor"},
@@ -84,6 +92,12 @@ SERVICEMONITOR_SCHEMA = {
                         "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
                         "scrapeTimeout": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
                         "honorLabels": {"type": "boolean"},
+                        "tlsConfig": {"type": "object", "additionalProperties": False, "properties": {
+                            "ca": {"$ref": "#/$defs/secretOrConfigMap"},
+                            "cert": {"$ref": "#/$defs/secretOrConfigMap"},
+                            "keySecret": {"$ref": "#/$defs/secretKey"},
+                            "serverName": {"type": "string"},
+                            "insecureSkipVerify": {"type": "boolean"}}},
                         "relabelings": {"type": "array", "items": {"type": "object"}},
                         "metricRelabelings": {"type": "array", "items": {"type": "object"}},
                     },
@@ -112,9 +126,82 @@ PROMETHEUSRULE_SCHEMA = {
                                                   "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}}}}}}}},
     },
 }
+_STR = {"type": "string"}
+_DURATION = {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"}
+_ISSUER_REF = {"type": "object", "required": ["name"], "additionalProperties": False,
+               "properties": {"name": _STR, "kind": {"enum": ["Issuer", "ClusterIssuer"]}, "group": _STR}}
+# Minimal schemas of cert-manager.io/v1 Certificate and Issuer: the fields we use, with their
+# types and cert-manager's enums (key usages, key algorithms), nothing unknown in spec.
+CERTIFICATE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Certificate"},
+        "metadata": SERVICEMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "required": ["secretName", "issuerRef"],
+            "anyOf": [{"required": ["uris"]}, {"required": ["dnsNames"]}, {"required": ["commonName"]},
+                      {"required": ["ipAddresses"]}, {"required": ["emailAddresses"]}],
+            "additionalProperties": False,
+            "properties": {
+                "secretName": _STR,
+                "commonName": _STR,
+                "duration": _DURATION,
+                "renewBefore": _DURATION,
+                "isCA": {"type": "boolean"},
+                "uris": {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": r"^[a-z][a-z0-9+.-]*://"}},
+                "dnsNames": {"type": "array", "items": _STR},
+                "ipAddresses": {"type": "array", "items": _STR},
+                "emailAddresses": {"type": "array", "items": _STR},
+                "usages": {"type": "array", "items": {"enum": [
+                    "signing", "digital signature", "content commitment", "key encipherment",
+                    "key agreement", "data encipherment", "cert sign", "crl sign", "encipher only",
+                    "decipher only", "any", "server auth", "client auth", "code signing",
+                    "email protection", "s/mime", "ipsec end system", "ipsec tunnel", "ipsec user",
+                    "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"]}},
+                "privateKey": {"type": "object", "additionalProperties": False, "properties": {
+                    "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                    "size": {"type": "integer"},
+                    "encoding": {"enum": ["PKCS1", "PKCS8"]},
+                    "rotationPolicy": {"enum": ["Never", "Always"]}}},
+                "secretTemplate": {"type": "object", "additionalProperties": False, "properties": {
+                    "labels": {"type": "object", "additionalProperties": _STR},
+                    "annotations": {"type": "object", "additionalProperties": _STR}}},
+                "issuerRef": _ISSUER_REF,
+            },
+        },
+    },
+}
+ISSUER_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Issuer"},
+        "metadata": SERVICEMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "minProperties": 1,
+            "maxProperties": 1,
+            "properties": {
+                "ca": {"type": "object", "required": ["secretName"], "additionalProperties": False,
+                       "properties": {"secretName": _STR,
+                                      "crlDistributionPoints": {"type": "array", "items": _STR},
+                                      "ocspServers": {"type": "array", "items": _STR}}},
+                "selfSigned": {"type": "object", "additionalProperties": False,
+                               "properties": {"crlDistributionPoints": {"type": "array", "items": _STR}}},
+            },
+        },
+    },
+}
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR_SCHEMA,
     ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUSRULE_SCHEMA,
+    ("cert-manager.io/v1", "Certificate"): CERTIFICATE_SCHEMA,
+    ("cert-manager.io/v1", "Issuer"): ISSUER_SCHEMA,
 }
 
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"}
