@@ -33,10 +33,11 @@ DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 EXAMPLES = sorted((K8S / "examples").glob("*.yaml"))
 
 # kustomize directories to render: (path, must contain these kinds)
+TRUST_KINDS = {"Certificate", "Issuer", "NetworkPolicy"}  # mutual TLS and network policies are the default
 RENDERS = {
-    "base": (K8S / "base", {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap"}),
-    "overlays/group-g8": (K8S / "overlays" / "group-g8", {"Namespace", "StatefulSet", "Deployment"}),
-    "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor", "PrometheusRule"}),
+    "base": (K8S / "base", {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap"} | TRUST_KINDS),
+    "overlays/group-g8": (K8S / "overlays" / "group-g8", {"Namespace", "StatefulSet", "Deployment"} | TRUST_KINDS),
+    "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor", "PrometheusRule"} | TRUST_KINDS),
 }
 # Compositions that no directory spells out: rendered from a generated kustomization in a
 # temporary directory. name -> (resources, components, must contain these kinds), paths under k8s/.
@@ -45,7 +46,13 @@ COMPOSED = {
     # without its decision-single-replica component.
     "base + namespace (election layout)":
         (["base"], [], {"Deployment"}),
+    # Plaintext for clusters whose mesh does mTLS: no certificates, --allow-insecure-remote,
+    # HTTP probes and scrapes; the NetworkPolicies stay.
+    "group-g8-monitoring + plaintext":
+        (["overlays/group-g8-monitoring"], ["components/plaintext"], {"ServiceMonitor", "NetworkPolicy"}),
 }
+# Kinds a composition must not contain.
+COMPOSED_ABSENT = {"group-g8-monitoring + plaintext": {"Certificate", "Issuer"}}
 # Pod labels that a service sets on its own pod at run time (the elected decision replica), so
 # a Service may select them although no pod template carries them.
 RUNTIME_LABELS = {"balanceroute.io/decision-role"}
@@ -443,6 +450,289 @@ def check_consistency(objs: list[dict], strict_security: bool) -> str:
     return f"{len(objs)} objects, {len(workloads)} workloads"
 
 
+# ---------------------------------------------------------------- trust (mutual TLS)
+
+TLS_ENV = {"BALANCEROUTE_TLS_CERT": "tls.crt", "BALANCEROUTE_TLS_KEY": "tls.key", "BALANCEROUTE_TLS_CA": "ca.crt"}
+DEFAULT_TRUST_DOMAIN = "balanceroute.local"
+ADMIN_PORT_NAMES = ("admin", "shim-admin")
+
+
+def is_balanceroute(c: dict) -> bool:
+    return c["name"].startswith("br-") or c.get("image", "").split("/")[-1].startswith("br-")
+
+
+def br_role(c: dict) -> str:
+    """The role a BalanceRoute container runs as (its binary's name; the shim is a worker)."""
+    base = c["name"] if c["name"].startswith("br-") else c.get("image", "").split("/")[-1]
+    role = base.removeprefix("br-").split(":")[0]
+    return "worker" if role == "shim" else role
+
+
+def env_values(c: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in c.get("env", [])}
+
+
+def spiffe_prefix(c: dict, role: str) -> str:
+    env = env_values(c)
+    td = env.get("BALANCEROUTE_TRUST_DOMAIN") or DEFAULT_TRUST_DOMAIN
+    if role == "worker":
+        return f"spiffe://{td}/br/worker/{env.get('BALANCEROUTE_GROUP')}/"
+    return f"spiffe://{td}/br/{role}"
+
+
+def secret_files(spec: dict, c: dict, path: str) -> tuple[list[tuple[str, str, str]], str | None]:
+    """The (Secret, key, projected path) pairs a file path of container `c` can resolve to, or
+    why it resolves to none. `$(VAR)` in the path (a per-pod value) matches any path part."""
+    mounts = sorted(c.get("volumeMounts", []), key=lambda m: -len(m["mountPath"]))
+    m = next((m for m in mounts if path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+    if m is None:
+        return [], f"{path} is on no volume mount"
+    if m.get("subPath") or m.get("subPathExpr"):
+        return [], f"{path}: mount {m['mountPath']} uses subPath, which never sees a renewed certificate"
+    rel = path[len(m["mountPath"].rstrip("/")) + 1:]
+    pattern = re.compile("^" + re.sub(r"\\\$\\\([A-Za-z_][A-Za-z0-9_]*\\\)", "[^/]+", re.escape(rel)) + "$")
+    vol = next((v for v in spec.get("volumes", []) if v["name"] == m["name"]), None)
+    if vol is None:
+        return [], f"{path}: volume {m['name']} missing"
+    sources = []
+    if "secret" in vol:
+        sources = [vol["secret"] | {"name": vol["secret"].get("secretName")}]
+    elif "projected" in vol:
+        sources = [src["secret"] for src in vol["projected"].get("sources", []) if "secret" in src]
+    else:
+        return [], f"{path}: volume {m['name']} is not a Secret"
+    out = []
+    for src in sources:
+        items = src.get("items") or [{"key": k, "path": k} for k in TLS_ENV.values()]
+        out += [(src["name"], it["key"], it["path"]) for it in items if pattern.match(it["path"])]
+    return out, (None if out else f"{path}: no Secret key of volume {m['name']} is projected there")
+
+
+def check_trust(objs: list[dict], strict: bool) -> str:
+    """Every BalanceRoute container either runs mutual TLS with a certificate cert-manager
+    issues for its role, or serves plaintext on loopback or with --allow-insecure-remote;
+    admin probes and scrape annotations follow the scheme; the ServiceMonitor scrapes TLS
+    ports with an admin certificate. `strict`: the Issuers must be in the same objects (the
+    examples rely on the control plane's)."""
+    problems: list[str] = []
+    certs = {c["spec"]["secretName"]: c for c in objs if c["kind"] == "Certificate"}
+    issuers = {o["metadata"]["name"] for o in objs if o["kind"] == "Issuer"}
+    tls_pods = plain_pods = 0
+    tls_workloads = []
+    for w in (o for o in objs if o["kind"] in WORKLOAD_KINDS):
+        spec, wid = pod_spec(w), obj_id(w)
+        ann = w["spec"]["template"].get("metadata", {}).get("annotations", {}) or {}
+        for c in (c for c in all_containers(spec) if is_balanceroute(c)):
+            cname, env, role = f"{wid}/{c['name']}", env_values(c), br_role(c)
+            given = [k for k in TLS_ENV if k in env]
+            tls = bool(given)
+            if tls and len(given) != len(TLS_ENV):
+                problems.append(f"{cname}: sets {given} but all of {sorted(TLS_ENV)} or none are needed")
+            if tls:
+                tls_pods += 1
+                tls_workloads.append(w)
+                want = spiffe_prefix(c, role)
+                for var, key in TLS_ENV.items():
+                    if var not in env:
+                        continue
+                    found, why = secret_files(spec, c, env[var] or "")
+                    if why:
+                        problems.append(f"{cname}: {var}: {why}")
+                    for secret, got_key, item_path in found:
+                        if got_key != key:
+                            problems.append(f"{cname}: {var} reads key {got_key} of Secret {secret}, want {key}")
+                        cert = certs.get(secret)
+                        if cert is None:
+                            problems.append(f"{cname}: Secret {secret} is produced by no Certificate")
+                            continue
+                        uris = cert["spec"].get("uris", [])
+                        ok = [u for u in uris if (u.startswith(want) if role == "worker" else u == want)]
+                        if not ok:
+                            problems.append(f"{cname}: Certificate {cert['metadata']['name']} has uris {uris}, none is {want}{'<id>' if role == 'worker' else ''}")
+                        rank = item_path.split("/")[0]
+                        if role == "worker" and rank.isdigit() and not any(u == f"{want}{rank}" for u in uris):
+                            problems.append(f"{cname}: {item_path} of Secret {secret} is not worker {want}{rank}")
+                        usages = set(cert["spec"].get("usages", []))
+                        if not {"server auth", "client auth"} <= usages:
+                            problems.append(f"{obj_id(cert)}: usages {sorted(usages)} lack server auth + client auth")
+            else:
+                plain_pods += 1
+                for var in ("BALANCEROUTE_LISTEN", "BALANCEROUTE_ADMIN_LISTEN"):
+                    host = (env.get(var) or "127.0.0.1:0").rsplit(":", 1)[0].strip("[]")
+                    if host not in ("127.0.0.1", "::1", "localhost") \
+                            and env.get("BALANCEROUTE_ALLOW_INSECURE_REMOTE") != "true":
+                        problems.append(f"{cname}: {var}={env.get(var)} without TLS is refused at start "
+                                        "(set the TLS variables or BALANCEROUTE_ALLOW_INSECURE_REMOTE=true)")
+            want_scheme = "HTTPS" if tls else "HTTP"
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                get = (c.get(probe) or {}).get("httpGet")
+                if get and get.get("port") in ADMIN_PORT_NAMES and get.get("scheme", "HTTP") != want_scheme:
+                    problems.append(f"{cname}: {probe} on the admin port must use scheme {want_scheme}")
+            if ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/scheme", "http") != want_scheme.lower():
+                problems.append(f"{wid}: annotation prometheus.io/scheme must be {want_scheme.lower()}")
+    for cert in certs.values():
+        ref = cert["spec"]["issuerRef"]
+        if ref.get("kind", "Issuer") == "Issuer" and ref["name"] not in issuers and (strict or issuers):
+            problems.append(f"{obj_id(cert)}: Issuer {ref['name']} missing")
+    for sm in (o for o in objs if o["kind"] == "ServiceMonitor"):
+        sel = sm["spec"]["selector"].get("matchLabels", {})
+        svcs = [s for s in objs if s["kind"] == "Service" and selects(sel, s["metadata"].get("labels", {}))]
+        behind = [w for w in tls_workloads for s in svcs
+                  if selects({k: v for k, v in s["spec"].get("selector", {}).items() if k not in RUNTIME_LABELS}, pod_labels(w))]
+        for ep in sm["spec"]["endpoints"]:
+            tc = ep.get("tlsConfig", {})
+            if not behind:
+                if ep.get("scheme") == "https":
+                    problems.append(f"{obj_id(sm)}: scrapes https but the pods serve plaintext")
+                continue
+            if ep.get("scheme") != "https":
+                problems.append(f"{obj_id(sm)}: endpoint {ep.get('port')} must scrape with scheme https")
+            secret = tc.get("keySecret", {}).get("name")
+            if secret != tc.get("cert", {}).get("secret", {}).get("name"):
+                problems.append(f"{obj_id(sm)}: tlsConfig cert and keySecret must be one Secret")
+            cert = certs.get(secret)
+            td = DEFAULT_TRUST_DOMAIN
+            if cert is None or f"spiffe://{td}/br/admin" not in cert["spec"].get("uris", []):
+                problems.append(f"{obj_id(sm)}: tlsConfig Secret {secret} is not produced by a Certificate of role admin")
+            name = tc.get("serverName")
+            for s_ in (certs.values() if ep.get("scheme") == "https" else []):
+                if "server auth" in s_["spec"].get("usages", []) and name not in s_["spec"].get("dnsNames", []):
+                    problems.append(f"{obj_id(sm)}: serverName {name!r} is not a DNS name of {obj_id(s_)}")
+    assert not problems, "; ".join(dict.fromkeys(problems))
+    return f"{tls_pods} containers on mutual TLS, {plain_pods} plaintext, {len(certs)} Certificates"
+
+
+def label_selector_matches(sel: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions); an empty one selects everything."""
+    if any(labels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items() if k not in RUNTIME_LABELS):
+        return False
+    for e in sel.get("matchExpressions") or []:
+        has, val, vals = e["key"] in labels, labels.get(e["key"]), e.get("values", [])
+        op = e["operator"]
+        if (op == "In" and val not in vals) or (op == "NotIn" and has and val in vals) \
+                or (op == "Exists" and not has) or (op == "DoesNotExist" and has):
+            return False
+    return True
+
+
+def check_network_policies(objs: list[dict], strict: bool) -> str:
+    """Every NetworkPolicy selects pods that exist, its same-namespace peers are pods that
+    exist, its named ports are ports of the selected pods; with `strict` (a whole namespace),
+    ingress is denied by default and every port a Service exposes is admitted by some policy."""
+    problems: list[str] = []
+    pols = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
+    if not pols:
+        assert not strict, "no NetworkPolicy rendered"
+        return "none"
+
+    def port_names(w):
+        return {p.get("name"): p["containerPort"] for c in all_containers(pod_spec(w)) for p in c.get("ports", [])}
+
+    for pol in pols:
+        pid = obj_id(pol)
+        targets = [w for w in workloads if label_selector_matches(pol["spec"]["podSelector"], pod_labels(w))]
+        if not targets:
+            problems.append(f"{pid}: podSelector {pol['spec']['podSelector']} selects no pod")
+        if "Ingress" not in pol["spec"].get("policyTypes", ["Ingress"]):
+            continue
+        for rule in pol["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                p = port.get("port")
+                if p is not None and not any((p in port_names(w)) if isinstance(p, str) else (p in port_names(w).values()) for w in targets):
+                    problems.append(f"{pid}: port {p!r} is no port of the pods it selects")
+            for peer in rule.get("from", []):
+                if "podSelector" in peer and "namespaceSelector" not in peer \
+                        and not any(label_selector_matches(peer["podSelector"], pod_labels(w)) for w in workloads):
+                    problems.append(f"{pid}: peer podSelector {peer['podSelector']} selects no pod of this namespace")
+    if strict:
+        if not any(p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")
+                   and "Ingress" in p["spec"].get("policyTypes", []) for p in pols):
+            problems.append("no default-deny ingress NetworkPolicy (podSelector {}, policyTypes [Ingress], no rules)")
+        for svc in (o for o in objs if o["kind"] == "Service"):
+            sel = {k: v for k, v in svc["spec"].get("selector", {}).items() if k not in RUNTIME_LABELS}
+            for w in (w for w in workloads if selects(sel, pod_labels(w))):
+                for sp in svc["spec"].get("ports", []):
+                    tp = sp.get("targetPort", sp.get("port"))
+                    num = port_names(w).get(tp, tp)
+                    name = tp if isinstance(tp, str) else next((k for k, v in port_names(w).items() if v == tp), None)
+                    admitted = any(
+                        any(not r.get("ports") or any(q.get("port") in (name, num) for q in r["ports"])
+                            for r in p["spec"].get("ingress", []))
+                        for p in pols if label_selector_matches(p["spec"]["podSelector"], pod_labels(w)))
+                    if not admitted:
+                        problems.append(f"{obj_id(svc)}: port {sp.get('name')} of {obj_id(w)} is admitted by no NetworkPolicy")
+    assert not problems, "; ".join(sorted(set(problems)))
+    return f"{len(pols)} NetworkPolicies"
+
+
+def check_trust_selftest(objs: list[dict], example: list[dict]) -> str:
+    """The trust and network-policy checks catch what they are meant to catch: each mutation of
+    a passing render (group-g8-monitoring) or of the vLLM example must fail them."""
+    import copy
+
+    def find(os_, kind, name):
+        return next(o for o in os_ if o["kind"] == kind and o["metadata"]["name"] == name)
+
+    def container(os_, kind, name):
+        return pod_spec(find(os_, kind, name))["containers"][0]
+
+    def wrong_role(os_):
+        find(os_, "Certificate", "snapshot-tls")["spec"]["uris"] = ["spiffe://balanceroute.local/br/ingest"]
+
+    def http_probe(os_):
+        container(os_, "Deployment", "ingest")["readinessProbe"]["httpGet"].pop("scheme")
+
+    def no_tls_no_allow(os_):
+        c = container(os_, "Deployment", "decision")
+        c["env"] = [e for e in c["env"] if e["name"] not in TLS_ENV]
+
+    def no_certificate(os_):
+        os_.remove(find(os_, "Certificate", "decision-tls"))
+
+    def subpath(os_):
+        m = next(m for m in container(os_, "StatefulSet", "snapshot")["volumeMounts"] if m["name"] == "tls")
+        m["subPath"] = "tls.crt"
+
+    def plain_scrape(os_):
+        ep = find(os_, "ServiceMonitor", "balanceroute")["spec"]["endpoints"][0]
+        ep.pop("tlsConfig")
+        ep["scheme"] = "http"
+
+    def ghost_selector(os_):
+        find(os_, "NetworkPolicy", "snapshot")["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "snap"
+
+    def no_default_deny(os_):
+        os_.remove(find(os_, "NetworkPolicy", "default-deny-ingress"))
+
+    def decision_unreachable(os_):
+        os_.remove(find(os_, "NetworkPolicy", "decision"))
+
+    def bad_port(os_):
+        find(os_, "NetworkPolicy", "ingest")["spec"]["ingress"][0]["ports"][0]["port"] = "grcp"
+
+    def swapped_rank(os_):
+        vol = next(v for v in pod_spec(find(os_, "StatefulSet", "vllm-decode"))["volumes"] if v["name"] == "worker-tls")
+        vol["projected"]["sources"][3]["secret"]["name"] = "worker-g8-4-tls"
+
+    cases = [(objs, f, check) for f, check in [
+        (wrong_role, check_trust), (http_probe, check_trust), (no_tls_no_allow, check_trust),
+        (no_certificate, check_trust), (subpath, check_trust), (plain_scrape, check_trust),
+        (ghost_selector, check_network_policies), (no_default_deny, check_network_policies),
+        (decision_unreachable, check_network_policies), (bad_port, check_network_policies)]]
+    cases.append((example, swapped_rank, check_trust))
+    for base, mutate, check in cases:
+        check(base, True)  # the unmutated objects pass
+        mutated = copy.deepcopy(base)
+        mutate(mutated)
+        try:
+            check(mutated, True)
+        except AssertionError:
+            continue
+        raise AssertionError(f"{check.__name__} passed the mutation {mutate.__name__}")
+    return f"{len(cases)} mutations caught"
+
+
 def check_prometheusrule_in_sync(objs: list[dict], alerts: dict) -> str:
     rules = [o for o in objs if o["kind"] == "PrometheusRule"]
     assert rules, "no PrometheusRule rendered"
@@ -452,9 +742,10 @@ def check_prometheusrule_in_sync(objs: list[dict], alerts: dict) -> str:
     return f"{len(rules)} PrometheusRule"
 
 
-def check_kinds(objs: list[dict], want: set[str]) -> str:
+def check_kinds(objs: list[dict], want: set[str], absent: set[str] = frozenset()) -> str:
     kinds = {o["kind"] for o in objs}
     assert want <= kinds, f"missing kinds {sorted(want - kinds)}"
+    assert not (absent & kinds), f"unexpected kinds {sorted(absent & kinds)}"
     return ", ".join(sorted(kinds))
 
 
@@ -711,10 +1002,12 @@ def main() -> int:
             rendered[name] = objs
     for name, objs in rendered.items():
         kinds = RENDERS[name][1] if name in RENDERS else COMPOSED[name][2]
-        c.run(f"k8s {name}: expected kinds", check_kinds, objs, kinds)
+        c.run(f"k8s {name}: expected kinds", check_kinds, objs, kinds, COMPOSED_ABSENT.get(name, set()))
         for o in objs:
             c.run(f"k8s {name}: schema {obj_id(o)}", schema_validate, o)
         c.run(f"k8s {name}: consistency", check_consistency, objs, True)
+        c.run(f"k8s {name}: trust (mTLS certificates, schemes)", check_trust, objs, True)
+        c.run(f"k8s {name}: network policies", check_network_policies, objs, True)
         # The layout is read off the rendered objects: a Service without the role selector must
         # front exactly one replica (decision-single-replica), otherwise the election layout.
         c.run(f"k8s {name}: decision routing", check_decision_routing, objs, decision_is_single(objs))
@@ -726,6 +1019,13 @@ def main() -> int:
         for o in objs:
             c.run(f"k8s {rel}: schema {obj_id(o)}", schema_validate, o)
         c.run(f"k8s {rel}: consistency", check_consistency, objs, False)
+        c.run(f"k8s {rel}: trust (mTLS certificates, schemes)", check_trust, objs, False)
+        c.run(f"k8s {rel}: network policies", check_network_policies, objs, False)
+    vllm = next((ex for ex in EXAMPLES if ex.name == "vllm-decode-with-shim.yaml"), None)
+    if "overlays/group-g8-monitoring" in rendered and vllm is not None:
+        # The example's Issuer is the control plane's: check it together with that render.
+        c.run("k8s trust and network-policy checks self-test", check_trust_selftest,
+              rendered["overlays/group-g8-monitoring"], rendered["overlays/group-g8-monitoring"] + load_yaml_docs(vllm))
     for toml_file in sorted(K8S.rglob("*.toml")):
         c.run(f"config parses as TOML: {toml_file.relative_to(DEPLOY)}", check_toml, toml_file)
 
