@@ -9,7 +9,8 @@
 # (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
 # DEMO_TIME_SCALE (wall = model × this), DEMO_POLICIES ("jsq br0"), DEMO_ARRIVAL (saturated |
 # poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
-# DEMO_SKIP_BUILD=1.
+# DEMO_SKIP_BUILD=1, DEMO_TLS (1: mutual TLS on every connection of the control plane, with
+# development certificates from br-certs; 0: plaintext on loopback).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +29,7 @@ RATE_FLAGS=()
 [ -n "${DEMO_RATE:-}" ] && RATE_FLAGS=(--rate "$DEMO_RATE")
 OUT="${DEMO_OUT:-$ROOT/target/demo}"
 GROUP="demo"
+STACK_TLS="${DEMO_TLS:-1}"
 BIN="$ROOT/target/release"
 
 mkdir -p "$OUT"
@@ -39,10 +41,10 @@ source "$ROOT/scripts/lib/stack.sh"
 
 # --- build ------------------------------------------------------------------------------------
 if [ "${DEMO_SKIP_BUILD:-0}" != 1 ]; then
-    say "building (release): br-snapshot br-ingest br-decision br-shim br-emu br-sim"
-    cargo build --release -q --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu --bin br-sim
+    say "building (release): br-snapshot br-ingest br-decision br-shim br-emu br-sim br-certs"
+    cargo build --release -q --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu --bin br-sim --bin br-certs
 fi
-for b in br-snapshot br-ingest br-decision br-shim br-emu br-sim; do
+for b in br-snapshot br-ingest br-decision br-shim br-emu br-sim br-certs; do
     [ -x "$BIN/$b" ] || { echo "missing $BIN/$b" >&2; exit 1; }
 done
 
@@ -61,7 +63,8 @@ for policy in $POLICIES; do
     say "br-decision --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)"
     start_shims "$cap"
     start_decision "$policy"
-    "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$GROUP" \
+    tls_for gateway
+    "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$GROUP" ${TLS_F[@]+"${TLS_F[@]}"} \
         --rank-urls "$RANK_URLS" --engine-url "http://127.0.0.1:$ENGINE" \
         --trace "$TRACE" --limit "$N" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} --label "$policy" \
         --json "$OUT/$policy.json"

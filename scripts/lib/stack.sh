@@ -29,6 +29,26 @@ trap 'exit 143' TERM
 
 say() { printf '\n==> %s\n' "$*"; }
 
+# --- mutual TLS (STACK_TLS=1) ----------------------------------------------------------------
+# Every service, shim and the load generator get their own certificate (br-certs: a CA, one per
+# role, one per worker, SPIFFE URI SANs); admin ports speak HTTPS (probes open, see br-trust).
+STACK_TLS="${STACK_TLS:-0}"
+ADMIN_SCHEME=http
+CURL_TLS=()
+tls_init() { # writes the certificates into $OUT_LOGS/certs (needs BIN, GROUP, G)
+    [ "$STACK_TLS" = 1 ] || return 0
+    CERTS="$OUT_LOGS/certs"
+    "$BIN/br-certs" "$CERTS" "$GROUP" "$G" >/dev/null
+    say "mutual TLS on every connection (development certificates in $CERTS)"
+    ADMIN_SCHEME=https
+    CURL_TLS=(--cacert "$CERTS/ca.pem")
+}
+tls_for() { # tls_for NAME: sets TLS_F to the flags for certificate NAME (a role, or worker-<group>-<id>)
+    TLS_F=()
+    [ "$STACK_TLS" = 1 ] || return 0
+    TLS_F=(--tls-cert "$CERTS/$1.pem" --tls-key "$CERTS/$1-key.pem" --tls-ca "$CERTS/ca.pem")
+}
+
 # --- free loopback ports --------------------------------------------------------------------
 USED=" "
 port_free() { # a port is free if nothing accepts on it and we did not hand it out
@@ -56,7 +76,7 @@ free_ports() { # free_ports COUNT VAR: finds COUNT consecutive free ports, sets 
 
 wait_http() { # wait_http URL WHAT: until URL answers 200 (at most 60 s)
     for _ in $(seq 1 600); do
-        if curl -fsS -o /dev/null "$1" 2>/dev/null; then return 0; fi
+        if curl -fsS ${CURL_TLS[@]+"${CURL_TLS[@]}"} -o /dev/null "$1" 2>/dev/null; then return 0; fi
         sleep 0.1
     done
     echo "timed out waiting for $2 ($1)" >&2
@@ -84,14 +104,17 @@ start_stack() {
     free_ports $((2 * G)) SHIMS
 
     say "starting br-snapshot :$SNAP, br-ingest :$INGEST, br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, T=($STEP_A·max L + $STEP_B) ms × $SCALE), $G br-shims :$SHIMS.."
+    tls_init
+    tls_for snapshot
     start snapshot "$BIN/br-snapshot" --listen "127.0.0.1:$SNAP" --admin-listen "127.0.0.1:$((SNAP + 1))" \
-        --reservation-ttl 60s
+        --reservation-ttl 60s ${TLS_F[@]+"${TLS_F[@]}"}
+    tls_for ingest
     start ingest "$BIN/br-ingest" --listen "127.0.0.1:$INGEST" --admin-listen "127.0.0.1:$((INGEST + 1))" \
-        --snapshot-addr "http://127.0.0.1:$SNAP"
+        --snapshot-addr "http://127.0.0.1:$SNAP" ${TLS_F[@]+"${TLS_F[@]}"}
     start engine "$BIN/br-emu" engine --ranks "$G" --slots "$B" --step-a "$STEP_A" --step-b "$STEP_B" \
         --time-scale "$SCALE" --base-port "$ENGINE" --dp-port "$((ENGINE + G))"
-    wait_http "http://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
-    wait_http "http://127.0.0.1:$((INGEST + 1))/readyz" br-ingest
+    wait_http "$ADMIN_SCHEME://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
+    wait_http "$ADMIN_SCHEME://127.0.0.1:$((INGEST + 1))/readyz" br-ingest
     wait_http "http://127.0.0.1:$ENGINE/health" "br-emu engine"
 
 }
@@ -100,11 +123,12 @@ start_stack() {
 # it is ready (complete σ). stop_decision: SIGTERM and wait.
 DECISION_PID=""
 start_decision() {
+    tls_for decision
     start "decision-$1" "$BIN/br-decision" --listen "127.0.0.1:$DECISION" \
         --admin-listen "127.0.0.1:$((DECISION + 1))" --snapshot-addr "http://127.0.0.1:$SNAP" \
-        --groups "$GROUP" --policy "$1" --max-wait 600s
+        --groups "$GROUP" --policy "$1" --max-wait 600s ${TLS_F[@]+"${TLS_F[@]}"}
     DECISION_PID=$LAST_PID
-    wait_http "http://127.0.0.1:$((DECISION + 1))/readyz" "br-decision ($1)"
+    wait_http "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/readyz" "br-decision ($1)"
 }
 stop_decision() {
     kill -TERM "$DECISION_PID" 2>/dev/null || true
@@ -120,14 +144,15 @@ start_shims() {
     SHIM_PIDS=()
     for ((g = 0; g < G; g++)); do
         p=$((SHIMS + 2 * g))
+        tls_for "worker-$GROUP-$g"
         start "shim$g-cap$1" "$BIN/br-shim" --listen "127.0.0.1:$p" --admin-listen "127.0.0.1:$((p + 1))" \
             --upstream "http://127.0.0.1:$((ENGINE + g))" --ingest-addr "http://127.0.0.1:$INGEST" \
-            --group "$GROUP" --worker-id "$g" --capacity "$1"
+            --group "$GROUP" --worker-id "$g" --capacity "$1" ${TLS_F[@]+"${TLS_F[@]}"}
         SHIM_PIDS+=("$LAST_PID")
         RANK_URLS="$RANK_URLS${RANK_URLS:+,}http://127.0.0.1:$p"
     done
     for ((g = 0; g < G; g++)); do
-        wait_http "http://127.0.0.1:$((SHIMS + 2 * g + 1))/readyz" "br-shim $g"
+        wait_http "$ADMIN_SCHEME://127.0.0.1:$((SHIMS + 2 * g + 1))/readyz" "br-shim $g"
     done
 }
 stop_shims() {

@@ -299,6 +299,19 @@ impl AssignClient {
         Ok(Self::from_channel(ep.connect_lazy()))
     }
 
+    /// [`AssignClient::connect_lazy`] over mutual TLS when `tls` is given (the gateway's own
+    /// certificate; the server must present the decision role).
+    pub fn connect_lazy_tls(
+        addr: impl Into<String>,
+        tls: Option<&std::sync::Arc<br_trust::TlsMaterial>>,
+    ) -> Result<Self, AssignError> {
+        let (ep, _) = endpoint(addr.into())?;
+        let decision = Some(br_trust::Role::Decision);
+        Ok(Self::from_channel(br_trust::tls::connect_lazy(
+            ep, tls, decision,
+        )))
+    }
+
     /// Uses an existing channel (e.g. one with TLS or a load-balanced channel).
     pub fn from_channel(channel: Channel) -> Self {
         AssignClient {

@@ -32,8 +32,11 @@
 //! async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running<Grpc>, StartError> {
 //!     let registry = prometheus::Registry::new();
 //!     let ready = Readiness::default();
-//!     let admin = skeleton::start_admin(&args.common, registry, ready.clone(), shutdown.clone()).await?;
-//!     let (server, grpc_addr) = skeleton::bind_grpc(&args.common).await?;
+//!     // TLS material (when --tls-* are given) and the loopback-only default without it
+//!     let trust = skeleton::Trust::load(&args.common, "example", &registry, &shutdown)?;
+//!     let admin =
+//!         skeleton::start_admin(&args.common, &trust, registry, ready.clone(), shutdown.clone()).await?;
+//!     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
 //!     ready.set(true);
 //!     let admin_addr = admin.local_addr();
 //!     Ok(Running::spawn(grpc_addr, admin_addr, ready, shutdown.clone(), (), async move {

@@ -30,6 +30,8 @@ use crate::engine::Stats;
 pub struct LoadConfig {
     /// Decision service URL.
     pub decision_addr: String,
+    /// Mutual TLS to the decision service (a gateway certificate), when configured.
+    pub tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
     pub group: String,
     /// Rank g's base URL (its shim) at index g.
     pub rank_urls: Vec<String>,
@@ -226,8 +228,7 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
     }
     // UNAVAILABLE (e.g. an on-arrival policy while σ shows every worker full) is retried
     // with the same request id until the deadline, not a fixed number of times.
-    let assign = AssignClient::connect(cfg.decision_addr.clone())
-        .await?
+    let assign = AssignClient::connect_lazy_tls(cfg.decision_addr.clone(), cfg.tls.as_ref())?
         .with_retry(RetryPolicy {
             max_attempts: u32::MAX,
             ..RetryPolicy::default()

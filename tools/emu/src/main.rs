@@ -73,6 +73,9 @@ struct LoadArgs {
         default_value = "http://127.0.0.1:50063"
     )]
     decision_addr: String,
+    /// Mutual TLS to the decision service: the gateway's certificate, key and the CA.
+    #[command(flatten)]
+    tls: br_trust::TlsArgs,
     /// The lockstep group.
     #[arg(long, env = "BALANCEROUTE_GROUP", default_value = "default")]
     group: String,
@@ -221,6 +224,7 @@ async fn load_cmd(a: LoadArgs) -> anyhow::Result<()> {
             .map_or(0, |d| d.as_millis())
     );
     let cfg = LoadConfig {
+        tls: a.tls.load()?,
         decision_addr: a.decision_addr,
         group: a.group,
         rank_urls: a.rank_urls,
