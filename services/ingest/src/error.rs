@@ -38,14 +38,15 @@ pub enum StreamError {
         worker_id: u32,
         incarnation: u64,
     },
-    /// Another live stream holds the same identity.
+    /// Another live stream holds the same worker (of incarnation `live`).
     #[error(
-        "worker {worker_id} incarnation {incarnation} of group {group:?} is already connected on another stream"
+        "worker {worker_id} of group {group:?} is already connected on another stream (incarnation {live}; this Hello is incarnation {incarnation}): two shims with the same --worker-id, or a restarted shim whose old connection is not closed yet (keepalive closes a dead one)"
     )]
     AlreadyConnected {
         group: String,
         worker_id: u32,
         incarnation: u64,
+        live: u64,
     },
     /// The worker kept sending above its rate limit.
     #[error("rate limit exceeded for too long ({limit} progress events/s per stream)")]
@@ -121,6 +122,7 @@ mod tests {
                     group: "g".into(),
                     worker_id: 1,
                     incarnation: 2,
+                    live: 1,
                 },
                 Code::AlreadyExists,
             ),

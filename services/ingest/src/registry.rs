@@ -1,5 +1,8 @@
-//! The live workers: one entry per open, Hello'd stream. Used to refuse a second stream for the
-//! same identity, to re-send every live worker's Hello when the snapshot link comes back, and
+//! The live workers: one entry per open, Hello'd stream, keyed by (group, worker id) whatever
+//! the incarnation. Used to refuse a second stream for a worker that already has a live one (two
+//! shims with the same `--worker-id`, or a restarted shim whose old connection lingers: the
+//! first is never evicted silently; a dead connection is closed by HTTP/2 keepalive, which
+//! frees the slot), to re-send every live worker's Hello when the snapshot link comes back, and
 //! to ask workers for a full state (the stream picks the flag up on its next ack).
 
 use std::sync::Arc;
@@ -17,6 +20,10 @@ pub fn key_of(h: &ValidHello) -> WorkerKey {
     (h.group.clone(), h.worker_id, h.incarnation)
 }
 
+fn slot(key: &WorkerKey) -> (GroupId, u32) {
+    (key.0.clone(), key.1)
+}
+
 #[derive(Debug)]
 struct Live {
     stream_id: u64,
@@ -27,7 +34,7 @@ struct Live {
 /// Cheap to clone; every clone is the same registry.
 #[derive(Debug, Clone, Default)]
 pub struct Registry {
-    map: Arc<DashMap<WorkerKey, Live>>,
+    map: Arc<DashMap<(GroupId, u32), Live>>,
     next_stream: Arc<AtomicU64>,
 }
 
@@ -40,11 +47,12 @@ pub struct Registration {
 }
 
 impl Registry {
-    /// Registers a stream for `hello`'s identity; `None` if another live stream holds it.
-    pub fn register(&self, hello: &ValidHello) -> Option<Registration> {
+    /// Registers a stream for `hello`'s worker; `Err(incarnation)` with the live stream's
+    /// incarnation if another stream holds that worker (of any incarnation).
+    pub fn register(&self, hello: &ValidHello) -> Result<Registration, u64> {
         let key = key_of(hello);
-        match self.map.entry(key.clone()) {
-            Entry::Occupied(_) => None,
+        match self.map.entry((key.0.clone(), key.1)) {
+            Entry::Occupied(live) => Err(live.get().hello.incarnation),
             Entry::Vacant(v) => {
                 let stream_id = self.next_stream.fetch_add(1, Ordering::Relaxed) + 1;
                 let full_state = Arc::new(AtomicBool::new(false));
@@ -53,7 +61,7 @@ impl Registry {
                     hello: hello.clone(),
                     full_state: full_state.clone(),
                 });
-                Some(Registration {
+                Ok(Registration {
                     key,
                     stream_id,
                     full_state,
@@ -64,7 +72,7 @@ impl Registry {
 
     /// Records a repeated Hello's new capacity or endpoint.
     pub fn update_hello(&self, reg: &Registration, hello: &ValidHello) {
-        if let Some(mut live) = self.map.get_mut(&reg.key)
+        if let Some(mut live) = self.map.get_mut(&slot(&reg.key))
             && live.stream_id == reg.stream_id
         {
             live.hello = hello.clone();
@@ -74,7 +82,7 @@ impl Registry {
     /// Removes the stream's entry (if it is still this stream's).
     pub fn unregister(&self, reg: &Registration) {
         self.map
-            .remove_if(&reg.key, |_, live| live.stream_id == reg.stream_id);
+            .remove_if(&slot(&reg.key), |_, live| live.stream_id == reg.stream_id);
     }
 
     /// Asks every live worker for a full state.
@@ -86,7 +94,9 @@ impl Registry {
 
     /// Asks one worker for a full state (if it is live).
     pub fn request_full_state(&self, key: &WorkerKey) {
-        if let Some(live) = self.map.get(key) {
+        if let Some(live) = self.map.get(&slot(key))
+            && live.hello.incarnation == key.2
+        {
             live.full_state.store(true, Ordering::Relaxed);
         }
     }
@@ -125,7 +135,15 @@ mod tests {
     fn one_stream_per_identity_and_flags() {
         let r = Registry::default();
         let a = r.register(&hello(1)).unwrap();
-        assert!(r.register(&hello(1)).is_none(), "same identity twice");
+        assert_eq!(r.register(&hello(1)).err(), Some(5), "same identity twice");
+        // another incarnation of a live worker (a second shim with the same --worker-id, or a
+        // restart whose old stream lingers) is refused too, naming the live incarnation
+        let mut restarted = hello(1);
+        restarted.incarnation = 6;
+        assert_eq!(r.register(&restarted).err(), Some(5));
+        // and a full-state request for the refused incarnation does not flag the live one
+        r.request_full_state(&key_of(&restarted));
+        assert!(!a.full_state.load(Ordering::Relaxed));
         let b = r.register(&hello(2)).unwrap();
         r.request_full_state_all();
         assert!(a.full_state.swap(false, Ordering::Relaxed));

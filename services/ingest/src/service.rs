@@ -219,18 +219,19 @@ async fn run_stream(
     let Some(hello) = inner.accept_hello(caller.as_ref(), &mut inbound, &tx).await else {
         return;
     };
-    let Some(reg) = inner.registry.register(&hello) else {
-        inner
-            .end(
-                &tx,
-                StreamError::AlreadyConnected {
-                    group: hello.group.to_string(),
-                    worker_id: hello.worker_id,
-                    incarnation: hello.incarnation,
-                },
-            )
-            .await;
-        return;
+    let reg = match inner.registry.register(&hello) {
+        Ok(reg) => reg,
+        Err(live) => {
+            let e = StreamError::AlreadyConnected {
+                group: hello.group.to_string(),
+                worker_id: hello.worker_id,
+                incarnation: hello.incarnation,
+                live,
+            };
+            tracing::warn!(error = %e, "second telemetry stream for a live worker refused");
+            inner.end(&tx, e).await;
+            return;
+        }
     };
     tracing::info!(group = %hello.group, worker = hello.worker_id, incarnation = hello.incarnation,
         capacity = hello.capacity, "worker connected");

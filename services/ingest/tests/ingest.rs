@@ -110,6 +110,23 @@ async fn hello_first_and_identity_rules() {
     let mut twin = ing.worker().await;
     twin.send(hello("g0", 1, 42)).await;
     assert_eq!(code(twin.next().await), tonic::Code::AlreadyExists);
+    // Another incarnation of the same worker (a second shim with the same --worker-id, or a
+    // restart whose old stream is still open) does not evict the live stream: it is refused,
+    // naming the live incarnation, and the first stream keeps being acknowledged.
+    let mut second = ing.worker().await;
+    second.send(hello("g0", 1, 43)).await;
+    let refused = second.next().await.expect_err("the second stream must end");
+    assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
+    assert!(refused.message().contains("incarnation 42"), "{refused:?}");
+    let hellos_43 = snap
+        .changes()
+        .iter()
+        .filter(|(_, k)| matches!(k, TcKind::WorkerHello(h) if h.incarnation == 43))
+        .count();
+    assert_eq!(
+        hellos_43, 0,
+        "the snapshot side never hears of incarnation 43"
+    );
     // Repeating its own Hello is harmless.
     let a = good.call(hello("g0", 1, 42)).await;
     assert_eq!(status(&a), v1::AckStatus::Ok);

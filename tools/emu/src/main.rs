@@ -25,7 +25,7 @@ enum Command {
     /// honouring `X-data-parallel-rank`).
     Engine(EngineArgs),
     /// Replay a workload: Assign on br-decision, stream from the chosen rank, summarise.
-    Load(LoadArgs),
+    Load(Box<LoadArgs>),
     /// Print the side-by-side table of `load --json` files (and a br-sim `--json` report).
     Report(ReportArgs),
 }
@@ -145,7 +145,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Engine(a) => engine(a).await,
-        Command::Load(a) => load_cmd(a).await,
+        Command::Load(a) => load_cmd(*a).await,
         Command::Report(a) => report(a),
     }
 }
