@@ -78,8 +78,11 @@ pub fn init(
 ) -> anyhow::Result<ObservabilityGuard> {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let fmt_layer = match format {
+        // Colour only on a terminal: a log redirected to a file or collected by a runtime gets
+        // no ANSI escape codes.
         LogFormat::Plain => tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
