@@ -276,6 +276,37 @@ impl TlsMaterial {
     }
 }
 
+/// The handshake-signature checks both verifiers share: the provider's algorithms, nothing of
+/// our own (what differs between them is how the certificate chain is judged).
+macro_rules! handshake_signatures {
+    () => {
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            let algorithms = &self.material.provider.signature_verification_algorithms;
+            verify_tls12_signature(message, cert, dss, algorithms)
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            let algorithms = &self.material.provider.signature_verification_algorithms;
+            verify_tls13_signature(message, cert, dss, algorithms)
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            let algorithms = &self.material.provider.signature_verification_algorithms;
+            algorithms.supported_schemes()
+        }
+    };
+}
+
 /// Serves (and presents, as a client) whatever certificate is current.
 #[derive(Debug)]
 struct CurrentCert(Arc<TlsMaterial>);
@@ -332,40 +363,7 @@ impl ClientCertVerifier for CurrentClientVerifier {
             .verify_client_cert(end_entity, intermediates, now)
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.material.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.material.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.material
-            .provider
-            .signature_verification_algorithms
-            .supported_schemes()
-    }
+    handshake_signatures!();
 }
 
 /// A server is who its SPIFFE id says, in our trust domain, chained to our CA.
@@ -405,40 +403,7 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         Ok(ServerCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.material.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.material.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.material
-            .provider
-            .signature_verification_algorithms
-            .supported_schemes()
-    }
+    handshake_signatures!();
 }
 
 /// Connects a tonic channel over mutual TLS: `Endpoint::connect_with_connector(connector(..))`.
