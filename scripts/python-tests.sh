@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tests with real third-party clients (issue 5): Python's `openai` package streams through
 # br-shim to `br-emu engine`, and grpcio stubs generated from proto/ call Decision.Assign and the
-# standard gRPC health check. Creates a venv under target/py-venv with the pinned packages of
+# standard gRPC health check; and grpcio with client certificates calls a second stack of
+# br-snapshot, br-ingest and br-decision started with mutual TLS (certificates from br-certs). Creates a venv under target/py-venv with the pinned packages of
 # tests/python/requirements.txt, builds the binaries, starts the stack on free loopback ports,
 # runs pytest and stops everything it started.
 #
@@ -29,7 +30,8 @@ fi
 say "building ($PROFILE): br-snapshot br-ingest br-decision br-shim br-emu"
 flags=()
 [ "$PROFILE" = release ] && flags=(--release)
-cargo build -q "${flags[@]}" --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu
+cargo build -q "${flags[@]}" --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu \
+    --bin br-certs
 BIN="$ROOT/target/$PROFILE"
 
 G=2 B=4 STEP_A=0.0002 STEP_B=20 SCALE=0.05 GROUP=pytest
@@ -37,9 +39,47 @@ start_stack
 start_shims "$B"
 start_decision jsq
 
+# The mutual-TLS stack (tests/python/test_grpc_mtls.py): its own certificates, ports and group;
+# the test plays the worker itself on ingest's Telemetry stream with worker-<group>-0.pem.
+TLS_DIR="$ROOT/target/py-tests/certs"
+TLS_GROUP=pytls
+say "mutual-TLS stack: certificates in $TLS_DIR (br-certs), br-snapshot, br-ingest, br-decision"
+"$BIN/br-certs" "$TLS_DIR" "$TLS_GROUP" 1 >"$OUT_LOGS/certs.log" 2>&1
+tls_flags() { # tls_flags ROLE
+    echo --tls-cert "$TLS_DIR/$1.pem" --tls-key "$TLS_DIR/$1-key.pem" --tls-ca "$TLS_DIR/ca.pem"
+}
+wait_https() { # wait_https URL WHAT: like wait_http, verifying the server with ca.pem
+    for _ in $(seq 1 600); do
+        if curl -fsS --cacert "$TLS_DIR/ca.pem" -o /dev/null "$1" 2>/dev/null; then return 0; fi
+        sleep 0.1
+    done
+    echo "timed out waiting for $2 ($1)" >&2
+    return 1
+}
+free_ports 2 TLS_SNAP
+free_ports 2 TLS_INGEST
+free_ports 2 TLS_DECISION
+# shellcheck disable=SC2046 # tls_flags is word-split on purpose (no spaces in the paths)
+start tls-snapshot "$BIN/br-snapshot" --listen "127.0.0.1:$TLS_SNAP" \
+    --admin-listen "127.0.0.1:$((TLS_SNAP + 1))" --reservation-ttl 60s $(tls_flags snapshot)
+# shellcheck disable=SC2046
+start tls-ingest "$BIN/br-ingest" --listen "127.0.0.1:$TLS_INGEST" \
+    --admin-listen "127.0.0.1:$((TLS_INGEST + 1))" --snapshot-addr "http://127.0.0.1:$TLS_SNAP" \
+    $(tls_flags ingest)
+wait_https "https://127.0.0.1:$((TLS_SNAP + 1))/livez" "br-snapshot (TLS)"
+wait_https "https://127.0.0.1:$((TLS_INGEST + 1))/readyz" "br-ingest (TLS)"
+# shellcheck disable=SC2046
+start tls-decision "$BIN/br-decision" --listen "127.0.0.1:$TLS_DECISION" \
+    --admin-listen "127.0.0.1:$((TLS_DECISION + 1))" --snapshot-addr "http://127.0.0.1:$TLS_SNAP" \
+    --groups "$TLS_GROUP" --policy jsq --max-wait 600s $(tls_flags decision)
+wait_https "https://127.0.0.1:$((TLS_DECISION + 1))/readyz" "br-decision (TLS)"
+
 say "pytest tests/python"
 BR_SHIM_URL="http://127.0.0.1:$SHIMS" \
 BR_SHIM_ADMIN_URL="http://127.0.0.1:$((SHIMS + 1))" \
 BR_DECISION_ADDR="127.0.0.1:$DECISION" \
 BR_GROUP="$GROUP" BR_RANKS="$G" BR_PROTO_DIR="$ROOT/proto" \
+BR_TLS_DIR="$TLS_DIR" BR_TLS_GROUP="$TLS_GROUP" \
+BR_TLS_DECISION_ADDR="127.0.0.1:$TLS_DECISION" BR_TLS_SNAPSHOT_ADDR="127.0.0.1:$TLS_SNAP" \
+BR_TLS_INGEST_ADDR="127.0.0.1:$TLS_INGEST" \
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/python

@@ -73,8 +73,9 @@ def stubs():
     assert code == 0, f"protoc failed ({code}) on {files}"
     sys.path.insert(0, out)
     return {
-        "decision_pb2": importlib.import_module("balanceroute.v1.decision_pb2"),
-        "decision_pb2_grpc": importlib.import_module("balanceroute.v1.decision_pb2_grpc"),
+        f"{name}_{kind}": importlib.import_module(f"balanceroute.v1.{name}_{kind}")
+        for name in ("decision", "snapshot", "telemetry")
+        for kind in ("pb2", "pb2_grpc")
     }
 
 

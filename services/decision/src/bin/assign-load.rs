@@ -12,6 +12,12 @@
 //! reports each assigned request as running on its rank, sends `--progress-events` progress
 //! updates per second in 1 ms batches, and finishes each request `--hold` after its answer, so
 //! σ stays bounded. `--workers 0` leaves telemetry to a real ingest/shim/emulator setup.
+//!
+//! Mutual TLS: `--tls-cert/--tls-key/--tls-ca` is the identity `Assign` is called with (the
+//! gateway's, e.g. `gateway.pem` from `scripts/dev-certs.sh`); the decision service is verified
+//! as role decision. Only an ingest may call the snapshot service's `Apply`, so the telemetry
+//! side (`--workers N > 0`) presents `--tls-apply-cert/--tls-apply-key` (e.g. `ingest.pem`),
+//! verified by the same CA, and verifies the server as role snapshot.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -71,6 +77,16 @@ struct Opts {
     /// A request finishes this long after its answer.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "300ms")]
     hold: Duration,
+    /// The identity `Assign` is called with (a gateway certificate) and the CA.
+    #[command(flatten)]
+    tls: br_trust::TlsArgs,
+    /// Certificate the telemetry side presents on the snapshot service's `Apply` stream (an
+    /// ingest certificate: `Apply` is for role ingest only). Needed with TLS and --workers > 0.
+    #[arg(long, requires = "tls_apply_key")]
+    tls_apply_cert: Option<std::path::PathBuf>,
+    /// Key of --tls-apply-cert.
+    #[arg(long, requires = "tls_apply_cert")]
+    tls_apply_key: Option<std::path::PathBuf>,
 }
 
 /// One answered call.
@@ -94,19 +110,44 @@ async fn main() -> anyhow::Result<()> {
         o.prompt_min >= 1 && o.prompt_min <= o.prompt_max,
         "--prompt-min must be in 1..=--prompt-max"
     );
-    let client = AssignClient::connect(o.decision_addr.clone())
+    let tls = o
+        .tls
+        .load()
+        .context("loading --tls-cert/--tls-key/--tls-ca")?;
+    let apply_tls = match (&tls, &o.tls_apply_cert, &o.tls_apply_key) {
+        (Some(_), Some(cert), Some(key)) => Some(
+            br_trust::tls::TlsMaterial::load(
+                br_trust::tls::TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    ca: o.tls.tls_ca.clone().context("--tls-ca")?,
+                },
+                &o.tls.trust_domain,
+            )
+            .context("loading --tls-apply-cert/--tls-apply-key")?,
+        ),
+        (Some(_), ..) if o.workers > 0 => anyhow::bail!(
+            "with TLS and --workers > 0, give --tls-apply-cert/--tls-apply-key (an ingest certificate: only role ingest may call Apply)"
+        ),
+        _ => None,
+    };
+    let endpoint = tonic::transport::Endpoint::from_shared(o.decision_addr.clone())
+        .context("--decision-addr")?
+        .tcp_nodelay(true);
+    let channel = br_trust::tls::connect(&endpoint, tls.as_ref(), Some(br_trust::Role::Decision))
         .await
-        .context("connecting to --decision-addr")?
-        .with_retry(RetryPolicy {
-            max_attempts: 1,
-            ..RetryPolicy::default()
-        });
+        .context("connecting to --decision-addr")?;
+    let client = AssignClient::from_channel(channel).with_retry(RetryPolicy {
+        max_attempts: 1,
+        ..RetryPolicy::default()
+    });
 
     // Telemetry side: hello, then running / progress / finished in 1 ms batches.
     let (assigned_tx, assigned_rx) = mpsc::channel::<(String, u32, u64, u32)>(65_536);
     let telemetry = if o.workers > 0 {
         Some(tokio::spawn(telemetry(
             o.snapshot_addr.clone(),
+            apply_tls,
             o.group.clone(),
             o.workers,
             o.capacity,
@@ -263,8 +304,10 @@ struct Active {
 }
 
 /// Plays `workers` workers on one Apply stream (as ingest would after coalescing).
+#[allow(clippy::too_many_arguments)]
 async fn telemetry(
     addr: String,
+    tls: Option<Arc<br_trust::tls::TlsMaterial>>,
     group: String,
     workers: u32,
     capacity: u32,
@@ -272,9 +315,13 @@ async fn telemetry(
     hold: Duration,
     mut assigned: mpsc::Receiver<(String, u32, u64, u32)>,
 ) -> anyhow::Result<()> {
-    let mut c = SnapshotClient::connect(addr.clone())
+    let endpoint = tonic::transport::Endpoint::from_shared(addr.clone())
+        .context("--snapshot-addr")?
+        .tcp_nodelay(true);
+    let channel = br_trust::tls::connect(&endpoint, tls.as_ref(), Some(br_trust::Role::Snapshot))
         .await
         .with_context(|| format!("connecting to --snapshot-addr {addr}"))?;
+    let mut c = SnapshotClient::new(channel);
     let (tx, rx) = mpsc::channel::<v1::ChangeBatch>(1024);
     let mut acks = c.apply(ReceiverStream::new(rx)).await?.into_inner();
     tokio::spawn(async move { while let Ok(Some(_)) = acks.message().await {} });

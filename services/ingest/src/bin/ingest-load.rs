@@ -10,6 +10,13 @@
 //! cargo build --release -p br-ingest
 //! target/release/ingest-load --streams 16 --updates-per-message 64 --duration 10s
 //! ```
+//!
+//! Mutual TLS (every hop, as deployed): `--tls-worker-dir DIR` is a directory written by
+//! `scripts/dev-certs.sh DIR bench STREAMS` (or `br-certs`). Stream `i` presents
+//! `worker-<group>-<i>.pem` (ingest accepts a worker's Hello only for its own id), the fake
+//! snapshot service presents `snapshot.pem`, a started br-ingest gets `ingest.pem`, the counter
+//! scrape of ingest's `/metrics` uses `admin.pem`, and everything is verified with `ca.pem`.
+//! `--tls-cert/--tls-key/--tls-ca` override the fake snapshot service's identity and the CA.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -75,6 +82,89 @@ struct Args {
     /// snapshot service is timed: the latency from a worker's message to its change batch.
     #[arg(long, default_value_t = 0.0)]
     messages_per_sec_per_stream: f64,
+    /// The group the streams say Hello for (worker certificates are per group).
+    #[arg(long, default_value = "bench")]
+    group: String,
+    /// Mutual TLS everywhere, with the certificates in DIR (see the module documentation).
+    #[arg(long)]
+    tls_worker_dir: Option<PathBuf>,
+    /// The fake snapshot service's identity and the CA (default: DIR/snapshot.pem, DIR/ca.pem).
+    #[command(flatten)]
+    tls: br_trust::TlsArgs,
+}
+
+/// The certificates of a TLS run.
+struct Tls {
+    dir: PathBuf,
+    ca: PathBuf,
+    trust_domain: String,
+    /// What the fake snapshot service presents.
+    snapshot: Arc<br_trust::TlsMaterial>,
+    /// What the counter scrape of ingest's admin port presents.
+    admin: Arc<br_trust::TlsMaterial>,
+}
+
+impl Tls {
+    fn load(args: &Args) -> anyhow::Result<Option<Tls>> {
+        let Some(dir) = args.tls_worker_dir.clone() else {
+            anyhow::ensure!(
+                !args.tls.enabled(),
+                "--tls-cert/--tls-key/--tls-ca need --tls-worker-dir (the workers' certificates)"
+            );
+            return Ok(None);
+        };
+        let (cert, key, ca) = match args.tls.files() {
+            Some(f) => (f.cert, f.key, f.ca),
+            None => (
+                dir.join("snapshot.pem"),
+                dir.join("snapshot-key.pem"),
+                dir.join("ca.pem"),
+            ),
+        };
+        let trust_domain = args.tls.trust_domain.clone();
+        let snapshot = Self::material(cert, key, &ca, &trust_domain)?;
+        let admin = Self::material(
+            dir.join("admin.pem"),
+            dir.join("admin-key.pem"),
+            &ca,
+            &trust_domain,
+        )?;
+        Ok(Some(Tls {
+            dir,
+            ca,
+            trust_domain,
+            snapshot,
+            admin,
+        }))
+    }
+
+    fn material(
+        cert: PathBuf,
+        key: PathBuf,
+        ca: &std::path::Path,
+        trust_domain: &str,
+    ) -> anyhow::Result<Arc<br_trust::TlsMaterial>> {
+        let what = format!("loading {} / {}", cert.display(), key.display());
+        br_trust::TlsMaterial::load(
+            br_trust::TlsFiles {
+                cert,
+                key,
+                ca: ca.to_owned(),
+            },
+            trust_domain,
+        )
+        .context(what)
+    }
+
+    /// Stream `worker`'s certificate.
+    fn worker(&self, group: &str, worker: u32) -> anyhow::Result<Arc<br_trust::TlsMaterial>> {
+        Self::material(
+            self.dir.join(format!("worker-{group}-{worker}.pem")),
+            self.dir.join(format!("worker-{group}-{worker}-key.pem")),
+            &self.ca,
+            &self.trust_domain,
+        )
+    }
 }
 
 /// Send times of each stream's probe values, for the latency measurement.
@@ -103,6 +193,8 @@ fn main() -> anyhow::Result<()> {
 async fn run(args: Args) -> anyhow::Result<()> {
     let counters = Arc::new(Counters::default());
     let stop = CancellationToken::new();
+    let tls = Tls::load(&args)?;
+    let admin_tls = tls.as_ref().map(|t| t.admin.clone());
 
     let paced = args.messages_per_sec_per_stream > 0.0;
     let probes: Probes = Arc::new((0..args.streams).map(|_| Mutex::default()).collect());
@@ -114,17 +206,36 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let snap_addr = listener.local_addr()?;
     {
         let stop = stop.clone();
+        let server_tls = tls.as_ref().map(|t| t.snapshot.clone());
         tokio::spawn(async move {
-            let r = tonic::transport::Server::builder()
-                .add_service(
-                    v1::snapshot_server::SnapshotServer::new(fake)
-                        .max_decoding_message_size(64 << 20),
-                )
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    stop.cancelled_owned(),
-                )
-                .await;
+            let service =
+                v1::snapshot_server::SnapshotServer::new(fake).max_decoding_message_size(64 << 20);
+            let mut server = tonic::transport::Server::builder();
+            let r = match server_tls {
+                None => {
+                    server
+                        .add_service(service)
+                        .serve_with_incoming_shutdown(
+                            br_runtime::serve::nodelay_incoming(listener),
+                            stop.cancelled_owned(),
+                        )
+                        .await
+                }
+                Some(m) => {
+                    server
+                        .add_service(service)
+                        .serve_with_incoming_shutdown(
+                            br_trust::tls::incoming(
+                                listener,
+                                m.server_config(&[b"h2"]),
+                                Duration::from_secs(10),
+                                None,
+                            ),
+                            stop.cancelled_owned(),
+                        )
+                        .await
+                }
+            };
             if let Err(e) = r {
                 eprintln!("fake snapshot: {e}");
             }
@@ -153,6 +264,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 .arg(format!("http://{snap_addr}"))
                 .arg("--max-events-per-sec-per-stream")
                 .arg("100000000")
+                .args(tls.as_ref().map_or_else(Vec::new, |t| {
+                    vec![
+                        "--tls-cert".into(),
+                        t.dir.join("ingest.pem").into_os_string(),
+                        "--tls-key".into(),
+                        t.dir.join("ingest-key.pem").into_os_string(),
+                        "--tls-ca".into(),
+                        t.ca.clone().into_os_string(),
+                        "--trust-domain".into(),
+                        t.trust_domain.clone().into(),
+                    ]
+                }))
                 .args(&args.ingest_arg)
                 .env("RUST_LOG", "warn")
                 .kill_on_drop(true);
@@ -166,9 +289,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     if let Some(admin) = admin {
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !matches!(http_get(admin, "/readyz").await, Ok((200, _))) {
+        loop {
+            let r = http_get(admin, "/readyz", admin_tls.as_ref()).await;
+            if matches!(r, Ok((200, _))) {
+                break;
+            }
             if Instant::now() > deadline {
-                bail!("ingest at {admin} never became ready");
+                bail!("ingest at {admin} never became ready (last: {r:?})");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -176,8 +303,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     let mut tasks = Vec::new();
     for w in 0..args.streams {
+        let worker_tls = match &tls {
+            Some(t) => Some(t.worker(&args.group, w)?),
+            None => None,
+        };
         tasks.push(tokio::spawn(stream(
             ingest_url.clone(),
+            worker_tls,
+            args.group.clone(),
             w,
             Shape {
                 per_message: args.updates_per_message,
@@ -193,7 +326,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     tokio::time::sleep(args.warmup).await;
     let ingest_before = match admin {
-        Some(a) => ingest_events(a).await.ok(),
+        Some(a) => ingest_events(a, admin_tls.as_ref()).await.ok(),
         None => None,
     };
     let t0 = Instant::now();
@@ -204,7 +337,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let secs = t0.elapsed().as_secs_f64();
     let (m1, e1, b1, c1) = snapshot(&counters);
     let ingest_after = match admin {
-        Some(a) => ingest_events(a).await.ok(),
+        Some(a) => ingest_events(a, admin_tls.as_ref()).await.ok(),
         None => None,
     };
     stop.cancel();
@@ -282,8 +415,11 @@ struct Shape {
     rate: f64,
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn stream(
     url: String,
+    tls: Option<Arc<br_trust::TlsMaterial>>,
+    group: String,
     worker: u32,
     shape: Shape,
     probes: Option<Probes>,
@@ -296,11 +432,14 @@ async fn stream(
         window,
         rate,
     } = shape;
-    let mut client = v1::telemetry_client::TelemetryClient::connect(url).await?;
+    let endpoint = tonic::transport::Endpoint::from_shared(url)?.tcp_nodelay(true);
+    let channel =
+        br_trust::tls::connect(&endpoint, tls.as_ref(), Some(br_trust::Role::Ingest)).await?;
+    let mut client = v1::telemetry_client::TelemetryClient::new(channel);
     let (tx, rx) = mpsc::channel(window.max(1));
     tx.send(v1::WorkerReport {
         kind: Some(v1::worker_report::Kind::Hello(v1::Hello {
-            group: "bench".into(),
+            group,
             worker_id: worker,
             incarnation: 1000 + u64::from(worker),
             capacity: requests,
@@ -407,12 +546,45 @@ async fn free_addr() -> std::io::Result<SocketAddr> {
         .local_addr()
 }
 
-async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
+/// A one-shot HTTP/1.1 GET; over mutual TLS (verifying the server as role ingest) with `tls`.
+async fn http_get(
+    addr: SocketAddr,
+    path: &str,
+    tls: Option<&Arc<br_trust::TlsMaterial>>,
+) -> std::io::Result<(u16, String)> {
+    let s = tokio::net::TcpStream::connect(addr).await?;
     let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await?;
     let mut buf = String::new();
-    s.read_to_string(&mut buf).await?;
+    match tls {
+        None => {
+            let mut s = s;
+            s.write_all(req.as_bytes()).await?;
+            s.read_to_string(&mut buf).await?;
+        }
+        Some(m) => {
+            // The admin port speaks HTTP/1.1 (ALPN); the shared client config offers h2.
+            let mut config = (*m.client_config(Some(br_trust::Role::Ingest))).clone();
+            config.alpn_protocols = vec![b"http/1.1".to_vec()];
+            let config = Arc::new(config);
+            let name = tokio_rustls::rustls::pki_types::ServerName::from(addr.ip());
+            let mut s = tokio_rustls::TlsConnector::from(config)
+                .connect(name, s)
+                .await?;
+            s.write_all(req.as_bytes()).await?;
+            // A peer closing without close_notify is an error for rustls; keep what arrived.
+            let mut bytes = Vec::new();
+            let mut chunk = [0u8; 16 * 1024];
+            loop {
+                match s.read(&mut chunk).await {
+                    Ok(0) => break,
+                    Ok(n) => bytes.extend_from_slice(&chunk[..n]),
+                    Err(_) if !bytes.is_empty() => break,
+                    Err(e) => return Err(e),
+                }
+            }
+            buf = String::from_utf8_lossy(&bytes).into_owned();
+        }
+    }
     let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
     let code = head
         .split(' ')
@@ -422,8 +594,11 @@ async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)
     Ok((code, body.to_owned()))
 }
 
-async fn ingest_events(admin: SocketAddr) -> anyhow::Result<f64> {
-    let (_, body) = http_get(admin, "/metrics").await?;
+async fn ingest_events(
+    admin: SocketAddr,
+    tls: Option<&Arc<br_trust::TlsMaterial>>,
+) -> anyhow::Result<f64> {
+    let (_, body) = http_get(admin, "/metrics", tls).await?;
     body.lines()
         .find_map(|l| {
             l.strip_prefix("balanceroute_ingest_progress_events_total ")
