@@ -93,8 +93,10 @@ pub fn spawn(
     let endpoint = tonic::transport::Endpoint::from_shared(cfg.snapshot_addr.clone())?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(5));
+        // the same keepalive as the servers' defaults: a half-open link to the snapshot
+        // service is found from this side too within 8 s
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(3));
     let (in_tx, in_rx) = mpsc::channel(INPUT_QUEUE);
     let (ev_tx, ev_rx) = mpsc::channel(8);
     let connected = Arc::new(AtomicBool::new(false));

@@ -231,8 +231,10 @@ impl Reporter {
             .map_err(|e| ReporterError::Config(format!("ingest_addr: {e}")))?
             .connect_timeout(tuning.connect_timeout)
             .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(5));
+            // the same keepalive as the servers' defaults: a half-open connection is found
+            // from this side too within 8 s, and the stream is re-established
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(3));
 
         let shared = Arc::new(Shared {
             state: Mutex::new(Pending::default()),
