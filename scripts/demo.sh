@@ -30,7 +30,7 @@ RATE_FLAGS=()
 OUT="${DEMO_OUT:-$ROOT/target/demo}"
 GROUP="demo"
 STACK_TLS="${DEMO_TLS:-1}"
-BIN="$ROOT/target/release"
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 
 mkdir -p "$OUT"
 rm -f "$OUT"/*.log "$OUT"/*.json

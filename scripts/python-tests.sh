@@ -32,7 +32,7 @@ flags=()
 [ "$PROFILE" = release ] && flags=(--release)
 cargo build -q "${flags[@]}" --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu \
     --bin br-certs
-BIN="$ROOT/target/$PROFILE"
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/$PROFILE"
 
 G=2 B=4 STEP_A=0.0002 STEP_B=20 SCALE=0.05 GROUP=pytest
 start_stack
