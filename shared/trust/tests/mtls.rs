@@ -302,8 +302,11 @@ async fn a_client_refuses_a_server_of_the_wrong_role() {
     server.stop.cancel();
 }
 
-/// The SPIFFE id the server presents on a fresh connection.
-async fn presented_identity(server: &Server, client: &TlsFiles) -> String {
+/// The certificate the server presents on a fresh connection.
+async fn presented_cert(
+    server: &Server,
+    client: &TlsFiles,
+) -> rustls::pki_types::CertificateDer<'static> {
     let material = TlsMaterial::load(client.clone(), TD).unwrap();
     let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
@@ -311,7 +314,12 @@ async fn presented_identity(server: &Server, client: &TlsFiles) -> String {
         .connect(name, tcp)
         .await
         .unwrap();
-    let leaf = tls.get_ref().1.peer_certificates().unwrap()[0].clone();
+    tls.get_ref().1.peer_certificates().unwrap()[0].clone()
+}
+
+/// The SPIFFE id the server presents on a fresh connection.
+async fn presented_identity(server: &Server, client: &TlsFiles) -> String {
+    let leaf = presented_cert(server, client).await;
     Identity::from_cert_der(leaf.as_ref(), TD)
         .unwrap()
         .spiffe_id
@@ -365,14 +373,7 @@ async fn rotating_the_servers_certificate_keeps_open_streams_and_new_connections
     );
 
     // new connections get the new certificate (compare the DER)
-    let material = TlsMaterial::load(client.clone(), TD).unwrap();
-    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let tls = tokio_rustls::TlsConnector::from(material.client_config(None))
-        .connect(name, tcp)
-        .await
-        .unwrap();
-    let presented = tls.get_ref().1.peer_certificates().unwrap()[0].clone();
+    let presented = presented_cert(&server, &client).await;
     let want = {
         use rustls::pki_types::pem::PemObject as _;
         rustls::pki_types::CertificateDer::from_pem_slice(renewed.cert_pem.as_bytes()).unwrap()
