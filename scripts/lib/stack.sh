@@ -49,6 +49,34 @@ tls_for() { # tls_for NAME: sets TLS_F to the flags for certificate NAME (a role
     TLS_F=(--tls-cert "$CERTS/$1.pem" --tls-key "$CERTS/$1-key.pem" --tls-ca "$CERTS/ca.pem")
 }
 
+# --- Prometheus file_sd targets ---------------------------------------------------------------
+# Every admin endpoint the stack runs, in $OUT_LOGS/prometheus-targets.json, which the
+# balanceroute-local job of deploy/prometheus/prometheus.yml reads (file_sd): a local Prometheus
+# scrapes snapshot, ingest, decision and every shim on whatever ports the run picked.
+PROM_TARGETS=()
+prom_add() { # prom_add ADDR COMPONENT [WORKER]
+    PROM_TARGETS+=("$1|$2|${3:-}")
+    prom_write
+}
+prom_remove() { # prom_remove COMPONENT: drops every target of that component
+    local kept=() t
+    for t in ${PROM_TARGETS[@]+"${PROM_TARGETS[@]}"}; do
+        case "$t" in *"|$1|"*) ;; *) kept+=("$t") ;; esac
+    done
+    PROM_TARGETS=(${kept[@]+"${kept[@]}"})
+    prom_write
+}
+prom_write() {
+    local t addr comp worker sep="" out="["
+    for t in ${PROM_TARGETS[@]+"${PROM_TARGETS[@]}"}; do
+        IFS='|' read -r addr comp worker <<<"$t"
+        out="$out$sep{\"targets\":[\"$addr\"],\"labels\":{\"component\":\"$comp\",\"balanceroute_group\":\"${GROUP:-}\"${worker:+,\"balanceroute_worker\":\"$worker\"}}}"
+        sep=","
+    done
+    printf '%s]\n' "$out" >"$OUT_LOGS/prometheus-targets.json.tmp"
+    mv "$OUT_LOGS/prometheus-targets.json.tmp" "$OUT_LOGS/prometheus-targets.json"
+}
+
 # --- free loopback ports --------------------------------------------------------------------
 USED=" "
 port_free() { # a port is free if nothing accepts on it and we did not hand it out
@@ -116,6 +144,8 @@ start_stack() {
     wait_http "$ADMIN_SCHEME://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
     wait_http "$ADMIN_SCHEME://127.0.0.1:$((INGEST + 1))/readyz" br-ingest
     wait_http "http://127.0.0.1:$ENGINE/health" "br-emu engine"
+    prom_add "127.0.0.1:$((SNAP + 1))" snapshot
+    prom_add "127.0.0.1:$((INGEST + 1))" ingest
 
 }
 
@@ -129,8 +159,10 @@ start_decision() {
         --groups "$GROUP" --policy "$1" --max-wait 600s ${TLS_F[@]+"${TLS_F[@]}"}
     DECISION_PID=$LAST_PID
     wait_http "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/readyz" "br-decision ($1)"
+    prom_add "127.0.0.1:$((DECISION + 1))" decision
 }
 stop_decision() {
+    prom_remove decision
     kill -TERM "$DECISION_PID" 2>/dev/null || true
     wait "$DECISION_PID" 2>/dev/null || true
 }
@@ -153,10 +185,12 @@ start_shims() {
     done
     for ((g = 0; g < G; g++)); do
         wait_http "$ADMIN_SCHEME://127.0.0.1:$((SHIMS + 2 * g + 1))/readyz" "br-shim $g"
+        prom_add "127.0.0.1:$((SHIMS + 2 * g + 1))" shim "$g"
     done
 }
 stop_shims() {
     local pid
+    prom_remove shim
     for pid in "${SHIM_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${SHIM_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
     SHIM_PIDS=()
