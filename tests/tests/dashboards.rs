@@ -21,7 +21,7 @@ use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::{AssignRequest, CancelRequest};
 use br_testkit::eventually_some;
 use promql_parser::label::METRIC_NAME;
-use promql_parser::parser::token::{T_BOTTOMK, T_LIMITK, T_LIMIT_RATIO, T_TOPK};
+use promql_parser::parser::token::{T_BOTTOMK, T_LIMIT_RATIO, T_LIMITK, T_TOPK};
 use promql_parser::parser::{self, Expr, LabelModifier};
 use yaml_rust2::{Yaml, YamlLoader};
 
@@ -71,7 +71,9 @@ fn dashboard_queries() -> Vec<Query> {
         if var["type"].as_str() != Some("query") {
             continue;
         }
-        let query = var["query"]["query"].as_str().or_else(|| var["query"].as_str());
+        let query = var["query"]["query"]
+            .as_str()
+            .or_else(|| var["query"].as_str());
         let Some(query) = query else { continue };
         let name = var["name"].as_str().unwrap_or("?");
         let inner = query
@@ -163,8 +165,7 @@ impl Checker<'_> {
                         .map(|m| m.value.clone())
                 });
                 let Some(name) = name else {
-                    self.problems
-                        .push(format!("selector {e} names no metric"));
+                    self.problems.push(format!("selector {e} names no metric"));
                     return self.target.clone();
                 };
                 let mut available = self.target.clone();
@@ -194,8 +195,8 @@ impl Checker<'_> {
                 if let Some(p) = &agg.param {
                     self.walk(p);
                 }
-                let keeps_series = [T_TOPK, T_BOTTOMK, T_LIMITK, T_LIMIT_RATIO]
-                    .contains(&agg.op.id());
+                let keeps_series =
+                    [T_TOPK, T_BOTTOMK, T_LIMITK, T_LIMIT_RATIO].contains(&agg.op.id());
                 match &agg.modifier {
                     Some(LabelModifier::Include(by)) => {
                         for l in &by.labels {
@@ -258,9 +259,7 @@ impl Checker<'_> {
                 }
                 out
             }
-            Expr::NumberLiteral(_) | Expr::StringLiteral(_) | Expr::Extension(_) => {
-                BTreeSet::new()
-            }
+            Expr::NumberLiteral(_) | Expr::StringLiteral(_) | Expr::Extension(_) => BTreeSet::new(),
         }
     }
 }
