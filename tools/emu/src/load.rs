@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use br_client::assign::{AssignClient, AssignParams, RetryPolicy};
 use br_core::stats::quantile;
-use br_sim::cli::{Arrival, stamp_arrivals};
+use br_sim::cli::{Arrival, resolve_arrival, stamp_arrivals};
 use br_sim::synth::{self, SynthConfig, SynthKind};
 use br_sim::trace::{self, Filter, TraceRequest};
 use bytes::Bytes;
@@ -181,7 +181,9 @@ pub fn workload(cfg: &LoadConfig) -> Result<(String, Vec<TraceRequest>), LoadErr
     if reqs.is_empty() {
         return Err(LoadError::Workload(format!("{name}: no requests")));
     }
-    let reqs = stamp_arrivals(reqs, cfg.arrival, cfg.rate_scale, cfg.rate, cfg.seed)
+    let synthetic = SynthKind::from_name(&cfg.trace).is_some();
+    let (arrival, _) = resolve_arrival(cfg.arrival, synthetic, &reqs);
+    let reqs = stamp_arrivals(reqs, arrival, cfg.rate_scale, cfg.rate, cfg.seed)
         .map_err(LoadError::Workload)?;
     Ok((name, reqs))
 }

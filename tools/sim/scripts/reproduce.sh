@@ -45,15 +45,15 @@ done
 if [ -d "$TRACES" ]; then
   AZ="$TRACES/azure2023_conv.csv"; MC="$TRACES/mooncake_conversation_trace.jsonl"
   SA="$TRACES/sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
-  run C-azure2023-saturated --trace "$AZ" --policies "$ALL"
+  run C-azure2023-saturated --trace "$AZ" --arrival saturated --policies "$ALL"
   run C-azure2023-trace --trace "$AZ" --arrival trace --policies "$ALL"
   run C-azure2023-trace-x4 --trace "$AZ" --arrival trace --rate-scale 4 --policies "$ALL"
-  run C-mooncake-saturated --trace "$MC" --policies "$ALL"
+  run C-mooncake-saturated --trace "$MC" --arrival saturated --policies "$ALL"
   run C-mooncake-trace --trace "$MC" --arrival trace --policies "$ALL"
   run C-mooncake-trace-x2 --trace "$MC" --arrival trace --rate-scale 2 --policies "$ALL"
-  run C-sarathi-saturated --trace "$SA" --policies "$ALL"
+  run C-sarathi-saturated --trace "$SA" --arrival saturated --policies "$ALL"
   run C-sarathi-poisson-20 --trace "$SA" --arrival poisson --rate 20 --policies "$ALL"
-  run C-sarathi-long-saturated --trace "$SA" --filter-min-output 500 --policies "$ALL"
+  run C-sarathi-long-saturated --trace "$SA" --arrival saturated --filter-min-output 500 --policies "$ALL"
 else
   echo "skipping C: $TRACES not found" >&2
 fi

@@ -92,10 +92,31 @@ pub fn ns_per_step_worker(out: &RunOutcome) -> f64 {
 fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
     let s = summarize(&w.requests);
     let g = workers.map_or_else(|| "swept".to_string(), |g| g.to_string());
-    let arrival = match args.arrival {
-        Arrival::Saturated => "saturated".to_string(),
+    let arrival = match w.arrival {
+        Arrival::Saturated | Arrival::Auto => "saturated".to_string(),
         Arrival::Trace => format!("trace timestamps x{}", args.rate_scale),
         Arrival::Poisson => format!("poisson {}/s", args.rate.unwrap_or(0.0)),
+    };
+    let arrival = format!("{arrival} ({})", w.arrival_why);
+    let mut dropped = Vec::new();
+    if w.stats.dropped_zero_output > 0 {
+        dropped.push(format!(
+            "{} with no output tokens",
+            w.stats.dropped_zero_output
+        ));
+    }
+    if w.stats.dropped_filter > 0 {
+        dropped.push(format!("{} by --filter-min-output", w.stats.dropped_filter));
+    }
+    let dropped = if dropped.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; dropped {} of {} rows: {}",
+            w.stats.dropped_zero_output + w.stats.dropped_filter,
+            w.stats.rows,
+            dropped.join(", ")
+        )
     };
     let control = if args.telemetry_lag_steps > 0 || args.deciders > 1 {
         format!(
@@ -106,7 +127,7 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         String::new()
     };
     format!(
-        "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts\n\
+        "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts{}\n\
          G={} B={} arrival={} step T = {:e}·max L + {} ms{}",
         w.name,
         s.requests,
@@ -117,6 +138,7 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         s.min_output,
         s.max_output,
         100.0 * s.repeat_share,
+        dropped,
         g,
         args.slots,
         arrival,
@@ -474,6 +496,7 @@ pub fn scaling_points(rows: &[Row]) -> Vec<ScalingPoint> {
             steady_gain_pct: pct(r.steady_throughput_tok_s, best_steady),
             avg_imbalance: r.avg_imbalance,
             steady_imbalance: rows[i].1.imbalance,
+            baseline: best.policy.clone(),
         });
     }
     out

@@ -43,12 +43,13 @@ pub struct Fit {
 #[derive(Debug, thiserror::Error)]
 pub enum CalibrateError {
     /// Reading the file failed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// File.
         path: PathBuf,
         /// Cause.
-        source: std::io::Error,
+        // Not `source`: the message already says it, and `{:#}` would print it twice.
+        error: std::io::Error,
     },
     /// Not enough usable samples, or all at the same load.
     #[error("{path}: cannot fit: {reason}")]
@@ -146,9 +147,9 @@ pub fn fit_line(samples: &[(f64, f64)]) -> Option<(f64, f64, f64, f64)> {
 
 /// Reads a CSV file and fits it.
 pub fn calibrate_file(path: &Path, strict: bool) -> Result<Fit, CalibrateError> {
-    let text = std::fs::read_to_string(path).map_err(|source| CalibrateError::Io {
+    let text = std::fs::read_to_string(path).map_err(|error| CalibrateError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     calibrate_text(path, &text, strict)
 }

@@ -54,6 +54,10 @@ pub enum Command {
 /// How requests arrive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Arrival {
+    /// `trace` for a trace file whose every row has a timestamp, `saturated` otherwise and for
+    /// the synthetic paper workloads (they stand in for the paper's saturated runs; their
+    /// timestamps are only there for `trace` on request). The choice is printed.
+    Auto,
     /// The whole trace waits at t = 0 (the paper's heavy load).
     Saturated,
     /// The trace's own timestamps, divided by `--rate-scale`; idle gaps are skipped.
@@ -80,7 +84,7 @@ pub struct RunArgs {
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_POLICIES)]
     pub policies: Vec<String>,
     /// Arrival process.
-    #[arg(long, value_enum, default_value_t = Arrival::Saturated)]
+    #[arg(long, value_enum, default_value_t = Arrival::Auto)]
     pub arrival: Arrival,
     /// With `--arrival trace`: multiply the trace's request rate by X (timestamps / X).
     #[arg(long, default_value_t = 1.0)]
@@ -185,6 +189,9 @@ pub struct Workload {
     pub name: String,
     /// Requests with arrival times set per `--arrival` (all 0 for saturated), sorted by arrival.
     pub requests: Vec<TraceRequest>,
+    /// The arrival process used (`--arrival auto` resolved) and why.
+    pub arrival: Arrival,
+    pub arrival_why: &'static str,
     /// Loader counters.
     pub stats: LoadStats,
 }
@@ -269,19 +276,42 @@ impl RunArgs {
                 stats.rows
             )));
         }
-        let requests = stamp_arrivals(
-            requests,
-            self.arrival,
-            self.rate_scale,
-            self.rate,
-            self.seed,
-        )
-        .map_err(|m| WorkloadError::Invalid(format!("{name}: {m}")))?;
+        let (arrival, arrival_why) = resolve_arrival(self.arrival, synthetic_spec(spec), &requests);
+        let requests = stamp_arrivals(requests, arrival, self.rate_scale, self.rate, self.seed)
+            .map_err(|m| WorkloadError::Invalid(format!("{name}: {m}")))?;
         Ok(Workload {
             name,
             requests,
+            arrival,
+            arrival_why,
             stats,
         })
+    }
+}
+
+fn synthetic_spec(spec: &str) -> bool {
+    SynthKind::from_name(spec).is_some()
+}
+
+/// Resolves `--arrival auto`: a trace file's own timestamps when every row has one (a user's
+/// trace with timestamps is a load over time, not a backlog), saturated otherwise and for the
+/// synthetic paper workloads. Explicit modes are kept. Returns the mode and why it was chosen.
+pub fn resolve_arrival(
+    asked: Arrival,
+    synthetic: bool,
+    reqs: &[TraceRequest],
+) -> (Arrival, &'static str) {
+    match asked {
+        Arrival::Auto if synthetic => (
+            Arrival::Saturated,
+            "auto: a synthetic paper workload, saturated as in the paper",
+        ),
+        Arrival::Auto if reqs.iter().all(|r| r.arrival_ms.is_some()) => (
+            Arrival::Trace,
+            "auto: the trace has timestamps; --arrival saturated for a backlog at t = 0",
+        ),
+        Arrival::Auto => (Arrival::Saturated, "auto: the trace has no timestamps"),
+        other => (other, "--arrival"),
     }
 }
 
@@ -296,6 +326,9 @@ pub fn stamp_arrivals(
     seed: u64,
 ) -> Result<Vec<TraceRequest>, String> {
     match arrival {
+        Arrival::Auto => {
+            return Err("--arrival auto must be resolved first (resolve_arrival)".into());
+        }
         Arrival::Saturated => {
             for r in &mut reqs {
                 r.arrival_ms = Some(0.0);
@@ -366,7 +399,7 @@ mod tests {
         assert_eq!(r.trace.as_deref(), Some("paper-azure"));
         assert_eq!((r.workers, r.slots), (8, 256));
         assert_eq!(r.policies, vec!["jsq", "br0"]);
-        assert_eq!(r.arrival, Arrival::Saturated);
+        assert_eq!(r.arrival, Arrival::Auto);
         assert_eq!((r.step_a, r.step_b), (2e-4, 30.0));
     }
 

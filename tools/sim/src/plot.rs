@@ -46,6 +46,52 @@ pub struct ScalingPoint {
     pub avg_imbalance: f64,
     /// Average imbalance over the steady-state steps (while requests wait), KV tokens.
     pub steady_imbalance: f64,
+    /// The baseline the gains at this G are measured against (the best by whole-run
+    /// throughput), so the figure can say which one "best baseline" was.
+    pub baseline: String,
+}
+
+/// Names the best baseline of each G for the gain panel's caption: one name if it is the same
+/// at every G, else `G=4 jsq, G=8 mintok, ...`.
+pub fn baseline_caption(points: &[ScalingPoint]) -> String {
+    let mut per_g: Vec<(usize, &str)> = points
+        .iter()
+        .map(|p| (p.workers, p.baseline.as_str()))
+        .collect();
+    per_g.sort_unstable();
+    per_g.dedup();
+    let mut names: Vec<&str> = per_g.iter().map(|(_, b)| *b).collect();
+    names.sort_unstable();
+    names.dedup();
+    match names.as_slice() {
+        [] => "best baseline".into(),
+        [one] => format!("best baseline ({one} at every G)"),
+        _ => {
+            let each: Vec<String> = per_g.iter().map(|(g, b)| format!("G={g} {b}")).collect();
+            format!("best baseline ({})", each.join(", "))
+        }
+    }
+}
+
+/// Mean of max − min load over the steps in `win` (the imbalance of the plotted window).
+fn window_imbalance(s: &LoadSeries, win: &Range<usize>) -> f64 {
+    let g = s.workers.max(1);
+    let steps: Vec<f64> = s
+        .loads
+        .chunks(g)
+        .skip(win.start)
+        .take(win.len())
+        .map(|step| {
+            let max = step.iter().copied().max().unwrap_or(0);
+            let min = step.iter().copied().min().unwrap_or(0);
+            (max - min) as f64
+        })
+        .collect();
+    if steps.is_empty() {
+        0.0
+    } else {
+        steps.iter().sum::<f64>() / steps.len() as f64
+    }
 }
 
 /// Plot errors.
@@ -146,7 +192,12 @@ fn draw_load_panel(
     let stride = win.len().div_ceil(max_points).max(1);
     let mut chart = ChartBuilder::on(area)
         .caption(
-            format!("{} (G = {})", s.policy, s.workers),
+            format!(
+                "{} (G = {}): mean imbalance {} tokens",
+                s.policy,
+                s.workers,
+                fmt_tokens(window_imbalance(s, &win))
+            ),
             ("sans-serif", 18),
         )
         .margin(10)
@@ -240,7 +291,10 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
     };
 
     let mut gain = ChartBuilder::on(&left)
-        .caption("throughput gain over best baseline", ("sans-serif", 18))
+        .caption(
+            format!("throughput gain over {}", baseline_caption(points)),
+            ("sans-serif", 18),
+        )
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(55)
@@ -372,7 +426,14 @@ mod tests {
             );
         }
         assert!(svg.starts_with("<svg"), "{}", &svg[..50.min(svg.len())]);
-        assert!(svg.contains("jsq (G = 4)") && svg.contains("brh (G = 4)"));
+        // Each panel names its policy and the mean imbalance of the plotted steps
+        // (max − min = 3 · spread at every step).
+        assert!(
+            svg.contains("jsq (G = 4): mean imbalance 60k tokens")
+                && svg.contains("br0 (G = 4): mean imbalance 6k tokens")
+                && svg.contains("brh (G = 4): mean imbalance 3k tokens"),
+            "panel captions"
+        );
         assert!(
             svg.matches("<polyline").count() >= 12,
             "a line per worker per panel"
@@ -402,6 +463,7 @@ mod tests {
                     steady_gain_pct: f * 1.5 * (g as f64).sqrt(),
                     avg_imbalance: 1000.0 * g as f64 / (1.0 + 3.0 * f),
                     steady_imbalance: 800.0 * g as f64 / (1.0 + 3.0 * f),
+                    baseline: if g < 16 { "jsq" } else { "mintok" }.into(),
                 })
             })
             .collect();
@@ -414,6 +476,14 @@ mod tests {
             );
         }
         assert!(svg.contains("br0 (steady)"));
+        assert!(
+            svg.contains("best baseline (G=4 jsq, G=8 jsq, G=16 mintok, G=32 mintok, G=64 mintok)"),
+            "the gain panel names the baseline of each G"
+        );
+        assert_eq!(
+            baseline_caption(&pts[..4]),
+            "best baseline (jsq at every G)"
+        );
         assert!(svg.contains("\n64\n</text>"), "G tick labels");
         assert!(matches!(
             plot_scaling(&p, "x", &[]),

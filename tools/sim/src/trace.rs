@@ -61,12 +61,13 @@ impl fmt::Display for TraceFormat {
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     /// The file could not be opened or read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// File being read.
         path: PathBuf,
         /// Underlying error.
-        source: std::io::Error,
+        // Not `source`: the message already says it, and `{:#}` would print it twice.
+        error: std::io::Error,
     },
     /// The format could not be recognised.
     #[error("{path}: unrecognised trace format: {reason}")]
@@ -157,9 +158,9 @@ pub struct Trace {
 
 /// Loads a trace file, detecting its format from the extension and header.
 pub fn load(path: &Path, filter: &Filter) -> Result<Trace, TraceError> {
-    let io = |source| TraceError::Io {
+    let io = |error| TraceError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     };
     let file = File::open(path).map_err(io)?;
     let mut reader = BufReader::new(file);
@@ -179,9 +180,9 @@ pub fn load(path: &Path, filter: &Filter) -> Result<Trace, TraceError> {
 
 /// Detects the format from the extension and the first line (without consuming it).
 fn detect(path: &Path, reader: &mut BufReader<File>) -> Result<TraceFormat, TraceError> {
-    let buf = reader.fill_buf().map_err(|source| TraceError::Io {
+    let buf = reader.fill_buf().map_err(|error| TraceError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     let first_line = String::from_utf8_lossy(buf.split(|&b| b == b'\n').next().unwrap_or(&[]))
         .trim()
@@ -367,9 +368,9 @@ fn load_jsonl(
             break;
         }
         let lineno = idx as u64 + 1;
-        let line = line.map_err(|source| TraceError::Io {
+        let line = line.map_err(|error| TraceError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         let text = line.trim();
         if text.is_empty() {

@@ -159,3 +159,84 @@ fn bad_inputs_fail_with_a_message() {
     let out = br_sim(&["--workers", "8"]);
     assert!(!out.status.success(), "--trace is required");
 }
+
+#[test]
+fn a_missing_file_is_reported_once() {
+    let out = br_sim(&["--trace", "/nonexistent/trace.csv", "--policies", "jsq"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert_eq!(
+        err.matches("No such file").count(),
+        1,
+        "the cause once: {err}"
+    );
+    assert!(err.contains("/nonexistent/trace.csv"), "{err}");
+}
+
+/// `--arrival auto` (the default) follows a trace file's timestamps, falls back to saturated
+/// without them and for the synthetic paper workloads, and says which and why; dropped rows
+/// are counted on the workload line.
+#[test]
+fn the_arrival_mode_and_dropped_rows_are_printed() {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let run = |trace: &str| {
+        let out = br_sim(&[
+            "--trace",
+            trace,
+            "--workers",
+            "2",
+            "--slots",
+            "8",
+            "--limit",
+            "60",
+            "--policies",
+            "jsq",
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let azure = data.join("azure2023_conv.head300.csv");
+    let stdout = run(azure.to_str().expect("utf8"));
+    assert!(
+        stdout.contains("arrival=trace timestamps x1 (auto: the trace has timestamps"),
+        "{stdout}"
+    );
+    let stdout = run("paper-azure");
+    assert!(
+        stdout.contains("arrival=saturated (auto: a synthetic paper workload"),
+        "{stdout}"
+    );
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let lengths = dir.path().join("lengths.csv");
+    std::fs::write(
+        &lengths,
+        "prompt_tokens,output_tokens\n10,5\n12,0\n30,9\n7,0\n",
+    )
+    .expect("write");
+    let stdout = run(lengths.to_str().expect("utf8"));
+    assert!(
+        stdout.contains("arrival=saturated (auto: the trace has no timestamps)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("dropped 2 of 4 rows: 2 with no output tokens"),
+        "{stdout}"
+    );
+
+    let out = br_sim(&[
+        "--trace",
+        azure.to_str().expect("utf8"),
+        "--arrival",
+        "saturated",
+        "--limit",
+        "60",
+        "--policies",
+        "jsq",
+    ]);
+    assert!(
+        text(&out.stdout).contains("arrival=saturated (--arrival)"),
+        "{}",
+        text(&out.stdout)
+    );
+}
