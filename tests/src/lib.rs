@@ -17,6 +17,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub mod pki;
+pub mod reflection;
 
 /// The workspace root.
 pub fn root() -> &'static Path {

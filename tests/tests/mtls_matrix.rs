@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use br_e2e::Service;
 use br_e2e::pki::{self, Pki, TD};
+use br_e2e::{Service, reflection};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change as tc;
@@ -336,61 +336,13 @@ async fn call(m: Method, ch: Channel, aim: &Aim, n: usize) -> Result<(), Status>
                     .map(drop)
                     .ok_or_else(|| Status::unknown("health Watch ended without an update"))
             }
-            Method::ReflectionV1 => list_services_v1(ch).await.map(drop),
-            Method::ReflectionV1Alpha => list_services_v1alpha(ch).await.map(drop),
+            Method::ReflectionV1 => reflection::list_v1(ch).await.map(drop),
+            Method::ReflectionV1Alpha => reflection::list_v1alpha(ch).await.map(drop),
         }
     };
     tokio::time::timeout(CALL, fut)
         .await
         .unwrap_or_else(|_| panic!("{m:?} did not end within {CALL:?}"))
-}
-
-/// The service names reflection v1 lists.
-async fn list_services_v1(ch: Channel) -> Result<Vec<String>, Status> {
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::{ServerReflectionRequest, ServiceResponse};
-    let req = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut answers = ServerReflectionClient::new(ch)
-        .server_reflection_info(tokio_stream::iter([req]))
-        .await?
-        .into_inner();
-    match answers.message().await?.and_then(|m| m.message_response) {
-        Some(MessageResponse::ListServicesResponse(list)) => Ok(list
-            .service
-            .into_iter()
-            .map(|ServiceResponse { name }| name)
-            .collect()),
-        other => Err(Status::unknown(format!("not a service list: {other:?}"))),
-    }
-}
-
-/// The service names reflection v1alpha lists.
-async fn list_services_v1alpha(ch: Channel) -> Result<Vec<String>, Status> {
-    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1alpha::{ServerReflectionRequest, ServiceResponse};
-    let req = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut answers = ServerReflectionClient::new(ch)
-        .server_reflection_info(tokio_stream::iter([req]))
-        .await?
-        .into_inner();
-    match answers.message().await?.and_then(|m| m.message_response) {
-        Some(MessageResponse::ListServicesResponse(list)) => Ok(list
-            .service
-            .into_iter()
-            .map(|ServiceResponse { name }| name)
-            .collect()),
-        other => Err(Status::unknown(format!("not a service list: {other:?}"))),
-    }
 }
 
 fn hello(worker_id: u32, incarnation: u64) -> v1::WorkerReport {
