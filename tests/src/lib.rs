@@ -16,6 +16,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod pki;
+pub mod reflection;
+
 /// The workspace root.
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -127,6 +130,19 @@ impl Service {
         let (grpc, admin) = wait_for_ready_file(self.name, child, &ready);
         self.grpc_port = grpc.port();
         self.admin_port = admin.port();
+    }
+
+    /// The process id while it runs (to inspect its sockets in /proc).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn grpc_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.grpc_port))
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.admin_port))
     }
 
     pub fn grpc_url(&self) -> String {

@@ -9,7 +9,6 @@ use br_core::build_policy;
 use br_proto::service_names;
 use br_proto::v1::decision_server::DecisionServer;
 use br_runtime::admin::Readiness;
-use br_runtime::serve::HealthStatus;
 use br_runtime::skeleton::{self, Grpc, StartError};
 use tokio_util::sync::CancellationToken;
 
@@ -113,17 +112,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
     // 40 ms per unary call at low rates).
     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
-    let health = server.health_reporter();
-    health
-        .set_service_status(service_names::DECISION, HealthStatus::NotServing)
-        .await;
-    // Decision's health follows readiness (NOT_SERVING until σ is complete, and from shutdown).
-    tokio::spawn(br_runtime::serve::follow_readiness(
-        health,
-        readiness.clone(),
-        vec![service_names::DECISION.to_owned()],
-        shutdown.clone(),
-    ));
+    // Decision's health follows readiness (NOT_SERVING until it can place, and from shutdown).
+    let server = server.with_health_following(readiness.clone());
 
     let svc = DecisionService::new(
         groups.clone(),
@@ -146,7 +136,9 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         shutdown,
         extra,
         async move {
-            let outcome = server.serve(routes, &[], serve_shutdown).await;
+            let outcome = server
+                .serve(routes, &[service_names::DECISION], serve_shutdown)
+                .await;
             // Only now (the drain is over) the followers, group tasks and admin port stop.
             after.cancel();
             drop(groups);

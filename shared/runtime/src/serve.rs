@@ -1,7 +1,9 @@
 //! Running a tonic server the way every BalanceRoute service does: with `grpc.health.v1.Health`
-//! (tonic-health) and server reflection (from [`br_proto::FILE_DESCRIPTOR_SET`]), and a
-//! graceful shutdown: on the shutdown signal every health status turns NOT_SERVING first, the
-//! listener closes, in-flight calls drain for at most the grace period, then the server exits.
+//! (tonic-health), server reflection v1 and v1alpha (the common clients still speak v1alpha)
+//! advertising only what this port serves, an UNIMPLEMENTED answer naming the right service and
+//! binary for a call of a service served elsewhere, and a graceful shutdown: on the shutdown
+//! signal every health status turns NOT_SERVING first, the listener closes, in-flight calls
+//! drain for at most the grace period, then the server exits.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -73,6 +75,7 @@ pub struct GrpcServer {
     grace: Duration,
     keepalive: Option<(Duration, Duration)>,
     tls: Option<TlsServing>,
+    health_follows: Option<crate::admin::Readiness>,
 }
 
 /// What a TLS-serving gRPC server needs besides its listener.
@@ -112,7 +115,16 @@ impl GrpcServer {
             grace: Duration::from_secs(10),
             keepalive: None,
             tls: None,
+            health_follows: None,
         }
+    }
+
+    /// The health of the served names follows `readiness` (NOT_SERVING until it is ready, see
+    /// [`follow_readiness`]) instead of turning SERVING when the server starts: for a service
+    /// that is bound before it can do its job (decision before it can place a request).
+    pub fn with_health_following(mut self, readiness: crate::admin::Readiness) -> Self {
+        self.health_follows = Some(readiness);
+        self
     }
 
     /// HTTP/2 keepalive pings (interval, timeout) on every connection, so half-open
@@ -147,7 +159,9 @@ impl GrpcServer {
 
     /// Serves `routes` plus health and reflection until `shutdown` is cancelled, then drains.
     /// `service_names` are the full proto names served (e.g. `balanceroute.v1.Decision`, see
-    /// [`br_proto::service_names`]), reported in health checks.
+    /// [`br_proto::service_names`]): reported in health checks and the only BalanceRoute
+    /// services reflection lists; a call of any other service answers UNIMPLEMENTED saying
+    /// which binary serves it ([`not_served_message`]).
     ///
     /// Long-lived streams (Watch, Report) should also watch `shutdown` and end themselves, or
     /// the drain waits for the whole grace period.
@@ -163,31 +177,57 @@ impl GrpcServer {
             grace,
             keepalive,
             tls,
+            health_follows,
         } = self;
         let addr = listener.local_addr().ok();
 
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(br_proto::FILE_DESCRIPTOR_SET)
-            .build_v1();
-        let reflection = match reflection {
-            Ok(r) => Some(r),
-            Err(e) => {
-                // The descriptor set is compiled in; failing here is a build bug, not worth
-                // refusing to serve for.
-                tracing::error!(error = %e, "gRPC reflection unavailable");
-                None
-            }
-        };
-
+        let advertised: Vec<&str> = service_names
+            .iter()
+            .copied()
+            .chain([HEALTH, REFLECTION_V1, REFLECTION_V1ALPHA])
+            .collect();
         let health_svc = tonic_health::pb::health_server::HealthServer::new(
             HealthService::from_health_reporter(health.clone()),
         );
         let mut routes = routes.add_service(health_svc);
-        if let Some(r) = reflection {
-            routes = routes.add_service(r);
+        // The descriptor sets are compiled in; failing here is a build bug, not worth refusing
+        // to serve for.
+        match reflection(&advertised).build_v1() {
+            Ok(r) => routes = routes.add_service(r),
+            Err(e) => tracing::error!(error = %e, "gRPC reflection v1 unavailable"),
         }
+        match reflection(&advertised).build_v1alpha() {
+            Ok(r) => routes = routes.add_service(r),
+            Err(e) => tracing::error!(error = %e, "gRPC reflection v1alpha unavailable"),
+        }
+        let served: std::sync::Arc<[String]> = advertised.iter().map(|s| s.to_string()).collect();
+        let router = std::mem::replace(routes.axum_router_mut(), axum::Router::new());
+        *routes.axum_router_mut() = router.fallback(move |uri: axum::http::Uri| {
+            let served = served.clone();
+            async move {
+                let names: Vec<&str> = served.iter().map(String::as_str).collect();
+                let message = not_served_message(uri.path(), &names);
+                tonic::Status::unimplemented(message).into_http::<axum::body::Body>()
+            }
+        });
 
-        set_all(&health, service_names, ServingStatus::Serving).await;
+        match &health_follows {
+            None => set_all(&health, service_names, ServingStatus::Serving).await,
+            Some(readiness) => {
+                health.set_service_status("", ServingStatus::Serving).await;
+                for n in service_names {
+                    health
+                        .set_service_status(*n, ServingStatus::NotServing)
+                        .await;
+                }
+                tokio::spawn(follow_readiness(
+                    health.clone(),
+                    readiness.clone(),
+                    service_names.iter().map(|n| n.to_string()).collect(),
+                    shutdown.clone(),
+                ));
+            }
+        }
 
         // Stage 1 (on `shutdown`): NOT_SERVING, then tell tonic to stop accepting and drain.
         let drain = CancellationToken::new();
@@ -246,6 +286,68 @@ impl GrpcServer {
             }
         }
     }
+}
+
+/// `grpc.health.v1.Health`, served on every gRPC port.
+pub const HEALTH: &str = "grpc.health.v1.Health";
+/// Server reflection v1, served on every gRPC port.
+pub const REFLECTION_V1: &str = "grpc.reflection.v1.ServerReflection";
+/// Server reflection v1alpha (grpcurl before 1.9, grpcio's reflection client, Postman), served
+/// on every gRPC port.
+pub const REFLECTION_V1ALPHA: &str = "grpc.reflection.v1alpha.ServerReflection";
+
+/// Which binary serves each BalanceRoute service, and its default `--listen`: what a port that
+/// does not serve one tells a caller who asked it (docs/conventions.md has the same table).
+const SERVED_BY: [(&str, &str, &str); 3] = [
+    (
+        br_proto::service_names::SNAPSHOT,
+        "br-snapshot",
+        "127.0.0.1:50061",
+    ),
+    (
+        br_proto::service_names::TELEMETRY,
+        "br-ingest",
+        "127.0.0.1:50062",
+    ),
+    (
+        br_proto::service_names::DECISION,
+        "br-decision",
+        "127.0.0.1:50063",
+    ),
+];
+
+/// The message of the UNIMPLEMENTED answer to a call of `path` (`/package.Service/Method`) on a
+/// port that serves `served` (tonic's own answer has an empty message, which leaves a caller who
+/// dialled the wrong port guessing).
+pub fn not_served_message(path: &str, served: &[&str]) -> String {
+    let list = served.join(", ");
+    let Some((service, method)) = path.strip_prefix('/').and_then(|p| p.split_once('/')) else {
+        return format!("{path:?} is not a gRPC method path; this port serves {list}");
+    };
+    if served.contains(&service) {
+        return format!("{service} has no method {method:?}");
+    }
+    match SERVED_BY.iter().find(|(s, _, _)| *s == service) {
+        Some((_, bin, addr)) => format!(
+            "{service}/{method} is not served on this port, which serves {list}; \
+             {service} is served by {bin} (default --listen {addr})"
+        ),
+        None => format!("{service} is not a BalanceRoute service; this port serves {list}"),
+    }
+}
+
+/// A reflection builder that knows every descriptor we have but lists only `advertised`.
+fn reflection(advertised: &[&str]) -> tonic_reflection::server::Builder<'static> {
+    let mut b = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(br_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+        .include_reflection_service(false);
+    for name in advertised {
+        b = b.with_service_name(*name);
+    }
+    b
 }
 
 /// Keeps the health status of `names` equal to `readiness` (SERVING when ready, NOT_SERVING
@@ -391,31 +493,28 @@ mod tests {
             Pb::Serving as i32
         );
 
-        // Reflection lists our services.
-        {
-            use tonic_reflection::pb::v1::ServerReflectionRequest;
-            use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-            use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-            use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-            let req = ServerReflectionRequest {
-                host: String::new(),
-                message_request: Some(MessageRequest::ListServices(String::new())),
-            };
-            let mut resp = ServerReflectionClient::new(ch.clone())
-                .server_reflection_info(tokio_stream::iter([req]))
-                .await
-                .unwrap()
-                .into_inner();
-            let msg = resp.message().await.unwrap().unwrap();
-            let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
-                panic!("unexpected reflection answer");
-            };
-            let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
-            assert!(
-                names.iter().any(|n| n == "balanceroute.v1.Snapshot"),
-                "{names:?}"
-            );
-        }
+        // Reflection (v1 and v1alpha) lists what this port serves, and nothing served elsewhere
+        // (issue 15: every port used to list all three services).
+        let mut want = vec![
+            "balanceroute.v1.Decision",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ];
+        want.sort_unstable();
+        assert_eq!(list_v1(ch.clone()).await, want);
+        assert_eq!(list_v1alpha(ch.clone()).await, want);
+        // A service served elsewhere: UNIMPLEMENTED, naming the binary that serves it.
+        let status = v1::snapshot_client::SnapshotClient::new(ch.clone())
+            .get(v1::GetRequest { group: "g".into() })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
+        assert!(status.message().contains("br-snapshot"), "{status:?}");
+        assert!(
+            status.message().contains("balanceroute.v1.Snapshot/Get"),
+            "{status:?}"
+        );
 
         // A call in flight when shutdown starts completes; health turns NOT_SERVING first.
         let mut client = v1::decision_client::DecisionClient::new(ch.clone());
@@ -444,6 +543,127 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(outcome, ServeOutcome::Drained);
+    }
+
+    /// The names reflection v1 lists, sorted.
+    async fn list_v1(ch: tonic::transport::Channel) -> Vec<String> {
+        use tonic_reflection::pb::v1::ServerReflectionRequest;
+        use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = ServerReflectionClient::new(ch)
+            .server_reflection_info(tokio_stream::iter([req]))
+            .await
+            .unwrap()
+            .into_inner();
+        let msg = resp.message().await.unwrap().unwrap();
+        let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
+            panic!("unexpected reflection answer");
+        };
+        let mut names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// The names reflection v1alpha lists, sorted.
+    async fn list_v1alpha(ch: tonic::transport::Channel) -> Vec<String> {
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = ServerReflectionClient::new(ch)
+            .server_reflection_info(tokio_stream::iter([req]))
+            .await
+            .unwrap()
+            .into_inner();
+        let msg = resp.message().await.unwrap().unwrap();
+        let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
+            panic!("unexpected reflection answer");
+        };
+        let mut names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        names
+    }
+
+    #[test]
+    fn a_call_for_another_port_names_the_binary_that_serves_it() {
+        let here = ["balanceroute.v1.Snapshot", "grpc.health.v1.Health"];
+        let m = not_served_message("/balanceroute.v1.Decision/Assign", &here);
+        assert!(m.contains("balanceroute.v1.Decision/Assign"), "{m}");
+        assert!(m.contains("br-decision"), "{m}");
+        assert!(m.contains("127.0.0.1:50063"), "{m}");
+        assert!(m.contains("balanceroute.v1.Snapshot"), "{m}");
+        let m = not_served_message("/balanceroute.v1.Telemetry/Report", &here);
+        assert!(m.contains("br-ingest"), "{m}");
+        let m = not_served_message("/balanceroute.v1.Snapshot/Drop", &here);
+        assert_eq!(m, r#"balanceroute.v1.Snapshot has no method "Drop""#);
+        let m = not_served_message("/acme.Billing/Charge", &here);
+        assert!(m.contains("not a BalanceRoute service"), "{m}");
+        let m = not_served_message("nonsense", &here);
+        assert!(m.contains("not a gRPC method path"), "{m}");
+    }
+
+    #[tokio::test]
+    async fn health_can_follow_readiness_from_the_start() {
+        let server = GrpcServer::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+            .with_grace(WAIT);
+        let addr = server.local_addr().unwrap();
+        let ready = crate::admin::Readiness::default();
+        let server = server.with_health_following(ready.clone());
+        let shutdown = CancellationToken::new();
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(Gate::default()));
+        const NAME: &str = br_proto::service_names::DECISION;
+        let name = NAME;
+        let task = tokio::spawn(server.serve(routes, &[NAME], shutdown.clone()));
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        // listed by reflection even while not serving
+        assert!(list_v1(ch.clone()).await.iter().any(|n| n == name));
+        let mut updates = {
+            use tonic_health::pb::health_client::HealthClient;
+            let req = HealthCheckRequest {
+                service: name.into(),
+            };
+            HealthClient::new(ch.clone())
+                .watch(req)
+                .await
+                .unwrap()
+                .into_inner()
+        };
+        assert_eq!(next(&mut updates).await, Pb::NotServing as i32);
+        ready.set(true);
+        assert_eq!(next(&mut updates).await, Pb::Serving as i32);
+        // an open Watch would hold the drain for the whole grace period
+        drop((updates, ch));
+        shutdown.cancel();
+        tokio::time::timeout(WAIT, task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+
+    /// The next status of a health Watch (or fails after `WAIT`).
+    async fn next(u: &mut tonic::Streaming<tonic_health::pb::HealthCheckResponse>) -> i32 {
+        tokio::time::timeout(WAIT, u.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+            .status
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
