@@ -42,10 +42,9 @@ RENDERS = {
 # Compositions that no directory spells out: rendered from a generated kustomization in a
 # temporary directory. name -> (resources, components, must contain these kinds), paths under k8s/.
 COMPOSED = {
-    # The election-based layout of base/ with the example's namespace and labels, i.e. group-g8
-    # without its decision-single-replica component.
-    "base + namespace (election layout)":
-        (["base"], [], {"Deployment"}),
+    # base with the decision-single-replica component (tests and small setups).
+    "base + decision-single-replica":
+        (["base"], ["components/decision-single-replica"], {"Deployment"}),
     # Plaintext for clusters whose mesh does mTLS: no certificates, --allow-insecure-remote,
     # HTTP probes and scrapes; the NetworkPolicies stay.
     "group-g8-monitoring + plaintext":
@@ -53,9 +52,9 @@ COMPOSED = {
 }
 # Kinds a composition must not contain.
 COMPOSED_ABSENT = {"group-g8-monitoring + plaintext": {"Certificate", "Issuer"}}
-# Pod labels that a service sets on its own pod at run time (the elected decision replica), so
-# a Service may select them although no pod template carries them.
-RUNTIME_LABELS = {"balanceroute.io/decision-role"}
+# Pod labels that a service sets on its own pod at run time, so a Service may select them
+# although no pod template carries them (none since decision runs active-active).
+RUNTIME_LABELS: set[str] = set()
 
 # Kubernetes versions to validate against: the oldest we support (native sidecars in the
 # examples need 1.29) and the newest schemas kubernetes-validate ships.
@@ -259,27 +258,32 @@ def render_composed(resources: list[str], components: list[str]) -> list[dict]:
 
 
 def decision_is_single(objs: list[dict]) -> bool:
-    svc = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "decision"]
-    return bool(svc) and "balanceroute.io/decision-role" not in svc[0]["spec"]["selector"]
+    dep = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "decision"]
+    return bool(dep) and dep[0]["spec"].get("replicas", 1) == 1
 
 
 def check_decision_routing(objs: list[dict], single: bool) -> str:
-    """Assign goes to the elected replica (or, with decision-single-replica, to the one replica)."""
+    """Assign reaches every ready replica by one headless name (active-active: the gateway's
+    client picks a replica per call and fails over), and a PDB keeps one replica up."""
     svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "decision")
     dep = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "decision")
-    role = svc["spec"]["selector"].get("balanceroute.io/decision-role")
-    if single:
-        assert role is None, "the single-replica decision Service must not select the role label"
-        assert dep["spec"]["replicas"] == 1, f"replicas {dep['spec']['replicas']}, want 1"
-        return "1 replica"
-    assert role == "active", "the decision Service must select balanceroute.io/decision-role=active"
-    assert dep["spec"]["replicas"] >= 2, "want an active replica and at least one standby"
+    assert "balanceroute.io/decision-role" not in svc["spec"]["selector"], \
+        "active-active: the decision Service selects every replica, not an elected one"
+    assert svc["spec"].get("clusterIP") == "None", \
+        "the decision Service must be headless, so the gateway resolves every replica"
     assert not any(p["name"] == "admin" for p in svc["spec"]["ports"]), \
-        "the Assign Service must not carry the admin port (standbys would go unscraped)"
+        "the Assign Service must not carry the admin port"
     admin = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "decision-admin"]
-    assert admin and "balanceroute.io/decision-role" not in admin[0]["spec"]["selector"], \
-        "decision-admin must reach every replica"
-    return f"1 active + {dep['spec']['replicas'] - 1} standby"
+    assert admin, "decision-admin must reach every replica"
+    if single:
+        return "1 replica"
+    assert dep["spec"]["replicas"] >= 2, "want two or more active-active replicas"
+    labels = pod_labels(dep)
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"
+            and selects(o["spec"].get("selector", {}).get("matchLabels", {}), labels)]
+    assert pdbs and pdbs[0]["spec"].get("minAvailable") == 1, \
+        "a PodDisruptionBudget with minAvailable 1 must cover the decision replicas"
+    return f"{dep['spec']['replicas']} active-active replicas"
 
 
 def load_yaml_docs(path: Path) -> list[dict]:
@@ -1008,8 +1012,8 @@ def main() -> int:
         c.run(f"k8s {name}: consistency", check_consistency, objs, True)
         c.run(f"k8s {name}: trust (mTLS certificates, schemes)", check_trust, objs, True)
         c.run(f"k8s {name}: network policies", check_network_policies, objs, True)
-        # The layout is read off the rendered objects: a Service without the role selector must
-        # front exactly one replica (decision-single-replica), otherwise the election layout.
+        # The layout is read off the rendered objects: one decision replica
+        # (decision-single-replica), otherwise two or more active-active ones.
         c.run(f"k8s {name}: decision routing", check_decision_routing, objs, decision_is_single(objs))
     for ex in EXAMPLES:
         rel = ex.relative_to(DEPLOY)

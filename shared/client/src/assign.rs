@@ -8,12 +8,38 @@
 //! * sends the deadline as `grpc-timeout` (the server withdraws the request from its pool when
 //!   it passes, so nothing is left reserved) and also enforces it locally;
 //! * retries `UNAVAILABLE` (connection refused or reset, server shutting down, no σ yet),
-//!   `FAILED_PRECONDITION` (a standby replica answered; the Service will route to the active
-//!   one) and transport errors with capped, jittered exponential backoff, **keeping the same
+//!   `FAILED_PRECONDITION` (a standby replica answered) and transport errors, **keeping the same
 //!   request id**: `Assign` is idempotent by `(group, request_id)`, so a retry after a lost
 //!   response joins the same wait or gets the original answer, never a second reservation;
 //! * does not retry anything else (`INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED` (the pool is full:
 //!   shed load instead), `CANCELLED`, `NOT_FOUND`, `DEADLINE_EXCEEDED`).
+//!
+//! # Several decision replicas (failover)
+//! Decision runs active-active: every replica of a group decides, and the snapshot service's
+//! serialised `Reserve` keeps them from placing one request id twice (a replica that reserves
+//! an id σ already places answers with σ's placement). So a gateway may send any `Assign` to any
+//! replica, and a retry of the same id on another replica is safe. The client takes a list of
+//! addresses ([`AssignClient::connect_lazy_many`]); an address whose host is a DNS name (a
+//! Kubernetes headless Service) stands for every address it resolves to, re-resolved every
+//! [`ClientOptions::dns_refresh`]. Per call:
+//!
+//! * a replica is chosen by [`Selection`]: by default the first healthy one in a fixed order
+//!   (resolved addresses sorted), so every gateway feeds one pool and batch admission sees the
+//!   whole group (one pool routes better than two: docs/benchmarks.md "decision failover"); or
+//!   round-robin over the healthy ones;
+//! * a failed attempt (transport error, `UNAVAILABLE`, `FAILED_PRECONDITION`, or
+//!   [`ClientOptions::attempt_timeout`] passing) marks that replica down for a while (250 ms,
+//!   doubling to 5 s while it keeps failing) and the call is retried **at once on another
+//!   replica with the same request id**; only when every replica failed in this call does it
+//!   back off ([`RetryPolicy`]) before the next round. All of it within the caller's deadline;
+//! * a replica that is down is skipped until its time is up; then one call probes it (the
+//!   others keep skipping it), and a success makes it healthy again;
+//! * HTTP/2 keepalive (1 s interval, 1 s timeout by default) finds a frozen replica or a
+//!   half-open connection in about 2 s, failing its calls so they move on; a killed replica's
+//!   connections are reset by its kernel, so its calls move on at once.
+//!
+//! [`AssignClient::cancel`] goes to every replica (the request may wait in one replica's pool
+//! and be reserved by another), and reports the strongest outcome.
 //!
 //! # Pinning the chosen rank
 //! The answer names a DP rank ([`Assignment::worker_id`]) and, if the worker announced one, its
@@ -40,22 +66,34 @@
 //! use std::time::Duration;
 //! use br_client::assign::{AssignClient, AssignParams};
 //! # async fn run() -> Result<(), br_client::assign::AssignError> {
-//! let client = AssignClient::connect("http://127.0.0.1:50063").await?;
+//! // Two replicas; "http://decision.br-g8.svc:50063" (a headless Service) works the same way.
+//! let client = AssignClient::connect_lazy_many(
+//!     ["http://10.0.0.5:50063", "http://10.0.0.6:50063"],
+//!     None,
+//! )?;
 //! let params = AssignParams::new("g8", "req-42", 3_197).with_max_tokens(1_024);
 //! let a = client.assign_within(&params, Duration::from_secs(5)).await?;
 //! println!("send req-42 to rank {} ({}), waited {:?}", a.worker_id, a.endpoint, a.pool_wait);
 //! # Ok(()) }
 //! ```
 
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use br_proto::v1;
 use br_proto::v1::decision_client::DecisionClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Code, Status};
 
 /// How long [`AssignClient::cancel`] tries (including retries) when no timeout is given.
 pub const DEFAULT_CANCEL_TIMEOUT: Duration = Duration::from_secs(2);
+/// First time a failed replica is skipped; doubled per further failure up to
+/// [`MAX_EJECTION`].
+pub const FIRST_EJECTION: Duration = Duration::from_millis(250);
+/// Longest time a failing replica is skipped before one call probes it again.
+pub const MAX_EJECTION: Duration = Duration::from_secs(5);
 
 /// What the gateway knows about a request when it asks for a rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,10 +166,12 @@ pub struct Assignment {
     pub stale: bool,
     /// How many calls this took (1 without retries).
     pub attempts: u32,
+    /// The decision replica that answered (its address as the client dialled it).
+    pub replica: String,
 }
 
 impl Assignment {
-    fn from_response(r: v1::AssignResponse, attempts: u32) -> Self {
+    fn from_response(r: v1::AssignResponse, attempts: u32, replica: &str) -> Self {
         Assignment {
             worker_id: r.worker_id,
             endpoint: r.endpoint,
@@ -141,19 +181,20 @@ impl Assignment {
             sigma_version: r.sigma_version,
             stale: r.stale,
             attempts,
+            replica: replica.to_owned(),
         }
     }
 }
 
 /// What a [`AssignClient::cancel`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum CancelOutcome {
-    /// The request was waiting in the pool and left it.
-    Withdrawn,
-    /// The request had been assigned; its reservation was released.
-    Released,
     /// The service knew no such request (never seen, expired, or already cancelled).
     NotFound,
+    /// The request had been assigned; its reservation was released.
+    Released,
+    /// The request was waiting in the pool and left it.
+    Withdrawn,
 }
 
 /// Why an `assign` or `cancel` failed. [`AssignError::code`] gives the gRPC code.
@@ -177,8 +218,8 @@ pub enum AssignError {
     /// The decision service does not serve this group.
     #[error("not found: {0}")]
     NotFound(String),
-    /// The service stayed unreachable or unavailable (no σ, no live worker, standby, shutting
-    /// down) until the deadline; `attempts` calls were made.
+    /// Every replica stayed unreachable or unavailable (no σ, no live worker, standby, shutting
+    /// down) until the deadline, or none could be resolved; `attempts` calls were made.
     #[error("decision service unavailable after {attempts} attempt(s): {message}")]
     Unavailable { message: String, attempts: u32 },
     /// Any other status.
@@ -226,8 +267,9 @@ impl AssignError {
     }
 }
 
-/// Backoff between retries: `initial`, doubling up to `max`, each drawn with br-backoff's equal
-/// jitter (in [d/2, d], so never above `max`), and never past the deadline.
+/// Backoff between rounds of retries (a round: every replica tried once and failed):
+/// `initial`, doubling up to `max`, each drawn with br-backoff's equal jitter (in [d/2, d], so
+/// never above `max`), and never past the deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     pub initial_backoff: Duration,
@@ -247,14 +289,72 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// The pause after the `attempt`-th failed call (1-based).
-    fn backoff(&self, attempt: u32) -> Duration {
+    /// The pause after the `round`-th round of failed calls (1-based).
+    fn backoff(&self, round: u32) -> Duration {
         br_backoff::delay(
             self.initial_backoff,
             self.max_backoff,
-            attempt.saturating_sub(1),
+            round.saturating_sub(1),
             &mut rand::rng(),
         )
+    }
+}
+
+/// Which replica a call goes to first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Selection {
+    /// The first healthy replica in the list's order (a DNS name's addresses sorted): one pool
+    /// decides for the group while it is healthy, the others take over when it fails.
+    #[default]
+    Ordered,
+    /// Round-robin over the healthy replicas: every replica has a pool of its own (the twin's
+    /// K deciders), so load spreads, at some cost in routing quality.
+    RoundRobin,
+}
+
+impl std::str::FromStr for Selection {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "ordered" => Ok(Selection::Ordered),
+            "round-robin" => Ok(Selection::RoundRobin),
+            other => Err(format!(
+                "unknown selection {other:?} (ordered, round-robin)"
+            )),
+        }
+    }
+}
+
+/// Connection and failover settings of an [`AssignClient`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientOptions {
+    pub selection: Selection,
+    /// Longest one attempt may take before the call moves to another replica (still within
+    /// the caller's deadline). `None` (the default): an attempt may use the whole deadline,
+    /// since a pooled `Assign` legitimately waits in the pool; a dead or frozen replica is then
+    /// found by the connection (reset, or keepalive). Set it for on-arrival policies, whose
+    /// answers take milliseconds.
+    pub attempt_timeout: Option<Duration>,
+    pub connect_timeout: Duration,
+    /// HTTP/2 PING interval on every replica's connection (also while idle).
+    pub keepalive_interval: Duration,
+    /// A PING not answered within this closes the connection and fails its calls.
+    pub keepalive_timeout: Duration,
+    /// How often a DNS name is resolved again (new replicas join, gone ones leave).
+    pub dns_refresh: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            selection: Selection::Ordered,
+            attempt_timeout: None,
+            connect_timeout: Duration::from_secs(1),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_timeout: Duration::from_secs(1),
+            dns_refresh: Duration::from_secs(5),
+        }
     }
 }
 
@@ -273,49 +373,356 @@ fn retryable(s: &Status) -> bool {
     }
 }
 
-/// The gateway's Decision client. Cheap to clone (one shared HTTP/2 channel); use one per
-/// process and call it from many tasks at once.
+/// One decision replica: its connection and what the calls through it have shown.
+#[derive(Debug)]
+struct Replica {
+    addr: String,
+    client: DecisionClient<Channel>,
+    health: Mutex<Health>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Health {
+    /// Failed attempts since the last success.
+    failures: u32,
+    /// Skipped until then (None: healthy).
+    down_until: Option<Instant>,
+}
+
+impl Replica {
+    fn new(addr: String, channel: Channel) -> Replica {
+        Replica {
+            addr,
+            client: DecisionClient::new(channel),
+            health: Mutex::new(Health::default()),
+        }
+    }
+
+    fn health(&self) -> Health {
+        // A poisoned lock only means a panic elsewhere; the data is two plain numbers.
+        *self.health.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Health)) {
+        f(&mut self.health.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    fn succeeded(&self) {
+        self.update(|h| *h = Health::default());
+    }
+
+    fn failed(&self, now: Instant) {
+        self.update(|h| {
+            h.failures = h.failures.saturating_add(1);
+            h.down_until = Some(now + ejection(h.failures));
+        });
+    }
+
+    /// Takes the replica for one call if it is healthy, or if its time out is up (then this
+    /// call is the probe, and the others keep skipping it until the probe fails or succeeds).
+    fn try_take(&self, now: Instant) -> bool {
+        let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        match h.down_until {
+            None => true,
+            Some(t) if t <= now => {
+                h.down_until = Some(now + ejection(h.failures));
+                true
+            }
+            Some(_) => false,
+        }
+    }
+}
+
+/// How long a replica with `failures` consecutive failures is skipped.
+fn ejection(failures: u32) -> Duration {
+    br_backoff::ceiling(FIRST_EJECTION, MAX_EJECTION, failures.saturating_sub(1))
+}
+
+/// A DNS name that stands for every address it resolves to.
+#[derive(Debug)]
+struct DnsTarget {
+    /// As given (for messages).
+    addr: String,
+    scheme: String,
+    host: String,
+    port: u16,
+}
+
+/// The replicas: the fixed addresses, plus the current resolution of the DNS names.
+#[derive(Debug)]
+struct Replicas {
+    fixed: Vec<Arc<Replica>>,
+    dns: Vec<DnsTarget>,
+    resolved: RwLock<Resolved>,
+    /// One resolution at a time; the others use the current list meanwhile.
+    resolving: tokio::sync::Mutex<()>,
+    options: ClientOptions,
+    tls: Option<Arc<br_trust::TlsMaterial>>,
+    /// Round-robin position.
+    next: AtomicUsize,
+}
+
+#[derive(Debug, Default)]
+struct Resolved {
+    list: Arc<Vec<Arc<Replica>>>,
+    at: Option<Instant>,
+    error: Option<String>,
+}
+
+impl Replicas {
+    /// The current list of replicas, resolving the DNS names first if that is due.
+    async fn current(&self) -> Result<Arc<Vec<Arc<Replica>>>, AssignError> {
+        if self.dns.is_empty() {
+            // Built once at construction and never changed.
+            return Ok(self.read().list.clone());
+        }
+        let due = {
+            let r = self.read();
+            r.at.is_none_or(|at| at.elapsed() >= self.options.dns_refresh)
+                .then_some(r.list.is_empty())
+        };
+        if let Some(empty) = due {
+            // Without any address yet every caller waits for the resolution; otherwise one
+            // resolves and the rest go on with the list they have.
+            let guard = if empty {
+                Some(self.resolving.lock().await)
+            } else {
+                self.resolving.try_lock().ok()
+            };
+            if guard.is_some() {
+                let stale = self
+                    .read()
+                    .at
+                    .is_none_or(|at| at.elapsed() >= self.options.dns_refresh);
+                if stale {
+                    self.resolve().await;
+                }
+            }
+        }
+        let r = self.read();
+        if r.list.is_empty() {
+            return Err(AssignError::Unavailable {
+                message: format!(
+                    "no decision replica: {}",
+                    r.error.as_deref().unwrap_or("no address resolved")
+                ),
+                attempts: 0,
+            });
+        }
+        Ok(r.list.clone())
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Resolved> {
+        self.resolved.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resolves every DNS name; keeps the replicas (connections, health) of addresses that
+    /// stay, adds new ones, drops gone ones. A failed resolution keeps the last good list.
+    async fn resolve(&self) {
+        let old = self.read().list.clone();
+        let mut found: Vec<String> = Vec::new();
+        let mut errors = Vec::new();
+        for t in &self.dns {
+            let lookup = tokio::net::lookup_host((t.host.as_str(), t.port));
+            match tokio::time::timeout(self.options.connect_timeout, lookup).await {
+                Ok(Ok(addrs)) => {
+                    let mut addrs: Vec<SocketAddr> = addrs.collect();
+                    addrs.sort();
+                    addrs.dedup();
+                    found.extend(addrs.into_iter().map(|a| format!("{}://{a}", t.scheme)));
+                }
+                Ok(Err(e)) => errors.push(format!("resolving {}: {e}", t.addr)),
+                Err(_) => errors.push(format!("resolving {}: timed out", t.addr)),
+            }
+        }
+        let mut list: Vec<Arc<Replica>> = self.fixed.clone();
+        if errors.is_empty() || !found.is_empty() {
+            for addr in found {
+                if list.iter().any(|r| r.addr == addr) {
+                    continue;
+                }
+                let kept = old.iter().find(|r| r.addr == addr).cloned();
+                let replica = match kept {
+                    Some(r) => r,
+                    None => match channel(&addr, &self.options, self.tls.as_ref()) {
+                        Ok(ch) => Arc::new(Replica::new(addr, ch)),
+                        Err(e) => {
+                            errors.push(e.to_string());
+                            continue;
+                        }
+                    },
+                };
+                list.push(replica);
+            }
+        } else {
+            // Nothing resolved at all: keep what was there (a DNS hiccup must not drop replicas
+            // that still answer).
+            list = old.to_vec();
+            if list.is_empty() {
+                list = self.fixed.clone();
+            }
+        }
+        if !errors.is_empty() {
+            tracing::warn!(errors = ?errors, "resolving the decision replicas");
+        }
+        let mut w = self.resolved.write().unwrap_or_else(|e| e.into_inner());
+        w.list = Arc::new(list);
+        w.at = Some(Instant::now());
+        w.error = (!errors.is_empty()).then(|| errors.join("; "));
+    }
+
+    /// The replica for the next attempt of a call that already tried `tried` (indices into
+    /// `list`): a healthy (or due for a probe) one it has not tried, in the order of the
+    /// selection; else the untried one back soonest. None: every replica was tried.
+    fn pick(&self, list: &[Arc<Replica>], tried: &[bool], now: Instant) -> Option<usize> {
+        let n = list.len();
+        let start = match self.options.selection {
+            Selection::Ordered => 0,
+            Selection::RoundRobin => self.next.fetch_add(1, Ordering::Relaxed) % n.max(1),
+        };
+        let order = (0..n).map(|i| (start + i) % n);
+        if let Some(i) = order.clone().find(|&i| !tried[i] && list[i].try_take(now)) {
+            return Some(i);
+        }
+        // Every untried replica is down: try the one that is back soonest rather than none.
+        order
+            .filter(|&i| !tried[i])
+            .min_by_key(|&i| list[i].health().down_until)
+    }
+}
+
+/// The gateway's Decision client over one or several replicas. Cheap to clone (the
+/// connections are shared); use one per process and call it from many tasks at once.
 #[derive(Debug, Clone)]
 pub struct AssignClient {
-    inner: DecisionClient<Channel>,
+    replicas: Arc<Replicas>,
     retry: RetryPolicy,
 }
 
 impl AssignClient {
     /// Connects to `addr` (e.g. `http://127.0.0.1:50063`); fails if it cannot connect now.
     pub async fn connect(addr: impl Into<String>) -> Result<Self, AssignError> {
-        let (ep, addr) = endpoint(addr.into())?;
+        let addr = addr.into();
+        let ep = endpoint(&addr, &ClientOptions::default())?;
         let channel = ep.connect().await.map_err(|e| AssignError::Unavailable {
             message: format!("connecting to {addr}: {e}"),
             attempts: 1,
         })?;
-        Ok(Self::from_channel(channel))
+        Ok(Self::from_replicas(
+            vec![Arc::new(Replica::new(addr, channel))],
+            Vec::new(),
+            ClientOptions::default(),
+            None,
+        ))
     }
 
     /// A client that connects on first use (and reconnects as needed); only a malformed
     /// address is an error. For gateways that may start before the decision service.
     pub fn connect_lazy(addr: impl Into<String>) -> Result<Self, AssignError> {
-        let (ep, _) = endpoint(addr.into())?;
-        Ok(Self::from_channel(ep.connect_lazy()))
+        Self::connect_lazy_many([addr.into()], None)
     }
 
     /// [`AssignClient::connect_lazy`] over mutual TLS when `tls` is given (the gateway's own
     /// certificate; the server must present the decision role).
     pub fn connect_lazy_tls(
         addr: impl Into<String>,
-        tls: Option<&std::sync::Arc<br_trust::TlsMaterial>>,
+        tls: Option<&Arc<br_trust::TlsMaterial>>,
     ) -> Result<Self, AssignError> {
-        let (ep, _) = endpoint(addr.into())?;
-        let decision = Some(br_trust::Role::Decision);
-        Ok(Self::from_channel(br_trust::tls::connect_lazy(
-            ep, tls, decision,
-        )))
+        Self::connect_lazy_many([addr.into()], tls)
     }
 
-    /// Uses an existing channel (e.g. one with TLS or a load-balanced channel).
+    /// A client of several decision replicas, each connected on first use, with the default
+    /// [`ClientOptions`]. Each address is `http://HOST:PORT`; a HOST that is a DNS name stands
+    /// for every address it resolves to (re-resolved every [`ClientOptions::dns_refresh`]).
+    /// Mutual TLS when `tls` is given (every replica must present the decision role).
+    pub fn connect_lazy_many(
+        addrs: impl IntoIterator<Item = impl Into<String>>,
+        tls: Option<&Arc<br_trust::TlsMaterial>>,
+    ) -> Result<Self, AssignError> {
+        Self::with_options(addrs, tls, ClientOptions::default())
+    }
+
+    /// [`AssignClient::connect_lazy_many`] with explicit options.
+    pub fn with_options(
+        addrs: impl IntoIterator<Item = impl Into<String>>,
+        tls: Option<&Arc<br_trust::TlsMaterial>>,
+        options: ClientOptions,
+    ) -> Result<Self, AssignError> {
+        let mut fixed = Vec::new();
+        let mut dns = Vec::new();
+        for addr in addrs {
+            let addr: String = addr.into();
+            let addr = addr.trim().to_owned();
+            let uri: Uri = addr
+                .parse()
+                .map_err(
+                    |e: tonic::codegen::http::uri::InvalidUri| AssignError::BadAddress {
+                        addr: addr.clone(),
+                        detail: e.to_string(),
+                    },
+                )?;
+            let bad = |detail: &str| AssignError::BadAddress {
+                addr: addr.clone(),
+                detail: detail.to_owned(),
+            };
+            let scheme = uri.scheme_str().ok_or_else(|| bad("no scheme (http://)"))?;
+            let host = uri.host().ok_or_else(|| bad("no host"))?;
+            let literal = host.trim_start_matches('[').trim_end_matches(']');
+            if literal.parse::<IpAddr>().is_ok() {
+                if !fixed.iter().any(|r: &Arc<Replica>| r.addr == addr) {
+                    let ch = channel(&addr, &options, tls)?;
+                    fixed.push(Arc::new(Replica::new(addr, ch)));
+                }
+            } else {
+                let default_port = if scheme == "https" { 443 } else { 80 };
+                dns.push(DnsTarget {
+                    scheme: scheme.to_owned(),
+                    host: host.to_owned(),
+                    port: uri.port_u16().unwrap_or(default_port),
+                    addr,
+                });
+            }
+        }
+        if fixed.is_empty() && dns.is_empty() {
+            return Err(AssignError::BadAddress {
+                addr: String::new(),
+                detail: "no decision service address".into(),
+            });
+        }
+        Ok(Self::from_replicas(fixed, dns, options, tls.cloned()))
+    }
+
+    /// Uses an existing channel (e.g. one with custom TLS or a load-balanced channel).
     pub fn from_channel(channel: Channel) -> Self {
+        Self::from_replicas(
+            vec![Arc::new(Replica::new("channel".into(), channel))],
+            Vec::new(),
+            ClientOptions::default(),
+            None,
+        )
+    }
+
+    fn from_replicas(
+        fixed: Vec<Arc<Replica>>,
+        dns: Vec<DnsTarget>,
+        options: ClientOptions,
+        tls: Option<Arc<br_trust::TlsMaterial>>,
+    ) -> Self {
+        let resolved = Resolved {
+            list: Arc::new(fixed.clone()),
+            at: None,
+            error: None,
+        };
         AssignClient {
-            inner: DecisionClient::new(channel),
+            replicas: Arc::new(Replicas {
+                fixed,
+                dns,
+                resolved: RwLock::new(resolved),
+                resolving: tokio::sync::Mutex::new(()),
+                options,
+                tls,
+                next: AtomicUsize::new(0),
+            }),
             retry: RetryPolicy::default(),
         }
     }
@@ -324,6 +731,24 @@ impl AssignClient {
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
+    }
+
+    /// The replicas' addresses as currently known (DNS names resolved), in selection order,
+    /// each with whether it is currently skipped as down.
+    pub async fn replicas(&self) -> Result<Vec<(String, bool)>, AssignError> {
+        let now = Instant::now();
+        Ok(self
+            .replicas
+            .current()
+            .await?
+            .iter()
+            .map(|r| {
+                (
+                    r.addr.clone(),
+                    r.health().down_until.is_some_and(|t| t > now),
+                )
+            })
+            .collect())
     }
 
     /// [`assign`](Self::assign) with a deadline `timeout` from now.
@@ -335,54 +760,122 @@ impl AssignClient {
         self.assign(params, Instant::now() + timeout).await
     }
 
-    /// Asks for the rank of one request, waiting at most until `deadline` (pool wait and
-    /// retries included). Retries keep the request id (see the module docs).
+    /// Asks for the rank of one request, waiting at most until `deadline` (pool wait, retries
+    /// and failovers included). Retries keep the request id (see the module docs).
     pub async fn assign(
         &self,
         params: &AssignParams,
         deadline: Instant,
     ) -> Result<Assignment, AssignError> {
         let msg = params.to_request();
+        let attempt_timeout = self.replicas.options.attempt_timeout;
         let mut attempts = 0u32;
+        let mut rounds = 0u32;
+        let mut tried: Vec<bool> = Vec::new();
+        let mut last: Option<AssignError> = None;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
+                return Err(last_or_deadline(last));
+            }
+            let list = match self.replicas.current().await {
+                Ok(l) => l,
+                Err(e) => {
+                    // Nothing to call (a name that does not resolve): back off like a round.
+                    rounds += 1;
+                    if !self.pause(rounds, deadline).await {
+                        return Err(e);
+                    }
+                    last = Some(e);
+                    continue;
+                }
+            };
+            if tried.len() != list.len() {
+                // The resolved list changed: a new round over the new list.
+                tried = vec![false; list.len()];
+            }
+            let Some(i) = self.replicas.pick(&list, &tried, Instant::now()) else {
+                // Every replica failed once in this call: back off, then try them all again.
+                rounds += 1;
+                tried.iter_mut().for_each(|t| *t = false);
+                if !self.pause(rounds, deadline).await {
+                    return Err(last_or_deadline(last));
+                }
+                continue;
+            };
+            tried[i] = true;
+            let replica = &list[i];
+            attempts += 1;
+            let budget = attempt_timeout.map_or(remaining, |t| t.min(remaining));
+            let mut req = tonic::Request::new(msg.clone());
+            // The server withdraws the request itself when this passes (nothing left behind).
+            req.set_timeout(budget);
+            let mut client = replica.client.clone();
+            let started = Instant::now();
+            // The local timeout covers a peer that hangs.
+            let status = match tokio::time::timeout(budget, client.assign(req)).await {
+                Ok(Ok(resp)) => {
+                    replica.succeeded();
+                    return Ok(Assignment::from_response(
+                        resp.into_inner(),
+                        attempts,
+                        &replica.addr,
+                    ));
+                }
+                Ok(Err(status)) => status,
+                Err(_elapsed) if budget >= remaining => {
+                    return Err(AssignError::DeadlineExceeded);
+                }
+                Err(_elapsed) => Status::unavailable(format!(
+                    "no answer from {} within the attempt timeout {budget:?}",
+                    replica.addr
+                )),
+            };
+            // An attempt the server ended at its grpc-timeout (DEADLINE_EXCEEDED from
+            // br-decision, CANCELLED from a plain tonic server's timeout; a CANCELLED well
+            // before it is a real `Cancel`): at the caller's deadline that is the caller's
+            // DEADLINE_EXCEEDED; for a shortened attempt, the replica's failure to answer.
+            let timed_out = match status.code() {
+                Code::DeadlineExceeded => true,
+                Code::Cancelled => started.elapsed() >= budget.mul_f64(0.9),
+                _ => false,
+            };
+            if timed_out && budget >= remaining {
                 return Err(AssignError::DeadlineExceeded);
             }
-            attempts += 1;
-            let mut req = tonic::Request::new(msg.clone());
-            req.set_timeout(remaining);
-            let mut client = self.inner.clone();
-            // The server enforces grpc-timeout; the local timeout covers a peer that hangs.
-            let res = tokio::time::timeout(remaining, client.assign(req)).await;
-            let status = match res {
-                Err(_elapsed) => return Err(AssignError::DeadlineExceeded),
-                Ok(Ok(resp)) => return Ok(Assignment::from_response(resp.into_inner(), attempts)),
-                Ok(Err(status)) => status,
-            };
-            if !retryable(&status) || attempts >= self.retry.max_attempts {
+            let attempt_ran_out = timed_out;
+            if !(retryable(&status) || attempt_ran_out) || attempts >= self.retry.max_attempts {
                 return Err(AssignError::from_status(status, attempts));
             }
-            let pause = self.retry.backoff(attempts);
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            if pause >= remaining {
-                // No time for another try: report why the last one failed.
-                return Err(AssignError::from_status(status, attempts));
-            }
+            replica.failed(Instant::now());
             tracing::debug!(
                 request_id = %params.request_id,
+                replica = %replica.addr,
                 code = ?status.code(),
                 attempts,
-                ?pause,
-                "Assign failed, retrying with the same request id"
+                "Assign failed; retrying with the same request id on another replica"
             );
-            tokio::time::sleep(pause).await;
+            last = Some(AssignError::Unavailable {
+                message: format!("{}: {}", replica.addr, status.message()),
+                attempts,
+            });
         }
     }
 
+    /// Sleeps the backoff of the `round`-th failed round; false if that would pass `deadline`.
+    async fn pause(&self, round: u32, deadline: Instant) -> bool {
+        let pause = self.retry.backoff(round);
+        if pause >= deadline.saturating_duration_since(Instant::now()) {
+            return false;
+        }
+        tokio::time::sleep(pause).await;
+        true
+    }
+
     /// Withdraws a request: it leaves the pool if it waits there (its `assign` ends with
-    /// [`AssignError::Cancelled`]), or its reservation is released if it was assigned. Retries
-    /// transient failures for up to [`DEFAULT_CANCEL_TIMEOUT`].
+    /// [`AssignError::Cancelled`]), or its reservation is released if it was assigned. Sent to
+    /// every replica at once (an earlier attempt may still wait in another replica's pool);
+    /// retries transient failures for up to [`DEFAULT_CANCEL_TIMEOUT`].
     pub async fn cancel(
         &self,
         group: &str,
@@ -392,7 +885,9 @@ impl AssignClient {
             .await
     }
 
-    /// [`cancel`](Self::cancel) with an explicit overall timeout.
+    /// [`cancel`](Self::cancel) with an explicit overall timeout. The outcome is the strongest
+    /// any replica reported (WITHDRAWN over RELEASED over NOT_FOUND); an error only if no
+    /// replica answered.
     pub async fn cancel_within(
         &self,
         group: &str,
@@ -404,53 +899,101 @@ impl AssignClient {
             group: group.to_owned(),
             request_id: request_id.to_owned(),
         };
-        let mut attempts = 0u32;
-        loop {
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            if remaining.is_zero() {
-                return Err(AssignError::DeadlineExceeded);
+        let list = self.replicas.current().await?;
+        let calls = list
+            .iter()
+            .map(|r| cancel_one(r, &msg, deadline, self.retry));
+        let mut best: Option<CancelOutcome> = None;
+        let mut error = None;
+        for r in futures::future::join_all(calls).await {
+            match r {
+                Ok(o) => best = best.max(Some(o)),
+                Err(e) => error = error.or(Some(e)),
             }
-            attempts += 1;
-            let mut req = tonic::Request::new(msg.clone());
-            req.set_timeout(remaining);
-            let mut client = self.inner.clone();
-            let status = match tokio::time::timeout(remaining, client.cancel(req)).await {
-                Err(_) => return Err(AssignError::DeadlineExceeded),
-                Ok(Ok(resp)) => {
-                    return Ok(match resp.into_inner().outcome() {
-                        v1::CancelOutcome::Withdrawn => CancelOutcome::Withdrawn,
-                        v1::CancelOutcome::Released => CancelOutcome::Released,
-                        v1::CancelOutcome::NotFound | v1::CancelOutcome::Unspecified => {
-                            CancelOutcome::NotFound
-                        }
-                    });
-                }
-                Ok(Err(s)) => s,
-            };
-            let pause = self.retry.backoff(attempts);
-            if !retryable(&status)
-                || attempts >= self.retry.max_attempts
-                || pause >= deadline.saturating_duration_since(Instant::now())
-            {
-                return Err(AssignError::from_status(status, attempts));
-            }
-            tokio::time::sleep(pause).await;
+        }
+        match (best, error) {
+            (Some(o), _) => Ok(o),
+            (None, Some(e)) => Err(e),
+            (None, None) => Err(AssignError::Unavailable {
+                message: "no decision replica".into(),
+                attempts: 0,
+            }),
         }
     }
 }
 
-fn endpoint(addr: String) -> Result<(Endpoint, String), AssignError> {
-    let ep = Endpoint::from_shared(addr.clone()).map_err(|e| AssignError::BadAddress {
-        addr: addr.clone(),
+fn last_or_deadline(last: Option<AssignError>) -> AssignError {
+    last.unwrap_or(AssignError::DeadlineExceeded)
+}
+
+/// One replica's `Cancel`, retried on transient failures until `deadline`.
+async fn cancel_one(
+    replica: &Replica,
+    msg: &v1::CancelRequest,
+    deadline: Instant,
+    retry: RetryPolicy,
+) -> Result<CancelOutcome, AssignError> {
+    let mut attempts = 0u32;
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(AssignError::DeadlineExceeded);
+        }
+        attempts += 1;
+        let mut req = tonic::Request::new(msg.clone());
+        req.set_timeout(remaining);
+        let mut client = replica.client.clone();
+        let status = match tokio::time::timeout(remaining, client.cancel(req)).await {
+            Err(_) => return Err(AssignError::DeadlineExceeded),
+            Ok(Ok(resp)) => {
+                return Ok(match resp.into_inner().outcome() {
+                    v1::CancelOutcome::Withdrawn => CancelOutcome::Withdrawn,
+                    v1::CancelOutcome::Released => CancelOutcome::Released,
+                    v1::CancelOutcome::NotFound | v1::CancelOutcome::Unspecified => {
+                        CancelOutcome::NotFound
+                    }
+                });
+            }
+            Ok(Err(s)) => s,
+        };
+        let pause = retry.backoff(attempts);
+        if !retryable(&status)
+            || attempts >= retry.max_attempts
+            || pause >= deadline.saturating_duration_since(Instant::now())
+        {
+            return Err(AssignError::from_status(status, attempts));
+        }
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// The endpoint for one replica address, with the failover-minded connection settings.
+fn endpoint(addr: &str, o: &ClientOptions) -> Result<Endpoint, AssignError> {
+    let ep = Endpoint::from_shared(addr.to_owned()).map_err(|e| AssignError::BadAddress {
+        addr: addr.to_owned(),
         detail: e.to_string(),
     })?;
-    let ep = ep
+    Ok(ep
         .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(5))
-        .keep_alive_while_idle(true);
-    Ok((ep, addr))
+        .connect_timeout(o.connect_timeout)
+        .http2_keep_alive_interval(o.keepalive_interval)
+        .keep_alive_timeout(o.keepalive_timeout)
+        .keep_alive_while_idle(true))
+}
+
+/// A lazily connecting channel to one replica (mutual TLS with `tls`, verifying the decision
+/// role).
+fn channel(
+    addr: &str,
+    o: &ClientOptions,
+    tls: Option<&Arc<br_trust::TlsMaterial>>,
+) -> Result<Channel, AssignError> {
+    let ep = endpoint(addr, o)?;
+    Ok(br_trust::tls::connect_lazy(
+        ep,
+        tls,
+        Some(br_trust::Role::Decision),
+    ))
 }
 
 #[cfg(test)]
@@ -471,6 +1014,11 @@ mod tests {
         calls: Arc<AtomicU32>,
         ids: Arc<std::sync::Mutex<Vec<String>>>,
         timeouts: Arc<std::sync::Mutex<Vec<bool>>>,
+        /// Never answers `Assign` (a frozen replica).
+        hang: bool,
+        /// `Cancel` of an id other than "waiting" is RELEASED (else NOT_FOUND).
+        releases: bool,
+        cancels: Arc<AtomicU32>,
     }
 
     #[tonic::async_trait]
@@ -486,6 +1034,9 @@ mod tests {
             let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
             let m = req.into_inner();
             self.ids.lock().unwrap().push(m.request_id.clone());
+            if self.hang {
+                std::future::pending::<()>().await;
+            }
             if n <= self.fail {
                 return Err(Status::new(self.code, "try again"));
             }
@@ -506,8 +1057,11 @@ mod tests {
             &self,
             req: tonic::Request<v1::CancelRequest>,
         ) -> Result<tonic::Response<v1::CancelResponse>, Status> {
+            self.cancels.fetch_add(1, Ordering::SeqCst);
             let outcome = if req.into_inner().request_id == "waiting" {
                 v1::CancelOutcome::Withdrawn
+            } else if self.releases {
+                v1::CancelOutcome::Released
             } else {
                 v1::CancelOutcome::NotFound
             };
@@ -540,7 +1094,236 @@ mod tests {
             calls: Arc::default(),
             ids: Arc::default(),
             timeouts: Arc::default(),
+            hang: false,
+            releases: false,
+            cancels: Arc::default(),
         }
+    }
+
+    fn hanging() -> Flaky {
+        Flaky {
+            hang: true,
+            ..flaky(0, Code::Ok)
+        }
+    }
+
+    #[tokio::test]
+    async fn fails_over_to_the_next_replica_with_the_same_request_id() {
+        let down = br_testkit::ReservedPort::new();
+        let svc = flaky(0, Code::Ok);
+        let (up, stop) = serve(svc.clone()).await;
+        let client = AssignClient::connect_lazy_many([down.url(), up.clone()], None).unwrap();
+        let a = client
+            .assign_within(&AssignParams::new("g", "req-1", 5), Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!((a.replica.as_str(), a.attempts), (up.as_str(), 2));
+        assert_eq!(*svc.ids.lock().unwrap(), vec!["req-1"]);
+        // The refused replica is now skipped: the next call goes straight to the live one.
+        let b = client
+            .assign_within(&AssignParams::new("g", "req-2", 5), Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!((b.replica.as_str(), b.attempts), (up.as_str(), 1));
+        let known = client.replicas().await.unwrap();
+        assert_eq!(known, vec![(down.url(), true), (up.clone(), false)]);
+        let _ = stop.send(());
+    }
+
+    #[tokio::test]
+    async fn a_call_in_flight_on_a_replica_that_dies_moves_to_another() {
+        // The first replica is reached through a proxy whose cut closes the connection, as a
+        // killed process's kernel does.
+        let dying = hanging();
+        let (upstream, stop1) = serve(dying.clone()).await;
+        let proxy =
+            br_testkit::FaultProxy::start(upstream.trim_start_matches("http://").parse().unwrap())
+                .await;
+        let first = proxy.url();
+        let svc = flaky(0, Code::Ok);
+        let (second, stop) = serve(svc.clone()).await;
+        let client =
+            AssignClient::connect_lazy_many([first.clone(), second.clone()], None).unwrap();
+        let call = tokio::spawn({
+            let client = client.clone();
+            async move {
+                client
+                    .assign_within(&AssignParams::new("g", "r", 5), Duration::from_secs(30))
+                    .await
+            }
+        });
+        // Wait until the call waits on the first replica, then kill it.
+        br_testkit::eventually(
+            Duration::from_secs(10),
+            "the call reached replica 1",
+            || {
+                let n = dying.calls.load(Ordering::SeqCst);
+                async move { n == 1 }
+            },
+        )
+        .await;
+        proxy.cut();
+        let a = br_testkit::within(Duration::from_secs(20), "the call is answered", call)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((a.replica.as_str(), a.attempts), (second.as_str(), 2));
+        assert_eq!(
+            *svc.ids.lock().unwrap(),
+            vec!["r"],
+            "same id on the second replica"
+        );
+        let _ = (stop.send(()), stop1.send(()));
+    }
+
+    #[tokio::test]
+    async fn a_frozen_replica_is_left_after_the_attempt_timeout() {
+        let (frozen, stop1) = serve(hanging()).await;
+        let svc = flaky(0, Code::Ok);
+        let (live, stop2) = serve(svc.clone()).await;
+        let options = ClientOptions {
+            attempt_timeout: Some(Duration::from_millis(200)),
+            ..ClientOptions::default()
+        };
+        let client = AssignClient::with_options([frozen, live.clone()], None, options).unwrap();
+        let a = client
+            .assign_within(&AssignParams::new("g", "r", 5), Duration::from_secs(20))
+            .await
+            .unwrap();
+        assert_eq!((a.replica.as_str(), a.attempts), (live.as_str(), 2));
+        // Without another replica, the same replica is tried again (after the backoff) until
+        // the caller's deadline.
+        let alone_svc = hanging();
+        let (frozen, stop3) = serve(alone_svc.clone()).await;
+        let alone = AssignClient::with_options([frozen], None, options).unwrap();
+        let err = alone
+            .assign_within(&AssignParams::new("g", "r", 5), Duration::from_millis(700))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+        assert!(
+            alone_svc.calls.load(Ordering::SeqCst) >= 2,
+            "retried in time"
+        );
+        for s in [stop1, stop2, stop3] {
+            let _ = s.send(());
+        }
+    }
+
+    #[tokio::test]
+    async fn ordered_selection_sticks_to_the_first_and_round_robin_spreads() {
+        let (a, b) = (flaky(0, Code::Ok), flaky(0, Code::Ok));
+        let (ua, sa) = serve(a.clone()).await;
+        let (ub, sb) = serve(b.clone()).await;
+        let ordered = AssignClient::connect_lazy_many([ua.clone(), ub.clone()], None).unwrap();
+        for i in 0..6 {
+            let p = AssignParams::new("g", format!("o{i}"), 5);
+            ordered
+                .assign_within(&p, Duration::from_secs(5))
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            (
+                a.calls.load(Ordering::SeqCst),
+                b.calls.load(Ordering::SeqCst)
+            ),
+            (6, 0)
+        );
+        let options = ClientOptions {
+            selection: Selection::RoundRobin,
+            ..ClientOptions::default()
+        };
+        let rr = AssignClient::with_options([ua, ub], None, options).unwrap();
+        for i in 0..6 {
+            let p = AssignParams::new("g", format!("r{i}"), 5);
+            rr.assign_within(&p, Duration::from_secs(5)).await.unwrap();
+        }
+        assert_eq!(
+            (
+                a.calls.load(Ordering::SeqCst),
+                b.calls.load(Ordering::SeqCst)
+            ),
+            (9, 3)
+        );
+        let _ = (sa.send(()), sb.send(()));
+    }
+
+    #[tokio::test]
+    async fn every_replica_down_is_unavailable_at_the_deadline() {
+        let (d1, d2) = (
+            br_testkit::ReservedPort::new(),
+            br_testkit::ReservedPort::new(),
+        );
+        let client = AssignClient::connect_lazy_many([d1.url(), d2.url()], None).unwrap();
+        let err = client
+            .assign_within(&AssignParams::new("g", "r", 5), Duration::from_millis(400))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, AssignError::Unavailable { attempts, .. } if attempts > 2),
+            "{err:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dns_name_stands_for_its_addresses() {
+        let svc = flaky(0, Code::Ok);
+        let (addr, stop) = serve(svc.clone()).await;
+        let port = addr.rsplit(':').next().unwrap();
+        let client =
+            AssignClient::connect_lazy_many([format!("http://localhost:{port}")], None).unwrap();
+        let a = client
+            .assign_within(&AssignParams::new("g", "r", 5), Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(a.replica, addr, "the resolved address answered");
+        let known: Vec<String> = client
+            .replicas()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(a, _)| a)
+            .collect();
+        assert!(known.contains(&addr), "{known:?}");
+        assert!(matches!(
+            AssignClient::connect_lazy_many(["http://no-such-host.invalid:1"], None)
+                .unwrap()
+                .assign_within(&AssignParams::new("g", "r", 5), Duration::from_millis(300))
+                .await,
+            Err(AssignError::Unavailable { .. })
+        ));
+        let _ = stop.send(());
+    }
+
+    #[tokio::test]
+    async fn cancel_goes_to_every_replica_and_reports_the_strongest_outcome() {
+        let a = flaky(0, Code::Ok);
+        let b = Flaky {
+            releases: true,
+            ..flaky(0, Code::Ok)
+        };
+        let (ua, sa) = serve(a.clone()).await;
+        let (ub, sb) = serve(b.clone()).await;
+        let down = br_testkit::ReservedPort::new();
+        let client = AssignClient::connect_lazy_many([down.url(), ua, ub], None).unwrap();
+        let out = client
+            .cancel_within("g", "assigned", Duration::from_millis(500))
+            .await
+            .unwrap();
+        assert_eq!(out, CancelOutcome::Released, "one replica released it");
+        assert_eq!(
+            client.cancel("g", "waiting").await.unwrap(),
+            CancelOutcome::Withdrawn
+        );
+        assert_eq!(
+            (
+                a.cancels.load(Ordering::SeqCst),
+                b.cancels.load(Ordering::SeqCst)
+            ),
+            (2, 2)
+        );
+        let _ = (sa.send(()), sb.send(()));
     }
 
     #[tokio::test]

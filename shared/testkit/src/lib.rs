@@ -12,6 +12,8 @@
 //! - [`apply`]: one Apply stream to a real snapshot service, and telemetry change builders.
 //! - [`http`] and [`prom`]: an HTTP GET on reqwest, and a Prometheus text-format reader that
 //!   parses names, labels and values, with the metric contract (`deploy/metrics-contract.txt`).
+//! - [`proxy::FaultProxy`]: a TCP proxy that freezes (half-open) or cuts the connections
+//!   through it, for connection faults between real processes.
 //!
 //! A dev-dependency only (`publish = false`): panicking is how it reports.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -24,12 +26,14 @@ pub mod fake_snapshot;
 pub mod http;
 pub mod net;
 pub mod prom;
+pub mod proxy;
 pub mod wait;
 
 pub use fake_ingest::FakeIngest;
 pub use fake_snapshot::FakeSnapshot;
 pub use net::{ReservedPort, Served};
 pub use prom::Metrics;
+pub use proxy::FaultProxy;
 pub use wait::{eventually, eventually_some, within};
 
 /// How long a test waits for something that should happen "soon" before calling it a hang.

@@ -28,8 +28,11 @@ use crate::engine::Stats;
 /// What to replay and where.
 #[derive(Debug, Clone)]
 pub struct LoadConfig {
-    /// Decision service URL.
-    pub decision_addr: String,
+    /// The decision service's replicas (one or more URLs; a DNS name stands for every address
+    /// it resolves to).
+    pub decision_addrs: Vec<String>,
+    /// Which replica an `Assign` goes to first (the others take over when it fails).
+    pub selection: br_client::assign::Selection,
     /// Mutual TLS to the decision service (a gateway certificate), when configured.
     pub tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
     pub group: String,
@@ -230,7 +233,11 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
     }
     // UNAVAILABLE (e.g. an on-arrival policy while σ shows every worker full) is retried
     // with the same request id until the deadline, not a fixed number of times.
-    let assign = AssignClient::connect_lazy_tls(cfg.decision_addr.clone(), cfg.tls.as_ref())?
+    let options = br_client::assign::ClientOptions {
+        selection: cfg.selection,
+        ..Default::default()
+    };
+    let assign = AssignClient::with_options(cfg.decision_addrs.clone(), cfg.tls.as_ref(), options)?
         .with_retry(RetryPolicy {
             max_attempts: u32::MAX,
             ..RetryPolicy::default()

@@ -66,13 +66,24 @@ struct EngineArgs {
 
 #[derive(Debug, clap::Args)]
 struct LoadArgs {
-    /// The decision service.
+    /// The decision service: one URL, or several replicas comma-separated (a DNS name stands
+    /// for every address it resolves to). A call whose replica fails is retried on another
+    /// with the same request id.
     #[arg(
         long,
         env = "BALANCEROUTE_DECISION_ADDR",
+        value_delimiter = ',',
         default_value = "http://127.0.0.1:50063"
     )]
-    decision_addr: String,
+    decision_addr: Vec<String>,
+    /// Which replica an Assign goes to: ordered (the first healthy one: one pool decides) or
+    /// round-robin (every replica has its own pool).
+    #[arg(
+        long,
+        env = "BALANCEROUTE_DECISION_SELECTION",
+        default_value = "ordered"
+    )]
+    decision_selection: br_client::assign::Selection,
     /// Mutual TLS to the decision service: the gateway's certificate, key and the CA.
     #[command(flatten)]
     tls: br_trust::TlsArgs,
@@ -225,7 +236,8 @@ async fn load_cmd(a: LoadArgs) -> anyhow::Result<()> {
     );
     let cfg = LoadConfig {
         tls: a.tls.load()?,
-        decision_addr: a.decision_addr,
+        decision_addrs: a.decision_addr,
+        selection: a.decision_selection,
         group: a.group,
         rank_urls: a.rank_urls,
         use_endpoint: a.use_endpoint,

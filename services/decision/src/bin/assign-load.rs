@@ -37,9 +37,17 @@ use tokio_stream::wrappers::ReceiverStream;
 #[derive(Debug, Parser)]
 #[command(name = "assign-load", version)]
 struct Opts {
-    /// The decision service.
-    #[arg(long, default_value = "http://127.0.0.1:50063")]
-    decision_addr: String,
+    /// The decision service: one address or several replicas, comma-separated (a DNS name
+    /// stands for every address it resolves to; see br_client::assign).
+    #[arg(long, value_delimiter = ',', default_value = "http://127.0.0.1:50063")]
+    decision_addr: Vec<String>,
+    /// Which replica a call goes to: ordered (the first healthy one) or round-robin.
+    #[arg(long, default_value = "ordered")]
+    selection: br_client::assign::Selection,
+    /// Most calls per Assign (1: no retry, so every failure is counted as it happens; more:
+    /// retries and failover to another replica with the same request id).
+    #[arg(long, default_value_t = 1)]
+    max_attempts: u32,
     /// The snapshot service (for the telemetry side, see --workers).
     #[arg(long, default_value = "http://127.0.0.1:50061")]
     snapshot_addr: String,
@@ -131,16 +139,17 @@ async fn main() -> anyhow::Result<()> {
         ),
         _ => None,
     };
-    let endpoint = tonic::transport::Endpoint::from_shared(o.decision_addr.clone())
+    anyhow::ensure!(o.max_attempts >= 1, "--max-attempts must be at least 1");
+    let options = br_client::assign::ClientOptions {
+        selection: o.selection,
+        ..Default::default()
+    };
+    let client = AssignClient::with_options(o.decision_addr.iter().cloned(), tls.as_ref(), options)
         .context("--decision-addr")?
-        .tcp_nodelay(true);
-    let channel = br_trust::tls::connect(&endpoint, tls.as_ref(), Some(br_trust::Role::Decision))
-        .await
-        .context("connecting to --decision-addr")?;
-    let client = AssignClient::from_channel(channel).with_retry(RetryPolicy {
-        max_attempts: 1,
-        ..RetryPolicy::default()
-    });
+        .with_retry(RetryPolicy {
+            max_attempts: o.max_attempts,
+            ..RetryPolicy::default()
+        });
 
     // Telemetry side: hello, then running / progress / finished in 1 ms batches.
     let (assigned_tx, assigned_rx) = mpsc::channel::<(String, u32, u64, u32)>(65_536);
