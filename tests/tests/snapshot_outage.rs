@@ -176,15 +176,19 @@ async fn run(policy: &str) -> Report {
     for id in 0..WORKERS {
         workers.push(FakeWorker::connect(&ingest.grpc_url(), GROUP, id, CAPACITY).await);
     }
-    eventually(Duration::from_secs(20), "every worker LIVE in σ", || async {
-        sigma(&snapshot).await.is_some_and(|s| {
-            s.workers
-                .iter()
-                .filter(|w| w.liveness == v1::Liveness::Live as i32)
-                .count()
-                == WORKERS as usize
-        })
-    })
+    eventually(
+        Duration::from_secs(20),
+        "every worker LIVE in σ",
+        || async {
+            sigma(&snapshot).await.is_some_and(|s| {
+                s.workers
+                    .iter()
+                    .filter(|w| w.liveness == v1::Liveness::Live as i32)
+                    .count()
+                    == WORKERS as usize
+            })
+        },
+    )
     .await;
 
     // The engine: one task owns the workers; the gateway hands it jobs through a channel.
@@ -222,7 +226,9 @@ async fn run(policy: &str) -> Report {
         let stop = stop.clone();
         let url = decision.grpc_url();
         tokio::spawn(async move {
-            let client = DecisionClient::connect(url).await.expect("decision reachable");
+            let client = DecisionClient::connect(url)
+                .await
+                .expect("decision reachable");
             let mut tick = tokio::time::interval(ARRIVAL);
             let mut inflight = Vec::new();
             let mut i: u32 = 0;
