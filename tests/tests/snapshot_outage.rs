@@ -41,7 +41,9 @@ const STEP: Duration = Duration::from_millis(40);
 const ARRIVAL: Duration = Duration::from_millis(165);
 /// Every call's deadline (the gateway's budget for routing one request).
 const DEADLINE: Duration = Duration::from_secs(3);
-const WARM_UP: Duration = Duration::from_secs(4);
+/// Long enough for a few dozen requests to finish: decision learns the ranks' pace and
+/// output lengths from σ before the outage.
+const WARM_UP: Duration = Duration::from_secs(6);
 const OUTAGE: Duration = Duration::from_secs(8);
 const AFTER: Duration = Duration::from_secs(6);
 

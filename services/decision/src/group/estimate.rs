@@ -36,8 +36,9 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 const SAMPLE_MAX_GAP: Duration = Duration::from_secs(5);
 /// Step-time observations the fit keeps.
 const FIT_WINDOW: usize = 64;
-/// Finished requests observed before the output-length median is trusted.
-const MIN_LENGTHS: u64 = 16;
+/// Finished requests observed before the output-length median is trusted (a handful is
+/// enough for a median; the estimate is replaced by σ as soon as it is back).
+const MIN_LENGTHS: u64 = 8;
 /// Longest output length tracked (longer ones count as this).
 const MAX_LENGTH: u32 = 65_536;
 /// At most this many steps are simulated per call (a guard against a degenerate step time);
