@@ -72,7 +72,12 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             build_policy(&cfg.policy).map_err(|e| StartError::Config(format!("--policy: {e}")))?;
         let gm = metrics.group(group.as_str());
         let core = GroupCore::new(group.clone(), policy, cfg.group.clone(), gm.clone());
-        let (watch, updates) = Watcher::spawn(channel.clone(), WatchConfig::new(group.as_str()));
+        // Resubscribe within a few hundred ms of the snapshot service's return (the watcher's
+        // own default backs off to 5 s): decisions are stale until then.
+        let mut watch_cfg = WatchConfig::new(group.as_str());
+        watch_cfg.backoff_max = cfg.watch_backoff_max;
+        watch_cfg.backoff_initial = watch_cfg.backoff_initial.min(cfg.watch_backoff_max);
+        let (watch, updates) = Watcher::spawn(channel.clone(), watch_cfg);
         let on_ready: OnReady = {
             let synced = Arc::clone(&synced);
             let readiness = readiness.clone();

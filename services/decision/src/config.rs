@@ -26,6 +26,9 @@ pub const DEFAULT_ANSWERED_TTL: &str = "60s";
 pub const DEFAULT_ANSWERED_MAX: usize = 262_144;
 pub const DEFAULT_MAX_WAIT: &str = "30s";
 pub const DEFAULT_RESERVE_TIMEOUT: &str = "1s";
+pub const DEFAULT_ADOPT_GRACE: &str = "10s";
+pub const DEFAULT_RECOMMIT_SETTLE: &str = "500ms";
+pub const DEFAULT_WATCH_BACKOFF_MAX: &str = "250ms";
 
 /// br-decision: answers the gateway's Assign calls for the groups it serves. Requests wait in
 /// a per-group pool until the dispatcher admits them (pooled policies br0, brh*), or are routed
@@ -80,6 +83,24 @@ pub struct Args {
     /// Timeout of one Reserve or Release call to the snapshot service.
     #[arg(long, env = "BALANCEROUTE_RESERVE_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_RESERVE_TIMEOUT)]
     pub reserve_timeout: Duration,
+
+    /// After a restart of the snapshot service its new σ is nearly empty until the workers
+    /// re-register: for up to this long, workers it does not know yet stay in the view as they
+    /// were (answers for them are stale and reserved once they are back). Ends early once
+    /// every worker is back.
+    #[arg(long, env = "BALANCEROUTE_ADOPT_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_ADOPT_GRACE)]
+    pub adopt_grace: Duration,
+
+    /// After an outage, how long a worker's reports take to reach σ once it is back. A
+    /// reservation answered stale before then that σ still does not show is not reserved
+    /// again (the worker finished it, or never got it).
+    #[arg(long, env = "BALANCEROUTE_RECOMMIT_SETTLE", value_parser = humantime::parse_duration, default_value = DEFAULT_RECOMMIT_SETTLE)]
+    pub recommit_settle: Duration,
+
+    /// Longest delay between two attempts to resubscribe to σ (Watch) while the snapshot
+    /// service is away; each delay is jittered (br-backoff's equal jitter).
+    #[arg(long, env = "BALANCEROUTE_WATCH_BACKOFF_MAX", value_parser = humantime::parse_duration, default_value = DEFAULT_WATCH_BACKOFF_MAX)]
+    pub watch_backoff_max: Duration,
 
     /// Dispatcher: Stage 2 candidate window R_max (1..=8). Unset: the core's default.
     #[arg(long, env = "BALANCEROUTE_R_MAX")]
@@ -170,6 +191,7 @@ pub struct DecisionConfig {
     pub group: GroupConfig,
     pub max_wait: Duration,
     pub reserve_timeout: Duration,
+    pub watch_backoff_max: Duration,
 }
 
 impl Args {
@@ -219,6 +241,7 @@ impl Args {
         positive("max-wait", self.max_wait)?;
         positive("reserve-timeout", self.reserve_timeout)?;
         positive("answered-ttl", self.answered_ttl)?;
+        positive("watch-backoff-max", self.watch_backoff_max)?;
         if self.tick_min_interval > self.tick_interval {
             return Err("--tick-min-interval must not exceed --tick-interval".into());
         }
@@ -248,10 +271,13 @@ impl Args {
                 max_pool: self.max_pool,
                 answered_ttl: self.answered_ttl,
                 answered_max: self.answered_max,
+                adopt_grace: self.adopt_grace,
+                recommit_settle: self.recommit_settle,
                 ..GroupConfig::default()
             },
             max_wait: self.max_wait,
             reserve_timeout: self.reserve_timeout,
+            watch_backoff_max: self.watch_backoff_max,
         })
     }
 }
@@ -296,6 +322,9 @@ mod tests {
         assert_eq!(c.group.answered_ttl, Duration::from_secs(60));
         assert_eq!(c.policy.dispatcher, DispatcherConfig::default());
         assert_eq!(c.policy.horizon, HorizonParams::default());
+        assert_eq!(c.group.adopt_grace, Duration::from_secs(10));
+        assert_eq!(c.group.recommit_settle, Duration::from_millis(500));
+        assert_eq!(c.watch_backoff_max, Duration::from_millis(250));
     }
 
     #[test]
@@ -346,6 +375,7 @@ mod tests {
         assert!(parse(&["--snapshot-addr", "127.0.0.1:50061"]).is_err());
         assert!(parse(&["--gamma", "0"]).is_err());
         assert!(parse(&["--stage1-worker", "x"]).is_err());
+        assert!(parse(&["--watch-backoff-max", "0s"]).is_err());
     }
 
     #[test]

@@ -44,6 +44,15 @@ pub struct Metrics {
     pub reserve_failures_total: IntCounterVec,
     /// Cancel calls by outcome (`withdrawn`, `released`, `not_found`, `error`).
     pub cancel_total: IntCounterVec,
+    /// Assign answers decided without a current σ (the response says `stale`).
+    pub stale_answers_total: IntCounterVec,
+    /// Requests the outage estimate let finish (freeing their slots) while σ was stale.
+    pub estimated_finishes_total: IntCounterVec,
+    /// Stale reservations after an outage, by outcome (`sent`: reserved again; `dropped`:
+    /// the worker's reports no longer list them, so they are not brought back).
+    pub recommits_total: IntCounterVec,
+    /// Workers kept in the view from before a snapshot-service restart (not back in σ yet).
+    pub workers_awaited: IntGaugeVec,
 }
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
@@ -182,6 +191,46 @@ impl Metrics {
                     &["group", "outcome"],
                 )?,
             ),
+            stale_answers_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_stale_answers_total",
+                        "Assign answers decided without a current σ (from the last σ, own reservations and the estimated progress; the response says stale)",
+                    ),
+                    &["group"],
+                )?,
+            ),
+            estimated_finishes_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_estimated_finishes_total",
+                        "Requests the outage estimate let finish (step model and output-length predictor) while σ was stale",
+                    ),
+                    &["group"],
+                )?,
+            ),
+            recommits_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_recommits_total",
+                        "Stale reservations after an outage, by outcome (sent: reserved again; dropped: the worker's reports no longer list them)",
+                    ),
+                    &["group", "outcome"],
+                )?,
+            ),
+            workers_awaited: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_workers_awaited",
+                        "Workers kept in the view from before a snapshot-service restart, not back in the new σ yet",
+                    ),
+                    &["group"],
+                )?,
+            ),
             registry: r,
         };
         Ok(m)
@@ -203,6 +252,11 @@ impl Metrics {
         self.reserve_failures_total
             .with_label_values(&[group, "unavailable"]);
         self.cancel_total.with_label_values(&[group, "withdrawn"]);
+        self.stale_answers_total.with_label_values(&[group]);
+        self.estimated_finishes_total.with_label_values(&[group]);
+        self.recommits_total.with_label_values(&[group, "sent"]);
+        self.recommits_total.with_label_values(&[group, "dropped"]);
+        self.workers_awaited.with_label_values(&[group]).set(0);
     }
 
     /// A gauge handle per group, for the group task's hot path.
@@ -215,6 +269,11 @@ impl Metrics {
             sigma_version: self.sigma_version.with_label_values(&[group]),
             sigma_stale: self.sigma_stale.with_label_values(&[group]),
             sigma_staleness: self.sigma_staleness.with_label_values(&[group]),
+            stale_answers: self.stale_answers_total.with_label_values(&[group]),
+            estimated_finishes: self.estimated_finishes_total.with_label_values(&[group]),
+            workers_awaited: self.workers_awaited.with_label_values(&[group]),
+            recommits_sent: self.recommits_total.with_label_values(&[group, "sent"]),
+            recommits_dropped: self.recommits_total.with_label_values(&[group, "dropped"]),
             group: group.to_owned(),
             all: self.clone(),
         }
@@ -231,6 +290,11 @@ pub struct GroupMetrics {
     pub sigma_version: IntGauge,
     pub sigma_stale: IntGauge,
     pub sigma_staleness: Gauge,
+    pub stale_answers: prometheus::IntCounter,
+    pub estimated_finishes: prometheus::IntCounter,
+    pub workers_awaited: IntGauge,
+    pub recommits_sent: prometheus::IntCounter,
+    pub recommits_dropped: prometheus::IntCounter,
     group: String,
     all: Metrics,
 }

@@ -12,6 +12,7 @@
 //! * [`predict`]: termination predictors for BR-H (Survival, ExactMatch, Oracle).
 //! * [`policy`]: one [`policy::Policy`] trait, the baselines used by today's routers, and a
 //!   factory that builds any policy from a [`policy::PolicyConfig`] by name.
+//! * [`step`]: the lockstep step-time model `T = a·M + b` and its online fit from telemetry.
 //! * [`stats::quantile`]: the project's one percentile definition (nearest rank), shared by
 //!   the simulator's report and everything else that needs exact order statistics.
 
@@ -25,12 +26,14 @@ pub mod predict;
 pub mod score;
 pub mod state;
 pub mod stats;
+pub mod step;
 mod tree;
 
 pub use error::CoreError;
 pub use policy::{Mode, Policy, PolicyConfig, PolicyKind, build_policy};
 pub use pool::{Pool, PoolEntry};
 pub use state::{ClusterState, Phase, RequestInfo, WorkerInfo};
+pub use step::{StepFit, StepModel};
 
 /// A data-parallel rank inside one lockstep group (`g` in the paper).
 pub type WorkerId = u32;

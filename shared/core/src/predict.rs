@@ -93,6 +93,29 @@ impl LengthHistogram {
         (c, s)
     }
 
+    /// The median output length of the requests still running after `generated` tokens:
+    /// the smallest `L > generated` with P(o ≤ L | o > generated) ≥ 1/2. `None` when no
+    /// observed length exceeds `generated`.
+    fn conditional_median(&self, generated: u32) -> Option<u32> {
+        let (c_j, _) = self.prefix(generated);
+        let alive = self.total - c_j;
+        if alive == 0 || generated >= self.max_len() {
+            return None;
+        }
+        let need = c_j + alive.div_ceil(2);
+        // prefix() is monotone in the length: binary search the first length reaching `need`.
+        let (mut lo, mut hi) = (generated + 1, self.max_len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.prefix(mid).0 >= need {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        Some(lo)
+    }
+
     /// P(o ≤ j + h | o > j) and E[o − j | j < o ≤ j + h].
     fn conditional(&self, generated: u32, horizon: u32) -> Prediction {
         let (c_j, s_j) = self.prefix(generated);
@@ -132,6 +155,17 @@ impl Survival {
 
     pub fn samples(&self) -> u64 {
         self.hist.total
+    }
+
+    /// The median output length of a request that has generated `generated` tokens and not
+    /// finished: a point estimate of when it ends (lengths above `max_len` count as
+    /// `max_len`). `None` until `min_samples` lengths were observed, or when the request
+    /// already outlived every one of them (then nothing is known: it runs on).
+    pub fn median_output(&self, generated: u32) -> Option<u32> {
+        if self.hist.total < self.min_samples {
+            return None;
+        }
+        self.hist.conditional_median(generated)
     }
 }
 
@@ -297,6 +331,34 @@ mod tests {
             s.predict(&running(500, None, None), 100),
             Prediction::RUNS_ON
         );
+    }
+
+    #[test]
+    fn median_output_conditions_on_progress() {
+        let mut s = Survival::new(4096, 3);
+        s.observe(None, 100);
+        s.observe(None, 200);
+        assert_eq!(s.median_output(0), None, "too few samples");
+        for len in [300, 400] {
+            s.observe(None, len);
+        }
+        // {100, 200, 300, 400}: half are done by 200.
+        assert_eq!(s.median_output(0), Some(200));
+        // Alive at 150: {200, 300, 400}; 2 of 3 are done by 300.
+        assert_eq!(s.median_output(150), Some(300));
+        assert_eq!(s.median_output(399), Some(400));
+        assert_eq!(s.median_output(400), None, "outlived every observed length");
+        // Against a brute-force median over the same lengths.
+        let lens = [3u32, 3, 7, 9, 12, 12, 12, 40, 41, 1000];
+        let mut s = Survival::new(4096, 1);
+        for &l in &lens {
+            s.observe(None, l);
+        }
+        for j in 0..1001 {
+            let alive: Vec<u32> = lens.iter().copied().filter(|&o| o > j).collect();
+            let want = (!alive.is_empty()).then(|| alive[alive.len().div_ceil(2) - 1]);
+            assert_eq!(s.median_output(j), want, "j = {j}");
+        }
     }
 
     #[test]

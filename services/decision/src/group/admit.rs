@@ -115,7 +115,9 @@ impl GroupCore {
         let Some(sigma) = self.view.sigma() else {
             return;
         };
-        let Some(incarnation) = sigma.incarnation(worker) else {
+        let sigma_version = sigma.version();
+        // While a new σ is adopted, a worker it does not know yet has its previous incarnation.
+        let Some(incarnation) = self.view.incarnation(worker) else {
             self.fail(key, DecisionError::NoLiveWorker(self.group.to_string()));
             return;
         };
@@ -123,7 +125,7 @@ impl GroupCore {
             worker,
             incarnation,
             admitted: now,
-            sigma_version: sigma.version(),
+            sigma_version,
         };
         let Some(r) = self.requests.admit(key, at, reroutes) else {
             return;
@@ -141,7 +143,8 @@ impl GroupCore {
             prompt_hash: r.prompt_hash,
             max_tokens: r.max_tokens,
         };
-        self.view.reserve(res.info(key), &self.group);
-        self.reservations.admit(key, res);
+        self.view
+            .reserve(res.info(key), res.max_tokens, &self.group);
+        self.reservations.admit(key, res, now);
     }
 }

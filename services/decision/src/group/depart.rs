@@ -35,6 +35,9 @@ impl GroupCore {
             sigma_version: at.sigma_version,
             stale,
         };
+        if stale {
+            self.metrics.stale_answers.inc();
+        }
         let Some(id) = self.requests.deliver(key, resp, now) else {
             return;
         };

@@ -1,7 +1,8 @@
 //! σ events from the Watch feed, as they reach the parts of a group: the replica and the view
 //! change ([`super::view`]), own reservations σ shows now are forgotten and, after a restart
-//! of the snapshot service, re-committed ([`super::reservations`]), the policy learns from
-//! finished requests, and freed slots want a tick. Owns no state of its own.
+//! of the snapshot service, re-committed ([`super::reservations`]), the policy and the
+//! outage estimate learn from finished requests (and the estimate from σ's pace), and freed
+//! slots want a tick. Owns no state of its own.
 
 use std::time::Instant;
 
@@ -37,6 +38,7 @@ impl GroupCore {
         self.view.apply_delta(d, now)?;
         for (hash, tokens) in finished {
             self.policy.observe_finished(hash, tokens);
+            self.view.learn_finished(tokens);
         }
         self.sigma_moved(now);
         Ok(())
@@ -49,13 +51,21 @@ impl GroupCore {
     }
 
     /// The Watch stream is gone since `at`: keep answering from the last σ plus own
-    /// reservations.
+    /// reservations, carried forward by the estimated progress of the ranks.
     pub fn on_disconnected(&mut self, at: Instant, now: Instant) {
         self.view.disconnected(at);
+        if self.view.sigma().is_some() && !self.view.estimating() {
+            // The estimate starts from the view as σ last showed it.
+            self.view.mark_dirty();
+            self.refresh_view(now);
+            let own = &self.reservations;
+            self.view.start_estimate(|k| own.max_tokens(k));
+        }
         self.update_gauges(now);
     }
 
     fn sigma_moved(&mut self, now: Instant) {
+        self.view.learn(now);
         self.reservations.prune(self.view.sigma(), now);
         // Freed slots may admit waiting requests.
         if !self.requests.pool_is_empty() {

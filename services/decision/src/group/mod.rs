@@ -42,6 +42,7 @@
 
 mod admit;
 mod depart;
+mod estimate;
 mod feed;
 mod requests;
 mod reservations;
@@ -85,6 +86,12 @@ pub struct GroupConfig {
     pub max_inflight_reserves: usize,
     /// Own reservations not (yet) committed to σ are forgotten after this long.
     pub local_ttl: Duration,
+    /// After a restart of the snapshot service, how long workers its new σ does not know yet
+    /// are kept in the view as they were (`--adopt-grace`).
+    pub adopt_grace: Duration,
+    /// How long a worker's reports take to show in σ once it is back; a stale reservation σ
+    /// does not show by then is not re-committed (`--recommit-settle`).
+    pub recommit_settle: Duration,
 }
 
 impl Default for GroupConfig {
@@ -95,6 +102,8 @@ impl Default for GroupConfig {
             answered_max: 262_144,
             max_inflight_reserves: 2,
             local_ttl: Duration::from_secs(60),
+            adopt_grace: Duration::from_secs(10),
+            recommit_settle: Duration::from_millis(500),
         }
     }
 }
@@ -130,6 +139,10 @@ pub struct GroupStats {
     pub uncommitted: usize,
     pub sigma: Option<(u64, u64)>,
     pub stale: bool,
+    /// Decisions are carried by the estimated progress (σ stale, or a new σ being adopted).
+    pub estimating: bool,
+    /// Workers kept from the last view while a new σ is adopted (not back yet).
+    pub awaited: usize,
 }
 
 /// The state of one group. See the module docs.
@@ -167,7 +180,7 @@ impl GroupCore {
     ) -> GroupCore {
         let mode = policy.mode();
         GroupCore {
-            view: SigmaView::new(),
+            view: SigmaView::new(cfg.adopt_grace),
             requests: Requests::new(metrics.pool_size.clone()),
             reservations: Reservations::new(cfg.max_inflight_reserves, cfg.local_ttl),
             group,
@@ -230,6 +243,8 @@ impl GroupCore {
             uncommitted: self.reservations.uncommitted(),
             sigma: self.view.sigma().map(|s| (s.epoch(), s.version())),
             stale: self.is_stale(),
+            estimating: self.view.estimating(),
+            awaited: self.view.awaited(),
         }
     }
 
@@ -258,6 +273,11 @@ impl GroupCore {
         if self.reservations.uncommitted_expired(now) {
             self.view.mark_dirty();
         }
+        // Carry the estimate forward even while nothing asks for a decision (the gauges,
+        // and freed slots want a tick).
+        if self.view.estimating() || self.view.adopting() {
+            self.refresh_view(now);
+        }
         self.update_gauges(now);
     }
 
@@ -267,11 +287,22 @@ impl GroupCore {
             .sigma_staleness
             .set(self.view.staleness(now).as_secs_f64());
         self.metrics.pool_size.set(self.requests.pool_len() as i64);
+        self.metrics.workers_awaited.set(self.view.awaited() as i64);
     }
 
-    /// Rebuilds the view if σ moved since the last decision.
+    /// Rebuilds the view if σ (or, while σ is stale, the estimate of it) moved since the last
+    /// decision.
     fn refresh_view(&mut self, now: Instant) {
-        self.view.refresh(&mut self.reservations, now, &self.group);
+        let did = self.view.refresh(&mut self.reservations, now, &self.group);
+        if did.finished > 0 {
+            self.metrics
+                .estimated_finishes
+                .inc_by(u64::from(did.finished));
+            // Freed slots may admit waiting requests.
+            if !self.requests.pool_is_empty() {
+                self.tick_wanted = true;
+            }
+        }
     }
 
     /// Drops one of this service's reservations from the reservations and the view (no

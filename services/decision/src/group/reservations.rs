@@ -109,6 +109,9 @@ pub(super) enum LocalState {
 struct Local {
     res: Reservation,
     state: LocalState,
+    /// When it was admitted (the gateway had its answer soon after, at the latest when it
+    /// became uncommitted and was answered stale).
+    admitted: Instant,
     /// Cancelled while its `Reserve` was in flight: release it once that call is answered (a
     /// Release sent now could reach the snapshot service before the Reserve and miss it).
     release_when_done: bool,
@@ -129,6 +132,18 @@ pub(super) struct Batch {
     pub(super) lost: Vec<RequestKey>,
     /// Re-commits after an outage (their callers were answered already).
     pub(super) recommit: bool,
+    /// Uncommitted ones forgotten instead of re-committed: admitted before their worker was
+    /// back in σ, and its reports since do not list them (finished, or never sent to it).
+    pub(super) dropped: Vec<RequestKey>,
+}
+
+/// When re-commits go out (see [`Reservations::next_batch`]).
+pub(super) struct Recommit<F: Fn(u32, u64) -> Option<Instant>> {
+    pub(super) now: Instant,
+    /// How long a worker's reports take to show in σ once it is back.
+    pub(super) settle: Duration,
+    /// Since when σ, current, shows the worker live with this incarnation.
+    pub(super) ready_at: F,
 }
 
 /// A `Reserve` call that returned, without the reservations cancelled meanwhile.
@@ -238,16 +253,26 @@ impl Reservations {
     }
 
     /// A new admission: in flight from now on, sent with the next `Reserve` call.
-    pub(super) fn admit(&mut self, key: RequestKey, res: Reservation) {
+    pub(super) fn admit(&mut self, key: RequestKey, res: Reservation, now: Instant) {
         self.local.insert(
             key,
             Local {
                 res,
                 state: LocalState::InFlight,
+                admitted: now,
                 release_when_done: false,
             },
         );
         self.outbox.push(key);
+    }
+
+    pub(super) fn contains(&self, key: RequestKey) -> bool {
+        self.local.contains_key(&key)
+    }
+
+    /// The gateway's `max_tokens` of a reservation, if it gave one.
+    pub(super) fn max_tokens(&self, key: RequestKey) -> Option<u32> {
+        self.local.get(&key).and_then(|l| l.res.max_tokens)
     }
 
     /// Forgets a reservation (nothing is released); returns the state it was in.
@@ -331,14 +356,39 @@ impl Reservations {
         std::mem::take(&mut self.outbox)
     }
 
+    /// The admissions since the last call whose reservation matches `f` (taken out of the
+    /// next call).
+    pub(super) fn take_outbox_where(
+        &mut self,
+        f: impl Fn(&Reservation) -> bool,
+    ) -> Vec<RequestKey> {
+        let local = &self.local;
+        let (taken, kept) = std::mem::take(&mut self.outbox)
+            .into_iter()
+            .partition(|k| local.get(k).is_some_and(|l| f(&l.res)));
+        self.outbox = kept;
+        taken
+    }
+
     /// Decides what the next `Reserve` call carries, if one may start: the admissions since
     /// the last call, else the re-commits whose worker σ shows live with the same
     /// incarnation (the others wait for it: a restarted snapshot service learns the workers
     /// from their hellos).
-    pub(super) fn next_batch(&mut self, sigma: &Sigma) -> Option<Batch> {
+    ///
+    /// A re-commit admitted before its worker was back in a current σ waits until the
+    /// worker's reports had `settle` to arrive: σ then shows it (and it is forgotten by
+    /// [`Reservations::prune`]) unless the worker finished it, or never got it. Either way it
+    /// must not come back into σ: it is dropped, not re-committed. One admitted after that
+    /// (its `Reserve` call failed) is re-committed at once.
+    pub(super) fn next_batch<F: Fn(u32, u64) -> Option<Instant>>(
+        &mut self,
+        sigma: &Sigma,
+        when: &Recommit<F>,
+    ) -> Option<Batch> {
         if self.inflight_full() {
             return None;
         }
+        let mut dropped = Vec::new();
         let (keys, recommit) = if !self.outbox.is_empty() {
             (std::mem::take(&mut self.outbox), false)
         } else if !self.recommit.is_empty() {
@@ -348,17 +398,32 @@ impl Reservations {
                     .get(k)
                     .is_some_and(|l| matches!(l.state, LocalState::Uncommitted { .. }))
             });
-            let (ready, later): (Vec<RequestKey>, Vec<RequestKey>) =
-                keys.into_iter().partition(|k| {
-                    self.local.get(k).is_some_and(|l| {
-                        sigma.incarnation(l.res.worker) == Some(l.res.incarnation)
-                            && sigma.liveness(l.res.worker) == Some(Liveness::Live)
-                    })
-                });
-            self.recommit = later;
-            if ready.is_empty() {
-                return None;
+            let mut ready = Vec::new();
+            let mut later = Vec::new();
+            for k in keys {
+                let Some(l) = self.local.get(&k) else {
+                    continue;
+                };
+                let live = sigma.incarnation(l.res.worker) == Some(l.res.incarnation)
+                    && sigma.liveness(l.res.worker) == Some(Liveness::Live);
+                let back = (when.ready_at)(l.res.worker, l.res.incarnation);
+                match back {
+                    Some(back) if live => {
+                        if l.admitted >= back {
+                            ready.push(k);
+                        } else if when.now >= back + when.settle {
+                            dropped.push(k);
+                        } else {
+                            later.push(k);
+                        }
+                    }
+                    _ => later.push(k),
+                }
             }
+            for k in &dropped {
+                self.local.remove(k);
+            }
+            self.recommit = later;
             for k in &ready {
                 if let Some(l) = self.local.get_mut(k) {
                     l.state = LocalState::InFlight;
@@ -368,11 +433,15 @@ impl Reservations {
         } else {
             return None;
         };
+        if keys.is_empty() && dropped.is_empty() {
+            return None;
+        }
         let (send, lost) = keys.into_iter().partition(|k| self.local.contains_key(k));
         Some(Batch {
             send,
             lost,
             recommit,
+            dropped,
         })
     }
 

@@ -1,5 +1,7 @@
 //! The `Reserve` round trip and `Release`: which admissions go out in the next call (none
-//! while σ is stale: they are answered stale at once and re-committed later), and what each
+//! while σ is stale, and none for a worker a new σ does not know yet: they are answered stale
+//! at once and re-committed later, unless their worker's reports show them finished), and
+//! what each
 //! outcome does to the requests, the own reservations and the view. Accepted: answered.
 //! Rejected because of the worker: back to the pool (or routed again), with the worker kept
 //! out of the view until σ moves. A duplicate: answered with σ's placement. Failed or left
@@ -12,7 +14,7 @@ use br_core::{Mode, RequestKey};
 
 use super::GroupCore;
 use super::requests::State;
-use super::reservations::{RejectReason, ReserveJob, ReserveOutcome, worker_refused};
+use super::reservations::{Recommit, RejectReason, ReserveJob, ReserveOutcome, worker_refused};
 use crate::error::DecisionError;
 
 /// On-arrival requests whose reservation is rejected are routed again at most this often.
@@ -25,13 +27,38 @@ impl GroupCore {
     pub fn take_reserve(&mut self, now: Instant) -> Option<ReserveJob> {
         if self.is_stale() {
             for key in self.reservations.take_outbox() {
-                self.reservations.mark_uncommitted(key, now);
-                self.answer(key, true, now);
+                self.not_sent(key, now);
             }
             return None;
         }
+        if self.view.adopting() {
+            // A new σ that does not know the worker yet would refuse it: answered like during
+            // the outage, reserved once the worker is back.
+            let view = &self.view;
+            for key in self.reservations.take_outbox_where(|r| view.away(r.worker)) {
+                self.not_sent(key, now);
+            }
+        }
         let sigma = self.view.sigma()?;
-        let batch = self.reservations.next_batch(sigma)?;
+        let when = Recommit {
+            now,
+            settle: self.cfg.recommit_settle,
+            ready_at: |w, inc| self.view.ready_at(w, inc),
+        };
+        let batch = self.reservations.next_batch(sigma, &when)?;
+        if !batch.dropped.is_empty() {
+            tracing::info!(group = %self.group, n = batch.dropped.len(),
+                "stale reservations not re-committed: their workers' reports do not list them");
+            self.metrics
+                .recommits_dropped
+                .inc_by(batch.dropped.len() as u64);
+            for &key in &batch.dropped {
+                self.view.remove(key);
+            }
+        }
+        if batch.recommit && !batch.send.is_empty() {
+            self.metrics.recommits_sent.inc_by(batch.send.len() as u64);
+        }
         for key in batch.lost {
             // σ showed it before it was sent (placed by an earlier incarnation of this service).
             if !self.answer_from_sigma(key, now) {
@@ -42,6 +69,13 @@ impl GroupCore {
         let queue_if_full = self.mode == Mode::OnArrival;
         self.reservations
             .start_job(batch.send, batch.recommit, queue_if_full)
+    }
+
+    /// An admission that cannot be reserved now: answered at once (stale) from the view, and
+    /// reserved when the snapshot service (and its worker) is back.
+    fn not_sent(&mut self, key: RequestKey, now: Instant) {
+        self.reservations.mark_uncommitted(key, now);
+        self.answer(key, true, now);
     }
 
     /// The outcome of a `Reserve` call.

@@ -23,16 +23,21 @@ fn while_stale_answers_from_the_view_and_reserves_when_back() {
     // A retry gets the same (stale) answer.
     let (_, mut again) = fx.assign("a", 300);
     assert_eq!(answer(&mut again), ra);
-    // Back: the decisions made while away are reserved.
+    // Back: what was decided while away is the workers' to report. One σ shows (its worker
+    // runs it) is σ's; one σ still does not show once the workers' reports had time to
+    // arrive is not reserved again: the worker finished it (or never got it), and a
+    // re-commit would hold its slot until σ's reservation TTL (issue 13).
     fx.advance(Duration::from_secs(1));
     fx.core.on_connected(fx.now);
-    let job = fx.core.take_reserve(fx.now).expect("re-commit");
-    let mut got = ids(&job);
-    got.sort_unstable();
-    assert_eq!(got, ["a", "b"]);
-    let (resp, delta) = fx.serve_reserve(&job);
-    fx.done(&job, Ok(resp));
-    fx.core.on_delta(&delta.unwrap(), fx.now).unwrap();
+    let inc = 100 + u64::from(ra.worker);
+    fx.sigma_change(vec![change::request_progress("a", ra.worker, inc, 300, 7)]);
+    assert!(fx.core.take_reserve(fx.now).is_none(), "b: reports pending");
+    assert_eq!(fx.core.stats().uncommitted, 1);
+    fx.advance(GroupConfig::default().recommit_settle);
+    assert!(
+        fx.core.take_reserve(fx.now).is_none(),
+        "b is not re-reserved"
+    );
     fx.core.tick(fx.now);
     let st = fx.core.stats();
     assert_eq!((st.uncommitted, st.local, st.stale), (0, 0, false));

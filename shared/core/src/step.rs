@@ -1,0 +1,167 @@
+//! The lockstep step-time model `T = a·M + b` (M: KV tokens on the most loaded rank) and an
+//! online fit of it from observed steps.
+//!
+//! The simulator and the emulated engine take `a` and `b` as parameters; a service that only
+//! sees telemetry learns them: [`StepFit`] keeps the last few `(M, T)` observations and fits
+//! the line by least squares. Observations from one steady load barely vary in `M`, which
+//! leaves the slope undetermined; the fit then keeps the prior slope and fits only the
+//! intercept (the level), so an estimate is always sane: positive and finite.
+
+use std::collections::VecDeque;
+
+/// `T = a·M + b`, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepModel {
+    /// a: ms per KV token on the most loaded rank.
+    pub a_ms_per_token: f64,
+    /// b: fixed ms per step.
+    pub b_ms: f64,
+}
+
+impl StepModel {
+    /// The simulator's defaults (a = 2e-4 ms per token, b = 30 ms).
+    pub const DEFAULT: StepModel = StepModel {
+        a_ms_per_token: 2e-4,
+        b_ms: 30.0,
+    };
+
+    /// Shortest step the model ever predicts (a guard against a degenerate fit).
+    pub const MIN_STEP_MS: f64 = 1.0;
+
+    /// The step time in ms when the most loaded rank holds `max_load` KV tokens.
+    pub fn step_ms(&self, max_load: u64) -> f64 {
+        let t = self.a_ms_per_token * max_load as f64 + self.b_ms;
+        if t.is_finite() {
+            t.max(Self::MIN_STEP_MS)
+        } else {
+            Self::MIN_STEP_MS
+        }
+    }
+}
+
+impl Default for StepModel {
+    fn default() -> Self {
+        StepModel::DEFAULT
+    }
+}
+
+/// An online least-squares fit of [`StepModel`] over the last `window` observations.
+#[derive(Debug, Clone)]
+pub struct StepFit {
+    prior: StepModel,
+    window: usize,
+    samples: VecDeque<(f64, f64)>,
+}
+
+impl StepFit {
+    /// Fits around `prior` (used as it is until the first observation, and for the slope
+    /// while the observed loads do not spread enough to determine one).
+    pub fn new(prior: StepModel, window: usize) -> StepFit {
+        StepFit {
+            prior,
+            window: window.max(1),
+            samples: VecDeque::new(),
+        }
+    }
+
+    /// One observation: steps ran at `step_ms` each while the most loaded rank held
+    /// `max_load` tokens. Non-finite or non-positive times are ignored.
+    pub fn observe(&mut self, max_load: u64, step_ms: f64) {
+        if !step_ms.is_finite() || step_ms <= 0.0 {
+            return;
+        }
+        if self.samples.len() == self.window {
+            self.samples.pop_front();
+        }
+        self.samples.push_back((max_load as f64, step_ms));
+    }
+
+    pub fn samples(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// The current model.
+    pub fn model(&self) -> StepModel {
+        let n = self.samples.len() as f64;
+        if n == 0.0 {
+            return self.prior;
+        }
+        let (sx, sy) = self
+            .samples
+            .iter()
+            .fold((0.0, 0.0), |(sx, sy), (x, y)| (sx + x, sy + y));
+        let (mx, my) = (sx / n, sy / n);
+        let (sxx, sxy) = self.samples.iter().fold((0.0, 0.0), |(sxx, sxy), (x, y)| {
+            (sxx + (x - mx) * (x - mx), sxy + (x - mx) * (y - my))
+        });
+        // The loads must spread by at least a few percent of their level (and 100 tokens)
+        // for the slope to mean anything; a negative slope is noise, not physics.
+        let spread = (sxx / n).sqrt();
+        if n >= 3.0 && spread >= (0.05 * mx).max(100.0) {
+            let a = sxy / sxx;
+            if a >= 0.0 && a.is_finite() {
+                return StepModel {
+                    a_ms_per_token: a,
+                    b_ms: my - a * mx,
+                };
+            }
+        }
+        let a = self.prior.a_ms_per_token;
+        StepModel {
+            a_ms_per_token: a,
+            b_ms: my - a * mx,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_observations_the_prior_holds() {
+        let f = StepFit::new(StepModel::DEFAULT, 8);
+        assert_eq!(f.model(), StepModel::DEFAULT);
+        assert_eq!(StepModel::DEFAULT.step_ms(10_000), 32.0);
+    }
+
+    #[test]
+    fn spread_loads_recover_the_line() {
+        let mut f = StepFit::new(StepModel::DEFAULT, 64);
+        for x in [1_000u64, 5_000, 20_000, 40_000] {
+            f.observe(x, 5e-4 * x as f64 + 12.0);
+        }
+        let m = f.model();
+        assert!((m.a_ms_per_token - 5e-4).abs() < 1e-9, "{m:?}");
+        assert!((m.b_ms - 12.0).abs() < 1e-6, "{m:?}");
+    }
+
+    #[test]
+    fn a_steady_load_fits_the_level_with_the_prior_slope() {
+        let mut f = StepFit::new(StepModel::DEFAULT, 64);
+        for _ in 0..10 {
+            f.observe(2_000, 40.0);
+        }
+        let m = f.model();
+        assert_eq!(m.a_ms_per_token, StepModel::DEFAULT.a_ms_per_token);
+        assert!((m.step_ms(2_000) - 40.0).abs() < 1e-9, "{m:?}");
+    }
+
+    #[test]
+    fn the_window_forgets_old_observations_and_bad_ones_are_ignored() {
+        let mut f = StepFit::new(StepModel::DEFAULT, 2);
+        f.observe(100, 500.0);
+        f.observe(100, 20.0);
+        f.observe(100, 20.0);
+        f.observe(100, f64::NAN);
+        f.observe(100, -1.0);
+        assert_eq!(f.samples(), 2);
+        assert!((f.model().step_ms(100) - 20.0).abs() < 1e-9);
+        // Never below the floor, whatever the fit says.
+        let odd = StepModel {
+            a_ms_per_token: 0.0,
+            b_ms: -5.0,
+        };
+        assert_eq!(odd.step_ms(0), StepModel::MIN_STEP_MS);
+    }
+}
