@@ -218,8 +218,10 @@ async fn watchers(
     // ended the ones it ended (a stream still open after what it holds is "open").
     let outcomes = futures::stream::iter(streams)
         .map(|mut s| async move {
+            // A stream the server kept open goes on with progress marks: give each 3 s.
+            let end = tokio::time::Instant::now() + Duration::from_secs(3);
             loop {
-                match tokio::time::timeout(Duration::from_secs(2), s.message()).await {
+                match tokio::time::timeout_at(end, s.message()).await {
                     Err(_) => return "open".to_owned(),
                     Ok(Ok(Some(_))) => {}
                     Ok(Ok(None)) => return "ended ok".to_owned(),
