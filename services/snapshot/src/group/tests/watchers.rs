@@ -198,7 +198,10 @@ fn a_watcher_over_its_bytes_is_ended_and_its_queue_freed_while_readers_keep_up()
     let biggest = sizes.iter().copied().max().unwrap();
     assert!(biggest < 1024, "deltas of {biggest} bytes");
     // Ended by the first event pushed at or over the bound: what it held plus that event.
-    assert!(o.bytes > 4096 && o.bytes < 4096 + 2 * (biggest + 16), "{o:?}");
+    assert!(
+        o.bytes > 4096 && o.bytes < 4096 + 2 * (biggest + 16),
+        "{o:?}"
+    );
     let refused = |reason: &str| m.refused_count(reason);
     assert_eq!(refused("watcher_queue_bytes"), 1);
 }
