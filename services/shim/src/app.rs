@@ -69,7 +69,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         flag: "--upstream",
         value: args.upstream.clone(),
         reason: e.to_string(),
-    })?;
+    })?
+    .with_limits(args.max_body_bytes, args.max_concurrent_requests);
     let readiness = Readiness::default();
     let admin = skeleton::start_admin(
         &args.common,

@@ -10,6 +10,11 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8100";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9064";
 pub const DEFAULT_UPSTREAM: &str = "http://127.0.0.1:8000";
 pub const DEFAULT_INGEST_ADDR: &str = "http://127.0.0.1:50062";
+/// Default largest request body (a 128k-token prompt as token ids is ~1 MB of JSON).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+/// Default requests proxied at once (a rank runs at most `--capacity`, 256 by default; the
+/// rest are queued in the engine, not here).
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
 
 /// br-shim: forwards an OpenAI-compatible decode rank's traffic untouched and reports each
 /// request's token progress to BalanceRoute's ingest.
@@ -43,6 +48,12 @@ pub struct Args {
     /// did not ask for; `false` for engines that reject stream_options (then chunks are counted).
     #[arg(long, env = "BALANCEROUTE_INJECT_USAGE", default_value_t = true, action = clap::ArgAction::Set)]
     pub inject_usage: bool,
+    /// Largest request body accepted; a larger one is answered 413 with a JSON error.
+    #[arg(long, env = "BALANCEROUTE_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Requests proxied at once; one more is answered 503 with a JSON error (retry).
+    #[arg(long, env = "BALANCEROUTE_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
+    pub max_concurrent_requests: usize,
 }
 
 impl ServiceArgs for Args {
@@ -75,6 +86,12 @@ impl Validate for Args {
                 self.worker_id,
                 limits::MAX_WORKER_ID
             ));
+        }
+        if !(1024..=1 << 30).contains(&self.max_body_bytes) {
+            return Err("--max-body-bytes must be in 1024..=2^30".into());
+        }
+        if !(1..=1_000_000).contains(&self.max_concurrent_requests) {
+            return Err("--max-concurrent-requests must be in 1..=1000000".into());
         }
         if self.capacity == 0 {
             return Err("--capacity must be at least 1".into());

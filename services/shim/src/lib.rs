@@ -38,8 +38,7 @@ pub use config::Args;
 pub use metrics::ShimMetrics;
 pub use report::{NullSink, ProgressSink, RecordingSink, Report};
 
-/// Largest request body the shim reads to inspect (a long prompt as token ids fits easily).
-pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+pub use config::{DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS};
 
 /// The paths whose responses carry tokens.
 pub const GENERATION_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
@@ -53,6 +52,9 @@ pub struct Shim {
     /// `stream_options` (it does not support them): from then on the shim counts chunks.
     engine_takes_usage: AtomicBool,
     max_body: usize,
+    /// One permit per request in flight (held until its response body ends).
+    in_flight: Arc<tokio::sync::Semaphore>,
+    max_in_flight: usize,
     sink: Arc<dyn ProgressSink>,
     metrics: ShimMetrics,
 }
@@ -97,9 +99,21 @@ impl Shim {
             inject_usage,
             engine_takes_usage: AtomicBool::new(true),
             max_body: DEFAULT_MAX_BODY_BYTES,
+            in_flight: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_CONCURRENT_REQUESTS)),
+            max_in_flight: DEFAULT_MAX_CONCURRENT_REQUESTS,
             sink,
             metrics,
         })
+    }
+
+    /// The largest request body and the most requests at once (`--max-body-bytes`,
+    /// `--max-concurrent-requests`).
+    #[must_use]
+    pub fn with_limits(mut self, max_body: usize, max_in_flight: usize) -> Self {
+        self.max_body = max_body;
+        self.max_in_flight = max_in_flight;
+        self.in_flight = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
+        self
     }
 
     pub fn metrics(&self) -> &ShimMetrics {
@@ -143,6 +157,40 @@ fn forward_headers(from: &HeaderMap) -> HeaderMap {
     h
 }
 
+/// A refusal in the OpenAI error shape, counted under `reason`.
+fn refuse(shim: &Shim, status: StatusCode, reason: &str, msg: String) -> Response {
+    shim.metrics.refused.with_label_values(&[reason]).inc();
+    tracing::debug!(reason, %msg, "request refused");
+    let body = serde_json::json!({
+        "error": { "message": msg, "type": reason, "code": status.as_u16() }
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+fn too_large(shim: &Shim) -> Response {
+    refuse(
+        shim,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        format!(
+            "the request body is larger than the shim's --max-body-bytes {}",
+            shim.max_body
+        ),
+    )
+}
+
+/// A response body that holds a permit (a request in flight) until it ends or is dropped.
+fn holding(
+    permit: tokio::sync::OwnedSemaphorePermit,
+    s: impl Stream<Item = Result<Bytes, reqwest::Error>> + Send + 'static,
+) -> Body {
+    use futures::StreamExt as _;
+    Body::from_stream(s.map(move |c| {
+        let _held = &permit;
+        c
+    }))
+}
+
 fn bad_gateway(msg: String) -> Response {
     let body = serde_json::json!({
         "object": "error",
@@ -169,11 +217,33 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         .path_and_query()
         .map_or_else(|| req.uri().path().to_owned(), |p| p.as_str().to_owned());
     let url = format!("{}{}", shim.upstream, path_q);
+    let Ok(permit) = Arc::clone(&shim.in_flight).try_acquire_owned() else {
+        return refuse(
+            &shim,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "concurrency",
+            format!(
+                "the shim is proxying --max-concurrent-requests {} requests; retry",
+                shim.max_in_flight
+            ),
+        );
+    };
+    // A declared length over the limit is refused before a byte is read.
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > shim.max_body as u64) {
+        return too_large(&shim);
+    }
     let (parts, body) = req.into_parts();
     let headers = forward_headers(&parts.headers);
 
     if !tracked {
-        let body = reqwest::Body::wrap_stream(body.into_data_stream());
+        // Not inspected, so streamed through, but no longer than the limit either.
+        let limited = http_body_util::Limited::new(body, shim.max_body);
+        let body = reqwest::Body::wrap_stream(http_body_util::BodyDataStream::new(limited));
         return match shim
             .client
             .request(parts.method, &url)
@@ -187,7 +257,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
                 if let Some(h) = out.headers_mut() {
                     *h = forward_headers(resp.headers());
                 }
-                out.body(Body::from_stream(resp.bytes_stream()))
+                out.body(holding(permit, resp.bytes_stream()))
                     .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
             }
             Err(e) => bad_gateway(format!("upstream: {e}")),
@@ -197,11 +267,13 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     let raw = match axum::body::to_bytes(body, shim.max_body).await {
         Ok(b) => b,
         Err(e) => {
-            return (
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body: {e}\n"),
-            )
-                .into_response();
+            return if std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+            {
+                too_large(&shim)
+            } else {
+                (StatusCode::BAD_REQUEST, format!("request body: {e}\n")).into_response()
+            };
         }
     };
     let header_id = parts
@@ -259,6 +331,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
 
     if status.is_success() && stream && is_sse {
         let body = Tracked {
+            _permit: permit,
             upstream: Box::pin(resp.bytes_stream()),
             splitter: sse::EventSplitter::default(),
             strip,
@@ -437,6 +510,8 @@ impl Drop for Track {
 
 /// The client's body: the engine's stream, observed and (if needed) trimmed.
 struct Tracked {
+    /// This request's place among `--max-concurrent-requests`, until the stream ends.
+    _permit: tokio::sync::OwnedSemaphorePermit,
     upstream: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
     splitter: sse::EventSplitter,
     strip: Option<Strip>,

@@ -14,6 +14,8 @@ pub struct ShimMetrics {
     pub reports: IntCounter,
     /// 1 while the telemetry stream to ingest is up.
     pub ingest_connected: IntGauge,
+    /// Requests refused for a limit, by `reason` (`body_too_large`, `concurrency`).
+    pub refused: prometheus::IntCounterVec,
 }
 
 impl ShimMetrics {
@@ -40,7 +42,18 @@ impl ShimMetrics {
                 "balanceroute_shim_ingest_connected",
                 "1 while the telemetry stream to ingest is connected.",
             ))?,
+            refused: prometheus::IntCounterVec::new(
+                Opts::new(
+                    "balanceroute_shim_refused_total",
+                    "Requests refused for a limit (413 body too large, 503 too many at once), by limit.",
+                ),
+                &["reason"],
+            )?,
         };
+        for r in ["body_too_large", "concurrency"] {
+            m.refused.with_label_values(&[r]);
+        }
+        registry.register(Box::new(m.refused.clone()))?;
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.active.clone()))?;
         registry.register(Box::new(m.tokens.clone()))?;

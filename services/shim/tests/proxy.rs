@@ -330,7 +330,7 @@ async fn exports_every_contract_metric() {
     .unwrap();
     let m = br_testkit::http::metrics(admin.local_addr()).await;
     let names = m.assert_contract("shim");
-    assert_eq!(names.len(), 5);
+    assert_eq!(names.len(), 6);
     assert_eq!(m.value("balanceroute_shim_tokens_total", &[]), 3.0);
     assert_eq!(m.value("balanceroute_shim_active_requests", &[]), 0.0);
     s.close().await;
@@ -687,4 +687,105 @@ mod wiring {
             "{err}"
         );
     }
+}
+
+/// A shim with `--max-body-bytes 4096 --max-concurrent-requests 1` in front of a slow engine.
+async fn limited_shim(engine: &EngineServer, registry: &prometheus::Registry) -> SocketAddr {
+    let shim = Shim::new(
+        &format!("http://{}", engine.addrs.ranks[0]),
+        true,
+        Arc::new(RecordingSink::default()) as Arc<dyn ProgressSink>,
+        ShimMetrics::new(registry).unwrap(),
+    )
+    .unwrap()
+    .with_limits(4096, 1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, br_shim::router(Arc::new(shim))).await });
+    addr
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_and_one_request_too_many_is_503_both_typed() {
+    let stop = CancellationToken::new();
+    let engine = engine(1.0, &stop).await;
+    let registry = prometheus::Registry::new();
+    let base = format!("http://{}", limited_shim(&engine, &registry).await);
+    let client = reqwest::Client::new();
+    let error_type = |b: &[u8]| {
+        let v: Value = serde_json::from_slice(b).unwrap();
+        v["error"]["type"].as_str().unwrap().to_owned()
+    };
+    // Declared too long, and streamed (chunked, no length) too long: 413, JSON, typed.
+    let big = json!({"prompt": "x".repeat(5000), "stream": true});
+    let (status, body) = post(&base, "/v1/completions", "big-1", &big).await;
+    assert_eq!(status, 413);
+    assert_eq!(error_type(&body), "body_too_large");
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        (0..10).map(|_| Ok(vec![b' '; 1000])).collect();
+    let resp = client
+        .post(format!("{base}/v1/chat/completions"))
+        .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 413);
+    assert_eq!(error_type(&resp.bytes().await.unwrap()), "body_too_large");
+
+    // One request streaming (its first chunk read: it holds the only place) ...
+    let slow = json!({"model": "br-emu", "prompt": "x", "max_tokens": 40, "stream": true});
+    let first = client
+        .post(format!("{base}/v1/completions"))
+        .json(&slow)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status().as_u16(), 200);
+    let mut first = first.bytes_stream();
+    first.next().await.unwrap().unwrap();
+    // ... so the next is 503, typed; other paths too.
+    let (status, body) = post(&base, "/v1/completions", "c-2", &slow).await;
+    assert_eq!(status, 503);
+    assert_eq!(error_type(&body), "concurrency");
+    let other = client
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status().as_u16(), 503);
+    // Once the first ends its place is free again.
+    while let Some(chunk) = first.next().await {
+        chunk.unwrap();
+    }
+    let (status, _) = post(
+        &base,
+        "/v1/completions",
+        "c-3",
+        &json!({"prompt": "x", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200);
+
+    let m = br_testkit::prom::Metrics::parse(
+        &prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        m.value(
+            "balanceroute_shim_refused_total",
+            &[("reason", "body_too_large")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        m.value(
+            "balanceroute_shim_refused_total",
+            &[("reason", "concurrency")]
+        ),
+        2.0
+    );
+    stop.cancel();
+    engine.shutdown().await;
 }

@@ -18,6 +18,14 @@ pub const DEFAULT_WORKER_GRACE: &str = "5s";
 pub const DEFAULT_PROGRESS_INTERVAL: &str = "250ms";
 /// Default events queued per watcher before it counts as slow.
 pub const DEFAULT_WATCHER_QUEUE: usize = 1024;
+/// Default bytes queued per watcher before it is ended: decision's largest Watch message
+/// (64 MiB), so a watcher that reads can always be sent one full snapshot and keep up after it.
+pub const DEFAULT_WATCHER_QUEUE_BYTES: usize = 64 * 1024 * 1024;
+/// Default number of groups held at once (a deployment has a handful; each costs ~10 KB and
+/// 20 metric series).
+pub const DEFAULT_MAX_GROUPS: usize = 1024;
+/// Default time an idle group is kept.
+pub const DEFAULT_GROUP_IDLE_GRACE: &str = "60s";
 
 /// br-snapshot: the single writer of σ per group; serves Snapshot (Watch, Get, Apply, Reserve,
 /// Release).
@@ -48,6 +56,20 @@ pub struct Args {
     /// Events queued per watcher; a watcher whose queue overflows is reset (SLOW_CONSUMER).
     #[arg(long, env = "BALANCEROUTE_WATCHER_QUEUE", default_value_t = DEFAULT_WATCHER_QUEUE)]
     pub watcher_queue: usize,
+
+    /// Bytes queued per watcher (encoded events its stream has not taken); a watcher past it
+    /// is ended with RESOURCE_EXHAUSTED (it re-syncs from a snapshot when it comes back).
+    #[arg(long, env = "BALANCEROUTE_WATCHER_QUEUE_BYTES", default_value_t = DEFAULT_WATCHER_QUEUE_BYTES)]
+    pub watcher_queue_bytes: usize,
+
+    /// Groups held at once; a Watch or Apply naming a new group beyond it is refused with
+    /// RESOURCE_EXHAUSTED until an idle group is reclaimed.
+    #[arg(long, env = "BALANCEROUTE_MAX_GROUPS", default_value_t = DEFAULT_MAX_GROUPS)]
+    pub max_groups: usize,
+
+    /// A group with no live worker, request or watcher is forgotten after this long.
+    #[arg(long, env = "BALANCEROUTE_GROUP_IDLE_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_GROUP_IDLE_GRACE)]
+    pub group_idle_grace: Duration,
 }
 
 impl Args {
@@ -59,6 +81,9 @@ impl Args {
             worker_grace: self.worker_grace,
             progress_interval: self.progress_interval,
             watcher_queue: self.watcher_queue,
+            watcher_queue_bytes: self.watcher_queue_bytes,
+            max_groups: self.max_groups,
+            group_idle_grace: self.group_idle_grace,
         }
     }
 }
@@ -90,8 +115,15 @@ impl Validate for Args {
         if !(2..=1_000_000).contains(&self.watcher_queue) {
             return Err("--watcher-queue must be in 2..=1000000".into());
         }
+        if !(1024..=1 << 40).contains(&self.watcher_queue_bytes) {
+            return Err("--watcher-queue-bytes must be in 1024..=2^40".into());
+        }
+        if !(1..=1_000_000).contains(&self.max_groups) {
+            return Err("--max-groups must be in 1..=1000000".into());
+        }
         let ms = Duration::from_millis;
         let hour = Duration::from_secs(3600);
+        in_range("group-idle-grace", self.group_idle_grace, ms(1), 24 * hour)?;
         in_range("reservation-ttl", self.reservation_ttl, ms(1), hour)?;
         in_range("worker-grace", self.worker_grace, ms(1), hour)?;
         in_range(
@@ -124,6 +156,9 @@ mod tests {
         assert_eq!(a.worker_grace, Duration::from_secs(5));
         assert_eq!(a.progress_interval, Duration::from_millis(250));
         assert_eq!(a.watcher_queue, 1024);
+        assert_eq!(a.watcher_queue_bytes, 64 << 20);
+        assert_eq!(a.max_groups, 1024);
+        assert_eq!(a.group_idle_grace, Duration::from_secs(60));
         assert_eq!(
             br_runtime::config::check_env_names(&Args::command()),
             Ok(())
@@ -145,6 +180,12 @@ mod tests {
         assert_eq!(a.settings().history, 8);
         assert!(parse(&["--history", "0"]).is_err());
         assert!(parse(&["--watcher-queue", "1"]).is_err());
+        assert!(parse(&["--max-groups", "0"]).is_err());
+        assert!(parse(&["--watcher-queue-bytes", "10"]).is_err());
+        assert!(parse(&["--group-idle-grace", "0s"]).is_err());
+        let a = parse(&["--max-groups", "8", "--group-idle-grace", "50ms"]).unwrap();
+        assert_eq!(a.settings().max_groups, 8);
+        assert_eq!(a.settings().group_idle_grace, Duration::from_millis(50));
         assert!(parse(&["--worker-grace", "0s"]).is_err());
         assert!(parse(&["--progress-interval", "2h"]).is_err());
     }

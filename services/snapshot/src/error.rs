@@ -13,6 +13,16 @@ pub enum SnapshotError {
     /// The writer is gone: the service is shutting down.
     #[error("the snapshot service is shutting down")]
     ShuttingDown,
+    /// A new group beyond `--max-groups`.
+    #[error(
+        "group {group:?} is new and the service holds --max-groups {max} groups; retry once an idle one is reclaimed"
+    )]
+    TooManyGroups { group: String, max: usize },
+    /// The watcher's queue went over `--watcher-queue-bytes`: the stream is ended.
+    #[error(
+        "the watcher fell behind by {bytes} bytes, over --watcher-queue-bytes {max}; watch again to re-sync from a snapshot"
+    )]
+    WatcherTooSlow { bytes: usize, max: usize },
 }
 
 impl ServiceError for SnapshotError {
@@ -20,6 +30,9 @@ impl ServiceError for SnapshotError {
         match self {
             SnapshotError::Invalid(_) => tonic::Code::InvalidArgument,
             SnapshotError::ShuttingDown => tonic::Code::Unavailable,
+            SnapshotError::TooManyGroups { .. } | SnapshotError::WatcherTooSlow { .. } => {
+                tonic::Code::ResourceExhausted
+            }
         }
     }
 
@@ -27,6 +40,8 @@ impl ServiceError for SnapshotError {
         match self {
             SnapshotError::Invalid(e) => e.reason_label(),
             SnapshotError::ShuttingDown => "unavailable",
+            SnapshotError::TooManyGroups { .. } => "max_groups",
+            SnapshotError::WatcherTooSlow { .. } => "watcher_queue_bytes",
         }
     }
 }

@@ -29,6 +29,10 @@ pub const RESET_REASONS: &[&str] = &[
     "future_version",
 ];
 
+/// `reason` label values of `balanceroute_snapshot_refused_total`: the limit that refused a
+/// call or ended a stream.
+pub const REFUSED_REASONS: &[&str] = &["max_groups", "watcher_queue_bytes"];
+
 /// Every metric family of the service.
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -44,6 +48,9 @@ pub struct Metrics {
     reservations_expired: IntCounterVec,
     workers_fenced: IntCounterVec,
     rejected: IntCounterVec,
+    groups: IntGauge,
+    groups_reclaimed: IntCounter,
+    refused: IntCounterVec,
 }
 
 fn gauge(
@@ -139,10 +146,32 @@ impl Metrics {
                 "Rejected changes, reservations and calls, by reason",
                 &["reason"],
             )?,
+            groups: {
+                let g = IntGauge::new("balanceroute_snapshot_groups", "Groups held")?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
+            groups_reclaimed: {
+                let c = IntCounter::new(
+                    "balanceroute_snapshot_groups_reclaimed_total",
+                    "Idle groups forgotten after the idle grace",
+                )?;
+                r.register(Box::new(c.clone()))?;
+                c
+            },
+            refused: counter(
+                &r,
+                "balanceroute_snapshot_refused_total",
+                "Calls refused and Watch streams ended for a limit (RESOURCE_EXHAUSTED), by limit",
+                &["reason"],
+            )?,
             registry: r,
         };
         for reason in reject_reasons() {
             m.rejected.with_label_values(&[reason]);
+        }
+        for reason in REFUSED_REASONS {
+            m.refused.with_label_values(&[reason]);
         }
         Ok(m)
     }
@@ -154,6 +183,23 @@ impl Metrics {
     /// Counts one rejection.
     pub fn reject(&self, reason: &str) {
         self.rejected.with_label_values(&[reason]).inc();
+    }
+
+    /// Counts one call refused or stream ended for the limit `reason` (a [`REFUSED_REASONS`]).
+    pub fn refuse(&self, reason: &str) {
+        self.refused.with_label_values(&[reason]).inc();
+    }
+
+    /// How often the limit `reason` refused or ended something.
+    #[cfg(test)]
+    pub fn refused_count(&self, reason: &str) -> u64 {
+        self.refused.with_label_values(&[reason]).get()
+    }
+
+    /// How many groups are held, and how many were just reclaimed.
+    pub fn groups(&self, held: usize, reclaimed: usize) {
+        self.groups.set(i64::try_from(held).unwrap_or(i64::MAX));
+        self.groups_reclaimed.inc_by(reclaimed as u64);
     }
 
     /// The handles of one group (creates every series of the group at 0).
@@ -199,6 +245,38 @@ pub struct GroupMetrics {
 }
 
 impl GroupMetrics {
+    /// A watcher was ended: its queue went over its bytes.
+    pub fn watcher_over_bytes(&self) {
+        self.family.refuse("watcher_queue_bytes");
+    }
+
+    /// Removes every series of the group (it was reclaimed: an idle group's series must not
+    /// outlive it, or `/metrics` grows with every name ever used).
+    pub fn remove(&self) {
+        let f = &self.family;
+        let g = self.group.as_str();
+        // A series that is not there is fine: nothing to remove.
+        let _ = f.version.remove_label_values(&[g]);
+        let _ = f.batches_applied.remove_label_values(&[g]);
+        let _ = f.imbalance.remove_label_values(&[g]);
+        let _ = f.barrier_idle.remove_label_values(&[g]);
+        let _ = f.requests.remove_label_values(&[g, "reserved"]);
+        let _ = f.requests.remove_label_values(&[g, "active"]);
+        let _ = f.watchers.remove_label_values(&[g]);
+        for r in RESET_REASONS {
+            let _ = f.watch_resets.remove_label_values(&[g, r]);
+        }
+        let _ = f.reservations_expired.remove_label_values(&[g]);
+        let _ = f.workers_fenced.remove_label_values(&[g]);
+        for (id, w) in self.worker_load.iter().enumerate() {
+            if w.is_some() {
+                let _ = f
+                    .worker_load
+                    .remove_label_values(&[g, id.to_string().as_str()]);
+            }
+        }
+    }
+
     /// The families these handles belong to.
     pub fn family(&self) -> &Metrics {
         &self.family

@@ -68,10 +68,21 @@ impl Snapshot for SnapshotService {
             .writer
             .call(|reply| Command::Watch { req, reply })
             .await
-            .map_err(|e| self.fail(e))?
-            .ok_or_else(|| self.fail(SnapshotError::ShuttingDown))?;
-        // The writer ends the stream (drops the queue's sender) on shutdown.
-        let stream = ReceiverStream::new(rx).map(|ev| Ok(wire::watch_event(&ev)));
+            .and_then(|r| r)
+            .map_err(|e| self.fail(e))?;
+        // The writer ends the stream (drops the queue's sender) on shutdown; a queue that went
+        // over its bytes yields its overflow, which ends the stream RESOURCE_EXHAUSTED.
+        let stream = rx.map(|ev| match ev {
+            Ok(ev) => Ok(wire::watch_event(&ev)),
+            Err(o) => {
+                let e = SnapshotError::WatcherTooSlow {
+                    bytes: o.bytes,
+                    max: o.max_bytes,
+                };
+                tracing::debug!(error = %e, "Watch stream ended");
+                Err(e.into())
+            }
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -212,7 +223,7 @@ impl SnapshotService {
                 stream,
                 reply,
             })
-            .await?;
+            .await??;
         for (_, r) in &invalid {
             self.metrics.reject(r.label());
         }

@@ -2,8 +2,14 @@
 //! [`Command`]s from the gRPC handlers, each answered on a oneshot. It also runs the clock:
 //! reservation expiry, grace-period fencing, progress marks and lagging watchers, on a short
 //! periodic tick. Nothing else mutates σ, so there are no locks.
+//!
+//! It also bounds the groups: at most `max_groups` at once (a Watch or Apply naming a new one
+//! beyond is refused, RESOURCE_EXHAUSTED), and a group idle for `group_idle_grace` is
+//! forgotten. A group created again after that starts above every version the forgotten one
+//! reached, so no watcher's old (epoch, version) passes for a version of the new σ.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -16,7 +22,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::SnapshotError;
-use crate::group::{Applied, Event, Group, Reject, Released, Reserved, Settings, StreamId};
+use crate::group::{Applied, Group, Reject, Released, Reserved, Settings, StreamId, WatchQueue};
 use crate::metrics::Metrics;
 
 /// Commands queued towards the writer before handlers wait.
@@ -30,7 +36,8 @@ pub enum Command {
         /// The batch's valid changes, each with its index in the batch.
         changes: Vec<(usize, ValidTelemetryChange)>,
         stream: StreamId,
-        reply: oneshot::Sender<Applied>,
+        /// TooManyGroups for a new group beyond `max_groups`.
+        reply: oneshot::Sender<Result<Applied, SnapshotError>>,
     },
     StreamEnded {
         stream: StreamId,
@@ -50,8 +57,9 @@ pub enum Command {
     },
     Watch {
         req: ValidWatch,
-        /// None while the service shuts down.
-        reply: oneshot::Sender<Option<mpsc::Receiver<Event>>>,
+        /// ShuttingDown while the service shuts down, TooManyGroups for a new group beyond
+        /// `max_groups`.
+        reply: oneshot::Sender<Result<WatchQueue, SnapshotError>>,
     },
 }
 
@@ -126,6 +134,8 @@ pub fn spawn(
         epoch,
         stream_groups: HashMap::new(),
         draining: false,
+        next_version: 0,
+        at_max_groups: false,
     };
     let task = tokio::spawn(writer.run(rx, shutdown));
     (WriterHandle { tx, epoch }, task)
@@ -140,6 +150,10 @@ struct Writer {
     stream_groups: HashMap<StreamId, Vec<GroupId>>,
     /// Shutting down: no watchers.
     draining: bool,
+    /// Where a new group's σ starts: above every version a reclaimed group reached.
+    next_version: u64,
+    /// The last new group was refused for `max_groups` (logged once per episode).
+    at_max_groups: bool,
 }
 
 /// The wall clock in ms since the Unix epoch (0 before it).
@@ -170,24 +184,68 @@ impl Writer {
                     Some(cmd) => self.handle(cmd, Instant::now(), wall_ms()),
                     None => break,
                 },
-                _ = tick.tick() => {
-                    let now = Instant::now();
-                    for g in self.groups.values_mut() {
-                        g.tick(now);
-                    }
-                }
+                _ = tick.tick() => self.tick(Instant::now()),
             }
         }
         tracing::info!("snapshot writer stopped");
     }
 
-    /// The group named `name`, created at `now` if it is new.
-    fn group(&mut self, name: &GroupId, now: Instant) -> &mut Group {
-        let (settings, metrics, epoch) = (&self.settings, &self.metrics, self.epoch);
-        self.groups.entry(name.clone()).or_insert_with(|| {
-            tracing::info!(group = %name, "new group");
-            Group::new(name.as_str(), epoch, Arc::clone(settings), metrics, now)
-        })
+    /// What time does: every group's clock, then idle groups past the grace are forgotten.
+    fn tick(&mut self, now: Instant) {
+        let grace = self.settings.group_idle_grace;
+        let mut idle = Vec::new();
+        for (name, g) in &mut self.groups {
+            g.tick(now);
+            if g.is_idle() && g.idle_for(now) >= grace {
+                idle.push(name.clone());
+            }
+        }
+        for name in &idle {
+            if let Some(g) = self.groups.remove(name) {
+                self.next_version = self.next_version.max(g.version().saturating_add(1));
+                tracing::debug!(group = %name, version = g.version(), "idle group reclaimed");
+                g.retire();
+            }
+        }
+        if !idle.is_empty() {
+            self.metrics.groups(self.groups.len(), idle.len());
+        }
+    }
+
+    /// The group named `name`, created at `now` if it is new and there is room for it.
+    fn group(&mut self, name: &GroupId, now: Instant) -> Result<&mut Group, SnapshotError> {
+        let max = self.settings.max_groups;
+        let held = self.groups.len();
+        let (settings, metrics, epoch, version) =
+            (&self.settings, &self.metrics, self.epoch, self.next_version);
+        match self.groups.entry(name.clone()) {
+            Entry::Occupied(e) => Ok(e.into_mut()),
+            Entry::Vacant(_) if held >= max => {
+                metrics.refuse("max_groups");
+                if !std::mem::replace(&mut self.at_max_groups, true) {
+                    // Once per episode: a peer naming groups in a loop must not flood the log.
+                    tracing::warn!(group = %name, max_groups = max, "a new group was refused: the service holds --max-groups groups (further refusals are only counted until one is reclaimed)");
+                }
+                Err(SnapshotError::TooManyGroups {
+                    group: name.to_string(),
+                    max,
+                })
+            }
+            Entry::Vacant(e) => {
+                self.at_max_groups = false;
+                tracing::info!(group = %name, version, "new group");
+                metrics.groups(held + 1, 0);
+                let g = Group::starting_at(
+                    name.as_str(),
+                    epoch,
+                    version,
+                    Arc::clone(settings),
+                    metrics,
+                    now,
+                );
+                Ok(e.insert(g))
+            }
+        }
     }
 
     /// Answers one command at `now` (`wall_ms`: the wall clock, against which ingest's
@@ -200,11 +258,15 @@ impl Writer {
                 stream,
                 reply,
             } => {
-                let touched = self.stream_groups.entry(stream).or_default();
-                if !touched.contains(&group) {
-                    touched.push(group.clone());
+                let applied = self
+                    .group(&group, now)
+                    .map(|g| g.apply(changes, stream, now, wall_ms));
+                if applied.is_ok() {
+                    let touched = self.stream_groups.entry(stream).or_default();
+                    if !touched.contains(&group) {
+                        touched.push(group);
+                    }
                 }
-                let applied = self.group(&group, now).apply(changes, stream, now, wall_ms);
                 let _ = reply.send(applied);
             }
             Command::StreamEnded { stream } => {
@@ -249,10 +311,12 @@ impl Writer {
                 let _ = reply.send(self.groups.get(&group).map(Group::snapshot));
             }
             Command::Watch { req, reply } => {
-                let rx = (!self.draining).then(|| {
+                let rx = if self.draining {
+                    Err(SnapshotError::ShuttingDown)
+                } else {
                     self.group(&req.group, now)
-                        .subscribe(req.epoch, req.last_version)
-                });
+                        .map(|g| g.subscribe(req.epoch, req.last_version))
+                };
                 let _ = reply.send(rx);
             }
         }

@@ -10,7 +10,7 @@ use br_proto::v1::watch_event::Kind as Ev;
 use br_sigma::Sigma;
 use br_snapshot::{Args, Running};
 use br_testkit::apply::{ApplyStream, change, hello, progress as prog};
-use br_testkit::{Metrics, PATIENCE};
+use br_testkit::{Metrics, PATIENCE, eventually, within};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use v1::RejectReason as R;
@@ -810,5 +810,224 @@ async fn admin_exports_every_contract_metric_and_grpc_health_is_serving() {
             tonic_health::pb::health_check_response::ServingStatus::Serving as i32
         );
     }
+    server.stop().await;
+}
+
+/// The series of `name` whose `group` label is `group`.
+fn series_of_group(m: &Metrics, name: &str, group: &str) -> usize {
+    m.samples(name)
+        .filter(|s| s.labels.get("group").is_some_and(|g| g == group))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_beyond_max_groups_are_refused_and_idle_ones_reclaimed_with_their_series() {
+    let server = Server::start(&[
+        "--max-groups",
+        "4",
+        "--group-idle-grace",
+        "100ms",
+        "--worker-grace",
+        "50ms",
+    ])
+    .await;
+    // Four groups held: two by a watcher each, two by a worker each.
+    let mut held = Vec::new();
+    for g in ["w0", "w1"] {
+        let mut s = server.watch(g, 0, 0).await;
+        assert!(matches!(next(&mut s).await, Ev::Snapshot(_)));
+        held.push(s);
+    }
+    let mut ingest = server.ingest().await;
+    let first = ingest.send_ok("a0", vec![hello(0, 10, 4)]).await;
+    ingest.send_ok("a1", vec![hello(0, 10, 4)]).await;
+    let mut client = server.client.clone();
+    // A fifth name, by Watch and by Apply: RESOURCE_EXHAUSTED, typed and counted.
+    let refused = client
+        .watch(v1::WatchRequest {
+            group: "new".into(),
+            epoch: 0,
+            last_version: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(refused.message().contains("--max-groups 4"), "{refused:?}");
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(v1::ChangeBatch {
+        batch_seq: 1,
+        group: "new".into(),
+        changes: vec![hello(1, 10, 4)],
+    })
+    .await
+    .unwrap();
+    let mut acks = client
+        .apply(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let err = within(PATIENCE, "the Apply refusal", acks.message())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    // Get of an unknown group creates nothing.
+    assert_eq!(server.get("new").await.version, 0);
+    let m = server.metrics().await;
+    assert_eq!(m.value("balanceroute_snapshot_groups", &[]), 4.0);
+    assert_eq!(
+        m.value(
+            "balanceroute_snapshot_refused_total",
+            &[("reason", "max_groups")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        series_of_group(&m, "balanceroute_snapshot_version", "new"),
+        0
+    );
+
+    // The watchers go, the workers' stream ends (they are fenced after the grace): all four
+    // become idle and are reclaimed, their series with them; then a new name is served.
+    drop(held);
+    drop(ingest);
+    eventually(PATIENCE, "the four idle groups reclaimed", || async {
+        server
+            .metrics()
+            .await
+            .value("balanceroute_snapshot_groups_reclaimed_total", &[])
+            == 4.0
+    })
+    .await;
+    let m = server.metrics().await;
+    assert_eq!(m.value("balanceroute_snapshot_groups", &[]), 0.0);
+    for g in ["w0", "w1", "a0", "a1"] {
+        for name in [
+            "balanceroute_snapshot_version",
+            "balanceroute_snapshot_watchers",
+            "balanceroute_snapshot_worker_load_tokens",
+            "balanceroute_snapshot_requests",
+            "balanceroute_snapshot_watch_resets_total",
+        ] {
+            assert_eq!(series_of_group(&m, name, g), 0, "{name} of {g} outlived it");
+        }
+    }
+    let mut s = server.watch("new", 0, 0).await;
+    assert!(matches!(next(&mut s).await, Ev::Snapshot(_)));
+
+    // A reclaimed group named again starts above every version it served: a watcher that
+    // held a0's last version is reset, never taken as up to date with the new σ.
+    // Its last version: the Hello, then one version for SUSPECT and one for FENCED.
+    let old_version = first.version + 2;
+    let mut resumed = server.watch("a0", server.epoch(), old_version).await;
+    let Ev::Reset(r) = next(&mut resumed).await else {
+        panic!("a watcher of the forgotten a0 must be reset")
+    };
+    assert_eq!(r.reason, v1::ResetReason::HistoryTruncated as i32, "{r:?}");
+    let Ev::Snapshot(snap) = next(&mut resumed).await else {
+        panic!("a snapshot follows the reset")
+    };
+    assert!(
+        snap.version > old_version,
+        "{} <= {old_version}",
+        snap.version
+    );
+    assert!(snap.workers.is_empty());
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_that_never_reads_is_ended_resource_exhausted_and_the_others_follow() {
+    // Room for any number of events, 64 KiB of them: only the bytes can end the watcher.
+    let server = Server::start(&[
+        "--watcher-queue",
+        "1000000",
+        "--watcher-queue-bytes",
+        "65536",
+    ])
+    .await;
+    let mut ingest = server.ingest().await;
+    ingest
+        .send_ok("g", (0..8).map(|w| hello(w, 10, 256)).collect())
+        .await;
+    // A connection with a small HTTP/2 window, so the transport stops taking the watcher's
+    // events soon and they back up in its queue on the server.
+    let ch = Channel::from_shared(server.url.clone())
+        .unwrap()
+        .initial_stream_window_size(Some(16 * 1024))
+        .initial_connection_window_size(Some(16 * 1024))
+        .connect()
+        .await
+        .unwrap();
+    let mut stalled = SnapshotClient::new(ch)
+        .watch(v1::WatchRequest {
+            group: "g".into(),
+            epoch: 0,
+            last_version: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut reader = server.watch("g", 0, 0).await;
+    let mut replica: Option<Sigma> = None;
+    // σ moves (each batch a delta of 64 changes) until the stalled watcher is ended; the
+    // reader follows every delta meanwhile. Bounded in steps (64 KiB is ~40 deltas) and in
+    // time.
+    within(PATIENCE, "the stalled watcher ended for its bytes", async {
+        for step in 1..=100_000u32 {
+            let changes = (0..8)
+                .flat_map(|w| (0..8).map(move |r| prog(w, 10, &format!("w{w}-r{r}"), 100, step)))
+                .collect();
+            let ack = ingest.send_ok("g", changes).await;
+            loop {
+                match next(&mut reader).await {
+                    Ev::Snapshot(s) => replica = Some(Sigma::from_snapshot(&s).unwrap()),
+                    Ev::Delta(d) => replica.as_mut().unwrap().apply_delta(&d).unwrap(),
+                    Ev::Reset(r) => panic!("the reader was reset: {r:?}"),
+                    Ev::Progress(_) => {}
+                }
+                if replica.as_ref().is_some_and(|r| r.version() == ack.version) {
+                    break;
+                }
+            }
+            if step % 16 == 0
+                && server.metrics().await.value(
+                    "balanceroute_snapshot_refused_total",
+                    &[("reason", "watcher_queue_bytes")],
+                ) == 1.0
+            {
+                return;
+            }
+        }
+        panic!("100,000 deltas and the stalled watcher was never ended");
+    })
+    .await;
+    assert_eq!(replica.unwrap().to_snapshot(), server.get("g").await);
+    // The stalled watcher reads what its transport held, then RESOURCE_EXHAUSTED.
+    let status = within(PATIENCE, "the stalled watcher's end", async {
+        loop {
+            match stalled.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("ended without a status"),
+                Err(s) => return s,
+            }
+        }
+    })
+    .await;
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("--watcher-queue-bytes 65536"),
+        "{status:?}"
+    );
+    assert_eq!(
+        server
+            .metrics()
+            .await
+            .value("balanceroute_snapshot_watchers", &[("group", "g")]),
+        1.0
+    );
     server.stop().await;
 }

@@ -33,10 +33,17 @@ impl Sigma {
 
     /// An empty σ at version 0 of `epoch` (the snapshot service's store for a new group).
     pub fn with_epoch(group: impl Into<String>, epoch: u64) -> Sigma {
+        Sigma::with_epoch_at(group, epoch, 0)
+    }
+
+    /// An empty σ at `version` of `epoch`: the snapshot service's store for a group it held
+    /// before in this epoch and reclaimed, started above every version it served, so nobody's
+    /// replica of the old σ passes for a version of the new one.
+    pub fn with_epoch_at(group: impl Into<String>, epoch: u64, version: u64) -> Sigma {
         Sigma {
             group: group.into(),
             epoch,
-            version: 0,
+            version,
             workers: BTreeMap::new(),
             requests: FxHashMap::default(),
             ids: FxHashMap::default(),

@@ -37,6 +37,11 @@ pub(super) struct Presence {
 }
 
 impl Presence {
+    /// No worker's Hello is carried by a stream and no fence is pending.
+    pub(super) fn is_empty(&self) -> bool {
+        self.fences.is_empty() && self.hello_stream.is_empty()
+    }
+
     /// Applies one validated change into `b`. `seen` holds the requests this batch already
     /// reported (a request named twice in one batch is a DUPLICATE).
     pub(super) fn apply(

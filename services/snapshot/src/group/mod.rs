@@ -6,6 +6,7 @@
 //! * [`reserve`]: Reserve and Release, and the TTL of reservations.
 //! * [`watchers`]: subscribers with bounded queues (never waited on), the bounded delta
 //!   history, resets, catch-up deltas and snapshots, progress marks.
+//! * [`queue`]: one watcher's queue, bounded in events and in bytes.
 //!
 //! This module owns σ and the order of things: each operation opens one σ batch, lets the
 //! concern modules apply into it, commits it as at most one new version, then publishes the
@@ -16,6 +17,7 @@
 //! them into messages.
 
 mod apply;
+mod queue;
 mod reserve;
 mod watchers;
 
@@ -30,19 +32,19 @@ use br_proto::v1;
 use br_proto::valid::{RequestId, ValidReservation, ValidTelemetryChange};
 use br_sigma::{Batch, Delta, Liveness, Sigma, SigmaError};
 use rustc_hash::FxHashSet;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::metrics::{GroupMetrics, Metrics};
 use apply::{Arrival, Presence};
+pub use queue::{Overflow, Receiver as WatchQueue};
 use reserve::Reservations;
 use watchers::Watchers;
-pub use watchers::{Event, MERGE_MAX_CHANGES};
+pub use watchers::{Event, MERGE_MAX_CHANGES, event_bytes};
 
 /// Identifies one Apply stream (per process).
 pub type StreamId = u64;
 
-/// The tunables of a group (from the flags).
+/// The tunables of the groups (from the flags).
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// Deltas kept for resumption.
@@ -55,6 +57,13 @@ pub struct Settings {
     pub progress_interval: Duration,
     /// Events queued per watcher before it counts as slow.
     pub watcher_queue: usize,
+    /// Bytes queued per watcher before it is ended (RESOURCE_EXHAUSTED).
+    pub watcher_queue_bytes: usize,
+    /// Groups held at once; a new one beyond is refused (RESOURCE_EXHAUSTED).
+    pub max_groups: usize,
+    /// An idle group (no live worker, request, watcher or pending fence) is forgotten after
+    /// this long.
+    pub group_idle_grace: Duration,
 }
 
 impl Default for Settings {
@@ -65,6 +74,9 @@ impl Default for Settings {
             worker_grace: Duration::from_secs(5),
             progress_interval: Duration::from_millis(250),
             watcher_queue: crate::config::DEFAULT_WATCHER_QUEUE,
+            watcher_queue_bytes: crate::config::DEFAULT_WATCHER_QUEUE_BYTES,
+            max_groups: crate::config::DEFAULT_MAX_GROUPS,
+            group_idle_grace: Duration::from_secs(60),
         }
     }
 }
@@ -164,6 +176,8 @@ pub struct Group {
     reservations: Reservations,
     watchers: Watchers,
     metrics: GroupMetrics,
+    /// Since when the group has been idle (see [`Group::is_idle`]); None while it is not.
+    idle_since: Option<Instant>,
 }
 
 impl std::fmt::Debug for Group {
@@ -185,16 +199,51 @@ impl Group {
         metrics: &Metrics,
         now: Instant,
     ) -> Group {
+        Group::starting_at(name, epoch, 0, settings, metrics, now)
+    }
+
+    /// A new group whose σ starts at `version` (above every version of a group of the same
+    /// name this epoch held and reclaimed).
+    pub fn starting_at(
+        name: &str,
+        epoch: u64,
+        version: u64,
+        settings: Arc<Settings>,
+        metrics: &Metrics,
+        now: Instant,
+    ) -> Group {
         let mut g = Group {
-            sigma: Sigma::with_epoch(name, epoch),
+            sigma: Sigma::with_epoch_at(name, epoch, version),
             presence: Presence::default(),
             reservations: Reservations::new(settings.reservation_ttl),
             watchers: Watchers::new(&settings, now),
             settings,
             metrics: metrics.group(name),
+            idle_since: None,
         };
         g.observe();
         g
+    }
+
+    /// Nothing in the group needs it kept: every worker fenced (or none), no request, no
+    /// open watcher, no Apply stream carrying a Hello, no pending fence. Forgetting it then
+    /// loses only the fenced workers' records (a fenced incarnation never comes back).
+    pub fn is_idle(&self) -> bool {
+        self.sigma.request_count() == 0
+            && self.sigma.workers().all(|w| w.liveness == Liveness::Fenced)
+            && self.presence.is_empty()
+            && self.watchers.is_empty()
+    }
+
+    /// How long the group has been idle at `now` (as of its last tick).
+    pub fn idle_for(&self, now: Instant) -> Duration {
+        self.idle_since
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t))
+    }
+
+    /// Forgets the group: its metric series go (the caller drops it).
+    pub fn retire(self) {
+        self.metrics.remove();
     }
 
     pub fn sigma(&self) -> &Sigma {
@@ -228,6 +277,7 @@ impl Group {
         now: Instant,
         wall_ms: u64,
     ) -> Applied {
+        self.idle_since = None;
         let at = Arrival {
             stream,
             now,
@@ -266,6 +316,7 @@ impl Group {
     /// Commits reservations (validated by br-proto) as one version; each accepted or rejected
     /// (and counted) on its own.
     pub fn reserve(&mut self, reservations: Vec<ValidReservation>, now: Instant) -> Reserved {
+        self.idle_since = None;
         let mut b = self.sigma.batch();
         let (accepted, rejected) = self.reservations.reserve(&mut b, reservations, now);
         if let Some(d) = b.commit() {
@@ -308,6 +359,11 @@ impl Group {
         self.metrics.expired.inc_by(expired);
         self.metrics.fenced.inc_by(fenced);
         self.watchers.tick(&self.sigma, &self.metrics, now);
+        self.idle_since = if self.is_idle() {
+            Some(self.idle_since.unwrap_or(now))
+        } else {
+            None
+        };
     }
 
     /// Ends every watcher's stream (shutdown).
@@ -317,7 +373,8 @@ impl Group {
 
     /// Registers a watcher holding (epoch, last_version) and returns its queue, already
     /// holding what brings it up to date (see `Snapshot.Watch`).
-    pub fn subscribe(&mut self, epoch: u64, last_version: u64) -> mpsc::Receiver<Event> {
+    pub fn subscribe(&mut self, epoch: u64, last_version: u64) -> WatchQueue {
+        self.idle_since = None;
         self.watchers
             .subscribe(&self.sigma, &self.metrics, epoch, last_version)
     }

@@ -1,7 +1,8 @@
 //! Watchers: who follows σ, and what brings each one up to date.
 //!
-//! Owns the subscribers' bounded queues (never waited on: a full one makes its watcher lag,
-//! and it gets a SLOW_CONSUMER reset and a snapshot once it has room), the bounded history of
+//! Owns the subscribers' bounded queues (never waited on: one full in events makes its watcher
+//! lag, and it gets a SLOW_CONSUMER reset and a snapshot once it has room; one over its bytes
+//! ends the watcher with RESOURCE_EXHAUSTED, see `queue`), the bounded history of
 //! deltas a resuming watcher catches up from (merged into few messages), the reset that
 //! answers a position it cannot resume from, the cached snapshot of the current version, and
 //! progress marks after `progress_interval` without a delta. It never changes σ; it reads it.
@@ -12,11 +13,11 @@ use std::time::Duration;
 
 use br_proto::v1;
 use br_sigma::{Delta, Sigma};
-use tokio::sync::mpsc;
-use tokio::sync::mpsc::error::TrySendError;
+use prost::Message as _;
 use tokio::time::Instant;
 
 use super::Settings;
+use super::queue::{self, Push};
 use crate::metrics::GroupMetrics;
 
 /// What one watcher's queue carries; the Watch stream turns it into a `WatchEvent`
@@ -41,8 +42,22 @@ pub enum Event {
 /// resuming watcher gets a few bounded messages rather than thousands of small ones.
 pub const MERGE_MAX_CHANGES: usize = 4096;
 
+/// An event's encoded size as its Watch stream sends it (what a watcher's queue counts),
+/// computed once per event and shared by every watcher it goes to.
+pub fn event_bytes(ev: &Event) -> usize {
+    // The WatchEvent's own framing (field tags and lengths) is a few bytes.
+    const FRAMING: usize = 16;
+    FRAMING
+        + match ev {
+            Event::Snapshot(s) => s.encoded_len(),
+            Event::Delta(d) => d.encoded_len(),
+            Event::Progress { .. } => 24,
+            Event::Reset { detail, .. } => 24 + detail.len(),
+        }
+}
+
 struct WatcherSlot {
-    tx: mpsc::Sender<Event>,
+    tx: queue::Sender,
     /// Its queue overflowed: deltas are dropped for it until it has room for a reset and a
     /// snapshot.
     lagging: bool,
@@ -55,6 +70,8 @@ pub(super) struct Watchers {
     history_len: usize,
     /// Events queued per watcher before it lags.
     queue: usize,
+    /// Bytes queued per watcher before it is ended.
+    queue_bytes: usize,
     progress_interval: Duration,
     /// The snapshot event of the current version, built once for every watcher that needs it.
     snapshot: Option<Event>,
@@ -69,6 +86,7 @@ impl Watchers {
             history: VecDeque::new(),
             history_len: settings.history,
             queue: settings.watcher_queue,
+            queue_bytes: settings.watcher_queue_bytes,
             progress_interval: settings.progress_interval,
             snapshot: None,
             slots: Vec::new(),
@@ -94,7 +112,7 @@ impl Watchers {
         metrics: &GroupMetrics,
         epoch: u64,
         last_version: u64,
-    ) -> mpsc::Receiver<Event> {
+    ) -> queue::Receiver {
         use v1::ResetReason as R;
         let current = sigma.version();
         let mut initial: Vec<Event> = Vec::new();
@@ -107,7 +125,12 @@ impl Watchers {
         } else if last_version == current {
             None
         } else {
-            match self.catch_up(last_version) {
+            // A catch-up larger than the queue's bytes would end the watcher at once: a
+            // snapshot (always deliverable) replaces it.
+            match self
+                .catch_up(last_version)
+                .filter(|d| d.iter().map(event_bytes).sum::<usize>() <= self.queue_bytes)
+            {
                 Some(deltas) => {
                     initial = deltas;
                     None
@@ -124,10 +147,11 @@ impl Watchers {
         if epoch == 0 || reset.is_some() {
             initial.push(self.snapshot_event(sigma));
         }
-        let (tx, rx) = mpsc::channel(self.queue.max(2) + initial.len());
+        let (tx, rx) = queue::channel(self.queue.max(2) + initial.len(), self.queue_bytes);
         for ev in initial {
-            // Cannot fail: the channel was sized for it and nobody reads yet.
-            let _ = tx.try_send(ev);
+            // Cannot fail: the queue was sized for it and nobody reads yet.
+            let bytes = event_bytes(&ev);
+            let _ = tx.try_send(ev, bytes);
         }
         self.slots.push(WatcherSlot { tx, lagging: false });
         metrics.watchers.set(self.slots.len() as i64);
@@ -173,6 +197,11 @@ impl Watchers {
         metrics.watchers.set(self.slots.len() as i64);
     }
 
+    /// Every watcher is ended or gone, so the group may be idle.
+    pub(super) fn is_empty(&self) -> bool {
+        self.slots.iter().all(|w| w.tx.is_closed())
+    }
+
     /// The held deltas after `last_version`, merged into few events; None if not all held.
     fn catch_up(&self, last_version: u64) -> Option<Vec<Event>> {
         let first = delta_of(self.history.front()?)?.prev_version;
@@ -209,19 +238,24 @@ impl Watchers {
     }
 
     /// Sends `ev` to every watcher that is not lagging; one whose queue is full starts
-    /// lagging (it is never waited for), a closed one is dropped.
+    /// lagging (it is never waited for), one over its bytes is ended, a closed one is dropped.
     fn broadcast(&mut self, ev: &Event, metrics: &GroupMetrics) {
+        let bytes = event_bytes(ev);
         self.slots.retain_mut(|w| {
             if w.lagging {
                 return !w.tx.is_closed();
             }
-            match w.tx.try_send(ev.clone()) {
-                Ok(()) => true,
-                Err(TrySendError::Full(_)) => {
+            match w.tx.try_send(ev.clone(), bytes) {
+                Push::Queued => true,
+                Push::Full => {
                     w.lagging = true;
                     true
                 }
-                Err(TrySendError::Closed(_)) => false,
+                Push::Ended => {
+                    metrics.watcher_over_bytes();
+                    false
+                }
+                Push::Closed => false,
             }
         });
         metrics.watchers.set(self.slots.len() as i64);
@@ -230,13 +264,15 @@ impl Watchers {
     /// A lagging watcher with room for two events gets a SLOW_CONSUMER reset and a fresh
     /// snapshot, and follows deltas again.
     fn serve_lagging(&mut self, sigma: &Sigma, metrics: &GroupMetrics) {
-        if !self.slots.iter().any(|w| w.lagging && w.tx.capacity() >= 2) {
+        if !self.slots.iter().any(|w| w.lagging && w.tx.room() >= 2) {
             return;
         }
         let snap = self.snapshot_event(sigma);
+        let snap_bytes = event_bytes(&snap);
         let mut resets = 0;
+        let mut ended = 0;
         for w in &mut self.slots {
-            if w.lagging && w.tx.capacity() >= 2 {
+            if w.lagging && w.tx.room() >= 2 {
                 resets += 1;
                 w.lagging = false;
                 let reset = reset_event(
@@ -244,12 +280,23 @@ impl Watchers {
                     sigma.epoch(),
                     "the watcher's queue overflowed; deltas were dropped".into(),
                 );
-                let _ = w.tx.try_send(reset);
-                let _ = w.tx.try_send(snap.clone());
+                let reset_bytes = event_bytes(&reset);
+                if w.tx.try_send(reset, reset_bytes) == Push::Ended
+                    || w.tx.try_send(snap.clone(), snap_bytes) == Push::Ended
+                {
+                    ended += 1;
+                }
             }
         }
         for _ in 0..resets {
             metrics.reset(v1::ResetReason::SlowConsumer);
+        }
+        for _ in 0..ended {
+            metrics.watcher_over_bytes();
+        }
+        if ended > 0 {
+            self.slots.retain(|w| !w.tx.is_closed());
+            metrics.watchers.set(self.slots.len() as i64);
         }
     }
 }

@@ -27,6 +27,7 @@ fn settings() -> Settings {
         worker_grace: Duration::from_secs(5),
         progress_interval: Duration::from_millis(250),
         watcher_queue: 4,
+        ..Settings::default()
     }
 }
 
@@ -106,10 +107,10 @@ fn load(g: &Group, w: u32) -> u64 {
 }
 
 /// What a watcher's queue holds, as its Watch stream sends it.
-fn drain(rx: &mut mpsc::Receiver<Event>) -> Vec<v1::WatchEvent> {
+fn drain(rx: &mut WatchQueue) -> Vec<v1::WatchEvent> {
     let mut out = Vec::new();
-    while let Ok(e) = rx.try_recv() {
-        out.push(wire::watch_event(&e));
+    while let Some(e) = rx.try_recv() {
+        out.push(wire::watch_event(&e.unwrap()));
     }
     out
 }

@@ -42,7 +42,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 struct Follower {
-    rx: mpsc::Receiver<Event>,
+    rx: WatchQueue,
     replica: Option<Sigma>,
     awaiting_snapshot: bool,
 }
@@ -50,7 +50,9 @@ struct Follower {
 impl Follower {
     fn read(&mut self, n: usize) {
         for _ in 0..n {
-            let Ok(ev) = self.rx.try_recv() else { return };
+            let Some(Ok(ev)) = self.rx.try_recv() else {
+                return;
+            };
             let ev = crate::wire::watch_event(&ev);
             match ev.kind.as_ref().unwrap() {
                 Ev::Snapshot(s) => {
@@ -88,6 +90,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         worker_grace: Duration::from_secs(2),
         progress_interval: Duration::from_millis(500),
         watcher_queue: 3,
+        ..Settings::default()
     });
     let mut now = start;
     let mut seq = 0;

@@ -137,3 +137,130 @@ fn progress_marks_when_idle() {
     };
     assert_eq!((p.epoch, p.version), (77, 0));
 }
+
+/// Drains a queue to its end: the events, then whether it ended on an overflow.
+fn drain_to_end(rx: &mut WatchQueue) -> (usize, Option<Overflow>) {
+    let mut n = 0;
+    while let Some(item) = rx.try_recv() {
+        match item {
+            Ok(_) => n += 1,
+            Err(o) => {
+                assert!(
+                    rx.try_recv().is_none(),
+                    "the overflow is the stream's last item"
+                );
+                return (n, Some(o));
+            }
+        }
+    }
+    (n, None)
+}
+
+#[test]
+fn a_watcher_over_its_bytes_is_ended_and_its_queue_freed_while_readers_keep_up() {
+    // Room for a million events but 4 KiB: only the bytes can end it.
+    let (mut g, now) = group_with(Settings {
+        watcher_queue: 1_000_000,
+        watcher_queue_bytes: 4096,
+        ..settings()
+    });
+    let m = g.metrics.family().clone();
+    let mut slow = g.subscribe(0, 0);
+    let mut reader = g.subscribe(0, 0);
+    g.apply_msgs(1, vec![hello(0, 10, 4096)], S1, now, 0);
+    let mut replica = None;
+    follow(&mut replica, &drain(&mut reader));
+    let mut sizes = Vec::new();
+    for i in 0..200u64 {
+        let changes = (0..8)
+            .map(|r| prog(0, 10, &format!("r{i}-{r}"), 10, 1, false))
+            .collect();
+        g.apply_msgs(i + 2, changes, S1, now, 0);
+        let evs = drain(&mut reader);
+        sizes.extend(evs.iter().map(prost::Message::encoded_len));
+        follow(&mut replica, &evs);
+    }
+    // The reader was never affected and holds σ.
+    assert_eq!(replica.unwrap().to_snapshot(), g.snapshot());
+    // The slow one was dropped by the group once over its bytes ...
+    assert_eq!(g.watcher_count(), 1);
+    // ... and what it reads now is a few events then the overflow: the events it was sent
+    // before it went over, nothing since (the queue was emptied when it overflowed).
+    let (n, overflow) = drain_to_end(&mut slow);
+    let o = overflow.expect("ended by its bytes");
+    assert_eq!(o.max_bytes, 4096);
+    assert_eq!(
+        n, 0,
+        "the overflow frees the queue: nothing queued is kept for it"
+    );
+    // Every delta is far below the bound, so it took many of them to go over: the bound is
+    // bytes, not events.
+    let biggest = sizes.iter().copied().max().unwrap();
+    assert!(biggest < 1024, "deltas of {biggest} bytes");
+    // Ended by the first event pushed at or over the bound: what it held plus that event.
+    assert!(
+        o.bytes > 4096 && o.bytes < 4096 + 2 * (biggest + 16),
+        "{o:?}"
+    );
+    let refused = |reason: &str| m.refused_count(reason);
+    assert_eq!(refused("watcher_queue_bytes"), 1);
+}
+
+#[test]
+fn a_snapshot_larger_than_the_bytes_still_reaches_a_watcher_that_reads() {
+    let (mut g, now) = group_with(Settings {
+        watcher_queue_bytes: 1024,
+        ..settings()
+    });
+    let hellos = (0..64).map(|w| hello(w, 10, 64)).collect();
+    g.apply_msgs(1, hellos, S1, now, 0);
+    let snapshot_bytes = event_bytes(&Event::Snapshot(Arc::new(g.snapshot())));
+    assert!(snapshot_bytes > 1024, "{snapshot_bytes}");
+    // From a version it cannot resume from: a reset, then the whole (oversized) snapshot.
+    let mut w = g.subscribe(5, 0);
+    let evs = drain(&mut w);
+    assert!(matches!(evs[0].kind, Some(Ev::Reset(_))));
+    let mut replica = None;
+    follow(&mut replica, &evs);
+    assert_eq!(replica.unwrap().to_snapshot(), g.snapshot());
+    // It keeps following.
+    g.apply_msgs(2, vec![prog(3, 10, "r", 10, 1, false)], S1, now, 0);
+    assert_eq!(drain(&mut w).len(), 1);
+    assert_eq!(g.watcher_count(), 1);
+}
+
+#[test]
+fn a_group_is_idle_only_with_no_live_worker_request_watcher_or_fence() {
+    let (mut g, now) = group_with(Settings {
+        worker_grace: Duration::from_millis(100),
+        ..settings()
+    });
+    let ms = Duration::from_millis;
+    g.tick(now);
+    assert!(g.is_idle());
+    assert_eq!(g.idle_for(now + ms(30)), ms(30));
+    // A watcher: not idle until it goes.
+    let w = g.subscribe(0, 0);
+    g.tick(now + ms(40));
+    assert!(!g.is_idle());
+    assert_eq!(g.idle_for(now + ms(50)), Duration::ZERO);
+    drop(w);
+    g.tick(now + ms(60));
+    assert!(g.is_idle());
+    // A worker on a stream: not idle; its stream ends: SUSPECT with a pending fence, still
+    // not idle; fenced after the grace: idle again.
+    g.apply_msgs(1, vec![hello(0, 10, 4)], S1, now + ms(70), 0);
+    g.tick(now + ms(70));
+    assert!(!g.is_idle());
+    g.apply_msgs(2, vec![prog(0, 10, "r", 10, 1, false)], S1, now + ms(80), 0);
+    g.stream_ended(S1, now + ms(90));
+    g.tick(now + ms(100));
+    assert!(!g.is_idle(), "a request and a pending fence");
+    g.tick(now + ms(300));
+    assert!(
+        g.sigma().request_count() == 0,
+        "the fence removed the request"
+    );
+    assert!(g.is_idle());
+    assert_eq!(g.idle_for(now + ms(400)), ms(100));
+}
