@@ -281,6 +281,7 @@ impl Forwarder {
                     batch_seq: link.sent + 1,
                     group: group.as_str().to_owned(),
                     changes: changes.iter().map(Change::to_wire).collect(),
+                    ingest_id: String::new(),
                 };
                 match link.tx.try_send(batch) {
                     Ok(()) => {

@@ -30,6 +30,8 @@ pub enum Command {
         /// The batch's valid changes, each with its index in the batch.
         changes: Vec<(usize, ValidTelemetryChange)>,
         stream: StreamId,
+        /// The sending ingest replica (ChangeBatch.ingest_id).
+        carrier: String,
         reply: oneshot::Sender<Applied>,
     },
     StreamEnded {
@@ -104,7 +106,8 @@ pub fn tick_period(s: &Settings) -> Duration {
     let shortest = s
         .progress_interval
         .min(s.reservation_ttl)
-        .min(s.worker_grace);
+        .min(s.worker_grace)
+        .min(s.carrier_grace);
     (shortest / 4).clamp(Duration::from_millis(1), Duration::from_millis(50))
 }
 
@@ -198,13 +201,16 @@ impl Writer {
                 group,
                 changes,
                 stream,
+                carrier,
                 reply,
             } => {
                 let touched = self.stream_groups.entry(stream).or_default();
                 if !touched.contains(&group) {
                     touched.push(group.clone());
                 }
-                let applied = self.group(&group, now).apply(changes, stream, now, wall_ms);
+                let applied = self
+                    .group(&group, now)
+                    .apply_from(changes, stream, &carrier, now, wall_ms);
                 let _ = reply.send(applied);
             }
             Command::StreamEnded { stream } => {
