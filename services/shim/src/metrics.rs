@@ -14,6 +14,9 @@ pub struct ShimMetrics {
     pub reports: IntCounter,
     /// 1 while the telemetry stream to ingest is up.
     pub ingest_connected: IntGauge,
+    /// Telemetry streams ended because the snapshot service refused the worker's changes
+    /// (each followed by a Hello of a new incarnation).
+    pub ingest_refusals: IntCounter,
 }
 
 impl ShimMetrics {
@@ -40,12 +43,17 @@ impl ShimMetrics {
                 "balanceroute_shim_ingest_connected",
                 "1 while the telemetry stream to ingest is connected.",
             ))?,
+            ingest_refusals: IntCounter::with_opts(Opts::new(
+                "balanceroute_shim_ingest_refusals_total",
+                "Telemetry streams ended because the snapshot service refused the worker's changes (each followed by a Hello of a new incarnation).",
+            ))?,
         };
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.active.clone()))?;
         registry.register(Box::new(m.tokens.clone()))?;
         registry.register(Box::new(m.reports.clone()))?;
         registry.register(Box::new(m.ingest_connected.clone()))?;
+        registry.register(Box::new(m.ingest_refusals.clone()))?;
         Ok(m)
     }
 }
