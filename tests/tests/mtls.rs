@@ -266,6 +266,7 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
     let g_snap = channel(&snap_url, pki.role(Role::Gateway), Some(Role::Snapshot)).await;
     let (tx, rx) = mpsc::channel(1);
     tx.send(v1::ChangeBatch {
+        ingest_id: String::new(),
         batch_seq: 1,
         group: GROUP.into(),
         changes: vec![],

@@ -63,6 +63,47 @@ pub struct Args {
     /// another group is refused with PERMISSION_DENIED.
     #[arg(long, env = "BALANCEROUTE_GROUPS", value_delimiter = ',')]
     pub groups: Vec<String>,
+
+    /// This replica's identity, sent on every Apply batch: σ records it as the carrier of the
+    /// workers whose streams it terminates (WorkerState.carrier). Default: the host name and
+    /// the process id (in Kubernetes, the pod name: set it from metadata.name). At most 128
+    /// bytes.
+    #[arg(long, env = "BALANCEROUTE_INGEST_ID")]
+    pub ingest_id: Option<String>,
+}
+
+/// Longest `--ingest-id` (the snapshot service's limit on a carrier).
+pub const MAX_INGEST_ID_BYTES: usize = 128;
+
+impl Args {
+    /// `--ingest-id`, or `<hostname>-<pid>` when it is not set.
+    pub fn ingest_id(&self) -> String {
+        match &self.ingest_id {
+            Some(id) => id.clone(),
+            None => default_ingest_id(),
+        }
+    }
+}
+
+/// `<hostname>-<pid>`: unique among replicas on distinct hosts, and among processes on one.
+fn default_ingest_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty() && !h.chars().any(char::is_control))
+        .unwrap_or_else(|| "ingest".into());
+    let mut id = format!("{host}-{}", std::process::id());
+    if id.len() > MAX_INGEST_ID_BYTES {
+        // keep the pid, which tells processes apart; cut the host name on a char boundary
+        let pid = format!("-{}", std::process::id());
+        let mut cut = MAX_INGEST_ID_BYTES - pid.len();
+        while !host.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        id = format!("{}{pid}", &host[..cut]);
+    }
+    id
 }
 
 impl ServiceArgs for Args {
@@ -113,6 +154,13 @@ impl Validate for Args {
         for g in &self.groups {
             GroupId::new(g).map_err(|e| format!("--groups: {e}"))?;
         }
+        if let Some(id) = &self.ingest_id
+            && (id.is_empty() || id.len() > MAX_INGEST_ID_BYTES || id.chars().any(char::is_control))
+        {
+            return Err(format!(
+                "--ingest-id must be 1..={MAX_INGEST_ID_BYTES} bytes without control characters"
+            ));
+        }
         Ok(())
     }
 }
@@ -133,6 +181,13 @@ mod tests {
         assert_eq!(a.batch_interval, Duration::from_millis(2));
         assert!(a.groups.is_empty());
         assert_eq!(check_env_names(&Args::command()), Ok(()));
+        let id = a.ingest_id();
+        assert!(
+            id.ends_with(&format!("-{}", std::process::id())) && id.len() <= MAX_INGEST_ID_BYTES,
+            "{id}"
+        );
+        let named: Args = parse_from(["br-ingest", "--ingest-id", "ingest-7f9c"]).unwrap();
+        assert_eq!(named.ingest_id(), "ingest-7f9c");
     }
 
     #[test]
@@ -176,6 +231,7 @@ mod tests {
             vec!["br-ingest", "--snapshot-addr", "127.0.0.1:1"],
             vec!["br-ingest", "--max-events-per-sec-per-stream", "0"],
             vec!["br-ingest", "--groups", ""],
+            vec!["br-ingest", "--ingest-id", ""],
         ] {
             assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
         }

@@ -48,6 +48,29 @@ pub enum StreamError {
         incarnation: u64,
         live: u64,
     },
+    /// The snapshot service refused a Hello of this worker: σ holds it LIVE as another
+    /// incarnation through another ingest replica (two shims with one --worker-id).
+    #[error(
+        "worker {worker_id} of group {group:?} is connected through another ingest replica ({detail}); this stream (incarnation {incarnation}) is refused and the live one is kept"
+    )]
+    ConnectedElsewhere {
+        group: String,
+        worker_id: u32,
+        incarnation: u64,
+        detail: String,
+    },
+    /// The snapshot service refused this worker's changes (`reason`: a stale incarnation, a
+    /// fenced or unknown worker): what this stream acknowledged may not be in σ.
+    #[error(
+        "the snapshot service refused the changes of worker {worker_id} of group {group:?} incarnation {incarnation} ({reason}: {detail}); say Hello again with a new incarnation and a full state"
+    )]
+    RefusedBySnapshot {
+        group: String,
+        worker_id: u32,
+        incarnation: u64,
+        reason: &'static str,
+        detail: String,
+    },
     /// The worker kept sending above its rate limit.
     #[error("rate limit exceeded for too long ({limit} progress events/s per stream)")]
     Flood { limit: u32 },
@@ -70,7 +93,10 @@ impl ServiceError for StreamError {
             StreamError::GroupNotAllowed(_) | StreamError::NotYourWorker { .. } => {
                 Code::PermissionDenied
             }
-            StreamError::AlreadyConnected { .. } => Code::AlreadyExists,
+            StreamError::AlreadyConnected { .. } | StreamError::ConnectedElsewhere { .. } => {
+                Code::AlreadyExists
+            }
+            StreamError::RefusedBySnapshot { .. } => Code::Aborted,
             StreamError::Flood { .. } | StreamError::MessageTooLarge(_) => Code::ResourceExhausted,
             StreamError::ShuttingDown => Code::Unavailable,
         }
@@ -85,6 +111,8 @@ impl ServiceError for StreamError {
             StreamError::NotYourWorker { .. } => "not_your_worker",
             StreamError::IdentityChanged { .. } => "identity_changed",
             StreamError::AlreadyConnected { .. } => "already_connected",
+            StreamError::ConnectedElsewhere { .. } => "connected_elsewhere",
+            StreamError::RefusedBySnapshot { .. } => "refused_by_snapshot",
             StreamError::Flood { .. } => "flood",
             StreamError::MessageTooLarge(_) => "message_too_large",
             StreamError::ShuttingDown => "shutting_down",
@@ -127,6 +155,25 @@ mod tests {
                 Code::AlreadyExists,
             ),
             (StreamError::Flood { limit: 5 }, Code::ResourceExhausted),
+            (
+                StreamError::ConnectedElsewhere {
+                    group: "g".into(),
+                    worker_id: 1,
+                    incarnation: 2,
+                    detail: "ingest-b".into(),
+                },
+                Code::AlreadyExists,
+            ),
+            (
+                StreamError::RefusedBySnapshot {
+                    group: "g".into(),
+                    worker_id: 1,
+                    incarnation: 2,
+                    reason: "stale_incarnation",
+                    detail: "x".into(),
+                },
+                Code::Aborted,
+            ),
             (
                 StreamError::WorkerIdOutOfRange {
                     worker_id: 9,

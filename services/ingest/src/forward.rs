@@ -20,13 +20,14 @@ use br_proto::valid::GroupId;
 use br_runtime::admin::Readiness;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::change::Change;
 use crate::coalesce::{Coalescer, into_batches};
 use crate::metrics::Metrics;
-use crate::registry::Registry;
+use crate::registry::{Refusal, Registry};
 
 /// Most changes in one ChangeBatch (keeps each message well under 4 MiB).
 pub const MAX_CHANGES_PER_BATCH: usize = 4096;
@@ -54,6 +55,8 @@ pub struct ForwarderConfig {
     pub snapshot_addr: String,
     pub batch_interval: Duration,
     pub max_buffered: usize,
+    /// This replica's identity (`--ingest-id`), sent on every batch.
+    pub ingest_id: String,
     /// Mutual TLS to the snapshot service (as the ingest role), when configured.
     pub tls: Option<Arc<br_trust::TlsMaterial>>,
 }
@@ -67,9 +70,17 @@ pub struct ForwarderHandle {
     pub connected: Arc<AtomicBool>,
 }
 
+/// Per change of a sent batch, the worker it is about: `Some((worker_id, incarnation))` for
+/// changes of a live stream (Hello, progress, full state), `None` for a disconnect (its stream
+/// is gone; a refusal of it ends nothing).
+type BatchWorkers = Vec<Option<(u32, u64)>>;
+
+/// A batch on its way to the link, with what the link needs to relay refusals.
+type Outgoing = (v1::ChangeBatch, BatchWorkers);
+
 enum LinkEvent {
     Up {
-        tx: mpsc::Sender<v1::ChangeBatch>,
+        tx: mpsc::Sender<Outgoing>,
         acked: Arc<AtomicU64>,
     },
     NewEpoch(u64),
@@ -77,7 +88,7 @@ enum LinkEvent {
 }
 
 struct Link {
-    tx: mpsc::Sender<v1::ChangeBatch>,
+    tx: mpsc::Sender<Outgoing>,
     acked: Arc<AtomicU64>,
     sent: u64,
 }
@@ -104,6 +115,7 @@ pub fn spawn(
         endpoint,
         cfg.tls.clone(),
         ev_tx,
+        registry.clone(),
         metrics.clone(),
         shutdown.clone(),
     ));
@@ -116,6 +128,7 @@ pub fn spawn(
         metrics,
         readiness,
         connected: connected.clone(),
+        ingest_id: cfg.ingest_id.clone(),
     };
     let task = tokio::spawn(async move {
         fwd.run(in_rx, ev_rx, cfg.batch_interval, shutdown).await;
@@ -140,6 +153,7 @@ struct Forwarder {
     metrics: Metrics,
     readiness: Readiness,
     connected: Arc<AtomicBool>,
+    ingest_id: String,
 }
 
 impl Forwarder {
@@ -281,8 +295,16 @@ impl Forwarder {
                     batch_seq: link.sent + 1,
                     group: group.as_str().to_owned(),
                     changes: changes.iter().map(Change::to_wire).collect(),
+                    ingest_id: self.ingest_id.clone(),
                 };
-                match link.tx.try_send(batch) {
+                let workers = changes
+                    .iter()
+                    .map(|c| match c {
+                        Change::Disconnected { .. } => None,
+                        c => Some(c.worker()),
+                    })
+                    .collect();
+                match link.tx.try_send((batch, workers)) {
                     Ok(()) => {
                         link.sent += 1;
                         self.metrics.batches_sent.inc();
@@ -306,6 +328,7 @@ async fn run_link(
     endpoint: tonic::transport::Endpoint,
     tls: Option<Arc<br_trust::TlsMaterial>>,
     events: mpsc::Sender<LinkEvent>,
+    registry: Registry,
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
@@ -315,7 +338,7 @@ async fn run_link(
             return;
         }
         let up = tokio::select! {
-            r = one_link(&endpoint, tls.as_ref(), &events, &metrics) => r,
+            r = one_link(&endpoint, tls.as_ref(), &events, &registry, &metrics) => r,
             () = shutdown.cancelled() => return,
         };
         if up {
@@ -336,6 +359,7 @@ async fn one_link(
     endpoint: &tonic::transport::Endpoint,
     tls: Option<&Arc<br_trust::TlsMaterial>>,
     events: &mpsc::Sender<LinkEvent>,
+    registry: &Registry,
     metrics: &Metrics,
 ) -> bool {
     let snapshot = Some(br_trust::Role::Snapshot);
@@ -349,8 +373,16 @@ async fn one_link(
     let mut client = v1::snapshot_client::SnapshotClient::new(channel)
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX);
-    let (tx, rx) = mpsc::channel(LINK_QUEUE);
-    let mut acks = match client.apply(ReceiverStream::new(rx)).await {
+    let (tx, rx) = mpsc::channel::<Outgoing>(LINK_QUEUE);
+    // What each unacknowledged batch is about, recorded as tonic takes it off the queue (at
+    // most MAX_INFLIGHT + LINK_QUEUE entries: the forwarder stops at MAX_INFLIGHT unacked).
+    let sent: Arc<std::sync::Mutex<VecDeque<(u64, String, BatchWorkers)>>> = Arc::default();
+    let record = sent.clone();
+    let outgoing = ReceiverStream::new(rx).map(move |(batch, workers)| {
+        lock(&record).push_back((batch.batch_seq, batch.group.clone(), workers));
+        batch
+    });
+    let mut acks = match client.apply(outgoing).await {
         Ok(r) => r.into_inner(),
         Err(status) => {
             tracing::warn!(%status, "Snapshot.Apply refused");
@@ -373,9 +405,22 @@ async fn one_link(
         match acks.message().await {
             Ok(Some(ack)) => {
                 acked.fetch_max(ack.batch_seq, Ordering::Relaxed);
+                let about = {
+                    let mut sent = lock(&sent);
+                    while sent.front().is_some_and(|(seq, _, _)| *seq < ack.batch_seq) {
+                        sent.pop_front();
+                    }
+                    sent.front()
+                        .is_some_and(|(seq, _, _)| *seq == ack.batch_seq)
+                        .then(|| sent.pop_front())
+                        .flatten()
+                };
                 if !ack.rejected.is_empty() {
                     metrics.snapshot_rejected.inc_by(ack.rejected.len() as u64);
                     tracing::debug!(batch = ack.batch_seq, rejected = ?ack.rejected, "snapshot rejected changes");
+                    if let Some((_, group, workers)) = about {
+                        relay_refusals(registry, &group, &workers, &ack.rejected);
+                    }
                 }
                 if epoch != 0
                     && ack.epoch != epoch
@@ -393,6 +438,55 @@ async fn one_link(
                 tracing::warn!(%status, "Apply stream failed");
                 return true;
             }
+        }
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Held for a push or a pop only; a panic elsewhere cannot leave the queue half-updated.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Whether a rejection of a live worker's change means its stream must end: σ does not hold
+/// that worker as this incarnation (another one, fenced, or none), or refused its Hello
+/// because another replica carries it. Other reasons (a duplicate request, an invalid value)
+/// are about one change, not the worker, and are only counted.
+fn refuses_the_worker(reason: v1::RejectReason) -> bool {
+    use v1::RejectReason as R;
+    matches!(
+        reason,
+        R::StaleIncarnation | R::WorkerFenced | R::UnknownWorker | R::ConnectedElsewhere
+    )
+}
+
+/// Ends the stream of every live worker whose change the snapshot service refused.
+fn relay_refusals(
+    registry: &Registry,
+    group: &str,
+    workers: &[Option<(u32, u64)>],
+    rejected: &[v1::ChangeRejection],
+) {
+    let Ok(group) = GroupId::new(group) else {
+        return;
+    };
+    for r in rejected {
+        let reason = v1::RejectReason::try_from(r.reason).unwrap_or(v1::RejectReason::Unspecified);
+        if !refuses_the_worker(reason) {
+            continue;
+        }
+        let about = usize::try_from(r.index)
+            .ok()
+            .and_then(|i| workers.get(i).copied().flatten());
+        let Some((worker_id, incarnation)) = about else {
+            continue;
+        };
+        let refusal = Refusal {
+            reason,
+            detail: r.detail.clone(),
+        };
+        if registry.refuse(&(group.clone(), worker_id, incarnation), refusal) {
+            tracing::warn!(group = %group, worker = worker_id, incarnation, reason = reason.label(),
+                detail = %r.detail, "the snapshot service refused a live worker's change; ending its stream");
         }
     }
 }

@@ -60,6 +60,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             snapshot_addr: args.snapshot_addr.clone(),
             batch_interval: args.batch_interval,
             max_buffered: args.max_buffered,
+            ingest_id: args.ingest_id(),
             tls: trust.tls().cloned(),
         },
         workers.clone(),
@@ -95,7 +96,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     );
     let admin_addr = admin.local_addr();
     tracing::info!(grpc = %grpc_addr, admin = %admin_addr, snapshot = %args.snapshot_addr,
-        "br-ingest started");
+        ingest_id = %args.ingest_id(), "br-ingest started");
     let serve_shutdown = shutdown.clone();
     Ok(Running::spawn(
         grpc_addr,

@@ -13,6 +13,8 @@ pub const REJECT_REASONS: &[&str] = &[
     "not_your_worker",
     "identity_changed",
     "already_connected",
+    "connected_elsewhere",
+    "refused_by_snapshot",
     "flood",
     "message_too_large",
     // per message (acked REJECTED or STALE_SEQ)

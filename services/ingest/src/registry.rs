@@ -2,15 +2,18 @@
 //! the incarnation. Used to refuse a second stream for a worker that already has a live one (two
 //! shims with the same `--worker-id`, or a restarted shim whose old connection lingers: the
 //! first is never evicted silently; a dead connection is closed by HTTP/2 keepalive, which
-//! frees the slot), to re-send every live worker's Hello when the snapshot link comes back, and
-//! to ask workers for a full state (the stream picks the flag up on its next ack).
+//! frees the slot), to re-send every live worker's Hello when the snapshot link comes back, to
+//! ask workers for a full state (the stream picks the flag up on its next ack), and to end a
+//! worker's stream when the snapshot service refused its changes ([`Registry::refuse`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use br_proto::v1;
 use br_proto::valid::{GroupId, ValidHello};
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
+use tokio::sync::watch;
 
 /// (group, worker_id, incarnation).
 pub type WorkerKey = (GroupId, u32, u64);
@@ -24,11 +27,20 @@ fn slot(key: &WorkerKey) -> (GroupId, u32) {
     (key.0.clone(), key.1)
 }
 
+/// Why the snapshot service refused a worker's change (from an ApplyAck).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: v1::RejectReason,
+    pub detail: String,
+}
+
 #[derive(Debug)]
 struct Live {
     stream_id: u64,
     hello: ValidHello,
     full_state: Arc<AtomicBool>,
+    /// Set once, when the stream must end because the snapshot service refused it.
+    refused: watch::Sender<Option<Refusal>>,
 }
 
 /// Cheap to clone; every clone is the same registry.
@@ -38,12 +50,13 @@ pub struct Registry {
     next_stream: Arc<AtomicU64>,
 }
 
-/// A registered stream: its id and its "send a full state" flag.
+/// A registered stream: its id, its "send a full state" flag, and the refusal that ends it.
 #[derive(Debug, Clone)]
 pub struct Registration {
     pub key: WorkerKey,
     pub stream_id: u64,
     pub full_state: Arc<AtomicBool>,
+    pub refused: watch::Receiver<Option<Refusal>>,
 }
 
 impl Registry {
@@ -56,15 +69,18 @@ impl Registry {
             Entry::Vacant(v) => {
                 let stream_id = self.next_stream.fetch_add(1, Ordering::Relaxed) + 1;
                 let full_state = Arc::new(AtomicBool::new(false));
+                let (refused, refused_rx) = watch::channel(None);
                 v.insert(Live {
                     stream_id,
                     hello: hello.clone(),
                     full_state: full_state.clone(),
+                    refused,
                 });
                 Ok(Registration {
                     key,
                     stream_id,
                     full_state,
+                    refused: refused_rx,
                 })
             }
         }
@@ -99,6 +115,25 @@ impl Registry {
         {
             live.full_state.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// Ends the live stream of `key`'s worker, if it is that incarnation and not already
+    /// ending: the snapshot service refused its change. Returns whether it did (a refusal of
+    /// an incarnation no stream here carries any more, e.g. a late disconnect, ends nothing).
+    pub fn refuse(&self, key: &WorkerKey, refusal: Refusal) -> bool {
+        let Some(live) = self.map.get(&slot(key)) else {
+            return false;
+        };
+        if live.hello.incarnation != key.2 {
+            return false;
+        }
+        live.refused.send_if_modified(|r| {
+            if r.is_some() {
+                return false;
+            }
+            *r = Some(refusal);
+            true
+        })
     }
 
     /// Every live worker's Hello.
@@ -151,6 +186,18 @@ mod tests {
         r.request_full_state(&a.key);
         assert!(a.full_state.load(Ordering::Relaxed));
         assert_eq!(r.live_hellos().len(), 2);
+        // a refusal ends the live stream of that incarnation, once; another incarnation's
+        // refusal (a late one) ends nothing
+        let why = |d: &str| Refusal {
+            reason: v1::RejectReason::StaleIncarnation,
+            detail: d.into(),
+        };
+        assert!(!r.refuse(&key_of(&restarted), why("late")));
+        assert!(a.refused.borrow().is_none());
+        assert!(r.refuse(&a.key, why("first")));
+        assert!(!r.refuse(&a.key, why("second")), "the first reason is kept");
+        assert_eq!(a.refused.borrow().as_ref().unwrap().detail, "first");
+        assert!(b.refused.borrow().is_none());
         r.unregister(&a);
         assert_eq!(r.len(), 1);
         let a2 = r.register(&hello(1)).unwrap();

@@ -19,7 +19,7 @@ use crate::change::Change;
 use crate::error::StreamError;
 use crate::forward::{ForwarderHandle, Input};
 use crate::metrics::Metrics;
-use crate::registry::{Registration, Registry};
+use crate::registry::{Refusal, Registration, Registry};
 use crate::session::{Limits, Session, Step};
 
 /// Acks queued towards one worker.
@@ -257,6 +257,14 @@ async fn run_stream(
 
     inner.registry.unregister(&reg);
     let (group, worker_id, incarnation) = reg.key.clone();
+    if inner.shutdown.is_cancelled() {
+        // This replica is going away, not the worker: its shim reconnects to another replica.
+        // No disconnect is reported; the end of the Apply stream tells the snapshot service,
+        // which keeps the worker routable for its carrier grace meanwhile.
+        tracing::info!(group = %group, worker = worker_id, incarnation,
+            "stream ended by shutdown; the worker reconnects elsewhere");
+        return;
+    }
     tracing::info!(group = %group, worker = worker_id, incarnation, "worker disconnected");
     let gone = Change::Disconnected {
         worker_id,
@@ -271,6 +279,27 @@ async fn run_stream(
     }
 }
 
+/// The stream-ending error for a refusal of `hello`'s worker.
+fn refused_error(hello: &ValidHello, r: Refusal) -> StreamError {
+    let (group, worker_id, incarnation) =
+        (hello.group.to_string(), hello.worker_id, hello.incarnation);
+    match r.reason {
+        v1::RejectReason::ConnectedElsewhere => StreamError::ConnectedElsewhere {
+            group,
+            worker_id,
+            incarnation,
+            detail: r.detail,
+        },
+        reason => StreamError::RefusedBySnapshot {
+            group,
+            worker_id,
+            incarnation,
+            reason: reason.label(),
+            detail: r.detail,
+        },
+    }
+}
+
 async fn serve_session(
     inner: &Inner,
     inbound: &mut tonic::Streaming<v1::WorkerReport>,
@@ -279,6 +308,7 @@ async fn serve_session(
     reg: &Registration,
 ) {
     let group = session.hello().group.clone();
+    let mut refused = reg.refused.clone();
     loop {
         let next = tokio::select! {
             biased;
@@ -286,7 +316,22 @@ async fn serve_session(
                 inner.end(tx, StreamError::ShuttingDown).await;
                 return;
             }
-            m = inbound.message() => m,
+            // (the guard `wait_for` returns is not Send: cloned out inside the future)
+            r = async { refused.wait_for(Option::is_some).await.ok().and_then(|r| r.clone()) } => Err(r),
+            m = inbound.message() => Ok(m),
+        };
+        let next = match next {
+            Ok(m) => m,
+            Err(refusal) => {
+                // The snapshot service refused this worker's changes: what this stream
+                // acknowledged may not be in σ, so the stream ends saying why and the shim
+                // says Hello again (never ACK_OK for changes σ dropped).
+                if let Some(e) = refusal.map(|r| refused_error(session.hello(), r)) {
+                    tracing::warn!(error = %e, "snapshot service refused a worker; ending its stream");
+                    inner.end(tx, e).await;
+                }
+                return;
+            }
         };
         let msg = match next {
             Ok(Some(m)) => m,

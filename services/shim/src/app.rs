@@ -82,15 +82,21 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     .await?;
     let admin_addr = admin.local_addr();
 
-    // The ingest_connected gauge follows the reporter.
+    // The ingest_connected gauge and the refusals counter follow the reporter.
     {
         let gauge = metrics.ingest_connected.clone();
+        let refusals = metrics.ingest_refusals.clone();
         let stop = shutdown.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(CONNECTED_REFRESH);
             loop {
                 tokio::select! {
-                    _ = tick.tick() => gauge.set(i64::from(sink.connected())),
+                    _ = tick.tick() => {
+                        gauge.set(i64::from(sink.connected()));
+                        // the reporter's count only rises; the counter follows it
+                        let seen = sink.refusals();
+                        refusals.inc_by(seen.saturating_sub(refusals.get()));
+                    }
                     () = stop.cancelled() => break,
                 }
             }

@@ -28,7 +28,9 @@ pub struct Args {
     /// The decode rank's OpenAI-compatible base URL.
     #[arg(long, env = "BALANCEROUTE_UPSTREAM", default_value = DEFAULT_UPSTREAM)]
     pub upstream: String,
-    /// Ingest's gRPC URL; empty to forward without reporting.
+    /// Ingest's gRPC URL, or several replicas' URLs separated by commas (the reporter uses one
+    /// at a time and moves to the next, with backoff, when its stream is lost); one DNS name
+    /// resolving to several replicas works too. Empty to forward without reporting.
     #[arg(long, env = "BALANCEROUTE_INGEST_ADDR", default_value = DEFAULT_INGEST_ADDR)]
     pub ingest_addr: String,
     /// The lockstep group the rank belongs to.
@@ -72,9 +74,9 @@ impl Validate for Args {
             ));
         }
         let ok = |u: &str| u.starts_with("http://") || u.starts_with("https://");
-        if !(self.ingest_addr.is_empty() || ok(&self.ingest_addr)) {
+        if !(self.ingest_addr.is_empty() || self.ingest_addr.split(',').all(|u| ok(u.trim()))) {
             return Err(format!(
-                "--ingest-addr {:?} must be an http(s):// URL (or empty)",
+                "--ingest-addr {:?} must be http(s):// URLs, comma-separated (or empty)",
                 self.ingest_addr
             ));
         }
@@ -141,11 +143,15 @@ mod tests {
         for bad in [
             vec!["br-shim", "--upstream", "127.0.0.1:8000"],
             vec!["br-shim", "--ingest-addr", "127.0.0.1:50062"],
+            vec!["br-shim", "--ingest-addr", "http://a:1,b:2"],
+            vec!["br-shim", "--ingest-addr", "http://a:1,"],
             vec!["br-shim", "--capacity", "0"],
         ] {
             assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
         }
         let a: Args = parse_from(["br-shim", "--ingest-addr", ""]).unwrap();
         assert!(a.ingest_addr.is_empty(), "empty: forward without reporting");
+        let a: Args = parse_from(["br-shim", "--ingest-addr", "http://a:1, https://b:2"]).unwrap();
+        assert_eq!(a.ingest_addr, "http://a:1, https://b:2", "replicas");
     }
 }

@@ -16,6 +16,9 @@ pub struct ShimMetrics {
     pub ingest_connected: IntGauge,
     /// Requests refused for a limit, by `reason` (`body_too_large`, `concurrency`).
     pub refused: prometheus::IntCounterVec,
+    /// Telemetry streams ended because the snapshot service refused the worker's changes
+    /// (each followed by a Hello of a new incarnation).
+    pub ingest_refusals: IntCounter,
 }
 
 impl ShimMetrics {
@@ -49,6 +52,10 @@ impl ShimMetrics {
                 ),
                 &["reason"],
             )?,
+            ingest_refusals: IntCounter::with_opts(Opts::new(
+                "balanceroute_shim_ingest_refusals_total",
+                "Telemetry streams ended because the snapshot service refused the worker's changes (each followed by a Hello of a new incarnation).",
+            ))?,
         };
         for r in ["body_too_large", "concurrency"] {
             m.refused.with_label_values(&[r]);
@@ -59,6 +66,7 @@ impl ShimMetrics {
         registry.register(Box::new(m.tokens.clone()))?;
         registry.register(Box::new(m.reports.clone()))?;
         registry.register(Box::new(m.ingest_connected.clone()))?;
+        registry.register(Box::new(m.ingest_refusals.clone()))?;
         Ok(m)
     }
 }

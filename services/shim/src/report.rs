@@ -14,6 +14,12 @@ pub trait ProgressSink: Send + Sync + 'static {
     fn connected(&self) -> bool {
         true
     }
+
+    /// Streams ended because the snapshot service refused this worker's changes, so far (for
+    /// the `ingest_refusals_total` counter).
+    fn refusals(&self) -> u64 {
+        0
+    }
 }
 
 /// One call to [`ProgressSink::progress`].
@@ -92,5 +98,9 @@ impl ProgressSink for ReporterSink {
 
     fn connected(&self) -> bool {
         self.0.is_connected()
+    }
+
+    fn refusals(&self) -> u64 {
+        self.0.stats().refusals
     }
 }

@@ -330,7 +330,7 @@ async fn exports_every_contract_metric() {
     .unwrap();
     let m = br_testkit::http::metrics(admin.local_addr()).await;
     let names = m.assert_contract("shim");
-    assert_eq!(names.len(), 6);
+    assert_eq!(names.len(), 7);
     assert_eq!(m.value("balanceroute_shim_tokens_total", &[]), 3.0);
     assert_eq!(m.value("balanceroute_shim_active_requests", &[]), 0.0);
     s.close().await;

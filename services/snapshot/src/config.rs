@@ -14,6 +14,8 @@ pub const DEFAULT_HISTORY: usize = 4096;
 pub const DEFAULT_RESERVATION_TTL: &str = "10s";
 /// Default grace period before a disconnected worker is fenced.
 pub const DEFAULT_WORKER_GRACE: &str = "5s";
+/// Default time a worker whose ingest replica went away stays LIVE while its shim reconnects.
+pub const DEFAULT_CARRIER_GRACE: &str = "3s";
 /// Default idle period before a progress mark.
 pub const DEFAULT_PROGRESS_INTERVAL: &str = "250ms";
 /// Default events queued per watcher before it counts as slow.
@@ -49,6 +51,12 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_WORKER_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_WORKER_GRACE)]
     pub worker_grace: Duration,
 
+    /// A worker whose ingest replica went away (its Apply stream ended: a crash, a restart, a
+    /// lost link) stays LIVE this long, routable on its last state, while its shim reconnects
+    /// to any replica; then it is SUSPECT (and FENCED after --worker-grace).
+    #[arg(long, env = "BALANCEROUTE_CARRIER_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_CARRIER_GRACE)]
+    pub carrier_grace: Duration,
+
     /// Watchers get a progress mark after this long without a delta.
     #[arg(long, env = "BALANCEROUTE_PROGRESS_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_PROGRESS_INTERVAL)]
     pub progress_interval: Duration,
@@ -79,6 +87,7 @@ impl Args {
             history: self.history,
             reservation_ttl: self.reservation_ttl,
             worker_grace: self.worker_grace,
+            carrier_grace: self.carrier_grace,
             progress_interval: self.progress_interval,
             watcher_queue: self.watcher_queue,
             watcher_queue_bytes: self.watcher_queue_bytes,
@@ -126,6 +135,7 @@ impl Validate for Args {
         in_range("group-idle-grace", self.group_idle_grace, ms(1), 24 * hour)?;
         in_range("reservation-ttl", self.reservation_ttl, ms(1), hour)?;
         in_range("worker-grace", self.worker_grace, ms(1), hour)?;
+        in_range("carrier-grace", self.carrier_grace, ms(1), hour)?;
         in_range(
             "progress-interval",
             self.progress_interval,
@@ -154,6 +164,7 @@ mod tests {
         assert_eq!(a.history, 4096);
         assert_eq!(a.reservation_ttl, Duration::from_secs(10));
         assert_eq!(a.worker_grace, Duration::from_secs(5));
+        assert_eq!(a.carrier_grace, Duration::from_secs(3));
         assert_eq!(a.progress_interval, Duration::from_millis(250));
         assert_eq!(a.watcher_queue, 1024);
         assert_eq!(a.watcher_queue_bytes, 64 << 20);
@@ -187,6 +198,14 @@ mod tests {
         assert_eq!(a.settings().max_groups, 8);
         assert_eq!(a.settings().group_idle_grace, Duration::from_millis(50));
         assert!(parse(&["--worker-grace", "0s"]).is_err());
+        assert!(parse(&["--carrier-grace", "0s"]).is_err());
+        assert_eq!(
+            parse(&["--carrier-grace", "250ms"])
+                .unwrap()
+                .settings()
+                .carrier_grace,
+            Duration::from_millis(250)
+        );
         assert!(parse(&["--progress-interval", "2h"]).is_err());
     }
 }

@@ -47,6 +47,9 @@ pub struct Metrics {
     watch_resets: IntCounterVec,
     reservations_expired: IntCounterVec,
     workers_fenced: IntCounterVec,
+    carrier_lost: IntCounterVec,
+    carrier_takeovers: IntCounterVec,
+    carrier_grace_expired: IntCounterVec,
     rejected: IntCounterVec,
     groups: IntGauge,
     groups_reclaimed: IntCounter,
@@ -140,6 +143,24 @@ impl Metrics {
                 "Workers fenced after the grace period",
                 &["group"],
             )?,
+            carrier_lost: counter(
+                &r,
+                "balanceroute_snapshot_carrier_lost_total",
+                "LIVE workers whose ingest replica's Apply stream ended (kept routable for the carrier grace)",
+                &["group"],
+            )?,
+            carrier_takeovers: counter(
+                &r,
+                "balanceroute_snapshot_carrier_takeovers_total",
+                "Workers whose Hello arrived through another ingest stream than the one carrying them",
+                &["group"],
+            )?,
+            carrier_grace_expired: counter(
+                &r,
+                "balanceroute_snapshot_carrier_grace_expired_total",
+                "Workers that lost their ingest replica and said no Hello within the carrier grace (then SUSPECT)",
+                &["group"],
+            )?,
             rejected: counter(
                 &r,
                 "balanceroute_snapshot_rejected_total",
@@ -221,6 +242,9 @@ impl Metrics {
             resets,
             expired: self.reservations_expired.with_label_values(&[group]),
             fenced: self.workers_fenced.with_label_values(&[group]),
+            orphaned: self.carrier_lost.with_label_values(&[group]),
+            takeovers: self.carrier_takeovers.with_label_values(&[group]),
+            orphans_expired: self.carrier_grace_expired.with_label_values(&[group]),
             worker_load: Vec::new(),
         }
     }
@@ -241,6 +265,12 @@ pub struct GroupMetrics {
     resets: Vec<IntCounter>,
     pub expired: IntCounter,
     pub fenced: IntCounter,
+    /// `carrier_lost_total`.
+    pub orphaned: IntCounter,
+    /// `carrier_takeovers_total`.
+    pub takeovers: IntCounter,
+    /// `carrier_grace_expired_total`.
+    pub orphans_expired: IntCounter,
     worker_load: Vec<Option<IntGauge>>,
 }
 

@@ -211,6 +211,18 @@ impl SnapshotService {
             Ok(g) => g,
             Err(e) => return Ok(whole(e.to_string(), batch.changes.len())),
         };
+        if batch.ingest_id.len() > br_sigma::MAX_CARRIER_BYTES
+            || batch.ingest_id.chars().any(char::is_control)
+        {
+            return Ok(whole(
+                format!(
+                    "ingest_id must be at most {} bytes without control characters",
+                    br_sigma::MAX_CARRIER_BYTES
+                ),
+                batch.changes.len(),
+            ));
+        }
+        let carrier = batch.ingest_id;
         let batch_seq = batch.batch_seq;
         // Validated here, not in the writer: one change at a time, so a bad one is rejected
         // by its index and the rest apply (and the single writer does less work).
@@ -221,6 +233,7 @@ impl SnapshotService {
                 group,
                 changes: valid,
                 stream,
+                carrier,
                 reply,
             })
             .await??;

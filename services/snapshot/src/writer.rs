@@ -36,6 +36,8 @@ pub enum Command {
         /// The batch's valid changes, each with its index in the batch.
         changes: Vec<(usize, ValidTelemetryChange)>,
         stream: StreamId,
+        /// The sending ingest replica (ChangeBatch.ingest_id).
+        carrier: String,
         /// TooManyGroups for a new group beyond `max_groups`.
         reply: oneshot::Sender<Result<Applied, SnapshotError>>,
     },
@@ -112,7 +114,8 @@ pub fn tick_period(s: &Settings) -> Duration {
     let shortest = s
         .progress_interval
         .min(s.reservation_ttl)
-        .min(s.worker_grace);
+        .min(s.worker_grace)
+        .min(s.carrier_grace);
     (shortest / 4).clamp(Duration::from_millis(1), Duration::from_millis(50))
 }
 
@@ -256,11 +259,12 @@ impl Writer {
                 group,
                 changes,
                 stream,
+                carrier,
                 reply,
             } => {
                 let applied = self
                     .group(&group, now)
-                    .map(|g| g.apply(changes, stream, now, wall_ms));
+                    .map(|g| g.apply_from(changes, stream, &carrier, now, wall_ms));
                 if applied.is_ok() {
                     let touched = self.stream_groups.entry(stream).or_default();
                     if !touched.contains(&group) {

@@ -36,6 +36,7 @@ fn batch(seq: u64, step: u32) -> v1::ChangeBatch {
         }
     }
     v1::ChangeBatch {
+        ingest_id: "measure".into(),
         batch_seq: seq,
         group: "g".into(),
         changes,
@@ -103,6 +104,7 @@ async fn run(
         .into_inner();
     // the workers
     let hello = v1::ChangeBatch {
+        ingest_id: "measure".into(),
         batch_seq: first_seq,
         group: "g".into(),
         changes: (0..WORKERS)

@@ -723,6 +723,7 @@ async fn bad_input_on_every_rpc_gets_a_typed_answer_and_leaves_sigma_unchanged()
     let seq = ingest.seq;
     let ack = ingest
         .send_raw(v1::ChangeBatch {
+            ingest_id: String::new(),
             batch_seq: seq,
             group: "g".into(),
             changes: vec![hello(1, 1, 1)],

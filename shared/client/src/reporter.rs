@@ -8,8 +8,14 @@
 //!
 //! On every (re)connect the reporter sends its Hello and then a full state; it sends a full
 //! state again every `full_state_every` and whenever an ack asks for one. While ingest is away
-//! it keeps the state and reconnects with exponential backoff and jitter. A finished request is
-//! forgotten once an ack covers the message that reported it finished.
+//! it keeps the state and reconnects with exponential backoff and jitter (br-backoff), to the
+//! next of its ingest addresses (`ingest_addr` may list several replicas, comma-separated; one
+//! DNS name of several replicas works too: each connect tries the name's addresses in turn).
+//! When ingest ends the stream with ABORTED (the snapshot service refused this worker's
+//! changes: σ holds another incarnation of it, fenced it or lost it), the reporter takes a new
+//! incarnation and says Hello again with its full state, so σ takes it back clean; it counts
+//! and logs that. A finished request is forgotten once an ack covers the message that reported
+//! it finished.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), br_client::reporter::ReporterError> {
@@ -24,7 +30,7 @@
 //! ```
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -63,7 +69,8 @@ const OUTBOUND_QUEUE: usize = 16;
 /// What the reporter says about its worker, and its bounds.
 #[derive(Debug, Clone)]
 pub struct ReporterConfig {
-    /// Ingest's URL, e.g. `http://127.0.0.1:50062`.
+    /// Ingest's URL, e.g. `http://127.0.0.1:50062`, or several replicas' URLs separated by
+    /// commas: the reporter uses one at a time and moves to the next when its stream is lost.
     pub ingest_addr: String,
     /// The worker's lockstep group.
     pub group: String,
@@ -189,6 +196,11 @@ pub struct ReporterStats {
     pub refused_full: u64,
     /// Requests tracked now.
     pub pending: usize,
+    /// Streams ingest ended because the snapshot service refused this worker's changes (each
+    /// made the reporter take a new incarnation and say Hello again).
+    pub refusals: u64,
+    /// Which of the `ingest_addr` URLs (0-based) the current or last stream used.
+    pub ingest_index: usize,
 }
 
 /// Spawns reporters.
@@ -227,14 +239,28 @@ impl Reporter {
                 "full_state_every and flush_interval must be positive".into(),
             ));
         }
-        let endpoint = tonic::transport::Endpoint::from_shared(config.ingest_addr.clone())
-            .map_err(|e| ReporterError::Config(format!("ingest_addr: {e}")))?
-            .connect_timeout(tuning.connect_timeout)
-            .tcp_nodelay(true)
-            // the same keepalive as the servers' defaults: a half-open connection is found
-            // from this side too within 8 s, and the stream is re-established
-            .http2_keep_alive_interval(Duration::from_secs(5))
-            .keep_alive_timeout(Duration::from_secs(3));
+        let addrs: Vec<&str> = config
+            .ingest_addr
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .collect();
+        if addrs.is_empty() {
+            return Err(ReporterError::Config("ingest_addr lists no URL".into()));
+        }
+        let endpoints = addrs
+            .iter()
+            .map(|a| {
+                Ok(tonic::transport::Endpoint::from_shared((*a).to_owned())
+                    .map_err(|e| ReporterError::Config(format!("ingest_addr {a:?}: {e}")))?
+                    .connect_timeout(tuning.connect_timeout)
+                    .tcp_nodelay(true)
+                    // the same keepalive as the servers' defaults: a half-open connection is
+                    // found from this side too within 8 s, and the stream is re-established
+                    .http2_keep_alive_interval(Duration::from_secs(5))
+                    .keep_alive_timeout(Duration::from_secs(3)))
+            })
+            .collect::<Result<Vec<_>, ReporterError>>()?;
 
         let shared = Arc::new(Shared {
             state: Mutex::new(Pending::default()),
@@ -249,10 +275,13 @@ impl Reporter {
             full_states_sent: AtomicU64::new(0),
             connects: AtomicU64::new(0),
             refused_full: AtomicU64::new(0),
+            refusals: AtomicU64::new(0),
+            incarnation: AtomicU64::new(incarnation),
+            ingest_index: AtomicUsize::new(0),
         });
         let task = tokio::spawn(run(
             shared.clone(),
-            endpoint,
+            endpoints,
             hello,
             config.full_state_every,
             tuning,
@@ -260,7 +289,6 @@ impl Reporter {
         Ok(ReporterHandle {
             inner: Arc::new(HandleInner {
                 shared,
-                incarnation,
                 task: Mutex::new(Some(task)),
             }),
         })
@@ -277,7 +305,6 @@ pub struct ReporterHandle {
 #[derive(Debug)]
 struct HandleInner {
     shared: Arc<Shared>,
-    incarnation: u64,
     task: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -341,9 +368,10 @@ impl ReporterHandle {
         Ok(())
     }
 
-    /// The incarnation this reporter announces.
+    /// The incarnation this reporter announces now: the process's, until a refusal by the
+    /// snapshot service made it take a new one.
     pub fn incarnation(&self) -> u64 {
-        self.inner.incarnation
+        self.inner.shared.incarnation.load(Ordering::Relaxed)
     }
 
     /// Whether a stream to ingest is up.
@@ -362,6 +390,8 @@ impl ReporterHandle {
             connects: s.connects.load(Ordering::Relaxed),
             refused_full: s.refused_full.load(Ordering::Relaxed),
             pending: s.lock().requests.len(),
+            refusals: s.refusals.load(Ordering::Relaxed),
+            ingest_index: s.ingest_index.load(Ordering::Relaxed),
         }
     }
 
@@ -425,6 +455,10 @@ struct Shared {
     full_states_sent: AtomicU64,
     connects: AtomicU64,
     refused_full: AtomicU64,
+    refusals: AtomicU64,
+    /// The incarnation the next Hello announces.
+    incarnation: AtomicU64,
+    ingest_index: AtomicUsize,
 }
 
 impl Shared {
@@ -566,27 +600,58 @@ impl Pending {
 enum Ended {
     /// The handle asked to stop.
     Closed,
-    /// Connect failed or the stream broke; retry later.
+    /// Connect failed or the stream broke; retry later (on the next address).
     Lost(String),
+    /// Ingest ended the stream with ABORTED: the snapshot service refused this worker's
+    /// changes. Retry with a new incarnation.
+    Refused(String),
+}
+
+/// A random non-zero incarnation other than `old`.
+fn new_incarnation(old: u64) -> u64 {
+    let mut rng = rand::rng();
+    loop {
+        let v: u64 = rng.random();
+        if v != 0 && v != old {
+            return v;
+        }
+    }
+}
+
+/// How a stream's ending status is handled.
+fn ended_by(status: &tonic::Status) -> Ended {
+    let why = format!("{}: {}", status.code(), status.message());
+    if status.code() == tonic::Code::Aborted {
+        Ended::Refused(why)
+    } else {
+        Ended::Lost(why)
+    }
 }
 
 async fn run(
     shared: Arc<Shared>,
-    endpoint: tonic::transport::Endpoint,
-    hello: v1::Hello,
+    endpoints: Vec<tonic::transport::Endpoint>,
+    mut hello: v1::Hello,
     full_state_every: Duration,
     tuning: ReporterTuning,
 ) {
-    // Strictly increasing per (worker, incarnation), across reconnects too.
+    // Strictly increasing per (worker, incarnation), across reconnects too (and across a new
+    // incarnation: it only has to rise).
     let mut seq: u64 = 0;
     let mut backoff = Backoff::new(tuning.backoff_initial, tuning.backoff_max);
+    let mut at = 0usize;
     loop {
         if shared.is_closed() {
             return;
         }
+        let endpoint = &endpoints[at % endpoints.len()];
+        shared
+            .ingest_index
+            .store(at % endpoints.len(), Ordering::Relaxed);
+        hello.incarnation = shared.incarnation.load(Ordering::Relaxed);
         let ended = connection(
             &shared,
-            &endpoint,
+            endpoint,
             &hello,
             full_state_every,
             &tuning,
@@ -595,19 +660,36 @@ async fn run(
         )
         .await;
         shared.connected.store(false, Ordering::Relaxed);
-        match ended {
+        let delay = match ended {
             Ended::Closed => return,
             Ended::Lost(why) => {
+                // The next replica (the same one when there is only one).
+                at = (at + 1) % endpoints.len();
                 let delay = backoff.next_delay();
                 tracing::warn!(
-                    ingest = %endpoint.uri(), error = %why, retry_in = ?delay,
+                    ingest = %endpoint.uri(), next = %endpoints[at].uri(), error = %why,
+                    retry_in = ?delay,
                     "telemetry stream to ingest lost; keeping state and reconnecting"
                 );
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = shared.close_notify.notified() => return,
-                }
+                delay
             }
+            Ended::Refused(why) => {
+                let old = hello.incarnation;
+                let new = new_incarnation(old);
+                shared.incarnation.store(new, Ordering::Relaxed);
+                shared.refusals.fetch_add(1, Ordering::Relaxed);
+                let delay = backoff.next_delay();
+                tracing::warn!(
+                    ingest = %endpoint.uri(), error = %why, old_incarnation = old,
+                    new_incarnation = new, retry_in = ?delay,
+                    "the snapshot service refused this worker's changes; saying Hello again as a new incarnation with a full state"
+                );
+                delay
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = shared.close_notify.notified() => return,
         }
     }
 }
@@ -652,7 +734,7 @@ async fn connection(
     let mut acks = tokio::select! {
         r = client.report(ReceiverStream::new(rx)) => match r {
             Ok(resp) => resp.into_inner(),
-            Err(status) => return Ended::Lost(format!("Report: {status}")),
+            Err(status) => return ended_by(&status),
         },
         () = shared.close_notify.notified() => return Ended::Closed,
     };
@@ -670,7 +752,7 @@ async fn connection(
                     shared.on_ack(&ack);
                 }
                 Ok(None) => return Ended::Lost("ingest ended the stream".into()),
-                Err(status) => return Ended::Lost(format!("{}: {}", status.code(), status.message())),
+                Err(status) => return ended_by(&status),
             },
             _ = tick.tick() => {
                 // Only build a message when the stream can take it; otherwise the state keeps
@@ -1016,6 +1098,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn moves_to_the_next_replica_when_its_stream_is_lost() {
+        let (a, b) = (FakeIngest::default(), FakeIngest::default());
+        let (a_addr, a_served) = start(&a).await;
+        let (b_addr, _b_served) = start(&b).await;
+        let cfg = ReporterConfig::new(format!("http://{a_addr}, http://{b_addr}"), "g0", 3, 8);
+        let h = Reporter::spawn_tuned(cfg, tuning()).unwrap();
+        h.progress("kept", 5, 2, false).unwrap();
+        a.wait_for("hello + full state at the first replica", |m| m.len() >= 2)
+            .await;
+        assert_eq!(h.stats().ingest_index, 0);
+        assert!(b.messages().is_empty(), "one replica at a time");
+        // The first replica goes away: the same incarnation says Hello at the second, with
+        // its full state.
+        a_served.stop().await;
+        b.wait_for("hello + full state at the second replica", |_| {
+            b.hellos() == vec![h.incarnation()]
+                && b.progresses().first().is_some_and(|p| {
+                    p.full_state && p.updates.iter().any(|u| u.request_id == "kept")
+                })
+        })
+        .await;
+        eventually(PATIENCE, "connected to the second replica", || async {
+            let s = h.stats();
+            s.connected && s.ingest_index == 1
+        })
+        .await;
+        assert_eq!(h.stats().refusals, 0);
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
     async fn refuses_bad_input_and_bounds_the_map() {
         let fake = FakeIngest::default();
         let (addr, _served) = start(&fake).await;
@@ -1074,6 +1187,14 @@ mod tests {
                 },
                 ReporterConfig {
                     ingest_addr: "not a uri".into(),
+                    ..ok.clone()
+                },
+                ReporterConfig {
+                    ingest_addr: "http://127.0.0.1:1,not a uri".into(),
+                    ..ok.clone()
+                },
+                ReporterConfig {
+                    ingest_addr: " , ".into(),
                     ..ok.clone()
                 },
             ] {

@@ -23,7 +23,7 @@ pub mod v1 {
 impl v1::RejectReason {
     /// Every value, in wire order (for pre-creating counter series; a test checks it is
     /// complete).
-    pub const ALL: [v1::RejectReason; 8] = [
+    pub const ALL: [v1::RejectReason; 9] = [
         v1::RejectReason::Unspecified,
         v1::RejectReason::UnknownWorker,
         v1::RejectReason::WorkerFenced,
@@ -32,6 +32,7 @@ impl v1::RejectReason {
         v1::RejectReason::WorkerFull,
         v1::RejectReason::UnknownRequest,
         v1::RejectReason::Invalid,
+        v1::RejectReason::ConnectedElsewhere,
     ];
 
     /// The metric label: the proto name without its `REJECT_REASON_` prefix, in lower case.
@@ -48,6 +49,7 @@ impl v1::RejectReason {
             v1::RejectReason::WorkerFull => "worker_full",
             v1::RejectReason::UnknownRequest => "unknown_request",
             v1::RejectReason::Invalid => "invalid",
+            v1::RejectReason::ConnectedElsewhere => "connected_elsewhere",
         }
     }
 }

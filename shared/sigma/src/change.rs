@@ -8,11 +8,23 @@ fn wrap(kind: Kind) -> v1::Change {
 }
 
 pub fn worker_up(worker_id: u32, incarnation: u64, capacity: u32, endpoint: &str) -> v1::Change {
+    worker_up_via(worker_id, incarnation, capacity, endpoint, "")
+}
+
+/// A WorkerUp whose Hello arrived through the ingest replica `carrier`.
+pub fn worker_up_via(
+    worker_id: u32,
+    incarnation: u64,
+    capacity: u32,
+    endpoint: &str,
+    carrier: &str,
+) -> v1::Change {
     wrap(Kind::WorkerUp(c::WorkerUp {
         worker_id,
         incarnation,
         capacity,
         endpoint: endpoint.to_owned(),
+        carrier: carrier.to_owned(),
     }))
 }
 

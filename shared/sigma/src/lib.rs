@@ -41,6 +41,9 @@ use br_proto::valid::limits;
 /// The largest worker id in a group: the contract's one limit, `br_proto::valid::limits`.
 pub use limits::MAX_WORKER_ID;
 
+/// The longest carrier (an ingest replica's id, `ChangeBatch.ingest_id`) σ holds, in bytes.
+pub const MAX_CARRIER_BYTES: usize = 128;
+
 // σ mirrors each group into a `br_core::ClusterState`, whose per-worker arrays hold ids below
 // `br_core::state::MAX_WORKERS`; the contract's limit must fit in it.
 const _: () = assert!(MAX_WORKER_ID < br_core::state::MAX_WORKERS);

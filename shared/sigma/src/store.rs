@@ -8,9 +8,9 @@ use br_proto::v1::change::Kind;
 use br_proto::valid::{RequestId, limits};
 use rustc_hash::FxHashMap;
 
-use crate::MAX_WORKER_ID;
 use crate::batch::Batch;
 use crate::types::{Delta, Liveness, Request, SigmaError, Worker};
+use crate::{MAX_CARRIER_BYTES, MAX_WORKER_ID};
 
 /// σ of one group at one (epoch, version), with its routing-core mirror.
 #[derive(Debug, Clone)]
@@ -75,7 +75,13 @@ impl Sigma {
                     w.worker_id
                 )));
             }
-            s.worker_up(w.worker_id, w.incarnation, w.capacity, &w.endpoint)?;
+            s.worker_up(
+                w.worker_id,
+                w.incarnation,
+                w.capacity,
+                &w.endpoint,
+                &w.carrier,
+            )?;
         }
         for r in &snap.requests {
             let id = request_id(&r.request_id)?;
@@ -145,6 +151,7 @@ impl Sigma {
                 endpoint: w.endpoint.clone(),
                 liveness: w.liveness.to_wire() as i32,
                 load_tokens: self.cluster.worker(w.id).map_or(0, |c| c.load()),
+                carrier: w.carrier.clone(),
             })
             .collect();
         let mut reqs: Vec<&Request> = self.requests.values().collect();
@@ -216,9 +223,13 @@ impl Sigma {
             return Err(SigmaError::Invalid("Change.kind is missing".into()));
         };
         match kind {
-            Kind::WorkerUp(u) => {
-                self.worker_up(u.worker_id, u.incarnation, u.capacity, &u.endpoint)
-            }
+            Kind::WorkerUp(u) => self.worker_up(
+                u.worker_id,
+                u.incarnation,
+                u.capacity,
+                &u.endpoint,
+                &u.carrier,
+            ),
             Kind::WorkerSuspect(s) => self.worker_suspect(s.worker_id, s.incarnation),
             Kind::WorkerFenced(f) => self.worker_fenced(f.worker_id, f.incarnation),
             Kind::RequestReserved(r) => self.request_reserved(r),
@@ -309,6 +320,7 @@ impl Sigma {
         incarnation: u64,
         capacity: u32,
         endpoint: &str,
+        carrier: &str,
     ) -> Result<bool, SigmaError> {
         if id > MAX_WORKER_ID {
             return Err(SigmaError::WorkerIdTooLarge(id));
@@ -327,9 +339,16 @@ impl Sigma {
                 "endpoint is too long or has control characters".into(),
             ));
         }
+        if carrier.len() > MAX_CARRIER_BYTES || carrier.chars().any(char::is_control) {
+            return Err(SigmaError::Invalid(format!(
+                "carrier is longer than {MAX_CARRIER_BYTES} bytes or has control characters"
+            )));
+        }
         match self.workers.get(&id) {
             Some(w) if w.incarnation == incarnation => {
-                let same = w.capacity == capacity && w.endpoint == endpoint;
+                // A new carrier alone is a change too: the worker's stream moved to another
+                // ingest replica (a takeover), which replicas see.
+                let same = w.capacity == capacity && w.endpoint == endpoint && w.carrier == carrier;
                 if same && w.liveness == Liveness::Live {
                     return Ok(false);
                 }
@@ -350,6 +369,7 @@ impl Sigma {
                 capacity,
                 endpoint: endpoint.to_owned(),
                 liveness: Liveness::Live,
+                carrier: carrier.to_owned(),
             },
         );
         Ok(true)

@@ -107,6 +107,25 @@ fn worker_lifecycle_follows_the_contract() {
 }
 
 #[test]
+fn a_new_carrier_is_a_change_and_survives_the_snapshot_round_trip() {
+    let mut s = sigma();
+    commit(&mut s, vec![worker_up_via(0, 5, 8, "", "ingest-a")]).unwrap();
+    assert!(
+        commit(&mut s, vec![worker_up_via(0, 5, 8, "", "ingest-a")]).is_none(),
+        "the same Hello through the same replica changes nothing"
+    );
+    let d = commit(&mut s, vec![worker_up_via(0, 5, 8, "", "ingest-b")]).unwrap();
+    assert_eq!(d.changes.len(), 1, "a takeover is published");
+    assert_eq!(s.worker(0).unwrap().carrier, "ingest-b");
+    let back = Sigma::from_snapshot(&s.to_snapshot()).unwrap();
+    assert_eq!(back.worker(0).unwrap().carrier, "ingest-b");
+    let mut b = s.batch();
+    let long = "x".repeat(MAX_CARRIER_BYTES + 1);
+    assert!(b.apply(worker_up_via(1, 5, 8, "", &long)).is_err());
+    assert!(b.apply(worker_up_via(1, 5, 8, "", "a\nb")).is_err());
+}
+
+#[test]
 fn errors_leave_sigma_untouched() {
     let mut s = sigma();
     commit(
@@ -244,7 +263,15 @@ fn op() -> impl Strategy<Value = Op> {
 fn to_change(op: &Op) -> Option<v1::Change> {
     let id = |r: &u8| format!("req-{r}");
     Some(match op {
-        Op::Up(w, i, c, e) => worker_up(*w, *i, *c, if *e { "http://e" } else { "" }),
+        // the carrier varies with the capacity, so a takeover (same incarnation, another
+        // replica) is among the histories replicas must follow
+        Op::Up(w, i, c, e) => worker_up_via(
+            *w,
+            *i,
+            *c,
+            if *e { "http://e" } else { "" },
+            if c % 2 == 0 { "ingest-a" } else { "ingest-b" },
+        ),
         Op::Suspect(w, i) => worker_suspect(*w, *i),
         Op::Fence(w, i) => worker_fenced(*w, *i),
         Op::Reserve(r, w, i, p, h) => request_reserved(&id(r), *w, *i, *p, *h, Some(9)),

@@ -50,6 +50,8 @@ pub struct Worker {
     /// Where the gateway sends this rank's requests; may be empty.
     pub endpoint: String,
     pub liveness: Liveness,
+    /// The ingest replica its current Hello came through; empty if unknown.
+    pub carrier: String,
 }
 
 /// One request in σ. `phase` is [`Phase::Queued`] for RESERVED and [`Phase::Running`] for

@@ -34,6 +34,7 @@ impl ApplyStream {
     pub async fn send(&mut self, group: &str, changes: Vec<v1::TelemetryChange>) -> v1::ApplyAck {
         self.seq += 1;
         self.send_raw(v1::ChangeBatch {
+            ingest_id: String::new(),
             batch_seq: self.seq,
             group: group.into(),
             changes,

@@ -3,7 +3,8 @@
 //! - `Apply`: every batch is recorded and acked with the fake's epoch (changeable at any time,
 //!   as after a restart behind a proxy); [`FakeSnapshot::stall`] stops reading the streams
 //!   (a snapshot service stuck in a long apply); [`FakeSnapshot::kill_streams`] ends them with
-//!   UNAVAILABLE.
+//!   UNAVAILABLE; [`FakeSnapshot::reject_changes`] makes it refuse chosen changes in its acks
+//!   (as the real service refuses a stale incarnation or a fenced worker).
 //! - `Watch`: each call plays the next script queued with [`FakeSnapshot::script_watch`]; a
 //!   script that does not end in an error keeps its stream open until the client leaves.
 //!   Requests are recorded.
@@ -33,6 +34,11 @@ type Handler<Req, Resp> =
 /// What one Watch call streams: events, and optionally an error that ends the stream.
 pub type WatchScript = Vec<Result<v1::WatchEvent, tonic::Status>>;
 
+/// Decides whether one received change is refused, and why (see
+/// [`FakeSnapshot::reject_changes`]).
+type Rejecter =
+    Arc<Mutex<Option<Box<dyn FnMut(&TcKind) -> Option<(v1::RejectReason, String)> + Send>>>>;
+
 /// The epoch a fresh fake acks with.
 pub const DEFAULT_EPOCH: u64 = 1111;
 
@@ -49,6 +55,7 @@ pub struct FakeSnapshot {
     get: Handler<v1::GetRequest, v1::ClusterSnapshot>,
     reserve: Handler<v1::ReserveRequest, v1::ReserveResponse>,
     release: Handler<v1::ReleaseRequest, v1::ReleaseResponse>,
+    reject: Rejecter,
     changed: Signal,
 }
 
@@ -65,6 +72,7 @@ impl Default for FakeSnapshot {
             get: Arc::default(),
             reserve: Arc::default(),
             release: Arc::default(),
+            reject: Arc::default(),
             changed: Signal::default(),
         }
     }
@@ -158,6 +166,15 @@ impl FakeSnapshot {
         f: impl FnMut(v1::ReleaseRequest) -> Result<v1::ReleaseResponse, tonic::Status> + Send + 'static,
     ) {
         *self.release.lock().unwrap() = Some(Box::new(f));
+    }
+
+    /// From now on, every change `f` returns `Some((reason, detail))` for is listed as
+    /// rejected in its batch's ack (the change is still recorded).
+    pub fn reject_changes(
+        &self,
+        f: impl FnMut(&TcKind) -> Option<(v1::RejectReason, String)> + Send + 'static,
+    ) {
+        *self.reject.lock().unwrap() = Some(Box::new(f));
     }
 
     // ----- what it saw
@@ -341,11 +358,27 @@ impl v1::snapshot_server::Snapshot for FakeSnapshot {
                 };
                 let Ok(Some(b)) = m else { return };
                 version += 1;
+                let rejected = match me.reject.lock().unwrap().as_mut() {
+                    Some(f) => b
+                        .changes
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, c)| {
+                            let (reason, detail) = f(c.kind.as_ref()?)?;
+                            Some(v1::ChangeRejection {
+                                index: u32::try_from(i).unwrap_or(u32::MAX),
+                                reason: reason as i32,
+                                detail,
+                            })
+                        })
+                        .collect(),
+                    None => vec![],
+                };
                 let ack = v1::ApplyAck {
                     batch_seq: b.batch_seq,
                     epoch: me.epoch(),
                     version,
-                    rejected: vec![],
+                    rejected,
                 };
                 me.batches.lock().unwrap().push(b);
                 me.changed.bump();

@@ -339,6 +339,7 @@ async fn telemetry(
     let mut send = |changes: Vec<T>| {
         seq += 1;
         v1::ChangeBatch {
+            ingest_id: "assign-load".into(),
             batch_seq: seq,
             group: group.clone(),
             changes: changes

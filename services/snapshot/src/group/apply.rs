@@ -1,10 +1,20 @@
 //! Telemetry into σ, and worker liveness.
 //!
 //! Owns what ingest's validated changes do to σ (Hello, WorkerDisconnected, RequestProgress,
-//! WorkerSync), which Apply stream carries each worker's current Hello, and the grace-period
-//! fences of SUSPECT workers: scheduled here when a disconnect is reported or a stream ends,
-//! carried out by [`Presence::fence_due`] once `now` passes them. Every function works inside
-//! the caller's σ batch, so the group commits what one call changed as one version.
+//! WorkerSync), which Apply stream (ingest replica) carries each worker's current Hello, and
+//! the worker's path out when its stream goes away:
+//! - a reported disconnect (the shim's own stream ended) makes it SUSPECT at once;
+//! - the end of its carrier's Apply stream (the ingest replica stopped, crashed or lost its
+//!   link) leaves it LIVE, an orphan, for the carrier grace, so it stays routable on its last
+//!   state while its shim reconnects; a Hello of it through any stream takes it over, else it
+//!   becomes SUSPECT when the carrier grace ends;
+//! - a SUSPECT worker is fenced when the worker grace ends.
+//!
+//! [`Presence::due`] carries out the timers once `now` passes them. A Hello of another
+//! incarnation is refused (CONNECTED_ELSEWHERE) while the worker is LIVE through another open
+//! Apply stream: one replica never evicts a worker another replica still carries. Every
+//! function works inside the caller's σ batch, so the group commits what one call changed as
+//! one version.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -12,28 +22,48 @@ use std::time::Duration;
 use br_core::{Phase, WorkerId};
 use br_proto::v1;
 use br_proto::valid::{RequestId, ValidRequestProgress, ValidTelemetryChange as V};
-use br_sigma::{Batch, Liveness, MAX_WORKER_ID, change};
+use br_sigma::{Batch, Liveness, MAX_WORKER_ID, Sigma, change};
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::time::Instant;
 
 use super::{Reject, StreamId, current_worker};
 
 /// Where and when one Apply batch arrived.
-pub(super) struct Arrival {
+pub(super) struct Arrival<'a> {
     pub stream: StreamId,
+    /// The sending ingest replica (ChangeBatch.ingest_id; may be empty).
+    pub carrier: &'a str,
     pub now: Instant,
     /// Our wall clock, ms since the Unix epoch (ingest reports disconnects in its wall clock).
     pub wall_ms: u64,
     pub grace: Duration,
 }
 
-/// Which stream says each worker is connected, and when each SUSPECT worker is fenced.
+/// Which stream says each worker is connected, which workers lost their carrier, and when
+/// each SUSPECT worker is fenced.
 #[derive(Default)]
 pub(super) struct Presence {
     /// Suspect workers: (incarnation, when to fence).
     fences: BTreeMap<WorkerId, (u64, Instant)>,
-    /// The Apply stream that carried each worker's current Hello.
+    /// LIVE workers whose carrier's Apply stream ended: (incarnation, when they become SUSPECT
+    /// unless a Hello arrives first).
+    orphans: BTreeMap<WorkerId, (u64, Instant)>,
+    /// The open Apply stream that carried each worker's current Hello.
     hello_stream: FxHashMap<WorkerId, StreamId>,
+    /// Counted since the group last took them ([`Presence::take_counts`]).
+    counts: Counts,
+}
+
+/// What happened to carriers, for the metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Counts {
+    /// LIVE workers whose carrier's Apply stream ended (kept routable for the carrier grace).
+    pub orphaned: u64,
+    /// Workers whose Hello arrived through another Apply stream than the one that carried them
+    /// (their shim reconnected through another replica, or their replica's link came back).
+    pub takeovers: u64,
+    /// Orphans whose carrier grace ended without a Hello (then SUSPECT).
+    pub orphans_expired: u64,
 }
 
 impl Presence {
@@ -48,7 +78,7 @@ impl Presence {
         &mut self,
         b: &mut Batch<'_>,
         change: V,
-        at: &Arrival,
+        at: &Arrival<'_>,
         seen: &mut FxHashSet<RequestId>,
     ) -> Result<(), Reject> {
         match change {
@@ -57,7 +87,7 @@ impl Presence {
                 incarnation,
                 capacity,
                 endpoint,
-            } => self.hello(b, worker_id, incarnation, capacity, &endpoint, at.stream),
+            } => self.hello(b, worker_id, incarnation, capacity, &endpoint, at),
             V::WorkerDisconnected {
                 worker_id,
                 incarnation,
@@ -76,9 +106,10 @@ impl Presence {
         }
     }
 
-    /// An Apply stream ended: every worker whose current Hello came on it is SUSPECT from now,
-    /// fenced at `fence_at` unless it says Hello again.
-    pub(super) fn stream_ended(&mut self, b: &mut Batch<'_>, stream: StreamId, fence_at: Instant) {
+    /// An Apply stream ended: every LIVE worker whose current Hello came on it keeps its state
+    /// and stays routable until `orphan_until`, unless a Hello of it arrives first (its shim
+    /// reconnected through any replica); a SUSPECT one keeps its fence.
+    pub(super) fn stream_ended(&mut self, sigma: &Sigma, stream: StreamId, orphan_until: Instant) {
         let workers: Vec<WorkerId> = self
             .hello_stream
             .iter()
@@ -87,16 +118,47 @@ impl Presence {
             .collect();
         for w in workers {
             self.hello_stream.remove(&w);
-            let Some(inc) = b.sigma().incarnation(w) else {
+            let Some(x) = sigma.worker(w) else {
                 continue;
             };
-            self.suspect(b, w, inc, fence_at);
+            if x.liveness == Liveness::Live {
+                self.orphans.insert(w, (x.incarnation, orphan_until));
+                self.counts.orphaned += 1;
+            }
         }
+    }
+
+    /// What time does, due by `now`: orphans whose carrier grace ended become SUSPECT (fenced
+    /// at `now + grace`), then SUSPECT workers whose grace ended are fenced. Returns how many
+    /// were fenced.
+    pub(super) fn due(&mut self, b: &mut Batch<'_>, now: Instant, grace: Duration) -> u64 {
+        let lost: Vec<(WorkerId, u64)> = self
+            .orphans
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(w, (inc, _))| (*w, *inc))
+            .collect();
+        for (w, inc) in lost {
+            self.orphans.remove(&w);
+            // Still the orphaned incarnation, and no stream took it over meanwhile.
+            if !self.hello_stream.contains_key(&w) && b.sigma().incarnation(w) == Some(inc) {
+                self.counts.orphans_expired += 1;
+                tracing::info!(group = %b.sigma().group(), worker = w, incarnation = inc,
+                    "no Hello within the carrier grace after its ingest went away; worker SUSPECT");
+                self.suspect(b, w, inc, now + grace);
+            }
+        }
+        self.fence_due(b, now)
+    }
+
+    /// The counts since the last call.
+    pub(super) fn take_counts(&mut self) -> Counts {
+        std::mem::take(&mut self.counts)
     }
 
     /// Fences the workers whose grace period ended by `now` and who are still the SUSPECT
     /// incarnation it was scheduled for; returns how many.
-    pub(super) fn fence_due(&mut self, b: &mut Batch<'_>, now: Instant) -> u64 {
+    fn fence_due(&mut self, b: &mut Batch<'_>, now: Instant) -> u64 {
         let due: Vec<(WorkerId, u64)> = self
             .fences
             .iter()
@@ -125,7 +187,7 @@ impl Presence {
         incarnation: u64,
         capacity: u32,
         endpoint: &str,
-        stream: StreamId,
+        at: &Arrival<'_>,
     ) -> Result<(), Reject> {
         if worker_id > MAX_WORKER_ID {
             // The wire allows larger ranks; the routing core sizes arrays by id.
@@ -133,16 +195,43 @@ impl Presence {
                 "worker_id {worker_id} is above {MAX_WORKER_ID}"
             )));
         }
+        let carried_by = self.hello_stream.get(&worker_id).copied();
+        if let Some(w) = b.sigma().worker(worker_id)
+            && w.incarnation != incarnation
+            && w.liveness == Liveness::Live
+            && carried_by.is_some_and(|s| s != at.stream)
+        {
+            // Another incarnation while a live stream through another replica carries this
+            // worker: two shims with one --worker-id, or a restart whose old stream is not
+            // proven dead yet. The live one stays; this Hello is taken once that stream's
+            // disconnect is reported or its Apply stream ends. (On one stream ingest itself
+            // keeps one live stream per worker, so a new incarnation there is a restart.)
+            return Err(Reject::new(
+                v1::RejectReason::ConnectedElsewhere,
+                format!(
+                    "worker {worker_id} is LIVE as incarnation {} through ingest {:?}; incarnation {incarnation} is refused while that stream lives",
+                    w.incarnation, w.carrier
+                ),
+            ));
+        }
         // A Hello of the same incarnation brings a suspect (or fenced: it holds nothing any
-        // more) worker back; another incarnation replaces the entry and starts clean.
-        b.apply(change::worker_up(
+        // more) worker back, or moves it to this carrier; another incarnation replaces the
+        // entry and starts clean.
+        b.apply(change::worker_up_via(
             worker_id,
             incarnation,
             capacity,
             endpoint,
+            at.carrier,
         ))?;
+        let orphaned = self.orphans.remove(&worker_id).is_some();
+        if orphaned || carried_by.is_some_and(|s| s != at.stream) {
+            self.counts.takeovers += 1;
+            tracing::info!(group = %b.sigma().group(), worker = worker_id, incarnation,
+                carrier = at.carrier, "worker taken over by another ingest stream");
+        }
         self.fences.remove(&worker_id);
-        self.hello_stream.insert(worker_id, stream);
+        self.hello_stream.insert(worker_id, at.stream);
         Ok(())
     }
 
@@ -152,7 +241,7 @@ impl Presence {
         worker_id: WorkerId,
         incarnation: u64,
         reported_ms: u64,
-        at: &Arrival,
+        at: &Arrival<'_>,
     ) -> Result<(), Reject> {
         current_worker(b, worker_id, incarnation)?;
         if self.hello_stream.get(&worker_id) != Some(&at.stream) {

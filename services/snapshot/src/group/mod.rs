@@ -1,8 +1,9 @@
 //! The state machine of one group, without network, tasks or clocks: σ (a [`Sigma`]) and
 //! what the writer needs around it, composed from one module per concern:
 //!
-//! * [`apply`]: validated telemetry changes into σ; which Apply stream carries each worker's
-//!   Hello; SUSPECT workers and their grace-period fences.
+//! * [`apply`]: validated telemetry changes into σ; which Apply stream (ingest replica)
+//!   carries each worker's Hello; workers whose carrier went away (kept routable for the
+//!   carrier grace); SUSPECT workers and their grace-period fences.
 //! * [`reserve`]: Reserve and Release, and the TTL of reservations.
 //! * [`watchers`]: subscribers with bounded queues (never waited on), the bounded delta
 //!   history, resets, catch-up deltas and snapshots, progress marks.
@@ -53,6 +54,9 @@ pub struct Settings {
     pub reservation_ttl: Duration,
     /// A SUSPECT worker without a Hello for this long is fenced.
     pub worker_grace: Duration,
+    /// A LIVE worker whose ingest replica went away (its Apply stream ended) stays LIVE this
+    /// long, routable on its last state, while its shim reconnects; then it is SUSPECT.
+    pub carrier_grace: Duration,
     /// A progress mark is sent after this long without a delta.
     pub progress_interval: Duration,
     /// Events queued per watcher before it counts as slow.
@@ -72,6 +76,7 @@ impl Default for Settings {
             history: crate::config::DEFAULT_HISTORY,
             reservation_ttl: Duration::from_secs(10),
             worker_grace: Duration::from_secs(5),
+            carrier_grace: Duration::from_secs(3),
             progress_interval: Duration::from_millis(250),
             watcher_queue: crate::config::DEFAULT_WATCHER_QUEUE,
             watcher_queue_bytes: crate::config::DEFAULT_WATCHER_QUEUE_BYTES,
@@ -268,8 +273,7 @@ impl Group {
     }
 
     /// Applies one batch of validated telemetry changes (each with its index in the batch)
-    /// from Apply stream `stream` as one version (or none if nothing changed). Rejected
-    /// changes are returned by index (and counted); the rest apply in order.
+    /// from Apply stream `stream` of an unnamed ingest; see [`Group::apply_from`].
     pub fn apply(
         &mut self,
         changes: Vec<(usize, ValidTelemetryChange)>,
@@ -277,9 +281,25 @@ impl Group {
         now: Instant,
         wall_ms: u64,
     ) -> Applied {
+        self.apply_from(changes, stream, "", now, wall_ms)
+    }
+
+    /// Applies one batch of validated telemetry changes (each with its index in the batch)
+    /// from Apply stream `stream` of ingest replica `carrier` as one version (or none if
+    /// nothing changed). Rejected changes are returned by index (and counted); the rest apply
+    /// in order.
+    pub fn apply_from(
+        &mut self,
+        changes: Vec<(usize, ValidTelemetryChange)>,
+        stream: StreamId,
+        carrier: &str,
+        now: Instant,
+        wall_ms: u64,
+    ) -> Applied {
         self.idle_since = None;
         let at = Arrival {
             stream,
+            carrier,
             now,
             wall_ms,
             grace: self.settings.worker_grace,
@@ -296,6 +316,7 @@ impl Group {
         if let Some(d) = b.commit() {
             self.publish(d, now);
         }
+        self.count_carriers();
         Applied {
             epoch: self.sigma.epoch(),
             version: self.sigma.version(),
@@ -303,14 +324,19 @@ impl Group {
         }
     }
 
-    /// An Apply stream ended: every worker whose current Hello came on it is disconnected now.
+    /// An Apply stream ended: every LIVE worker whose current Hello came on it stays routable
+    /// for the carrier grace while its shim reconnects (σ does not change now).
     pub fn stream_ended(&mut self, stream: StreamId, now: Instant) {
-        let mut b = self.sigma.batch();
         self.presence
-            .stream_ended(&mut b, stream, now + self.settings.worker_grace);
-        if let Some(d) = b.commit() {
-            self.publish(d, now);
-        }
+            .stream_ended(&self.sigma, stream, now + self.settings.carrier_grace);
+        self.count_carriers();
+    }
+
+    fn count_carriers(&mut self) {
+        let c = self.presence.take_counts();
+        self.metrics.orphaned.inc_by(c.orphaned);
+        self.metrics.takeovers.inc_by(c.takeovers);
+        self.metrics.orphans_expired.inc_by(c.orphans_expired);
     }
 
     /// Commits reservations (validated by br-proto) as one version; each accepted or rejected
@@ -352,12 +378,13 @@ impl Group {
     pub fn tick(&mut self, now: Instant) {
         let mut b = self.sigma.batch();
         let expired = self.reservations.expire_due(&mut b, now);
-        let fenced = self.presence.fence_due(&mut b, now);
+        let fenced = self.presence.due(&mut b, now, self.settings.worker_grace);
         if let Some(d) = b.commit() {
             self.publish(d, now);
         }
         self.metrics.expired.inc_by(expired);
         self.metrics.fenced.inc_by(fenced);
+        self.count_carriers();
         self.watchers.tick(&self.sigma, &self.metrics, now);
         self.idle_since = if self.is_idle() {
             Some(self.idle_since.unwrap_or(now))

@@ -25,6 +25,7 @@ fn settings() -> Settings {
         history: 8,
         reservation_ttl: Duration::from_secs(10),
         worker_grace: Duration::from_secs(5),
+        carrier_grace: Duration::from_secs(2),
         progress_interval: Duration::from_millis(250),
         watcher_queue: 4,
         ..Settings::default()

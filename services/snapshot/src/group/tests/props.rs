@@ -88,6 +88,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         history: 6,
         reservation_ttl: Duration::from_secs(3),
         worker_grace: Duration::from_secs(2),
+        carrier_grace: Duration::from_secs(1),
         progress_interval: Duration::from_millis(500),
         watcher_queue: 3,
         ..Settings::default()
