@@ -253,6 +253,7 @@ async fn call(m: Method, ch: Channel, aim: &Aim, n: usize) -> Result<(), Status>
                     batch_seq: 1,
                     group: GROUP.into(),
                     changes: vec![change],
+                    ingest_id: String::new(),
                 };
                 tx.send(batch).await.unwrap();
                 let mut acks = SnapshotClient::new(ch)
