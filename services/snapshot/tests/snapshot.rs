@@ -863,6 +863,7 @@ async fn groups_beyond_max_groups_are_refused_and_idle_ones_reclaimed_with_their
         batch_seq: 1,
         group: "new".into(),
         changes: vec![hello(1, 10, 4)],
+        ingest_id: String::new(),
     })
     .await
     .unwrap();

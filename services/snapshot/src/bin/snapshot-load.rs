@@ -157,6 +157,7 @@ async fn mover(mut client: SnapshotClient<Channel>, every: Duration, stop: Durat
         batch_seq: seq,
         group: "g".into(),
         changes,
+        ingest_id: "snapshot-load".into(),
     };
     if tx.send(batch(seq, hello)).await.is_err() {
         return;
