@@ -122,10 +122,10 @@ fn target_labels() -> BTreeSet<String> {
     let mut labels: BTreeSet<String> = ["job", "instance"].map(String::from).into();
     for job in docs[0]["scrape_configs"].as_vec().expect("scrape_configs") {
         for relabel in job["relabel_configs"].as_vec().into_iter().flatten() {
-            if let Some(t) = relabel["target_label"].as_str() {
-                if !t.starts_with("__") {
-                    labels.insert(t.to_owned());
-                }
+            if let Some(t) = relabel["target_label"].as_str()
+                && !t.starts_with("__")
+            {
+                labels.insert(t.to_owned());
             }
         }
         for sd in job["static_configs"].as_vec().into_iter().flatten() {

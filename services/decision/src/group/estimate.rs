@@ -289,10 +289,8 @@ impl Run {
     fn start_queued(&mut self) -> u32 {
         let mut started = 0;
         for (&worker, queue) in &mut self.queues {
-            loop {
-                let Some(w) = self.cluster.worker(worker) else {
-                    break;
-                };
+            // While the rank is alive with a free running slot, and its queue has a request.
+            while let Some(w) = self.cluster.worker(worker) {
                 if !w.alive || w.running >= w.capacity {
                     break;
                 }
