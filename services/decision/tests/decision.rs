@@ -523,9 +523,15 @@ async fn snapshot_outage_answers_stale_then_resyncs() {
             .is_some_and(|s| !s.stale && s.sigma.is_some_and(|(e, _)| e != first_epoch))
     })
     .await;
-    eventually(WAIT, "what was decided while away is reserved", || async {
-        snap.request_ids().await.contains(&"away".to_string())
-    })
+    // The rank runs what it was sent while σ was away and reports it: that report, not a
+    // re-commit of decision's stale reservation, puts it in the new σ (a stale reservation no
+    // worker reports is dropped, never resurrected: group/tests/outage.rs).
+    t.running(away.worker_id, &[("away", 100)]).await;
+    eventually(
+        WAIT,
+        "what was decided while away is in σ as its rank reports it",
+        || async { snap.request_ids().await.contains(&"away".to_string()) },
+    )
     .await;
     let after = c.assign_within(&params("after", 100), WAIT).await.unwrap();
     assert!(!after.stale);

@@ -233,6 +233,9 @@ fn a_snapshot_larger_than_the_bytes_still_reaches_a_watcher_that_reads() {
 fn a_group_is_idle_only_with_no_live_worker_request_watcher_or_fence() {
     let (mut g, now) = group_with(Settings {
         worker_grace: Duration::from_millis(100),
+        // No grace for another ingest replica to take the worker over: its stream's end makes
+        // it SUSPECT at once (the carrier grace has its own tests).
+        carrier_grace: Duration::ZERO,
         ..settings()
     });
     let ms = Duration::from_millis;
