@@ -446,57 +446,18 @@ fn parse_finite(raw: &str) -> Result<f64, String> {
     }
 }
 
-/// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` (also `T` as separator) into ms since 1970-01-01.
+/// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` (also `T` as separator, an optional trailing `Z`;
+/// always UTC) into ms since 1970-01-01, with the `time` crate's parser.
 pub fn parse_azure_timestamp(raw: &str) -> Result<f64, String> {
-    let err = || format!("timestamp `{raw}` is not `YYYY-MM-DD HH:MM:SS[.fff]`");
-    let raw = raw.trim().trim_end_matches('Z');
-    let (date, time) = raw.split_once([' ', 'T']).ok_or_else(err)?;
-    let mut d = date.split('-');
-    let (Some(y), Some(mo), Some(da), None) = (d.next(), d.next(), d.next(), d.next()) else {
-        return Err(err());
-    };
-    let y: i64 = y.parse().map_err(|_| err())?;
-    let mo: u32 = mo.parse().map_err(|_| err())?;
-    let da: u32 = da.parse().map_err(|_| err())?;
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&da) {
-        return Err(err());
-    }
-    let (hms, frac) = match time.split_once('.') {
-        Some((a, b)) => (a, b),
-        None => (time, ""),
-    };
-    let mut t = hms.split(':');
-    let (Some(h), Some(mi), Some(s), None) = (t.next(), t.next(), t.next(), t.next()) else {
-        return Err(err());
-    };
-    let h: u32 = h.parse().map_err(|_| err())?;
-    let mi: u32 = mi.parse().map_err(|_| err())?;
-    let s: u32 = s.parse().map_err(|_| err())?;
-    if h > 23 || mi > 59 || s > 60 {
-        return Err(err());
-    }
-    let frac_s = if frac.is_empty() {
-        0.0
-    } else {
-        if !frac.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(err());
-        }
-        format!("0.{frac}").parse::<f64>().map_err(|_| err())?
-    };
-    let days = days_from_civil(y, mo, da);
-    let secs = days * 86_400 + i64::from(h) * 3600 + i64::from(mi) * 60 + i64::from(s);
-    Ok(secs as f64 * 1000.0 + frac_s * 1000.0)
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
-fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = if y >= 0 { y } else { y - 399 } / 400;
-    let yoe = y - era * 400;
-    let m = i64::from(m);
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+    const FORMAT: &[time::format_description::BorrowedFormatItem<'_>] = time::macros::format_description!(
+        "[year]-[month]-[day][first [ ][T]][hour]:[minute]:[second][optional [.[subsecond]]]"
+    );
+    let trimmed = raw.trim();
+    let trimmed = trimmed.strip_suffix('Z').unwrap_or(trimmed);
+    let at = time::PrimitiveDateTime::parse(trimmed, FORMAT)
+        .map_err(|_| format!("timestamp `{raw}` is not `YYYY-MM-DD HH:MM:SS[.fff]`"))?
+        .assume_utc();
+    Ok(at.unix_timestamp() as f64 * 1000.0 + f64::from(at.nanosecond()) / 1e6)
 }
 
 /// Summary statistics of a list of requests (for printing and tests).
@@ -581,12 +542,19 @@ mod tests {
         let c = parse_azure_timestamp("2023-11-16 23:59:59.5").expect("parse");
         let d = parse_azure_timestamp("2023-11-17 00:00:00.5").expect("parse");
         assert!((d - c - 1000.0).abs() < 1e-6);
+        // ISO 8601's `T` and `Z` are the same instant
+        assert_eq!(
+            parse_azure_timestamp("2023-11-16T23:59:59.5Z").ok(),
+            Some(c)
+        );
         for bad in [
             "",
             "2023-11-16",
             "2023-13-01 00:00:00",
             "x 1:2:3",
             "2023-11-16 18:15:4a",
+            "2023-11-16 18:15:46.",
+            "2023-11-16 24:00:00",
         ] {
             assert!(parse_azure_timestamp(bad).is_err(), "{bad}");
         }
