@@ -12,8 +12,7 @@ use br_proto::v1::worker_report::Kind;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tokio_util::sync::CancellationToken;
+use tokio_stream::wrappers::ReceiverStream;
 
 use crate::net::Served;
 use crate::wait::Signal;
@@ -62,22 +61,14 @@ impl FakeIngest {
     /// Serves on `listener` until the returned handle is stopped or dropped (open streams end
     /// with UNAVAILABLE first).
     pub fn serve_on(&self, listener: TcpListener) -> Served {
-        let addr = listener.local_addr().expect("local address");
-        let stop = CancellationToken::new();
-        let me = self.clone();
-        let token = stop.clone();
-        let task = tokio::spawn(async move {
-            let kill = me.kill.clone();
-            tonic::transport::Server::builder()
-                .add_service(v1::telemetry_server::TelemetryServer::new(me))
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-                    token.cancelled().await;
-                    kill.send_modify(|k| *k += 1);
-                })
-                .await
-                .expect("the fake ingest server");
-        });
-        Served::new(addr, stop, task)
+        let routes =
+            tonic::service::Routes::new(v1::telemetry_server::TelemetryServer::new(self.clone()));
+        crate::net::serve_fake(
+            listener,
+            routes,
+            self.kill.clone(),
+            "the fake ingest server",
+        )
     }
 
     /// The next ack asks the worker for its full state.

@@ -21,8 +21,7 @@ use br_proto::v1::telemetry_change::Kind as TcKind;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tokio_util::sync::CancellationToken;
+use tokio_stream::wrappers::ReceiverStream;
 
 use crate::net::Served;
 use crate::wait::Signal;
@@ -101,24 +100,14 @@ impl FakeSnapshot {
     /// Serves on `listener` until the returned handle is stopped or dropped; open streams are
     /// ended with UNAVAILABLE first, so clients see the server go away.
     pub fn serve_on(&self, listener: TcpListener) -> Served {
-        let addr = listener.local_addr().expect("local address");
-        let stop = CancellationToken::new();
-        let me = self.clone();
-        let token = stop.clone();
-        let task = tokio::spawn(async move {
-            let kill = me.kill.clone();
-            let server = tonic::transport::Server::builder()
-                .add_service(v1::snapshot_server::SnapshotServer::new(me))
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), {
-                    let token = token.clone();
-                    async move {
-                        token.cancelled().await;
-                        kill.send_modify(|k| *k += 1);
-                    }
-                });
-            server.await.expect("the fake snapshot server");
-        });
-        Served::new(addr, stop, task)
+        let routes =
+            tonic::service::Routes::new(v1::snapshot_server::SnapshotServer::new(self.clone()));
+        crate::net::serve_fake(
+            listener,
+            routes,
+            self.kill.clone(),
+            "the fake snapshot server",
+        )
     }
 
     // ----- behaviour

@@ -4,7 +4,9 @@
 use std::net::SocketAddr;
 
 use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 /// A listener on an ephemeral loopback port, and the port it got.
@@ -100,6 +102,31 @@ impl Drop for Served {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// Serves a fake's `routes` on `listener` until the returned handle is stopped or dropped.
+/// On stop `kill` is bumped first, so the fake ends its open streams with UNAVAILABLE and
+/// clients see the server go away (tonic's graceful shutdown would wait for them forever).
+pub(crate) fn serve_fake(
+    listener: TcpListener,
+    routes: tonic::service::Routes,
+    kill: std::sync::Arc<watch::Sender<u64>>,
+    what: &'static str,
+) -> Served {
+    let addr = listener.local_addr().expect("local address");
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                token.cancelled().await;
+                kill.send_modify(|k| *k += 1);
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    });
+    Served::new(addr, stop, task)
 }
 
 #[cfg(test)]
