@@ -78,6 +78,8 @@ pub struct Service {
     child: Option<Child>,
     /// The caller's flags (the harness adds the ports and the ready file).
     args: Vec<String>,
+    /// `ulimit -n` for the process, when the test sets one.
+    descriptor_limit: Option<u32>,
     /// Holds the ready file; removed with the handle.
     dir: tempfile::TempDir,
 }
@@ -92,6 +94,23 @@ impl Service {
             admin_port: 0,
             child: None,
             args: extra.iter().map(|s| (*s).to_owned()).collect(),
+            descriptor_limit: None,
+            dir: tempfile::tempdir().expect("a temporary directory"),
+        };
+        s.spawn(0, 0);
+        s
+    }
+
+    /// [`Service::start`] with the process's descriptor limit set to `nofile` (`ulimit -n`,
+    /// through `sh`, before the binary starts: it reads the limit at start).
+    pub fn start_with_descriptor_limit(bin: &'static str, extra: &[&str], nofile: u32) -> Service {
+        let mut s = Service {
+            name: bin,
+            grpc_port: 0,
+            admin_port: 0,
+            child: None,
+            args: extra.iter().map(|s| (*s).to_owned()).collect(),
+            descriptor_limit: Some(nofile),
             dir: tempfile::tempdir().expect("a temporary directory"),
         };
         s.spawn(0, 0);
@@ -109,7 +128,18 @@ impl Service {
         }
         let path = binaries().join(self.name);
         let log = std::env::var_os("BR_E2E_LOGS").is_some();
-        let child = Command::new(&path)
+        let mut cmd = match self.descriptor_limit {
+            None => Command::new(&path),
+            Some(n) => {
+                // `exec` keeps the pid: kill and /proc reach the service, not the shell
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(&path);
+                c
+            }
+        };
+        let child = cmd
             .arg("--listen")
             .arg(format!("127.0.0.1:{grpc_port}"))
             .arg("--admin-listen")

@@ -104,14 +104,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         groups.push(handle);
     }
 
-    let admin = skeleton::start_admin(
-        &args.common,
-        &trust,
-        metrics.registry.clone(),
-        readiness.clone(),
-        after.clone(),
-    )
-    .await?;
+    let admin =
+        skeleton::start_admin(&args.common, &trust, &metrics.registry, &readiness, &after).await?;
     let admin_addr = admin.local_addr();
 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to

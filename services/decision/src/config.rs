@@ -7,7 +7,7 @@ use br_core::dispatch::{ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, 
 use br_core::score::HorizonParams;
 use br_core::{PolicyConfig, PolicyKind};
 use br_proto::valid::GroupId;
-use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
@@ -286,11 +286,8 @@ impl ServiceArgs for Args {
     fn common(&self) -> &CommonArgs {
         &self.common
     }
-}
 
-impl Validate for Args {
-    fn validate(&self) -> Result<(), String> {
-        self.common.validate()?;
+    fn check(&self) -> Result<(), String> {
         self.to_config().map(|_| ())
     }
 }

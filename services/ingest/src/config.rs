@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use br_proto::valid::{GroupId, limits};
-use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
@@ -110,11 +110,8 @@ impl ServiceArgs for Args {
     fn common(&self) -> &CommonArgs {
         &self.common
     }
-}
 
-impl Validate for Args {
-    fn validate(&self) -> Result<(), String> {
-        self.common.validate()?;
+    fn check(&self) -> Result<(), String> {
         if !(self.snapshot_addr.starts_with("http://")
             || self.snapshot_addr.starts_with("https://"))
         {

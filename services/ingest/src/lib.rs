@@ -43,14 +43,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let metrics = metrics::Metrics::register(&registry)?;
     let readiness = Readiness::default();
     let trust = skeleton::Trust::load(&args.common, "ingest", &registry, &shutdown)?;
-    let admin = skeleton::start_admin(
-        &args.common,
-        &trust,
-        registry,
-        readiness.clone(),
-        shutdown.clone(),
-    )
-    .await?;
+    let admin =
+        skeleton::start_admin(&args.common, &trust, &registry, &readiness, &shutdown).await?;
     // br-runtime's server sets TCP_NODELAY on every accepted connection.
     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
 

@@ -30,7 +30,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     // The proxy port carries the engine's own (plaintext HTTP) traffic, as the engine's port
     // does; TLS and the loopback default apply to the admin port and to the ingest stream.
     let trust = skeleton::Trust::load(&args.common, "shim", &registry, &shutdown)?;
-    let (listener, http_addr) = skeleton::bind_listen(&args.common).await?;
+    let (listener, http_addr) = skeleton::bind_listen(&args.common, &trust).await?;
     let endpoint = args
         .endpoint
         .clone()
@@ -72,14 +72,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     })?
     .with_limits(args.max_body_bytes, args.max_concurrent_requests);
     let readiness = Readiness::default();
-    let admin = skeleton::start_admin(
-        &args.common,
-        &trust,
-        registry,
-        readiness.clone(),
-        shutdown.clone(),
-    )
-    .await?;
+    let admin =
+        skeleton::start_admin(&args.common, &trust, &registry, &readiness, &shutdown).await?;
     let admin_addr = admin.local_addr();
 
     // The ingest_connected gauge and the refusals counter follow the reporter.

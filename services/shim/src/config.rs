@@ -2,7 +2,7 @@
 //! TOML file (precedence: defaults < file < environment < flags).
 
 use br_proto::valid::limits;
-use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
@@ -62,11 +62,8 @@ impl ServiceArgs for Args {
     fn common(&self) -> &CommonArgs {
         &self.common
     }
-}
 
-impl Validate for Args {
-    fn validate(&self) -> Result<(), String> {
-        self.common.validate()?;
+    fn check(&self) -> Result<(), String> {
         if !self.upstream.starts_with("http://") {
             return Err(format!(
                 "--upstream {:?} must be an http:// URL",

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use br_runtime::config::{CommonArgs, Validate};
+use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 
 use crate::group::Settings;
@@ -113,11 +113,8 @@ impl ServiceArgs for Args {
     fn common(&self) -> &CommonArgs {
         &self.common
     }
-}
 
-impl Validate for Args {
-    fn validate(&self) -> Result<(), String> {
-        self.common.validate()?;
+    fn check(&self) -> Result<(), String> {
         if !(1..=1_000_000).contains(&self.history) {
             return Err("--history must be in 1..=1000000".into());
         }

@@ -50,9 +50,9 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let admin = skeleton::start_admin(
         &args.common,
         &trust,
-        metrics.registry().clone(),
-        readiness.clone(),
-        shutdown.clone(),
+        metrics.registry(),
+        &readiness,
+        &shutdown,
     )
     .await?;
     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;

@@ -108,12 +108,35 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_KEEPALIVE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "3s")]
     pub keepalive_timeout: Duration,
 
+    /// Most connections open at once on `--listen`; further ones wait in the listen backlog
+    /// until one closes. Lowered at start, if need be, to the descriptor limit (`ulimit -n`)
+    /// minus 64, so idle connections can never take the last descriptors (issue 14).
+    #[arg(long, env = "BALANCEROUTE_MAX_CONNECTIONS", default_value_t = br_trust::accept::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+
+    /// A new connection on `--listen` that sends nothing for this long is closed (clients send
+    /// their HTTP/2 preface or TLS hello at once).
+    #[arg(long, env = "BALANCEROUTE_FIRST_BYTE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub first_byte_timeout: Duration,
+
     /// Mutual TLS and the plaintext-on-loopback default (see br-trust).
     #[command(flatten)]
     pub tls: br_trust::TlsArgs,
 }
 
 impl CommonArgs {
+    /// The bounds of `--listen`'s accept loop; `--max-connections` lowered to fit
+    /// `descriptor_limit` (the soft `RLIMIT_NOFILE`), see [`br_trust::accept::fit_to_descriptors`].
+    pub fn accept_limits(&self, descriptor_limit: Option<u64>) -> br_trust::accept::AcceptLimits {
+        br_trust::accept::AcceptLimits {
+            max_connections: br_trust::accept::fit_to_descriptors(
+                self.max_connections,
+                descriptor_limit,
+            ),
+            first_byte_timeout: self.first_byte_timeout,
+        }
+    }
+
     /// The keepalive interval, `None` when turned off.
     pub fn keepalive(&self) -> Option<(Duration, Duration)> {
         (!self.keepalive_interval.is_zero())
@@ -131,6 +154,14 @@ impl Validate for CommonArgs {
     fn validate(&self) -> Result<(), String> {
         if self.shutdown_grace > Duration::from_secs(3600) {
             return Err("--shutdown-grace must be at most 1h".into());
+        }
+        if !(1..=1_000_000).contains(&self.max_connections) {
+            return Err("--max-connections must be in 1..=1000000".into());
+        }
+        if !(Duration::from_millis(100)..=Duration::from_secs(3600))
+            .contains(&self.first_byte_timeout)
+        {
+            return Err("--first-byte-timeout must be in 100ms..=1h".into());
         }
         if let Some(ep) = &self.otlp_endpoint
             && !(ep.starts_with("http://") || ep.starts_with("https://"))

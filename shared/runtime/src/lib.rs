@@ -21,9 +21,7 @@
 //!     #[command(flatten)]
 //!     common: config::CommonArgs,
 //! }
-//! impl config::Validate for Args {
-//!     fn validate(&self) -> Result<(), String> { self.common.validate() }
-//! }
+//! // Validate comes with it: the shared flags' checks, then the service's own `check`.
 //! impl ServiceArgs for Args {
 //!     fn common(&self) -> &config::CommonArgs { &self.common }
 //! }
@@ -35,7 +33,7 @@
 //!     // TLS material (when --tls-* are given) and the loopback-only default without it
 //!     let trust = skeleton::Trust::load(&args.common, "example", &registry, &shutdown)?;
 //!     let admin =
-//!         skeleton::start_admin(&args.common, &trust, registry, ready.clone(), shutdown.clone()).await?;
+//!         skeleton::start_admin(&args.common, &trust, &registry, &ready, &shutdown).await?;
 //!     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
 //!     ready.set(true);
 //!     let admin_addr = admin.local_addr();

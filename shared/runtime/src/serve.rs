@@ -9,7 +9,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
@@ -76,6 +75,8 @@ pub struct GrpcServer {
     keepalive: Option<(Duration, Duration)>,
     tls: Option<TlsServing>,
     health_follows: Option<crate::admin::Readiness>,
+    accept_limits: br_trust::accept::AcceptLimits,
+    on_accept: Option<br_trust::accept::AcceptHook>,
 }
 
 /// What a TLS-serving gRPC server needs besides its listener.
@@ -116,7 +117,22 @@ impl GrpcServer {
             keepalive: None,
             tls: None,
             health_follows: None,
+            accept_limits: br_trust::accept::AcceptLimits::default(),
+            on_accept: None,
         }
+    }
+
+    /// Bounds what peers can make this port hold before they say anything (open connections,
+    /// silent ones); `on_event` counts accept errors and silent connections closed. See
+    /// [`br_trust::accept`].
+    pub fn with_accept_limits(
+        mut self,
+        limits: br_trust::accept::AcceptLimits,
+        on_event: Option<br_trust::accept::AcceptHook>,
+    ) -> Self {
+        self.accept_limits = limits;
+        self.on_accept = on_event;
+        self
     }
 
     /// The health of the served names follows `readiness` (NOT_SERVING until it is ready, see
@@ -178,6 +194,8 @@ impl GrpcServer {
             keepalive,
             tls,
             health_follows,
+            accept_limits,
+            on_accept,
         } = self;
         let addr = listener.local_addr().ok();
 
@@ -236,17 +254,19 @@ impl GrpcServer {
             .http2_keepalive_interval(keepalive.map(|(i, _)| i))
             .http2_keepalive_timeout(keepalive.map(|(_, t)| t));
         let tls_on = tls.is_some();
+        let accepted = br_trust::accept::accept(listener, accept_limits, on_accept);
         let mut server: std::pin::Pin<
             Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
         > = match tls {
-            None => Box::pin(builder.add_routes(routes).serve_with_incoming_shutdown(
-                nodelay_incoming(listener),
-                drain_signal.cancelled_owned(),
-            )),
+            None => Box::pin(
+                builder
+                    .add_routes(routes)
+                    .serve_with_incoming_shutdown(accepted, drain_signal.cancelled_owned()),
+            ),
             Some(tls) => {
                 let trust_domain = tls.material.trust_domain().to_owned();
                 let incoming = br_trust::tls::incoming(
-                    listener,
+                    accepted,
                     tls.material.server_config(&[b"h2"]),
                     TLS_HANDSHAKE_TIMEOUT,
                     tls.on_handshake_failure,
@@ -793,34 +813,5 @@ mod tests {
             }))
             .await
             .map_or(-1, |r| r.into_inner().status) // -1: not registered yet
-    }
-}
-
-/// The accepted connections of `listener`, each with TCP_NODELAY set. With Nagle on, a unary
-/// answer's trailers wait for the peer's delayed ACK (up to 40 ms on Linux): measured in
-/// docs/benchmarks.md ("decision").
-pub fn nodelay_incoming(
-    listener: TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
-        conn.and_then(|stream| stream.set_nodelay(true).map(|()| stream))
-    })
-}
-
-#[cfg(test)]
-mod nodelay_tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn accepted_connections_get_nodelay() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut incoming = Box::pin(nodelay_incoming(listener));
-        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let accepted = tokio_stream::StreamExt::next(&mut incoming)
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(accepted.nodelay().unwrap());
     }
 }

@@ -69,9 +69,23 @@ pub enum ServeError {
     Task(#[from] tokio::task::JoinError),
 }
 
-/// The flags [`main`] needs from a service's `Args`: the shared ones.
-pub trait ServiceArgs: clap::Parser + Validate {
+/// The flags [`main`] needs from a service's `Args`: the shared ones, and the service's own
+/// checks. Every `ServiceArgs` is [`Validate`]: the shared flags are checked first, then
+/// [`ServiceArgs::check`], so no service can forget the shared checks.
+pub trait ServiceArgs: clap::Parser {
     fn common(&self) -> &CommonArgs;
+
+    /// Checks the service's own flags; a message naming the flag. None by default.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+impl<A: ServiceArgs> Validate for A {
+    fn validate(&self) -> Result<(), String> {
+        self.common().validate()?;
+        self.check()
+    }
 }
 
 /// What the `--listen` port speaks; decides the accessor of [`Running`] and the ready-file key.
@@ -220,6 +234,8 @@ pub struct Trust {
     tls: Option<Arc<br_trust::TlsMaterial>>,
     denied: Option<prometheus::IntCounterVec>,
     handshake_failures: Option<prometheus::IntCounterVec>,
+    /// `balanceroute_<service>_accept_failures_total{reason}` (TLS or not).
+    accept_failures: Option<prometheus::IntCounterVec>,
 }
 
 impl std::fmt::Debug for Trust {
@@ -250,8 +266,24 @@ impl Trust {
             .tls
             .load()
             .map_err(|e| StartError::Config(format!("--tls-cert/--tls-key/--tls-ca: {e}")))?;
+        let accept_failures = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                format!("balanceroute_{service}_accept_failures_total"),
+                "Connections the gRPC port's accept loop failed or closed before any request, by \
+                 reason: accept_error (EMFILE ...; backing off), silent (no first byte in time)",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(accept_failures.clone()))?;
+        // exported at 0 from the start, so rate() and alerts see the first one
+        for reason in ["accept_error", "silent"] {
+            accept_failures.with_label_values(&[reason]);
+        }
         let Some(material) = tls else {
-            return Ok(Trust::default());
+            return Ok(Trust {
+                accept_failures: Some(accept_failures),
+                ..Trust::default()
+            });
         };
         material.watch(common.tls.tls_reload_interval, shutdown.clone());
         let denied = prometheus::IntCounterVec::new(
@@ -274,7 +306,14 @@ impl Trust {
             tls: Some(material),
             denied: Some(denied),
             handshake_failures: Some(failures),
+            accept_failures: Some(accept_failures),
         })
+    }
+
+    /// Counts the accept loop's failures (see [`br_trust::accept`]).
+    fn accept_hook(&self) -> Option<br_trust::accept::AcceptHook> {
+        let c = self.accept_failures.clone()?;
+        Some(Arc::new(move |reason| c.with_label_values(&[reason]).inc()))
     }
 
     /// The TLS material, `None` when serving plaintext on loopback.
@@ -321,14 +360,26 @@ pub async fn bind_grpc(
         .map_err(bind_err)?
         .with_grace(common.shutdown_grace)
         .with_keepalive(common.keepalive())
-        .with_tls(trust.serving());
+        .with_tls(trust.serving())
+        .with_accept_limits(
+            common.accept_limits(descriptor_limit()),
+            trust.accept_hook(),
+        );
     let addr = server.local_addr().map_err(bind_err)?;
     Ok((server, addr))
 }
 
+/// The process's soft descriptor limit (`ulimit -n`), when it has one.
+pub fn descriptor_limit() -> Option<u64> {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
 /// Binds `--listen` as a plain TCP listener (the shim's HTTP proxy); returns it with the bound
 /// address.
-pub async fn bind_listen(common: &CommonArgs) -> Result<(TcpListener, SocketAddr), StartError> {
+pub async fn bind_listen(
+    common: &CommonArgs,
+    trust: &Trust,
+) -> Result<(br_trust::accept::AcceptListener, SocketAddr), StartError> {
     let bind_err = |source| StartError::Bind {
         flag: "--listen",
         addr: common.listen,
@@ -336,6 +387,12 @@ pub async fn bind_listen(common: &CommonArgs) -> Result<(TcpListener, SocketAddr
     };
     let listener = TcpListener::bind(common.listen).await.map_err(bind_err)?;
     let addr = listener.local_addr().map_err(bind_err)?;
+    let listener = br_trust::accept::AcceptListener::new(
+        listener,
+        common.accept_limits(descriptor_limit()),
+        trust.accept_hook(),
+    )
+    .map_err(bind_err)?;
     Ok((listener, addr))
 }
 
@@ -343,16 +400,16 @@ pub async fn bind_listen(common: &CommonArgs) -> Result<(TcpListener, SocketAddr
 pub async fn start_admin(
     common: &CommonArgs,
     trust: &Trust,
-    registry: prometheus::Registry,
-    readiness: Readiness,
-    stop: CancellationToken,
+    registry: &prometheus::Registry,
+    readiness: &Readiness,
+    stop: &CancellationToken,
 ) -> Result<AdminServer, StartError> {
     AdminServer::start_with_tls(
         common.admin_listen,
         trust.tls.clone(),
-        registry,
-        readiness,
-        stop,
+        registry.clone(),
+        readiness.clone(),
+        stop.clone(),
     )
     .await
     .map_err(|source| StartError::Bind {
@@ -553,7 +610,7 @@ mod tests {
             e.to_string()
                 .starts_with(&format!("binding --listen {addr}: "))
         );
-        let e = bind_listen(&c).await.unwrap_err();
+        let e = bind_listen(&c, &Trust::default()).await.unwrap_err();
         assert!(
             e.to_string()
                 .starts_with(&format!("binding --listen {addr}: "))
@@ -562,9 +619,9 @@ mod tests {
         let e = start_admin(
             &c,
             &Trust::default(),
-            prometheus::Registry::new(),
-            Readiness::default(),
-            CancellationToken::new(),
+            &prometheus::Registry::new(),
+            &Readiness::default(),
+            &CancellationToken::new(),
         )
         .await
         .unwrap_err();

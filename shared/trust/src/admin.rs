@@ -20,6 +20,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::accept::{self, AcceptLimits, Held};
 use crate::identity::{Identity, Role};
 use crate::tls::{self, TlsMaterial};
 
@@ -47,7 +48,7 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Admi
 pub struct AdminListener {
     local: SocketAddr,
     trust_domain: String,
-    connections: ReceiverStream<io::Result<TlsStream<TcpStream>>>,
+    connections: ReceiverStream<io::Result<TlsStream<Held<TcpStream>>>>,
 }
 
 impl std::fmt::Debug for AdminListener {
@@ -69,13 +70,18 @@ impl AdminListener {
         Ok(AdminListener {
             local,
             trust_domain: material.trust_domain().to_owned(),
-            connections: tls::incoming(listener, config, handshake_timeout, None),
+            connections: tls::incoming(
+                accept::accept(listener, AcceptLimits::default(), None),
+                config,
+                handshake_timeout,
+                None,
+            ),
         })
     }
 }
 
 impl axum::serve::Listener for AdminListener {
-    type Io = TlsStream<TcpStream>;
+    type Io = TlsStream<Held<TcpStream>>;
     type Addr = Peer;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {

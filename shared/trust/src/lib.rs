@@ -8,10 +8,13 @@
 //! * [`tls`]: certificates, keys and CA loaded from files and reloaded when they change; rustls
 //!   server and client configs over them; a TLS acceptor for tonic servers and a connector for
 //!   tonic channels.
+//! * [`accept`]: the accept loop of every port: a bound on open connections, silent ones
+//!   closed, accept errors backed off.
 //! * [`admin`]: the admin HTTP port over TLS: probes open, everything else for the admin role.
 //! * [`args`]: the `--tls-*` flags every binary takes, and the loopback-only default without
 //!   them.
 
+pub mod accept;
 pub mod admin;
 pub mod args;
 pub mod identity;

@@ -30,6 +30,7 @@ use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureS
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::accept::Held;
 use crate::identity::{Identity, Role};
 
 /// Where a process's certificate, key and CA bundle live.
@@ -444,39 +445,32 @@ pub fn connector(
 /// Called with `"handshake"` or `"timeout"` for each failed TLS handshake (for a counter).
 pub type HandshakeFailureHook = Arc<dyn Fn(&str) + Send + Sync>;
 
-/// Accepts TCP connections and completes TLS handshakes concurrently (a slow or silent client
-/// holds only its own task, for at most `handshake_timeout`), yielding established streams for
-/// `Server::serve_with_incoming`. Failed handshakes are logged at DEBUG and passed to
-/// `on_failure` (for a counter). Accept errors (EMFILE under descriptor exhaustion) back off
-/// instead of spinning.
+/// Completes the TLS handshakes of `accepted` connections (see [`crate::accept::accept`] for
+/// their bounds) concurrently: a slow or silent client holds only its own task, for at most
+/// `handshake_timeout`. Yields established streams for `Server::serve_with_incoming`. Failed
+/// handshakes are logged at DEBUG and passed to `on_failure` (for a counter).
 pub fn incoming(
-    listener: tokio::net::TcpListener,
+    accepted: impl futures::Stream<Item = io::Result<Held<TcpStream>>> + Send + 'static,
     config: Arc<rustls::ServerConfig>,
     handshake_timeout: Duration,
     on_failure: Option<HandshakeFailureHook>,
-) -> tokio_stream::wrappers::ReceiverStream<io::Result<tokio_rustls::server::TlsStream<TcpStream>>>
-{
+) -> tokio_stream::wrappers::ReceiverStream<
+    io::Result<tokio_rustls::server::TlsStream<Held<TcpStream>>>,
+> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     tokio::spawn(async move {
-        let mut backoff = Duration::from_millis(5);
+        let mut accepted = std::pin::pin!(accepted);
         loop {
-            let (tcp, peer): (TcpStream, SocketAddr) = tokio::select! {
-                _ = tx.closed() => return,
-                r = listener.accept() => match r {
-                    Ok(ok) => {
-                        backoff = Duration::from_millis(5);
-                        ok
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, ?backoff, "accept failed; backing off");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(1));
-                        continue;
-                    }
+            let tcp = tokio::select! {
+                () = tx.closed() => return,
+                next = futures::StreamExt::next(&mut accepted) => match next {
+                    Some(Ok(tcp)) => tcp,
+                    Some(Err(_)) => continue, // logged and counted by the accept loop
+                    None => return,
                 },
             };
-            let _ = tcp.set_nodelay(true);
+            let peer: Option<SocketAddr> = tcp.peer_addr().ok();
             let acceptor = acceptor.clone();
             let tx = tx.clone();
             let on_failure = on_failure.clone();
@@ -486,13 +480,13 @@ pub fn incoming(
                         let _ = tx.send(Ok(stream)).await;
                     }
                     Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        tracing::debug!(?peer, error = %e, "TLS handshake failed");
                         if let Some(f) = &on_failure {
                             f("handshake");
                         }
                     }
                     Err(_) => {
-                        tracing::debug!(%peer, "TLS handshake timed out");
+                        tracing::debug!(?peer, "TLS handshake timed out");
                         if let Some(f) = &on_failure {
                             f("timeout");
                         }

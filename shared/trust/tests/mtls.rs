@@ -93,7 +93,7 @@ async fn serve(files: TlsFiles) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let incoming = tls::incoming(
-        listener,
+        br_trust::accept::accept(listener, Default::default(), None),
         material.server_config(&[b"h2"]),
         Duration::from_secs(5),
         None,

@@ -216,7 +216,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     server
                         .add_service(service)
                         .serve_with_incoming_shutdown(
-                            br_runtime::serve::nodelay_incoming(listener),
+                            br_trust::accept::accept(listener, Default::default(), None),
                             stop.cancelled_owned(),
                         )
                         .await
@@ -226,7 +226,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                         .add_service(service)
                         .serve_with_incoming_shutdown(
                             br_trust::tls::incoming(
-                                listener,
+                                br_trust::accept::accept(listener, Default::default(), None),
                                 m.server_config(&[b"h2"]),
                                 Duration::from_secs(10),
                                 None,
