@@ -244,7 +244,7 @@ impl GrpcServer {
                 drain_signal.cancelled_owned(),
             )),
             Some(tls) => {
-                let trust_domain = tls.material.trust_domain().to_owned();
+                let reader = tls.material.reader().clone();
                 let incoming = br_trust::tls::incoming(
                     listener,
                     tls.material.server_config(&[b"h2"]),
@@ -253,7 +253,7 @@ impl GrpcServer {
                 );
                 Box::pin(
                     builder
-                        .layer(br_trust::AuthzLayer::new(&trust_domain, tls.on_deny))
+                        .layer(br_trust::AuthzLayer::new(reader, tls.on_deny))
                         .add_routes(routes)
                         .serve_with_incoming_shutdown(incoming, drain_signal.cancelled_owned()),
                 )

@@ -246,10 +246,12 @@ impl Trust {
             .tls
             .check_bind(common.admin_listen)
             .map_err(|e| StartError::Config(format!("--admin-listen: {e}")))?;
-        let tls = common
-            .tls
-            .load()
-            .map_err(|e| StartError::Config(format!("--tls-cert/--tls-key/--tls-ca: {e}")))?;
+        let tls = common.tls.load().map_err(|e| match e {
+            br_trust::tls::TlsError::RoleMap(e) => {
+                StartError::Config(format!("--spiffe-role-map: {e}"))
+            }
+            e => StartError::Config(format!("--tls-cert/--tls-key/--tls-ca: {e}")),
+        })?;
         let Some(material) = tls else {
             return Ok(Trust::default());
         };
