@@ -1,9 +1,10 @@
 //! Roles for SPIFFE ids that name a Kubernetes service account rather than a BalanceRoute role
 //! (`--spiffe-role-map`).
 //!
-//! cert-manager's csi-driver-spiffe issues every pod `spiffe://<trust-domain>/ns/<namespace>/sa/<service account>`
-//! (SPIRE's Kubernetes templates often do the same): the certificate proves which service
-//! account the pod runs as, and nothing else. The map says which role each service account
+//! cert-manager's csi-driver-spiffe issues every pod
+//! `spiffe://<trust-domain>/ns/<namespace>/sa/<service account>` (SPIRE's Kubernetes templates
+//! often do the same): the certificate proves which service account the pod runs as, and
+//! nothing else. The map says which role each service account
 //! has, one entry per account, `<namespace>/<service account>=<grant>`:
 //! * `ingest`, `decision`, `snapshot`, `gateway`, `admin`: that role;
 //! * `worker/<group>/<id>`: exactly that decode worker. As strong as a `br/worker/...` id only
