@@ -56,6 +56,23 @@ pub fn binaries() -> &'static Path {
             "-p",
             "br-shim",
         ]);
+        // Cargo sets these for the test process; an inner build that inherits them differs
+        // from the outer `cargo test` to build scripts that watch them (ring reruns on
+        // CARGO_MANIFEST_DIR), so every run rebuilt ring, rustls, tonic and every service.
+        for (key, _) in std::env::vars_os() {
+            let k = key.to_string_lossy();
+            let set_for_tests = matches!(
+                k.as_ref(),
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_TARGET_TMPDIR"
+            ) || k.starts_with("CARGO_PKG_");
+            if set_for_tests {
+                cmd.env_remove(&key);
+            }
+        }
         if profile_release {
             cmd.arg("--release");
         }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use br_certs::{Ca, Issued, Validity};
-use br_trust::{Identity, Role, TlsFiles, TlsMaterial};
+use br_trust::{Identity, IdentityReader, Role, TlsFiles, TlsMaterial};
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -84,6 +84,20 @@ impl Pki {
         self.with_ca(names)
     }
 
+    /// A Kubernetes service account's files (`spiffe://<td>/ns/<namespace>/sa/<name>`, as
+    /// csi-driver-spiffe issues them), issued on first use.
+    pub fn service_account(&self, namespace: &str, name: &str) -> TlsFiles {
+        let names = br_certs::service_account_files(namespace, name);
+        if !self.path(&names.0).exists() {
+            let issued = self
+                .ca
+                .issue_service_account(TD, namespace, name)
+                .expect("a service-account cert");
+            br_certs::write(self.dir(), &names, &issued).expect("writing a service-account cert");
+        }
+        self.with_ca(names)
+    }
+
     /// A gateway certificate signed by another CA.
     pub fn foreign_gateway(&self) -> TlsFiles {
         let other = Ca::new("another CA").expect("a CA");
@@ -138,7 +152,18 @@ impl Default for Pki {
 /// A lazily connecting channel to `url` presenting `files`' certificate; the server must be of
 /// role `expect` when given.
 pub fn channel(url: &str, files: &TlsFiles, expect: Option<Role>) -> Channel {
-    let material = TlsMaterial::load(files.clone(), TD).expect("client TLS material");
+    channel_reading(url, files, expect, IdentityReader::new(TD))
+}
+
+/// [`channel`], reading the server's identity with `reader` (a role map for servers whose
+/// certificates carry service-account ids).
+pub fn channel_reading(
+    url: &str,
+    files: &TlsFiles,
+    expect: Option<Role>,
+    reader: IdentityReader,
+) -> Channel {
+    let material = TlsMaterial::load(files.clone(), reader).expect("client TLS material");
     let endpoint = Endpoint::from_shared(url.to_owned())
         .expect("a URL")
         .connect_timeout(PATIENCE);
@@ -184,9 +209,21 @@ pub async fn https_get(
     client: Option<&TlsFiles>,
     path: &str,
 ) -> Result<(u16, String), String> {
+    https_get_reading(addr, ca, client, path, IdentityReader::new(TD)).await
+}
+
+/// [`https_get`], reading the server's identity with `reader` when a client certificate is
+/// presented (a role map for servers whose certificates carry service-account ids).
+pub async fn https_get_reading(
+    addr: SocketAddr,
+    ca: &Path,
+    client: Option<&TlsFiles>,
+    path: &str,
+    reader: IdentityReader,
+) -> Result<(u16, String), String> {
     let cfg = match client {
         Some(files) => {
-            let material = TlsMaterial::load(files.clone(), TD).expect("client TLS material");
+            let material = TlsMaterial::load(files.clone(), reader).expect("client TLS material");
             (*material.client_config(None)).clone()
         }
         None => {

@@ -176,6 +176,22 @@ impl Method {
         }
     }
 
+    /// The full gRPC path, `/<package>.<Service>/<Method>`: what every denial names (a bare
+    /// method name would also match `Watch` of health for `Watch` of Snapshot).
+    fn path(self) -> String {
+        let service = match self {
+            Method::Report => "balanceroute.v1.Telemetry",
+            Method::Apply | Method::Reserve | Method::Release | Method::Watch | Method::Get => {
+                "balanceroute.v1.Snapshot"
+            }
+            Method::Assign | Method::Cancel => "balanceroute.v1.Decision",
+            Method::HealthCheck | Method::HealthWatch => "grpc.health.v1.Health",
+            Method::ReflectionV1 => "grpc.reflection.v1.ServerReflection",
+            Method::ReflectionV1Alpha => "grpc.reflection.v1alpha.ServerReflection",
+        };
+        format!("/{service}/{}", self.name())
+    }
+
     /// The ports that serve it.
     fn ports(self) -> &'static [Port] {
         match self {
@@ -575,21 +591,35 @@ async fn every_method_on_every_port_admits_exactly_the_roles_issue_10_names() {
         };
         assert_eq!(status.code(), Code::PermissionDenied, "{what}: {status:?}");
         let msg = status.message();
+        // every denial, the layer's and ingest's alike, names the role, the caller's identity
+        // and the method
+        assert!(
+            msg.contains(&format!("role {} ", c.role())),
+            "{what}: the denial names the role: {msg}"
+        );
+        assert!(
+            msg.contains(&c.spiffe_id()),
+            "{what}: the denial names the identity: {msg}"
+        );
+        assert!(
+            msg.contains(&m.path()),
+            "{what}: the denial names the method {}: {msg}",
+            m.path()
+        );
         if m == Method::Report && c.is_worker() {
             // the table admits workers to Report; ingest refuses a Hello for another slot,
-            // naming the certificate's identity and the slot claimed
-            assert!(msg.contains(&c.spiffe_id()), "{what}: {msg}");
-            assert!(msg.contains(&format!("worker {SLOT}")), "{what}: {msg}");
+            // naming the slot claimed and the one the certificate gives
+            assert!(
+                msg.contains(&format!("group \"{GROUP}\" worker {SLOT}")),
+                "{what}: the slot claimed: {msg}"
+            );
+            let own = match c {
+                Caller::WorkerOtherId => format!("for group \"{GROUP}\" worker {}", SLOT + 1),
+                _ => format!("for group \"{OTHER_GROUP}\" worker {SLOT}"),
+            };
+            assert!(msg.contains(&own), "{what}: the certificate's slot: {msg}");
             denied_by_ingest += 1.0;
         } else {
-            assert!(
-                msg.contains(c.role()),
-                "{what}: the denial names the role: {msg}"
-            );
-            assert!(
-                msg.contains(m.name()),
-                "{what}: the denial names the method: {msg}"
-            );
             *denied_by_layer.entry(p).or_default() += 1.0;
         }
     }

@@ -466,3 +466,210 @@ async fn presented(
 ) -> rustls::pki_types::CertificateDer<'static> {
     pki::presented_cert(addr, client, alpn).await
 }
+
+/// The shim's worker certificate files, replaced in place by a certificate for `worker_id` of
+/// `group` (a new key and serial); returns the new leaf.
+fn rotate_shim(
+    pki: &Pki,
+    files: &br_trust::TlsFiles,
+    group: &str,
+    worker_id: u32,
+) -> rustls::pki_types::CertificateDer<'static> {
+    let uri = Identity::uri_for_worker(TD, group, worker_id);
+    let issued = pki
+        .ca
+        .issue(&uri, Validity::For(Duration::from_secs(7200)))
+        .unwrap();
+    let name = |p: &std::path::Path| p.file_name().unwrap().to_string_lossy().into_owned();
+    let names = (name(&files.cert), name(&files.key));
+    br_certs::write(pki.dir(), &names, &issued).unwrap();
+    pki::leaf_der(&issued.cert_pem)
+}
+
+/// A client picks up its rotated certificate on its next handshake, while the streams it
+/// already has carry on. The client is a real br-shim (worker 0 of its group): its certificate
+/// files are replaced by one for worker 1, a certificate ingest refuses for worker 0's Hello.
+/// * the shim's admin port (its server side) presents the new certificate at once, and its
+///   Report stream, authenticated with the old one, carries on: the same TCP connection, ingest
+///   still counts its messages, nothing refused;
+/// * ingest restarts (kill -9, same port): the shim's next handshake presents the worker-1
+///   certificate and its Hello as worker 0 is refused (not_your_worker), again at every retry;
+/// * the files are rotated back to a worker-0 certificate: the shim's next handshake presents
+///   it and the stream is admitted (ingest holds one stream, the shim says it is connected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_presents_its_rotated_certificate_on_its_next_handshake_and_keeps_its_streams() {
+    const SHIM_GROUP: &str = "rot-client";
+    let pki = Pki::new();
+    let with = |role: Role, extra: &[&str]| -> Vec<String> {
+        let mut v = pki.flags(role);
+        v.extend(extra.iter().map(|s| (*s).to_owned()));
+        v
+    };
+    let start = |bin: &'static str, args: Vec<String>| {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        Service::start(bin, &a)
+    };
+    let snapshot = start(
+        "br-snapshot",
+        with(Role::Snapshot, &["--worker-grace", "60s"]),
+    );
+    let snap_url = snapshot.grpc_url();
+    let mut ingest = start(
+        "br-ingest",
+        with(Role::Ingest, &["--snapshot-addr", &snap_url]),
+    );
+    // the shim's own files (a copy of worker 0's, so rotating them touches nothing else)
+    let shim_files = pki.custom(
+        "shim",
+        &pki.ca
+            .issue(
+                &Identity::uri_for_worker(TD, SHIM_GROUP, 0),
+                Validity::For(Duration::from_secs(7200)),
+            )
+            .unwrap(),
+    );
+    let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
+    let shim = start(
+        "br-shim",
+        vec![
+            "--tls-cert".into(),
+            s(&shim_files.cert),
+            "--tls-key".into(),
+            s(&shim_files.key),
+            "--tls-ca".into(),
+            s(&shim_files.ca),
+            "--tls-reload-interval".into(),
+            "100ms".into(),
+            "--upstream".into(),
+            "http://127.0.0.1:1".into(),
+            "--ingest-addr".into(),
+            ingest.grpc_url(),
+            "--group".into(),
+            SHIM_GROUP.into(),
+            "--worker-id".into(),
+            "0".into(),
+        ],
+    );
+
+    let admin_files = pki.role(Role::Admin);
+    let ca = pki.path("ca.pem");
+    let scrape = |addr: std::net::SocketAddr| {
+        let (ca, files) = (ca.clone(), admin_files.clone());
+        async move {
+            let (code, body) = pki::https_get(addr, &ca, Some(&files), "/metrics")
+                .await
+                .unwrap();
+            assert_eq!(code, 200, "{body}");
+            Metrics::parse(&body).unwrap()
+        }
+    };
+    // a reference, so each polled future can take it along
+    let scrape = &scrape;
+    let refused = |m: &Metrics| {
+        m.get(
+            "balanceroute_ingest_rejected_total",
+            &[("reason", "not_your_worker")],
+        )
+        .unwrap_or(0.0)
+    };
+    let shim_connected = |m: &Metrics| m.sum("balanceroute_shim_ingest_connected");
+    let streams = |m: &Metrics| m.sum("balanceroute_ingest_streams");
+    let messages = |m: &Metrics| m.sum("balanceroute_ingest_messages_total");
+
+    eventually(START, "the shim's stream is up", || {
+        let (i, sh) = (ingest.admin_addr(), shim.admin_addr());
+        async move { streams(&scrape(i).await) == 1.0 && shim_connected(&scrape(sh).await) == 1.0 }
+    })
+    .await;
+    let shim_pid = shim.pid().unwrap();
+    let before = connections(shim_pid, ingest.grpc_port);
+    assert_eq!(before.len(), 1, "the shim's one connection to ingest");
+
+    // -- rotate the shim's files to a certificate for worker 1 --
+    let worker1 = rotate_shim(&pki, &shim_files, SHIM_GROUP, 1);
+    let shim_admin = shim.admin_addr();
+    eventually(
+        START,
+        "the shim's admin port presents the new certificate",
+        || {
+            let client = admin_files.clone();
+            let want = worker1.clone();
+            async move { presented(shim_admin, &client, b"http/1.1").await == want }
+        },
+    )
+    .await;
+    // the established stream carries on: same connection, ingest still hears it (heartbeats),
+    // nothing refused
+    let m = scrape(ingest.admin_addr()).await;
+    let heard = messages(&m);
+    eventually(START, "ingest hears the shim after its rotation", || {
+        let i = ingest.admin_addr();
+        async move { messages(&scrape(i).await) > heard + 2.0 }
+    })
+    .await;
+    let m = scrape(ingest.admin_addr()).await;
+    assert_eq!(
+        refused(&m),
+        0.0,
+        "the established stream was not re-checked"
+    );
+    assert_eq!(streams(&m), 1.0);
+    assert_eq!(
+        connections(shim_pid, ingest.grpc_port),
+        before,
+        "the shim's connection to ingest was replaced"
+    );
+
+    // -- a new connection: ingest restarts on its port; the shim's next handshake presents
+    //    the worker-1 certificate, and its Hello as worker 0 is refused --
+    ingest.restart();
+    let i = ingest.admin_addr();
+    eventually(
+        START,
+        "the restarted ingest refuses the shim's Hello twice (two fresh handshakes)",
+        || async move { refused(&scrape(i).await) >= 2.0 },
+    )
+    .await;
+    let m = scrape(i).await;
+    assert_eq!(
+        streams(&m),
+        0.0,
+        "no stream admitted with the worker-1 certificate"
+    );
+    // the shim's gauge follows its reporter every 500 ms
+    eventually(START, "the shim says it is not connected", || async move {
+        shim_connected(&scrape(shim_admin).await) == 0.0
+    })
+    .await;
+
+    // -- rotate back to a worker-0 certificate: the next handshake is admitted --
+    let worker0 = rotate_shim(&pki, &shim_files, SHIM_GROUP, 0);
+    eventually(
+        START,
+        "the shim's admin port presents the worker-0 certificate",
+        || {
+            let client = admin_files.clone();
+            let want = worker0.clone();
+            async move { presented(shim_admin, &client, b"http/1.1").await == want }
+        },
+    )
+    .await;
+    eventually(
+        START,
+        "ingest admits the shim's stream again",
+        || async move {
+            streams(&scrape(i).await) == 1.0 && shim_connected(&scrape(shim_admin).await) == 1.0
+        },
+    )
+    .await;
+    let refusals = refused(&scrape(i).await);
+    // and it stays admitted: more messages, no more refusals
+    let heard = messages(&scrape(i).await);
+    eventually(START, "ingest keeps hearing the shim", || async move {
+        messages(&scrape(i).await) > heard + 2.0
+    })
+    .await;
+    let m = scrape(i).await;
+    assert_eq!(refused(&m), refusals, "refused after the rotation back");
+    assert_eq!(streams(&m), 1.0);
+}

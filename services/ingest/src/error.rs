@@ -20,12 +20,17 @@ pub enum StreamError {
     /// The group is not in `--groups`.
     #[error("group {0:?} is not served by this ingest")]
     GroupNotAllowed(String),
-    /// Under mutual TLS: the Hello claims a worker the client certificate is not.
+    /// Under mutual TLS: the Hello claims a worker the client certificate is not. Worded as
+    /// the authorisation layer words its denials: the role, the identity and the method.
     #[error(
-        "{certified} may report only as its own worker; this Hello claims group {group:?} worker {worker_id}"
+        "role worker ({certified}) may not call /{}/Report as group {group:?} worker {worker_id}: its certificate is for {own}",
+        br_proto::service_names::TELEMETRY
     )]
     NotYourWorker {
         certified: String,
+        /// The slot the certificate does give (`group "g0" worker 3`, or any worker of a
+        /// group for an unproven service-account mapping), or why it gives none.
+        own: String,
         group: String,
         worker_id: u32,
     },
@@ -189,6 +194,7 @@ mod tests {
             (
                 StreamError::NotYourWorker {
                     certified: "spiffe://td/br/worker/g/1".into(),
+                    own: "group \"g\" worker 1".into(),
                     group: "g".into(),
                     worker_id: 2,
                 },

@@ -192,12 +192,17 @@ impl Inner {
             return None;
         }
         if let Some(id) = caller {
-            let own = id.worker.as_ref().is_some_and(|slot| {
-                slot.group == hello.group.as_str() && slot.worker_id == hello.worker_id
-            });
+            let own = id
+                .worker
+                .as_ref()
+                .is_some_and(|slot| slot.admits(hello.group.as_str(), hello.worker_id));
             if !own {
                 let e = StreamError::NotYourWorker {
                     certified: id.spiffe_id.clone(),
+                    own: id.worker.as_ref().map_or_else(
+                        || format!("no worker (role {})", id.role),
+                        ToString::to_string,
+                    ),
                     group: hello.group.to_string(),
                     worker_id: hello.worker_id,
                 };

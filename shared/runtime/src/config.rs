@@ -170,6 +170,10 @@ impl Validate for CommonArgs {
                 "--otlp-endpoint {ep:?} must start with http:// or https://"
             ));
         }
+        // each entry was parsed by clap; the map as a whole (one role per account) here
+        self.tls
+            .reader()
+            .map_err(|e| format!("--spiffe-role-map: {e}"))?;
         Ok(())
     }
 }

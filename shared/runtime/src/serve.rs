@@ -264,7 +264,7 @@ impl GrpcServer {
                     .serve_with_incoming_shutdown(accepted, drain_signal.cancelled_owned()),
             ),
             Some(tls) => {
-                let trust_domain = tls.material.trust_domain().to_owned();
+                let reader = tls.material.reader().clone();
                 let incoming = br_trust::tls::incoming(
                     accepted,
                     tls.material.server_config(&[b"h2"]),
@@ -273,7 +273,7 @@ impl GrpcServer {
                 );
                 Box::pin(
                     builder
-                        .layer(br_trust::AuthzLayer::new(&trust_domain, tls.on_deny))
+                        .layer(br_trust::AuthzLayer::new(reader, tls.on_deny))
                         .add_routes(routes)
                         .serve_with_incoming_shutdown(incoming, drain_signal.cancelled_owned()),
                 )

@@ -262,10 +262,12 @@ impl Trust {
             .tls
             .check_bind(common.admin_listen)
             .map_err(|e| StartError::Config(format!("--admin-listen: {e}")))?;
-        let tls = common
-            .tls
-            .load()
-            .map_err(|e| StartError::Config(format!("--tls-cert/--tls-key/--tls-ca: {e}")))?;
+        let tls = common.tls.load().map_err(|e| match e {
+            br_trust::tls::TlsError::RoleMap(e) => {
+                StartError::Config(format!("--spiffe-role-map: {e}"))
+            }
+            e => StartError::Config(format!("--tls-cert/--tls-key/--tls-ca: {e}")),
+        })?;
         let accept_failures = prometheus::IntCounterVec::new(
             prometheus::Opts::new(
                 format!("balanceroute_{service}_accept_failures_total"),

@@ -21,7 +21,7 @@ use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::accept::{self, AcceptLimits, Held};
-use crate::identity::{Identity, Role};
+use crate::identity::{Identity, IdentityReader, Role};
 use crate::tls::{self, TlsMaterial};
 
 /// Paths anyone who reaches the port may read (probes).
@@ -47,7 +47,7 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Admi
 /// TLS connections (client certificate optional) for an axum server.
 pub struct AdminListener {
     local: SocketAddr,
-    trust_domain: String,
+    reader: IdentityReader,
     connections: ReceiverStream<io::Result<TlsStream<Held<TcpStream>>>>,
 }
 
@@ -69,7 +69,7 @@ impl AdminListener {
         let config = material.server_config_optional_client(&[b"http/1.1"]);
         Ok(AdminListener {
             local,
-            trust_domain: material.trust_domain().to_owned(),
+            reader: material.reader().clone(),
             connections: tls::incoming(
                 accept::accept(listener, AcceptLimits::default(), None),
                 config,
@@ -95,7 +95,7 @@ impl axum::serve::Listener for AdminListener {
                     let identity = session
                         .peer_certificates()
                         .and_then(|c| c.first())
-                        .and_then(|c| Identity::from_cert_der(c.as_ref(), &self.trust_domain).ok());
+                        .and_then(|c| self.reader.read_cert_der(c.as_ref()).ok());
                     return (stream, Peer { addr, identity });
                 }
                 Some(Err(_)) => continue,

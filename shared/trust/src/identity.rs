@@ -2,13 +2,17 @@
 //!
 //! `spiffe://<trust-domain>/br/<role>` for the services, gateways and operators, and
 //! `spiffe://<trust-domain>/br/worker/<group>/<worker_id>` for a decode worker's shim, so that
-//! certificates issued by SPIRE or cert-manager's csi-driver-spiffe work as they are. A
+//! certificates issued by SPIRE or cert-manager work as they are. Kubernetes service-account ids
+//! (`spiffe://<trust-domain>/ns/<namespace>/sa/<name>`, what csi-driver-spiffe issues) get a
+//! role only through `--spiffe-role-map` ([`IdentityReader`], [`crate::rolemap`]). A
 //! certificate with no URI SAN of our trust domain, or with more than one, has no identity (a
 //! certificate that could be read two ways is refused rather than guessed at).
 
 use std::fmt;
 
 use br_proto::valid::{GroupId, limits};
+
+use crate::rolemap::{Grant, RoleMap};
 
 /// The default trust domain (`--trust-domain`).
 pub const DEFAULT_TRUST_DOMAIN: &str = "balanceroute.local";
@@ -64,11 +68,30 @@ impl fmt::Display for Role {
     }
 }
 
-/// A worker's place: the one (group, worker id) its certificate lets it report for.
+/// A worker's place: the (group, worker id) its certificate lets it report for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct WorkerSlot {
     pub group: String,
-    pub worker_id: u32,
+    /// `None`: any worker of the group. Only a service-account id mapped by a
+    /// `worker/<group>/*` entry of `--spiffe-role-map` reads so (the id is unproven); a
+    /// `br/worker/<group>/<id>` certificate always names its worker.
+    pub worker_id: Option<u32>,
+}
+
+impl WorkerSlot {
+    /// Whether a Hello for `worker_id` of `group` is this slot's to say.
+    pub fn admits(&self, group: &str, worker_id: u32) -> bool {
+        self.group == group && self.worker_id.is_none_or(|id| id == worker_id)
+    }
+}
+
+impl fmt::Display for WorkerSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.worker_id {
+            Some(id) => write!(f, "group {:?} worker {id}", self.group),
+            None => write!(f, "any worker of group {:?}", self.group),
+        }
+    }
 }
 
 /// An authenticated peer.
@@ -100,6 +123,15 @@ pub enum IdentityError {
     Ambiguous(usize),
     #[error("{uri:?} is not a BalanceRoute identity: {why}")]
     Malformed { uri: String, why: String },
+    /// A Kubernetes service-account id that `--spiffe-role-map` does not name.
+    #[error(
+        "{uri:?} is a Kubernetes service-account id with no role: --spiffe-role-map has no entry {namespace}/{service_account}"
+    )]
+    NotMapped {
+        uri: String,
+        namespace: String,
+        service_account: String,
+    },
 }
 
 impl Identity {
@@ -143,7 +175,7 @@ impl Identity {
                 }
                 let slot = WorkerSlot {
                     group: group.as_str().to_owned(),
-                    worker_id,
+                    worker_id: Some(worker_id),
                 };
                 (Role::Worker, Some(slot))
             }
@@ -161,8 +193,94 @@ impl Identity {
         }))
     }
 
-    /// Reads a DER certificate's URI SANs.
+    /// Reads a DER certificate's URI SANs (`br/...` ids only; [`IdentityReader`] reads
+    /// mapped service-account ids too).
     pub fn from_cert_der(der: &[u8], trust_domain: &str) -> Result<Identity, IdentityError> {
+        IdentityReader::new(trust_domain).read_cert_der(der)
+    }
+}
+
+/// Reads identities of one trust domain: `br/...` ids as they are, and Kubernetes
+/// service-account ids through a [`RoleMap`] (empty by default: none of them has a role).
+/// Every server and client of a process reads peers with the same reader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdentityReader {
+    trust_domain: String,
+    role_map: RoleMap,
+}
+
+impl From<&str> for IdentityReader {
+    fn from(trust_domain: &str) -> Self {
+        IdentityReader::new(trust_domain)
+    }
+}
+
+impl From<&String> for IdentityReader {
+    fn from(trust_domain: &String) -> Self {
+        IdentityReader::new(trust_domain)
+    }
+}
+
+impl IdentityReader {
+    /// `br/...` ids of `trust_domain` only.
+    pub fn new(trust_domain: &str) -> IdentityReader {
+        IdentityReader {
+            trust_domain: trust_domain.to_owned(),
+            role_map: RoleMap::default(),
+        }
+    }
+
+    /// Also gives mapped service-account ids their role.
+    pub fn with_role_map(mut self, role_map: RoleMap) -> IdentityReader {
+        self.role_map = role_map;
+        self
+    }
+
+    pub fn trust_domain(&self) -> &str {
+        &self.trust_domain
+    }
+
+    pub fn role_map(&self) -> &RoleMap {
+        &self.role_map
+    }
+
+    /// Reads one URI; `Ok(None)` when it is not of our trust domain (another SAN the
+    /// certificate may carry), an error when it is ours but gives no identity.
+    pub fn read_uri(&self, uri: &str) -> Result<Option<Identity>, IdentityError> {
+        let prefix = format!("spiffe://{}/", self.trust_domain);
+        let Some(path) = uri.strip_prefix(&prefix) else {
+            return Ok(None);
+        };
+        let parts: Vec<&str> = path.split('/').collect();
+        let ["ns", namespace, "sa", service_account] = parts.as_slice() else {
+            return Identity::from_uri(uri, &self.trust_domain);
+        };
+        let Some(grant) = self.role_map.get(namespace, service_account) else {
+            return Err(IdentityError::NotMapped {
+                uri: uri.to_owned(),
+                namespace: (*namespace).to_owned(),
+                service_account: (*service_account).to_owned(),
+            });
+        };
+        let (role, worker) = match grant {
+            Grant::Role(r) => (*r, None),
+            Grant::Worker { group, worker_id } => (
+                Role::Worker,
+                Some(WorkerSlot {
+                    group: group.clone(),
+                    worker_id: *worker_id,
+                }),
+            ),
+        };
+        Ok(Some(Identity {
+            role,
+            worker,
+            spiffe_id: uri.to_owned(),
+        }))
+    }
+
+    /// Reads a DER certificate's URI SANs: exactly one must give an identity of ours.
+    pub fn read_cert_der(&self, der: &[u8]) -> Result<Identity, IdentityError> {
         use x509_parser::prelude::*;
         let (_, cert) = X509Certificate::from_der(der)
             .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
@@ -173,14 +291,14 @@ impl Identity {
         if let Some(san) = san {
             for name in &san.value.general_names {
                 if let GeneralName::URI(uri) = name
-                    && let Some(id) = Identity::from_uri(uri, trust_domain)?
+                    && let Some(id) = self.read_uri(uri)?
                 {
                     found.push(id);
                 }
             }
         }
         match found.len() {
-            0 => Err(IdentityError::NoSpiffeId(trust_domain.to_owned())),
+            0 => Err(IdentityError::NoSpiffeId(self.trust_domain.clone())),
             1 => Ok(found.remove(0)),
             n => Err(IdentityError::Ambiguous(n)),
         }
@@ -209,9 +327,85 @@ mod tests {
         assert_eq!(id.role, Role::Worker);
         let slot = WorkerSlot {
             group: "g0".into(),
-            worker_id: 7,
+            worker_id: Some(7),
         };
         assert_eq!(id.worker, Some(slot));
+    }
+
+    fn mapped() -> IdentityReader {
+        let entries = [
+            "br/br-ingest=ingest",
+            "br/gw=gateway",
+            "br-g0/decode=worker/g0/*",
+            "br-g0/decode-3=worker/g0/3",
+        ];
+        let map = RoleMap::new(entries.map(|e| e.parse().unwrap())).unwrap();
+        IdentityReader::new(TD).with_role_map(map)
+    }
+
+    #[test]
+    fn service_account_ids_get_the_role_the_map_gives_them_and_no_other() {
+        let r = mapped();
+        let sa = |ns: &str, sa: &str| crate::rolemap::service_account_id(TD, ns, sa);
+        let id = r.read_uri(&sa("br", "br-ingest")).unwrap().unwrap();
+        assert_eq!((id.role, &id.worker), (Role::Ingest, &None));
+        assert_eq!(id.spiffe_id, sa("br", "br-ingest"));
+        let gw = r.read_uri(&sa("br", "gw")).unwrap().unwrap();
+        assert_eq!(gw.role, Role::Gateway);
+
+        let any = r.read_uri(&sa("br-g0", "decode")).unwrap().unwrap();
+        assert_eq!(any.role, Role::Worker);
+        let slot = any.worker.unwrap();
+        assert_eq!(slot.worker_id, None);
+        assert!(slot.admits("g0", 0) && slot.admits("g0", 7));
+        assert!(!slot.admits("g1", 0), "the group is still proven");
+        assert_eq!(slot.to_string(), "any worker of group \"g0\"");
+
+        let exact = r.read_uri(&sa("br-g0", "decode-3")).unwrap().unwrap();
+        let slot = exact.worker.unwrap();
+        assert!(slot.admits("g0", 3));
+        assert!(!slot.admits("g0", 2) && !slot.admits("g1", 3));
+
+        // fail closed: an account the map does not name, the same name in another
+        // namespace, another trust domain, and a longer path
+        for unmapped in [sa("br", "other"), sa("elsewhere", "br-ingest")] {
+            let e = r.read_uri(&unmapped).unwrap_err();
+            assert!(
+                matches!(e, IdentityError::NotMapped { .. }),
+                "{unmapped}: {e}"
+            );
+            assert!(e.to_string().contains("--spiffe-role-map"), "{e}");
+        }
+        let other_td = "spiffe://evil.example/ns/br/sa/br-ingest";
+        assert_eq!(r.read_uri(other_td).unwrap(), None);
+        for bad in [
+            "spiffe://balanceroute.local/ns/br/sa/br-ingest/x",
+            "spiffe://balanceroute.local/ns/br/sa",
+            "spiffe://balanceroute.local/ns/br/br-ingest",
+        ] {
+            assert!(r.read_uri(bad).is_err(), "{bad}");
+        }
+        // without a map, no service account has a role
+        let plain = IdentityReader::new(TD);
+        assert!(plain.read_uri(&sa("br", "br-ingest")).is_err());
+    }
+
+    #[test]
+    fn br_ids_read_the_same_with_or_without_a_map() {
+        let r = mapped();
+        for role in Role::ALL {
+            if role == Role::Worker {
+                continue;
+            }
+            let uri = Identity::uri_for_role(TD, role);
+            let plain = Identity::from_uri(&uri, TD).unwrap();
+            assert_eq!(r.read_uri(&uri).unwrap(), plain);
+        }
+        let uri = Identity::uri_for_worker(TD, "g0", 5);
+        assert_eq!(
+            r.read_uri(&uri).unwrap(),
+            Identity::from_uri(&uri, TD).unwrap()
+        );
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //!
 //! * [`identity`]: reading `spiffe://<trust-domain>/br/<role>` (and
 //!   `.../br/worker/<group>/<worker_id>`) from a certificate's URI SAN.
+//! * [`rolemap`]: `--spiffe-role-map`, roles for Kubernetes service-account ids
+//!   (`spiffe://<trust-domain>/ns/<namespace>/sa/<name>`, what csi-driver-spiffe issues).
 //! * [`policy`]: which roles may call which gRPC method, and the tower layer that enforces it
 //!   on every server (denials are PERMISSION_DENIED naming the role and the method).
 //! * [`tls`]: certificates, keys and CA loaded from files and reloaded when they change; rustls
@@ -19,9 +21,11 @@ pub mod admin;
 pub mod args;
 pub mod identity;
 pub mod policy;
+pub mod rolemap;
 pub mod tls;
 
 pub use args::TlsArgs;
-pub use identity::{Identity, Role, WorkerSlot};
+pub use identity::{Identity, IdentityReader, Role, WorkerSlot};
 pub use policy::{AuthzLayer, DenyReason};
+pub use rolemap::{RoleMap, RoleMapEntry};
 pub use tls::{TlsFiles, TlsMaterial};

@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 use br_proto::service_names::{DECISION, SNAPSHOT, TELEMETRY};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
-use crate::identity::{Identity, Role};
+use crate::identity::{Identity, IdentityReader, Role};
 
 /// Why a call was refused (also the metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -66,7 +66,7 @@ pub fn allowed_roles(path: &str) -> Option<&'static [Role]> {
 pub fn authorize(
     path: &str,
     peer_cert: Option<&[u8]>,
-    trust_domain: &str,
+    reader: &IdentityReader,
 ) -> Result<Identity, (DenyReason, String)> {
     let Some(der) = peer_cert else {
         return Err((
@@ -74,7 +74,8 @@ pub fn authorize(
             format!("{path} needs a client certificate"),
         ));
     };
-    let identity = Identity::from_cert_der(der, trust_domain)
+    let identity = reader
+        .read_cert_der(der)
         .map_err(|e| (DenyReason::NoIdentity, format!("{path}: {e}")))?;
     let Some(roles) = allowed_roles(path) else {
         return Err((
@@ -99,25 +100,27 @@ pub fn authorize(
 /// Called once per denial (for a counter by reason and a log line).
 pub type DenyHook = Arc<dyn Fn(DenyReason, &str) + Send + Sync>;
 
-/// The tower layer: `Server::builder().layer(AuthzLayer::new(trust_domain, hook))`.
+/// The tower layer: `Server::builder().layer(AuthzLayer::new(reader, hook))`.
 #[derive(Clone)]
 pub struct AuthzLayer {
-    trust_domain: Arc<str>,
+    reader: Arc<IdentityReader>,
     on_deny: Option<DenyHook>,
 }
 
 impl std::fmt::Debug for AuthzLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AuthzLayer")
-            .field("trust_domain", &self.trust_domain)
+            .field("trust_domain", &self.reader.trust_domain())
             .finish_non_exhaustive()
     }
 }
 
 impl AuthzLayer {
-    pub fn new(trust_domain: &str, on_deny: Option<DenyHook>) -> AuthzLayer {
+    /// `reader`: a trust domain (`br/...` ids only) or an [`IdentityReader`] with the
+    /// process's role map.
+    pub fn new(reader: impl Into<IdentityReader>, on_deny: Option<DenyHook>) -> AuthzLayer {
         AuthzLayer {
-            trust_domain: Arc::from(trust_domain),
+            reader: Arc::new(reader.into()),
             on_deny,
         }
     }
@@ -166,7 +169,7 @@ where
             .and_then(|info| info.peer_certs());
         let leaf = certs.as_ref().and_then(|c| c.first()).map(|c| c.as_ref());
         let path = req.uri().path().to_owned();
-        match authorize(&path, leaf, &self.layer.trust_domain) {
+        match authorize(&path, leaf, &self.layer.reader) {
             Ok(identity) => {
                 req.extensions_mut().insert(identity);
                 futures::future::Either::Left(self.inner.call(req))
@@ -231,7 +234,7 @@ mod tests {
     #[test]
     fn no_certificate_is_denied() {
         let path = format!("/{DECISION}/Assign");
-        let (reason, _) = authorize(&path, None, "td").unwrap_err();
+        let (reason, _) = authorize(&path, None, &IdentityReader::new("td")).unwrap_err();
         assert_eq!(reason, DenyReason::NoCertificate);
     }
 }

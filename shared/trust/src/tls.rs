@@ -31,7 +31,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::accept::Held;
-use crate::identity::{Identity, Role};
+use crate::identity::{Identity, IdentityReader, Role};
 
 /// Where a process's certificate, key and CA bundle live.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +57,9 @@ pub enum TlsError {
     KeyPair(String),
     #[error("the CA bundle cannot verify clients: {0}")]
     Verifier(String),
+    /// `--spiffe-role-map` is not usable (checked with the files, before anything is served).
+    #[error(transparent)]
+    RoleMap(#[from] crate::rolemap::RoleMapError),
 }
 
 /// One loaded generation of the files.
@@ -77,7 +80,7 @@ impl std::fmt::Debug for Generation {
 #[derive(Debug)]
 pub struct TlsMaterial {
     files: TlsFiles,
-    trust_domain: String,
+    reader: IdentityReader,
     provider: Arc<CryptoProvider>,
     current: RwLock<Arc<Generation>>,
 }
@@ -106,13 +109,17 @@ fn parse_certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, 
 
 impl TlsMaterial {
     /// Loads the files once (an error names the file); call [`TlsMaterial::watch`] to follow
-    /// rotations.
-    pub fn load(files: TlsFiles, trust_domain: &str) -> Result<Arc<TlsMaterial>, TlsError> {
+    /// rotations. `reader`: how peers' (and our own) certificates are read, a trust domain
+    /// (`br/...` ids only) or an [`IdentityReader`] with a role map.
+    pub fn load(
+        files: TlsFiles,
+        reader: impl Into<IdentityReader>,
+    ) -> Result<Arc<TlsMaterial>, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let generation = Self::build(&files, &provider)?;
         Ok(Arc::new(TlsMaterial {
             files,
-            trust_domain: trust_domain.to_owned(),
+            reader: reader.into(),
             provider,
             current: RwLock::new(Arc::new(generation)),
         }))
@@ -211,14 +218,20 @@ impl TlsMaterial {
     }
 
     pub fn trust_domain(&self) -> &str {
-        &self.trust_domain
+        self.reader.trust_domain()
+    }
+
+    /// How this process reads identities (its servers' authorisation and its clients'
+    /// check of servers use the same).
+    pub fn reader(&self) -> &IdentityReader {
+        &self.reader
     }
 
     /// This process's own identity, from its certificate.
     pub fn own_identity(&self) -> Result<Identity, crate::identity::IdentityError> {
         let g = self.generation();
         let leaf = g.certified.cert.first().map(|c| c.as_ref()).unwrap_or(&[]);
-        Identity::from_cert_der(leaf, &self.trust_domain)
+        self.reader.read_cert_der(leaf)
     }
 
     /// A server config that requires a client certificate chained to the CA. `alpn`: the
@@ -392,7 +405,10 @@ impl ServerCertVerifier for SpiffeServerVerifier {
             now,
             self.material.provider.signature_verification_algorithms.all,
         )?;
-        let identity = Identity::from_cert_der(end_entity, &self.material.trust_domain)
+        let identity = self
+            .material
+            .reader
+            .read_cert_der(end_entity)
             .map_err(|e| rustls::Error::General(format!("server identity: {e}")))?;
         if let Some(want) = self.expect
             && identity.role != want

@@ -133,6 +133,20 @@ impl Ca {
         self.issue(&id, Validity::For(DEFAULT_VALIDITY))
     }
 
+    /// A Kubernetes service account's certificate in `trust_domain`, as cert-manager's
+    /// csi-driver-spiffe issues it: the only URI SAN is
+    /// `spiffe://<trust-domain>/ns/<namespace>/sa/<service account>` (its role comes from
+    /// `--spiffe-role-map`).
+    pub fn issue_service_account(
+        &self,
+        trust_domain: &str,
+        namespace: &str,
+        service_account: &str,
+    ) -> Result<Issued, Error> {
+        let uri = br_trust::rolemap::service_account_id(trust_domain, namespace, service_account);
+        self.issue(&uri, Validity::For(DEFAULT_VALIDITY))
+    }
+
     /// A worker's certificate in `trust_domain`.
     pub fn issue_worker(&self, trust_domain: &str, group: &str, id: u32) -> Result<Issued, Error> {
         let uri = Identity::uri_for_worker(trust_domain, group, id);
@@ -153,6 +167,15 @@ pub fn worker_files(group: &str, id: u32) -> (String, String) {
     (
         format!("worker-{group}-{id}.pem"),
         format!("worker-{group}-{id}-key.pem"),
+    )
+}
+
+/// The file names for a service account: `sa-<namespace>-<service account>.pem` and
+/// `…-key.pem`.
+pub fn service_account_files(namespace: &str, service_account: &str) -> (String, String) {
+    (
+        format!("sa-{namespace}-{service_account}.pem"),
+        format!("sa-{namespace}-{service_account}-key.pem"),
     )
 }
 

@@ -28,6 +28,12 @@ struct Args {
     /// leaf certificates rotate.
     #[arg(long)]
     keep_ca: bool,
+    /// Also a certificate for a Kubernetes service account, NAMESPACE/NAME, with the id
+    /// csi-driver-spiffe gives it (`spiffe://<td>/ns/<namespace>/sa/<name>`), written as
+    /// sa-<namespace>-<name>.pem/-key.pem; the services give it a role with
+    /// --spiffe-role-map. Repeatable.
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    service_account: Vec<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,9 +65,19 @@ fn main() -> anyhow::Result<()> {
         let issued = ca.issue_worker(&args.trust_domain, &args.group, id)?;
         br_certs::write(dir, &br_certs::worker_files(&args.group, id), &issued)?;
     }
+    for account in &args.service_account {
+        // the same check the services apply to their map's entries
+        let entry: br_trust::RoleMapEntry = format!("{account}=admin")
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--service-account {account:?}: {e}"))?;
+        let (ns, sa) = (&entry.namespace, &entry.service_account);
+        let issued = ca.issue_service_account(&args.trust_domain, ns, sa)?;
+        br_certs::write(dir, &br_certs::service_account_files(ns, sa), &issued)?;
+    }
     println!(
-        "wrote a CA, 5 role certificates and {} worker certificates to {}",
+        "wrote a CA, 5 role certificates, {} worker certificates and {} service-account certificates to {}",
         args.workers,
+        args.service_account.len(),
         dir.display()
     );
     Ok(())
