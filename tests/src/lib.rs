@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 pub mod pki;
 pub mod reflection;
+pub mod replicated;
 
 /// The workspace root.
 pub fn root() -> &'static Path {
@@ -208,6 +209,30 @@ impl Service {
         }
     }
 
+    /// Freezes the process for `pause` (SIGSTOP, then SIGCONT from a task): a GC pause or a
+    /// throttled pod. Returns at once; the process is killed as usual if the handle drops
+    /// meanwhile.
+    pub fn freeze_for(&self, pause: Duration) {
+        let Some(pid) = self.pid() else {
+            return;
+        };
+        let signal = |sig: &str| {
+            let ok = Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "kill {sig} {pid} failed");
+        };
+        signal("-STOP");
+        std::thread::spawn(move || {
+            // the length of the fault, not a wait for something to happen
+            std::thread::sleep(pause);
+            let _ = Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status();
+        });
+    }
+
     /// Sends SIGTERM and waits for the process to exit; returns its exit status if it exited
     /// by itself within `grace` (None: it was not running, or had to be killed).
     pub fn terminate(&mut self, grace: Duration) -> Option<ExitStatus> {
@@ -352,6 +377,7 @@ mod worker {
         pub group: String,
         pub worker_id: u32,
         pub incarnation: u64,
+        pub capacity: u32,
         tx: mpsc::Sender<v1::WorkerReport>,
         /// One strictly increasing sequence per incarnation, shared with the ack reader.
         seq: Arc<AtomicU64>,
@@ -370,39 +396,64 @@ mod worker {
             worker_id: u32,
             capacity: u32,
         ) -> FakeWorker {
-            let mut client = TelemetryClient::connect(ingest.to_owned())
-                .await
-                .expect("ingest reachable");
-            let (tx, rx) = mpsc::channel(1024);
             let incarnation = 0x5eed_0000_0000_0000
                 | (u64::from(worker_id) << 16)
                 | u64::from(std::process::id() & 0xffff);
+            let running: Arc<Mutex<BTreeMap<String, Running>>> = Arc::default();
+            let full_state_requests: Arc<Mutex<u64>> = Arc::default();
+            let seq = Arc::new(AtomicU64::new(0));
+            let mut w = FakeWorker {
+                group: group.to_owned(),
+                worker_id,
+                incarnation,
+                capacity,
+                tx: mpsc::channel(1).0,
+                seq,
+                running,
+                full_state_requests,
+                reader: tokio::spawn(async {}),
+            };
+            let acks = w.open(ingest).await.expect("report stream");
+            w.read_acks(acks);
+            w
+        }
+
+        /// Opens a stream to `ingest` and says Hello as this incarnation; the stream's acks
+        /// (the Hello's first), or the status that refused it.
+        async fn open(
+            &mut self,
+            ingest: &str,
+        ) -> Result<tonic::Streaming<v1::ReportAck>, tonic::Status> {
+            let mut client = TelemetryClient::connect(ingest.to_owned())
+                .await
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+            let (tx, rx) = mpsc::channel(1024);
             tx.send(v1::WorkerReport {
                 kind: Some(worker_report::Kind::Hello(v1::Hello {
-                    group: group.to_owned(),
-                    worker_id,
-                    incarnation,
-                    capacity,
-                    endpoint: format!("http://127.0.0.1:{}", 18000 + worker_id),
+                    group: self.group.clone(),
+                    worker_id: self.worker_id,
+                    incarnation: self.incarnation,
+                    capacity: self.capacity,
+                    endpoint: format!("http://127.0.0.1:{}", 18000 + self.worker_id),
                 })),
             })
             .await
             .expect("stream open");
-            let mut acks = client
-                .report(ReceiverStream::new(rx))
-                .await
-                .expect("report stream")
-                .into_inner();
-            let running: Arc<Mutex<BTreeMap<String, Running>>> = Arc::default();
-            let full_state_requests: Arc<Mutex<u64>> = Arc::default();
-            let seq = Arc::new(AtomicU64::new(0));
+            let acks = client.report(ReceiverStream::new(rx)).await?.into_inner();
+            self.tx = tx;
+            Ok(acks)
+        }
+
+        /// Answers every ack that asks for the full state (in a task, until the stream ends).
+        fn read_acks(&mut self, mut acks: tonic::Streaming<v1::ReportAck>) {
             let (r2, f2, tx2, seq2) = (
-                running.clone(),
-                full_state_requests.clone(),
-                tx.clone(),
-                seq.clone(),
+                self.running.clone(),
+                self.full_state_requests.clone(),
+                self.tx.clone(),
+                self.seq.clone(),
             );
-            let reader = tokio::spawn(async move {
+            self.reader.abort();
+            self.reader = tokio::spawn(async move {
                 while let Some(Ok(ack)) = acks.next().await {
                     if ack.full_state_requested {
                         *f2.lock().unwrap() += 1;
@@ -412,16 +463,49 @@ mod worker {
                     }
                 }
             });
-            FakeWorker {
-                group: group.to_owned(),
-                worker_id,
-                incarnation,
-                tx,
-                seq,
-                running,
-                full_state_requests,
-                reader,
+        }
+
+        /// What a shim does when its stream is lost: connects again to `ingest` (the same
+        /// replica restarted, or another one) as the same incarnation, or as a new one when
+        /// `new_incarnation` (the shim process restarted), until a Hello is accepted, then
+        /// sends its full state. Its requests keep running meanwhile. Panics if no Hello is
+        /// accepted within `patience`.
+        pub async fn reconnect(
+            &mut self,
+            ingest: &str,
+            new_incarnation: bool,
+            patience: std::time::Duration,
+        ) {
+            // The old stream ends here (if it was still open): a shim that died says nothing.
+            self.reader.abort();
+            self.tx = mpsc::channel(1).0;
+            if new_incarnation {
+                self.incarnation = self.incarnation.wrapping_add(0x1_0000_0000);
             }
+            let deadline = std::time::Instant::now() + patience;
+            let mut backoff = std::time::Duration::from_millis(20);
+            loop {
+                let refused = match self.open(ingest).await {
+                    Ok(mut acks) => match acks.message().await {
+                        Ok(Some(_hello_ack)) => {
+                            self.read_acks(acks);
+                            break;
+                        }
+                        Ok(None) => "the stream ended without an ack".to_owned(),
+                        Err(s) => format!("{}: {}", s.code(), s.message()),
+                    },
+                    Err(s) => format!("{}: {}", s.code(), s.message()),
+                };
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "worker {} could not reconnect to {ingest} within {patience:?}: {refused}",
+                    self.worker_id
+                );
+                // The shim's backoff (the old stream may still hold the slot for a moment)
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_millis(500));
+            }
+            self.full_state().await;
         }
 
         /// Starts running a request (reports generated = 0 with its prompt).

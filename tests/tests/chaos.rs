@@ -1,60 +1,84 @@
-//! A short seeded chaos run for CI (issue 13, "Also"): two br-decision replicas behind
-//! br-client's `AssignClient`, each reached through a `FaultProxy`, steady `Assign` load, and
-//! one fault at a time drawn from a seeded generator: kill -9 a decision replica and restart it
-//! on its ports, or freeze every open connection to one (half-open: no FIN, no RST; the
-//! client's keepalive must find it). Then the invariants: no Assign lost before its deadline,
-//! no request id run on two ranks, no reservation left to expire, and σ equal to the workers'
-//! ground truth once quiet.
+//! A short seeded chaos run for CI (issue 13, "Also"): the replicated stack (one br-snapshot,
+//! two br-ingest replicas, two br-decision replicas reached through `FaultProxy`s by
+//! br-client's `AssignClient`, four workers spread over the ingest replicas), steady `Assign`
+//! load, and one fault at a time from a seeded schedule:
 //!
-//! `BR_CHAOS_SEED` (default 13) picks the faults; `BR_CHAOS_FAULTS` selects kinds
-//! (comma-separated, default `decision-kill,decision-freeze`). Not injected here yet, though
-//! their fixes are on main: `snapshot-kill`, `ingest-kill` (see scripts/chaos.sh).
+//! | kind | what |
+//! |---|---|
+//! | `decision-kill` | kill -9 a decision replica, restart it on its ports |
+//! | `decision-freeze` | freeze every open connection to a decision replica (half-open: no FIN, no RST; the client's keepalive must find it) |
+//! | `snapshot-kill` | kill -9 the snapshot service, restart it on its ports (σ is rebuilt from the workers' full states; decision answers stale meanwhile) |
+//! | `snapshot-freeze` | SIGSTOP the snapshot service for 1-3 s, then SIGCONT |
+//! | `ingest-kill` | kill -9 an ingest replica; its workers' shims reconnect to the other replica (same incarnation, full state), and it is restarted on its ports |
+//! | `shim-kill` | a worker's shim dies and restarts: its stream ends without a word, it says Hello again as a new incarnation with its full state (its requests keep running) |
+//!
+//! Then the invariants: no Assign lost before its deadline, no request id run on two ranks,
+//! no reservation left to expire, and σ equal to the workers' ground truth once quiet.
+//!
+//! `BR_CHAOS_SEED` (default 13) draws the schedule (which kinds in which order, on which
+//! replica or worker, after how many calls, how long a freeze lasts): the same seed gives the
+//! same schedule. `BR_CHAOS_FAULTS` selects the kinds (comma-separated, default all); each
+//! selected kind is injected at least once when there are no more kinds than faults
+//! (`BR_CHAOS_COUNT`, default 6). scripts/chaos.sh runs it for minutes with new seeds.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use br_client::assign::{AssignClient, AssignParams, Assignment};
-use br_e2e::{FakeWorker, Service};
-use br_proto::v1::snapshot_client::SnapshotClient;
-use br_proto::v1::{self, GetRequest};
-use br_testkit::{FaultProxy, eventually, within};
-use tokio::sync::mpsc;
+use br_e2e::replicated::{
+    Outcome, Ran, ReplicatedStack, START, StackConfig, WorkerEvent, doubles, drive_workers,
+    metric_sum,
+};
+use br_testkit::{FaultProxy, within};
+use tokio::sync::{mpsc, oneshot};
 
 const GROUP: &str = "chaos";
-const START: Duration = Duration::from_secs(60);
 /// A hang guard on a loaded 2-core machine, not a timing assertion.
 const LONG: Duration = Duration::from_secs(120);
 /// Every Assign's deadline: a call not answered by then is lost.
 const DEADLINE: Duration = Duration::from_secs(30);
 const WORKERS: u32 = 4;
 const CAPACITY: u32 = 3;
-const REQUESTS: usize = 300;
+const REQUESTS: usize = 350;
 const HOLD_TICKS: u32 = 4;
-const FAULTS: usize = 4;
+const DEFAULT_FAULTS: usize = 6;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
     DecisionKill,
     DecisionFreeze,
+    SnapshotKill,
+    SnapshotFreeze,
+    IngestKill,
+    ShimKill,
 }
 
+const KINDS: [(&str, Fault); 6] = [
+    ("decision-kill", Fault::DecisionKill),
+    ("decision-freeze", Fault::DecisionFreeze),
+    ("snapshot-kill", Fault::SnapshotKill),
+    ("snapshot-freeze", Fault::SnapshotFreeze),
+    ("ingest-kill", Fault::IngestKill),
+    ("shim-kill", Fault::ShimKill),
+];
+
 fn fault_kinds() -> Vec<Fault> {
-    let spec =
-        std::env::var("BR_CHAOS_FAULTS").unwrap_or_else(|_| "decision-kill,decision-freeze".into());
+    let Ok(spec) = std::env::var("BR_CHAOS_FAULTS") else {
+        return KINDS.iter().map(|k| k.1).collect();
+    };
     spec.split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(|s| match s {
-            "decision-kill" => Fault::DecisionKill,
-            "decision-freeze" => Fault::DecisionFreeze,
-            "snapshot-kill" | "ingest-kill" | "shim-kill" => panic!(
-                "fault {s:?} is pending (this test does not inject it yet); \
-                 scripts/chaos.sh lists it"
-            ),
-            other => panic!("unknown fault kind {other:?}"),
+        .map(|s| {
+            KINDS
+                .iter()
+                .find(|k| k.0 == s)
+                .unwrap_or_else(|| {
+                    panic!("unknown fault kind {s:?}; known: {:?}", KINDS.map(|k| k.0))
+                })
+                .1
         })
         .collect()
 }
@@ -75,77 +99,40 @@ impl Rng {
     }
 }
 
-async fn sigma(snapshot: &Service) -> Option<v1::ClusterSnapshot> {
-    let mut c = SnapshotClient::connect(snapshot.grpc_url()).await.ok()?;
-    c.get(GetRequest {
-        group: GROUP.into(),
-    })
-    .await
-    .ok()
-    .map(|r| r.into_inner())
+/// One planned fault: before call `at`, `kind` on replica or worker `target`, frozen for
+/// `pause` where it freezes.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    at: usize,
+    kind: Fault,
+    target: usize,
+    pause: Duration,
 }
 
-async fn metric_sum(service: &Service, name: &str) -> f64 {
-    br_testkit::http::metrics_url(&service.admin_url("/metrics"))
-        .await
-        .sum(name)
-}
-
-/// What the gateway saw for one request.
-#[derive(Debug)]
-struct Outcome {
-    id: String,
-    issued: Instant,
-    answered: Instant,
-    result: Result<Assignment, String>,
-}
-
-/// The workers' side: starts every answered request on its rank, steps and finishes them, and
-/// records which rank ran which id (the ground truth against double assignment).
-async fn drive_workers(
-    mut workers: Vec<FakeWorker>,
-    mut answers: mpsc::Receiver<(String, u32, u32)>,
-    ran: Arc<Mutex<HashMap<String, Vec<u32>>>>,
-) -> Vec<FakeWorker> {
-    let mut running: BTreeMap<u32, Vec<(String, u32)>> = BTreeMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(25));
-    let mut open = true;
-    loop {
-        tokio::select! {
-            a = answers.recv(), if open => match a {
-                Some((id, worker, prompt)) => {
-                    ran.lock().unwrap().entry(id.clone()).or_default().push(worker);
-                    workers[worker as usize].start(&id, prompt).await;
-                    running.entry(worker).or_default().push((id, 0));
-                }
-                None => open = false,
-            },
-            _ = tick.tick() => {
-                for w in workers.iter_mut() {
-                    let list = running.entry(w.worker_id).or_default();
-                    if list.is_empty() {
-                        continue;
-                    }
-                    w.step(5).await;
-                    for r in list.iter_mut() {
-                        r.1 += 1;
-                    }
-                    let done: Vec<String> = list
-                        .iter()
-                        .filter(|r| r.1 >= HOLD_TICKS)
-                        .map(|r| r.0.clone())
-                        .collect();
-                    list.retain(|r| r.1 < HOLD_TICKS);
-                    for id in done {
-                        w.finish(&id).await;
-                    }
-                }
-                if !open && running.values().all(Vec::is_empty) {
-                    return workers;
-                }
-            }
-        }
+/// The whole schedule, from the seed alone: the kinds in a seeded order (each selected kind
+/// once before any repeats), spaced evenly with a seeded jitter.
+fn schedule(seed: u64, kinds: &[Fault], count: usize) -> Vec<Planned> {
+    let mut rng = Rng(seed);
+    let mut order = kinds.to_vec();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
     }
+    let every = REQUESTS / (count + 1);
+    (0..count)
+        .map(|k| {
+            let kind = order[k % order.len()];
+            let target = match kind {
+                Fault::ShimKill => rng.below(u64::from(WORKERS)) as usize,
+                _ => rng.below(2) as usize,
+            };
+            Planned {
+                at: every * (k + 1) + rng.below(every as u64 / 2) as usize,
+                kind,
+                target,
+                pause: Duration::from_millis(1000 + rng.below(2000)),
+            }
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,76 +141,87 @@ async fn seeded_faults_under_load_keep_the_invariants() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(13);
+    let count: usize = std::env::var("BR_CHAOS_COUNT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_FAULTS);
     let kinds = fault_kinds();
     assert!(!kinds.is_empty(), "BR_CHAOS_FAULTS selects no fault");
-    let mut rng = Rng(seed);
-    eprintln!("chaos: seed {seed}, faults {kinds:?}");
+    assert!((1..REQUESTS / 4).contains(&count), "BR_CHAOS_COUNT {count}");
+    let plan = schedule(seed, &kinds, count);
+    eprintln!("chaos: seed {seed}, faults {kinds:?}, schedule {plan:?}");
 
-    let snapshot = Service::start(
-        "br-snapshot",
-        &[
+    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let (mut stack, workers) = ReplicatedStack::start(&StackConfig {
+        group: GROUP,
+        ingests: 2,
+        deciders: 2,
+        workers: WORKERS,
+        capacity: CAPACITY,
+        snapshot_args: strings(&[
             "--worker-grace",
             "3s",
             "--reservation-ttl",
             "20s",
             "--progress-interval",
             "100ms",
-        ],
-    );
-    snapshot.wait_for("/livez", START).await;
-    let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-    let decision_args = [
-        "--snapshot-addr",
-        &snap,
-        "--policy",
-        "br0",
-        "--groups",
-        GROUP,
-    ];
-    let mut deciders = vec![
-        Service::start("br-decision", &decision_args),
-        Service::start("br-decision", &decision_args),
-    ];
-    ingest.wait_for("/readyz", START).await;
-    let mut workers = Vec::new();
-    for id in 0..WORKERS {
-        workers.push(FakeWorker::connect(&ingest.grpc_url(), GROUP, id, CAPACITY).await);
-    }
-    for d in &deciders {
-        d.wait_for("/readyz", START).await;
-    }
+        ]),
+        ingest_args: Vec::new(),
+        decision_args: strings(&["--policy", "br0"]),
+    })
+    .await;
     let mut proxies = Vec::new();
-    for d in &deciders {
-        let upstream = format!("127.0.0.1:{}", d.grpc_port).parse().unwrap();
-        proxies.push(FaultProxy::start(upstream).await);
+    for d in &stack.deciders {
+        proxies.push(FaultProxy::start(d.grpc_addr()).await);
     }
     let client =
         AssignClient::connect_lazy_many(proxies.iter().map(FaultProxy::url), None).unwrap();
+    // Which ingest replica each worker's shim is connected to.
+    let mut carrier: Vec<usize> = (0..WORKERS as usize).map(|w| w % 2).collect();
 
     let (answers_tx, answers_rx) = mpsc::channel(REQUESTS);
-    let ran: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
-    let driver = tokio::spawn(drive_workers(workers, answers_rx, ran.clone()));
+    let (events, events_rx) = mpsc::channel(16);
+    let ran: Ran = Arc::default();
+    let driver = tokio::spawn(drive_workers(
+        workers,
+        answers_rx,
+        events_rx,
+        ran.clone(),
+        HOLD_TICKS,
+    ));
     let mut calls = tokio::task::JoinSet::new();
     let mut pace = tokio::time::interval(Duration::from_millis(15));
-    let every = REQUESTS / (FAULTS + 1);
-    let mut log = Vec::new();
+    let mut next = plan.iter().peekable();
+    let mut injected = Vec::new();
     for i in 0..REQUESTS {
         pace.tick().await;
-        if i > 0 && i % every == 0 && log.len() < FAULTS {
-            // One fault at a time: the other replica is ready before this one is hit.
-            let r = rng.below(2) as usize;
-            let kind = kinds[rng.below(kinds.len() as u64) as usize];
-            deciders[1 - r].wait_for("/readyz", START).await;
-            match kind {
-                Fault::DecisionKill => {
-                    deciders[r].kill();
-                    deciders[r].restart();
-                }
-                Fault::DecisionFreeze => proxies[r].freeze(),
+        if let Some(f) = next.next_if(|f| f.at == i) {
+            // One fault at a time: what the last one broke is back before the next.
+            for d in &stack.deciders {
+                d.wait_for("/readyz", START).await;
             }
-            log.push((i, r, kind));
-            eprintln!("chaos: after {i} calls, {kind:?} on replica {r}");
+            for g in &stack.ingests {
+                g.wait_for("/readyz", START).await;
+            }
+            let r = f.target;
+            match f.kind {
+                Fault::DecisionKill => stack.deciders[r].restart(),
+                Fault::DecisionFreeze => proxies[r].freeze(),
+                Fault::SnapshotKill => stack.snapshot.restart(),
+                Fault::SnapshotFreeze => stack.snapshot.freeze_for(f.pause),
+                Fault::IngestKill => {
+                    stack.ingests[r].kill();
+                    // Their shims fail over to the other replica (the same incarnation).
+                    let moved = reconnect(&events, &mut carrier, &stack, |c| c == r, 1 - r).await;
+                    stack.ingests[r].restart();
+                    eprintln!("chaos: ingest {r} killed; workers {moved:?} moved over");
+                }
+                Fault::ShimKill => {
+                    restart_shim(&events, r, &stack.ingests[carrier[r]].grpc_url()).await;
+                }
+            }
+            injected.push((i, f.kind, r));
+            eprintln!("chaos: after {i} calls, {:?} on {r}", f.kind);
         }
         let (client, tx) = (client.clone(), answers_tx.clone());
         calls.spawn(async move {
@@ -250,6 +248,7 @@ async fn seeded_faults_under_load_keep_the_invariants() {
     while let Some(o) = within(LONG, "every Assign ends", calls.join_next()).await {
         outcomes.push(o.unwrap());
     }
+    drop(events);
     let workers = within(LONG, "the workers finish everything", driver)
         .await
         .unwrap();
@@ -263,9 +262,8 @@ async fn seeded_faults_under_load_keep_the_invariants() {
         "seed {seed}: {} of {REQUESTS} lost: {lost:?}",
         lost.len()
     );
-    let ran = ran.lock().unwrap().clone();
-    assert_eq!(ran.len(), REQUESTS, "every request ran");
-    let doubles: Vec<_> = ran.iter().filter(|(_, ws)| ws.len() != 1).collect();
+    assert_eq!(ran.lock().unwrap().len(), REQUESTS, "every request ran");
+    let doubles = doubles(&ran);
     assert!(
         doubles.is_empty(),
         "seed {seed}: ids run on two ranks: {doubles:?}"
@@ -274,30 +272,81 @@ async fn seeded_faults_under_load_keep_the_invariants() {
         .iter()
         .filter(|o| o.result.as_ref().is_ok_and(|a: &Assignment| a.attempts > 1))
         .count();
+    let stale = outcomes
+        .iter()
+        .filter(|o| o.result.as_ref().is_ok_and(|a: &Assignment| a.stale))
+        .count();
     let slowest = outcomes.iter().map(|o| o.answered - o.issued).max();
     eprintln!(
-        "chaos: seed {seed}, faults {log:?}: {REQUESTS} answered, {retried} after a retry, slowest {slowest:?}"
+        "chaos: seed {seed}, faults {injected:?}: {REQUESTS} answered, {retried} after a retry, \
+         {stale} stale, slowest {slowest:?}"
     );
-    assert_eq!(log.len(), FAULTS, "every fault was injected");
+    assert_eq!(injected.len(), plan.len(), "every fault was injected");
 
-    eventually(
-        Duration::from_secs(30),
-        "σ empty like the workers",
-        || async {
-            workers.iter().all(|w| w.running.lock().unwrap().is_empty())
-                && sigma(&snapshot).await.is_some_and(|s| {
-                    s.requests.is_empty() && s.workers.iter().all(|w| w.load_tokens == 0)
-                })
-        },
-    )
-    .await;
+    // Quiet: the workers hold nothing and σ agrees (after a snapshot restart, σ was rebuilt
+    // from the workers' full states).
+    for g in &stack.ingests {
+        g.wait_for("/readyz", START).await;
+    }
+    stack.wait_quiet(&workers, Duration::from_secs(30)).await;
     assert_eq!(
         metric_sum(
-            &snapshot,
+            &stack.snapshot,
             "balanceroute_snapshot_reservations_expired_total"
         )
         .await,
         0.0,
-        "seed {seed}: no reservation was left behind"
+        "seed {seed}: no reservation was left behind (since the snapshot service's last start)"
     );
+}
+
+/// Moves every worker whose carrier matches `from` to ingest replica `to`, as its shim would
+/// (the same incarnation, a full state), and waits until each is accepted. Returns them.
+async fn reconnect(
+    events: &mpsc::Sender<WorkerEvent>,
+    carrier: &mut [usize],
+    stack: &ReplicatedStack,
+    from: impl Fn(usize) -> bool,
+    to: usize,
+) -> Vec<u32> {
+    let mut moved = Vec::new();
+    let mut acks = Vec::new();
+    for (w, c) in carrier.iter_mut().enumerate() {
+        if from(*c) {
+            let (done, accepted) = oneshot::channel();
+            events
+                .send(WorkerEvent::Reconnect {
+                    worker: w as u32,
+                    ingest: stack.ingests[to].grpc_url(),
+                    restarted: false,
+                    done,
+                })
+                .await
+                .unwrap();
+            *c = to;
+            moved.push(w as u32);
+            acks.push(accepted);
+        }
+    }
+    for a in acks {
+        within(LONG, "a worker reconnected", a).await.unwrap();
+    }
+    moved
+}
+
+/// A worker's shim restarts: the stream ends and a new incarnation says Hello to `ingest`.
+async fn restart_shim(events: &mpsc::Sender<WorkerEvent>, worker: usize, ingest: &str) {
+    let (done, accepted) = oneshot::channel();
+    events
+        .send(WorkerEvent::Reconnect {
+            worker: worker as u32,
+            ingest: ingest.to_owned(),
+            restarted: true,
+            done,
+        })
+        .await
+        .unwrap();
+    within(LONG, "the restarted shim accepted", accepted)
+        .await
+        .unwrap();
 }

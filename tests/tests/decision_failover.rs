@@ -13,19 +13,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use br_client::assign::{AssignClient, AssignParams, Assignment};
-use br_e2e::{FakeWorker, Service};
-use br_proto::v1::snapshot_client::SnapshotClient;
-use br_proto::v1::{self, GetRequest};
+use br_client::assign::{AssignClient, AssignParams};
+use br_e2e::replicated::{
+    Outcome, Ran, ReplicatedStack, StackConfig, doubles, drive_workers, metric_sum,
+};
 use br_testkit::{eventually, within};
 use tokio::sync::mpsc;
 
 const GROUP: &str = "failover";
-const START: Duration = Duration::from_secs(60);
 /// A hang guard on a loaded 2-core machine, not a timing assertion.
 const LONG: Duration = Duration::from_secs(120);
 const WORKERS: u32 = 4;
@@ -36,134 +34,44 @@ const REQUESTS: usize = 240;
 /// Each request runs for this many driver ticks.
 const HOLD_TICKS: u32 = 4;
 
-async fn sigma(snapshot: &Service) -> Option<v1::ClusterSnapshot> {
-    let mut c = SnapshotClient::connect(snapshot.grpc_url()).await.ok()?;
-    c.get(GetRequest {
-        group: GROUP.into(),
-    })
-    .await
-    .ok()
-    .map(|r| r.into_inner())
-}
-
-async fn metric_sum(service: &Service, name: &str) -> f64 {
-    br_testkit::http::metrics_url(&service.admin_url("/metrics"))
-        .await
-        .sum(name)
-}
-
-/// What the gateway saw for one request.
-#[derive(Debug)]
-struct Outcome {
-    id: String,
-    issued: Instant,
-    answered: Instant,
-    result: Result<Assignment, String>,
-}
-
-/// The workers' side: starts every answered request on its rank, steps and finishes them, and
-/// records which rank ran which id (the ground truth against double assignment).
-async fn drive_workers(
-    mut workers: Vec<FakeWorker>,
-    mut answers: mpsc::Receiver<(String, u32, u32)>,
-    ran: Arc<Mutex<HashMap<String, Vec<u32>>>>,
-) -> Vec<FakeWorker> {
-    let mut running: BTreeMap<u32, Vec<(String, u32)>> = BTreeMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(25));
-    let mut open = true;
-    loop {
-        tokio::select! {
-            a = answers.recv(), if open => match a {
-                Some((id, worker, prompt)) => {
-                    ran.lock().unwrap().entry(id.clone()).or_default().push(worker);
-                    workers[worker as usize].start(&id, prompt).await;
-                    running.entry(worker).or_default().push((id, 0));
-                }
-                None => open = false,
-            },
-            _ = tick.tick() => {
-                for w in workers.iter_mut() {
-                    let list = running.entry(w.worker_id).or_default();
-                    if list.is_empty() {
-                        continue;
-                    }
-                    w.step(5).await;
-                    for r in list.iter_mut() {
-                        r.1 += 1;
-                    }
-                    let done: Vec<String> = list
-                        .iter()
-                        .filter(|r| r.1 >= HOLD_TICKS)
-                        .map(|r| r.0.clone())
-                        .collect();
-                    list.retain(|r| r.1 < HOLD_TICKS);
-                    for id in done {
-                        w.finish(&id).await;
-                    }
-                }
-                if !open && running.values().all(Vec::is_empty) {
-                    return workers;
-                }
-            }
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_decision_replica_under_load_loses_no_request() {
-    let snapshot = Service::start(
-        "br-snapshot",
-        &[
+    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let (mut stack, workers) = ReplicatedStack::start(&StackConfig {
+        group: GROUP,
+        ingests: 1,
+        deciders: 2,
+        workers: WORKERS,
+        capacity: CAPACITY,
+        snapshot_args: strings(&[
             "--worker-grace",
             "2s",
             "--reservation-ttl",
             "10s",
             "--progress-interval",
             "100ms",
-        ],
-    );
-    snapshot.wait_for("/livez", START).await;
-    let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-    let decision_args = [
-        "--snapshot-addr",
-        &snap,
-        "--policy",
-        "br0",
-        "--groups",
-        GROUP,
-    ];
-    let mut d0 = Service::start("br-decision", &decision_args);
-    let d1 = Service::start("br-decision", &decision_args);
-    ingest.wait_for("/readyz", START).await;
-
-    let mut workers = Vec::new();
-    for id in 0..WORKERS {
-        workers.push(FakeWorker::connect(&ingest.grpc_url(), GROUP, id, CAPACITY).await);
-    }
-    eventually(
-        Duration::from_secs(20),
-        "every worker LIVE in σ",
-        || async {
-            sigma(&snapshot).await.is_some_and(|s| {
-                s.workers
-                    .iter()
-                    .filter(|w| w.liveness == v1::Liveness::Live as i32)
-                    .count()
-                    == WORKERS as usize
-            })
-        },
-    )
+        ]),
+        ingest_args: Vec::new(),
+        decision_args: strings(&["--policy", "br0"]),
+    })
     .await;
-    d0.wait_for("/readyz", START).await;
-    d1.wait_for("/readyz", START).await;
+    let d1 = stack.deciders.pop().unwrap();
+    let mut d0 = stack.deciders.pop().unwrap();
 
     // The gateway: both replicas, default selection (the first healthy one), so every call
     // waits in d0's pool until d0 dies: the worst case for a failover.
     let client = AssignClient::connect_lazy_many([d0.grpc_url(), d1.grpc_url()], None).unwrap();
     let (answers_tx, answers_rx) = mpsc::channel(REQUESTS);
-    let ran: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
-    let driver = tokio::spawn(drive_workers(workers, answers_rx, ran.clone()));
+    let ran: Ran = Arc::default();
+    // no telemetry faults here: the workers keep their streams
+    let (_events, events_rx) = mpsc::channel(1);
+    let driver = tokio::spawn(drive_workers(
+        workers,
+        answers_rx,
+        events_rx,
+        ran.clone(),
+        HOLD_TICKS,
+    ));
     let answered = Arc::new(Mutex::new(0usize));
     let mut calls = tokio::task::JoinSet::new();
     let mut kill_at = None;
@@ -226,9 +134,8 @@ async fn killing_a_decision_replica_under_load_loses_no_request() {
     );
 
     // 0 double assignments: one rank per id, by the workers' own record.
-    let ran = ran.lock().unwrap().clone();
-    assert_eq!(ran.len(), REQUESTS, "every request ran");
-    let doubles: Vec<_> = ran.iter().filter(|(_, ws)| ws.len() != 1).collect();
+    assert_eq!(ran.lock().unwrap().len(), REQUESTS, "every request ran");
+    let doubles = doubles(&ran);
     assert!(doubles.is_empty(), "ids run on two ranks: {doubles:?}");
 
     // The failover, measured: calls in flight at the kill that needed another replica, and
@@ -275,20 +182,10 @@ async fn killing_a_decision_replica_under_load_loses_no_request() {
 
     // Quiet: σ equals the ground truth (nothing running, nothing reserved), and no
     // reservation expired (an id placed on one rank but run on another would have).
-    eventually(
-        Duration::from_secs(30),
-        "σ empty like the workers",
-        || async {
-            workers.iter().all(|w| w.running.lock().unwrap().is_empty())
-                && sigma(&snapshot).await.is_some_and(|s| {
-                    s.requests.is_empty() && s.workers.iter().all(|w| w.load_tokens == 0)
-                })
-        },
-    )
-    .await;
+    stack.wait_quiet(&workers, Duration::from_secs(30)).await;
     assert_eq!(
         metric_sum(
-            &snapshot,
+            &stack.snapshot,
             "balanceroute_snapshot_reservations_expired_total"
         )
         .await,

@@ -37,6 +37,14 @@ pub enum DecisionError {
     /// The service is shutting down (or its group task is gone).
     #[error("shutting down")]
     ShuttingDown,
+    /// The snapshot service refused the reservation as a duplicate (another replica, or an
+    /// earlier incarnation of this one, placed the id) before this replica's σ shows where:
+    /// UNAVAILABLE, so the client retries the same id and is answered with that placement
+    /// once σ shows it (at once on a replica whose σ already does).
+    #[error(
+        "request {0:?} is already placed by another decision replica, and this replica's σ does not show it yet; retry the same request id"
+    )]
+    PlacedElsewhere(String),
     /// The snapshot service refused the reservation in a way a retry will not fix.
     #[error("reservation refused: {0}")]
     ReserveRefused(String),
@@ -49,7 +57,8 @@ impl ServiceError for DecisionError {
             DecisionError::UnknownGroup(_) => Code::NotFound,
             DecisionError::NoSigma(_)
             | DecisionError::NoLiveWorker(_)
-            | DecisionError::ShuttingDown => Code::Unavailable,
+            | DecisionError::ShuttingDown
+            | DecisionError::PlacedElsewhere(_) => Code::Unavailable,
             DecisionError::DeadlineExceeded => Code::DeadlineExceeded,
             DecisionError::PoolFull { .. } => Code::ResourceExhausted,
             DecisionError::Cancelled => Code::Cancelled,

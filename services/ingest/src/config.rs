@@ -15,6 +15,11 @@ pub const DEFAULT_MAX_BUFFERED: usize = 65_536;
 pub const DEFAULT_MAX_UPDATES_PER_MESSAGE: usize = limits::MAX_UPDATES_PER_PROGRESS;
 pub const DEFAULT_MAX_EVENTS_PER_SEC_PER_STREAM: u32 = 250_000;
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 8 << 20;
+/// An honest shim sends its Hello as the stream opens; 5 s covers a slow, loaded one.
+pub const DEFAULT_HELLO_TIMEOUT: &str = "5s";
+/// Ten of the reporter's 1 s heartbeats (br-client's `DEFAULT_HEARTBEAT_EVERY`): a shim that
+/// pauses for a few seconds keeps its stream, a silent one loses it.
+pub const DEFAULT_STREAM_IDLE_TIMEOUT: &str = "10s";
 
 /// br-ingest: terminates the workers' telemetry streams (Telemetry.Report), validates them,
 /// and streams coalesced change batches to the snapshot service (Snapshot.Apply).
@@ -70,6 +75,20 @@ pub struct Args {
     /// bytes.
     #[arg(long, env = "BALANCEROUTE_INGEST_ID")]
     pub ingest_id: Option<String>,
+
+    /// How long a new Telemetry.Report stream may go without its Hello: past it the stream is
+    /// ended with DEADLINE_EXCEEDED (counted in `balanceroute_ingest_stream_timeouts_total{reason="hello"}`),
+    /// so a client that opens streams and never speaks holds no task, buffer or slot.
+    #[arg(long, env = "BALANCEROUTE_HELLO_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_HELLO_TIMEOUT)]
+    pub hello_timeout: Duration,
+
+    /// How long a stream that said Hello may go without a message (Progress, Heartbeat or
+    /// Hello; HTTP/2 keepalive pings do not count): past it the stream is ended with
+    /// DEADLINE_EXCEEDED and the worker is disconnected as if its stream had dropped (counted
+    /// in `balanceroute_ingest_stream_timeouts_total{reason="idle"}`). Keep it well above the
+    /// shims' heartbeat period (1 s). 0 turns it off.
+    #[arg(long, env = "BALANCEROUTE_STREAM_IDLE_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_STREAM_IDLE_TIMEOUT)]
+    pub stream_idle_timeout: Duration,
 }
 
 /// Longest `--ingest-id` (the snapshot service's limit on a carrier).
@@ -148,6 +167,17 @@ impl ServiceArgs for Args {
                 limits::MAX_WORKER_ID
             ));
         }
+        if self.hello_timeout < Duration::from_millis(100)
+            || self.hello_timeout > Duration::from_secs(600)
+        {
+            return Err("--hello-timeout must be in 100ms..=600s".into());
+        }
+        if !self.stream_idle_timeout.is_zero()
+            && (self.stream_idle_timeout < Duration::from_millis(100)
+                || self.stream_idle_timeout > Duration::from_secs(3600))
+        {
+            return Err("--stream-idle-timeout must be 0 (off) or in 100ms..=1h".into());
+        }
         for g in &self.groups {
             GroupId::new(g).map_err(|e| format!("--groups: {e}"))?;
         }
@@ -177,6 +207,8 @@ mod tests {
         assert_eq!(a.snapshot_addr, DEFAULT_SNAPSHOT_ADDR);
         assert_eq!(a.batch_interval, Duration::from_millis(2));
         assert!(a.groups.is_empty());
+        assert_eq!(a.hello_timeout, Duration::from_secs(5));
+        assert_eq!(a.stream_idle_timeout, Duration::from_secs(10));
         assert_eq!(check_env_names(&Args::command()), Ok(()));
         let id = a.ingest_id();
         assert!(
@@ -202,6 +234,16 @@ mod tests {
         assert_eq!(a.groups, vec!["g0", "g1"]);
         assert_eq!(a.batch_interval, Duration::from_millis(5));
         assert_eq!(a.max_buffered, 10);
+        let off: Args = parse_from([
+            "br-ingest",
+            "--stream-idle-timeout",
+            "0s",
+            "--hello-timeout",
+            "750ms",
+        ])
+        .unwrap();
+        assert!(off.stream_idle_timeout.is_zero());
+        assert_eq!(off.hello_timeout, Duration::from_millis(750));
 
         let mut f = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(
@@ -229,6 +271,9 @@ mod tests {
             vec!["br-ingest", "--max-events-per-sec-per-stream", "0"],
             vec!["br-ingest", "--groups", ""],
             vec!["br-ingest", "--ingest-id", ""],
+            vec!["br-ingest", "--hello-timeout", "0s"],
+            vec!["br-ingest", "--hello-timeout", "10ms"],
+            vec!["br-ingest", "--stream-idle-timeout", "1ms"],
         ] {
             assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
         }

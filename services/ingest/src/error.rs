@@ -82,6 +82,17 @@ pub enum StreamError {
     /// A message above `--max-message-bytes`.
     #[error("message too large: {0}")]
     MessageTooLarge(String),
+    /// No Hello arrived within `--hello-timeout` of the stream's opening.
+    #[error(
+        "no Hello within {after:?} of opening the stream; a Report stream must start with a Hello"
+    )]
+    HelloTimeout { after: std::time::Duration },
+    /// No message arrived for `--stream-idle-timeout` after the Hello (keepalive pings do not
+    /// count): the worker is treated as gone.
+    #[error(
+        "no message for {after:?} (a worker sends a Heartbeat when it has nothing else to say); reconnect and send Hello and a full state again"
+    )]
+    Idle { after: std::time::Duration },
     /// The server is shutting down.
     #[error("ingest is shutting down; reconnect and send Hello and a full state again")]
     ShuttingDown,
@@ -103,6 +114,12 @@ impl ServiceError for StreamError {
             }
             StreamError::RefusedBySnapshot { .. } => Code::Aborted,
             StreamError::Flood { .. } | StreamError::MessageTooLarge(_) => Code::ResourceExhausted,
+            // The server's deadline for the stream's next step passed. Not FAILED_PRECONDITION
+            // (that is for a stream that broke the protocol, which a retry repeats) nor
+            // UNAVAILABLE (the server is fine): a client that was only slow or paused may
+            // reconnect and say Hello again at once, which the shims do for any code but
+            // ABORTED.
+            StreamError::HelloTimeout { .. } | StreamError::Idle { .. } => Code::DeadlineExceeded,
             StreamError::ShuttingDown => Code::Unavailable,
         }
     }
@@ -120,8 +137,22 @@ impl ServiceError for StreamError {
             StreamError::RefusedBySnapshot { .. } => "refused_by_snapshot",
             StreamError::Flood { .. } => "flood",
             StreamError::MessageTooLarge(_) => "message_too_large",
+            StreamError::HelloTimeout { .. } => "hello",
+            StreamError::Idle { .. } => "idle",
             StreamError::ShuttingDown => "shutting_down",
         }
+    }
+}
+
+impl StreamError {
+    /// Whether the stream ended because a deadline passed (counted in
+    /// `balanceroute_ingest_stream_timeouts_total{reason}`, not among the rejections: nothing
+    /// the peer sent was refused).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            StreamError::HelloTimeout { .. } | StreamError::Idle { .. }
+        )
     }
 }
 
@@ -191,6 +222,18 @@ mod tests {
                 Code::ResourceExhausted,
             ),
             (StreamError::ShuttingDown, Code::Unavailable),
+            (
+                StreamError::HelloTimeout {
+                    after: std::time::Duration::from_secs(5),
+                },
+                Code::DeadlineExceeded,
+            ),
+            (
+                StreamError::Idle {
+                    after: std::time::Duration::from_secs(10),
+                },
+                Code::DeadlineExceeded,
+            ),
             (
                 StreamError::NotYourWorker {
                     certified: "spiffe://td/br/worker/g/1".into(),

@@ -75,8 +75,13 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     };
     let groups: Option<HashSet<String>> =
         (!args.groups.is_empty()).then(|| args.groups.iter().cloned().collect());
+    let timeouts = service::Timeouts {
+        hello: args.hello_timeout,
+        idle: (!args.stream_idle_timeout.is_zero()).then_some(args.stream_idle_timeout),
+    };
     let svc = service::TelemetryService::new(
         limits,
+        timeouts,
         args.max_worker_id,
         groups,
         workers,

@@ -33,6 +33,10 @@ pub const REJECT_REASONS: &[&str] = &[
     "overloaded",
 ];
 
+/// Every `reason` label value of `balanceroute_ingest_stream_timeouts_total` (see
+/// `StreamError::reason`): no Hello in time, or no message in time after it.
+pub const TIMEOUT_REASONS: &[&str] = &["hello", "idle"];
+
 /// The metrics, registered in the service's registry. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -54,6 +58,8 @@ pub struct Metrics {
     pub dropped_changes: IntCounter,
     /// Changes the snapshot service rejected (ApplyAck.rejected).
     pub snapshot_rejected: IntCounter,
+    /// Streams ended because a deadline passed, by reason (`hello`, `idle`).
+    pub stream_timeouts: IntCounterVec,
 }
 
 impl Metrics {
@@ -96,6 +102,13 @@ impl Metrics {
                 "balanceroute_ingest_snapshot_rejected_changes_total",
                 "Changes the snapshot service did not apply (ApplyAck.rejected)",
             )?,
+            stream_timeouts: IntCounterVec::new(
+                Opts::new(
+                    "balanceroute_ingest_stream_timeouts_total",
+                    "Telemetry streams ended for silence: no Hello within --hello-timeout, or no message within --stream-idle-timeout",
+                ),
+                &["reason"],
+            )?,
         };
         registry.register(Box::new(m.streams.clone()))?;
         registry.register(Box::new(m.messages.clone()))?;
@@ -106,8 +119,12 @@ impl Metrics {
         registry.register(Box::new(m.snapshot_connected.clone()))?;
         registry.register(Box::new(m.dropped_changes.clone()))?;
         registry.register(Box::new(m.snapshot_rejected.clone()))?;
+        registry.register(Box::new(m.stream_timeouts.clone()))?;
         for r in REJECT_REASONS {
             m.rejected.with_label_values(&[*r]);
+        }
+        for r in TIMEOUT_REASONS {
+            m.stream_timeouts.with_label_values(&[*r]);
         }
         Ok(m)
     }

@@ -29,6 +29,15 @@ const ACK_QUEUE: usize = 64;
 /// never for long.
 const FORWARD_TIMEOUT: Duration = Duration::from_millis(100);
 
+/// How long a stream may stay silent (`--hello-timeout`, `--stream-idle-timeout`).
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// From the stream's opening to its Hello.
+    pub hello: Duration,
+    /// Between two messages after the Hello; `None`: no limit.
+    pub idle: Option<Duration>,
+}
+
 /// The Telemetry service. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct TelemetryService {
@@ -38,6 +47,7 @@ pub struct TelemetryService {
 #[derive(Debug)]
 struct Inner {
     limits: Limits,
+    timeouts: Timeouts,
     max_worker_id: u32,
     allowed_groups: Option<HashSet<String>>,
     registry: Registry,
@@ -47,8 +57,10 @@ struct Inner {
 }
 
 impl TelemetryService {
+    #[allow(clippy::too_many_arguments)] // one per concern of the service, all set at start
     pub fn new(
         limits: Limits,
+        timeouts: Timeouts,
         max_worker_id: u32,
         allowed_groups: Option<HashSet<String>>,
         registry: Registry,
@@ -59,6 +71,7 @@ impl TelemetryService {
         TelemetryService {
             inner: Arc::new(Inner {
                 limits,
+                timeouts,
                 max_worker_id,
                 allowed_groups,
                 registry,
@@ -109,7 +122,14 @@ fn is_too_large(status: &tonic::Status) -> bool {
 
 impl Inner {
     async fn end(&self, tx: &mpsc::Sender<AckResult>, e: StreamError) {
-        self.metrics.reject(e.reason());
+        if e.is_timeout() {
+            self.metrics
+                .stream_timeouts
+                .with_label_values(&[e.reason()])
+                .inc();
+        } else {
+            self.metrics.reject(e.reason());
+        }
         tracing::debug!(error = %e, "ending telemetry stream");
         let _ = tx.send(Err(e.to_status())).await;
     }
@@ -142,10 +162,16 @@ impl Inner {
         inbound: &mut tonic::Streaming<v1::WorkerReport>,
         tx: &mpsc::Sender<AckResult>,
     ) -> Option<ValidHello> {
+        let after = self.timeouts.hello;
         let first = tokio::select! {
             m = inbound.message() => m,
             () = self.shutdown.cancelled() => {
                 self.end(tx, StreamError::ShuttingDown).await;
+                return None;
+            }
+            () = tokio::time::sleep(after) => {
+                tracing::info!(after = ?after, "telemetry stream ended: no Hello in time");
+                self.end(tx, StreamError::HelloTimeout { after }).await;
                 return None;
             }
         };
@@ -314,11 +340,28 @@ async fn serve_session(
 ) {
     let group = session.hello().group.clone();
     let mut refused = reg.refused.clone();
+    // Re-armed each time the stream is read again: only the peer's silence counts, not the
+    // time this task spent handling a message or waiting for room in the ack queue.
+    // (Without a limit the branch below is disabled and the timer never polled.)
+    let idle = inner.timeouts.idle;
+    let silence = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(silence);
     loop {
+        if let Some(idle) = idle {
+            silence.as_mut().reset(tokio::time::Instant::now() + idle);
+        }
         let next = tokio::select! {
             biased;
             () = inner.shutdown.cancelled() => {
                 inner.end(tx, StreamError::ShuttingDown).await;
+                return;
+            }
+            () = &mut silence, if idle.is_some() => {
+                // Ended like a dropped stream: the caller unregisters the worker and tells
+                // the snapshot service it disconnected (its grace and fencing follow).
+                let after = idle.unwrap_or_default();
+                tracing::warn!(after = ?after, "telemetry stream silent for too long; ending it");
+                inner.end(tx, StreamError::Idle { after }).await;
                 return;
             }
             // (the guard `wait_for` returns is not Send: cloned out inside the future)

@@ -84,19 +84,32 @@ async fn pump(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_half_open_worker_connection_is_found_and_the_workers_new_stream_accepted() {
-    let snap = FakeSnapshot::default();
-    let srv = snap.start().await;
-    let saddr = srv.addr;
-    // short keepalive so the test is quick; the defaults (5 s + 3 s) find it within 10 s
-    let flags = [
+    // short keepalive so the test is quick
+    half_open(&[
         "--groups",
         "g0",
         "--keepalive-interval",
         "200ms",
         "--keepalive-timeout",
         "200ms",
-    ];
-    let ing = TestIngest::start(saddr, &flags).await;
+    ])
+    .await;
+}
+
+/// The same with every timeout at its default (keepalive 5 s + 3 s, idle timeout 10 s); it
+/// prints how long the new stream took to be accepted (issue 13 asks for under 10 s). Ignored
+/// in CI for its length: `cargo test -p br-ingest --test half_open -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "takes the default keepalive's ~8 s; run by hand to measure"]
+async fn with_the_default_timeouts_a_half_open_connection_is_found() {
+    half_open(&["--groups", "g0"]).await;
+}
+
+async fn half_open(flags: &[&str]) {
+    let snap = FakeSnapshot::default();
+    let srv = snap.start().await;
+    let saddr = srv.addr;
+    let ing = TestIngest::start(saddr, flags).await;
     ing.connected().await;
     let proxy = Proxy::start(ing.grpc).await;
 
@@ -104,6 +117,7 @@ async fn a_half_open_worker_connection_is_found_and_the_workers_new_stream_accep
     let a = old.hello("g0", 1, 42).await;
     assert_eq!(status(&a), v1::AckStatus::Ok);
     proxy.freeze();
+    let frozen = std::time::Instant::now();
 
     // the shim restarts (new incarnation) and connects again through the same path: refused
     // while the old stream is held for live, accepted once keepalive has closed it
@@ -118,6 +132,10 @@ async fn a_half_open_worker_connection_is_found_and_the_workers_new_stream_accep
         }
     })
     .await;
+    eprintln!(
+        "half-open with {flags:?}: the new stream accepted {:?} after the freeze",
+        frozen.elapsed()
+    );
     // σ learns the dead stream's end (the grace period and fencing follow from it) and the new
     // incarnation's Hello
     snap.wait_for("the old stream's disconnect and the new Hello", |s| {

@@ -4,7 +4,8 @@
 //! what each
 //! outcome does to the requests, the own reservations and the view. Accepted: answered.
 //! Rejected because of the worker: back to the pool (or routed again), with the worker kept
-//! out of the view until σ moves. A duplicate: answered with σ's placement. Failed or left
+//! out of the view until σ moves. A duplicate: answered with σ's placement (retryable
+//! UNAVAILABLE while this replica's σ does not show it yet). Failed or left
 //! unanswered: answered stale and re-committed. Owns no state of its own; the messages are
 //! built and parsed in [`super::wire`].
 
@@ -190,13 +191,21 @@ impl GroupCore {
                 }
             }
         } else if reason == RejectReason::Duplicate {
-            // σ already holds this request id on another worker (e.g. reserved by an earlier
-            // incarnation of this service): that placement is the answer.
+            // σ already holds this request id on another worker (reserved by another replica,
+            // or by an earlier incarnation of this one): that placement is the answer. If this
+            // replica's σ does not show it yet (its Watch lags the Reserve round trip, as when
+            // a replica that reserved the id died and the gateway retried it here at once),
+            // the call ends retryably: the client's retry of the same id is answered from σ
+            // (on arrival, see `admit`), never a final error for a request that will run.
             if !self.answer_from_sigma(key, now) {
-                self.fail(
-                    key,
-                    DecisionError::ReserveRefused(format!("duplicate: {detail}")),
-                );
+                let id = self
+                    .requests
+                    .get(key)
+                    .map(|r| r.id.to_string())
+                    .unwrap_or_default();
+                tracing::info!(group = %self.group, request = %id, %detail,
+                    "duplicate reservation not in this replica's σ yet; the client retries");
+                self.fail(key, DecisionError::PlacedElsewhere(id));
             }
         } else {
             self.fail(

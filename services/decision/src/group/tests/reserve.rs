@@ -36,6 +36,32 @@ fn duplicate_rejection_answers_with_sigmas_placement() {
     assert_eq!((a.worker, a.incarnation), (1, 101));
 }
 
+/// Failover (issue 13): replica A reserved "r" and died before answering; the gateway
+/// retries "r" here. The snapshot service refuses the reservation as a duplicate before this
+/// replica's σ shows A's placement (its Watch lags the Reserve round trip). The call must end
+/// with a status the client retries (the same id, here or elsewhere, is then answered from σ),
+/// not a final INTERNAL that loses a request σ holds and a worker will run.
+#[test]
+fn a_duplicate_sigma_does_not_show_yet_is_answered_retryably() {
+    use br_runtime::error::ServiceError as _;
+    let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0], 8);
+    let (_, mut rx) = fx.assign("r", 50);
+    let job = fx.core.take_reserve(fx.now).unwrap();
+    let resp = refused(&fx, "r", v1::RejectReason::Duplicate, "on worker 1");
+    fx.done(&job, Ok(resp));
+    let e = error(&mut rx);
+    assert_eq!(e.grpc_code(), tonic::Code::Unavailable, "{e}");
+    let st = fx.core.stats();
+    assert_eq!((st.pool, st.reserving, st.local), (0, 0, 0), "nothing held");
+
+    // The client's retry of the same id, once σ shows the other replica's placement, is
+    // answered with it.
+    fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
+    let (_, mut again) = fx.assign("r", 50);
+    let a = answer(&mut again);
+    assert_eq!((a.worker, a.incarnation), (1, 101));
+}
+
 #[test]
 fn other_rejections_fail_the_request_with_the_reason() {
     let mut fx = Fx::new(PolicyKind::Br0, &[0], 8);

@@ -1,0 +1,235 @@
+//! A replicated control plane for the fault tests (decision failover, chaos): one br-snapshot,
+//! one or more br-ingest replicas and br-decision replicas for one group, as real processes,
+//! with fake workers spread over the ingest replicas; the gateway's record of each `Assign`
+//! ([`Outcome`]) and the workers' side ([`drive_workers`]): every answered request run on its
+//! rank, stepped and finished, with a record of which rank ran which id (the ground truth
+//! against double assignment). What a test does to the stack (kills, freezes) and what it checks
+//! stay in the test.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use br_client::assign::Assignment;
+use br_proto::v1::snapshot_client::SnapshotClient;
+use br_proto::v1::{self, GetRequest};
+use br_testkit::eventually;
+use tokio::sync::mpsc;
+
+use crate::{FakeWorker, Service};
+
+/// How long a process may take to start on a loaded 2-core machine (a hang guard).
+pub const START: Duration = Duration::from_secs(60);
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct StackConfig {
+    pub group: &'static str,
+    pub ingests: usize,
+    pub deciders: usize,
+    pub workers: u32,
+    pub capacity: u32,
+    /// br-snapshot's flags (besides ports).
+    pub snapshot_args: Vec<String>,
+    /// Every br-ingest's flags (besides ports and `--snapshot-addr`).
+    pub ingest_args: Vec<String>,
+    /// Every br-decision's flags (besides ports, `--snapshot-addr` and `--groups`).
+    pub decision_args: Vec<String>,
+}
+
+/// The running processes and the workers' first connections.
+pub struct ReplicatedStack {
+    pub group: &'static str,
+    pub snapshot: Service,
+    pub ingests: Vec<Service>,
+    pub deciders: Vec<Service>,
+}
+
+impl ReplicatedStack {
+    /// Starts the snapshot service, then the ingest and decision replicas, connects
+    /// `cfg.workers` fake workers (worker i to ingest replica i mod n) and waits until every
+    /// worker is LIVE in σ and every decision replica is ready.
+    pub async fn start(cfg: &StackConfig) -> (ReplicatedStack, Vec<FakeWorker>) {
+        let snapshot = Service::start("br-snapshot", &strs(&cfg.snapshot_args));
+        snapshot.wait_for("/livez", START).await;
+        let snap = snapshot.grpc_url();
+        let mut ingest_args = vec!["--snapshot-addr", &snap];
+        ingest_args.extend(strs(&cfg.ingest_args));
+        let ingests: Vec<Service> = (0..cfg.ingests)
+            .map(|_| Service::start("br-ingest", &ingest_args))
+            .collect();
+        let mut decision_args = vec!["--snapshot-addr", &snap, "--groups", cfg.group];
+        decision_args.extend(strs(&cfg.decision_args));
+        let deciders: Vec<Service> = (0..cfg.deciders)
+            .map(|_| Service::start("br-decision", &decision_args))
+            .collect();
+        for i in &ingests {
+            i.wait_for("/readyz", START).await;
+        }
+        let mut workers = Vec::new();
+        for id in 0..cfg.workers {
+            let ingest = &ingests[id as usize % ingests.len()];
+            workers
+                .push(FakeWorker::connect(&ingest.grpc_url(), cfg.group, id, cfg.capacity).await);
+        }
+        let stack = ReplicatedStack {
+            group: cfg.group,
+            snapshot,
+            ingests,
+            deciders,
+        };
+        eventually(
+            Duration::from_secs(30),
+            "every worker LIVE in σ",
+            || async {
+                stack.sigma().await.is_some_and(|s| {
+                    s.workers
+                        .iter()
+                        .filter(|w| w.liveness == v1::Liveness::Live as i32)
+                        .count()
+                        == cfg.workers as usize
+                })
+            },
+        )
+        .await;
+        for d in &stack.deciders {
+            d.wait_for("/readyz", START).await;
+        }
+        (stack, workers)
+    }
+
+    /// σ of the group, as the snapshot service answers `Get` (None while it is down).
+    pub async fn sigma(&self) -> Option<v1::ClusterSnapshot> {
+        let mut c = SnapshotClient::connect(self.snapshot.grpc_url())
+            .await
+            .ok()?;
+        c.get(GetRequest {
+            group: self.group.into(),
+        })
+        .await
+        .ok()
+        .map(|r| r.into_inner())
+    }
+
+    /// Waits (at most `within`) until every worker holds nothing and σ agrees: no request,
+    /// no load on any rank.
+    pub async fn wait_quiet(&self, workers: &[FakeWorker], within: Duration) {
+        eventually(within, "σ empty like the workers", || async {
+            workers.iter().all(|w| w.running.lock().unwrap().is_empty())
+                && self.sigma().await.is_some_and(|s| {
+                    s.requests.is_empty() && s.workers.iter().all(|w| w.load_tokens == 0)
+                })
+        })
+        .await;
+    }
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The sum over every label set of a metric on `service`'s `/metrics`.
+pub async fn metric_sum(service: &Service, name: &str) -> f64 {
+    br_testkit::http::metrics_url(&service.admin_url("/metrics"))
+        .await
+        .sum(name)
+}
+
+/// What the gateway saw for one request.
+#[derive(Debug)]
+pub struct Outcome {
+    pub id: String,
+    pub issued: Instant,
+    pub answered: Instant,
+    pub result: Result<Assignment, String>,
+}
+
+/// Which rank ran which request id (more than one rank: a double assignment).
+pub type Ran = Arc<Mutex<HashMap<String, Vec<u32>>>>;
+
+/// What happens to one worker's telemetry while it keeps running its requests.
+#[derive(Debug)]
+pub enum WorkerEvent {
+    /// Its stream is lost (its ingest replica died, or its shim restarted): it connects again
+    /// to `ingest`, as a new incarnation when `restarted`, and sends its full state. `done`
+    /// is told once its Hello is accepted.
+    Reconnect {
+        worker: u32,
+        ingest: String,
+        restarted: bool,
+        done: tokio::sync::oneshot::Sender<()>,
+    },
+}
+
+/// How long a worker keeps trying to reconnect (a hang guard).
+const RECONNECT_PATIENCE: Duration = Duration::from_secs(60);
+
+/// The workers' side: starts every answered request (id, rank, prompt tokens) on its rank,
+/// steps every running request each tick and finishes it after `hold_ticks`, records which
+/// rank ran which id in `ran`, and applies `events` as they come. Returns the workers once
+/// `answers` is closed and nothing runs any more.
+pub async fn drive_workers(
+    mut workers: Vec<FakeWorker>,
+    mut answers: mpsc::Receiver<(String, u32, u32)>,
+    mut events: mpsc::Receiver<WorkerEvent>,
+    ran: Ran,
+    hold_ticks: u32,
+) -> Vec<FakeWorker> {
+    let mut running: BTreeMap<u32, Vec<(String, u32)>> = BTreeMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(25));
+    let mut open = true;
+    loop {
+        tokio::select! {
+            a = answers.recv(), if open => match a {
+                Some((id, worker, prompt)) => {
+                    ran.lock().unwrap().entry(id.clone()).or_default().push(worker);
+                    workers[worker as usize].start(&id, prompt).await;
+                    running.entry(worker).or_default().push((id, 0));
+                }
+                None => open = false,
+            },
+            Some(e) = events.recv() => match e {
+                WorkerEvent::Reconnect { worker, ingest, restarted, done } => {
+                    workers[worker as usize]
+                        .reconnect(&ingest, restarted, RECONNECT_PATIENCE)
+                        .await;
+                    let _ = done.send(());
+                }
+            },
+            _ = tick.tick() => {
+                for w in workers.iter_mut() {
+                    let list = running.entry(w.worker_id).or_default();
+                    if list.is_empty() {
+                        continue;
+                    }
+                    w.step(5).await;
+                    for r in list.iter_mut() {
+                        r.1 += 1;
+                    }
+                    let done: Vec<String> = list
+                        .iter()
+                        .filter(|r| r.1 >= hold_ticks)
+                        .map(|r| r.0.clone())
+                        .collect();
+                    list.retain(|r| r.1 < hold_ticks);
+                    for id in done {
+                        w.finish(&id).await;
+                    }
+                }
+                if !open && running.values().all(Vec::is_empty) {
+                    return workers;
+                }
+            }
+        }
+    }
+}
+
+/// The ids run on more than one rank.
+pub fn doubles(ran: &Ran) -> Vec<(String, Vec<u32>)> {
+    ran.lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, ws)| ws.len() != 1)
+        .map(|(id, ws)| (id.clone(), ws.clone()))
+        .collect()
+}
