@@ -660,7 +660,10 @@ async fn a_stalled_snapshot_never_blocks_workers_and_the_buffer_is_bounded() {
     // The affected worker is asked for a full state.
     let a = w.call(heartbeat(601)).await;
     asked_full_state |= a.full_state_requested;
-    assert!(asked_full_state, "never asked for a full state; last ack {a:?}");
+    assert!(
+        asked_full_state,
+        "never asked for a full state; last ack {a:?}"
+    );
     snap.stall(false);
     snap.wait_for("batches flow again", |s| s.batches().len() > 1)
         .await;

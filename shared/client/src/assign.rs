@@ -12,7 +12,8 @@
 //!   request id**: `Assign` is idempotent by `(group, request_id)`, so a retry after a lost
 //!   response joins the same wait or gets the original answer, never a second reservation;
 //! * does not retry anything else (`INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED` (the pool is full:
-//!   shed load instead), `CANCELLED`, `NOT_FOUND`, `DEADLINE_EXCEEDED`).
+//!   shed load instead), a `CANCELLED` the server sent (a `Cancel`), `NOT_FOUND`,
+//!   `DEADLINE_EXCEEDED`); a `CANCELLED` made here because the connection broke is retried.
 //!
 //! # Several decision replicas (failover)
 //! Decision runs active-active: every replica of a group decides, and the snapshot service's
@@ -369,6 +370,11 @@ fn retryable(s: &Status) -> bool {
                 || s.message().contains("transport")
                 || s.message().contains("connection")
         }
+        // hyper's "operation was canceled": the connection went away under the call (a replica
+        // killed as it was called), made on this side from a transport error, so it has a
+        // source. A CANCELLED the server sent (the request was withdrawn by `Cancel`) has none
+        // and is final. Seen losing a call in the failover e2e test.
+        Code::Cancelled => std::error::Error::source(s).is_some(),
         _ => false,
     }
 }
@@ -999,6 +1005,18 @@ fn channel(
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests may panic on purpose
 mod tests {
+
+    #[test]
+    fn a_cancelled_from_a_broken_connection_is_retried_one_from_the_server_is_not() {
+        let from_server = Status::cancelled("withdrawn by Cancel");
+        assert!(!retryable(&from_server));
+        let mut from_transport = Status::cancelled("operation was canceled");
+        from_transport.set_source(std::sync::Arc::new(std::io::Error::other(
+            "connection reset",
+        )));
+        assert!(retryable(&from_transport));
+    }
+
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU32, Ordering};
