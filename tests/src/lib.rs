@@ -106,29 +106,23 @@ impl Service {
     /// Starts `bin` on port 0 (`--listen`, `--admin-listen`) with `extra` arguments, and waits
     /// until it has written the ports it bound to its `--ready-file`.
     pub fn start(bin: &'static str, extra: &[&str]) -> Service {
-        let mut s = Service {
-            name: bin,
-            grpc_port: 0,
-            admin_port: 0,
-            child: None,
-            args: extra.iter().map(|s| (*s).to_owned()).collect(),
-            descriptor_limit: None,
-            dir: tempfile::tempdir().expect("a temporary directory"),
-        };
-        s.spawn(0, 0);
-        s
+        Service::launch(bin, extra, None)
     }
 
     /// [`Service::start`] with the process's descriptor limit set to `nofile` (`ulimit -n`,
     /// through `sh`, before the binary starts: it reads the limit at start).
     pub fn start_with_descriptor_limit(bin: &'static str, extra: &[&str], nofile: u32) -> Service {
+        Service::launch(bin, extra, Some(nofile))
+    }
+
+    fn launch(bin: &'static str, extra: &[&str], descriptor_limit: Option<u32>) -> Service {
         let mut s = Service {
             name: bin,
             grpc_port: 0,
             admin_port: 0,
             child: None,
             args: extra.iter().map(|s| (*s).to_owned()).collect(),
-            descriptor_limit: Some(nofile),
+            descriptor_limit,
             dir: tempfile::tempdir().expect("a temporary directory"),
         };
         s.spawn(0, 0);
