@@ -37,6 +37,41 @@ fn bin_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// How long a binary that should refuse to start may run before `run_to_exit` fails.
+pub const REFUSE_WITHIN: Duration = Duration::from_secs(30);
+
+/// Runs the service binary `bin` until it exits by itself (it is expected to refuse to start);
+/// its status and stderr. Fails loudly if it is still running after `REFUSE_WITHIN`.
+pub fn run_to_exit<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(
+    bin: &str,
+    args: &[S],
+) -> (ExitStatus, String) {
+    let mut child = Command::new(binaries().join(bin))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning {bin}: {e}"));
+    let deadline = Instant::now() + REFUSE_WITHIN;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the child") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!(
+                "{bin} {args:?} still running after {REFUSE_WITHIN:?}; it should have refused to start"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("piped stderr"), &mut stderr)
+        .expect("reading stderr");
+    (status, stderr)
+}
+
 /// Builds the service binaries once (same profile as the tests), returns their directory.
 pub fn binaries() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();

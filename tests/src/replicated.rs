@@ -224,6 +224,36 @@ pub async fn drive_workers(
     }
 }
 
+/// The invariants every fault run keeps: no Assign ended in an error (none lost), every one of
+/// `requests` ran, and none ran on two ranks (by the workers' own record). `context` names the
+/// run (a seed, a fault) in the failure message.
+pub fn assert_each_request_ran_once(
+    outcomes: &[Outcome],
+    ran: &Ran,
+    requests: usize,
+    context: &str,
+) {
+    let lost: Vec<_> = outcomes
+        .iter()
+        .filter_map(|o| o.result.as_ref().err().map(|e| (&o.id, e)))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{context}: {} of {requests} lost: {lost:?}",
+        lost.len()
+    );
+    assert_eq!(
+        ran.lock().unwrap().len(),
+        requests,
+        "{context}: every request ran"
+    );
+    let doubles = doubles(ran);
+    assert!(
+        doubles.is_empty(),
+        "{context}: ids run on two ranks: {doubles:?}"
+    );
+}
+
 /// The ids run on more than one rank.
 pub fn doubles(ran: &Ran) -> Vec<(String, Vec<u32>)> {
     ran.lock()

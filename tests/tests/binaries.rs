@@ -4,41 +4,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use br_e2e::{Service, binaries};
+use br_e2e::{Service, run_to_exit};
 
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Nothing listens there: the services start without their upstreams.
 const NOWHERE: &str = "http://127.0.0.1:1";
-
-/// Runs `bin` until it exits by itself (it is expected to refuse to start); returns its status
-/// and stderr. Fails loudly if it is still running after `WAIT`.
-fn run_to_exit(bin: &str, args: &[&str]) -> (ExitStatus, String) {
-    let mut child = Command::new(binaries().join(bin))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            panic!("{bin} {args:?} still running after {WAIT:?}; it should have refused to start");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
-    (status, stderr)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_binary_reports_its_ports_and_exits_0_on_sigterm() {

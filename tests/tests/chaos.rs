@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use br_client::assign::{AssignClient, AssignParams, Assignment};
 use br_e2e::replicated::{
-    Outcome, Ran, ReplicatedStack, START, StackConfig, WorkerEvent, doubles, drive_workers,
-    metric_sum,
+    Outcome, Ran, ReplicatedStack, START, StackConfig, WorkerEvent, assert_each_request_ran_once,
+    drive_workers, metric_sum,
 };
 use br_testkit::{FaultProxy, within};
 use tokio::sync::{mpsc, oneshot};
@@ -253,21 +253,7 @@ async fn seeded_faults_under_load_keep_the_invariants() {
         .await
         .unwrap();
 
-    let lost: Vec<_> = outcomes
-        .iter()
-        .filter_map(|o| o.result.as_ref().err().map(|e| (&o.id, e)))
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "seed {seed}: {} of {REQUESTS} lost: {lost:?}",
-        lost.len()
-    );
-    assert_eq!(ran.lock().unwrap().len(), REQUESTS, "every request ran");
-    let doubles = doubles(&ran);
-    assert!(
-        doubles.is_empty(),
-        "seed {seed}: ids run on two ranks: {doubles:?}"
-    );
+    assert_each_request_ran_once(&outcomes, &ran, REQUESTS, &format!("seed {seed}"));
     let retried = outcomes
         .iter()
         .filter(|o| o.result.as_ref().is_ok_and(|a: &Assignment| a.attempts > 1))

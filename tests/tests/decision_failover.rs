@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use br_client::assign::{AssignClient, AssignParams};
 use br_e2e::replicated::{
-    Outcome, Ran, ReplicatedStack, StackConfig, doubles, drive_workers, metric_sum,
+    Outcome, Ran, ReplicatedStack, StackConfig, assert_each_request_ran_once, drive_workers,
+    metric_sum,
 };
 use br_testkit::{eventually, within};
 use tokio::sync::mpsc;
@@ -122,21 +123,8 @@ async fn killing_a_decision_replica_under_load_loses_no_request() {
         .unwrap();
     let kill_at = kill_at.expect("d0 was killed");
 
-    // 0 lost.
-    let lost: Vec<_> = outcomes
-        .iter()
-        .filter_map(|o| o.result.as_ref().err().map(|e| (&o.id, e)))
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "{} of {REQUESTS} lost: {lost:?}",
-        lost.len()
-    );
-
-    // 0 double assignments: one rank per id, by the workers' own record.
-    assert_eq!(ran.lock().unwrap().len(), REQUESTS, "every request ran");
-    let doubles = doubles(&ran);
-    assert!(doubles.is_empty(), "ids run on two ranks: {doubles:?}");
+    // 0 lost, 0 double assignments (one rank per id, by the workers' own record).
+    assert_each_request_ran_once(&outcomes, &ran, REQUESTS, "decision failover");
 
     // The failover, measured: calls in flight at the kill that needed another replica, and
     // how long after the kill the first and the last of them was answered.

@@ -26,6 +26,7 @@ use br_proto::v1::telemetry_client::TelemetryClient;
 use br_proto::v1::{self, worker_report};
 use br_testkit::{Metrics, eventually, eventually_some};
 use br_trust::{Identity, Role};
+use rustls::pki_types::CertificateDer;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -362,15 +363,14 @@ async fn every_services_certificate_rotates_under_traffic_without_an_error_or_a_
     ];
     let mut renewed = Vec::new();
     for (role, _) in services {
-        let old = std::fs::read_to_string(pki.role(role).cert).unwrap();
-        let uri = Identity::uri_for_role(TD, role);
-        let issued = pki
-            .ca
-            .issue(&uri, Validity::For(Duration::from_secs(7200)))
-            .unwrap();
-        assert_ne!(issued.cert_pem, old);
-        br_certs::write(pki.dir(), &br_certs::role_files(role), &issued).unwrap();
-        renewed.push(pki::leaf_der(&issued.cert_pem));
+        let old = pki::leaf_der(&std::fs::read_to_string(pki.role(role).cert).unwrap());
+        let new = reissue(
+            &pki,
+            &Identity::uri_for_role(TD, role),
+            &br_certs::role_files(role),
+        );
+        assert_ne!(new, old);
+        renewed.push(new);
     }
     let client = pki.role(Role::Admin);
     for ((role, svc), want) in services.iter().zip(&renewed) {
@@ -378,22 +378,7 @@ async fn every_services_certificate_rotates_under_traffic_without_an_error_or_a_
             (svc.grpc_addr(), &b"h2"[..]),
             (svc.admin_addr(), &b"http/1.1"[..]),
         ] {
-            eventually(
-                START,
-                &format!("{role}'s {port} presents its new certificate"),
-                || {
-                    let client = client.clone();
-                    async move { presented(port, &client, alpn).await == *want }
-                },
-            )
-            .await;
-            // and so does every handshake from now on
-            for _ in 0..5 {
-                assert!(
-                    presented(port, &client, alpn).await == *want,
-                    "{role}: a handshake on {port} presented the old certificate"
-                );
-            }
+            await_presented(port, &client, alpn, want, &format!("{role}'s {port}")).await;
         }
     }
 
@@ -463,27 +448,58 @@ async fn presented(
     addr: std::net::SocketAddr,
     client: &br_trust::TlsFiles,
     alpn: &[u8],
-) -> rustls::pki_types::CertificateDer<'static> {
+) -> CertificateDer<'static> {
     pki::presented_cert(addr, client, alpn).await
 }
 
+/// A new certificate (new key and serial) for `uri`, written in place over the files `names`
+/// in the PKI's directory, as cert-manager or SPIRE would; returns the new leaf.
+fn reissue(pki: &Pki, uri: &str, names: &(String, String)) -> CertificateDer<'static> {
+    let issued = pki
+        .ca
+        .issue(uri, Validity::For(Duration::from_secs(7200)))
+        .unwrap();
+    br_certs::write(pki.dir(), names, &issued).unwrap();
+    pki::leaf_der(&issued.cert_pem)
+}
+
 /// The shim's worker certificate files, replaced in place by a certificate for `worker_id` of
-/// `group` (a new key and serial); returns the new leaf.
+/// `group`; returns the new leaf.
 fn rotate_shim(
     pki: &Pki,
     files: &br_trust::TlsFiles,
     group: &str,
     worker_id: u32,
-) -> rustls::pki_types::CertificateDer<'static> {
-    let uri = Identity::uri_for_worker(TD, group, worker_id);
-    let issued = pki
-        .ca
-        .issue(&uri, Validity::For(Duration::from_secs(7200)))
-        .unwrap();
+) -> CertificateDer<'static> {
     let name = |p: &std::path::Path| p.file_name().unwrap().to_string_lossy().into_owned();
     let names = (name(&files.cert), name(&files.key));
-    br_certs::write(pki.dir(), &names, &issued).unwrap();
-    pki::leaf_der(&issued.cert_pem)
+    reissue(pki, &Identity::uri_for_worker(TD, group, worker_id), &names)
+}
+
+/// Waits until every new handshake on `port` presents `want` (the reloader picked up the
+/// rotated files), then checks five more handshakes do too: no listener kept the old one.
+async fn await_presented(
+    port: std::net::SocketAddr,
+    client: &br_trust::TlsFiles,
+    alpn: &[u8],
+    want: &CertificateDer<'static>,
+    what: &str,
+) {
+    eventually(
+        START,
+        &format!("{what} presents its new certificate"),
+        || {
+            let client = client.clone();
+            async move { presented(port, &client, alpn).await == *want }
+        },
+    )
+    .await;
+    for _ in 0..5 {
+        assert!(
+            presented(port, client, alpn).await == *want,
+            "{what}: a handshake presented the old certificate"
+        );
+    }
 }
 
 /// A client picks up its rotated certificate on its next handshake, while the streams it
@@ -588,14 +604,12 @@ async fn a_client_presents_its_rotated_certificate_on_its_next_handshake_and_kee
     // -- rotate the shim's files to a certificate for worker 1 --
     let worker1 = rotate_shim(&pki, &shim_files, SHIM_GROUP, 1);
     let shim_admin = shim.admin_addr();
-    eventually(
-        START,
-        "the shim's admin port presents the new certificate",
-        || {
-            let client = admin_files.clone();
-            let want = worker1.clone();
-            async move { presented(shim_admin, &client, b"http/1.1").await == want }
-        },
+    await_presented(
+        shim_admin,
+        &admin_files,
+        b"http/1.1",
+        &worker1,
+        "the shim's admin port (worker1)",
     )
     .await;
     // the established stream carries on: same connection, ingest still hears it (heartbeats),
@@ -644,14 +658,12 @@ async fn a_client_presents_its_rotated_certificate_on_its_next_handshake_and_kee
 
     // -- rotate back to a worker-0 certificate: the next handshake is admitted --
     let worker0 = rotate_shim(&pki, &shim_files, SHIM_GROUP, 0);
-    eventually(
-        START,
-        "the shim's admin port presents the worker-0 certificate",
-        || {
-            let client = admin_files.clone();
-            let want = worker0.clone();
-            async move { presented(shim_admin, &client, b"http/1.1").await == want }
-        },
+    await_presented(
+        shim_admin,
+        &admin_files,
+        b"http/1.1",
+        &worker0,
+        "the shim's admin port (worker0)",
     )
     .await;
     eventually(

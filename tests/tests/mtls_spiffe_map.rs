@@ -15,11 +15,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use br_e2e::pki::{self, Pki, TD};
-use br_e2e::{Service, binaries};
+use br_e2e::{Service, run_to_exit};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_client::TelemetryClient;
@@ -376,29 +375,13 @@ async fn scrape(decision: &Service, pki: &Pki) -> Metrics {
     Metrics::parse(&body).unwrap()
 }
 
-/// Runs `bin` until it exits by itself; its exit code and stderr.
-fn run_to_exit(bin: &str, args: &[String]) -> (Option<i32>, String) {
-    let mut child = Command::new(binaries().join(bin))
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + START;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            panic!("{bin} {args:?} still running after {START:?}; it should have refused to start");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+/// Runs `bin` on loopback ports with `flags` until it exits by itself; its exit code and stderr.
+fn refused_start(bin: &str, flags: &[String]) -> (Option<i32>, String) {
+    let mut args: Vec<String> = ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]
+        .map(String::from)
+        .into();
+    args.extend_from_slice(flags);
+    let (status, stderr) = run_to_exit(bin, &args);
     (status.code(), stderr)
 }
 
@@ -407,7 +390,7 @@ fn a_map_that_gives_an_account_two_roles_or_every_worker_stops_the_binary() {
     let pki = Pki::new();
     let mut flags = pki.flags(Role::Ingest);
     flags.extend(["--spiffe-role-map".into(), "br/a=ingest,br/a=admin".into()]);
-    let (code, stderr) = run_to_exit("br-ingest", &flags);
+    let (code, stderr) = refused_start("br-ingest", &flags);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("--spiffe-role-map") && stderr.contains("br/a"),
@@ -416,7 +399,7 @@ fn a_map_that_gives_an_account_two_roles_or_every_worker_stops_the_binary() {
 
     let mut flags = pki.flags(Role::Ingest);
     flags.extend(["--spiffe-role-map".into(), "br-g0/decode=worker".into()]);
-    let (code, stderr) = run_to_exit("br-ingest", &flags);
+    let (code, stderr) = refused_start("br-ingest", &flags);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("worker/<group>/*"), "{stderr}");
 }

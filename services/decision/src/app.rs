@@ -49,13 +49,13 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let metrics = Metrics::new()?;
     let readiness = Readiness::default();
     metrics.ready.set(0);
-    let trust = skeleton::Trust::load(&args.common, "decision", &metrics.registry, &shutdown)?;
+    let edge = skeleton::Edge::load(&args.common, "decision", &metrics.registry, &shutdown)?;
     // Followers, group tasks and the admin port outlive the gRPC drain (waiting calls still
     // need ticks and σ); they stop after it.
     let after = CancellationToken::new();
 
     let channel =
-        snapshot_channel(&cfg.snapshot_addr, trust.tls()).map_err(|e| StartError::Upstream {
+        snapshot_channel(&cfg.snapshot_addr, edge.tls()).map_err(|e| StartError::Upstream {
             flag: "--snapshot-addr",
             value: cfg.snapshot_addr.clone(),
             reason: e.to_string(),
@@ -105,12 +105,12 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     }
 
     let admin =
-        skeleton::start_admin(&args.common, &trust, &metrics.registry, &readiness, &after).await?;
+        skeleton::start_admin(&args.common, &edge, &metrics.registry, &readiness, &after).await?;
     let admin_addr = admin.local_addr();
 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
     // 40 ms per unary call at low rates).
-    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
     // Decision's health follows readiness (NOT_SERVING until it can place, and from shutdown).
     let server = server.with_health_following(readiness.clone());
 

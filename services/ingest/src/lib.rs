@@ -42,11 +42,11 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let registry = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&registry)?;
     let readiness = Readiness::default();
-    let trust = skeleton::Trust::load(&args.common, "ingest", &registry, &shutdown)?;
+    let edge = skeleton::Edge::load(&args.common, "ingest", &registry, &shutdown)?;
     let admin =
-        skeleton::start_admin(&args.common, &trust, &registry, &readiness, &shutdown).await?;
+        skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;
     // br-runtime's server sets TCP_NODELAY on every accepted connection.
-    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
 
     let workers = registry::Registry::default();
     let (fwd, fwd_task) = forward::spawn(
@@ -55,7 +55,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             batch_interval: args.batch_interval,
             max_buffered: args.max_buffered,
             ingest_id: args.ingest_id(),
-            tls: trust.tls().cloned(),
+            tls: edge.tls().cloned(),
         },
         workers.clone(),
         metrics.clone(),
@@ -79,16 +79,16 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         hello: args.hello_timeout,
         idle: (!args.stream_idle_timeout.is_zero()).then_some(args.stream_idle_timeout),
     };
-    let svc = service::TelemetryService::new(
+    let svc = service::TelemetryService::new(service::TelemetryParts {
         limits,
         timeouts,
-        args.max_worker_id,
-        groups,
-        workers,
-        fwd,
+        max_worker_id: args.max_worker_id,
+        allowed_groups: groups,
+        registry: workers,
+        forwarder: fwd,
         metrics,
-        shutdown.clone(),
-    );
+        shutdown: shutdown.clone(),
+    });
     let routes = tonic::service::Routes::new(
         br_proto::v1::telemetry_server::TelemetryServer::new(svc)
             .max_decoding_message_size(args.max_message_bytes),

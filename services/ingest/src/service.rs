@@ -41,44 +41,29 @@ pub struct Timeouts {
 /// The Telemetry service. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct TelemetryService {
-    inner: Arc<Inner>,
+    inner: Arc<TelemetryParts>,
 }
 
+/// What a [`TelemetryService`] is made of, all set at start.
 #[derive(Debug)]
-struct Inner {
-    limits: Limits,
-    timeouts: Timeouts,
-    max_worker_id: u32,
-    allowed_groups: Option<HashSet<String>>,
-    registry: Registry,
-    forwarder: ForwarderHandle,
-    metrics: Metrics,
-    shutdown: CancellationToken,
+pub struct TelemetryParts {
+    pub limits: Limits,
+    pub timeouts: Timeouts,
+    /// `--max-worker-id`: a Hello above it is refused.
+    pub max_worker_id: u32,
+    /// `--group`: the groups this ingest takes (`None`: any).
+    pub allowed_groups: Option<HashSet<String>>,
+    /// The live streams, one per worker.
+    pub registry: Registry,
+    pub forwarder: ForwarderHandle,
+    pub metrics: Metrics,
+    pub shutdown: CancellationToken,
 }
 
 impl TelemetryService {
-    #[allow(clippy::too_many_arguments)] // one per concern of the service, all set at start
-    pub fn new(
-        limits: Limits,
-        timeouts: Timeouts,
-        max_worker_id: u32,
-        allowed_groups: Option<HashSet<String>>,
-        registry: Registry,
-        forwarder: ForwarderHandle,
-        metrics: Metrics,
-        shutdown: CancellationToken,
-    ) -> Self {
+    pub fn new(parts: TelemetryParts) -> Self {
         TelemetryService {
-            inner: Arc::new(Inner {
-                limits,
-                timeouts,
-                max_worker_id,
-                allowed_groups,
-                registry,
-                forwarder,
-                metrics,
-                shutdown,
-            }),
+            inner: Arc::new(parts),
         }
     }
 }
@@ -120,7 +105,7 @@ fn is_too_large(status: &tonic::Status) -> bool {
     status.code() == tonic::Code::OutOfRange
 }
 
-impl Inner {
+impl TelemetryParts {
     async fn end(&self, tx: &mpsc::Sender<AckResult>, e: StreamError) {
         if e.is_timeout() {
             self.metrics
@@ -242,7 +227,7 @@ impl Inner {
 }
 
 async fn run_stream(
-    inner: &Inner,
+    inner: &TelemetryParts,
     caller: Option<br_trust::Identity>,
     mut inbound: tonic::Streaming<v1::WorkerReport>,
     tx: mpsc::Sender<AckResult>,
@@ -332,7 +317,7 @@ fn refused_error(hello: &ValidHello, r: Refusal) -> StreamError {
 }
 
 async fn serve_session(
-    inner: &Inner,
+    inner: &TelemetryParts,
     inbound: &mut tonic::Streaming<v1::WorkerReport>,
     tx: &mpsc::Sender<AckResult>,
     mut session: Session,

@@ -29,8 +29,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let metrics = ShimMetrics::new(&registry)?;
     // The proxy port carries the engine's own (plaintext HTTP) traffic, as the engine's port
     // does; TLS and the loopback default apply to the admin port and to the ingest stream.
-    let trust = skeleton::Trust::load(&args.common, "shim", &registry, &shutdown)?;
-    let (listener, http_addr) = skeleton::bind_listen(&args.common, &trust).await?;
+    let edge = skeleton::Edge::load(&args.common, "shim", &registry, &shutdown)?;
+    let (listener, http_addr) = skeleton::bind_listen(&args.common, &edge).await?;
     let endpoint = args
         .endpoint
         .clone()
@@ -48,7 +48,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             args.capacity,
         );
         cfg.endpoint = endpoint.clone();
-        cfg.tls = trust.tls().cloned();
+        cfg.tls = edge.tls().cloned();
         let handle =
             br_client::reporter::Reporter::spawn(cfg).map_err(|e| StartError::Upstream {
                 flag: "--ingest-addr",
@@ -73,7 +73,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     .with_limits(args.max_body_bytes, args.max_concurrent_requests);
     let readiness = Readiness::default();
     let admin =
-        skeleton::start_admin(&args.common, &trust, &registry, &readiness, &shutdown).await?;
+        skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;
     let admin_addr = admin.local_addr();
 
     // The ingest_connected gauge and the refusals counter follow the reporter.

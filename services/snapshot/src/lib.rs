@@ -46,16 +46,16 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     args.validate().map_err(StartError::Config)?;
     let metrics = metrics::Metrics::new()?;
     let readiness = Readiness::default();
-    let trust = skeleton::Trust::load(&args.common, "snapshot", metrics.registry(), &shutdown)?;
+    let edge = skeleton::Edge::load(&args.common, "snapshot", metrics.registry(), &shutdown)?;
     let admin = skeleton::start_admin(
         &args.common,
-        &trust,
+        &edge,
         metrics.registry(),
         &readiness,
         &shutdown,
     )
     .await?;
-    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
     let (writer, writer_task) = writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
     let epoch = writer.epoch();
     let svc = service::SnapshotService::new(writer, metrics, shutdown.clone());

@@ -31,10 +31,10 @@
 //!     let registry = prometheus::Registry::new();
 //!     let ready = Readiness::default();
 //!     // TLS material (when --tls-* are given) and the loopback-only default without it
-//!     let trust = skeleton::Trust::load(&args.common, "example", &registry, &shutdown)?;
+//!     let edge = skeleton::Edge::load(&args.common, "example", &registry, &shutdown)?;
 //!     let admin =
-//!         skeleton::start_admin(&args.common, &trust, &registry, &ready, &shutdown).await?;
-//!     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &trust).await?;
+//!         skeleton::start_admin(&args.common, &edge, &registry, &ready, &shutdown).await?;
+//!     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
 //!     ready.set(true);
 //!     let admin_addr = admin.local_addr();
 //!     Ok(Running::spawn(grpc_addr, admin_addr, ready, shutdown.clone(), (), async move {

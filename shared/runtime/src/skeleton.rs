@@ -227,37 +227,39 @@ impl<X> Running<Http, X> {
     }
 }
 
-/// A service's trust: its TLS material (when `--tls-*` are given) and the counters of what
-/// it refused. Made once per process by [`Trust::load`] and shared by its servers and clients.
+/// A service's edge: what its listeners enforce and count. Mutual TLS and per-method
+/// authorisation (when `--tls-*` are given) with their refusal counters, and the accept bound
+/// (`--max-connections`, `--first-byte-timeout`, on every port, TLS or not) with its failure
+/// counter. Made once per process by [`Edge::load`] and shared by its servers and clients.
 #[derive(Clone, Default)]
-pub struct Trust {
+pub struct Edge {
     tls: Option<Arc<br_trust::TlsMaterial>>,
+    /// `balanceroute_<service>_calls_denied_total{reason}` (TLS only).
     denied: Option<prometheus::IntCounterVec>,
+    /// `balanceroute_<service>_tls_handshake_failures_total{reason}` (TLS only).
     handshake_failures: Option<prometheus::IntCounterVec>,
-    /// `balanceroute_<service>_accept_failures_total{reason}` (TLS or not).
+    /// `balanceroute_<service>_accept_failures_total{reason}` (every port).
     accept_failures: Option<prometheus::IntCounterVec>,
 }
 
-impl std::fmt::Debug for Trust {
+impl std::fmt::Debug for Edge {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Trust")
+        f.debug_struct("Edge")
             .field("tls", &self.tls.is_some())
             .finish_non_exhaustive()
     }
 }
 
-impl Trust {
+impl Edge {
     /// Refuses a plaintext admin port beyond loopback (unless `--allow-insecure-remote`; the
-    /// gRPC port is checked by [`bind_grpc`]), loads the
-    /// certificate files and follows their rotation until `shutdown`, and registers
-    /// `balanceroute_<service>_calls_denied_total{reason}` and
-    /// `balanceroute_<service>_tls_handshake_failures_total{reason}` in `registry`.
+    /// gRPC port is checked by [`bind_grpc`]), loads the certificate files and follows their
+    /// rotation until `shutdown`, and registers the edge's counters in `registry`.
     pub fn load(
         common: &CommonArgs,
         service: &str,
         registry: &prometheus::Registry,
         shutdown: &CancellationToken,
-    ) -> Result<Trust, StartError> {
+    ) -> Result<Edge, StartError> {
         common
             .tls
             .check_bind(common.admin_listen)
@@ -282,9 +284,9 @@ impl Trust {
             accept_failures.with_label_values(&[reason]);
         }
         let Some(material) = tls else {
-            return Ok(Trust {
+            return Ok(Edge {
                 accept_failures: Some(accept_failures),
-                ..Trust::default()
+                ..Edge::default()
             });
         };
         material.watch(common.tls.tls_reload_interval, shutdown.clone());
@@ -304,7 +306,7 @@ impl Trust {
         )?;
         registry.register(Box::new(denied.clone()))?;
         registry.register(Box::new(failures.clone()))?;
-        Ok(Trust {
+        Ok(Edge {
             tls: Some(material),
             denied: Some(denied),
             handshake_failures: Some(failures),
@@ -340,13 +342,13 @@ impl Trust {
 }
 
 /// Binds `--listen` for a gRPC server with the `--shutdown-grace` drain, HTTP/2 keepalive
-/// and, when `trust` has TLS, mutual TLS with per-method authorisation; returns it with the
+/// and, when `edge` has TLS, mutual TLS with per-method authorisation; returns it with the
 /// bound address.
 pub async fn bind_grpc(
     common: &CommonArgs,
-    trust: &Trust,
+    edge: &Edge,
 ) -> Result<(GrpcServer, SocketAddr), StartError> {
-    if trust.tls.is_none() {
+    if edge.tls.is_none() {
         common
             .tls
             .check_bind(common.listen)
@@ -362,11 +364,8 @@ pub async fn bind_grpc(
         .map_err(bind_err)?
         .with_grace(common.shutdown_grace)
         .with_keepalive(common.keepalive())
-        .with_tls(trust.serving())
-        .with_accept_limits(
-            common.accept_limits(descriptor_limit()),
-            trust.accept_hook(),
-        );
+        .with_tls(edge.serving())
+        .with_accept_limits(common.accept_limits(descriptor_limit()), edge.accept_hook());
     let addr = server.local_addr().map_err(bind_err)?;
     Ok((server, addr))
 }
@@ -380,7 +379,7 @@ pub fn descriptor_limit() -> Option<u64> {
 /// address.
 pub async fn bind_listen(
     common: &CommonArgs,
-    trust: &Trust,
+    edge: &Edge,
 ) -> Result<(br_trust::accept::AcceptListener, SocketAddr), StartError> {
     let bind_err = |source| StartError::Bind {
         flag: "--listen",
@@ -392,7 +391,7 @@ pub async fn bind_listen(
     let listener = br_trust::accept::AcceptListener::new(
         listener,
         common.accept_limits(descriptor_limit()),
-        trust.accept_hook(),
+        edge.accept_hook(),
     )
     .map_err(bind_err)?;
     Ok((listener, addr))
@@ -401,14 +400,14 @@ pub async fn bind_listen(
 /// Starts the admin server on `--admin-listen`; it stops when `stop` is cancelled.
 pub async fn start_admin(
     common: &CommonArgs,
-    trust: &Trust,
+    edge: &Edge,
     registry: &prometheus::Registry,
     readiness: &Readiness,
     stop: &CancellationToken,
 ) -> Result<AdminServer, StartError> {
     AdminServer::start_with_tls(
         common.admin_listen,
-        trust.tls.clone(),
+        edge.tls.clone(),
         registry.clone(),
         readiness.clone(),
         stop.clone(),
@@ -597,7 +596,7 @@ mod tests {
         let taken = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = taken.local_addr().unwrap().to_string();
         let c = common(&addr, "127.0.0.1:0");
-        let e = bind_grpc(&c, &Trust::default()).await.unwrap_err();
+        let e = bind_grpc(&c, &Edge::default()).await.unwrap_err();
         assert!(
             matches!(
                 e,
@@ -612,7 +611,7 @@ mod tests {
             e.to_string()
                 .starts_with(&format!("binding --listen {addr}: "))
         );
-        let e = bind_listen(&c, &Trust::default()).await.unwrap_err();
+        let e = bind_listen(&c, &Edge::default()).await.unwrap_err();
         assert!(
             e.to_string()
                 .starts_with(&format!("binding --listen {addr}: "))
@@ -620,7 +619,7 @@ mod tests {
         let c = common("127.0.0.1:0", &addr);
         let e = start_admin(
             &c,
-            &Trust::default(),
+            &Edge::default(),
             &prometheus::Registry::new(),
             &Readiness::default(),
             &CancellationToken::new(),

@@ -260,10 +260,8 @@ impl TlsMaterial {
             material: self.clone(),
             mandatory,
         });
-        let builder = rustls::ServerConfig::builder_with_provider(self.provider.clone())
-            .with_protocol_versions(rustls::DEFAULT_VERSIONS)
-            .expect("the ring provider supports the default protocol versions");
-        let mut config = builder
+        let builder = rustls::ServerConfig::builder_with_provider(self.provider.clone());
+        let mut config = default_versions(builder)
             .with_client_cert_verifier(verifier)
             .with_cert_resolver(Arc::new(CurrentCert(self.clone())));
         config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
@@ -278,16 +276,23 @@ impl TlsMaterial {
             material: self.clone(),
             expect,
         });
-        let builder = rustls::ClientConfig::builder_with_provider(self.provider.clone())
-            .with_protocol_versions(rustls::DEFAULT_VERSIONS)
-            .expect("the ring provider supports the default protocol versions");
-        let mut config = builder
+        let builder = rustls::ClientConfig::builder_with_provider(self.provider.clone());
+        let mut config = default_versions(builder)
             .dangerous()
             .with_custom_certificate_verifier(verifier)
             .with_client_cert_resolver(Arc::new(CurrentCert(self.clone())));
         config.alpn_protocols = vec![b"h2".to_vec()];
         Arc::new(config)
     }
+}
+
+/// rustls' default protocol versions (TLS 1.3 and 1.2) on a builder for either side.
+fn default_versions<S: rustls::ConfigSide>(
+    builder: rustls::ConfigBuilder<S, rustls::WantsVersions>,
+) -> rustls::ConfigBuilder<S, rustls::WantsVerifier> {
+    builder
+        .with_protocol_versions(rustls::DEFAULT_VERSIONS)
+        .expect("the ring provider supports the default protocol versions")
 }
 
 /// The handshake-signature checks both verifiers share: the provider's algorithms, nothing of
