@@ -86,3 +86,16 @@ fn an_invalid_flag_exits_2_naming_the_limit() {
         "{stderr}"
     );
 }
+
+/// A configuration only the service can judge (here a plaintext admin port beyond loopback,
+/// refused unless `--allow-insecure-remote`) is still a bad configuration: exit 2, like a flag
+/// clap refuses, not 1 (a port in use, an unreachable upstream).
+#[test]
+fn a_configuration_refused_at_start_exits_2_naming_the_flag() {
+    let (status, stderr) = run_to_exit(
+        "br-snapshot",
+        &["--listen", "127.0.0.1:0", "--admin-listen", "0.0.0.0:0"],
+    );
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--admin-listen"), "{stderr}");
+}

@@ -206,6 +206,9 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// The exit code of a binary whose flags, variables or config file are invalid (clap's own).
+pub const EXIT_INVALID_CONFIG: u8 = 2;
+
 /// Parses the process's arguments, environment and config file; prints the error (or the help)
 /// and exits on failure. For `main`.
 pub fn parse_or_exit<T: Parser + Validate>() -> T {
@@ -214,7 +217,7 @@ pub fn parse_or_exit<T: Parser + Validate>() -> T {
         Err(ConfigError::Clap(e)) => e.exit(),
         Err(e) => {
             eprintln!("error: {e}");
-            std::process::exit(2)
+            std::process::exit(EXIT_INVALID_CONFIG.into())
         }
     }
 }

@@ -466,8 +466,9 @@ fn temp_path(path: &Path) -> PathBuf {
 /// It parses the flags (clap, `BALANCEROUTE_*` variables, `--config` TOML; a bad configuration
 /// exits with 2), initialises logging and tracing, cancels the shutdown token on the first
 /// SIGTERM or SIGINT, starts the service, writes `--ready-file`, logs the bound addresses and
-/// waits. Exit code: 0 after a drain (even one cut short by the grace period), 1 if the
-/// service could not start or failed while serving (the error is printed on stderr).
+/// waits. Exit code: 0 after a drain (even one cut short by the grace period), 2 if the
+/// service refused its configuration at start ([`StartError::Config`]), 1 if it could not
+/// start otherwise or failed while serving (the error is printed on stderr).
 pub async fn main<A, P, X>(
     name: &'static str,
     start: impl AsyncFnOnce(&A, CancellationToken) -> Result<Running<P, X>, StartError>,
@@ -494,7 +495,11 @@ where
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: starting {name}: {e}");
-            return ExitCode::FAILURE;
+            // A configuration the service refuses at start is as bad as one clap refuses.
+            return match e {
+                StartError::Config(_) => ExitCode::from(config::EXIT_INVALID_CONFIG),
+                _ => ExitCode::FAILURE,
+            };
         }
     };
     let addrs = running.addrs();
