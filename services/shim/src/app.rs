@@ -70,7 +70,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         value: args.upstream.clone(),
         reason: e.to_string(),
     })?
-    .with_limits(args.max_body_bytes, args.max_concurrent_requests);
+    .with_limits(args.max_body_bytes, args.max_concurrent_requests)
+    .with_body_budget(args.max_buffered_body_bytes, args.body_timeout);
     let readiness = Readiness::default();
     let admin =
         skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;

@@ -15,6 +15,13 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 /// Default requests proxied at once (a rank runs at most `--capacity`, 256 by default; the
 /// rest are queued in the engine, not here).
 pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
+/// Default request-body bytes held at once for inspection: four bodies of the largest size.
+/// Each costs about twice its size (received and sent on), so about 128 MiB at the peak, within
+/// the example pod's 256 MiB.
+pub const DEFAULT_MAX_BUFFERED_BODY_BYTES: usize = 4 * DEFAULT_MAX_BODY_BYTES;
+/// Default time for a request body to arrive (nginx's `client_body_timeout` is 60 s between
+/// reads; this is for the whole body, which a gateway on the same network sends at once).
+pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// br-shim: forwards an OpenAI-compatible decode rank's traffic untouched and reports each
 /// request's token progress to BalanceRoute's ingest.
@@ -56,6 +63,15 @@ pub struct Args {
     /// Requests proxied at once; one more is answered 503 with a JSON error (retry).
     #[arg(long, env = "BALANCEROUTE_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
     pub max_concurrent_requests: usize,
+    /// Request-body bytes held at once for inspection, across all requests (each body holds
+    /// its declared length, or --max-body-bytes when chunked); one more is answered 503 with a
+    /// JSON error (retry). At least --max-body-bytes.
+    #[arg(long, env = "BALANCEROUTE_MAX_BUFFERED_BODY_BYTES", default_value_t = DEFAULT_MAX_BUFFERED_BODY_BYTES)]
+    pub max_buffered_body_bytes: usize,
+    /// How long a request body the shim inspects may take to arrive; a slower one is answered
+    /// 408 with a JSON error.
+    #[arg(long, env = "BALANCEROUTE_BODY_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub body_timeout: std::time::Duration,
 }
 
 impl ServiceArgs for Args {
@@ -95,6 +111,18 @@ impl ServiceArgs for Args {
         if self.capacity == 0 {
             return Err("--capacity must be at least 1".into());
         }
+        if self.body_timeout.is_zero() {
+            return Err("--body-timeout must be above 0".into());
+        }
+        if self.max_buffered_body_bytes < self.max_body_bytes
+            || self.max_buffered_body_bytes > tokio::sync::Semaphore::MAX_PERMITS
+        {
+            return Err(format!(
+                "--max-buffered-body-bytes {} must be at least --max-body-bytes {} (a body of the \
+                 largest size could never be taken)",
+                self.max_buffered_body_bytes, self.max_body_bytes
+            ));
+        }
         Ok(())
     }
 }
@@ -119,6 +147,25 @@ mod tests {
         assert_eq!(a.ingest_addr, DEFAULT_INGEST_ADDR);
         assert_eq!(a.upstream, DEFAULT_UPSTREAM);
         assert!(a.inject_usage);
+        assert_eq!(a.body_timeout, DEFAULT_BODY_TIMEOUT);
+        assert_eq!(a.max_buffered_body_bytes, DEFAULT_MAX_BUFFERED_BODY_BYTES);
+    }
+
+    #[test]
+    fn the_body_budget_must_hold_the_largest_body() {
+        let e = parse_from::<Args, _, _>([
+            "br-shim",
+            "--max-body-bytes",
+            "2048",
+            "--max-buffered-body-bytes",
+            "2047",
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("--max-buffered-body-bytes 2047"),
+            "{e}"
+        );
+        assert!(parse_from::<Args, _, _>(["br-shim", "--body-timeout", "0s"]).is_err());
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod report;
 pub mod sse;
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,13 +33,17 @@ use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 pub use app::{Running, start};
 pub use config::Args;
 pub use metrics::ShimMetrics;
 pub use report::{NullSink, ProgressSink, RecordingSink, Report};
 
-pub use config::{DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS};
+pub use config::{
+    DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BUFFERED_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+};
 
 /// The paths whose responses carry tokens.
 pub const GENERATION_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
@@ -52,6 +57,13 @@ pub struct Shim {
     /// `stream_options` (it does not support them): from then on the shim counts chunks.
     engine_takes_usage: AtomicBool,
     max_body: usize,
+    /// One permit per byte of request body the shim holds to inspect (each buffered body costs
+    /// about twice its size: as received and as sent on), so N concurrent large bodies cannot
+    /// take N x 2 x `max_body` of memory.
+    body_budget: Arc<tokio::sync::Semaphore>,
+    max_buffered: usize,
+    /// How long a body to inspect may take to arrive (`--body-timeout`).
+    body_timeout: std::time::Duration,
     /// One permit per request in flight (held until its response body ends).
     in_flight: Arc<tokio::sync::Semaphore>,
     max_in_flight: usize,
@@ -99,6 +111,9 @@ impl Shim {
             inject_usage,
             engine_takes_usage: AtomicBool::new(true),
             max_body: DEFAULT_MAX_BODY_BYTES,
+            body_budget: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_BUFFERED_BODY_BYTES)),
+            max_buffered: DEFAULT_MAX_BUFFERED_BODY_BYTES,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
             in_flight: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_CONCURRENT_REQUESTS)),
             max_in_flight: DEFAULT_MAX_CONCURRENT_REQUESTS,
             sink,
@@ -113,6 +128,18 @@ impl Shim {
         self.max_body = max_body;
         self.max_in_flight = max_in_flight;
         self.in_flight = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
+        self
+    }
+
+    /// The most request-body bytes buffered at once across all requests
+    /// (`--max-buffered-body-bytes`; at least the largest body), and how long one may take to
+    /// arrive (`--body-timeout`).
+    #[must_use]
+    pub fn with_body_budget(mut self, max_buffered: usize, timeout: std::time::Duration) -> Self {
+        let max_buffered = max_buffered.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
+        self.max_buffered = max_buffered;
+        self.body_budget = Arc::new(tokio::sync::Semaphore::new(max_buffered));
+        self.body_timeout = timeout;
         self
     }
 
@@ -264,17 +291,9 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         };
     }
 
-    let raw = match axum::body::to_bytes(body, shim.max_body).await {
-        Ok(b) => b,
-        Err(e) => {
-            return if std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-            {
-                too_large(&shim)
-            } else {
-                (StatusCode::BAD_REQUEST, format!("request body: {e}\n")).into_response()
-            };
-        }
+    let (raw, _buffered) = match read_body(&shim, body, declared).await {
+        Ok(read) => read,
+        Err(refused) => return refused,
     };
     let header_id = parts
         .headers
@@ -361,39 +380,120 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
 }
 
+/// Reads a body to inspect within `--max-body-bytes` and `--body-timeout`, taking each byte
+/// out of the shared `--max-buffered-body-bytes` budget as it arrives: a client that declares
+/// a large body and sends little holds only what it sent. The permit is held as long as the
+/// body is.
+async fn read_body(
+    shim: &Shim,
+    mut body: Body,
+    declared: Option<u64>,
+) -> Result<(Bytes, Option<tokio::sync::OwnedSemaphorePermit>), Response> {
+    use http_body_util::BodyExt as _;
+    let deadline = tokio::time::Instant::now() + shim.body_timeout;
+    // Declared lengths are checked against the limit before this; the pages of an unused
+    // reservation are never touched.
+    let mut buf = bytes::BytesMut::with_capacity(
+        declared
+            .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX))
+            .min(shim.max_body),
+    );
+    let mut held: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => {
+                return Err(refuse(
+                    shim,
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body_timeout",
+                    format!(
+                        "the request body did not arrive within the shim's --body-timeout {:?}",
+                        shim.body_timeout
+                    ),
+                ));
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                return Err(
+                    (StatusCode::BAD_REQUEST, format!("request body: {e}\n")).into_response()
+                );
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers
+        };
+        if buf.len() + data.len() > shim.max_body {
+            return Err(too_large(shim));
+        }
+        let Some(taken) = u32::try_from(data.len())
+            .ok()
+            .and_then(|n| Arc::clone(&shim.body_budget).try_acquire_many_owned(n).ok())
+        else {
+            return Err(refuse(
+                shim,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "body_budget",
+                format!(
+                    "the shim holds --max-buffered-body-bytes {} of request bodies; retry",
+                    shim.max_buffered
+                ),
+            ));
+        };
+        match &mut held {
+            Some(h) => h.merge(taken),
+            None => held = Some(taken),
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok((buf.freeze(), held))
+}
+
 /// Decides what to send upstream: the original bytes, or the request with `stream_options`
 /// asking for per-chunk usage, plus what to strip for the client.
+///
+/// Only the top level is parsed: every value stays the text it came as (a `RawValue` borrowed
+/// from `raw`), so a large prompt or message list is neither built into a tree nor re-encoded.
+/// The peak is the body plus the body sent on; a `serde_json::Value` tree of a 15 MB list of
+/// messages took 22x the body (scripts/bench-shim-body.sh).
 fn plan(raw: &Bytes, inject: bool) -> (Bytes, bool, Option<Strip>) {
-    let Ok(mut v) = serde_json::from_slice::<Value>(raw) else {
+    let Ok(mut top) = serde_json::from_slice::<BTreeMap<String, &RawValue>>(raw) else {
         return (raw.clone(), false, None);
     };
-    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let stream = top
+        .get("stream")
+        .and_then(|v| serde_json::from_str::<bool>(v.get()).ok())
+        .unwrap_or(false);
     if !(stream && inject) {
         return (raw.clone(), stream, None);
     }
-    let Some(obj) = v.as_object_mut() else {
-        return (raw.clone(), stream, None);
-    };
-    let opts = obj
-        .entry("stream_options")
-        .or_insert_with(|| Value::Object(Default::default()));
-    let Some(opts) = opts.as_object_mut() else {
-        // stream_options of the wrong type: leave it for the engine to reject.
-        return (raw.clone(), stream, None);
+    let mut opts = match top.get("stream_options") {
+        None => serde_json::Map::new(),
+        Some(v) => match serde_json::from_str::<Value>(v.get()) {
+            Ok(Value::Object(o)) => o,
+            // stream_options of the wrong type: leave it for the engine to reject.
+            _ => return (raw.clone(), stream, None),
+        },
     };
     let flag = |o: &serde_json::Map<String, Value>, k: &str| {
         o.get(k).and_then(Value::as_bool).unwrap_or(false)
     };
-    let include = flag(opts, "include_usage");
-    let continuous = include && flag(opts, "continuous_usage_stats");
+    let include = flag(&opts, "include_usage");
+    let continuous = include && flag(&opts, "continuous_usage_stats");
     if continuous {
         return (raw.clone(), stream, None);
     }
     opts.insert("include_usage".into(), Value::Bool(true));
     opts.insert("continuous_usage_stats".into(), Value::Bool(true));
-    match serde_json::to_vec(&v) {
-        Ok(b) => (
-            Bytes::from(b),
+    let Ok(opts) = serde_json::value::to_raw_value(&opts) else {
+        return (raw.clone(), stream, None);
+    };
+    top.insert("stream_options".into(), &opts);
+    // The body and a little more: no regrowth (and no transient second copy) while writing.
+    let mut out = Vec::with_capacity(raw.len() + opts.get().len() + 64);
+    match serde_json::to_writer(&mut out, &top) {
+        Ok(()) => (
+            Bytes::from(out),
             stream,
             Some(Strip {
                 all_usage: !include,
@@ -593,6 +693,68 @@ impl Stream for Tracked {
                     return Poll::Ready(Some(Ok(rest)));
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn plan_of(body: &str) -> (String, bool, Option<bool>) {
+        let (out, stream, strip) = plan(&Bytes::copy_from_slice(body.as_bytes()), true);
+        (
+            String::from_utf8(out.to_vec()).unwrap(),
+            stream,
+            strip.map(|s| s.all_usage),
+        )
+    }
+
+    #[test]
+    fn injecting_usage_keeps_every_other_value_as_the_client_wrote_it() {
+        // whitespace, escapes and number forms a tree would have rewritten
+        let messages = r#"[ {"role":"user", "content":"caf\u00e9 \"q\""} , 1.0e3, -0 ]"#;
+        let body = format!(r#"{{"messages": {messages}, "stream": true, "n": 1e2}}"#);
+        let (out, stream, strip) = plan_of(&body);
+        assert!(stream);
+        assert_eq!(strip, Some(true), "the client asked for no usage");
+        assert!(out.contains(messages), "{out}");
+        assert!(out.contains(r#""n":1e2"#), "{out}");
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["stream_options"]["continuous_usage_stats"], true);
+    }
+
+    #[test]
+    fn the_clients_own_stream_options_are_kept_and_only_the_missing_usage_is_stripped() {
+        let (out, _, strip) =
+            plan_of(r#"{"stream":true,"stream_options":{"include_usage":true,"x":[1, 2]}}"#);
+        assert_eq!(strip, Some(false));
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["stream_options"]["x"], serde_json::json!([1, 2]));
+        assert_eq!(v["stream_options"]["continuous_usage_stats"], true);
+    }
+
+    #[test]
+    fn what_needs_no_change_or_cannot_be_changed_goes_on_byte_for_byte() {
+        for (body, stream) in [
+            (r#"{"stream":false,"prompt":"a"}"#, false),
+            (r#"{"prompt":"a"}"#, false),
+            (r#"[1,2]"#, false),
+            (r#"{"stream":true,"prompt":"#, false),
+            (r#"{"stream":true,"stream_options":"yes"}"#, true),
+            (r#"{"stream":true,"stream_options":null}"#, true),
+            (
+                r#"{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}"#,
+                true,
+            ),
+        ] {
+            let (out, s, strip) = plan_of(body);
+            assert_eq!(out, body);
+            assert_eq!(s, stream, "{body}");
+            assert_eq!(strip, None, "{body}");
         }
     }
 }

@@ -14,7 +14,7 @@ pub struct ShimMetrics {
     pub reports: IntCounter,
     /// 1 while the telemetry stream to ingest is up.
     pub ingest_connected: IntGauge,
-    /// Requests refused for a limit, by `reason` (`body_too_large`, `concurrency`).
+    /// Requests refused for a limit, by `reason` (`body_too_large`, `concurrency`, `body_budget`, `body_timeout`).
     pub refused: prometheus::IntCounterVec,
     /// Telemetry streams ended because the snapshot service refused the worker's changes
     /// (each followed by a Hello of a new incarnation).
@@ -48,7 +48,7 @@ impl ShimMetrics {
             refused: prometheus::IntCounterVec::new(
                 Opts::new(
                     "balanceroute_shim_refused_total",
-                    "Requests refused for a limit (413 body too large, 503 too many at once), by limit.",
+                    "Requests refused for a limit (413 body too large, 503 too many at once or too many body bytes held, 408 body too slow), by limit.",
                 ),
                 &["reason"],
             )?,
@@ -57,7 +57,12 @@ impl ShimMetrics {
                 "Telemetry streams ended because the snapshot service refused the worker's changes (each followed by a Hello of a new incarnation).",
             ))?,
         };
-        for r in ["body_too_large", "concurrency"] {
+        for r in [
+            "body_too_large",
+            "concurrency",
+            "body_budget",
+            "body_timeout",
+        ] {
             m.refused.with_label_values(&[r]);
         }
         registry.register(Box::new(m.refused.clone()))?;

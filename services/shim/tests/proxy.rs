@@ -793,3 +793,156 @@ async fn a_body_over_the_limit_is_413_and_one_request_too_many_is_503_both_typed
     stop.cancel();
     engine.shutdown().await;
 }
+
+/// Bodies are held while inspected, and all of them together are bounded: with
+/// `--max-buffered-body-bytes 6000` and a 4,000-byte body being read (its client stalls after
+/// 3,000), another 4,000-byte body is refused 503 `body_budget`, a small one still goes
+/// through, and once the first is gone the large one is taken again. A client that declares
+/// 4,000 and sends 100 holds only those 100.
+#[tokio::test]
+async fn bodies_held_at_once_are_bounded_by_the_budget_and_refused_typed() {
+    use tokio::io::AsyncWriteExt as _;
+    let stop = CancellationToken::new();
+    let engine = engine(1.0, &stop).await;
+    let registry = prometheus::Registry::new();
+    let shim = Shim::new(
+        &format!("http://{}", engine.addrs.ranks[0]),
+        true,
+        Arc::new(RecordingSink::default()) as Arc<dyn ProgressSink>,
+        ShimMetrics::new(&registry).unwrap(),
+    )
+    .unwrap()
+    .with_limits(4096, 8)
+    .with_body_budget(6000, std::time::Duration::from_secs(60));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, br_shim::router(Arc::new(shim))).await });
+    let base = format!("http://{addr}");
+    // about 4,000 bytes of JSON
+    let large = json!({"model": "br-emu", "prompt": "x".repeat(3950), "max_tokens": 1});
+    let small = json!({"model": "br-emu", "prompt": "x", "max_tokens": 1});
+    let refused = |m: &br_testkit::prom::Metrics| {
+        m.value(
+            "balanceroute_shim_refused_total",
+            &[("reason", "body_budget")],
+        )
+    };
+    let metrics = || {
+        br_testkit::prom::Metrics::parse(
+            &prometheus::TextEncoder::new()
+                .encode_to_string(&registry.gather())
+                .unwrap(),
+        )
+        .unwrap()
+    };
+
+    // A client that declares 4,000 bytes and sends 100 holds 100: the large body fits.
+    let mut lying = stall(addr, 100).await;
+    let (status, _) = post(&base, "/v1/completions", "large-0", &large).await;
+    assert_eq!(
+        status, 200,
+        "the 100 bytes sent are held, not the 4,000 declared"
+    );
+    lying.shutdown().await.unwrap();
+    // One that has sent 3,000 holds 3,000.
+    let stalled = stall(addr, 3000).await;
+    // Once the shim holds it, another large body does not fit.
+    let body = eventually_some_refusal(&base, &large).await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["type"], "body_budget", "{v}");
+    assert!(refused(&metrics()) >= 1.0);
+    let (status, _) = post(&base, "/v1/completions", "small", &small).await;
+    assert_eq!(status, 200, "a small body still fits");
+
+    // The stalled client goes away: its share comes back.
+    drop(stalled);
+    eventually(PATIENCE, "the large body is taken again", || async {
+        post(&base, "/v1/completions", "large-again", &large)
+            .await
+            .0
+            == 200
+    })
+    .await;
+    stop.cancel();
+    engine.shutdown().await;
+}
+
+/// A client that declares a 4,000-byte completion body, sends `sent` bytes of it and stalls.
+async fn stall(addr: SocketAddr, sent: usize) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt as _;
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 4000\r\n\r\n{}",
+            " ".repeat(sent)
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    c
+}
+
+/// A body that does not arrive within `--body-timeout` is answered 408, typed, and its share
+/// of the budget comes back.
+#[tokio::test]
+async fn a_body_slower_than_the_timeout_is_408_typed() {
+    use tokio::io::AsyncReadExt as _;
+    let stop = CancellationToken::new();
+    let engine = engine(1.0, &stop).await;
+    let registry = prometheus::Registry::new();
+    let shim = Shim::new(
+        &format!("http://{}", engine.addrs.ranks[0]),
+        true,
+        Arc::new(RecordingSink::default()) as Arc<dyn ProgressSink>,
+        ShimMetrics::new(&registry).unwrap(),
+    )
+    .unwrap()
+    .with_limits(4096, 8)
+    .with_body_budget(4096, std::time::Duration::from_millis(300));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, br_shim::router(Arc::new(shim))).await });
+    let mut c = stall(addr, 3000).await;
+    let mut answer = Vec::new();
+    br_testkit::within(PATIENCE, "the shim answers the stalled body", async {
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = c.read(&mut buf).await.unwrap();
+            answer.extend_from_slice(&buf[..n]);
+            if n == 0 || String::from_utf8_lossy(&answer).contains("body_timeout") {
+                break;
+            }
+        }
+    })
+    .await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"type\":\"body_timeout\""), "{answer}");
+    // its 3,000 bytes are free again: a full-size body fits
+    let large = json!({"model": "br-emu", "prompt": "x".repeat(3950), "max_tokens": 1});
+    let (status, _) = post(
+        &format!("http://{addr}"),
+        "/v1/completions",
+        "after",
+        &large,
+    )
+    .await;
+    assert_eq!(status, 200);
+    stop.cancel();
+    engine.shutdown().await;
+}
+
+/// Posts `body` until the shim answers 503; that answer's body.
+async fn eventually_some_refusal(base: &str, body: &Value) -> Vec<u8> {
+    br_testkit::eventually_some(PATIENCE, "a body over the budget is refused", || async {
+        let (status, b) = post(base, "/v1/completions", "large", body).await;
+        assert!(
+            status == 200 || status == 503,
+            "{status}: {}",
+            String::from_utf8_lossy(&b)
+        );
+        (status == 503).then_some(b)
+    })
+    .await
+}
