@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools deploy-check bench sim ci chaos
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools deploy-check bench sim ci chaos fuzz
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -38,6 +38,9 @@ deploy-tools: ## fetch kustomize, promtool and the Python validators into target
 
 deploy-check: deploy-tools ## render and validate the Kubernetes manifests, dashboard and alerts
 	bash deploy/validate.sh --no-install
+
+fuzz: ## libFuzzer over every decoder and validator for FUZZ_SECONDS (default 60): scripts/fuzz.sh
+	scripts/fuzz.sh
 
 chaos: ## seeded chaos (kill -9, frozen connections under load) for MINUTES (default 10): scripts/chaos.sh
 	scripts/chaos.sh --minutes $(or $(MINUTES),10)

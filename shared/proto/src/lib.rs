@@ -7,6 +7,7 @@
 //!   types whose invariants hold, with one [`ValidationError`] enum that maps to
 //!   `tonic::Status::invalid_argument`. Wire types stay at the edge.
 
+pub mod fuzz;
 pub mod valid;
 
 pub use valid::{GroupId, RequestId, ValidationError};
