@@ -113,3 +113,29 @@ fn at_most_the_limit_of_reserve_calls_is_in_flight() {
     fx.done(&second, Ok(resp));
     answer(&mut b);
 }
+
+/// Failover (issue 13): the gateway retried "r" here after another replica had reserved it;
+/// this replica admitted it, and before its next `Reserve` call σ showed the other replica's
+/// placement (so the own, unsent reservation was dropped) and then no longer did (that
+/// replica's caller went away and it released "r"). The answer is the placement σ showed, not
+/// a final INTERNAL "lost its reservation" for a request this replica had admitted.
+#[test]
+fn an_admission_sigma_placed_elsewhere_before_it_was_sent_is_answered_with_that_placement() {
+    let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0], 8);
+    let (_, mut rx) = fx.assign("r", 50);
+    assert!(
+        pending(&mut rx),
+        "admitted, waiting for the next Reserve call"
+    );
+    fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
+    fx.sigma_change(vec![change::request_released("r")]);
+    let job = fx.core.take_reserve(fx.now);
+    assert!(
+        job.as_ref().is_none_or(|j| !ids(j).contains(&"r")),
+        "σ placed it elsewhere: not reserved again"
+    );
+    let a = answer(&mut rx);
+    assert_eq!((a.worker, a.incarnation, a.stale), (1, 101, false));
+    let st = fx.core.stats();
+    assert_eq!((st.pool, st.reserving, st.local), (0, 0, 0), "nothing held");
+}
