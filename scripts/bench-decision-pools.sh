@@ -11,8 +11,9 @@
 # (--deciders K: round-robin arrivals, own pools, σ lag of one Reserve round trip).
 #
 # Each seed in BENCH_SEEDS is one round: a workload drawn with that seed, replayed by the three
-# set-ups in turn (so the rounds show the spread, and each round's ratios are measured side by
-# side on the same, possibly shared, machine), and br-sim on the same seed's workload.
+# set-ups in turn (rotated: round i starts with set-up i mod 3), and br-sim on the same
+# workload. The rounds show the spread; within a round the ratios are measured side by side on
+# the same, possibly shared, machine.
 #
 # Knobs (environment): BENCH_TRACE (paper-azure), BENCH_REQUESTS (384), BENCH_G (8), BENCH_B
 # (16), BENCH_STEP_A / BENCH_STEP_B (0.0002 / 30: T = a·max L + b model ms), BENCH_TIME_SCALE
@@ -76,6 +77,7 @@ stop_replicas() {
 
 command -v jq >/dev/null || { echo "jq is needed for the tables" >&2; exit 1; }
 SETUPS="1x 2x-ordered 2x-rr"
+ORDER=(1x 2x-ordered 2x-rr)
 
 # metric_sum PORT NAME: the sum of every series of counter NAME on decision admin PORT.
 metric_sum() {
@@ -83,8 +85,14 @@ metric_sum() {
         | awk -v m="$2" '$1 ~ "^"m"([{]|$)" { s += $2 } END { printf "%d", s }'
 }
 
+round=0
 for seed in $SEEDS; do
-    for setup in $SETUPS; do
+    # Each round starts with the next set-up, so none is always first (or last) after a
+    # change of workload.
+    order=()
+    for i in 0 1 2; do order+=("${ORDER[$(((i + round) % 3))]}"); done
+    round=$((round + 1))
+    for setup in "${order[@]}"; do
         say "seed $seed, $setup: $POLICY, replaying $N requests of $TRACE (saturated)"
         start_shims "$B"
         start_replica "$DECISION" "decision-$seed-$setup-a"
