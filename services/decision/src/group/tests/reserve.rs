@@ -139,3 +139,22 @@ fn an_admission_sigma_placed_elsewhere_before_it_was_sent_is_answered_with_that_
     let st = fx.core.stats();
     assert_eq!((st.pool, st.reserving, st.local), (0, 0, 0), "nothing held");
 }
+
+/// As above, but the snapshot service goes away before the next `Reserve` call: the admission
+/// is still answered with the placement σ showed (it was another replica's answer for the
+/// same id), not with this replica's own choice flagged stale, which would run the id on a
+/// second worker.
+#[test]
+fn an_admission_sigma_placed_elsewhere_keeps_that_placement_when_sigma_goes_stale() {
+    let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0], 8);
+    let (_, mut rx) = fx.assign("r", 50);
+    fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
+    fx.core.on_disconnected(fx.now, fx.now);
+    assert!(fx.core.is_stale());
+    assert!(
+        fx.core.take_reserve(fx.now).is_none(),
+        "nothing sent while stale"
+    );
+    let a = answer(&mut rx);
+    assert_eq!((a.worker, a.incarnation, a.stale), (1, 101, false));
+}
