@@ -16,6 +16,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod freeze;
 pub mod pki;
 pub mod reflection;
 pub mod replicated;
@@ -238,27 +239,19 @@ impl Service {
         }
     }
 
-    /// Freezes the process for `pause` (SIGSTOP, then SIGCONT from a task): a GC pause or a
+    /// Freezes the process for `pause` (SIGSTOP, then SIGCONT from a thread): a GC pause or a
     /// throttled pod. Returns at once; the process is killed as usual if the handle drops
-    /// meanwhile.
+    /// meanwhile, and a process that took its pid since is not resumed (see [`freeze::freeze_child`]).
     pub fn freeze_for(&self, pause: Duration) {
-        let Some(pid) = self.pid() else {
+        let Some(child) = self.child.as_ref() else {
             return;
         };
-        let signal = |sig: &str| {
-            let ok = Command::new("kill")
-                .args([sig, &pid.to_string()])
-                .status()
-                .is_ok_and(|s| s.success());
-            assert!(ok, "kill {sig} {pid} failed");
-        };
-        signal("-STOP");
+        let (thaw, at_thaw) = std::sync::mpsc::channel::<()>();
+        freeze::freeze_child(child, at_thaw);
         std::thread::spawn(move || {
             // the length of the fault, not a wait for something to happen
             std::thread::sleep(pause);
-            let _ = Command::new("kill")
-                .args(["-CONT", &pid.to_string()])
-                .status();
+            let _ = thaw.send(());
         });
     }
 

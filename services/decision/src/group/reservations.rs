@@ -7,6 +7,11 @@
 //! σ shows it, once σ passed the version that accepted it, or when uncommitted past its TTL.
 //! A new epoch (the snapshot service restarted) makes every committed one uncommitted again.
 //!
+//! An admission σ shows before it was sent (another replica, or an earlier incarnation of this
+//! one, placed the id) is forgotten like any other, but σ's placement is kept with its key
+//! until [`Reservations::take_lost`]: σ may drop the id again (released, finished) before the
+//! next `Reserve` call, and the caller is still owed that placement.
+//!
 //! Owns: the reservations by key, the outbox (admitted, not sent yet), the list to re-commit,
 //! the `Reserve` calls in flight and the key of each reservation in them, the ids to release
 //! (one `Release` call) and those released recently (so a repeated `Cancel` finds nothing).
@@ -19,6 +24,8 @@ use br_core::{Phase, RequestInfo, RequestKey};
 use br_proto::valid::RequestId;
 use br_sigma::{Liveness, Sigma};
 use rustc_hash::FxHashMap;
+
+use super::view::Placed;
 
 /// One reservation to make at the snapshot service.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -212,6 +219,8 @@ pub(super) struct Reservations {
     /// Ids released recently (σ may still show them until the Release is applied), so a
     /// repeated Cancel says NOT_FOUND.
     released: FxHashMap<RequestId, Instant>,
+    /// Outbox keys forgotten because σ showed their id placed elsewhere: that placement.
+    placed_elsewhere: FxHashMap<RequestKey, Placed>,
     max_inflight: usize,
     /// How long an uncommitted reservation is kept.
     ttl: Duration,
@@ -227,6 +236,7 @@ impl Reservations {
             next_job: 1,
             releases: Vec::new(),
             released: FxHashMap::default(),
+            placed_elsewhere: FxHashMap::default(),
             max_inflight,
             ttl,
         }
@@ -306,8 +316,19 @@ impl Reservations {
     pub(super) fn prune(&mut self, sigma: Option<&Sigma>, now: Instant) {
         let Some(sigma) = sigma else { return };
         let ttl = self.ttl;
-        self.local.retain(|_, l| {
-            if sigma.request(l.res.request_id.as_str()).is_some() {
+        let mut unsent_placed = FxHashMap::default();
+        self.local.retain(|key, l| {
+            if let Some(r) = sigma.request(l.res.request_id.as_str()) {
+                if l.state == LocalState::InFlight {
+                    unsent_placed.insert(
+                        *key,
+                        Placed {
+                            worker: r.worker,
+                            incarnation: r.incarnation,
+                            sigma_version: sigma.version(),
+                        },
+                    );
+                }
                 return false; // σ shows it now
             }
             match l.state {
@@ -319,6 +340,14 @@ impl Reservations {
                 LocalState::InFlight => true,
             }
         });
+        // Only those not sent yet: a sent one's `Reserve` answer says what became of it.
+        if !unsent_placed.is_empty() {
+            for key in &self.outbox {
+                if let Some(p) = unsent_placed.remove(key) {
+                    self.placed_elsewhere.insert(*key, p);
+                }
+            }
+        }
     }
 
     /// Forgets reservations on a fenced or replaced worker: they are void. Kept: those in
@@ -368,6 +397,26 @@ impl Reservations {
             .partition(|k| local.get(k).is_some_and(|l| f(&l.res)));
         self.outbox = kept;
         taken
+    }
+
+    /// Takes the admissions forgotten before they were sent (out of the outbox), each with the
+    /// placement σ showed for its id when it was forgotten (None: forgotten for another
+    /// reason, e.g. failed).
+    pub(super) fn take_lost(&mut self) -> Vec<(RequestKey, Option<Placed>)> {
+        let local = &self.local;
+        let mut lost = Vec::new();
+        self.outbox.retain(|k| {
+            let keep = local.contains_key(k);
+            if !keep {
+                lost.push(*k);
+            }
+            keep
+        });
+        let placed = &mut self.placed_elsewhere;
+        let lost = lost.into_iter().map(|k| (k, placed.remove(&k))).collect();
+        // A placement whose key left the outbox some other way is owed to no one.
+        placed.clear();
+        lost
     }
 
     /// Decides what the next `Reserve` call carries, if one may start: the admissions since

@@ -5,7 +5,8 @@
 //! outcome does to the requests, the own reservations and the view. Accepted: answered.
 //! Rejected because of the worker: back to the pool (or routed again), with the worker kept
 //! out of the view until σ moves. A duplicate: answered with σ's placement (retryable
-//! UNAVAILABLE while this replica's σ does not show it yet). Failed or left
+//! UNAVAILABLE while this replica's σ does not show it yet), and so is an admission σ placed
+//! elsewhere before it was sent (with the placement σ showed then). Failed or left
 //! unanswered: answered stale and re-committed. Owns no state of its own; the messages are
 //! built and parsed in [`super::wire`].
 
@@ -16,6 +17,7 @@ use br_core::{Mode, RequestKey};
 use super::GroupCore;
 use super::requests::State;
 use super::reservations::{Recommit, RejectReason, ReserveJob, ReserveOutcome, worker_refused};
+use super::view::Placed;
 use crate::error::DecisionError;
 
 /// On-arrival requests whose reservation is rejected are routed again at most this often.
@@ -26,6 +28,11 @@ impl GroupCore {
     /// While σ is stale nothing is sent: the admissions are answered at once (stale) and
     /// reserved when the snapshot service is back.
     pub fn take_reserve(&mut self, now: Instant) -> Option<ReserveJob> {
+        // Admissions σ placed elsewhere before they were sent: answered with that placement
+        // (σ may have dropped the id since), whether or not σ is current now.
+        for (key, placed) in self.reservations.take_lost() {
+            self.answer_lost(key, placed, now);
+        }
         if self.is_stale() {
             for key in self.reservations.take_outbox() {
                 self.not_sent(key, now);
@@ -61,11 +68,7 @@ impl GroupCore {
             self.metrics.recommits_sent.inc_by(batch.send.len() as u64);
         }
         for key in batch.lost {
-            // σ showed it before it was sent (placed by an earlier incarnation of this service).
-            if !self.answer_from_sigma(key, now) {
-                let lost = DecisionError::ReserveRefused("lost its reservation".into());
-                self.fail(key, lost);
-            }
+            self.answer_lost(key, None, now);
         }
         let queue_if_full = self.mode == Mode::OnArrival;
         self.reservations
@@ -213,6 +216,32 @@ impl GroupCore {
                 DecisionError::ReserveRefused(format!("{}: {detail}", reason.as_str_name())),
             );
         }
+    }
+
+    /// An admission forgotten before it was sent: answered with σ's placement of its id, or
+    /// the one σ showed when it was forgotten; without either, the call ends retryably
+    /// (UNAVAILABLE, as for a duplicate this replica's σ does not show): the client's retry of
+    /// the same id is answered from σ or admitted again, never a final error.
+    fn answer_lost(&mut self, key: RequestKey, placed: Option<Placed>, now: Instant) {
+        if self.answer_from_sigma(key, now) {
+            return;
+        }
+        if let Some(p) = placed
+            && self
+                .requests
+                .replace(key, p.worker, p.incarnation, p.sigma_version)
+        {
+            self.answer(key, false, now);
+            return;
+        }
+        let id = self
+            .requests
+            .get(key)
+            .map(|r| r.id.to_string())
+            .unwrap_or_default();
+        tracing::info!(group = %self.group, request = %id,
+            "admission lost before its Reserve call, and σ shows no placement; the client retries");
+        self.fail(key, DecisionError::PlacedElsewhere(id));
     }
 
     /// Answers a request being reserved with σ's placement of its id. False if σ has none (or

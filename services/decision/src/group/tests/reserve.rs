@@ -113,3 +113,48 @@ fn at_most_the_limit_of_reserve_calls_is_in_flight() {
     fx.done(&second, Ok(resp));
     answer(&mut b);
 }
+
+/// Failover (issue 13): the gateway retried "r" here after another replica had reserved it;
+/// this replica admitted it, and before its next `Reserve` call σ showed the other replica's
+/// placement (so the own, unsent reservation was dropped) and then no longer did (that
+/// replica's caller went away and it released "r"). The answer is the placement σ showed, not
+/// a final INTERNAL "lost its reservation" for a request this replica had admitted.
+#[test]
+fn an_admission_sigma_placed_elsewhere_before_it_was_sent_is_answered_with_that_placement() {
+    let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0], 8);
+    let (_, mut rx) = fx.assign("r", 50);
+    assert!(
+        pending(&mut rx),
+        "admitted, waiting for the next Reserve call"
+    );
+    fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
+    fx.sigma_change(vec![change::request_released("r")]);
+    let job = fx.core.take_reserve(fx.now);
+    assert!(
+        job.as_ref().is_none_or(|j| !ids(j).contains(&"r")),
+        "σ placed it elsewhere: not reserved again"
+    );
+    let a = answer(&mut rx);
+    assert_eq!((a.worker, a.incarnation, a.stale), (1, 101, false));
+    let st = fx.core.stats();
+    assert_eq!((st.pool, st.reserving, st.local), (0, 0, 0), "nothing held");
+}
+
+/// As above, but the snapshot service goes away before the next `Reserve` call: the admission
+/// is still answered with the placement σ showed (it was another replica's answer for the
+/// same id), not with this replica's own choice flagged stale, which would run the id on a
+/// second worker.
+#[test]
+fn an_admission_sigma_placed_elsewhere_keeps_that_placement_when_sigma_goes_stale() {
+    let mut fx = Fx::new(PolicyKind::Jsq, &[0, 0], 8);
+    let (_, mut rx) = fx.assign("r", 50);
+    fx.sigma_change(vec![change::request_reserved("r", 1, 101, 50, None, None)]);
+    fx.core.on_disconnected(fx.now, fx.now);
+    assert!(fx.core.is_stale());
+    assert!(
+        fx.core.take_reserve(fx.now).is_none(),
+        "nothing sent while stale"
+    );
+    let a = answer(&mut rx);
+    assert_eq!((a.worker, a.incarnation, a.stale), (1, 101, false));
+}

@@ -1,0 +1,159 @@
+//! Freezing a process for a while (SIGSTOP, later SIGCONT) without resuming a stranger: the
+//! chaos test's "frozen snapshot service" fault, which may kill and restart processes while one
+//! is frozen.
+
+use std::process::Child;
+
+/// What became of a process [`freeze_child`] froze, when its thaw came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Thaw {
+    /// It was sent SIGCONT.
+    Resumed,
+    /// It had exited and been reaped: nothing was sent (its pid may belong to another process).
+    Gone,
+}
+
+/// SIGSTOPs `child` now and SIGCONTs it when `at_thaw` receives (or its sender is dropped),
+/// from a thread whose result says which happened. Both signals go through a pidfd opened
+/// while the caller holds `child` unreaped, so they reach exactly that process: a kill and
+/// restart during the pause (chaos does both) must not resume whatever process the kernel gave
+/// the old pid to since.
+pub fn freeze_child(
+    child: &Child,
+    at_thaw: std::sync::mpsc::Receiver<()>,
+) -> std::thread::JoinHandle<Thaw> {
+    use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
+    let pid = Pid::from_child(child);
+    // The caller's `&Child` keeps the process unreaped (a zombie at worst), so `pid` is still
+    // its own here; the pidfd stays bound to it after it is reaped and the pid reused.
+    let pidfd = pidfd_open(pid, PidfdFlags::empty())
+        .unwrap_or_else(|e| panic!("pidfd_open({pid:?}) failed: {e}"));
+    pidfd_send_signal(&pidfd, Signal::STOP)
+        .unwrap_or_else(|e| panic!("SIGSTOP to {pid:?} failed: {e}"));
+    std::thread::spawn(move || {
+        let _ = at_thaw.recv();
+        match pidfd_send_signal(&pidfd, Signal::CONT) {
+            Ok(()) => Thaw::Resumed,
+            // ESRCH: the process is gone (reaped); a stranger with its pid is left alone
+            Err(_) => Thaw::Gone,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    /// A child that does nothing for a minute (killed by the test).
+    fn idle() -> Child {
+        Command::new("sleep")
+            .arg("60")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("sleep starts")
+    }
+
+    /// The state letter of /proc/PID/stat (`T` stopped, `S` sleeping, ...).
+    fn state(pid: u32) -> char {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+        // "pid (comm) S ...": comm may hold spaces, the state follows its closing parenthesis
+        let after = &stat[stat.rfind(')').expect("comm ends") + 1..];
+        after.trim_start().chars().next().expect("a state")
+    }
+
+    /// Polls until `pid` is in `want` (signals are acted on when the target next runs).
+    fn wait_state(pid: u32, want: char) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = state(pid);
+            if now == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "process {pid} stayed in state {now}, not {want}, for 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn the_frozen_process_is_stopped_until_its_thaw() {
+        let mut child = idle();
+        let pid = child.id();
+        let (thaw, at_thaw) = std::sync::mpsc::channel();
+        let done = freeze_child(&child, at_thaw);
+        wait_state(pid, 'T');
+        thaw.send(()).expect("the thaw thread waits");
+        assert_eq!(done.join().expect("thaw thread"), Thaw::Resumed);
+        wait_state(pid, 'S');
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+    }
+
+    #[test]
+    fn a_thaw_after_the_process_was_reaped_sends_nothing() {
+        let mut child = idle();
+        let (thaw, at_thaw) = std::sync::mpsc::channel();
+        let done = freeze_child(&child, at_thaw);
+        child.kill().expect("SIGKILL ends a stopped process");
+        child.wait().expect("reap");
+        drop(thaw);
+        assert_eq!(done.join().expect("thaw thread"), Thaw::Gone);
+    }
+
+    /// The chaos scenario's hazard made certain: the frozen process dies during the pause and
+    /// another process is given its pid (the kernel's next pid set through ns_last_pid, which
+    /// needs CAP_SYS_ADMIN in the test's pid namespace). That stranger, stopped by someone
+    /// else, must still be stopped after the thaw.
+    #[test]
+    fn a_thaw_never_resumes_a_process_that_took_the_frozen_ones_pid() {
+        const NS_LAST_PID: &str = "/proc/sys/kernel/ns_last_pid";
+        let mut frozen = idle();
+        let pid = frozen.id();
+        let (thaw, at_thaw) = std::sync::mpsc::channel();
+        let done = freeze_child(&frozen, at_thaw);
+        frozen.kill().expect("kill");
+        frozen.wait().expect("reap");
+
+        // Other processes on the machine take pids too: retry until the stranger gets this one.
+        let mut stranger = None;
+        for _ in 0..200 {
+            if let Err(e) = std::fs::write(NS_LAST_PID, (pid - 1).to_string()) {
+                eprintln!(
+                    "SKIPPED: cannot choose the next pid ({NS_LAST_PID}: {e}); run as root to reuse a pid"
+                );
+                drop(thaw);
+                assert_eq!(done.join().expect("thaw thread"), Thaw::Gone);
+                return;
+            }
+            let mut c = idle();
+            if c.id() == pid {
+                stranger = Some(c);
+                break;
+            }
+            c.kill().expect("kill");
+            c.wait().expect("reap");
+        }
+        let mut stranger = stranger.expect("no process got the freed pid in 200 tries");
+        rustix::process::kill_process(
+            rustix::process::Pid::from_child(&stranger),
+            rustix::process::Signal::STOP,
+        )
+        .expect("SIGSTOP the stranger");
+        wait_state(pid, 'T');
+
+        thaw.send(()).expect("the thaw thread waits");
+        let outcome = done.join().expect("thaw thread");
+        let after = state(pid);
+        stranger.kill().expect("kill");
+        stranger.wait().expect("reap");
+        assert_eq!(
+            (outcome, after),
+            (Thaw::Gone, 'T'),
+            "the thaw of a dead process resumed the process that took its pid"
+        );
+    }
+}
