@@ -52,7 +52,8 @@ assign_round() { # assign_round MODE (plain | tls)
         --admin-listen "127.0.0.1:$((DEC + 1))" --snapshot-addr "http://127.0.0.1:$SNAP" \
         --policy br0 "${dec_tls[@]}"
     local dec_pid=$LAST_PID
-    ready "$scheme://127.0.0.1:$((DEC + 1))/readyz" br-decision
+    # live, not ready: it is ready once it can place, after assign-load's workers say Hello
+    ready "$scheme://127.0.0.1:$((DEC + 1))/livez" br-decision
     for p in "--rate 5000 --duration 20s --warmup 2s --workers 8 --capacity 512 --progress-events 100000 --hold 300ms" \
              "--rate 200 --duration 10s --warmup 1s --progress-events 0"; do
         say "assign-load $mode: $p (load average $(cut -d' ' -f1-3 /proc/loadavg))"

@@ -72,7 +72,8 @@ wait_https "https://127.0.0.1:$((TLS_INGEST + 1))/readyz" "br-ingest (TLS)"
 start tls-decision "$BIN/br-decision" --listen "127.0.0.1:$TLS_DECISION" \
     --admin-listen "127.0.0.1:$((TLS_DECISION + 1))" --snapshot-addr "http://127.0.0.1:$TLS_SNAP" \
     --groups "$TLS_GROUP" --policy jsq --max-wait 600s $(tls_flags decision)
-wait_https "https://127.0.0.1:$((TLS_DECISION + 1))/readyz" "br-decision (TLS)"
+# live, not ready: it is ready once it can place, after the test's worker says Hello
+wait_https "https://127.0.0.1:$((TLS_DECISION + 1))/livez" "br-decision (TLS)"
 
 say "pytest tests/python"
 BR_SHIM_URL="http://127.0.0.1:$SHIMS" \

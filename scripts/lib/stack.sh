@@ -150,7 +150,8 @@ start_stack() {
 }
 
 # start_decision POLICY: br-decision for GROUP on DECISION with --policy POLICY; waits until
-# it is ready (complete σ). stop_decision: SIGTERM and wait.
+# it is ready (it can place: σ with a live worker, so start the shims first). stop_decision:
+# SIGTERM and wait.
 DECISION_PID=""
 start_decision() {
     tls_for decision

@@ -172,7 +172,7 @@ async fn run(policy: &str) -> Report {
         ],
     );
     ingest.wait_for("/readyz", START).await;
-    decision.wait_for("/readyz", START).await;
+    decision.wait_for("/livez", START).await;
 
     let mut workers = Vec::new();
     for id in 0..WORKERS {
@@ -192,6 +192,8 @@ async fn run(policy: &str) -> Report {
         },
     )
     .await;
+    // ready once it can place: σ with the workers
+    decision.wait_for("/readyz", START).await;
 
     // The engine: one task owns the workers; the gateway hands it jobs through a channel.
     let finished = Arc::new(Mutex::new(Vec::new()));

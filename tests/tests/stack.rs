@@ -62,7 +62,8 @@ impl Stack {
             ],
         );
         ingest.wait_for("/readyz", START).await;
-        decision.wait_for("/readyz", START).await;
+        // decision is ready only once it can place, i.e. after `workers`
+        decision.wait_for("/livez", START).await;
         Stack {
             snapshot,
             ingest,
@@ -110,6 +111,9 @@ impl Stack {
             },
         )
         .await;
+        if n > 0 {
+            self.decision.wait_for("/readyz", START).await;
+        }
         ws
     }
 

@@ -1,8 +1,8 @@
 //! Wiring: one group task and one Watch follower per served group, the gRPC server (Decision,
 //! health, reflection) and the admin server. Used by `main` and by the integration tests.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use br_client::watch::{WatchConfig, Watcher};
 use br_core::build_policy;
@@ -16,11 +16,12 @@ use crate::config::Args;
 use crate::group::{GroupCore, GroupStats};
 use crate::metrics::Metrics;
 use crate::service::DecisionService;
-use crate::task::{Feed, GroupHandle, OnReady, spawn_group};
+use crate::task::{Feed, GroupHandle, OnPlacing, Placing, spawn_group};
 use crate::upstream::{GrpcSnapshot, SnapshotOps, snapshot_channel};
 
 /// A running decision service (see [`br_runtime::skeleton::Running`]); its extra is
-/// [`Groups`]. Ready (and its Decision health SERVING) once every group has a complete σ.
+/// [`Groups`]. Ready (and its Decision health SERVING) while it can place a request: every
+/// group has a complete σ and at least one has a live worker (see [`GroupsReadiness`]).
 pub type Running = skeleton::Running<Grpc, Groups>;
 
 /// What only a running decision service has: its metrics and its group tasks.
@@ -42,8 +43,8 @@ impl Groups {
     }
 }
 
-/// Starts everything; returns once the ports are bound. The service becomes ready (and its
-/// Decision health SERVING) when every group has a complete σ.
+/// Starts everything; returns once the ports are bound. The service is ready (and its
+/// Decision health SERVING) while it can place a request (see [`GroupsReadiness`]).
 pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
     let cfg = args.to_config().map_err(StartError::Config)?;
     let metrics = Metrics::new()?;
@@ -64,7 +65,11 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         Arc::new(GrpcSnapshot::new(channel.clone(), cfg.reserve_timeout));
 
     let n_groups = cfg.groups.len();
-    let synced = Arc::new(AtomicUsize::new(0));
+    let placing = Arc::new(GroupsReadiness::new(
+        cfg.groups.iter().map(|g| g.to_string()),
+        readiness.clone(),
+        metrics.ready.clone(),
+    ));
     let mut groups = Vec::with_capacity(n_groups);
     for group in &cfg.groups {
         metrics.init_group(group.as_str());
@@ -78,19 +83,10 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         watch_cfg.backoff_max = cfg.watch_backoff_max;
         watch_cfg.backoff_initial = watch_cfg.backoff_initial.min(cfg.watch_backoff_max);
         let (watch, updates) = Watcher::spawn(channel.clone(), watch_cfg);
-        let on_ready: OnReady = {
-            let synced = Arc::clone(&synced);
-            let readiness = readiness.clone();
-            let ready = metrics.ready.clone();
-            let group = group.clone();
-            Box::new(move || {
-                tracing::info!(group = %group, "group has a complete σ");
-                if synced.fetch_add(1, Ordering::SeqCst) + 1 == n_groups {
-                    ready.set(1);
-                    readiness.set(true);
-                    tracing::info!("ready: every group has a complete σ");
-                }
-            })
+        let on_placing: OnPlacing = {
+            let placing = Arc::clone(&placing);
+            let group = group.to_string();
+            Box::new(move |p| placing.update(&group, p))
         };
         let (handle, _task) = spawn_group(
             core,
@@ -98,7 +94,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             Some(Feed::new(watch, updates)),
             cfg.ticks,
             gm,
-            Some(on_ready),
+            Some(on_placing),
             shutdown.clone(),
         );
         groups.push(handle);
@@ -145,4 +141,84 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             Ok(outcome?)
         },
     ))
+}
+
+/// Readiness from every group's [`Placing`]. Ready while every group has a complete σ and at
+/// least one can place: a group whose workers are all gone answers UNAVAILABLE, but the
+/// replica still places the others'. Not ready with zero live workers anywhere (every Assign
+/// would be UNAVAILABLE), saying so in `/readyz`'s body and in a WARN log when it was ready.
+struct GroupsReadiness {
+    placing: Mutex<BTreeMap<String, Placing>>,
+    readiness: Readiness,
+    gauge: prometheus::IntGauge,
+}
+
+impl GroupsReadiness {
+    fn new(
+        groups: impl Iterator<Item = String>,
+        readiness: Readiness,
+        gauge: prometheus::IntGauge,
+    ) -> Self {
+        let g = GroupsReadiness {
+            placing: Mutex::new(groups.map(|g| (g, Placing::NoSigma)).collect()),
+            readiness,
+            gauge,
+        };
+        g.judge(
+            &g.placing
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        g
+    }
+
+    fn update(&self, group: &str, p: Placing) {
+        let mut all = self
+            .placing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        all.insert(group.to_owned(), p);
+        tracing::info!(group, placing = ?p, "group readiness");
+        self.judge(&all);
+    }
+
+    fn judge(&self, all: &BTreeMap<String, Placing>) {
+        let named = |want: Placing| {
+            all.iter()
+                .filter(|(_, p)| **p == want)
+                .map(|(g, _)| g.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let why_not = if all.values().any(|p| *p == Placing::NoSigma) {
+            Some(format!(
+                "no complete σ yet for group(s) {} (waiting for the snapshot service)",
+                named(Placing::NoSigma)
+            ))
+        } else if !all.values().any(|p| *p == Placing::Ready) {
+            Some(format!(
+                "no live worker in group(s) {}: every Assign would be UNAVAILABLE",
+                named(Placing::NoLiveWorker)
+            ))
+        } else {
+            None
+        };
+        let was = self.readiness.is_ready();
+        match why_not {
+            None => {
+                self.gauge.set(1);
+                self.readiness.set(true);
+                if !was {
+                    tracing::info!("ready: every group has a complete σ and one can place");
+                }
+            }
+            Some(why) => {
+                if was {
+                    tracing::warn!(reason = %why, "not ready: no Assign can be placed");
+                }
+                self.gauge.set(0);
+                self.readiness.set_not_ready(why);
+            }
+        }
+    }
 }

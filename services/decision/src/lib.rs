@@ -12,8 +12,9 @@
 //!   cannot make the service watch and hold state for arbitrary groups;
 //! * while the snapshot service is away, decisions use the last σ plus this service's own
 //!   reservations, are answered with `stale = true`, and are reserved when it is back;
-//! * readiness (/readyz, gRPC health of `balanceroute.v1.Decision`) is "every group has a
-//!   complete σ", and stays true through an outage, so the replica keeps answering.
+//! * readiness (/readyz, gRPC health of `balanceroute.v1.Decision`) is "it can place a
+//!   request": every group has a complete σ and one has a live worker; it stays true through a
+//!   snapshot outage (the last σ counts), so the replica keeps answering.
 //!
 //! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`task`] and
 //! [`group`] (the per-group state), [`upstream`] (Reserve/Release client), [`metrics`],

@@ -138,7 +138,7 @@ impl Metrics {
                 &r,
                 IntGauge::new(
                     "balanceroute_decision_ready",
-                    "1 when every served group has a complete σ",
+                    "1 while the service can place a request (every served group has a complete σ, one has a live worker)",
                 )?,
             ),
             sigma_stale: reg(

@@ -126,8 +126,19 @@ impl Feed {
     }
 }
 
-/// Called once when the group first has a complete σ.
-pub type OnReady = Box<dyn FnOnce() + Send>;
+/// Whether a group can place an Assign now (what readiness is made of).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placing {
+    /// No complete σ has arrived yet.
+    NoSigma,
+    /// σ is there, but no worker in it is live and accepting: every Assign is UNAVAILABLE.
+    NoLiveWorker,
+    /// An Assign can be placed (from the last σ, also while the snapshot service is away).
+    Ready,
+}
+
+/// Called with the group's [`Placing`] when it changes (and once at the start).
+pub type OnPlacing = Box<dyn FnMut(Placing) + Send>;
 
 struct ReserveDone {
     job: u64,
@@ -141,7 +152,7 @@ pub fn spawn_group(
     feed: Option<Feed>,
     ticks: TickConfig,
     metrics: GroupMetrics,
-    on_ready: Option<OnReady>,
+    on_placing: Option<OnPlacing>,
     shutdown: CancellationToken,
 ) -> (GroupHandle, JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
@@ -150,7 +161,9 @@ pub fn spawn_group(
         group: core.group().clone(),
         calls: Arc::new(AtomicU64::new(1)),
     };
-    let task = tokio::spawn(run(core, ops, rx, feed, ticks, metrics, on_ready, shutdown));
+    let task = tokio::spawn(run(
+        core, ops, rx, feed, ticks, metrics, on_placing, shutdown,
+    ));
     (handle, task)
 }
 
@@ -162,9 +175,10 @@ async fn run(
     feed: Option<Feed>,
     ticks: TickConfig,
     metrics: GroupMetrics,
-    mut on_ready: Option<OnReady>,
+    mut on_placing: Option<OnPlacing>,
     shutdown: CancellationToken,
 ) {
+    let mut placing = None;
     let (done_tx, mut done_rx) = mpsc::channel::<ReserveDone>(64);
     let mut feed = feed;
     let mut last_tick = Instant::now();
@@ -209,10 +223,12 @@ async fn run(
             }
         }
         flush(&mut core, &ops, &done_tx);
-        if core.has_sigma()
-            && let Some(f) = on_ready.take()
-        {
-            f();
+        if let Some(f) = on_placing.as_mut() {
+            let now = core.placing();
+            if placing != Some(now) {
+                placing = Some(now);
+                f(now);
+            }
         }
     }
     tracing::debug!(group = %core.group(), "group task stopped");

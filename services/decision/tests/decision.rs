@@ -630,3 +630,57 @@ async fn a_caller_that_goes_away_leaves_the_pool() {
     d.stop().await.unwrap();
     snap.kill().await;
 }
+
+/// Ready means it can place a request (issue 15): with σ but no worker it is not ready and
+/// `/readyz` says why (it was "ready" and answered every Assign UNAVAILABLE); a Hello makes it
+/// ready; its last worker gone makes it not ready again, and health follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_only_while_a_request_can_be_placed() {
+    use tonic_health::pb::health_check_response::ServingStatus as H;
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &[]).await;
+    let said = |want: &'static str| {
+        let admin = d.admin_addr();
+        async move {
+            let (code, body) = http_get(admin, "/readyz").await;
+            code == 503 && body.contains(want)
+        }
+    };
+    eventually(
+        WAIT,
+        "σ arrives, with no worker: not ready, saying so",
+        || said("no live worker in group(s) g:"),
+    )
+    .await;
+    assert!(!d.readiness().is_ready());
+    assert_eq!(health(&d).await, H::NotServing as i32);
+
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(1, 8).await;
+    ready(&d).await;
+    assert_eq!(
+        http_get(d.admin_addr(), "/readyz").await,
+        (200, "ready\n".into())
+    );
+    eventually(WAIT, "health SERVING", || async {
+        health(&d).await == H::Serving as i32
+    })
+    .await;
+
+    t.send(vec![T::WorkerDisconnected(
+        v1::telemetry_change::WorkerDisconnected {
+            worker_id: 0,
+            incarnation: 1000,
+            disconnected_at_unix_ms: 1,
+        },
+    )])
+    .await;
+    eventually(WAIT, "the last worker gone: not ready again", || {
+        said("no live worker in group(s) g:")
+    })
+    .await;
+    assert_eq!(health(&d).await, H::NotServing as i32);
+    let m = metrics(d.admin_addr()).await;
+    assert_eq!(m.value("balanceroute_decision_ready", &[]), 0.0);
+    snap.kill().await;
+}

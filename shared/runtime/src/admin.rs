@@ -1,6 +1,7 @@
 //! The admin HTTP server every service runs on `--admin-listen`:
 //! `GET /metrics` (Prometheus text from the service's registry), `GET /livez` (200 while the
-//! process runs), `GET /readyz` (200 only while the service says it is ready, else 503).
+//! process runs), `GET /readyz` (200 only while the service says it is ready, else 503 with
+//! the reason when the service gave one).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,12 +16,14 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// Whether the service can do its job (decision: has a complete σ; ingest: connected to the
-/// snapshot service). Cheap to clone; every clone sets and reads the same flag. Starts not
-/// ready.
+/// Whether the service can do its job (decision: can place a request; ingest: connected to
+/// the snapshot service), and why not when it cannot. Cheap to clone; every clone sets and
+/// reads the same flag. Starts not ready.
 #[derive(Clone, Debug)]
 pub struct Readiness {
     tx: Arc<watch::Sender<bool>>,
+    /// Why the service is not ready (shown by `/readyz`); empty when it gave no reason.
+    why_not: Arc<std::sync::Mutex<String>>,
 }
 
 impl Default for Readiness {
@@ -33,13 +36,36 @@ impl Readiness {
     pub fn new(ready: bool) -> Self {
         Readiness {
             tx: Arc::new(watch::channel(ready).0),
+            why_not: Arc::default(),
         }
     }
 
     /// Sets the flag (notifies subscribers only when it changes).
     pub fn set(&self, ready: bool) {
+        self.set_why_not(String::new());
         self.tx
             .send_if_modified(|r| std::mem::replace(r, ready) != ready);
+    }
+
+    /// Not ready, for `reason` (what `/readyz` says).
+    pub fn set_not_ready(&self, reason: impl Into<String>) {
+        self.set_why_not(reason.into());
+        self.tx.send_if_modified(|r| std::mem::replace(r, false));
+    }
+
+    /// Why the service is not ready, if it said.
+    pub fn why_not(&self) -> String {
+        self.why_not
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_why_not(&self, reason: String) {
+        *self
+            .why_not
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = reason;
     }
 
     pub fn is_ready(&self) -> bool {
@@ -89,12 +115,17 @@ async fn livez() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(s): State<AdminState>) -> (StatusCode, &'static str) {
+async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {
     if s.readiness.is_ready() {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+        return (StatusCode::OK, "ready\n".into());
     }
+    let why = s.readiness.why_not();
+    let body = if why.is_empty() {
+        "not ready\n".into()
+    } else {
+        format!("not ready: {why}\n")
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, body)
 }
 
 /// A running admin server.
@@ -215,7 +246,16 @@ mod tests {
         let (code, _, body) = get(addr, "/readyz").await;
         assert_eq!((code, body.as_str()), (200, "ready\n"));
         ready.set(false);
-        assert_eq!(get(addr, "/readyz").await.0, 503);
+        let (code, _, body) = get(addr, "/readyz").await;
+        assert_eq!((code, body.as_str()), (503, "not ready\n"));
+        ready.set_not_ready("group g0: no live worker");
+        let (code, _, body) = get(addr, "/readyz").await;
+        assert_eq!(
+            (code, body.as_str()),
+            (503, "not ready: group g0: no live worker\n")
+        );
+        ready.set(true);
+        assert_eq!(get(addr, "/readyz").await.0, 200);
 
         let (code, head, body) = get(addr, "/metrics").await;
         assert_eq!(code, 200);

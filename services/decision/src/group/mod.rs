@@ -208,6 +208,19 @@ impl GroupCore {
         self.view.sigma().is_some()
     }
 
+    /// Whether an Assign can be placed now: a complete σ with a live, accepting worker (the
+    /// last σ counts while the snapshot service is away: the service keeps answering).
+    pub fn placing(&self) -> crate::task::Placing {
+        use crate::task::Placing;
+        // σ itself, not the view (rebuilt lazily, at the next tick or Assign): liveness comes
+        // from σ either way, and this runs after every event of the group's task.
+        match self.view.sigma() {
+            None => Placing::NoSigma,
+            Some(s) if s.cluster().accepting_worker_ids().next().is_some() => Placing::Ready,
+            Some(_) => Placing::NoLiveWorker,
+        }
+    }
+
     /// True while σ is not confirmed current by the snapshot service.
     pub fn is_stale(&self) -> bool {
         self.view.is_stale()
