@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools deploy-check bench sim ci chaos fuzz
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools deploy-check bench sim ci chaos fuzz soak
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ deploy-check: deploy-tools ## render and validate the Kubernetes manifests, dash
 
 fuzz: ## libFuzzer over every decoder and validator for FUZZ_SECONDS (default 60): scripts/fuzz.sh
 	scripts/fuzz.sh
+
+soak: ## the whole control plane under steady load for SOAK_MINUTES (default 10): RSS flat, p99 steady (scripts/soak.sh)
+	scripts/soak.sh
 
 chaos: ## seeded chaos (kill -9, frozen connections under load) for MINUTES (default 10): scripts/chaos.sh
 	scripts/chaos.sh --minutes $(or $(MINUTES),10)

@@ -34,7 +34,7 @@ pub struct Metrics {
     pub tick_duration: HistogramVec,
     pub ticks_total: IntCounterVec,
     pub sigma_version: IntGaugeVec,
-    /// 1 once every served group has a complete σ.
+    /// 1 while the service can place a request (see `app::GroupsReadiness`).
     pub ready: IntGauge,
     pub sigma_stale: IntGaugeVec,
     pub sigma_staleness: GaugeVec,
