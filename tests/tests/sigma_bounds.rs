@@ -4,6 +4,8 @@
 //! the real br-snapshot reports 65,536 requests on each of four capacity-1 workers: σ now keeps
 //! at most capacity + `--worker-request-margin` per worker and refuses the rest WORKER_FULL
 //! by index, and a real br-decision started (and restarted) afterwards becomes ready on it.
+//! Also "a direct Apply accepts 20M tokens per request" and "max_tokens not enforced (5,000
+//! tokens accepted against 16)": both refused INVALID now, σ untouched.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -76,13 +78,45 @@ async fn four_capacity_one_workers_cannot_fill_sigma_beyond_what_decision_reads(
         .await
         .unwrap()
         .max_decoding_message_size(usize::MAX);
-    let sigma = client
+
+    // The issue's "5,000 tokens accepted against 16": a reservation with max_tokens 16, then
+    // its worker reports 5,000 generated tokens. Refused INVALID; σ keeps the valid count.
+    apply.send_ok(GROUP, vec![hello(WORKERS, 99, 4)]).await;
+    let reserved = client
+        .reserve(v1::ReserveRequest {
+            group: GROUP.into(),
+            reservations: vec![v1::Reservation {
+                request_id: "capped".into(),
+                worker_id: WORKERS,
+                incarnation: 99,
+                prompt_tokens: 100,
+                max_tokens: Some(16),
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reserved.accepted, vec!["capped".to_string()]);
+    apply
+        .send_ok(GROUP, vec![progress(WORKERS, 99, "capped", 100, 16)])
+        .await;
+    let ack = apply
+        .send(GROUP, vec![progress(WORKERS, 99, "capped", 100, 5_000)])
+        .await;
+    assert_eq!(ack.rejected.len(), 1);
+    assert_eq!(ack.rejected[0].reason, v1::RejectReason::Invalid as i32);
+    assert!(ack.rejected[0].detail.contains("max_tokens 16"), "{ack:?}");
+    let mut sigma = client
         .get(v1::GetRequest {
             group: GROUP.into(),
         })
         .await
         .unwrap()
         .into_inner();
+    let capped = sigma.requests.iter().find(|r| r.request_id == "capped");
+    assert_eq!(capped.map(|r| r.generated_tokens), Some(16));
+    sigma.requests.retain(|r| r.request_id != "capped");
     assert_eq!(sigma.requests.len(), (WORKERS * (1 + MARGIN)) as usize);
     eprintln!(
         "σ holds {} requests, {} bytes encoded",
