@@ -93,6 +93,11 @@ pub enum StreamError {
         "no message for {after:?} (a worker sends a Heartbeat when it has nothing else to say); reconnect and send Hello and a full state again"
     )]
     Idle { after: std::time::Duration },
+    /// A Progress or Heartbeat with seq `u64::MAX`: no later message could follow it.
+    #[error(
+        "seq 18446744073709551615 leaves no seq for a later message on this stream (last accepted: {last}); reconnect and send Hello and a full state again: each stream starts its own seq space"
+    )]
+    SeqExhausted { last: u64 },
     /// The server is shutting down.
     #[error("ingest is shutting down; reconnect and send Hello and a full state again")]
     ShuttingDown,
@@ -120,6 +125,7 @@ impl ServiceError for StreamError {
             // reconnect and say Hello again at once, which the shims do for any code but
             // ABORTED.
             StreamError::HelloTimeout { .. } | StreamError::Idle { .. } => Code::DeadlineExceeded,
+            StreamError::SeqExhausted { .. } => Code::OutOfRange,
             StreamError::ShuttingDown => Code::Unavailable,
         }
     }
@@ -139,6 +145,7 @@ impl ServiceError for StreamError {
             StreamError::MessageTooLarge(_) => "message_too_large",
             StreamError::HelloTimeout { .. } => "hello",
             StreamError::Idle { .. } => "idle",
+            StreamError::SeqExhausted { .. } => "seq_exhausted",
             StreamError::ShuttingDown => "shutting_down",
         }
     }

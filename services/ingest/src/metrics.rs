@@ -17,6 +17,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "refused_by_snapshot",
     "flood",
     "message_too_large",
+    "seq_exhausted",
     // per message (acked REJECTED or STALE_SEQ)
     "missing",
     "empty",

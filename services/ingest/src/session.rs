@@ -227,7 +227,17 @@ impl Session {
 
     /// `Some(STALE_SEQ reply)` if `seq` is not above the last accepted one. A seq below it
     /// means a message may have been lost to reordering: ask for a full state.
+    ///
+    /// Seq `u64::MAX` ends the stream (OUT_OF_RANGE) without being applied: accepted, it would
+    /// leave no seq for any later message, and every one would be STALE_SEQ while the stream
+    /// lived, its worker LIVE in σ on a state that no longer moves. The gate is per stream, so
+    /// the shim's next stream (Hello and a full state, as after any end) starts a new seq space.
     fn gate(&self, seq: u64) -> Option<Step> {
+        if seq == u64::MAX {
+            return Some(Step::End(StreamError::SeqExhausted {
+                last: self.last_seq,
+            }));
+        }
         (seq <= self.last_seq).then(|| {
             Step::Reply(Reply {
                 rejection: Some(Rejection {
@@ -396,6 +406,7 @@ impl Session {
 mod tests {
     use super::*;
     use br_proto::valid::GroupId;
+    use br_runtime::error::ServiceError as _;
 
     pub(crate) fn hello() -> ValidHello {
         ValidHello {
@@ -601,6 +612,39 @@ mod tests {
             }
         }
         assert!(ended);
+    }
+
+    #[test]
+    fn seq_u64_max_ends_the_stream_and_a_new_stream_goes_on() {
+        let mut s = session();
+        let now = Instant::now();
+        let r = reply(s.on_message(progress(u64::MAX - 1, false, &[("a", 5, 1, false)]), now));
+        assert_eq!(r.status, v1::AckStatus::Ok);
+        // u64::MAX would wedge the stream: it ends, typed, and the message is not applied.
+        for last in [
+            progress(u64::MAX, false, &[("a", 5, 9, false)]),
+            v1::WorkerReport {
+                kind: Some(Kind::Heartbeat(v1::Heartbeat { seq: u64::MAX })),
+            },
+        ] {
+            match s.on_message(last, now) {
+                Step::End(e) => {
+                    assert!(
+                        matches!(e, StreamError::SeqExhausted { last } if last == u64::MAX - 1)
+                    );
+                    assert_eq!(e.to_status().code(), tonic::Code::OutOfRange);
+                    assert_eq!(e.reason(), "seq_exhausted");
+                }
+                Step::Reply(r) => panic!("seq u64::MAX answered {r:?}"),
+            }
+        }
+        assert_eq!(s.state_of("a").unwrap().generated_tokens, 1);
+        // The shim's next stream (same identity) starts its seq space anew.
+        let mut next = session();
+        let r = reply(next.on_message(progress(1, true, &[("a", 5, 9, false)]), now));
+        assert_eq!((r.status, r.seq), (v1::AckStatus::Ok, 1));
+        assert!(!r.changes.is_empty());
+        assert_eq!(next.state_of("a").unwrap().generated_tokens, 9);
     }
 
     #[test]

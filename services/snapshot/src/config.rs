@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
+use br_sigma::{MAX_SNAPSHOT_MESSAGE_BYTES, RequestBound, max_snapshot_bytes};
 
 use crate::group::Settings;
 
@@ -26,6 +27,11 @@ pub const DEFAULT_WATCHER_QUEUE_BYTES: usize = 64 * 1024 * 1024;
 /// Default number of groups held at once (a deployment has a handful; each costs ~10 KB and
 /// 20 metric series).
 pub const DEFAULT_MAX_GROUPS: usize = 1024;
+/// Default number of requests a worker may hold above its capacity B: reservations queued at
+/// the rank by on-arrival policies and requests waiting in the engine's own queue. Beyond it a
+/// reservation or a reported request is refused WORKER_FULL (four workers of capacity 1 once
+/// put 262,144 requests in σ).
+pub const DEFAULT_WORKER_REQUEST_MARGIN: u32 = 1024;
 /// Default time an idle group is kept.
 pub const DEFAULT_GROUP_IDLE_GRACE: &str = "60s";
 
@@ -78,6 +84,16 @@ pub struct Args {
     /// A group with no live worker, request or watcher is forgotten after this long.
     #[arg(long, env = "BALANCEROUTE_GROUP_IDLE_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_GROUP_IDLE_GRACE)]
     pub group_idle_grace: Duration,
+
+    /// Requests a worker may hold in σ above its capacity (reserved and reported alike); a
+    /// reservation or reported request beyond is refused WORKER_FULL.
+    #[arg(long, env = "BALANCEROUTE_WORKER_REQUEST_MARGIN", default_value_t = DEFAULT_WORKER_REQUEST_MARGIN)]
+    pub worker_request_margin: u32,
+
+    /// Requests a group may hold in σ; one beyond is refused WORKER_FULL. Its worst-case
+    /// snapshot must fit the 64 MiB a watcher decodes (at most about 218,000).
+    #[arg(long, env = "BALANCEROUTE_MAX_GROUP_REQUESTS", default_value_t = br_sigma::DEFAULT_MAX_GROUP_REQUESTS)]
+    pub max_group_requests: usize,
 }
 
 impl Args {
@@ -93,6 +109,10 @@ impl Args {
             watcher_queue_bytes: self.watcher_queue_bytes,
             max_groups: self.max_groups,
             group_idle_grace: self.group_idle_grace,
+            requests: RequestBound {
+                over_capacity: self.worker_request_margin,
+                per_group: self.max_group_requests,
+            },
         }
     }
 }
@@ -126,6 +146,19 @@ impl ServiceArgs for Args {
         }
         if !(1..=1_000_000).contains(&self.max_groups) {
             return Err("--max-groups must be in 1..=1000000".into());
+        }
+        if !(0..=br_proto::valid::limits::MAX_CAPACITY).contains(&self.worker_request_margin) {
+            return Err(format!(
+                "--worker-request-margin must be in 0..={}",
+                br_proto::valid::limits::MAX_CAPACITY
+            ));
+        }
+        let worst = max_snapshot_bytes(self.max_group_requests);
+        if self.max_group_requests == 0 || worst > MAX_SNAPSHOT_MESSAGE_BYTES {
+            return Err(format!(
+                "--max-group-requests must be at least 1 and keep a group's largest snapshot ({worst} bytes for {}) within the {MAX_SNAPSHOT_MESSAGE_BYTES} bytes a watcher decodes",
+                self.max_group_requests
+            ));
         }
         let ms = Duration::from_millis;
         let hour = Duration::from_secs(3600);
@@ -167,6 +200,8 @@ mod tests {
         assert_eq!(a.watcher_queue_bytes, 64 << 20);
         assert_eq!(a.max_groups, 1024);
         assert_eq!(a.group_idle_grace, Duration::from_secs(60));
+        assert_eq!(a.worker_request_margin, 1024);
+        assert_eq!(a.max_group_requests, 200_000);
         assert_eq!(
             br_runtime::config::check_env_names(&Args::command()),
             Ok(())
@@ -204,5 +239,17 @@ mod tests {
             Duration::from_millis(250)
         );
         assert!(parse(&["--progress-interval", "2h"]).is_err());
+        let a = parse(&["--worker-request-margin", "0", "--max-group-requests", "10"]).unwrap();
+        assert_eq!(
+            a.settings().requests,
+            RequestBound {
+                over_capacity: 0,
+                per_group: 10
+            }
+        );
+        assert!(parse(&["--worker-request-margin", "70000"]).is_err());
+        assert!(parse(&["--max-group-requests", "0"]).is_err());
+        // A bound whose snapshot no watcher could decode is refused at start-up.
+        assert!(parse(&["--max-group-requests", "300000"]).is_err());
     }
 }

@@ -31,7 +31,7 @@ pub const RESET_REASONS: &[&str] = &[
 
 /// `reason` label values of `balanceroute_snapshot_refused_total`: the limit that refused a
 /// call or ended a stream.
-pub const REFUSED_REASONS: &[&str] = &["max_groups", "watcher_queue_bytes"];
+pub const REFUSED_REASONS: &[&str] = &["max_groups", "watcher_queue_bytes", "message_too_large"];
 
 /// Every metric family of the service.
 #[derive(Debug, Clone)]

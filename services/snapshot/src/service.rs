@@ -123,6 +123,16 @@ impl Snapshot for SnapshotService {
                 let batch = match msg {
                     Ok(Some(b)) => b,
                     Ok(None) => break,
+                    Err(status) if br_runtime::oversize::is_too_large(&status) => {
+                        // A batch above the decoding limit ends the stream as gRPC says:
+                        // RESOURCE_EXHAUSTED (tonic reads it as OUT_OF_RANGE), counted.
+                        this.metrics.refuse("message_too_large");
+                        tracing::warn!(stream, error = %status, "an Apply batch above the message limit; ending the stream");
+                        let _ = tx
+                            .send(Err(Status::resource_exhausted(status.message().to_owned())))
+                            .await;
+                        break;
+                    }
                     Err(status) => {
                         tracing::debug!(stream, error = %status, "Apply stream failed");
                         break;

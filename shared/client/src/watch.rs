@@ -67,8 +67,9 @@ pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(50);
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Default capacity of the update channel.
 pub const DEFAULT_UPDATES_CAPACITY: usize = 1024;
-/// Default largest message accepted from the server (a snapshot of a big group).
-pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+/// Default largest message accepted from the server (a snapshot of a big group): the limit the
+/// snapshot service's `--max-group-requests` keeps every group's snapshot within.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = br_sigma::MAX_SNAPSHOT_MESSAGE_BYTES;
 
 /// What to follow and how.
 #[derive(Debug, Clone)]
@@ -355,6 +356,12 @@ impl Task {
                     };
                 }
                 Err(status) => {
+                    if too_large(&status) {
+                        // Retrying cannot help: every snapshot of this group will be as large,
+                        // so the consumer (decision) stays unready until an operator acts.
+                        tracing::warn!(group = %self.config.group, max_message_bytes = self.config.max_message_bytes,
+                            error = %status, "a Watch message is larger than this watcher decodes; σ cannot be followed until the group shrinks or the limit is raised");
+                    }
                     return Leave::Resubscribe {
                         error: Some(status.to_string()),
                         why: "stream error".into(),
@@ -394,7 +401,9 @@ impl Task {
                     let sigma = match Sigma::from_snapshot(&snap) {
                         Ok(s) => s,
                         Err(e) => {
-                            // Never build on a snapshot we could not read: start over.
+                            // Never build on a snapshot we could not read: start over. The
+                            // consumer stays unready meanwhile, so say so above DEBUG.
+                            tracing::warn!(group = %self.config.group, error = %e, "invalid snapshot from Watch; resubscribing");
                             self.pos = Position::default();
                             return Leave::Resubscribe {
                                 error: None,
@@ -488,6 +497,14 @@ impl Task {
         };
         self.tx.send(u).await.is_ok()
     }
+}
+
+/// A message above the decoding limit: tonic's client reports it as OUT_OF_RANGE ("decoded
+/// message length too large"); a server that maps it says RESOURCE_EXHAUSTED with the same
+/// text.
+fn too_large(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange
+        || status.message().contains("message length too large")
 }
 
 /// The delay before retry number `failures` (0 = the first retry after a healthy period:

@@ -169,3 +169,146 @@ async fn the_watcher_resyncs_across_a_snapshot_service_restart() {
     drop(handle);
     second.stop().await;
 }
+
+/// Issue 14: four workers of capacity 1 once put 262,144 requests (68 MB) in σ, above the
+/// 64 MiB a watcher decodes, and a restarted decision never became ready. The snapshot
+/// service now bounds a group's requests so that its largest snapshot fits; this builds the
+/// largest group it allows, every field at its contract limit (1,024 workers with the longest
+/// endpoints and carrier, `--max-group-requests` requests with the longest ids and largest
+/// counts), and the real watcher with its default limit must receive it whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_largest_group_the_snapshot_service_allows_reaches_a_watcher() {
+    use br_proto::v1::telemetry_change as tc;
+    use br_proto::valid::limits;
+    use br_sigma::{DEFAULT_MAX_GROUP_REQUESTS, MAX_WORKER_ID, max_snapshot_bytes};
+
+    let server = Server::start("127.0.0.1:0").await;
+    let group = "g".repeat(limits::MAX_GROUP_BYTES);
+    let carrier = "c".repeat(br_sigma::MAX_CARRIER_BYTES);
+    let mut ingest = server.ingest().await;
+    let batch = |seq: u64, changes: Vec<v1::TelemetryChange>| v1::ChangeBatch {
+        ingest_id: carrier.clone(),
+        batch_seq: seq,
+        group: group.clone(),
+        changes,
+    };
+    let workers = MAX_WORKER_ID + 1;
+    let hellos = (0..workers)
+        .map(|w| {
+            br_testkit::apply::change(tc::Kind::WorkerHello(tc::WorkerHello {
+                worker_id: w,
+                incarnation: u64::MAX - u64::from(w),
+                capacity: limits::MAX_CAPACITY,
+                endpoint: format!("{w:0>512}"),
+            }))
+        })
+        .collect();
+    let ack = ingest.send_raw(batch(1, hellos)).await;
+    assert!(ack.rejected.is_empty(), "{:?}", ack.rejected.first());
+    // Requests in Apply batches within the service's 16 MiB message limit; one more than the
+    // bound at the end, which must be refused.
+    let total = DEFAULT_MAX_GROUP_REQUESTS + 1;
+    let per_batch = 40_000;
+    let mut refused = Vec::new();
+    for (seq, start) in (0..total).step_by(per_batch).enumerate() {
+        let changes = (start..(start + per_batch).min(total))
+            .map(|i| {
+                let w = u32::try_from(i).unwrap() % workers;
+                prog(
+                    w,
+                    u64::MAX - u64::from(w),
+                    &format!("{i:0>256}"),
+                    limits::MAX_TOKENS / 2,
+                    limits::MAX_TOKENS / 2,
+                )
+            })
+            .collect();
+        let ack = ingest.send_raw(batch(seq as u64 + 2, changes)).await;
+        refused.extend(ack.rejected);
+    }
+    assert_eq!(
+        refused.len(),
+        1,
+        "only the request beyond the bound: {refused:?}"
+    );
+    assert_eq!(refused[0].reason, v1::RejectReason::WorkerFull as i32);
+
+    let (handle, mut updates) =
+        Watcher::connect_lazy(&server.url, WatchConfig::new(group.clone())).unwrap();
+    let sigma = loop {
+        match recv_update(&mut updates).await {
+            Update::Snapshot { sigma, .. } => break sigma,
+            Update::Disconnected { error, .. } => panic!("the watcher could not follow: {error}"),
+            Update::Delta(_) | Update::Connected { .. } => {}
+        }
+    };
+    assert_eq!(sigma.request_count(), DEFAULT_MAX_GROUP_REQUESTS);
+    assert_eq!(sigma.workers().count(), workers as usize);
+    let sent = prost::Message::encoded_len(&v1::WatchEvent {
+        kind: Some(v1::watch_event::Kind::Snapshot(sigma.to_snapshot())),
+    });
+    assert!(sent <= max_snapshot_bytes(DEFAULT_MAX_GROUP_REQUESTS));
+    // The group really is near the limit the bound protects, not trivially below it.
+    assert!(
+        sent > br_sigma::MAX_SNAPSHOT_MESSAGE_BYTES * 4 / 5,
+        "{sent} bytes"
+    );
+    drop((handle, updates));
+    server.stop().await;
+}
+
+/// A snapshot above the watcher's decoding limit leaves its consumer (decision) unready until
+/// an operator acts, so the watcher says so at WARN, not only at DEBUG (issue 14).
+#[tokio::test(flavor = "current_thread")]
+async fn a_snapshot_above_the_watchers_limit_is_logged_at_warn() {
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    // current_thread: the watcher's task runs on this thread, under this subscriber.
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let server = Server::start("127.0.0.1:0").await;
+    let mut ingest = server.ingest().await;
+    ingest.send_ok("g", vec![hello(0, 10, 100)]).await;
+    let changes = (0..50)
+        .map(|i| prog(0, 10, &format!("{i:0>200}"), 10, 1))
+        .collect();
+    ingest.send_ok("g", changes).await;
+    let config = WatchConfig {
+        max_message_bytes: 4096,
+        ..WatchConfig::new("g")
+    };
+    let (handle, mut updates) = Watcher::connect_lazy(&server.url, config).unwrap();
+    let error = loop {
+        match recv_update(&mut updates).await {
+            Update::Disconnected { error, .. } => break error,
+            Update::Snapshot { .. } => panic!("a snapshot above the limit was decoded"),
+            Update::Delta(_) | Update::Connected { .. } => {}
+        }
+    };
+    assert!(error.contains("too large"), "{error}");
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        text.contains("WARN") && text.contains("larger than this watcher decodes"),
+        "{text}"
+    );
+    drop((handle, updates));
+    server.stop().await;
+}

@@ -24,6 +24,9 @@ pub mod limits {
     pub const MAX_ENDPOINT_BYTES: usize = 512;
     /// Largest prompt, generated or max token count.
     pub const MAX_TOKENS: u32 = 10_000_000;
+    /// Largest KV footprint of one request (prompt + generated tokens): one context window,
+    /// which no model makes longer than the largest single count.
+    pub const MAX_REQUEST_TOKENS: u32 = MAX_TOKENS;
     /// Largest worker capacity B (max_num_seqs).
     pub const MAX_CAPACITY: u32 = 65_536;
     /// Largest worker id (DP rank) in a group. One limit for every service and the routing core

@@ -6,6 +6,8 @@
 //! - [`admin`]: the admin HTTP server (`/metrics`, `/livez`, `/readyz`).
 //! - [`serve`]: a tonic server with health, reflection and a graceful, bounded drain on
 //!   SIGTERM/SIGINT.
+//! - [`oversize`]: a request above the decoding limit answered RESOURCE_EXHAUSTED, not
+//!   tonic's OUT_OF_RANGE.
 //! - [`error`]: one mapping from a service's error enum to a gRPC status.
 //! - [`skeleton`]: the one shape of a service (`start(&Args, shutdown) -> Result<Running,
 //!   StartError>`), `--ready-file`, and [`skeleton::main`], the whole of every binary's `main`.
@@ -54,6 +56,7 @@ pub mod admin;
 pub mod config;
 pub mod error;
 pub mod observability;
+pub mod oversize;
 pub mod serve;
 pub mod skeleton;
 

@@ -252,7 +252,8 @@ impl GrpcServer {
         let drain_signal = drain.clone();
         let mut builder = tonic::transport::Server::builder()
             .http2_keepalive_interval(keepalive.map(|(i, _)| i))
-            .http2_keepalive_timeout(keepalive.map(|(_, t)| t));
+            .http2_keepalive_timeout(keepalive.map(|(_, t)| t))
+            .layer(crate::oversize::OversizeLayer);
         let tls_on = tls.is_some();
         let accepted = br_trust::accept::accept(listener, accept_limits, on_accept);
         let mut server: std::pin::Pin<

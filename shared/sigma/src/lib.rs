@@ -29,15 +29,19 @@
 
 mod batch;
 pub mod change;
+mod size;
 mod store;
 mod types;
 
 pub use batch::Batch;
+pub use size::{DEFAULT_MAX_GROUP_REQUESTS, MAX_SNAPSHOT_MESSAGE_BYTES, max_snapshot_bytes};
 pub use store::Sigma;
-pub use types::{Delta, Liveness, Request, SigmaError, Worker};
+pub use types::{Delta, Liveness, Request, RequestBound, SigmaError, Worker};
 
 use br_proto::valid::limits;
 
+/// The most KV tokens (prompt + generated) one request holds in σ.
+pub use limits::MAX_REQUEST_TOKENS;
 /// The largest worker id in a group: the contract's one limit, `br_proto::valid::limits`.
 pub use limits::MAX_WORKER_ID;
 

@@ -9,8 +9,8 @@ use br_proto::valid::{RequestId, limits};
 use rustc_hash::FxHashMap;
 
 use crate::batch::Batch;
-use crate::types::{Delta, Liveness, Request, SigmaError, Worker};
-use crate::{MAX_CARRIER_BYTES, MAX_WORKER_ID};
+use crate::types::{Delta, Liveness, Request, RequestBound, SigmaError, Worker};
+use crate::{MAX_CARRIER_BYTES, MAX_REQUEST_TOKENS, MAX_WORKER_ID};
 
 /// σ of one group at one (epoch, version), with its routing-core mirror.
 #[derive(Debug, Clone)]
@@ -23,6 +23,9 @@ pub struct Sigma {
     pub(crate) ids: FxHashMap<RequestKey, RequestId>,
     next_key: RequestKey,
     cluster: ClusterState,
+    /// The writer's bound on the requests σ takes (None: a replica, which takes what the
+    /// writer sent).
+    bound: Option<RequestBound>,
 }
 
 impl Sigma {
@@ -49,7 +52,22 @@ impl Sigma {
             ids: FxHashMap::default(),
             next_key: 1,
             cluster: ClusterState::new(),
+            bound: None,
         }
+    }
+
+    /// Bounds the requests this σ takes from now on (the writer's side; see
+    /// [`RequestBound`]). A request that would put its worker above its capacity plus
+    /// `over_capacity`, or the group above `per_group`, is refused
+    /// ([`SigmaError::WorkerOverfull`], [`SigmaError::GroupFull`]); requests already held stay.
+    /// Replicas need no bound: they take the writer's deltas, which never pass it.
+    pub fn set_bound(&mut self, bound: RequestBound) {
+        self.bound = Some(bound);
+    }
+
+    /// The bound set by [`Sigma::set_bound`], if any.
+    pub fn bound(&self) -> Option<RequestBound> {
+        self.bound
     }
 
     /// Builds σ from a full snapshot, validating it: a non-empty group, a non-zero epoch,
@@ -101,8 +119,7 @@ impl Sigma {
                     r.request_id
                 )));
             }
-            check_tokens("prompt_tokens", r.prompt_tokens)?;
-            check_tokens("generated_tokens", r.generated_tokens)?;
+            check_tokens(r.prompt_tokens, r.generated_tokens)?;
             if s.requests.contains_key(id.as_str()) {
                 return Err(SigmaError::DuplicateRequest(r.request_id.clone()));
             }
@@ -405,7 +422,7 @@ impl Sigma {
         if r.prompt_tokens == 0 {
             return Err(SigmaError::Invalid("prompt_tokens must not be 0".into()));
         }
-        check_tokens("prompt_tokens", r.prompt_tokens)?;
+        check_tokens(r.prompt_tokens, 0)?;
         let w = self.check_worker(r.worker_id, r.incarnation)?;
         match w.liveness {
             Liveness::Live => {}
@@ -415,6 +432,7 @@ impl Sigma {
         if self.requests.contains_key(id.as_str()) {
             return Err(SigmaError::DuplicateRequest(r.request_id.clone()));
         }
+        self.check_room(r.worker_id)?;
         self.insert(Request {
             id,
             key: 0,
@@ -431,13 +449,13 @@ impl Sigma {
 
     fn request_progress(&mut self, p: &v1::change::RequestProgress) -> Result<bool, SigmaError> {
         let id = request_id(&p.request_id)?;
-        check_tokens("prompt_tokens", p.prompt_tokens)?;
-        check_tokens("generated_tokens", p.generated_tokens)?;
+        check_tokens(p.prompt_tokens, p.generated_tokens)?;
         let w = self.check_worker(p.worker_id, p.incarnation)?;
         if w.liveness == Liveness::Fenced {
             return Err(SigmaError::WorkerFenced(p.worker_id));
         }
         let Some(old) = self.requests.get(id.as_str()) else {
+            self.check_room(p.worker_id)?;
             self.insert(Request {
                 id,
                 key: 0,
@@ -458,6 +476,20 @@ impl Sigma {
             && old.phase == Phase::Running
         {
             return Ok(false);
+        }
+        if let Some(max) = old.max_tokens
+            && p.generated_tokens > max
+        {
+            // The gateway's max_tokens is the contract's upper bound on what the request
+            // generates (the engine stops there); a report above it is not the engine's state.
+            return Err(SigmaError::AboveMaxTokens {
+                request_id: p.request_id.clone(),
+                generated: p.generated_tokens,
+                max_tokens: max,
+            });
+        }
+        if old.worker != p.worker_id {
+            self.check_room(p.worker_id)?;
         }
         let key = old.key;
         if old.worker == p.worker_id
@@ -519,6 +551,27 @@ impl Sigma {
         Ok(w)
     }
 
+    /// Whether the writer's bound lets one more request onto `worker` (always, without a
+    /// bound).
+    fn check_room(&self, worker: WorkerId) -> Result<(), SigmaError> {
+        let Some(bound) = self.bound else {
+            return Ok(());
+        };
+        if self.requests.len() >= bound.per_group {
+            return Err(SigmaError::GroupFull {
+                held: self.requests.len(),
+                max: bound.per_group,
+            });
+        }
+        let capacity = self.workers.get(&worker).map_or(0, |w| w.capacity);
+        let held = self.cluster.worker(worker).map_or(0, |w| w.requests());
+        let max = capacity.saturating_add(bound.over_capacity);
+        if held >= max {
+            return Err(SigmaError::WorkerOverfull { worker, held, max });
+        }
+        Ok(())
+    }
+
     /// Adds a new request (its worker checked by the caller), interning its id.
     fn insert(&mut self, mut r: Request) -> Result<(), SigmaError> {
         r.key = self.next_key;
@@ -566,11 +619,21 @@ fn request_id(s: &str) -> Result<RequestId, SigmaError> {
     RequestId::new(s).map_err(|e| SigmaError::Invalid(e.to_string()))
 }
 
-fn check_tokens(field: &str, v: u32) -> Result<(), SigmaError> {
-    if v > limits::MAX_TOKENS {
+/// One request's token counts: each within the wire's limit, and its KV tokens (prompt +
+/// generated) within [`MAX_REQUEST_TOKENS`].
+fn check_tokens(prompt: u32, generated: u32) -> Result<(), SigmaError> {
+    for (field, v) in [("prompt_tokens", prompt), ("generated_tokens", generated)] {
+        if v > limits::MAX_TOKENS {
+            return Err(SigmaError::Invalid(format!(
+                "{field} {v} is above {}",
+                limits::MAX_TOKENS
+            )));
+        }
+    }
+    let kv = u64::from(prompt) + u64::from(generated);
+    if kv > u64::from(MAX_REQUEST_TOKENS) {
         return Err(SigmaError::Invalid(format!(
-            "{field} {v} is above {}",
-            limits::MAX_TOKENS
+            "prompt_tokens + generated_tokens is {kv}, above {MAX_REQUEST_TOKENS}"
         )));
     }
     Ok(())

@@ -80,6 +80,18 @@ impl Request {
     }
 }
 
+/// The writer's bound on the requests σ holds ([`crate::Sigma::set_bound`]): what a peer can
+/// make the snapshot service hold, and what every watcher must be able to receive in one
+/// snapshot ([`crate::max_snapshot_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestBound {
+    /// Requests a worker may hold above its capacity B (reservations queued at the rank by
+    /// on-arrival policies, requests waiting in the engine's own queue).
+    pub over_capacity: u32,
+    /// Requests the group may hold.
+    pub per_group: usize,
+}
+
 /// Why σ could not take a snapshot, a delta or a change.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SigmaError {
@@ -121,6 +133,27 @@ pub enum SigmaError {
     NotReserved(String),
     #[error("worker id {0} is above the limit of {MAX_WORKER_ID}")]
     WorkerIdTooLarge(WorkerId),
+    /// The writer's bound: the worker already holds its capacity plus the margin.
+    #[error(
+        "worker {worker} holds {held} requests, at most {max} (its capacity plus the margin) are allowed"
+    )]
+    WorkerOverfull {
+        worker: WorkerId,
+        held: u32,
+        max: u32,
+    },
+    /// The writer's bound: the group already holds its most requests.
+    #[error("the group holds {held} requests, at most {max} are allowed")]
+    GroupFull { held: usize, max: usize },
+    /// A report of more generated tokens than the request's max_tokens.
+    #[error(
+        "request {request_id:?} reports {generated} generated tokens, above its max_tokens {max_tokens}"
+    )]
+    AboveMaxTokens {
+        request_id: String,
+        generated: u32,
+        max_tokens: u32,
+    },
     /// The core mirror refused an operation σ allowed: a bug, reported rather than panicking.
     #[error("routing core: {0}")]
     Core(#[from] CoreError),

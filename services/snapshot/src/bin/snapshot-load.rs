@@ -214,7 +214,10 @@ async fn watchers(
         streams.push(s);
     }
     println!("watchers: {count} streams open, not reading, for {duration:?}");
-    mover(clients[0].clone(), every, duration).await;
+    // Its own connection: on a watcher's, the unread streams fill the connection's HTTP/2
+    // window, the Apply acks stop, and σ stops moving (the load then hung past --duration).
+    let own = channels(addr, 1).await?;
+    mover(own[0].clone(), every, duration).await;
     // Now read what each stream holds, to its end or its first error, to see how the server
     // ended the ones it ended (a stream still open after what it holds is "open").
     let outcomes = futures::stream::iter(streams)

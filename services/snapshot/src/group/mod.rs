@@ -31,7 +31,7 @@ use std::time::Duration;
 use br_core::WorkerId;
 use br_proto::v1;
 use br_proto::valid::{RequestId, ValidReservation, ValidTelemetryChange};
-use br_sigma::{Batch, Delta, Liveness, Sigma, SigmaError};
+use br_sigma::{Batch, Delta, Liveness, RequestBound, Sigma, SigmaError};
 use rustc_hash::FxHashSet;
 use tokio::time::Instant;
 
@@ -68,6 +68,8 @@ pub struct Settings {
     /// An idle group (no live worker, request, watcher or pending fence) is forgotten after
     /// this long.
     pub group_idle_grace: Duration,
+    /// Requests a worker may hold above its capacity, and a group in all (WORKER_FULL beyond).
+    pub requests: RequestBound,
 }
 
 impl Default for Settings {
@@ -82,6 +84,10 @@ impl Default for Settings {
             watcher_queue_bytes: crate::config::DEFAULT_WATCHER_QUEUE_BYTES,
             max_groups: crate::config::DEFAULT_MAX_GROUPS,
             group_idle_grace: Duration::from_secs(60),
+            requests: RequestBound {
+                over_capacity: crate::config::DEFAULT_WORKER_REQUEST_MARGIN,
+                per_group: br_sigma::DEFAULT_MAX_GROUP_REQUESTS,
+            },
         }
     }
 }
@@ -119,6 +125,9 @@ impl From<SigmaError> for Reject {
             SigmaError::StaleIncarnation { .. } => R::StaleIncarnation,
             SigmaError::WorkerFenced(_) | SigmaError::WorkerSuspect(_) => R::WorkerFenced,
             SigmaError::DuplicateRequest(_) => R::Duplicate,
+            // The writer's bound on what a worker (or the group) holds: like a full worker,
+            // the change or reservation is refused and the rest of the batch applies.
+            SigmaError::WorkerOverfull { .. } | SigmaError::GroupFull { .. } => R::WorkerFull,
             SigmaError::UnknownRequest(_) | SigmaError::NotReserved(_) => R::UnknownRequest,
             _ => R::Invalid,
         };
@@ -217,8 +226,10 @@ impl Group {
         metrics: &Metrics,
         now: Instant,
     ) -> Group {
+        let mut sigma = Sigma::with_epoch_at(name, epoch, version);
+        sigma.set_bound(settings.requests);
         let mut g = Group {
-            sigma: Sigma::with_epoch_at(name, epoch, version),
+            sigma,
             presence: Presence::default(),
             reservations: Reservations::new(settings.reservation_ttl),
             watchers: Watchers::new(&settings, now),

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)] // tests may panic on purpose
 
 mod apply;
+mod bounds;
 mod props;
 mod reserve;
 mod watchers;
