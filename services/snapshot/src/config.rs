@@ -24,6 +24,10 @@ pub const DEFAULT_WATCHER_QUEUE: usize = 1024;
 /// Default bytes queued per watcher before it is ended: decision's largest Watch message
 /// (64 MiB), so a watcher that reads can always be sent one full snapshot and keep up after it.
 pub const DEFAULT_WATCHER_QUEUE_BYTES: usize = 64 * 1024 * 1024;
+/// Watch streams held at once, over every group. The legitimate watchers are decision replicas
+/// (a few per group) and operators' tools; each open stream costs its HTTP/2 buffers (2,000
+/// that never read held ~490 MB, docs/benchmarks.md "bounds").
+pub const DEFAULT_MAX_WATCHERS: usize = 512;
 /// Default number of groups held at once (a deployment has a handful; each costs ~10 KB and
 /// 20 metric series).
 pub const DEFAULT_MAX_GROUPS: usize = 1024;
@@ -75,6 +79,11 @@ pub struct Args {
     /// is ended with RESOURCE_EXHAUSTED (it re-syncs from a snapshot when it comes back).
     #[arg(long, env = "BALANCEROUTE_WATCHER_QUEUE_BYTES", default_value_t = DEFAULT_WATCHER_QUEUE_BYTES)]
     pub watcher_queue_bytes: usize,
+
+    /// Watch streams held at once, over every group; one more is refused with
+    /// RESOURCE_EXHAUSTED until one ends.
+    #[arg(long, env = "BALANCEROUTE_MAX_WATCHERS", default_value_t = DEFAULT_MAX_WATCHERS)]
+    pub max_watchers: usize,
 
     /// Groups held at once; a Watch or Apply naming a new group beyond it is refused with
     /// RESOURCE_EXHAUSTED until an idle group is reclaimed.
@@ -144,6 +153,9 @@ impl ServiceArgs for Args {
         if !(1024..=1 << 40).contains(&self.watcher_queue_bytes) {
             return Err("--watcher-queue-bytes must be in 1024..=2^40".into());
         }
+        if !(1..=1_000_000).contains(&self.max_watchers) {
+            return Err("--max-watchers must be in 1..=1000000".into());
+        }
         if !(1..=1_000_000).contains(&self.max_groups) {
             return Err("--max-groups must be in 1..=1000000".into());
         }
@@ -198,6 +210,7 @@ mod tests {
         assert_eq!(a.progress_interval, Duration::from_millis(250));
         assert_eq!(a.watcher_queue, 1024);
         assert_eq!(a.watcher_queue_bytes, 64 << 20);
+        assert_eq!(a.max_watchers, 512);
         assert_eq!(a.max_groups, 1024);
         assert_eq!(a.group_idle_grace, Duration::from_secs(60));
         assert_eq!(a.worker_request_margin, 1024);

@@ -23,6 +23,9 @@ pub enum SnapshotError {
         "the watcher fell behind by {bytes} bytes, over --watcher-queue-bytes {max}; watch again to re-sync from a snapshot"
     )]
     WatcherTooSlow { bytes: usize, max: usize },
+    /// A Watch beyond `--max-watchers` streams open at once.
+    #[error("the service holds --max-watchers {max} Watch streams; retry once one ends")]
+    TooManyWatchers { max: usize },
 }
 
 impl ServiceError for SnapshotError {
@@ -30,9 +33,9 @@ impl ServiceError for SnapshotError {
         match self {
             SnapshotError::Invalid(_) => tonic::Code::InvalidArgument,
             SnapshotError::ShuttingDown => tonic::Code::Unavailable,
-            SnapshotError::TooManyGroups { .. } | SnapshotError::WatcherTooSlow { .. } => {
-                tonic::Code::ResourceExhausted
-            }
+            SnapshotError::TooManyGroups { .. }
+            | SnapshotError::WatcherTooSlow { .. }
+            | SnapshotError::TooManyWatchers { .. } => tonic::Code::ResourceExhausted,
         }
     }
 
@@ -42,6 +45,7 @@ impl ServiceError for SnapshotError {
             SnapshotError::ShuttingDown => "unavailable",
             SnapshotError::TooManyGroups { .. } => "max_groups",
             SnapshotError::WatcherTooSlow { .. } => "watcher_queue_bytes",
+            SnapshotError::TooManyWatchers { .. } => "max_watchers",
         }
     }
 }

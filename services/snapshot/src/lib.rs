@@ -58,7 +58,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
     let (writer, writer_task) = writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
     let epoch = writer.epoch();
-    let svc = service::SnapshotService::new(writer, metrics, shutdown.clone());
+    let svc = service::SnapshotService::new(writer, metrics, args.max_watchers, shutdown.clone());
     let routes = tonic::service::Routes::new(
         SnapshotServer::new(svc)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)

@@ -31,7 +31,12 @@ pub const RESET_REASONS: &[&str] = &[
 
 /// `reason` label values of `balanceroute_snapshot_refused_total`: the limit that refused a
 /// call or ended a stream.
-pub const REFUSED_REASONS: &[&str] = &["max_groups", "watcher_queue_bytes", "message_too_large"];
+pub const REFUSED_REASONS: &[&str] = &[
+    "max_groups",
+    "watcher_queue_bytes",
+    "message_too_large",
+    "max_watchers",
+];
 
 /// Every metric family of the service.
 #[derive(Debug, Clone)]

@@ -30,15 +30,25 @@ pub struct SnapshotService {
     metrics: Metrics,
     shutdown: CancellationToken,
     next_stream: Arc<AtomicU64>,
+    /// One permit per open Watch stream (`--max-watchers`), held by the stream.
+    watchers: Arc<tokio::sync::Semaphore>,
+    max_watchers: usize,
 }
 
 impl SnapshotService {
-    pub fn new(writer: WriterHandle, metrics: Metrics, shutdown: CancellationToken) -> Self {
+    pub fn new(
+        writer: WriterHandle,
+        metrics: Metrics,
+        max_watchers: usize,
+        shutdown: CancellationToken,
+    ) -> Self {
         SnapshotService {
             writer,
             metrics,
             shutdown,
             next_stream: Arc::new(AtomicU64::new(1)),
+            watchers: Arc::new(tokio::sync::Semaphore::new(max_watchers)),
+            max_watchers,
         }
     }
 
@@ -64,6 +74,12 @@ impl Snapshot for SnapshotService {
         req: Request<v1::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
         let req = ValidWatch::try_from(req.into_inner()).map_err(|e| self.fail(e.into()))?;
+        let Ok(permit) = Arc::clone(&self.watchers).try_acquire_owned() else {
+            self.metrics.refuse("max_watchers");
+            return Err(self.fail(SnapshotError::TooManyWatchers {
+                max: self.max_watchers,
+            }));
+        };
         let rx = self
             .writer
             .call(|reply| Command::Watch { req, reply })
@@ -72,8 +88,12 @@ impl Snapshot for SnapshotService {
             .map_err(|e| self.fail(e))?;
         // The writer ends the stream (drops the queue's sender) on shutdown; a queue that went
         // over its bytes yields its overflow, which ends the stream RESOURCE_EXHAUSTED.
-        let stream = rx.map(|ev| match ev {
-            Ok(ev) => Ok(wire::watch_event(&ev)),
+        // The permit goes with the stream: released when the watcher goes away or is ended.
+        let stream = rx.map(move |ev| match ev {
+            Ok(ev) => {
+                let _held = &permit;
+                Ok(wire::watch_event(&ev))
+            }
             Err(o) => {
                 let e = SnapshotError::WatcherTooSlow {
                     bytes: o.bytes,

@@ -210,7 +210,12 @@ async fn apply_throughput_and_telemetry_to_watcher_latency() {
     let metrics = br_snapshot::metrics::Metrics::new().unwrap();
     let (writer, _task) =
         br_snapshot::writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
-    let svc = br_snapshot::service::SnapshotService::new(writer, metrics, shutdown.clone());
+    let svc = br_snapshot::service::SnapshotService::new(
+        writer,
+        metrics,
+        args.max_watchers,
+        shutdown.clone(),
+    );
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = tokio::spawn(
         tonic::transport::Server::builder()
