@@ -1,7 +1,8 @@
 //! How a request gets a worker: an `Assign` arrives (a retry joins the first call, an id σ
-//! already places is answered from σ), waits in the pool for a tick (pooled policies) or is
-//! routed at once (on-arrival ones), and is admitted: counted in the view at once and queued
-//! as an own reservation for the next `Reserve` call. Owns no state of its own.
+//! already places is answered from σ, and so is a waiting one once σ places it), waits in the
+//! pool for a tick (pooled policies) or is routed at once (on-arrival ones), and is admitted:
+//! counted in the view at once and queued as an own reservation for the next `Reserve` call.
+//! Owns no state of its own.
 
 use std::time::Instant;
 
@@ -68,6 +69,31 @@ impl GroupCore {
                 }
             }
             Mode::OnArrival => self.route_now(key, entry, 0, now),
+        }
+    }
+
+    /// Waiting requests (of `keys`) whose id σ places now are answered with that placement,
+    /// as on arrival. Another replica reserved the id: the gateway's call waited there, that
+    /// replica's answer never reached it (its connection froze) and the gateway retried here
+    /// while σ did not show the id yet. Left waiting, such a request would hold out for a
+    /// slot its own reservation in σ occupies, and the calls behind it with it.
+    pub(super) fn answer_placed_waiting(&mut self, keys: &[RequestKey], now: Instant) {
+        for &key in keys {
+            let Some(r) = self.requests.get(key) else {
+                continue;
+            };
+            let Some(p) = self.view.placed(r.id.as_str()) else {
+                continue;
+            };
+            let at = Placement {
+                worker: p.worker,
+                incarnation: p.incarnation,
+                admitted: now,
+                sigma_version: p.sigma_version,
+            };
+            if self.requests.place_waiting(key, at) {
+                self.answer(key, false, now);
+            }
         }
     }
 

@@ -1,8 +1,9 @@
 //! σ events from the Watch feed, as they reach the parts of a group: the replica and the view
-//! change ([`super::view`]), own reservations σ shows now are forgotten and, after a restart
-//! of the snapshot service, re-committed ([`super::reservations`]), the policy and the
-//! outage estimate learn from finished requests (and the estimate from σ's pace), and freed
-//! slots want a tick. Owns no state of its own.
+//! change ([`super::view`]), waiting requests σ now places are answered with that placement,
+//! own reservations σ shows now are forgotten and, after a restart of the snapshot service,
+//! re-committed ([`super::reservations`]), the policy and the outage estimate learn from
+//! finished requests (and the estimate from σ's pace), and freed slots want a tick. Owns no
+//! state of its own.
 
 use std::time::Instant;
 
@@ -18,6 +19,8 @@ impl GroupCore {
             // workers report it.
             self.reservations.recommit_committed(now);
         }
+        let waiting = self.requests.pooled();
+        self.answer_placed_waiting(&waiting, now);
         self.sigma_moved(now);
     }
 
@@ -39,6 +42,12 @@ impl GroupCore {
         for (hash, tokens) in finished {
             self.policy.observe_finished(hash, tokens);
             self.view.learn_finished(tokens);
+        }
+        if !self.requests.pool_is_empty() {
+            let placed: Vec<_> = wire::placed_requests(d)
+                .filter_map(|id| self.requests.key_of(id))
+                .collect();
+            self.answer_placed_waiting(&placed, now);
         }
         self.sigma_moved(now);
         Ok(())

@@ -267,6 +267,31 @@ impl Requests {
         pushed
     }
 
+    /// The keys of the requests waiting in the pool.
+    pub(super) fn pooled(&self) -> Vec<RequestKey> {
+        self.pool.iter().map(|e| e.key).collect()
+    }
+
+    /// A waiting request σ places already: it leaves the pool, `Reserving` at that placement,
+    /// to be answered by the caller. False if it is not waiting.
+    pub(super) fn place_waiting(&mut self, key: RequestKey, at: Placement) -> bool {
+        let Some(r) = self.reqs.get_mut(&key) else {
+            return false;
+        };
+        if !matches!(r.state, State::Waiting) {
+            return false;
+        }
+        r.state = State::Reserving {
+            at,
+            abandoned: r.waiters.is_empty(),
+            reroutes: 0,
+        };
+        if self.pool.remove(key).is_some() {
+            self.sync_gauge();
+        }
+        true
+    }
+
     /// For the policy's dispatch (call [`Requests::sync_gauge`] after).
     pub(super) fn pool_mut(&mut self) -> &mut Pool {
         &mut self.pool

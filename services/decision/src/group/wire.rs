@@ -90,6 +90,15 @@ pub fn release_request(group: &GroupId, request_ids: Vec<String>) -> v1::Release
     }
 }
 
+/// The requests a delta places on a worker: reserved (by any replica) or reported running.
+pub fn placed_requests(d: &Delta) -> impl Iterator<Item = &str> + '_ {
+    d.changes.iter().filter_map(|c| match &c.kind {
+        Some(v1::change::Kind::RequestReserved(r)) => Some(r.request_id.as_str()),
+        Some(v1::change::Kind::RequestProgress(p)) => Some(p.request_id.as_str()),
+        _ => None,
+    })
+}
+
 /// The requests a delta finishes, with the tokens each generated.
 pub fn finished_requests(d: &Delta) -> impl Iterator<Item = (&str, u32)> + '_ {
     d.changes.iter().filter_map(|c| match &c.kind {

@@ -114,6 +114,47 @@ fn an_id_sigma_already_places_is_answered_from_sigma() {
     assert_eq!(fx.core.stats().pool, 0);
 }
 
+/// The chaos run of seed 2 (issue 13): a gateway's calls wait in replica A's pool, A's
+/// connection to the gateway freezes, and the gateway retries the same ids here, where they
+/// wait too. A, still running, reserves them in σ and answers into the frozen connection. Its
+/// reservations fill the workers, so the waiting copies here never get a slot: they must be
+/// answered with σ's placement as soon as σ shows it, as on arrival.
+#[test]
+fn a_waiting_id_sigma_comes_to_place_is_answered_from_sigma() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 1);
+    let (_, mut a) = fx.assign("a", 50);
+    let (_, mut b) = fx.assign("b", 60);
+    assert_eq!(fx.core.stats().pool, 2, "both wait for the next tick");
+    // Another replica reserves both ids (one per worker) before this one ticks.
+    fx.sigma_change(vec![
+        change::request_reserved("a", 1, 101, 50, None, None),
+        change::request_reserved("b", 0, 100, 60, None, None),
+    ]);
+    let (ra, rb) = (answer(&mut a), answer(&mut b));
+    assert_eq!((ra.worker, ra.incarnation, ra.stale), (1, 101, false));
+    assert_eq!((rb.worker, rb.incarnation, rb.stale), (0, 100, false));
+    assert_eq!(fx.core.stats().pool, 0);
+    assert_eq!(fx.tick_and_commit(true), 0, "no second reservation");
+    assert!(fx.release().is_none(), "σ's reservations are not released");
+
+    // The same through a whole σ (a Watch resubscribed after a gap): a third request waits
+    // while the workers are full, and another replica's reservation of it arrives in a
+    // snapshot.
+    let (_, mut c) = fx.assign("c", 70);
+    fx.tick_and_commit(true);
+    assert!(pending(&mut c), "both workers full");
+    let mut b2 = fx.writer.batch();
+    b2.apply(change::request_released("b")).unwrap();
+    b2.apply(change::request_reserved("c", 0, 100, 70, None, None))
+        .unwrap();
+    b2.commit();
+    fx.core.set_sigma(fx.writer.clone(), fx.now);
+    let rc = answer(&mut c);
+    assert_eq!((rc.worker, rc.incarnation, rc.stale), (0, 100, false));
+    assert_eq!(fx.core.stats().pool, 0);
+    assert_eq!(fx.tick_and_commit(true), 0, "no second reservation");
+}
+
 #[test]
 fn not_ready_no_worker_and_full_pool_are_typed() {
     let mut c = core(PolicyKind::Br0, GroupConfig::default());
