@@ -1090,9 +1090,11 @@ async fn watchers_beyond_max_watchers_are_refused_until_one_ends() {
         1.0
     );
     drop(first);
-    eventually(PATIENCE, "a watcher's place is free once it goes away", || async {
-        watch("a").await.is_ok()
-    })
+    eventually(
+        PATIENCE,
+        "a watcher's place is free once it goes away",
+        || async { watch("a").await.is_ok() },
+    )
     .await;
     drop(second);
 }
