@@ -202,18 +202,24 @@ async fn watchers(
     }
     let clients = channels(addr, count.div_ceil(per_connection)).await?;
     let mut streams = Vec::with_capacity(count);
+    let mut refused = BTreeMap::<String, usize>::new();
     for i in 0..count {
         let mut c = clients[i / per_connection].clone();
-        let s = c
-            .watch(watch_req("g".into()))
-            .await
-            .context("opening a Watch")?
-            .into_inner();
-        // Held and never polled: the client's HTTP/2 stream window fills, then the server's
-        // side of the stream backs up.
-        streams.push(s);
+        match c.watch(watch_req("g".into())).await {
+            // Held and never polled: the client's HTTP/2 stream window fills, then the
+            // server's side of the stream backs up.
+            Ok(s) => streams.push(s.into_inner()),
+            // A limit (--max-watchers): counted, the load goes on.
+            Err(st) if st.code() == tonic::Code::ResourceExhausted => {
+                *refused.entry(format!("{:?}", st.code())).or_default() += 1;
+            }
+            Err(st) => return Err(st).context("opening a Watch"),
+        }
     }
-    println!("watchers: {count} streams open, not reading, for {duration:?}");
+    println!(
+        "watchers: {} streams open, not reading, for {duration:?}; refused at open: {refused:?}",
+        streams.len()
+    );
     // Its own connection: on a watcher's, the unread streams fill the connection's HTTP/2
     // window, the Apply acks stop, and σ stops moving (the load then hung past --duration).
     let own = channels(addr, 1).await?;
