@@ -119,6 +119,11 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_FIRST_BYTE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
     pub first_byte_timeout: Duration,
 
+    /// Most HTTP/2 streams (calls) one connection to `--listen` may have open at once; a
+    /// client waits for one to end before it opens another.
+    #[arg(long, env = "BALANCEROUTE_MAX_STREAMS_PER_CONNECTION", default_value_t = crate::serve::DEFAULT_MAX_STREAMS_PER_CONNECTION)]
+    pub max_streams_per_connection: u32,
+
     /// Mutual TLS and the plaintext-on-loopback default (see br-trust).
     #[command(flatten)]
     pub tls: br_trust::TlsArgs,
@@ -157,6 +162,9 @@ impl Validate for CommonArgs {
         }
         if !(1..=1_000_000).contains(&self.max_connections) {
             return Err("--max-connections must be in 1..=1000000".into());
+        }
+        if !(1..=65_536).contains(&self.max_streams_per_connection) {
+            return Err("--max-streams-per-connection must be in 1..=65536".into());
         }
         if !(Duration::from_millis(100)..=Duration::from_secs(3600))
             .contains(&self.first_byte_timeout)

@@ -77,7 +77,14 @@ pub struct GrpcServer {
     health_follows: Option<crate::admin::Readiness>,
     accept_limits: br_trust::accept::AcceptLimits,
     on_accept: Option<br_trust::accept::AcceptHook>,
+    /// HTTP/2 streams one connection may have open at once (`--max-streams-per-connection`).
+    max_streams: u32,
 }
+
+/// Default streams one connection may have open at once. tonic otherwise tells hyper "no
+/// limit", so one peer could open streams without bound on one connection; a gateway's
+/// connection carries every Assign it has waiting in a pool, hence more than hyper's own 200.
+pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 
 /// What a TLS-serving gRPC server needs besides its listener.
 #[derive(Clone)]
@@ -119,7 +126,15 @@ impl GrpcServer {
             health_follows: None,
             accept_limits: br_trust::accept::AcceptLimits::default(),
             on_accept: None,
+            max_streams: DEFAULT_MAX_STREAMS_PER_CONNECTION,
         }
+    }
+
+    /// The most HTTP/2 streams one connection may have open at once (its SETTINGS); a client
+    /// waits for a stream to end before it opens another.
+    pub fn with_max_streams_per_connection(mut self, max: u32) -> Self {
+        self.max_streams = max.max(1);
+        self
     }
 
     /// Bounds what peers can make this port hold before they say anything (open connections,
@@ -196,6 +211,7 @@ impl GrpcServer {
             health_follows,
             accept_limits,
             on_accept,
+            max_streams,
         } = self;
         let addr = listener.local_addr().ok();
 
@@ -253,6 +269,7 @@ impl GrpcServer {
         let mut builder = tonic::transport::Server::builder()
             .http2_keepalive_interval(keepalive.map(|(i, _)| i))
             .http2_keepalive_timeout(keepalive.map(|(_, t)| t))
+            .max_concurrent_streams(max_streams)
             .layer(crate::oversize::OversizeLayer);
         let tls_on = tls.is_some();
         let accepted = br_trust::accept::accept(listener, accept_limits, on_accept);
@@ -685,6 +702,68 @@ mod tests {
             .unwrap()
             .unwrap()
             .status
+    }
+
+    /// One connection holds at most `--max-streams-per-connection` calls (tonic alone tells
+    /// hyper "no limit"): with 2, two open health Watches fill it, a third call on the same
+    /// connection waits, another connection is served, and the third goes through once a
+    /// Watch ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_holds_at_most_max_streams_calls() {
+        use tonic_health::pb::health_client::HealthClient;
+        let server = GrpcServer::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+            .with_max_streams_per_connection(2);
+        let addr = server.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let routes = Routes::new(v1::decision_server::DecisionServer::new(Gate::default()));
+        let task = tokio::spawn(server.serve(routes, &[], shutdown.clone()));
+        let connect = || async {
+            tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap()
+        };
+        let ch = connect().await;
+        let req = || HealthCheckRequest {
+            service: String::new(),
+        };
+        let mut watches = Vec::new();
+        for _ in 0..2 {
+            let mut w = HealthClient::new(ch.clone())
+                .watch(req())
+                .await
+                .unwrap()
+                .into_inner();
+            next(&mut w).await;
+            watches.push(w);
+        }
+        let mut third = HealthClient::new(ch.clone());
+        let mut third = Box::pin(async move { third.check(req()).await });
+        // Pending while both streams are open (a missing limit answers it at once)...
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut third)
+                .await
+                .is_err(),
+            "a third call on a full connection was served"
+        );
+        // ... while a new connection is served ...
+        HealthClient::new(connect().await)
+            .check(req())
+            .await
+            .unwrap();
+        // ... and it goes through once one ends.
+        drop(watches.pop());
+        tokio::time::timeout(WAIT, third).await.unwrap().unwrap();
+        drop((watches, ch));
+        shutdown.cancel();
+        tokio::time::timeout(WAIT, task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

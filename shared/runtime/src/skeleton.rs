@@ -364,6 +364,7 @@ pub async fn bind_grpc(
         .map_err(bind_err)?
         .with_grace(common.shutdown_grace)
         .with_keepalive(common.keepalive())
+        .with_max_streams_per_connection(common.max_streams_per_connection)
         .with_tls(edge.serving())
         .with_accept_limits(common.accept_limits(descriptor_limit()), edge.accept_hook());
     let addr = server.local_addr().map_err(bind_err)?;
