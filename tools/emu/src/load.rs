@@ -170,7 +170,11 @@ pub fn workload(cfg: &LoadConfig) -> Result<(String, Vec<TraceRequest>), LoadErr
         let mut sc = SynthConfig::new(kind);
         sc.seed = cfg.seed;
         // The published count, cut by `limit` below: the same requests `br-sim --limit N`
-        // simulates.
+        // simulates. A longer run (a soak) asks for more: the generator goes on with the same
+        // stream, so the first ones are still the published workload's.
+        if let Some(l) = cfg.limit {
+            sc.requests = sc.requests.max(l);
+        }
         if let Some(r) = cfg.rate {
             sc.rate_per_s = r;
         }
