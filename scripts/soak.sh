@@ -3,11 +3,12 @@
 # with real processes: br-snapshot, br-ingest, br-decision (BR-0), G br-shims in front of
 # `br-emu engine` with G ranks, and `br-emu load` sending Poisson arrivals of a paper-shaped
 # workload at SOAK_RATE requests per wall second through decision (Assign) and the shims.
-# Every SOAK_INTERVAL seconds scripts/lib/soak_sample.py samples each service's RSS and CPU and
-# decision's Assign latency over the window (p50/p99, bucket upper bounds of
-# balanceroute_decision_assign_latency_seconds); at the end it says whether RSS stayed flat
-# (within 10%, last third against first third after the warm-up; the emulated engine is shown
-# but not judged: it records every step for its report) and p99 steady (within 1.5x).
+# Every SOAK_INTERVAL seconds scripts/lib/soak_sample.py samples each service's RSS and CPU
+# and decision's Assign latency over the window (p50/p99 of
+# balanceroute_decision_assign_latency_seconds, interpolated inside buckets); at the end it
+# says whether RSS stayed flat (within 10%, last third against first third after the warm-up;
+# the emulated engine is shown but not judged: it records every step for its report) and p99
+# steady (the last third's median within 1.5x of the first third's).
 # Exit 0 only if both hold and no request failed.
 #
 # Knobs (environment): SOAK_MINUTES (10), SOAK_G (64 ranks and shims), SOAK_B (64 slots per

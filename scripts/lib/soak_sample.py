@@ -1,6 +1,7 @@
 """Samples a running stack for scripts/soak.sh: every INTERVAL seconds until the load process
 ends, each named process's RSS and CPU share (from /proc) and decision's Assign latency over
-the window (p50/p99 from the deltas of balanceroute_decision_assign_latency_seconds), written
+the window (p50/p99 from the deltas of balanceroute_decision_assign_latency_seconds,
+interpolated inside buckets), written
 to a CSV; then a verdict: RSS flat (the last third of the samples after warm-up against the
 first third) and p99 steady.
 
@@ -53,13 +54,22 @@ def buckets(url):
 
 
 def quantile(delta, q):
+    """The q-quantile of a window's cumulative bucket counts, interpolated linearly inside its
+    bucket as Prometheus' histogram_quantile does (bucket bounds alone are too coarse: 10 ms
+    and 25 ms are neighbours)."""
     total = delta.get(float("inf"), 0.0)
     if total <= 0:
         return None
+    rank = q * total
+    lo, below = 0.0, 0.0
     for le in sorted(delta):
-        if delta[le] >= q * total:
-            return le
-    return float("inf")
+        if delta[le] >= rank:
+            if le == float("inf"):
+                return lo
+            inside = delta[le] - below
+            return lo + (le - lo) * ((rank - below) / inside if inside > 0 else 1.0)
+        lo, below = le, delta[le]
+    return lo
 
 
 def alive(pid):
