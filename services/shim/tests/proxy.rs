@@ -693,20 +693,40 @@ mod wiring {
     }
 }
 
-/// A shim with `--max-body-bytes 4096 --max-concurrent-requests 1` in front of a slow engine.
-async fn limited_shim(engine: &EngineServer, registry: &prometheus::Registry) -> SocketAddr {
+/// A shim in front of `engine`'s first rank with the limits `limit` sets, served on a free
+/// port; its metrics go to `registry`.
+async fn serve_limited(
+    engine: &EngineServer,
+    registry: &prometheus::Registry,
+    limit: impl FnOnce(Shim) -> Shim,
+) -> SocketAddr {
     let shim = Shim::new(
         &format!("http://{}", engine.addrs.ranks[0]),
         true,
         Arc::new(RecordingSink::default()) as Arc<dyn ProgressSink>,
         ShimMetrics::new(registry).unwrap(),
     )
-    .unwrap()
-    .with_limits(4096, 1);
+    .unwrap();
+    let shim = limit(shim);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, br_shim::router(Arc::new(shim))).await });
     addr
+}
+
+/// A shim with `--max-body-bytes 4096 --max-concurrent-requests 1` in front of a slow engine.
+async fn limited_shim(engine: &EngineServer, registry: &prometheus::Registry) -> SocketAddr {
+    serve_limited(engine, registry, |s| s.with_limits(4096, 1)).await
+}
+
+/// What `registry` holds now, parsed.
+fn gathered(registry: &prometheus::Registry) -> br_testkit::prom::Metrics {
+    br_testkit::prom::Metrics::parse(
+        &prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap(),
+    )
+    .unwrap()
 }
 
 #[tokio::test]
@@ -770,12 +790,7 @@ async fn a_body_over_the_limit_is_413_and_one_request_too_many_is_503_both_typed
     .await;
     assert_eq!(status, 200);
 
-    let m = br_testkit::prom::Metrics::parse(
-        &prometheus::TextEncoder::new()
-            .encode_to_string(&registry.gather())
-            .unwrap(),
-    )
-    .unwrap();
+    let m = gathered(&registry);
     assert_eq!(
         m.value(
             "balanceroute_shim_refused_total",
@@ -805,18 +820,11 @@ async fn bodies_held_at_once_are_bounded_by_the_budget_and_refused_typed() {
     let stop = CancellationToken::new();
     let engine = engine(1.0, &stop).await;
     let registry = prometheus::Registry::new();
-    let shim = Shim::new(
-        &format!("http://{}", engine.addrs.ranks[0]),
-        true,
-        Arc::new(RecordingSink::default()) as Arc<dyn ProgressSink>,
-        ShimMetrics::new(&registry).unwrap(),
-    )
-    .unwrap()
-    .with_limits(4096, 8)
-    .with_body_budget(6000, std::time::Duration::from_secs(60));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, br_shim::router(Arc::new(shim))).await });
+    let addr = serve_limited(&engine, &registry, |s| {
+        s.with_limits(4096, 8)
+            .with_body_budget(6000, std::time::Duration::from_secs(60))
+    })
+    .await;
     let base = format!("http://{addr}");
     // about 4,000 bytes of JSON
     let large = json!({"model": "br-emu", "prompt": "x".repeat(3950), "max_tokens": 1});
@@ -826,14 +834,6 @@ async fn bodies_held_at_once_are_bounded_by_the_budget_and_refused_typed() {
             "balanceroute_shim_refused_total",
             &[("reason", "body_budget")],
         )
-    };
-    let metrics = || {
-        br_testkit::prom::Metrics::parse(
-            &prometheus::TextEncoder::new()
-                .encode_to_string(&registry.gather())
-                .unwrap(),
-        )
-        .unwrap()
     };
 
     // A client that declares 4,000 bytes and sends 100 holds 100: the large body fits.
@@ -850,7 +850,7 @@ async fn bodies_held_at_once_are_bounded_by_the_budget_and_refused_typed() {
     let body = eventually_some_refusal(&base, &large).await;
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["error"]["type"], "body_budget", "{v}");
-    assert!(refused(&metrics()) >= 1.0);
+    assert!(refused(&gathered(&registry)) >= 1.0);
     let (status, _) = post(&base, "/v1/completions", "small", &small).await;
     assert_eq!(status, 200, "a small body still fits");
 
@@ -891,18 +891,11 @@ async fn a_body_slower_than_the_timeout_is_408_typed() {
     let stop = CancellationToken::new();
     let engine = engine(1.0, &stop).await;
     let registry = prometheus::Registry::new();
-    let shim = Shim::new(
-        &format!("http://{}", engine.addrs.ranks[0]),
-        true,
-        Arc::new(RecordingSink::default()) as Arc<dyn ProgressSink>,
-        ShimMetrics::new(&registry).unwrap(),
-    )
-    .unwrap()
-    .with_limits(4096, 8)
-    .with_body_budget(4096, std::time::Duration::from_millis(300));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, br_shim::router(Arc::new(shim))).await });
+    let addr = serve_limited(&engine, &registry, |s| {
+        s.with_limits(4096, 8)
+            .with_body_budget(4096, std::time::Duration::from_millis(300))
+    })
+    .await;
     let mut c = stall(addr, 3000).await;
     let mut answer = Vec::new();
     br_testkit::within(PATIENCE, "the shim answers the stalled body", async {
