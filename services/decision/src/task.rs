@@ -137,7 +137,8 @@ pub enum Placing {
     Ready,
 }
 
-/// Called with the group's [`Placing`] when it changes (and once at the start).
+/// Called with the group's [`Placing`] when a σ update changes it (it starts as
+/// [`Placing::NoSigma`]).
 pub type OnPlacing = Box<dyn FnMut(Placing) + Send>;
 
 struct ReserveDone {
@@ -212,6 +213,14 @@ async fn run(
                 if let Some(f) = feed.as_mut() {
                     on_update(&mut core, u, f, &metrics);
                 }
+                // Whether it can place follows σ alone, so only σ's updates can change it.
+                if let Some(report) = on_placing.as_mut() {
+                    let now = core.placing();
+                    if placing != Some(now) {
+                        placing = Some(now);
+                        report(now);
+                    }
+                }
             }
             cmd = cmds.recv() => match cmd {
                 None => break,
@@ -223,13 +232,6 @@ async fn run(
             }
         }
         flush(&mut core, &ops, &done_tx);
-        if let Some(f) = on_placing.as_mut() {
-            let now = core.placing();
-            if placing != Some(now) {
-                placing = Some(now);
-                f(now);
-            }
-        }
     }
     tracing::debug!(group = %core.group(), "group task stopped");
 }
