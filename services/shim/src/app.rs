@@ -11,6 +11,8 @@ use br_runtime::skeleton::{self, Http, ServeError, StartError};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Args;
+use crate::health::{self, Health, HealthMetrics, ProbeConfig};
+use crate::metrics::Labelled;
 use crate::report::{NullSink, ProgressSink, ReporterSink};
 use crate::{Shim, ShimMetrics};
 
@@ -25,11 +27,29 @@ const CONNECTED_REFRESH: Duration = Duration::from_millis(500);
 /// `--shutdown-grace` to finish, then they are cut.
 pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
     args.validate().map_err(StartError::Config)?;
+    // Every series says whose it is: the rank's own metrics, and the process's (the accept
+    // loop, TLS, the engine's health), each with the group and the worker.
+    let process_registry = prometheus::Registry::new();
+    let rank_registry = prometheus::Registry::new();
+    let worker = args.worker_id.to_string();
     let registry = prometheus::Registry::new();
-    let metrics = ShimMetrics::new(&registry)?;
+    registry.register(Box::new(
+        Labelled::default()
+            .with(
+                process_registry.clone(),
+                &[("group", &args.group), ("worker", &worker)],
+            )
+            .with(
+                rank_registry.clone(),
+                &[("group", &args.group), ("worker", &worker)],
+            ),
+    ))?;
+    let metrics = ShimMetrics::new(&rank_registry)?;
+    let health_metrics = HealthMetrics::new(&process_registry)?;
     // The proxy port carries the engine's own (plaintext HTTP) traffic, as the engine's port
     // does; TLS and the loopback default apply to the admin port and to the ingest stream.
-    let edge = skeleton::Edge::load(&args.common, "shim", &registry, &shutdown)?;
+    let edge = skeleton::Edge::load(&args.common, "shim", &process_registry, &shutdown)?;
+    let probing = !args.health.engine_probe_interval.is_zero();
     let (listener, http_addr) = skeleton::bind_listen(&args.common, &edge).await?;
     let endpoint = args
         .endpoint
@@ -49,6 +69,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         );
         cfg.endpoint = endpoint.clone();
         cfg.tls = edge.tls().cloned();
+        // No Hello before the engine has answered a probe.
+        cfg.serving = !probing;
         let handle =
             br_client::reporter::Reporter::spawn(cfg).map_err(|e| StartError::Upstream {
                 flag: "--ingest-addr",
@@ -58,6 +80,38 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         reporter = Some(handle.clone());
         Arc::new(ReporterSink(handle))
     };
+
+    let readiness = Readiness::default();
+    let health = Arc::new(Health::new(
+        args.health.engine_failure_threshold,
+        vec![sink.clone()],
+        Some(readiness.clone()),
+        Some(health_metrics),
+        probing,
+    ));
+    let probe_url = format!(
+        "{}{}",
+        args.upstream.trim_end_matches('/'),
+        args.health.engine_probe_path
+    );
+    health::spawn_prober(
+        health.clone(),
+        ProbeConfig {
+            url: probing.then(|| probe_url.clone()),
+            interval: if probing {
+                args.health.engine_probe_interval
+            } else {
+                health::DEFAULT_PROBE_INTERVAL
+            },
+            timeout: args.health.engine_probe_timeout,
+        },
+        shutdown.clone(),
+    )
+    .map_err(|e| StartError::Upstream {
+        flag: "--upstream",
+        value: args.upstream.clone(),
+        reason: e.to_string(),
+    })?;
 
     let shim = Shim::new(
         &args.upstream,
@@ -71,8 +125,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         reason: e.to_string(),
     })?
     .with_limits(args.max_body_bytes, args.max_concurrent_requests)
-    .with_body_budget(args.max_buffered_body_bytes, args.body_timeout);
-    let readiness = Readiness::default();
+    .with_body_budget(args.max_buffered_body_bytes, args.body_timeout)
+    .with_health(health);
     let admin =
         skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;
     let admin_addr = admin.local_addr();
@@ -100,8 +154,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
 
     tracing::info!(listen = %http_addr, admin = %admin_addr, upstream = %args.upstream,
         group = %args.group, worker_id = args.worker_id, capacity = args.capacity,
-        endpoint = %endpoint, "br-shim serving");
-    readiness.set(true);
+        endpoint = %endpoint, probe = %if probing { probe_url.as_str() } else { "off" },
+        "br-shim serving (ready once the engine answers a probe)");
     let app = crate::router(Arc::new(shim));
     let grace = args.common.shutdown_grace;
     let serve_shutdown = shutdown.clone();

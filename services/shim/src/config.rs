@@ -72,6 +72,29 @@ pub struct Args {
     /// 408 with a JSON error.
     #[arg(long, env = "BALANCEROUTE_BODY_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
     pub body_timeout: std::time::Duration,
+    #[command(flatten)]
+    pub health: HealthArgs,
+}
+
+/// How the shim judges its engine's health (see the `health` module): a worker whose engine
+/// does not answer leaves routing within interval + timeout.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HealthArgs {
+    /// The engine path probed with GET (2xx = alive): `/health` for vLLM, SGLang and br-emu;
+    /// `/v1/models` for other OpenAI-compatible servers.
+    #[arg(long, env = "BALANCEROUTE_ENGINE_PROBE_PATH", default_value = crate::health::DEFAULT_PROBE_PATH)]
+    pub engine_probe_path: String,
+    /// Time between two probes of the engine; 0 turns probing off (the worker is then taken
+    /// out of routing only by a run of failed requests).
+    #[arg(long, env = "BALANCEROUTE_ENGINE_PROBE_INTERVAL", value_parser = humantime::parse_duration, default_value = "500ms")]
+    pub engine_probe_interval: std::time::Duration,
+    /// How long a probe may take before it counts as failed.
+    #[arg(long, env = "BALANCEROUTE_ENGINE_PROBE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "1s")]
+    pub engine_probe_timeout: std::time::Duration,
+    /// Proxied requests in a row that fail at the engine (no connection, 5xx, a body cut
+    /// off) before the worker is taken out of routing.
+    #[arg(long, env = "BALANCEROUTE_ENGINE_FAILURE_THRESHOLD", default_value_t = crate::health::DEFAULT_FAILURE_THRESHOLD)]
+    pub engine_failure_threshold: u32,
 }
 
 impl ServiceArgs for Args {
@@ -114,6 +137,20 @@ impl ServiceArgs for Args {
         if self.body_timeout.is_zero() {
             return Err("--body-timeout must be above 0".into());
         }
+        if !self.health.engine_probe_path.starts_with('/') {
+            return Err(format!(
+                "--engine-probe-path {:?} must start with /",
+                self.health.engine_probe_path
+            ));
+        }
+        if !self.health.engine_probe_interval.is_zero()
+            && self.health.engine_probe_timeout.is_zero()
+        {
+            return Err("--engine-probe-timeout must be above 0".into());
+        }
+        if self.health.engine_failure_threshold == 0 {
+            return Err("--engine-failure-threshold must be at least 1".into());
+        }
         if self.max_buffered_body_bytes < self.max_body_bytes
             || self.max_buffered_body_bytes > tokio::sync::Semaphore::MAX_PERMITS
         {
@@ -149,6 +186,32 @@ mod tests {
         assert!(a.inject_usage);
         assert_eq!(a.body_timeout, DEFAULT_BODY_TIMEOUT);
         assert_eq!(a.max_buffered_body_bytes, DEFAULT_MAX_BUFFERED_BODY_BYTES);
+        assert_eq!(a.health.engine_probe_path, "/health");
+        assert_eq!(
+            a.health.engine_probe_interval,
+            crate::health::DEFAULT_PROBE_INTERVAL
+        );
+        assert_eq!(
+            a.health.engine_probe_timeout,
+            crate::health::DEFAULT_PROBE_TIMEOUT
+        );
+        assert_eq!(a.health.engine_failure_threshold, 3);
+    }
+
+    #[test]
+    fn bad_health_flags_are_refused() {
+        for bad in [
+            vec!["br-shim", "--engine-probe-path", "health"],
+            vec!["br-shim", "--engine-probe-timeout", "0s"],
+            vec!["br-shim", "--engine-failure-threshold", "0"],
+        ] {
+            assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
+        }
+        let a: Args = parse_from(["br-shim", "--engine-probe-interval", "0s"]).unwrap();
+        assert!(
+            a.health.engine_probe_interval.is_zero(),
+            "0 turns probing off"
+        );
     }
 
     #[test]

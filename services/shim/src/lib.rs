@@ -13,9 +13,12 @@
 //! - The request id is the gateway's `X-Request-Id` header, else the response's `id`.
 //! - A client that goes away, an engine error or a failed upstream call ends the request
 //!   (`finished = true`).
+//! - The engine's health ([`health`]): probes and the outcome of every proxied call decide
+//!   whether the worker is in routing (its telemetry stream up) and `/readyz`.
 
 pub mod app;
 pub mod config;
+pub mod health;
 pub mod metrics;
 pub mod report;
 pub mod sse;
@@ -69,6 +72,8 @@ pub struct Shim {
     max_in_flight: usize,
     sink: Arc<dyn ProgressSink>,
     metrics: ShimMetrics,
+    /// Told the outcome of every call to the engine.
+    health: Arc<health::Health>,
 }
 
 impl std::fmt::Debug for Shim {
@@ -118,7 +123,44 @@ impl Shim {
             max_in_flight: DEFAULT_MAX_CONCURRENT_REQUESTS,
             sink,
             metrics,
+            health: Arc::new(health::Health::always_up()),
         })
+    }
+
+    /// Reports the outcome of every call to the engine to `health` (by default nothing
+    /// judges them).
+    #[must_use]
+    pub fn with_health(mut self, health: Arc<health::Health>) -> Self {
+        self.health = health;
+        self
+    }
+
+    /// A call to the engine failed: counted by kind and judged.
+    fn upstream_failed(&self, kind: health::UpstreamError, detail: &str) {
+        self.metrics
+            .upstream_errors
+            .with_label_values(&[kind.label()])
+            .inc();
+        self.health.proxied_failed(kind, detail);
+    }
+
+    /// The engine answered with `status`: a 5xx is a failure, anything else proves it works.
+    fn upstream_answered(&self, status: StatusCode) {
+        if status.is_server_error() {
+            self.upstream_failed(
+                health::UpstreamError::Status5xx,
+                &format!("answered {status}"),
+            );
+        } else {
+            self.health.proxied_ok();
+        }
+    }
+
+    /// A call to the engine failed before a response: counted, judged, answered 502.
+    fn unreachable(&self, what: &str, e: &reqwest::Error) -> Response {
+        let detail = health::error_chain(e);
+        self.upstream_failed(health::UpstreamError::of(e), &detail);
+        bad_gateway(format!("{what}: {detail}"))
     }
 
     /// The largest request body and the most requests at once (`--max-body-bytes`,
@@ -280,6 +322,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
             .await
         {
             Ok(resp) => {
+                shim.upstream_answered(resp.status());
                 let mut out = Response::builder().status(resp.status());
                 if let Some(h) = out.headers_mut() {
                     *h = forward_headers(resp.headers());
@@ -287,7 +330,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
                 out.body(holding(permit, resp.bytes_stream()))
                     .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
             }
-            Err(e) => bad_gateway(format!("upstream: {e}")),
+            Err(e) => shim.unreachable("upstream", &e),
         };
     }
 
@@ -315,7 +358,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     };
     let mut resp = match send(out_body).await {
         Ok(r) => r,
-        Err(e) => return bad_gateway(format!("upstream: {e}")),
+        Err(e) => return shim.unreachable("upstream", &e),
     };
     if strip.is_some()
         && matches!(resp.status().as_u16(), 400 | 422)
@@ -334,10 +377,11 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
                 resp = r;
             }
             Ok(r) => resp = r,
-            Err(e) => return bad_gateway(format!("upstream: {e}")),
+            Err(e) => return shim.unreachable("upstream", &e),
         }
     }
     let status = resp.status();
+    shim.upstream_answered(status);
     let mut out = Response::builder().status(status);
     if let Some(h) = out.headers_mut() {
         *h = forward_headers(resp.headers());
@@ -365,7 +409,11 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     // Not streaming (or an error): one body; read its usage, forward it as it was.
     let bytes = match resp.bytes().await {
         Ok(b) => b,
-        Err(e) => return bad_gateway(format!("upstream body: {e}")),
+        Err(e) => {
+            let detail = health::error_chain(&e);
+            shim.upstream_failed(health::UpstreamError::Body, &detail);
+            return bad_gateway(format!("upstream body: {detail}"));
+        }
     };
     if status.is_success()
         && let Some(info) = sse::peek(&bytes)
@@ -680,6 +728,9 @@ impl Stream for Tracked {
                 Poll::Ready(Some(Err(e))) => {
                     self.done = true;
                     tracing::warn!(request_id = ?self.track.id, error = %e, "engine stream failed");
+                    self.track
+                        .shim
+                        .upstream_failed(health::UpstreamError::Body, &health::error_chain(&e));
                     self.track.finish();
                     return Poll::Ready(Some(Err(std::io::Error::other(e))));
                 }
