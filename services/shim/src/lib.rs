@@ -22,6 +22,7 @@ pub mod health;
 pub mod metrics;
 pub mod report;
 pub mod sse;
+pub mod topology;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -74,6 +75,8 @@ pub struct Shim {
     metrics: ShimMetrics,
     /// Told the outcome of every call to the engine.
     health: Arc<health::Health>,
+    /// How the engine is told this shim's rank (when one server serves several).
+    pin: topology::Pin,
 }
 
 impl std::fmt::Debug for Shim {
@@ -124,7 +127,34 @@ impl Shim {
             sink,
             metrics,
             health: Arc::new(health::Health::always_up()),
+            pin: topology::Pin::default(),
         })
+    }
+
+    /// Tells the engine this rank on every request (`--dp-rank-header`, `--dp-rank-field`).
+    #[must_use]
+    pub fn with_pin(mut self, pin: topology::Pin) -> Self {
+        self.pin = pin;
+        self
+    }
+
+    /// Shares `other`'s limits (requests at once, body bytes held, body timeout): the ranks
+    /// one shim process serves share its memory and its connections.
+    #[must_use]
+    pub fn sharing_limits_of(mut self, other: &Shim) -> Self {
+        self.max_body = other.max_body;
+        self.in_flight = Arc::clone(&other.in_flight);
+        self.max_in_flight = other.max_in_flight;
+        self.body_budget = Arc::clone(&other.body_budget);
+        self.max_buffered = other.max_buffered;
+        self.body_timeout = other.body_timeout;
+        self.client = other.client.clone();
+        self
+    }
+
+    /// A refusal in the OpenAI error shape, counted under `reason`.
+    pub(crate) fn refuse_for(&self, status: StatusCode, reason: &str, msg: String) -> Response {
+        refuse(self, status, reason, msg)
     }
 
     /// Reports the outcome of every call to the engine to `health` (by default nothing
@@ -307,7 +337,8 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         return too_large(&shim);
     }
     let (parts, body) = req.into_parts();
-    let headers = forward_headers(&parts.headers);
+    let mut headers = forward_headers(&parts.headers);
+    shim.pin.apply_header(&mut headers);
 
     if !tracked {
         // Not inspected, so streamed through, but no longer than the limit either.
@@ -338,6 +369,9 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         Ok(read) => read,
         Err(refused) => return refused,
     };
+    // Before `plan`: the body sent on, and the client's own if the engine refuses the usage
+    // options, both carry the rank.
+    let raw = shim.pin.apply_field(raw);
     let header_id = parts
         .headers
         .get("x-request-id")

@@ -55,7 +55,7 @@ impl ShimMetrics {
             refused: prometheus::IntCounterVec::new(
                 Opts::new(
                     "balanceroute_shim_refused_total",
-                    "Requests refused for a limit (413 body too large, 503 too many at once or too many body bytes held, 408 body too slow), by limit.",
+                    "Requests refused for a limit (413 body too large, 503 too many at once or too many body bytes held, 408 body too slow) or, by a shim serving several ranks, for naming none it serves (404 no_rank), by reason.",
                 ),
                 &["reason"],
             )?,
@@ -80,6 +80,7 @@ impl ShimMetrics {
             "concurrency",
             "body_budget",
             "body_timeout",
+            "no_rank",
         ] {
             m.refused.with_label_values(&[r]);
         }
