@@ -16,6 +16,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod engine;
 pub mod freeze;
 pub mod pki;
 pub mod reflection;
@@ -92,6 +93,8 @@ pub fn binaries() -> &'static Path {
             "br-decision",
             "-p",
             "br-shim",
+            "-p",
+            "br-emu",
         ]);
         // Cargo sets these for the test process; an inner build that inherits them differs
         // from the outer `cargo test` to build scripts that watch them (ring reruns on

@@ -558,6 +558,10 @@ async fn a_client_presents_its_rotated_certificate_on_its_next_handshake_and_kee
             "100ms".into(),
             "--upstream".into(),
             "http://127.0.0.1:1".into(),
+            // no engine here: in routing without one (a probed shim says Hello only once its
+            // engine answers)
+            "--engine-probe-interval".into(),
+            "0s".into(),
             "--ingest-addr".into(),
             ingest.grpc_url(),
             "--group".into(),

@@ -217,6 +217,10 @@ async fn service_account_ids_get_the_roles_the_map_gives_and_no_more() {
         [
             "--upstream",
             "http://127.0.0.1:1",
+            // no engine here: in routing without one (a probed shim says Hello only once its
+            // engine answers)
+            "--engine-probe-interval",
+            "0s",
             "--ingest-addr",
             &ingest_url,
             "--group",

@@ -11,8 +11,10 @@ use br_runtime::skeleton::{self, Http, ServeError, StartError};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Args;
+use crate::health::{self, Health, HealthMetrics, ProbeConfig};
+use crate::metrics::Labelled;
 use crate::report::{NullSink, ProgressSink, ReporterSink};
-use crate::{Shim, ShimMetrics};
+use crate::{Shim, ShimMetrics, topology};
 
 /// A started shim (see [`br_runtime::skeleton::Running`]): `http_addr()` is the proxy.
 pub type Running = skeleton::Running<Http>;
@@ -25,60 +27,146 @@ const CONNECTED_REFRESH: Duration = Duration::from_millis(500);
 /// `--shutdown-grace` to finish, then they are cut.
 pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
     args.validate().map_err(StartError::Config)?;
+    let ids = args.ranks().map_err(StartError::Config)?;
+    let several = args.topology.worker_ids.is_some();
+    // Every series says whose it is: each rank's own metrics, and the process's (the accept
+    // loop, TLS, the engine's health), each with the group and the worker.
+    let process_registry = prometheus::Registry::new();
+    let mut labelled = Labelled::default().with(
+        process_registry.clone(),
+        &[("group", &args.group), ("worker", &args.worker_label())],
+    );
+    let mut rank_metrics = Vec::with_capacity(ids.len());
+    for id in &ids {
+        let r = prometheus::Registry::new();
+        rank_metrics.push(ShimMetrics::new(&r)?);
+        labelled = labelled.with(r, &[("group", &args.group), ("worker", &id.to_string())]);
+    }
     let registry = prometheus::Registry::new();
-    let metrics = ShimMetrics::new(&registry)?;
+    registry.register(Box::new(labelled))?;
+    let health_metrics = HealthMetrics::new(&process_registry)?;
     // The proxy port carries the engine's own (plaintext HTTP) traffic, as the engine's port
     // does; TLS and the loopback default apply to the admin port and to the ingest stream.
-    let edge = skeleton::Edge::load(&args.common, "shim", &registry, &shutdown)?;
+    let edge = skeleton::Edge::load(&args.common, "shim", &process_registry, &shutdown)?;
+    let probing = !args.health.engine_probe_interval.is_zero();
     let (listener, http_addr) = skeleton::bind_listen(&args.common, &edge).await?;
     let endpoint = args
         .endpoint
         .clone()
         .unwrap_or_else(|| format!("http://{http_addr}"));
 
-    let mut reporter = None;
-    let sink: Arc<dyn ProgressSink> = if args.ingest_addr.is_empty() {
-        tracing::warn!("no --ingest-addr: forwarding without reporting progress");
-        Arc::new(NullSink)
-    } else {
+    // One reporter (one telemetry stream) per rank.
+    let mut reporters = Vec::new();
+    let mut sinks: Vec<Arc<dyn ProgressSink>> = Vec::with_capacity(ids.len());
+    for &id in &ids {
+        if args.ingest_addr.is_empty() {
+            sinks.push(Arc::new(NullSink));
+            continue;
+        }
         let mut cfg = br_client::reporter::ReporterConfig::new(
             args.ingest_addr.clone(),
             args.group.clone(),
-            args.worker_id,
+            id,
             args.capacity,
         );
-        cfg.endpoint = endpoint.clone();
+        cfg.endpoint = if several {
+            topology::rank_endpoint(&endpoint, id)
+        } else {
+            endpoint.clone()
+        };
         cfg.tls = edge.tls().cloned();
+        // No Hello before the engine has answered a probe.
+        cfg.serving = !probing;
         let handle =
             br_client::reporter::Reporter::spawn(cfg).map_err(|e| StartError::Upstream {
                 flag: "--ingest-addr",
                 value: args.ingest_addr.clone(),
                 reason: e.to_string(),
             })?;
-        reporter = Some(handle.clone());
-        Arc::new(ReporterSink(handle))
-    };
+        reporters.push(handle.clone());
+        sinks.push(Arc::new(ReporterSink(handle)));
+    }
+    if args.ingest_addr.is_empty() {
+        tracing::warn!("no --ingest-addr: forwarding without reporting progress");
+    }
 
-    let shim = Shim::new(
-        &args.upstream,
-        args.inject_usage,
-        sink.clone(),
-        metrics.clone(),
+    let readiness = Readiness::default();
+    let health = Arc::new(Health::new(
+        args.health.engine_failure_threshold,
+        sinks.clone(),
+        Some(readiness.clone()),
+        Some(health_metrics),
+        probing,
+    ));
+    let probe_url = format!(
+        "{}{}",
+        args.upstream.trim_end_matches('/'),
+        args.health.engine_probe_path
+    );
+    health::spawn_prober(
+        health.clone(),
+        ProbeConfig {
+            url: probing.then(|| probe_url.clone()),
+            interval: if probing {
+                args.health.engine_probe_interval
+            } else {
+                health::DEFAULT_PROBE_INTERVAL
+            },
+            timeout: args.health.engine_probe_timeout,
+        },
+        shutdown.clone(),
     )
     .map_err(|e| StartError::Upstream {
         flag: "--upstream",
         value: args.upstream.clone(),
         reason: e.to_string(),
-    })?
-    .with_limits(args.max_body_bytes, args.max_concurrent_requests)
-    .with_body_budget(args.max_buffered_body_bytes, args.body_timeout);
-    let readiness = Readiness::default();
+    })?;
+
+    let header = match &args.topology.dp_rank_header {
+        Some(h) => Some(
+            axum::http::HeaderName::from_bytes(h.as_bytes())
+                .map_err(|e| StartError::Config(format!("--dp-rank-header {h:?}: {e}")))?,
+        ),
+        None => None,
+    };
+    let mut shims: std::collections::BTreeMap<u32, Arc<Shim>> = std::collections::BTreeMap::new();
+    let mut first: Option<Arc<Shim>> = None;
+    for ((&id, sink), metrics) in ids.iter().zip(&sinks).zip(&rank_metrics) {
+        let shim = Shim::new(
+            &args.upstream,
+            args.inject_usage,
+            sink.clone(),
+            metrics.clone(),
+        )
+        .map_err(|e| StartError::Upstream {
+            flag: "--upstream",
+            value: args.upstream.clone(),
+            reason: e.to_string(),
+        })?;
+        let shim = match &first {
+            // the ranks of one process share its limits and its connections to the engine
+            Some(f) => shim.sharing_limits_of(f),
+            None => shim
+                .with_limits(args.max_body_bytes, args.max_concurrent_requests)
+                .with_body_budget(args.max_buffered_body_bytes, args.body_timeout),
+        }
+        .with_health(health.clone())
+        .with_pin(topology::Pin {
+            rank: id,
+            header: header.clone(),
+            field: args.topology.dp_rank_field.clone(),
+        });
+        let shim = Arc::new(shim);
+        first.get_or_insert_with(|| shim.clone());
+        shims.insert(id, shim);
+    }
     let admin =
         skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;
     let admin_addr = admin.local_addr();
 
-    // The ingest_connected gauge and the refusals counter follow the reporter.
-    {
+    // The ingest_connected gauge and the refusals counter follow each rank's reporter.
+    for (sink, metrics) in sinks.iter().zip(&rank_metrics) {
+        let sink = sink.clone();
         let gauge = metrics.ingest_connected.clone();
         let refusals = metrics.ingest_refusals.clone();
         let stop = shutdown.clone();
@@ -99,10 +187,14 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     }
 
     tracing::info!(listen = %http_addr, admin = %admin_addr, upstream = %args.upstream,
-        group = %args.group, worker_id = args.worker_id, capacity = args.capacity,
-        endpoint = %endpoint, "br-shim serving");
-    readiness.set(true);
-    let app = crate::router(Arc::new(shim));
+        group = %args.group, workers = %args.worker_label(), capacity = args.capacity,
+        endpoint = %endpoint, probe = %if probing { probe_url.as_str() } else { "off" },
+        dp_rank_header = ?args.topology.dp_rank_header, dp_rank_field = ?args.topology.dp_rank_field,
+        "br-shim serving (ready once the engine answers a probe)");
+    let app = match first {
+        Some(only) if !several => crate::router(only),
+        _ => topology::rank_router(shims),
+    };
     let grace = args.common.shutdown_grace;
     let serve_shutdown = shutdown.clone();
     Ok(Running::spawn(
@@ -125,9 +217,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
                     ServeOutcome::GraceExpired
                 }
             };
-            if let Some(r) = reporter {
-                r.shutdown().await;
-            }
+            // each flushes and ends its stream; together, not one after another
+            futures::future::join_all(reporters.iter().map(|r| r.shutdown())).await;
             skeleton::wait_admin(admin).await?;
             Ok(outcome)
         },

@@ -72,6 +72,69 @@ pub struct Args {
     /// 408 with a JSON error.
     #[arg(long, env = "BALANCEROUTE_BODY_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
     pub body_timeout: std::time::Duration,
+    #[command(flatten)]
+    pub health: HealthArgs,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+}
+
+/// When one engine server serves several DP ranks (see the `topology` module).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TopologyArgs {
+    /// Set this header to the rank on every request forwarded (vLLM with one API server for
+    /// all DP ranks: `X-data-parallel-rank`).
+    #[arg(long, env = "BALANCEROUTE_DP_RANK_HEADER")]
+    pub dp_rank_header: Option<String>,
+    /// Set this top-level JSON field to the rank in every generation request (SGLang's DP
+    /// controller: `routed_dp_rank`; `data_parallel_rank` before SGLang renamed it).
+    #[arg(long, env = "BALANCEROUTE_DP_RANK_FIELD")]
+    pub dp_rank_field: Option<String>,
+    /// Serve several ranks of one server from this process, e.g. `0-7` or `0,2,4-6` (replaces
+    /// --worker-id): one telemetry stream per rank; a request names its rank by the path
+    /// prefix `/rank/<n>/`, and rank n announces `<endpoint>/rank/<n>`. Needs
+    /// --dp-rank-header or --dp-rank-field.
+    #[arg(long, env = "BALANCEROUTE_WORKER_IDS")]
+    pub worker_ids: Option<String>,
+}
+
+impl Args {
+    /// The ranks this shim serves: `--worker-ids`, else `--worker-id`.
+    pub fn ranks(&self) -> Result<Vec<u32>, String> {
+        match &self.topology.worker_ids {
+            Some(spec) => crate::topology::parse_worker_ids(spec, limits::MAX_WORKER_ID),
+            None => Ok(vec![self.worker_id]),
+        }
+    }
+
+    /// The `worker` label of the process's own series: `--worker-ids` as given (trimmed), or
+    /// the `--worker-id`.
+    pub fn worker_label(&self) -> String {
+        match &self.topology.worker_ids {
+            Some(spec) => spec.replace(' ', ""),
+            None => self.worker_id.to_string(),
+        }
+    }
+}
+
+/// How the shim judges its engine's health (see the `health` module): a worker whose engine
+/// does not answer leaves routing within interval + timeout.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HealthArgs {
+    /// The engine path probed with GET (2xx = alive): `/health` for vLLM, SGLang and br-emu;
+    /// `/v1/models` for other OpenAI-compatible servers.
+    #[arg(long, env = "BALANCEROUTE_ENGINE_PROBE_PATH", default_value = crate::health::DEFAULT_PROBE_PATH)]
+    pub engine_probe_path: String,
+    /// Time between two probes of the engine; 0 turns probing off (the worker is then taken
+    /// out of routing only by a run of failed requests).
+    #[arg(long, env = "BALANCEROUTE_ENGINE_PROBE_INTERVAL", value_parser = humantime::parse_duration, default_value = "500ms")]
+    pub engine_probe_interval: std::time::Duration,
+    /// How long a probe may take before it counts as failed.
+    #[arg(long, env = "BALANCEROUTE_ENGINE_PROBE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "1s")]
+    pub engine_probe_timeout: std::time::Duration,
+    /// Proxied requests in a row that fail at the engine (no connection, 5xx, a body cut
+    /// off) before the worker is taken out of routing.
+    #[arg(long, env = "BALANCEROUTE_ENGINE_FAILURE_THRESHOLD", default_value_t = crate::health::DEFAULT_FAILURE_THRESHOLD)]
+    pub engine_failure_threshold: u32,
 }
 
 impl ServiceArgs for Args {
@@ -114,6 +177,43 @@ impl ServiceArgs for Args {
         if self.body_timeout.is_zero() {
             return Err("--body-timeout must be above 0".into());
         }
+        let ranks = self.ranks()?;
+        if let Some(h) = &self.topology.dp_rank_header
+            && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
+        {
+            return Err(format!("--dp-rank-header {h:?} is not a header name"));
+        }
+        if self
+            .topology
+            .dp_rank_field
+            .as_ref()
+            .is_some_and(|f| f.is_empty())
+        {
+            return Err("--dp-rank-field must not be empty".into());
+        }
+        if ranks.len() > 1
+            && self.topology.dp_rank_header.is_none()
+            && self.topology.dp_rank_field.is_none()
+        {
+            return Err(format!(
+                "--worker-ids {:?} names several ranks of one server: the server must be told                  the rank of each request (--dp-rank-header X-data-parallel-rank for vLLM,                  --dp-rank-field routed_dp_rank for SGLang), or its telemetry would be                  reported for the wrong worker",
+                self.topology.worker_ids.as_deref().unwrap_or_default()
+            ));
+        }
+        if !self.health.engine_probe_path.starts_with('/') {
+            return Err(format!(
+                "--engine-probe-path {:?} must start with /",
+                self.health.engine_probe_path
+            ));
+        }
+        if !self.health.engine_probe_interval.is_zero()
+            && self.health.engine_probe_timeout.is_zero()
+        {
+            return Err("--engine-probe-timeout must be above 0".into());
+        }
+        if self.health.engine_failure_threshold == 0 {
+            return Err("--engine-failure-threshold must be at least 1".into());
+        }
         if self.max_buffered_body_bytes < self.max_body_bytes
             || self.max_buffered_body_bytes > tokio::sync::Semaphore::MAX_PERMITS
         {
@@ -149,6 +249,67 @@ mod tests {
         assert!(a.inject_usage);
         assert_eq!(a.body_timeout, DEFAULT_BODY_TIMEOUT);
         assert_eq!(a.max_buffered_body_bytes, DEFAULT_MAX_BUFFERED_BODY_BYTES);
+        assert_eq!(a.health.engine_probe_path, "/health");
+        assert_eq!(
+            a.health.engine_probe_interval,
+            crate::health::DEFAULT_PROBE_INTERVAL
+        );
+        assert_eq!(
+            a.health.engine_probe_timeout,
+            crate::health::DEFAULT_PROBE_TIMEOUT
+        );
+        assert_eq!(a.health.engine_failure_threshold, 3);
+    }
+
+    #[test]
+    fn topologies_are_checked() {
+        for bad in [
+            vec!["br-shim", "--worker-ids", "0-3"],
+            vec!["br-shim", "--worker-ids", "0-1024", "--dp-rank-field", "r"],
+            vec!["br-shim", "--dp-rank-header", "bad header"],
+            vec!["br-shim", "--dp-rank-field", ""],
+        ] {
+            assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
+        }
+        let a: Args = parse_from([
+            "br-shim",
+            "--worker-ids",
+            "0-3, 6",
+            "--dp-rank-header",
+            "X-data-parallel-rank",
+        ])
+        .unwrap();
+        assert_eq!(a.ranks().unwrap(), vec![0, 1, 2, 3, 6]);
+        assert_eq!(a.worker_label(), "0-3,6");
+        let a: Args = parse_from(["br-shim", "--worker-id", "5"]).unwrap();
+        assert_eq!(a.ranks().unwrap(), vec![5]);
+        assert_eq!(a.worker_label(), "5");
+        // one rank of a shared server: a pin and no list
+        let a: Args = parse_from([
+            "br-shim",
+            "--worker-id",
+            "2",
+            "--dp-rank-field",
+            "routed_dp_rank",
+        ])
+        .unwrap();
+        assert_eq!(a.ranks().unwrap(), vec![2]);
+    }
+
+    #[test]
+    fn bad_health_flags_are_refused() {
+        for bad in [
+            vec!["br-shim", "--engine-probe-path", "health"],
+            vec!["br-shim", "--engine-probe-timeout", "0s"],
+            vec!["br-shim", "--engine-failure-threshold", "0"],
+        ] {
+            assert!(parse_from::<Args, _, _>(bad.clone()).is_err(), "{bad:?}");
+        }
+        let a: Args = parse_from(["br-shim", "--engine-probe-interval", "0s"]).unwrap();
+        assert!(
+            a.health.engine_probe_interval.is_zero(),
+            "0 turns probing off"
+        );
     }
 
     #[test]

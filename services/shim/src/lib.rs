@@ -13,12 +13,16 @@
 //! - The request id is the gateway's `X-Request-Id` header, else the response's `id`.
 //! - A client that goes away, an engine error or a failed upstream call ends the request
 //!   (`finished = true`).
+//! - The engine's health ([`health`]): probes and the outcome of every proxied call decide
+//!   whether the worker is in routing (its telemetry stream up) and `/readyz`.
 
 pub mod app;
 pub mod config;
+pub mod health;
 pub mod metrics;
 pub mod report;
 pub mod sse;
+pub mod topology;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -69,6 +73,10 @@ pub struct Shim {
     max_in_flight: usize,
     sink: Arc<dyn ProgressSink>,
     metrics: ShimMetrics,
+    /// Told the outcome of every call to the engine.
+    health: Arc<health::Health>,
+    /// How the engine is told this shim's rank (when one server serves several).
+    pin: topology::Pin,
 }
 
 impl std::fmt::Debug for Shim {
@@ -118,7 +126,71 @@ impl Shim {
             max_in_flight: DEFAULT_MAX_CONCURRENT_REQUESTS,
             sink,
             metrics,
+            health: Arc::new(health::Health::always_up()),
+            pin: topology::Pin::default(),
         })
+    }
+
+    /// Tells the engine this rank on every request (`--dp-rank-header`, `--dp-rank-field`).
+    #[must_use]
+    pub fn with_pin(mut self, pin: topology::Pin) -> Self {
+        self.pin = pin;
+        self
+    }
+
+    /// Shares `other`'s limits (requests at once, body bytes held, body timeout): the ranks
+    /// one shim process serves share its memory and its connections.
+    #[must_use]
+    pub fn sharing_limits_of(mut self, other: &Shim) -> Self {
+        self.max_body = other.max_body;
+        self.in_flight = Arc::clone(&other.in_flight);
+        self.max_in_flight = other.max_in_flight;
+        self.body_budget = Arc::clone(&other.body_budget);
+        self.max_buffered = other.max_buffered;
+        self.body_timeout = other.body_timeout;
+        self.client = other.client.clone();
+        self
+    }
+
+    /// A refusal in the OpenAI error shape, counted under `reason`.
+    pub(crate) fn refuse_for(&self, status: StatusCode, reason: &str, msg: String) -> Response {
+        refuse(self, status, reason, msg)
+    }
+
+    /// Reports the outcome of every call to the engine to `health` (by default nothing
+    /// judges them).
+    #[must_use]
+    pub fn with_health(mut self, health: Arc<health::Health>) -> Self {
+        self.health = health;
+        self
+    }
+
+    /// A call to the engine failed: counted by kind and judged.
+    fn upstream_failed(&self, kind: health::UpstreamError, detail: &str) {
+        self.metrics
+            .upstream_errors
+            .with_label_values(&[kind.label()])
+            .inc();
+        self.health.proxied_failed(kind, detail);
+    }
+
+    /// The engine answered with `status`: a 5xx is a failure, anything else proves it works.
+    fn upstream_answered(&self, status: StatusCode) {
+        if status.is_server_error() {
+            self.upstream_failed(
+                health::UpstreamError::Status5xx,
+                &format!("answered {status}"),
+            );
+        } else {
+            self.health.proxied_ok();
+        }
+    }
+
+    /// A call to the engine failed before a response: counted, judged, answered 502.
+    fn unreachable(&self, what: &str, e: &reqwest::Error) -> Response {
+        let detail = health::error_chain(e);
+        self.upstream_failed(health::UpstreamError::of(e), &detail);
+        bad_gateway(format!("{what}: {detail}"))
     }
 
     /// The largest request body and the most requests at once (`--max-body-bytes`,
@@ -265,7 +337,8 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         return too_large(&shim);
     }
     let (parts, body) = req.into_parts();
-    let headers = forward_headers(&parts.headers);
+    let mut headers = forward_headers(&parts.headers);
+    shim.pin.apply_header(&mut headers);
 
     if !tracked {
         // Not inspected, so streamed through, but no longer than the limit either.
@@ -280,6 +353,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
             .await
         {
             Ok(resp) => {
+                shim.upstream_answered(resp.status());
                 let mut out = Response::builder().status(resp.status());
                 if let Some(h) = out.headers_mut() {
                     *h = forward_headers(resp.headers());
@@ -287,7 +361,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
                 out.body(holding(permit, resp.bytes_stream()))
                     .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
             }
-            Err(e) => bad_gateway(format!("upstream: {e}")),
+            Err(e) => shim.unreachable("upstream", &e),
         };
     }
 
@@ -295,6 +369,9 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
         Ok(read) => read,
         Err(refused) => return refused,
     };
+    // Before `plan`: the body sent on, and the client's own if the engine refuses the usage
+    // options, both carry the rank.
+    let raw = shim.pin.apply_field(raw);
     let header_id = parts
         .headers
         .get("x-request-id")
@@ -315,7 +392,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     };
     let mut resp = match send(out_body).await {
         Ok(r) => r,
-        Err(e) => return bad_gateway(format!("upstream: {e}")),
+        Err(e) => return shim.unreachable("upstream", &e),
     };
     if strip.is_some()
         && matches!(resp.status().as_u16(), 400 | 422)
@@ -334,10 +411,11 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
                 resp = r;
             }
             Ok(r) => resp = r,
-            Err(e) => return bad_gateway(format!("upstream: {e}")),
+            Err(e) => return shim.unreachable("upstream", &e),
         }
     }
     let status = resp.status();
+    shim.upstream_answered(status);
     let mut out = Response::builder().status(status);
     if let Some(h) = out.headers_mut() {
         *h = forward_headers(resp.headers());
@@ -365,7 +443,11 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     // Not streaming (or an error): one body; read its usage, forward it as it was.
     let bytes = match resp.bytes().await {
         Ok(b) => b,
-        Err(e) => return bad_gateway(format!("upstream body: {e}")),
+        Err(e) => {
+            let detail = health::error_chain(&e);
+            shim.upstream_failed(health::UpstreamError::Body, &detail);
+            return bad_gateway(format!("upstream body: {detail}"));
+        }
     };
     if status.is_success()
         && let Some(info) = sse::peek(&bytes)
@@ -680,6 +762,9 @@ impl Stream for Tracked {
                 Poll::Ready(Some(Err(e))) => {
                     self.done = true;
                     tracing::warn!(request_id = ?self.track.id, error = %e, "engine stream failed");
+                    self.track
+                        .shim
+                        .upstream_failed(health::UpstreamError::Body, &health::error_chain(&e));
                     self.track.finish();
                     return Poll::Ready(Some(Err(std::io::Error::other(e))));
                 }

@@ -20,6 +20,10 @@ pub trait ProgressSink: Send + Sync + 'static {
     fn refusals(&self) -> u64 {
         0
     }
+
+    /// Whether the worker can take work (the shim's engine answers): `false` takes it out of
+    /// routing (the reporter ends its stream: SUSPECT in σ), `true` brings it back.
+    fn set_serving(&self, _serving: bool) {}
 }
 
 /// One call to [`ProgressSink::progress`].
@@ -35,12 +39,21 @@ pub struct Report {
 #[derive(Debug, Clone, Default)]
 pub struct RecordingSink {
     reports: Arc<Mutex<Vec<Report>>>,
+    serving: Arc<Mutex<Vec<bool>>>,
 }
 
 impl RecordingSink {
     /// Everything reported so far, in order.
     pub fn reports(&self) -> Vec<Report> {
         match self.reports.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Every [`ProgressSink::set_serving`] call so far, in order.
+    pub fn serving_changes(&self) -> Vec<bool> {
+        match self.serving.lock() {
             Ok(g) => g.clone(),
             Err(p) => p.into_inner().clone(),
         }
@@ -66,6 +79,13 @@ impl ProgressSink for RecordingSink {
         match self.reports.lock() {
             Ok(mut g) => g.push(r),
             Err(p) => p.into_inner().push(r),
+        }
+    }
+
+    fn set_serving(&self, serving: bool) {
+        match self.serving.lock() {
+            Ok(mut g) => g.push(serving),
+            Err(p) => p.into_inner().push(serving),
         }
     }
 }
@@ -102,5 +122,9 @@ impl ProgressSink for ReporterSink {
 
     fn refusals(&self) -> u64 {
         self.0.stats().refusals
+    }
+
+    fn set_serving(&self, serving: bool) {
+        self.0.set_serving(serving);
     }
 }

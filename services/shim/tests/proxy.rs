@@ -570,6 +570,8 @@ mod wiring {
         let shim = br_shim::start(&args, shim_stop.clone()).await.unwrap();
         let proxy = format!("http://{}", shim.http_addr());
         assert_ne!(shim.http_addr().port(), 0);
+        // Ready once its engine has answered a probe (the first is sent at start).
+        eventually(PATIENCE, "the shim ready", || async { shim.is_ready() }).await;
         assert!(shim.is_ready());
         let readyz = reqwest::get(format!("http://{}/readyz", shim.admin_addr()))
             .await
@@ -578,7 +580,7 @@ mod wiring {
         // Every name under `# shim`, as the binary exports them (its own and the skeleton's).
         let m = br_testkit::http::metrics(shim.admin_addr()).await;
         let names = m.assert_contract("shim");
-        assert_eq!(names.len(), 8, "{names:?}");
+        assert_eq!(names.len(), 11, "{names:?}");
 
         // It proxies: the same bytes with and without it.
         let body = json!({"model": "br-emu", "prompt": "x", "max_tokens": 3, "stream": true});

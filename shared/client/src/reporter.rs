@@ -17,6 +17,13 @@
 //! and logs that. A finished request is forgotten once an ack covers the message that reported
 //! it finished.
 //!
+//! [`ReporterHandle::set_serving`]`(false)` (the shim's engine is down) ends the stream
+//! cleanly, after its last changes, and holds off reconnecting until `set_serving(true)`: ingest
+//! marks the worker SUSPECT at once (no new work), and the reconnect says Hello with the same
+//! incarnation and a full state, so σ takes the worker back with its requests (or, if it was
+//! fenced meanwhile, the refusal makes it a new incarnation as above). The state is kept
+//! throughout.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), br_client::reporter::ReporterError> {
 //! use br_client::reporter::{Reporter, ReporterConfig};
@@ -39,7 +46,7 @@ use br_proto::ValidationError;
 use br_proto::v1;
 use br_proto::valid::{RequestId, ValidHello, limits};
 use rand::Rng as _;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -88,6 +95,10 @@ pub struct ReporterConfig {
     /// full state always fits in one message). A new request beyond it is refused by
     /// [`ReporterHandle::progress`].
     pub max_pending: usize,
+    /// Whether the worker serves from the start (true by default); false holds the first
+    /// connect until [`ReporterHandle::set_serving`]`(true)` (a shim whose engine has not
+    /// answered yet).
+    pub serving: bool,
 }
 
 impl ReporterConfig {
@@ -107,6 +118,7 @@ impl ReporterConfig {
             tls: None,
             full_state_every: DEFAULT_FULL_STATE_EVERY,
             max_pending: DEFAULT_MAX_PENDING,
+            serving: true,
         }
     }
 }
@@ -267,6 +279,7 @@ impl Reporter {
             max_pending: config.max_pending,
             closed: AtomicBool::new(false),
             close_notify: Notify::new(),
+            serving: watch::channel(config.serving).0,
             connected: AtomicBool::new(false),
             full_state_requested: AtomicBool::new(false),
             tls: config.tls.clone(),
@@ -374,6 +387,26 @@ impl ReporterHandle {
         self.inner.shared.incarnation.load(Ordering::Relaxed)
     }
 
+    /// Whether the worker can take work. `false` ends the telemetry stream cleanly (after
+    /// sending what changed), so ingest marks the worker SUSPECT at once and decision stops
+    /// assigning to it, and keeps it closed while false; `true` reconnects at once with the
+    /// same incarnation and a full state. The state is kept either way, and `progress` goes on
+    /// recording. For a worker whose engine is down: ending the stream is the one signal every
+    /// ingest and snapshot service already turns into SUSPECT, then FENCED after the grace
+    /// period (the engine's requests died with it).
+    pub fn set_serving(&self, serving: bool) {
+        self.inner
+            .shared
+            .serving
+            .send_if_modified(|s| std::mem::replace(s, serving) != serving);
+    }
+
+    /// Whether the worker is serving (the last [`set_serving`](Self::set_serving); true at
+    /// first).
+    pub fn is_serving(&self) -> bool {
+        *self.inner.shared.serving.borrow()
+    }
+
     /// Whether a stream to ingest is up.
     pub fn is_connected(&self) -> bool {
         self.inner.shared.connected.load(Ordering::Relaxed)
@@ -447,6 +480,9 @@ struct Shared {
     max_pending: usize,
     closed: AtomicBool,
     close_notify: Notify,
+    /// Whether the worker can take work (see [`ReporterHandle::set_serving`]); while false no
+    /// stream is held.
+    serving: watch::Sender<bool>,
     connected: AtomicBool,
     full_state_requested: AtomicBool,
     tls: Option<Arc<br_trust::TlsMaterial>>,
@@ -605,6 +641,9 @@ enum Ended {
     /// Ingest ended the stream with ABORTED: the snapshot service refused this worker's
     /// changes. Retry with a new incarnation.
     Refused(String),
+    /// The worker stopped serving ([`ReporterHandle::set_serving`]): the stream was ended
+    /// cleanly; reconnect (same incarnation) once it serves again.
+    Held,
 }
 
 /// A random non-zero incarnation other than `old`.
@@ -640,9 +679,18 @@ async fn run(
     let mut seq: u64 = 0;
     let mut backoff = Backoff::new(tuning.backoff_initial, tuning.backoff_max);
     let mut at = 0usize;
+    let mut serving = shared.serving.subscribe();
     loop {
         if shared.is_closed() {
             return;
+        }
+        if !*serving.borrow_and_update() {
+            tokio::select! {
+                gone = async { serving.wait_for(|s| *s).await.is_err() } => if gone { return },
+                () = shared.close_notify.notified() => return,
+            }
+            tracing::info!("the worker serves again; reconnecting to ingest");
+            backoff.reset();
         }
         let endpoint = &endpoints[at % endpoints.len()];
         shared
@@ -662,6 +710,7 @@ async fn run(
         shared.connected.store(false, Ordering::Relaxed);
         let delay = match ended {
             Ended::Closed => return,
+            Ended::Held => continue,
             Ended::Lost(why) => {
                 // The next replica (the same one when there is only one).
                 at = (at + 1) % endpoints.len();
@@ -741,6 +790,7 @@ async fn connection(
 
     let mut tick = tokio::time::interval(tuning.flush_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut held = shared.serving.subscribe();
     loop {
         tokio::select! {
             msg = acks.message() => match msg {
@@ -792,6 +842,28 @@ async fn connection(
                         shared.full_state_requested.store(true, Ordering::Relaxed);
                     }
                 }
+            }
+            gone = async { held.wait_for(|s| !*s).await.is_err() } => {
+                if gone {
+                    return Ended::Closed;
+                }
+                // The worker stops serving: its last changes, then a clean end of the stream
+                // (ingest marks it SUSPECT at once).
+                tracing::warn!(ingest = %endpoint.uri(),
+                    "the worker stopped serving; ending the telemetry stream until it serves again");
+                if let Some(msg) = changed_state(shared, seq)
+                    && tx.try_send(msg).is_ok()
+                {
+                    shared.reports_sent.fetch_add(1, Ordering::Relaxed);
+                }
+                drop(tx);
+                let drain = async {
+                    while let Ok(Some(ack)) = acks.message().await {
+                        shared.on_ack(&ack);
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_millis(500), drain).await;
+                return Ended::Held;
             }
             () = shared.close_notify.notified() => {
                 // Last words: what changed since the last message, then end the stream and
@@ -1125,6 +1197,50 @@ mod tests {
         })
         .await;
         assert_eq!(h.stats().refusals, 0);
+        h.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_stops_serving_ends_its_stream_and_comes_back_as_the_same_incarnation() {
+        let fake = FakeIngest::default();
+        let (addr, _served) = start(&fake).await;
+        let h = Reporter::spawn_tuned(config(addr), tuning()).unwrap();
+        h.progress("before", 5, 1, false).unwrap();
+        fake.wait_for("hello + full state", |m| m.len() >= 2).await;
+        eventually(PATIENCE, "connected", || async { h.is_connected() }).await;
+
+        // The engine goes down: the last change goes out, then the stream ends cleanly.
+        h.progress("before", 5, 2, false).unwrap();
+        h.set_serving(false);
+        assert!(!h.is_serving());
+        fake.wait_for("the worker ended its stream", |_| {
+            fake.streams_ended_by_worker() == 1
+        })
+        .await;
+        assert_eq!(
+            latest(&fake.progresses(), "before").map(|u| u.generated_tokens),
+            Some(2),
+            "the last change was sent before the stream ended"
+        );
+        eventually(PATIENCE, "disconnected", || async { !h.is_connected() }).await;
+        // While held: recorded, not sent, and no new stream (the disconnect was observed after
+        // the stream ended, so a reconnect would already show its Hello by now).
+        h.progress("during", 7, 3, false).unwrap();
+        let hellos = fake.hellos().len();
+        assert_eq!(hellos, 1);
+
+        // Back: the same incarnation says Hello with a full state holding both requests.
+        h.set_serving(true);
+        fake.wait_for("a second Hello and a full state", |_| {
+            fake.hellos() == vec![h.incarnation(), h.incarnation()]
+                && fake.progresses().iter().any(|p| {
+                    p.full_state
+                        && p.updates.iter().any(|u| u.request_id == "during")
+                        && p.updates.iter().any(|u| u.request_id == "before")
+                })
+        })
+        .await;
+        assert_eq!(h.stats().refusals, 0, "not a new incarnation");
         h.shutdown().await;
     }
 

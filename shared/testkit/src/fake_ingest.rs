@@ -3,7 +3,7 @@
 //! full state, and end every open stream with UNAVAILABLE.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +25,8 @@ pub struct FakeIngest {
     log: Arc<Mutex<Vec<v1::WorkerReport>>>,
     ask_full_state: Arc<AtomicBool>,
     kill: Arc<watch::Sender<u64>>,
+    /// Streams the worker ended itself (half-closed its side cleanly).
+    ended_by_worker: Arc<AtomicU64>,
     changed: Signal,
 }
 
@@ -34,6 +36,7 @@ impl Default for FakeIngest {
             log: Arc::default(),
             ask_full_state: Arc::default(),
             kill: Arc::new(watch::channel(0).0),
+            ended_by_worker: Arc::default(),
             changed: Signal::default(),
         }
     }
@@ -79,6 +82,12 @@ impl FakeIngest {
     /// Ends every open Report stream with UNAVAILABLE (the server stays up).
     pub fn kill_streams(&self) {
         self.kill.send_modify(|k| *k += 1);
+    }
+
+    /// How many Report streams the worker ended itself, cleanly (its side closed without an
+    /// error), so far.
+    pub fn streams_ended_by_worker(&self) -> u64 {
+        self.ended_by_worker.load(Ordering::SeqCst)
     }
 
     /// Every message received, in order.
@@ -152,7 +161,15 @@ impl v1::telemetry_server::Telemetry for FakeIngest {
                         return;
                     }
                 };
-                let Ok(Some(m)) = m else { return };
+                let m = match m {
+                    Ok(Some(m)) => m,
+                    Ok(None) => {
+                        me.ended_by_worker.fetch_add(1, Ordering::SeqCst);
+                        me.changed.bump();
+                        return;
+                    }
+                    Err(_) => return,
+                };
                 let seq = match &m.kind {
                     Some(Kind::Progress(p)) => p.seq,
                     Some(Kind::Heartbeat(h)) => h.seq,

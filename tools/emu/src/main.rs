@@ -62,6 +62,11 @@ struct EngineArgs {
     /// max_tokens of requests that give none.
     #[arg(long, env = "BALANCEROUTE_DEFAULT_MAX_TOKENS", default_value_t = 16)]
     default_max_tokens: u32,
+    /// Once every port is bound, write them here as JSON, atomically:
+    /// `{"ranks": ["127.0.0.1:8000", ...], "dp": "127.0.0.1:8008"}` (how a script or test
+    /// learns the ports chosen with `--base-port 0`).
+    #[arg(long, env = "BALANCEROUTE_READY_FILE")]
+    ready_file: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -205,6 +210,14 @@ async fn engine(a: EngineArgs) -> anyhow::Result<()> {
         ranks.join(","),
         server.addrs.dp
     );
+    if let Some(path) = &a.ready_file {
+        let ranks: Vec<String> = server.addrs.ranks.iter().map(ToString::to_string).collect();
+        let json = serde_json::json!({"ranks": ranks, "dp": server.addrs.dp.to_string()});
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, json.to_string())
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .with_context(|| format!("writing --ready-file {}", path.display()))?;
+    }
     let s = stop.clone();
     tokio::spawn(async move {
         let _ = tokio::signal::ctrl_c().await;

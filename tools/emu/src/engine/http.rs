@@ -2,6 +2,11 @@
 //! gateway and the shim use): `/v1/completions`, `/v1/chat/completions` (SSE streaming and
 //! not), `/v1/models`, `/health`, plus `/stats` (per-step loads) and `POST /stats/reset`.
 //!
+//! The port that serves every rank picks one as vLLM's API server (the `X-data-parallel-rank`
+//! header) or SGLang's DP controller (the `routed_dp_rank` body field) would; each rank counts
+//! the requests it ran (`/stats`'s `requests_per_rank`), so a test can tell which rank a request
+//! ran on.
+//!
 //! Wire details follow vLLM: the response id is `cmpl-`/`chatcmpl-` plus the `X-Request-Id`
 //! header when given; chunks are compact JSON without unset fields; `stream_options`
 //! `include_usage` adds a final usage-only chunk (`choices: []`) and `continuous_usage_stats`
@@ -10,7 +15,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -27,6 +32,8 @@ use super::driver::{EngineHandle, SubmitError};
 
 /// The header vLLM's API server reads to pin a request to one DP rank.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// The body field SGLang's DP controller reads to pin a request to one DP rank.
+pub const DP_RANK_FIELD: &str = "routed_dp_rank";
 /// What each token decodes to.
 pub const TOKEN_TEXT: &str = " tok";
 
@@ -55,11 +62,14 @@ struct AppState {
     rank: Option<usize>,
     rr: Arc<AtomicUsize>,
     ids: Arc<AtomicUsize>,
+    /// Requests each rank accepted, since start.
+    per_rank: Arc<Vec<AtomicU64>>,
 }
 
 /// The routes of one port: `rank = Some(g)` for rank g's own port, `None` for the DP port.
 pub fn router(engine: EngineHandle, cfg: Arc<ApiConfig>, rank: Option<usize>) -> Router {
-    router_shared(engine, cfg, rank, Arc::default(), Arc::default())
+    let per_rank = Arc::new((0..engine.ranks()).map(|_| AtomicU64::new(0)).collect());
+    router_shared(engine, cfg, rank, Arc::default(), Arc::default(), per_rank)
 }
 
 pub(crate) fn router_shared(
@@ -68,6 +78,7 @@ pub(crate) fn router_shared(
     rank: Option<usize>,
     rr: Arc<AtomicUsize>,
     ids: Arc<AtomicUsize>,
+    per_rank: Arc<Vec<AtomicU64>>,
 ) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
@@ -82,6 +93,7 @@ pub(crate) fn router_shared(
             rank,
             rr,
             ids,
+            per_rank,
         })
 }
 
@@ -142,6 +154,9 @@ struct GenRequest {
     prompt_tokens: Option<u32>,
     #[serde(default)]
     n: Option<u32>,
+    /// SGLang's DP rank pin (honoured on the port that serves every rank).
+    #[serde(default)]
+    routed_dp_rank: Option<i64>,
 }
 
 fn error(status: StatusCode, msg: impl Into<String>) -> Response {
@@ -206,22 +221,35 @@ async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: B
     generate(s, headers, body, Kind::Chat).await
 }
 
-fn pick_rank(s: &AppState, headers: &HeaderMap) -> Result<usize, String> {
+fn pick_rank(s: &AppState, headers: &HeaderMap, field: Option<i64>) -> Result<usize, String> {
     if let Some(r) = s.rank {
         return Ok(r);
     }
-    match headers.get(DP_RANK_HEADER) {
+    let ranks = s.engine.ranks();
+    let header = match headers.get(DP_RANK_HEADER) {
         Some(v) => {
             let parsed = v.to_str().ok().and_then(|t| t.trim().parse::<usize>().ok());
             match parsed {
-                Some(r) if r < s.engine.ranks() => Ok(r),
-                _ => Err(format!(
-                    "{DP_RANK_HEADER} must be a rank in 0..{}",
-                    s.engine.ranks()
-                )),
+                Some(r) if r < ranks => Some(r),
+                _ => return Err(format!("{DP_RANK_HEADER} must be a rank in 0..{ranks}")),
             }
         }
-        None => Ok(s.rr.fetch_add(1, Ordering::Relaxed) % s.engine.ranks().max(1)),
+        None => None,
+    };
+    let field = match field {
+        Some(r) => match usize::try_from(r) {
+            Ok(r) if r < ranks => Some(r),
+            _ => return Err(format!("{DP_RANK_FIELD} must be a rank in 0..{ranks}")),
+        },
+        None => None,
+    };
+    match (header, field) {
+        // Two pins that disagree: a proxy set one and forgot the other; say so.
+        (Some(h), Some(f)) if h != f => Err(format!(
+            "{DP_RANK_HEADER} {h} and {DP_RANK_FIELD} {f} name different ranks"
+        )),
+        (Some(r), _) | (None, Some(r)) => Ok(r),
+        (None, None) => Ok(s.rr.fetch_add(1, Ordering::Relaxed) % ranks.max(1)),
     }
 }
 
@@ -266,7 +294,7 @@ async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> R
             format!("The model `{m}` does not exist."),
         );
     }
-    let rank = match pick_rank(&s, &headers) {
+    let rank = match pick_rank(&s, &headers, req.routed_dp_rank) {
         Ok(r) => r,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
@@ -292,7 +320,12 @@ async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> R
             && opts.continuous_usage_stats.unwrap_or(false),
     };
     let rx = match s.engine.submit(rank, g.prompt, g.max_tokens).await {
-        Ok(rx) => rx,
+        Ok(rx) => {
+            if let Some(n) = s.per_rank.get(rank) {
+                n.fetch_add(1, Ordering::Relaxed);
+            }
+            rx
+        }
         Err(e @ SubmitError::NoSuchRank(..)) => {
             return error(StatusCode::BAD_REQUEST, e.to_string());
         }
@@ -603,6 +636,10 @@ pub struct Stats {
     /// Per step, each rank's load (only with `?loads=true`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub loads: Vec<Vec<u64>>,
+    /// Requests each rank accepted since start (or the last reset), whichever port they came
+    /// through.
+    #[serde(default)]
+    pub requests_per_rank: Vec<u64>,
 }
 
 impl Stats {
@@ -673,6 +710,11 @@ async fn stats(State(s): State<AppState>, Query(q): Query<StatsQuery>) -> Respon
             model_ms: log.model_ms[skip..].to_vec(),
             wall_ms: log.wall_ms[skip..].to_vec(),
             loads,
+            requests_per_rank: s
+                .per_rank
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .collect(),
         }
     });
     axum::Json(out).into_response()
@@ -680,6 +722,9 @@ async fn stats(State(s): State<AppState>, Query(q): Query<StatsQuery>) -> Respon
 
 async fn stats_reset(State(s): State<AppState>) -> StatusCode {
     s.engine.with_stats(|log| log.reset());
+    for n in s.per_rank.iter() {
+        n.store(0, Ordering::Relaxed);
+    }
     StatusCode::NO_CONTENT
 }
 

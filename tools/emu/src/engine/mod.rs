@@ -108,6 +108,11 @@ impl EngineServer {
         let mut tasks = vec![engine_task];
         let ids = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let rr = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let per_rank: Arc<Vec<_>> = Arc::new(
+            (0..cfg.ranks)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+        );
         let mut rank_addrs = Vec::with_capacity(cfg.ranks);
         let all = listeners
             .into_iter()
@@ -121,8 +126,14 @@ impl EngineServer {
                 Some(_) => rank_addrs.push(addr),
                 None => dp_addr = Some(addr),
             }
-            let app =
-                http::router_shared(handle.clone(), api.clone(), rank, rr.clone(), ids.clone());
+            let app = http::router_shared(
+                handle.clone(),
+                api.clone(),
+                rank,
+                rr.clone(),
+                ids.clone(),
+                per_rank.clone(),
+            );
             let stop = shutdown.clone();
             tasks.push(tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, app)
