@@ -16,7 +16,7 @@ PY="${PYTHON:-python3}"
 VENV="$ROOT/target/py-venv"
 OUT_LOGS="$ROOT/target/py-tests"
 mkdir -p "$OUT_LOGS"
-rm -f "$OUT_LOGS"/*.log
+rm -rf "$OUT_LOGS"/*.log "$OUT_LOGS"/br-decision-*
 
 # shellcheck source=scripts/lib/stack.sh
 source "$ROOT/scripts/lib/stack.sh"
@@ -84,3 +84,19 @@ BR_TLS_DIR="$TLS_DIR" BR_TLS_GROUP="$TLS_GROUP" \
 BR_TLS_DECISION_ADDR="127.0.0.1:$TLS_DECISION" BR_TLS_SNAPSHOT_ADDR="127.0.0.1:$TLS_SNAP" \
 BR_TLS_INGEST_ADDR="127.0.0.1:$TLS_INGEST" \
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/python
+
+# The balanceroute package (clients/python, issue 11) from a virtualenv made afresh every run,
+# as a user gets it: `pip install ./clients/python` builds it, generating its stubs from proto/.
+CLIENT_VENV="$ROOT/target/py-client-venv"
+say "fresh virtualenv ($CLIENT_VENV): pip install ./clients/python"
+rm -rf "$CLIENT_VENV"
+"$PY" -m venv "$CLIENT_VENV"
+"$CLIENT_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    -r clients/python/requirements-test.txt ./clients/python
+
+say "pytest clients/python/tests"
+BR_DECISION_ADDR="127.0.0.1:$DECISION" BR_SNAPSHOT_ADDR="127.0.0.1:$SNAP" \
+BR_GROUP="$GROUP" BR_RANKS="$G" BR_BIN_DIR="$BIN" BR_LOG_DIR="$OUT_LOGS" \
+BR_TLS_DIR="$TLS_DIR" BR_TLS_GROUP="$TLS_GROUP" \
+BR_TLS_DECISION_ADDR="127.0.0.1:$TLS_DECISION" BR_TLS_INGEST_ADDR="127.0.0.1:$TLS_INGEST" \
+    "$CLIENT_VENV/bin/python" -m pytest -q -p no:cacheprovider clients/python/tests
