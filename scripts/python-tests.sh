@@ -20,7 +20,7 @@ PY="${PYTHON:-python3}"
 VENV="$ROOT/target/py-venv"
 OUT_LOGS="$ROOT/target/py-tests"
 mkdir -p "$OUT_LOGS"
-rm -rf "$OUT_LOGS"/*.log "$OUT_LOGS"/br-decision-*
+rm -rf "$OUT_LOGS"/*.log "$OUT_LOGS"/br-decision-* "$OUT_LOGS"/pd-decision-*
 
 # shellcheck source=scripts/lib/stack.sh
 source "$ROOT/scripts/lib/stack.sh"
@@ -130,7 +130,8 @@ done
 
 say "pytest examples/pd-proxy/tests"
 BR_PD_PROXY_URL="http://127.0.0.1:$PD_PROXY" BR_SHIM_ADMIN_URLS="$SHIM_ADMIN_URLS" \
-BR_PREFILL_ADMIN_URL="http://127.0.0.1:$((PREFILL_SHIM + 1))" \
+BR_PREFILL_URL="http://127.0.0.1:$PREFILL_SHIM" BR_PREFILL_ADMIN_URL="http://127.0.0.1:$((PREFILL_SHIM + 1))" \
+BR_BIN_DIR="$BIN" BR_LOG_DIR="$OUT_LOGS" \
 BR_DECISION_ADMIN_URL="http://127.0.0.1:$((DECISION + 1))" BR_SNAPSHOT_ADDR="127.0.0.1:$SNAP" \
 BR_GROUP="$GROUP" \
     "$CLIENT_VENV/bin/python" -m pytest -q -p no:cacheprovider examples/pd-proxy/tests

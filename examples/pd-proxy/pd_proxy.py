@@ -82,6 +82,10 @@ class State:
     http: httpx.AsyncClient
     br: balanceroute.AsyncClient
     prefill_rr: "itertools.cycle[str]" = field(init=False)
+    # What happened to the requests so far (GET /stats): requests taken, decodes relayed to
+    # the end, clients gone before the end, Cancels answered and failed.
+    stats: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("requests", "decoded", "client_gone", "cancelled", "cancel_failed"), 0))
 
     def __post_init__(self):
         self.prefill_rr = itertools.cycle(self.cfg.prefill)
@@ -288,15 +292,21 @@ class Exchange(Response):
     async def cleanup(self) -> None:
         """Runs whatever happened (shielded from the cancellation that may have brought it
         here): closes the decode call, and cancels the request unless its decode finished."""
+        stats = self.s.stats
         if self.upstream is not None:
             await self.upstream.aclose()
+        if self.completed:
+            stats["decoded"] += 1
         if self.client_gone:
+            stats["client_gone"] += 1
             log.info("request %s: client went away (assigned: %s)", self.rid, self.assigned is not None)
         if self.assign_started and not self.completed:
             try:
                 outcome = await self.s.br.cancel(self.s.cfg.group, self.rid)
+                stats["cancelled"] += 1
                 log.info("request %s: cancelled (%s)", self.rid, outcome.name)
             except balanceroute.BalanceRouteError as e:
+                stats["cancel_failed"] += 1
                 log.warning("request %s: cancel failed: %s", self.rid, e)
 
 
@@ -332,6 +342,7 @@ def create_app(cfg: Config) -> FastAPI:
                 {"error": {"message": f"invalid JSON body: {e}", "type": "invalid_request_error", "code": "bad_json"}},
                 status_code=400,
             )
+        request.app.state.pd.stats["requests"] += 1
         rid = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         return Exchange(request.app.state.pd, path, body, rid, headers)
@@ -349,6 +360,10 @@ def create_app(cfg: Config) -> FastAPI:
         s: State = request.app.state.pd
         r = await s.http.get(s.cfg.prefill[0] + "/v1/models", timeout=s.cfg.connect_timeout)
         return JSONResponse(r.json(), status_code=r.status_code)
+
+    @app.get("/stats")
+    async def stats(request: Request):
+        return request.app.state.pd.stats
 
     @app.get("/health")
     async def health():

@@ -6,12 +6,20 @@ the rank Assign chose saw it exactly once (and no other rank did) under the requ
 client got the whole answer; and a client that goes away mid-stream leaves nothing in σ.
 
 Environment: BR_PD_PROXY_URL, BR_SHIM_ADMIN_URLS (the decode shims' admin URLs, by rank),
-BR_PREFILL_ADMIN_URL (the prefill shim's admin URL), BR_DECISION_ADMIN_URL, BR_SNAPSHOT_ADDR,
-BR_GROUP.
+BR_PREFILL_URL and BR_PREFILL_ADMIN_URL (the prefill shim and its admin URL),
+BR_DECISION_ADMIN_URL, BR_SNAPSHOT_ADDR, BR_GROUP, BR_BIN_DIR and BR_LOG_DIR (one test starts
+and freezes a br-decision of its own).
 """
 
+import json
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -201,3 +209,115 @@ def test_prefill_errors_reach_the_client_as_they_are(client, shims, prefill_admi
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     # Nothing was assigned or decoded for it.
     assert [metric(s, "balanceroute_shim_requests_total") for s in shims] == before
+
+
+class OwnDecision:
+    """A br-decision of the test's own for the group (port 0, --ready-file), to freeze with
+    SIGSTOP: its kernel then accepts calls, nothing answers."""
+
+    def __init__(self):
+        d = tempfile.mkdtemp(prefix="pd-decision-", dir=os.environ.get("BR_LOG_DIR"))
+        ready = os.path.join(d, "ready.json")
+        self.log = open(os.path.join(d, "decision.log"), "wb")
+        self.proc = subprocess.Popen(
+            [os.path.join(env("BR_BIN_DIR"), "br-decision"), "--listen", "127.0.0.1:0",
+             "--admin-listen", "127.0.0.1:0", "--ready-file", ready,
+             "--snapshot-addr", f"http://{env('BR_SNAPSHOT_ADDR')}", "--groups", env("BR_GROUP"),
+             "--policy", "jsq"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+        def bound():
+            assert self.proc.poll() is None, f"br-decision exited; see {d}"
+            return os.path.exists(ready) and json.load(open(ready))
+
+        ports = wait_until(bound, 30, "br-decision's ready file")
+        self.addr, self.admin = ports["grpc"], f"http://{ports['admin']}"
+
+        def ready_ok():
+            try:
+                with urllib.request.urlopen(f"{self.admin}/readyz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_until(ready_ok, 30, "br-decision ready")
+
+    def freeze(self):
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self):
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+class InProcessProxy:
+    """The proxy app served by uvicorn on a thread, on a socket bound before it starts."""
+
+    def __init__(self, cfg):
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import pd_proxy
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(pd_proxy.create_app(pd_proxy.Config(**cfg)),
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, "the in-process proxy to start")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def proxy_stats(url):
+    with urllib.request.urlopen(f"{url}/stats", timeout=10) as r:
+        return json.load(r)
+
+
+def test_a_client_that_leaves_while_assign_waits_is_cancelled_and_never_decoded(shims, sigma):
+    decision = OwnDecision()
+    proxy = None
+    try:
+        proxy = InProcessProxy(dict(prefill=[env("BR_PREFILL_URL")], decision=decision.addr,
+                                    group=env("BR_GROUP"), assign_timeout=60))
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        # One request through, so the proxy's connection to the replica is up before it freezes.
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w"}], max_tokens=2)
+        decision.freeze()
+        before = [metric(s, "balanceroute_shim_requests_total") for s in shims]
+        start = proxy_stats(proxy.url)
+        r = rid("leaves-in-assign")
+        # Prefill answers; Assign waits on the frozen replica; the client gives up.
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=1.0).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "y" * 100}],
+                max_tokens=100_000, extra_headers={"X-Request-Id": r})
+
+        def ended():
+            s = proxy_stats(proxy.url)
+            return s["client_gone"] > start["client_gone"] and \
+                s["cancelled"] + s["cancel_failed"] > start["cancelled"] + start["cancel_failed"] and s
+        # The proxy saw the client go, stopped waiting and sent Cancel (which the frozen
+        # replica cannot answer, so it may fail after its 2 s).
+        s = wait_until(ended, 20, "the proxy to see the client leave and cancel")
+        assert s["decoded"] == start["decoded"]
+        decision.thaw()
+        # Nothing was decoded for the client that left (a proxy that went on waiting would,
+        # once the replica answers, decode 100,000 tokens on some rank), nor held in σ.
+        wait_until(lambda: r not in sigma(), 10, f"{r} to be absent from σ")
+        assert [metric(s, "balanceroute_shim_requests_total") for s in shims] == before
+        assert proxy_stats(proxy.url)["decoded"] == start["decoded"]
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        decision.stop()
