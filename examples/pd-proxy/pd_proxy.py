@@ -84,8 +84,11 @@ class State:
     prefill_rr: "itertools.cycle[str]" = field(init=False)
     # What happened to the requests so far (GET /stats): requests taken, decodes relayed to
     # the end, clients gone before the end, Cancels answered and failed.
-    stats: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("requests", "decoded", "client_gone", "cancelled", "cancel_failed"), 0))
+    stats: Dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("requests", "decoded", "client_gone", "cancelled", "cancel_failed"), 0
+        )
+    )
 
     def __post_init__(self):
         self.prefill_rr = itertools.cycle(self.cfg.prefill)
@@ -127,7 +130,9 @@ class Exchange(Response):
     the last and end what it started. (A Response subclass only so that FastAPI hands it the
     connection as it is; its status and headers are decided on the way.)"""
 
-    def __init__(self, state: State, path: str, body: dict, request_id: str, headers: Dict[str, str]):
+    def __init__(
+        self, state: State, path: str, body: dict, request_id: str, headers: Dict[str, str]
+    ):
         super().__init__()
         self.s = state
         self.path = path
@@ -206,7 +211,11 @@ class Exchange(Response):
             presp = pr.json()
             prompt_tokens = int(presp["usage"]["prompt_tokens"])
         except (ValueError, KeyError, TypeError):
-            await self.fail(502, f"prefill {prefill_url} answered without usage.prompt_tokens", "prefill_no_usage")
+            await self.fail(
+                502,
+                f"prefill {prefill_url} answered without usage.prompt_tokens",
+                "prefill_no_usage",
+            )
             return
 
         # 2. Assign: which decode rank, now that prefill is done.
@@ -229,7 +238,9 @@ class Exchange(Response):
         # 3. Decode on the chosen rank, with the request id its telemetry reports.
         base = cfg.decode_url or a.endpoint
         if not base:
-            await self.fail(502, f"rank {a.worker_id} announced no endpoint; set --decode-url", "no_endpoint")
+            await self.fail(
+                502, f"rank {a.worker_id} announced no endpoint; set --decode-url", "no_endpoint"
+            )
             return
         dbody = dict(self.body)
         kv = presp.get("kv_transfer_params") if isinstance(presp, dict) else None
@@ -299,7 +310,9 @@ class Exchange(Response):
             stats["decoded"] += 1
         if self.client_gone:
             stats["client_gone"] += 1
-            log.info("request %s: client went away (assigned: %s)", self.rid, self.assigned is not None)
+            log.info(
+                "request %s: client went away (assigned: %s)", self.rid, self.assigned is not None
+            )
         if self.assign_started and not self.completed:
             try:
                 outcome = await self.s.br.cancel(self.s.cfg.group, self.rid)
@@ -339,7 +352,13 @@ def create_app(cfg: Config) -> FastAPI:
                 raise ValueError("not an object")
         except ValueError as e:
             return JSONResponse(
-                {"error": {"message": f"invalid JSON body: {e}", "type": "invalid_request_error", "code": "bad_json"}},
+                {
+                    "error": {
+                        "message": f"invalid JSON body: {e}",
+                        "type": "invalid_request_error",
+                        "code": "bad_json",
+                    }
+                },
                 status_code=400,
             )
         request.app.state.pd.stats["requests"] += 1
@@ -375,20 +394,37 @@ def create_app(cfg: Config) -> FastAPI:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--listen", default="127.0.0.1:8200", help="host:port to serve on")
-    p.add_argument("--prefill", action="append", required=True,
-                   help="a prefill engine's base URL (repeat for several: round-robin)")
-    p.add_argument("--decision", required=True,
-                   help="decision replicas, host:port separated by commas (ordered failover)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        help="a prefill engine's base URL (repeat for several: round-robin)",
+    )
+    p.add_argument(
+        "--decision",
+        required=True,
+        help="decision replicas, host:port separated by commas (ordered failover)",
+    )
     p.add_argument("--group", required=True, help="the decode ranks' lockstep group")
     p.add_argument("--assign-timeout", type=float, default=10.0, help="seconds an Assign may take")
-    p.add_argument("--decode-url", help="one base URL for every decode rank (then pin the rank "
-                   "with --dp-rank-header or --dp-rank-field); default: the endpoint of the "
-                   "rank's shim from Assign")
-    p.add_argument("--dp-rank-header", help="header naming the rank, e.g. X-data-parallel-rank (vLLM)")
-    p.add_argument("--dp-rank-field", help="body field naming the rank, e.g. routed_dp_rank (SGLang)")
-    p.add_argument("--kv-transfer-params", action="store_true",
-                   help="vLLM NixlConnector/P2pNcclConnector: ask prefill for kv_transfer_params "
-                   "and hand them to decode")
+    p.add_argument(
+        "--decode-url",
+        help="one base URL for every decode rank (then pin the rank "
+        "with --dp-rank-header or --dp-rank-field); default: the endpoint of the "
+        "rank's shim from Assign",
+    )
+    p.add_argument(
+        "--dp-rank-header", help="header naming the rank, e.g. X-data-parallel-rank (vLLM)"
+    )
+    p.add_argument(
+        "--dp-rank-field", help="body field naming the rank, e.g. routed_dp_rank (SGLang)"
+    )
+    p.add_argument(
+        "--kv-transfer-params",
+        action="store_true",
+        help="vLLM NixlConnector/P2pNcclConnector: ask prefill for kv_transfer_params "
+        "and hand them to decode",
+    )
     p.add_argument("--tls-ca", help="CA of the decision service's certificate (mutual TLS)")
     p.add_argument("--tls-cert", help="the gateway's certificate")
     p.add_argument("--tls-key", help="the gateway's key")
@@ -398,7 +434,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # One line per upstream call is too much at INFO; the proxy logs what went wrong itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tls = None

@@ -53,8 +53,11 @@ def spawn_decision():
 
     def spawn(**kw):
         p = DecisionProcess(
-            env("BR_BIN_DIR"), env("BR_SNAPSHOT_ADDR"), env("BR_GROUP"),
-            log_dir=os.environ.get("BR_LOG_DIR"), **kw,
+            env("BR_BIN_DIR"),
+            env("BR_SNAPSHOT_ADDR"),
+            env("BR_GROUP"),
+            log_dir=os.environ.get("BR_LOG_DIR"),
+            **kw,
         )
         started.append(p)
         return p
@@ -105,8 +108,11 @@ class TlsWorker:
         )
         self.channel = grpc.secure_channel(addr, creds)
         self.outbox = queue.Queue()
-        self.outbox.put(pb.WorkerReport(hello=pb.Hello(
-            group=group, worker_id=0, incarnation=time.time_ns() | 1, capacity=8)))
+        self.outbox.put(
+            pb.WorkerReport(
+                hello=pb.Hello(group=group, worker_id=0, incarnation=time.time_ns() | 1, capacity=8)
+            )
+        )
         self.acks = rpc.TelemetryStub(self.channel).Report(iter(self.outbox.get, None))
         self.error = None
         self.closed = threading.Event()

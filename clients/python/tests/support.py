@@ -28,7 +28,9 @@ def wait_until(predicate, timeout, what):
         except Exception as e:  # noqa: BLE001 - kept for the failure message
             last = e
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last!r})")
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {what} (last error: {last!r})"
+            )
         time.sleep(0.05)
 
 
@@ -52,26 +54,36 @@ class DecisionProcess:
         self.proc = subprocess.Popen(
             [
                 os.path.join(bin_dir, "br-decision"),
-                "--listen", "127.0.0.1:0",
-                "--admin-listen", "127.0.0.1:0",
-                "--ready-file", ready,
-                "--snapshot-addr", f"http://{snapshot_addr}",
-                "--groups", group,
-                "--policy", policy,
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--ready-file",
+                ready,
+                "--snapshot-addr",
+                f"http://{snapshot_addr}",
+                "--groups",
+                group,
+                "--policy",
+                policy,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
 
         def bound():
-            assert self.proc.poll() is None, f"br-decision exited with {self.proc.returncode}; see {self.dir}"
+            assert self.proc.poll() is None, (
+                f"br-decision exited with {self.proc.returncode}; see {self.dir}"
+            )
             with open(ready) as f:
                 return json.load(f)
 
         ports = wait_until(bound, 30, f"br-decision's ready file ({self.dir})")
         self.addr = ports["grpc"]
         self.admin = ports["admin"]
-        wait_until(lambda: http_ok(f"http://{self.admin}/readyz"), 30, f"br-decision ready ({self.dir})")
+        wait_until(
+            lambda: http_ok(f"http://{self.admin}/readyz"), 30, f"br-decision ready ({self.dir})"
+        )
 
     def kill9(self):
         self.proc.send_signal(signal.SIGKILL)
@@ -171,7 +183,7 @@ class LosingProxy:
                     length = int.from_bytes(buf[0:3], "big")
                     if len(buf) < 9 + length:
                         break
-                    frame, buf = buf[: 9 + length], buf[9 + length:]
+                    frame, buf = buf[: 9 + length], buf[9 + length :]
                     ftype, flags = frame[3], frame[4]
                     stream = int.from_bytes(frame[5:9], "big") & 0x7FFFFFFF
                     if stream == 0:
@@ -179,7 +191,9 @@ class LosingProxy:
                     elif ftype == _HEADERS and flags & _END_STREAM:
                         # The answer is complete and lost: reset the client's connection.
                         self.lost.set()
-                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        conn.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
                         conn.close()
                         up.close()
                         return
@@ -202,4 +216,8 @@ def rid(name):
 
 def same_answer(a, b):
     return (a.worker_id, a.incarnation, a.endpoint, a.sigma_version) == (
-        b.worker_id, b.incarnation, b.endpoint, b.sigma_version)
+        b.worker_id,
+        b.incarnation,
+        b.endpoint,
+        b.sigma_version,
+    )

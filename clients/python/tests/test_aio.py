@@ -59,7 +59,9 @@ def test_a_lost_answer_is_retried_with_the_same_id(decision_addr, group):
         proxy.close()
 
 
-def test_failover_past_a_dead_port_and_a_killed_replica(dead_port, spawn_decision, decision_addr, group):
+def test_failover_past_a_dead_port_and_a_killed_replica(
+    dead_port, spawn_decision, decision_addr, group
+):
     first = spawn_decision()
 
     async def main():

@@ -74,26 +74,36 @@ def fail(code, details=""):
 def test_unavailable_moves_to_the_next_replica_at_once_and_keeps_the_call():
     clock, rs = Clock(), replicas(3)
     plan = _core.assign_plan(rs, ClientOptions(), RetryPolicy(), clock() + 10, clock)
-    answers = {"r0": fail(C.UNAVAILABLE, "connection refused"), "r1": fail(C.FAILED_PRECONDITION, "standby"), "r2": Outcome(response=Resp(4))}
+    answers = {
+        "r0": fail(C.UNAVAILABLE, "connection refused"),
+        "r1": fail(C.FAILED_PRECONDITION, "standby"),
+        "r2": Outcome(response=Resp(4)),
+    }
     a, steps = drive(plan, lambda s: answers[s.replica.addr], clock)
     assert [s.replica.addr for s in steps] == ["r0", "r1", "r2"]  # no sleep in between
     assert (a.worker_id, a.attempts, a.replica, a.pool_wait) == (4, 3, "r2", 0.0015)
     # The failed ones are skipped by the next call.
-    b, steps = drive(_core.assign_plan(rs, ClientOptions(), RetryPolicy(), clock() + 10, clock),
-                     lambda s: Outcome(response=Resp(5)), clock)
+    b, steps = drive(
+        _core.assign_plan(rs, ClientOptions(), RetryPolicy(), clock() + 10, clock),
+        lambda s: Outcome(response=Resp(5)),
+        clock,
+    )
     assert [s.replica.addr for s in steps] == ["r2"] and b.attempts == 1
 
 
-@pytest.mark.parametrize("code,cls", [
-    (C.INVALID_ARGUMENT, errors.InvalidArgument),
-    (C.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
-    (C.NOT_FOUND, errors.NotFound),
-    (C.PERMISSION_DENIED, errors.PermissionDenied),
-    (C.UNAUTHENTICATED, errors.Unauthenticated),
-    (C.INTERNAL, errors.Internal),
-    (C.CANCELLED, errors.Cancelled),
-    (C.ABORTED, errors.BalanceRouteError),
-])
+@pytest.mark.parametrize(
+    "code,cls",
+    [
+        (C.INVALID_ARGUMENT, errors.InvalidArgument),
+        (C.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
+        (C.NOT_FOUND, errors.NotFound),
+        (C.PERMISSION_DENIED, errors.PermissionDenied),
+        (C.UNAUTHENTICATED, errors.Unauthenticated),
+        (C.INTERNAL, errors.Internal),
+        (C.CANCELLED, errors.Cancelled),
+        (C.ABORTED, errors.BalanceRouteError),
+    ],
+)
 def test_final_errors_are_not_retried_and_are_typed(code, cls):
     clock = Clock()
     plan = _core.assign_plan(replicas(2), ClientOptions(), RetryPolicy(), clock() + 10, clock)
@@ -119,7 +129,9 @@ def test_every_replica_down_backs_off_with_equal_jitter_until_the_deadline():
 
 def test_max_attempts_bounds_the_calls():
     clock = Clock()
-    plan = _core.assign_plan(replicas(1), ClientOptions(), RetryPolicy(max_attempts=3), clock() + 100, clock)
+    plan = _core.assign_plan(
+        replicas(1), ClientOptions(), RetryPolicy(max_attempts=3), clock() + 100, clock
+    )
     e, steps = drive(plan, lambda s: fail(C.UNAVAILABLE, "down"), clock)
     assert isinstance(e, errors.Unavailable) and e.attempts == 3
 
@@ -139,7 +151,9 @@ def test_deadline_exceeded_at_the_callers_deadline_is_final():
 
 def test_an_attempt_timeout_is_retried_on_the_next_replica():
     clock = Clock()
-    plan = _core.assign_plan(replicas(2), ClientOptions(attempt_timeout=0.5), RetryPolicy(), clock() + 5, clock)
+    plan = _core.assign_plan(
+        replicas(2), ClientOptions(attempt_timeout=0.5), RetryPolicy(), clock() + 5, clock
+    )
 
     def answer(step):
         assert step.timeout == 0.5
@@ -154,7 +168,9 @@ def test_an_attempt_timeout_is_retried_on_the_next_replica():
 
 def test_cancelled_at_the_timeout_is_a_timeout_but_early_is_a_cancel():
     clock = Clock()
-    plan = _core.assign_plan(replicas(2), ClientOptions(attempt_timeout=1.0), RetryPolicy(), clock() + 5, clock)
+    plan = _core.assign_plan(
+        replicas(2), ClientOptions(attempt_timeout=1.0), RetryPolicy(), clock() + 5, clock
+    )
 
     def late(step):
         if step.replica.addr == "r0":
@@ -164,7 +180,9 @@ def test_cancelled_at_the_timeout_is_a_timeout_but_early_is_a_cancel():
 
     a, _ = drive(plan, late, clock)
     assert a.replica == "r1"
-    plan = _core.assign_plan(replicas(2), ClientOptions(attempt_timeout=1.0), RetryPolicy(), clock() + 5, clock)
+    plan = _core.assign_plan(
+        replicas(2), ClientOptions(attempt_timeout=1.0), RetryPolicy(), clock() + 5, clock
+    )
     e, _ = drive(plan, lambda s: fail(C.CANCELLED, "cancelled"), clock)
     assert isinstance(e, errors.Cancelled)
 
@@ -205,14 +223,20 @@ def test_cancel_reports_the_strongest_outcome_and_errors_only_when_nobody_answer
         assert isinstance(step, CallAll)
         rounds.append([r.addr for r in step.replicas])
         if len(rounds) == 1:
-            return [Outcome(response=Resp(outcome=2)), fail(C.UNAVAILABLE, "x"), Outcome(response=Resp(outcome=3))]
+            return [
+                Outcome(response=Resp(outcome=2)),
+                fail(C.UNAVAILABLE, "x"),
+                Outcome(response=Resp(outcome=3)),
+            ]
         return [Outcome(response=Resp(outcome=1))]
 
     out, _ = drive(plan, lambda s: answer(s), clock)
     assert rounds == [["r0", "r1", "r2"], ["r1"]]  # only the failed one again
     assert out == CancelOutcome.WITHDRAWN
     plan = _core.cancel_plan(replicas(2), RetryPolicy(), clock() + 2, clock)
-    e, _ = drive(plan, lambda s: [fail(C.PERMISSION_DENIED, "role gateway needed")] * len(s.replicas), clock)
+    e, _ = drive(
+        plan, lambda s: [fail(C.PERMISSION_DENIED, "role gateway needed")] * len(s.replicas), clock
+    )
     assert isinstance(e, errors.PermissionDenied)
 
 

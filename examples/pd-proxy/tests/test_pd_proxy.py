@@ -66,7 +66,9 @@ def wait_until(predicate, timeout, what):
 
 @pytest.fixture(scope="module")
 def client():
-    return openai.OpenAI(base_url=f"{env('BR_PD_PROXY_URL')}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{env('BR_PD_PROXY_URL')}/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,10 @@ def test_streaming_completion(client, shims, prefill_admin, sigma):
     counts = Counts(shims, prefill_admin)
     r = rid("stream")
     raw = client.completions.with_raw_response.create(
-        model=MODEL, prompt="a" * 400, max_tokens=12, stream=True,
+        model=MODEL,
+        prompt="a" * 400,
+        max_tokens=12,
+        stream=True,
         extra_headers={"X-Request-Id": r},
     )
     rank = int(raw.headers["x-balanceroute-worker"])
@@ -169,7 +174,8 @@ def test_requests_without_an_id_get_one_and_each_is_placed_once(client, shims, p
     for _ in range(4):
         counts = Counts(shims, prefill_admin)
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         rid_ = raw.headers["x-request-id"]
         assert raw.parse().id == f"chatcmpl-{rid_}"
         counts.assert_once_on(int(raw.headers["x-balanceroute-worker"]))
@@ -182,8 +188,11 @@ def test_a_client_that_goes_away_leaves_no_reservation(client, shims, prefill_ad
     r = rid("gone")
     # Long enough (thousands of steps) to still be decoding when the client leaves.
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "x" * 200}], max_tokens=100_000,
-        stream=True, extra_headers={"X-Request-Id": r},
+        model=MODEL,
+        messages=[{"role": "user", "content": "x" * 200}],
+        max_tokens=100_000,
+        stream=True,
+        extra_headers={"X-Request-Id": r},
     )
     rank = int(raw.headers["x-balanceroute-worker"])
     stream = raw.parse()
@@ -197,16 +206,24 @@ def test_a_client_that_goes_away_leaves_no_reservation(client, shims, prefill_ad
     # The proxy cancelled it and closed the decode call: the shim saw its client go and
     # reported the request finished, so σ holds nothing for it; the rank is idle again.
     wait_until(lambda: r not in sigma(), 10, f"{r} to leave σ after the disconnect")
-    wait_until(lambda: metric(shims[rank], "balanceroute_shim_active_requests") == 0, 10,
-               "the rank's shim to have no request in flight")
-    wait_until(lambda: metric(decision_admin, "balanceroute_decision_cancel_total", group=group) > cancels,
-               10, "the proxy's Cancel to reach the decision service")
+    wait_until(
+        lambda: metric(shims[rank], "balanceroute_shim_active_requests") == 0,
+        10,
+        "the rank's shim to have no request in flight",
+    )
+    wait_until(
+        lambda: metric(decision_admin, "balanceroute_decision_cancel_total", group=group) > cancels,
+        10,
+        "the proxy's Cancel to reach the decision service",
+    )
 
 
 def test_prefill_errors_reach_the_client_as_they_are(client, shims, prefill_admin):
     before = [metric(s, "balanceroute_shim_requests_total") for s in shims]
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
     # Nothing was assigned or decoded for it.
     assert [metric(s, "balanceroute_shim_requests_total") for s in shims] == before
 
@@ -220,11 +237,24 @@ class OwnDecision:
         ready = os.path.join(d, "ready.json")
         self.log = open(os.path.join(d, "decision.log"), "wb")
         self.proc = subprocess.Popen(
-            [os.path.join(env("BR_BIN_DIR"), "br-decision"), "--listen", "127.0.0.1:0",
-             "--admin-listen", "127.0.0.1:0", "--ready-file", ready,
-             "--snapshot-addr", f"http://{env('BR_SNAPSHOT_ADDR')}", "--groups", env("BR_GROUP"),
-             "--policy", "jsq"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                os.path.join(env("BR_BIN_DIR"), "br-decision"),
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--ready-file",
+                ready,
+                "--snapshot-addr",
+                f"http://{env('BR_SNAPSHOT_ADDR')}",
+                "--groups",
+                env("BR_GROUP"),
+                "--policy",
+                "jsq",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
         def bound():
             assert self.proc.poll() is None, f"br-decision exited; see {d}"
@@ -266,10 +296,12 @@ class InProcessProxy:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(pd_proxy.create_app(pd_proxy.Config(**cfg)),
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.server = uvicorn.Server(
+            uvicorn.Config(pd_proxy.create_app(pd_proxy.Config(**cfg)), log_level="warning")
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
         self.thread.start()
         wait_until(lambda: self.server.started, 30, "the in-process proxy to start")
 
@@ -288,11 +320,21 @@ def test_a_client_that_leaves_while_assign_waits_is_cancelled_and_never_decoded(
     decision = OwnDecision()
     proxy = None
     try:
-        proxy = InProcessProxy(dict(prefill=[env("BR_PREFILL_URL")], decision=decision.addr,
-                                    group=env("BR_GROUP"), assign_timeout=60))
-        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        proxy = InProcessProxy(
+            dict(
+                prefill=[env("BR_PREFILL_URL")],
+                decision=decision.addr,
+                group=env("BR_GROUP"),
+                assign_timeout=60,
+            )
+        )
+        client = openai.OpenAI(
+            base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=30
+        )
         # One request through, so the proxy's connection to the replica is up before it freezes.
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w"}], max_tokens=2)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "w"}], max_tokens=2
+        )
         decision.freeze()
         before = [metric(s, "balanceroute_shim_requests_total") for s in shims]
         start = proxy_stats(proxy.url)
@@ -300,13 +342,21 @@ def test_a_client_that_leaves_while_assign_waits_is_cancelled_and_never_decoded(
         # Prefill answers; Assign waits on the frozen replica; the client gives up.
         with pytest.raises(openai.APITimeoutError):
             client.with_options(timeout=1.0).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "y" * 100}],
-                max_tokens=100_000, extra_headers={"X-Request-Id": r})
+                model=MODEL,
+                messages=[{"role": "user", "content": "y" * 100}],
+                max_tokens=100_000,
+                extra_headers={"X-Request-Id": r},
+            )
 
         def ended():
             s = proxy_stats(proxy.url)
-            return s["client_gone"] > start["client_gone"] and \
-                s["cancelled"] + s["cancel_failed"] > start["cancelled"] + start["cancel_failed"] and s
+            return (
+                s["client_gone"] > start["client_gone"]
+                and s["cancelled"] + s["cancel_failed"]
+                > start["cancelled"] + start["cancel_failed"]
+                and s
+            )
+
         # The proxy saw the client go, stopped waiting and sent Cancel (which the frozen
         # replica cannot answer, so it may fail after its 2 s).
         s = wait_until(ended, 20, "the proxy to see the client leave and cancel")

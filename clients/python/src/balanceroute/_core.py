@@ -189,12 +189,14 @@ def parse_address(addr: str, tls: bool) -> str:
                     f"decision address {addr!r}: {scheme} but the client is "
                     + ("configured with TLS" if tls else "not configured with TLS")
                 )
-            a = a[len(scheme):]
+            a = a[len(scheme) :]
             break
     a = a.rstrip("/")
     host, sep, port = a.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in a:
-        raise ValueError(f"decision address {addr!r}: want host:port (http:// or https:// optional)")
+        raise ValueError(
+            f"decision address {addr!r}: want host:port (http:// or https:// optional)"
+        )
     return a
 
 
@@ -416,7 +418,11 @@ def assign_plan(
         tried[i] = True
         replica = replicas.list[i]
         attempts += 1
-        budget = remaining if options.attempt_timeout is None else min(options.attempt_timeout, remaining)
+        budget = (
+            remaining
+            if options.attempt_timeout is None
+            else min(options.attempt_timeout, remaining)
+        )
         started = clock()
         outcome = yield Call(replica, budget)
         assert outcome is not None
@@ -456,7 +462,11 @@ def assign_plan(
                 attempts,
             )
         else:
-            kind = errors.FailedPrecondition if code == grpc.StatusCode.FAILED_PRECONDITION else errors.Unavailable
+            kind = (
+                errors.FailedPrecondition
+                if code == grpc.StatusCode.FAILED_PRECONDITION
+                else errors.Unavailable
+            )
             c = code if kind is errors.FailedPrecondition else grpc.StatusCode.UNAVAILABLE
             last = kind(c, f"{replica.addr}: {details}", attempts)
 
@@ -485,7 +495,11 @@ def cancel_plan(
         again = []
         for replica, o in zip(pending, outcomes):
             if o.code is None:
-                best = max(best, _cancel_outcome(o.response)) if best is not None else _cancel_outcome(o.response)
+                best = (
+                    max(best, _cancel_outcome(o.response))
+                    if best is not None
+                    else _cancel_outcome(o.response)
+                )
                 continue
             if retryable(o.code, o.details) and rounds < retry.max_attempts:
                 again.append(replica)

@@ -81,7 +81,9 @@ class AsyncClient:
             prompt_hash=prompt_hash,
             max_tokens=max_tokens,
         )
-        plan = _core.assign_plan(self._ensure(), self._options, self._retry, time.monotonic() + timeout)
+        plan = _core.assign_plan(
+            self._ensure(), self._options, self._retry, time.monotonic() + timeout
+        )
         outcome = None
         while True:
             try:
@@ -119,7 +121,9 @@ class AsyncClient:
                 outcomes = None
                 continue
             outcomes = list(
-                await asyncio.gather(*(self._cancel_one(r, req, step.timeout) for r in step.replicas))
+                await asyncio.gather(
+                    *(self._cancel_one(r, req, step.timeout) for r in step.replicas)
+                )
             )
 
     @staticmethod

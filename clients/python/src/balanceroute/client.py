@@ -92,7 +92,9 @@ class Client:
             prompt_hash=prompt_hash,
             max_tokens=max_tokens,
         )
-        plan = _core.assign_plan(self._replicas, self._options, self._retry, time.monotonic() + timeout)
+        plan = _core.assign_plan(
+            self._replicas, self._options, self._retry, time.monotonic() + timeout
+        )
         outcome = None
         while True:
             try:
