@@ -103,6 +103,21 @@ class DecisionProcess:
         self.log.close()
 
 
+def unread_bytes(port):
+    """Bytes waiting unread in the receive queues of the established loopback TCP connections
+    whose local port is `port` (/proc/net/tcp): how a test sees that a call reached a process
+    that is frozen and cannot read it."""
+    total = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if state == "01" and int(local.split(":")[1], 16) == port:
+                total += int(queues.split(":")[1], 16)
+    return total
+
+
 class DeadPort:
     """A loopback port bound but never listened on: connecting is refused, and nobody else can
     take the port while the test holds it."""

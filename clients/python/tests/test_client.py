@@ -3,13 +3,14 @@ assign and cancel, retries that keep the request id, failover to the next addres
 first is dead or killed with -9, deadlines against a frozen replica, typed errors, mutual TLS."""
 
 import os
+import threading
 
 import grpc
 import pytest
 
 import balanceroute
 from balanceroute import CancelOutcome, Client, ClientOptions, TLSConfig
-from support import LosingProxy, rid, same_answer
+from support import LosingProxy, rid, same_answer, unread_bytes, wait_until
 
 
 def test_assign_then_cancel(decision_addr, group, ranks):
@@ -77,6 +78,37 @@ def test_failover_when_the_first_replica_is_killed(spawn_decision, decision_addr
         n = c.assign(group, rid("kill9-next"), 96, timeout=10)
         assert (n.replica, n.attempts) == (decision_addr, 1)
         assert c.cancel(group, r) in (CancelOutcome.RELEASED, CancelOutcome.NOT_FOUND)
+
+
+def test_failover_when_the_replica_is_killed_in_the_middle_of_a_call(
+    spawn_decision, decision_addr, group
+):
+    first = spawn_decision()
+    opts = ClientOptions(keepalive_interval=30, keepalive_timeout=30)
+    with Client([first.addr, decision_addr], options=opts) as c:
+        c.assign(group, rid("midcall-warm"), 16, timeout=10)  # the connection is up
+        first.freeze()
+        r = rid("midcall")
+        out = {}
+
+        def call():
+            try:
+                out["a"] = c.assign(group, r, 16, timeout=30)
+            except Exception as e:  # noqa: BLE001 - reported below
+                out["e"] = e
+
+        t = threading.Thread(target=call)
+        t.start()
+        port = int(first.addr.rsplit(":", 1)[1])
+        wait_until(lambda: unread_bytes(port) > 0, 10, "the Assign to reach the frozen replica")
+        # Killed with the call unread: its kernel resets the connection, the call fails over.
+        first.kill9()
+        t.join(timeout=40)
+        assert not t.is_alive(), "assign did not return"
+        assert "e" not in out, out.get("e")
+        a = out["a"]
+        assert (a.replica, a.attempts) == (decision_addr, 2)
+        assert c.cancel(group, r) == CancelOutcome.RELEASED
 
 
 # Keepalives far apart, so that only the deadline can end a call to a frozen replica.
