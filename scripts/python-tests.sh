@@ -4,7 +4,11 @@
 # standard gRPC health check; and grpcio with client certificates calls a second stack of
 # br-snapshot, br-ingest and br-decision started with mutual TLS (certificates from br-certs). Creates a venv under target/py-venv with the pinned packages of
 # tests/python/requirements.txt, builds the binaries, starts the stack on free loopback ports,
-# runs pytest and stops everything it started.
+# runs pytest and stops everything it started. Then (issue 11) the `balanceroute` package is
+# installed from clients/python into a virtualenv made afresh (target/py-client-venv) and its
+# tests run against the same stacks (they start, kill -9 and freeze br-decisions of their own),
+# and the PD proxy example (examples/pd-proxy) runs in front of a prefill engine and the stack's
+# ranks with the `openai` package as its client.
 #
 # Environment: BR_PROFILE (debug | release, default debug), PYTHON (python3).
 set -euo pipefail
@@ -16,7 +20,7 @@ PY="${PYTHON:-python3}"
 VENV="$ROOT/target/py-venv"
 OUT_LOGS="$ROOT/target/py-tests"
 mkdir -p "$OUT_LOGS"
-rm -f "$OUT_LOGS"/*.log
+rm -rf "$OUT_LOGS"/*.log "$OUT_LOGS"/br-decision-* "$OUT_LOGS"/pd-decision-*
 
 # shellcheck source=scripts/lib/stack.sh
 source "$ROOT/scripts/lib/stack.sh"
@@ -84,3 +88,50 @@ BR_TLS_DIR="$TLS_DIR" BR_TLS_GROUP="$TLS_GROUP" \
 BR_TLS_DECISION_ADDR="127.0.0.1:$TLS_DECISION" BR_TLS_SNAPSHOT_ADDR="127.0.0.1:$TLS_SNAP" \
 BR_TLS_INGEST_ADDR="127.0.0.1:$TLS_INGEST" \
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/python
+
+# The balanceroute package (clients/python, issue 11) from a virtualenv made afresh every run,
+# as a user gets it: `pip install ./clients/python` builds it, generating its stubs from proto/.
+CLIENT_VENV="$ROOT/target/py-client-venv"
+say "fresh virtualenv ($CLIENT_VENV): pip install ./clients/python"
+rm -rf "$CLIENT_VENV"
+"$PY" -m venv "$CLIENT_VENV"
+"$CLIENT_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    -r clients/python/requirements-test.txt ./clients/python \
+    -r examples/pd-proxy/requirements.txt -r examples/pd-proxy/requirements-test.txt
+
+say "pytest clients/python/tests"
+BR_DECISION_ADDR="127.0.0.1:$DECISION" BR_SNAPSHOT_ADDR="127.0.0.1:$SNAP" \
+BR_GROUP="$GROUP" BR_RANKS="$G" BR_BIN_DIR="$BIN" BR_LOG_DIR="$OUT_LOGS" \
+BR_TLS_DIR="$TLS_DIR" BR_TLS_GROUP="$TLS_GROUP" \
+BR_TLS_DECISION_ADDR="127.0.0.1:$TLS_DECISION" BR_TLS_INGEST_ADDR="127.0.0.1:$TLS_INGEST" \
+    "$CLIENT_VENV/bin/python" -m pytest -q -p no:cacheprovider clients/python/tests
+
+# The PD proxy example (examples/pd-proxy): a second `br-emu engine` is the prefill engine,
+# behind a br-shim that reports nowhere (it only counts what it forwards); the stack's ranks
+# decode; the proxy runs from the fresh virtualenv.
+free_ports 2 PREFILL
+free_ports 2 PREFILL_SHIM
+free_ports 1 PD_PROXY
+say "PD proxy :$PD_PROXY: prefill br-emu engine :$PREFILL behind br-shim :$PREFILL_SHIM, decode on the $G ranks"
+start prefill-engine "$BIN/br-emu" engine --ranks 1 --slots 16 --step-a "$STEP_A" --step-b "$STEP_B" \
+    --time-scale "$SCALE" --base-port "$PREFILL" --dp-port "$((PREFILL + 1))"
+wait_http "http://127.0.0.1:$PREFILL/health" "prefill br-emu engine"
+start prefill-shim "$BIN/br-shim" --listen "127.0.0.1:$PREFILL_SHIM" \
+    --admin-listen "127.0.0.1:$((PREFILL_SHIM + 1))" --upstream "http://127.0.0.1:$PREFILL" \
+    --ingest-addr "" --group pytest-prefill
+wait_http "http://127.0.0.1:$((PREFILL_SHIM + 1))/readyz" "prefill br-shim"
+start pd-proxy "$CLIENT_VENV/bin/python" examples/pd-proxy/pd_proxy.py --listen "127.0.0.1:$PD_PROXY" \
+    --prefill "http://127.0.0.1:$PREFILL_SHIM" --decision "127.0.0.1:$DECISION" --group "$GROUP"
+wait_http "http://127.0.0.1:$PD_PROXY/health" "PD proxy"
+SHIM_ADMIN_URLS=""
+for ((g = 0; g < G; g++)); do
+    SHIM_ADMIN_URLS="$SHIM_ADMIN_URLS${SHIM_ADMIN_URLS:+,}http://127.0.0.1:$((SHIMS + 2 * g + 1))"
+done
+
+say "pytest examples/pd-proxy/tests"
+BR_PD_PROXY_URL="http://127.0.0.1:$PD_PROXY" BR_SHIM_ADMIN_URLS="$SHIM_ADMIN_URLS" \
+BR_PREFILL_URL="http://127.0.0.1:$PREFILL_SHIM" BR_PREFILL_ADMIN_URL="http://127.0.0.1:$((PREFILL_SHIM + 1))" \
+BR_BIN_DIR="$BIN" BR_LOG_DIR="$OUT_LOGS" \
+BR_DECISION_ADMIN_URL="http://127.0.0.1:$((DECISION + 1))" BR_SNAPSHOT_ADDR="127.0.0.1:$SNAP" \
+BR_GROUP="$GROUP" \
+    "$CLIENT_VENV/bin/python" -m pytest -q -p no:cacheprovider examples/pd-proxy/tests
