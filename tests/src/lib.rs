@@ -92,6 +92,8 @@ pub fn binaries() -> &'static Path {
             "br-decision",
             "-p",
             "br-shim",
+            "-p",
+            "brctl",
         ]);
         // Cargo sets these for the test process; an inner build that inherits them differs
         // from the outer `cargo test` to build scripts that watch them (ring reruns on
