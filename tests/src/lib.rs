@@ -95,6 +95,8 @@ pub fn binaries() -> &'static Path {
             "br-shim",
             "-p",
             "br-emu",
+            "-p",
+            "brctl",
         ]);
         // Cargo sets these for the test process; an inner build that inherits them differs
         // from the outer `cargo test` to build scripts that watch them (ring reruns on

@@ -23,6 +23,11 @@ pub enum SnapshotError {
         "the watcher fell behind by {bytes} bytes, over --watcher-queue-bytes {max}; watch again to re-sync from a snapshot"
     )]
     WatcherTooSlow { bytes: usize, max: usize },
+    /// SetCordon of a worker σ does not hold.
+    #[error(
+        "worker {worker} is not in σ of group {group:?} (its shim never said Hello in this epoch); cordon it once it has connected"
+    )]
+    UnknownWorker { group: String, worker: u32 },
     /// A Watch beyond `--max-watchers` streams open at once.
     #[error("the service holds --max-watchers {max} Watch streams; retry once one ends")]
     TooManyWatchers { max: usize },
@@ -33,6 +38,7 @@ impl ServiceError for SnapshotError {
         match self {
             SnapshotError::Invalid(_) => tonic::Code::InvalidArgument,
             SnapshotError::ShuttingDown => tonic::Code::Unavailable,
+            SnapshotError::UnknownWorker { .. } => tonic::Code::NotFound,
             SnapshotError::TooManyGroups { .. }
             | SnapshotError::WatcherTooSlow { .. }
             | SnapshotError::TooManyWatchers { .. } => tonic::Code::ResourceExhausted,
@@ -43,6 +49,7 @@ impl ServiceError for SnapshotError {
         match self {
             SnapshotError::Invalid(e) => e.reason_label(),
             SnapshotError::ShuttingDown => "unavailable",
+            SnapshotError::UnknownWorker { .. } => "unknown_worker",
             SnapshotError::TooManyGroups { .. } => "max_groups",
             SnapshotError::WatcherTooSlow { .. } => "watcher_queue_bytes",
             SnapshotError::TooManyWatchers { .. } => "max_watchers",

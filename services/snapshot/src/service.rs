@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use br_proto::v1;
 use br_proto::v1::snapshot_server::Snapshot;
-use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidWatch};
+use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidSetCordon, ValidWatch};
 use br_runtime::error::ServiceError as _;
 use futures::{Stream, StreamExt as _};
 use tokio::sync::mpsc;
@@ -200,6 +200,41 @@ impl Snapshot for SnapshotService {
             .await
             .map_err(|e| self.fail(e))?;
         Ok(Response::new(wire::release_response(resp)))
+    }
+
+    async fn list_groups(
+        &self,
+        _req: Request<v1::ListGroupsRequest>,
+    ) -> Result<Response<v1::ListGroupsResponse>, Status> {
+        let groups = self
+            .writer
+            .call(|reply| Command::ListGroups { reply })
+            .await
+            .map_err(|e| self.fail(e))?;
+        Ok(Response::new(v1::ListGroupsResponse { groups }))
+    }
+
+    #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, worker = req.get_ref().worker_id, cordoned = req.get_ref().cordoned))]
+    async fn set_cordon(
+        &self,
+        req: Request<v1::SetCordonRequest>,
+    ) -> Result<Response<v1::SetCordonResponse>, Status> {
+        let req = ValidSetCordon::try_from(req.into_inner()).map_err(|e| self.fail(e.into()))?;
+        let (worker, cordoned) = (req.worker_id, req.cordoned);
+        let done = self
+            .writer
+            .call(|reply| Command::SetCordon { req, reply })
+            .await
+            .map_err(|e| self.fail(e))?
+            .map_err(|e| self.fail(e))?;
+        if done.changed {
+            // An operator's act: always worth a line in the log.
+            tracing::info!(worker, cordoned, version = done.version, "cordon changed");
+        }
+        Ok(Response::new(v1::SetCordonResponse {
+            version: done.version,
+            changed: done.changed,
+        }))
     }
 }
 

@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use br_proto::v1;
-use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidTelemetryChange, ValidWatch};
+use br_proto::valid::{
+    GroupId, ValidRelease, ValidReserve, ValidSetCordon, ValidTelemetryChange, ValidWatch,
+};
 use rand::Rng as _;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -22,7 +24,9 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::SnapshotError;
-use crate::group::{Applied, Group, Reject, Released, Reserved, Settings, StreamId, WatchQueue};
+use crate::group::{
+    Applied, Cordoned, Group, Reject, Released, Reserved, Settings, StreamId, WatchQueue,
+};
 use crate::metrics::Metrics;
 
 /// Commands queued towards the writer before handlers wait.
@@ -51,6 +55,13 @@ pub enum Command {
     Release {
         req: ValidRelease,
         reply: oneshot::Sender<Released>,
+    },
+    SetCordon {
+        req: ValidSetCordon,
+        reply: oneshot::Sender<Result<Cordoned, SnapshotError>>,
+    },
+    ListGroups {
+        reply: oneshot::Sender<Vec<v1::GroupSummary>>,
     },
     Get {
         group: GroupId,
@@ -310,6 +321,25 @@ impl Writer {
                     None => Released::default(),
                 };
                 let _ = reply.send(resp);
+            }
+            Command::SetCordon { req, reply } => {
+                let unknown = || SnapshotError::UnknownWorker {
+                    group: req.group.to_string(),
+                    worker: req.worker_id,
+                };
+                let resp = match self.groups.get_mut(&req.group) {
+                    Some(g) => g
+                        .set_cordon(req.worker_id, req.cordoned, now)
+                        .map_err(|_| unknown()),
+                    None => Err(unknown()),
+                };
+                let _ = reply.send(resp);
+            }
+            Command::ListGroups { reply } => {
+                let mut groups: Vec<v1::GroupSummary> =
+                    self.groups.values().map(Group::summary).collect();
+                groups.sort_unstable_by(|a, b| a.group.cmp(&b.group));
+                let _ = reply.send(groups);
             }
             Command::Get { group, reply } => {
                 let _ = reply.send(self.groups.get(&group).map(Group::snapshot));

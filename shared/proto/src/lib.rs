@@ -24,7 +24,7 @@ pub mod v1 {
 impl v1::RejectReason {
     /// Every value, in wire order (for pre-creating counter series; a test checks it is
     /// complete).
-    pub const ALL: [v1::RejectReason; 9] = [
+    pub const ALL: [v1::RejectReason; 10] = [
         v1::RejectReason::Unspecified,
         v1::RejectReason::UnknownWorker,
         v1::RejectReason::WorkerFenced,
@@ -34,6 +34,7 @@ impl v1::RejectReason {
         v1::RejectReason::UnknownRequest,
         v1::RejectReason::Invalid,
         v1::RejectReason::ConnectedElsewhere,
+        v1::RejectReason::WorkerCordoned,
     ];
 
     /// The metric label: the proto name without its `REJECT_REASON_` prefix, in lower case.
@@ -51,6 +52,7 @@ impl v1::RejectReason {
             v1::RejectReason::UnknownRequest => "unknown_request",
             v1::RejectReason::Invalid => "invalid",
             v1::RejectReason::ConnectedElsewhere => "connected_elsewhere",
+            v1::RejectReason::WorkerCordoned => "worker_cordoned",
         }
     }
 }

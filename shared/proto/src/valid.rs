@@ -538,6 +538,25 @@ impl TryFrom<v1::ReleaseRequest> for ValidRelease {
     }
 }
 
+/// A validated `SetCordonRequest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidSetCordon {
+    pub group: GroupId,
+    pub worker_id: u32,
+    pub cordoned: bool,
+}
+
+impl TryFrom<v1::SetCordonRequest> for ValidSetCordon {
+    type Error = ValidationError;
+    fn try_from(m: v1::SetCordonRequest) -> Result<Self, Self::Error> {
+        Ok(ValidSetCordon {
+            group: GroupId::new(&m.group)?,
+            worker_id: check_worker_id(m.worker_id)?,
+            cordoned: m.cordoned,
+        })
+    }
+}
+
 /// A validated `TelemetryChange` (one change of ingest's `ChangeBatch`). The snapshot service
 /// validates each change on its own so it can reject it by index (`ApplyAck.rejected`) and
 /// apply the rest.
@@ -1083,6 +1102,29 @@ mod tests {
             request_ids: vec!["a".into(), "a".into()],
         };
         assert!(ValidRelease::try_from(m).is_err());
+    }
+
+    #[test]
+    fn set_cordon_rules() {
+        let m = v1::SetCordonRequest {
+            group: "g".into(),
+            worker_id: MAX_WORKER_ID,
+            cordoned: true,
+        };
+        let v = ValidSetCordon::try_from(m).expect("valid");
+        assert_eq!((v.worker_id, v.cordoned), (MAX_WORKER_ID, true));
+        let m = v1::SetCordonRequest {
+            group: "g".into(),
+            worker_id: MAX_WORKER_ID + 1,
+            cordoned: true,
+        };
+        assert!(ValidSetCordon::try_from(m).is_err());
+        let m = v1::SetCordonRequest {
+            group: String::new(),
+            worker_id: 0,
+            cordoned: false,
+        };
+        assert!(ValidSetCordon::try_from(m).is_err());
     }
 
     #[test]

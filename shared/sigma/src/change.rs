@@ -42,6 +42,13 @@ pub fn worker_fenced(worker_id: u32, incarnation: u64) -> v1::Change {
     }))
 }
 
+pub fn worker_cordon(worker_id: u32, cordoned: bool) -> v1::Change {
+    wrap(Kind::WorkerCordon(c::WorkerCordon {
+        worker_id,
+        cordoned,
+    }))
+}
+
 pub fn request_reserved(
     request_id: &str,
     worker_id: u32,

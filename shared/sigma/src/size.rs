@@ -57,6 +57,7 @@ fn largest_worker() -> v1::WorkerState {
         liveness: v1::Liveness::Fenced as i32,
         load_tokens: u64::MAX,
         carrier: "c".repeat(MAX_CARRIER_BYTES),
+        cordoned: true,
     }
 }
 

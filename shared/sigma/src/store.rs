@@ -152,6 +152,9 @@ impl Sigma {
                     s.worker_fenced(w.worker_id, w.incarnation)?;
                 }
             }
+            if w.cordoned {
+                s.worker_cordon(w.worker_id, true)?;
+            }
         }
         Ok(s)
     }
@@ -169,6 +172,7 @@ impl Sigma {
                 liveness: w.liveness.to_wire() as i32,
                 load_tokens: self.cluster.worker(w.id).map_or(0, |c| c.load()),
                 carrier: w.carrier.clone(),
+                cordoned: w.cordoned,
             })
             .collect();
         let mut reqs: Vec<&Request> = self.requests.values().collect();
@@ -254,6 +258,7 @@ impl Sigma {
             Kind::RequestFinished(f) => self.remove_request(&f.request_id, false).map(|_| true),
             Kind::RequestExpired(e) => self.remove_request(&e.request_id, true).map(|_| true),
             Kind::RequestReleased(r) => self.remove_request(&r.request_id, true).map(|_| true),
+            Kind::WorkerCordon(c) => self.worker_cordon(c.worker_id, c.cordoned),
         }
     }
 
@@ -361,6 +366,8 @@ impl Sigma {
                 "carrier is longer than {MAX_CARRIER_BYTES} bytes or has control characters"
             )));
         }
+        // The cordon is the operator's, on the worker id: a new incarnation keeps it.
+        let cordoned = self.workers.get(&id).is_some_and(|w| w.cordoned);
         match self.workers.get(&id) {
             Some(w) if w.incarnation == incarnation => {
                 // A new carrier alone is a change too: the worker's stream moved to another
@@ -378,6 +385,9 @@ impl Sigma {
             None => {}
         }
         self.cluster.upsert_worker(id, capacity)?;
+        if cordoned {
+            self.cluster.set_accepting(id, false)?;
+        }
         self.workers.insert(
             id,
             Worker {
@@ -387,8 +397,25 @@ impl Sigma {
                 endpoint: endpoint.to_owned(),
                 liveness: Liveness::Live,
                 carrier: carrier.to_owned(),
+                cordoned,
             },
         );
+        Ok(true)
+    }
+
+    fn worker_cordon(&mut self, id: WorkerId, cordoned: bool) -> Result<bool, SigmaError> {
+        let w = self
+            .workers
+            .get_mut(&id)
+            .ok_or(SigmaError::UnknownWorker(id))?;
+        if w.cordoned == cordoned {
+            return Ok(false);
+        }
+        w.cordoned = cordoned;
+        let accepts = w.accepts_new_work();
+        if w.liveness != Liveness::Fenced {
+            self.cluster.set_accepting(id, accepts)?;
+        }
         Ok(true)
     }
 
@@ -428,6 +455,9 @@ impl Sigma {
             Liveness::Live => {}
             Liveness::Suspect => return Err(SigmaError::WorkerSuspect(r.worker_id)),
             Liveness::Fenced => return Err(SigmaError::WorkerFenced(r.worker_id)),
+        }
+        if w.cordoned {
+            return Err(SigmaError::WorkerCordoned(r.worker_id));
         }
         if self.requests.contains_key(id.as_str()) {
             return Err(SigmaError::DuplicateRequest(r.request_id.clone()));
@@ -582,8 +612,8 @@ impl Sigma {
         Ok(())
     }
 
-    /// Inserts into the core. A SUSPECT worker still gets telemetry-reported requests (they
-    /// run on it), so it accepts for the duration of the insert.
+    /// Inserts into the core. A SUSPECT or cordoned worker still gets telemetry-reported
+    /// requests (they run on it), so it accepts for the duration of the insert.
     fn core_insert(&mut self, r: &Request) -> Result<(), SigmaError> {
         let info = RequestInfo {
             key: r.key,
@@ -594,12 +624,15 @@ impl Sigma {
             prompt_hash: r.prompt_hash,
             oracle_output: None,
         };
-        let suspect = self.liveness(r.worker) == Some(Liveness::Suspect);
-        if suspect {
+        let blocked = self
+            .workers
+            .get(&r.worker)
+            .is_some_and(|w| w.liveness == Liveness::Suspect || w.cordoned);
+        if blocked {
             self.cluster.set_accepting(r.worker, true)?;
         }
         let res = self.cluster.reserve(info);
-        if suspect {
+        if blocked {
             self.cluster.set_accepting(r.worker, false)?;
         }
         Ok(res?)

@@ -219,6 +219,93 @@ fn bad_snapshots_are_refused() {
     assert!(Sigma::from_snapshot(&m).is_err(), "reserved with tokens");
 }
 
+#[test]
+fn a_cordon_stops_new_work_only_and_outlives_incarnations() {
+    let mut s = sigma();
+    commit(
+        &mut s,
+        vec![
+            worker_up(0, 11, 4, ""),
+            worker_up(1, 12, 4, ""),
+            request_reserved("a", 0, 11, 10, None, None),
+        ],
+    );
+    assert_eq!(
+        s.apply_change(&worker_cordon(5, true)),
+        Err(SigmaError::UnknownWorker(5))
+    );
+    let d = commit(&mut s, vec![worker_cordon(0, true)]).unwrap();
+    assert!(s.worker(0).unwrap().cordoned);
+    assert_eq!(
+        s.liveness(0),
+        Some(Liveness::Live),
+        "a cordon is not a liveness"
+    );
+    assert!(!s.cluster().worker(0).unwrap().accepting);
+    assert_eq!(
+        s.cluster().accepting_worker_ids().collect::<Vec<_>>(),
+        vec![1]
+    );
+    // restating it is no change and no version
+    assert!(commit(&mut s, vec![worker_cordon(0, true)]).is_none());
+    assert_eq!(
+        s.apply_change(&request_reserved("b", 0, 11, 1, None, None)),
+        Err(SigmaError::WorkerCordoned(0))
+    );
+    // its running work goes on: telemetry lands, the reservation becomes active and finishes
+    assert!(
+        s.apply_change(&request_progress("a", 0, 11, 10, 3))
+            .unwrap()
+    );
+    assert!(s.apply_change(&request_progress("c", 0, 11, 5, 0)).unwrap());
+    assert_eq!(load(&s, 0), 18);
+    assert!(
+        !s.cluster().worker(0).unwrap().accepting,
+        "the insert kept the cordon"
+    );
+    // a replica following the delta agrees, and so does one built from the snapshot
+    let mut r = Sigma::with_epoch("g", 7);
+    r.apply_delta(&Delta {
+        epoch: 7,
+        prev_version: 0,
+        version: 1,
+        changes: vec![
+            worker_up(0, 11, 4, ""),
+            worker_up(1, 12, 4, ""),
+            request_reserved("a", 0, 11, 10, None, None),
+        ],
+    })
+    .unwrap();
+    r.apply_delta(&d).unwrap();
+    assert!(r.worker(0).unwrap().cordoned && !r.cluster().worker(0).unwrap().accepting);
+    let snap = s.to_snapshot();
+    assert!(snap.workers[0].cordoned);
+    let rebuilt = Sigma::from_snapshot(&snap).unwrap();
+    assert_eq!(rebuilt.to_snapshot(), snap);
+    assert!(!rebuilt.cluster().worker(0).unwrap().accepting);
+    // the cordon belongs to the rank: a suspect, a reconnect, a fence and a new incarnation
+    // keep it
+    s.apply_change(&worker_suspect(0, 11)).unwrap();
+    s.apply_change(&worker_up(0, 11, 4, "")).unwrap();
+    assert!(!s.cluster().worker(0).unwrap().accepting);
+    s.apply_change(&worker_fenced(0, 11)).unwrap();
+    s.apply_change(&worker_up(0, 13, 4, "")).unwrap();
+    assert!(s.worker(0).unwrap().cordoned);
+    assert!(!s.cluster().worker(0).unwrap().accepting);
+    // uncordon: new work again
+    assert!(s.apply_change(&worker_cordon(0, false)).unwrap());
+    assert!(s.cluster().worker(0).unwrap().accepting);
+    assert!(
+        s.apply_change(&request_reserved("b", 0, 13, 1, None, None))
+            .unwrap()
+    );
+    // uncordoning a suspect worker does not make it accept
+    s.apply_change(&worker_cordon(1, true)).unwrap();
+    s.apply_change(&worker_suspect(1, 12)).unwrap();
+    s.apply_change(&worker_cordon(1, false)).unwrap();
+    assert!(!s.cluster().worker(1).unwrap().accepting);
+}
+
 // ---- property tests ----
 
 #[derive(Debug, Clone)]
@@ -231,6 +318,7 @@ enum Op {
     Finish(u8, u32),
     Expire(u8),
     Release(u8),
+    Cordon(u32, bool),
     Commit,
 }
 
@@ -256,6 +344,7 @@ fn op() -> impl Strategy<Value = Op> {
         (r.clone(), 0u32..50).prop_map(|(a, b)| Op::Finish(a, b)),
         r.clone().prop_map(Op::Expire),
         r.prop_map(Op::Release),
+        (0u32..4, any::<bool>()).prop_map(|(a, b)| Op::Cordon(a, b)),
         Just(Op::Commit),
     ]
 }
@@ -279,6 +368,7 @@ fn to_change(op: &Op) -> Option<v1::Change> {
         Op::Finish(r, g) => request_finished(&id(r), *g),
         Op::Expire(r) => request_expired(&id(r)),
         Op::Release(r) => request_released(&id(r)),
+        Op::Cordon(w, c) => worker_cordon(*w, *c),
         Op::Commit => return None,
     })
 }
@@ -334,7 +424,7 @@ fn check_mirror(s: &Sigma) {
             (q, run, ql, rl)
         );
         assert_eq!(c.alive, w.liveness != Liveness::Fenced);
-        assert_eq!(c.accepting, w.liveness == Liveness::Live);
+        assert_eq!(c.accepting, w.accepts_new_work());
         assert_eq!(c.capacity, w.capacity);
         if c.alive {
             live += 1;

@@ -52,6 +52,16 @@ pub struct Worker {
     pub liveness: Liveness,
     /// The ingest replica its current Hello came through; empty if unknown.
     pub carrier: String,
+    /// Cordoned by an operator: keeps its liveness and requests, takes no new ones. Belongs
+    /// to the worker id (kept across incarnations and fences).
+    pub cordoned: bool,
+}
+
+impl Worker {
+    /// Whether the worker may take new assignments: LIVE and not cordoned.
+    pub fn accepts_new_work(&self) -> bool {
+        self.liveness == Liveness::Live && !self.cordoned
+    }
 }
 
 /// One request in σ. `phase` is [`Phase::Queued`] for RESERVED and [`Phase::Running`] for
@@ -125,6 +135,8 @@ pub enum SigmaError {
     WorkerFenced(WorkerId),
     #[error("worker {0} is suspect and takes no reservations")]
     WorkerSuspect(WorkerId),
+    #[error("worker {0} is cordoned and takes no reservations")]
+    WorkerCordoned(WorkerId),
     #[error("request {0:?} is not in σ")]
     UnknownRequest(String),
     #[error("request {0:?} is already in σ")]

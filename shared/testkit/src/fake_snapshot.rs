@@ -312,6 +312,21 @@ impl v1::snapshot_server::Snapshot for FakeSnapshot {
         call(&self.release, req.into_inner())
     }
 
+    // The operator RPCs are not scripted: the fake serves the data path only.
+    async fn list_groups(
+        &self,
+        _req: tonic::Request<v1::ListGroupsRequest>,
+    ) -> Result<tonic::Response<v1::ListGroupsResponse>, tonic::Status> {
+        unimplemented()
+    }
+
+    async fn set_cordon(
+        &self,
+        _req: tonic::Request<v1::SetCordonRequest>,
+    ) -> Result<tonic::Response<v1::SetCordonResponse>, tonic::Status> {
+        unimplemented()
+    }
+
     async fn apply(
         &self,
         req: tonic::Request<tonic::Streaming<v1::ChangeBatch>>,

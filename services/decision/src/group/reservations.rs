@@ -95,6 +95,7 @@ pub fn worker_refused(reason: RejectReason) -> bool {
     matches!(
         reason,
         RejectReason::WorkerFenced
+            | RejectReason::WorkerCordoned
             | RejectReason::UnknownWorker
             | RejectReason::StaleIncarnation
             | RejectReason::WorkerFull

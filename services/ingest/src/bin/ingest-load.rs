@@ -680,6 +680,18 @@ impl v1::snapshot_server::Snapshot for FakeSnapshot {
     ) -> Result<tonic::Response<v1::ReleaseResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("fake"))
     }
+    async fn list_groups(
+        &self,
+        _: tonic::Request<v1::ListGroupsRequest>,
+    ) -> Result<tonic::Response<v1::ListGroupsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
+    async fn set_cordon(
+        &self,
+        _: tonic::Request<v1::SetCordonRequest>,
+    ) -> Result<tonic::Response<v1::SetCordonResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
     async fn apply(
         &self,
         req: tonic::Request<tonic::Streaming<v1::ChangeBatch>>,

@@ -124,6 +124,7 @@ impl From<SigmaError> for Reject {
             SigmaError::UnknownWorker(_) => R::UnknownWorker,
             SigmaError::StaleIncarnation { .. } => R::StaleIncarnation,
             SigmaError::WorkerFenced(_) | SigmaError::WorkerSuspect(_) => R::WorkerFenced,
+            SigmaError::WorkerCordoned(_) => R::WorkerCordoned,
             SigmaError::DuplicateRequest(_) => R::Duplicate,
             // The writer's bound on what a worker (or the group) holds: like a full worker,
             // the change or reservation is refused and the rest of the batch applies.
@@ -154,6 +155,15 @@ pub struct Reserved {
     /// In σ, idempotent repeats included.
     pub accepted: Vec<RequestId>,
     pub rejected: Vec<(RequestId, Reject)>,
+}
+
+/// What a SetCordon call did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cordoned {
+    /// σ's version that holds the cordon state.
+    pub version: u64,
+    /// Whether σ changed.
+    pub changed: bool,
 }
 
 /// What a Release call did.
@@ -380,6 +390,45 @@ impl Group {
         Released {
             version: self.sigma.version(),
             released,
+        }
+    }
+
+    /// Cordons or uncordons a worker (Snapshot.SetCordon) as one version, or none if it already
+    /// was in that state. `Err` if σ does not hold the worker.
+    pub fn set_cordon(
+        &mut self,
+        worker: u32,
+        cordoned: bool,
+        now: Instant,
+    ) -> Result<Cordoned, SigmaError> {
+        self.idle_since = None;
+        let mut b = self.sigma.batch();
+        let changed = b.apply(br_sigma::change::worker_cordon(worker, cordoned))?;
+        if let Some(d) = b.commit() {
+            self.publish(d, now);
+        }
+        Ok(Cordoned {
+            version: self.sigma.version(),
+            changed,
+        })
+    }
+
+    /// The group at a glance (Snapshot.ListGroups), without copying σ.
+    pub fn summary(&self) -> v1::GroupSummary {
+        let (mut workers, mut live, mut cordoned) = (0, 0, 0);
+        for w in self.sigma.workers() {
+            workers += 1;
+            live += u32::from(w.liveness == Liveness::Live);
+            cordoned += u32::from(w.cordoned);
+        }
+        v1::GroupSummary {
+            group: self.sigma.group().to_owned(),
+            epoch: self.sigma.epoch(),
+            version: self.sigma.version(),
+            workers,
+            live_workers: live,
+            cordoned_workers: cordoned,
+            requests: self.sigma.request_count() as u64,
         }
     }
 

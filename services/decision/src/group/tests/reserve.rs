@@ -4,22 +4,28 @@ use super::*;
 
 #[test]
 fn rejected_reservations_go_back_to_the_pool_and_avoid_the_worker() {
-    let mut fx = Fx::new(PolicyKind::Br0, &[0, 500], 8);
-    let (_, mut rx) = fx.assign("r", 100);
-    fx.core.tick(fx.now);
-    let job = fx.core.take_reserve(fx.now).unwrap();
-    let first = job.reservations[0].worker;
-    assert_eq!(first, 0, "the lighter worker");
-    let resp = refused(&fx, "r", v1::RejectReason::WorkerFenced, "fenced");
-    fx.done(&job, Ok(resp));
-    assert!(pending(&mut rx), "retried, not failed");
-    assert_eq!(fx.core.stats().pool, 1);
-    fx.tick_and_commit(false);
-    assert_eq!(
-        answer(&mut rx).worker,
-        1,
-        "σ is behind: avoid the fenced worker"
-    );
+    // fenced, or cordoned by an operator, before this replica's σ showed it
+    for reason in [
+        v1::RejectReason::WorkerFenced,
+        v1::RejectReason::WorkerCordoned,
+    ] {
+        let mut fx = Fx::new(PolicyKind::Br0, &[0, 500], 8);
+        let (_, mut rx) = fx.assign("r", 100);
+        fx.core.tick(fx.now);
+        let job = fx.core.take_reserve(fx.now).unwrap();
+        let first = job.reservations[0].worker;
+        assert_eq!(first, 0, "the lighter worker");
+        let resp = refused(&fx, "r", reason, "refused");
+        fx.done(&job, Ok(resp));
+        assert!(pending(&mut rx), "{reason:?}: retried, not failed");
+        assert_eq!(fx.core.stats().pool, 1);
+        fx.tick_and_commit(false);
+        assert_eq!(
+            answer(&mut rx).worker,
+            1,
+            "{reason:?}: σ is behind: avoid the refusing worker"
+        );
+    }
 }
 
 #[test]

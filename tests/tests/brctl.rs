@@ -1,0 +1,336 @@
+//! brctl against the real services (issue 15): `status` lists groups and ranks, `cordon` takes
+//! a rank out of routing while its requests go on, the cordon survives the rank's shim
+//! restarting, `drain` waits for the rank's requests and exits 3 when they outlast its
+//! timeout, `uncordon` brings the rank back, and bad input gets a clear error and exit 1.
+//!
+//! The gateway is br-client's `AssignClient` on a br-decision running JSQ (deterministic: the
+//! least-loaded rank), the ranks are fake workers on ingest's telemetry stream.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use br_client::assign::{AssignClient, AssignParams};
+use br_e2e::{FakeWorker, Service, binaries};
+use br_proto::v1;
+use br_testkit::eventually;
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+
+const GROUP: &str = "ops";
+const START: Duration = Duration::from_secs(30);
+/// A hang guard for one brctl run, not a timing assertion.
+const RUN: Duration = Duration::from_secs(60);
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+async fn brctl(snapshot: &Service, args: &[&str]) -> Out {
+    let child = tokio::process::Command::new(binaries().join("brctl"))
+        .arg("--snapshot-addr")
+        .arg(snapshot.grpc_url())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("brctl starts");
+    let out = tokio::time::timeout(RUN, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("brctl {args:?} still running after {RUN:?}"))
+        .expect("brctl output");
+    Out {
+        code: out.status.code().expect("brctl exited, not killed"),
+        stdout: String::from_utf8(out.stdout).unwrap(),
+        stderr: String::from_utf8(out.stderr).unwrap(),
+    }
+}
+
+async fn status_json(snapshot: &Service) -> serde_json::Value {
+    let out = brctl(snapshot, &["status", GROUP, "--output", "json"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    serde_json::from_str(&out.stdout).expect("status JSON")
+}
+
+fn worker(status: &serde_json::Value, id: u64) -> &serde_json::Value {
+    status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == id)
+        .unwrap_or_else(|| panic!("worker {id} in {status}"))
+}
+
+async fn sigma(snapshot: &Service) -> v1::ClusterSnapshot {
+    let mut c = v1::snapshot_client::SnapshotClient::connect(snapshot.grpc_url())
+        .await
+        .unwrap();
+    c.get(v1::GetRequest {
+        group: GROUP.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+/// Assigns one request; its rank.
+async fn assign(client: &AssignClient, id: &str) -> u32 {
+    client
+        .assign_within(&AssignParams::new(GROUP, id, 100), Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|e| panic!("assign {id}: {e}"))
+        .worker_id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cordon_drain_and_uncordon_a_rank_with_brctl() {
+    let snapshot = Service::start(
+        "br-snapshot",
+        &["--worker-grace", "2s", "--reservation-ttl", "30s"],
+    );
+    snapshot.wait_for("/livez", START).await;
+    let snap = snapshot.grpc_url();
+    // no group yet (decision's Watch will create it): said plainly
+    let out = brctl(&snapshot, &["status"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("no group"), "{}", out.stdout);
+    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
+    let decision = Service::start(
+        "br-decision",
+        &[
+            "--snapshot-addr",
+            &snap,
+            "--policy",
+            "jsq",
+            "--groups",
+            GROUP,
+        ],
+    );
+    ingest.wait_for("/readyz", START).await;
+
+    let mut ws = Vec::new();
+    for id in 0..3 {
+        ws.push(FakeWorker::connect(&ingest.grpc_url(), GROUP, id, 8).await);
+    }
+    eventually(START, "3 live ranks", || async {
+        sigma(&snapshot)
+            .await
+            .workers
+            .iter()
+            .filter(|w| w.liveness == v1::Liveness::Live as i32)
+            .count()
+            == 3
+    })
+    .await;
+    decision.wait_for("/readyz", START).await;
+
+    let out = brctl(&snapshot, &["status"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains(GROUP), "{}", out.stdout);
+    let out = brctl(&snapshot, &["status", "--output", "json"]).await;
+    let groups: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(groups[0]["group"], GROUP);
+    assert_eq!(
+        (
+            groups[0]["workers"].clone(),
+            groups[0]["live_workers"].clone()
+        ),
+        (3.into(), 3.into())
+    );
+
+    // rank 1 runs a request, then is cordoned
+    let client = AssignClient::connect_lazy(decision.grpc_url()).unwrap();
+    let first = assign(&client, "before-0").await;
+    ws[first as usize].start("before-0", 100).await;
+    let busy = first;
+    let out = brctl(&snapshot, &["cordon", GROUP, &busy.to_string()]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("cordoned"), "{}", out.stdout);
+    let again = brctl(&snapshot, &["cordon", GROUP, &busy.to_string()]).await;
+    assert!(
+        again.stdout.contains("already"),
+        "idempotent: {}",
+        again.stdout
+    );
+    let s = status_json(&snapshot).await;
+    let w = worker(&s, busy.into());
+    assert_eq!(
+        (w["liveness"].as_str(), w["cordoned"].as_bool()),
+        (Some("live"), Some(true))
+    );
+    assert_eq!(w["running"], 1, "its request goes on: {s}");
+    let table = brctl(&snapshot, &["status", GROUP]).await.stdout;
+    assert!(table.contains("live,cordoned"), "{table}");
+
+    // new work avoids it, though it is not the least loaded once others fill up
+    let version = sigma(&snapshot).await.version;
+    eventually(START, "decision sees the cordon", || async {
+        let m = decision.metrics().await;
+        m.lines().any(|l| {
+            l.starts_with("balanceroute_decision_sigma_version")
+                && l.contains(GROUP)
+                && l.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+                    >= version as f64
+        })
+    })
+    .await;
+    for i in 0..6 {
+        let id = format!("during-{i}");
+        let w = assign(&client, &id).await;
+        assert_ne!(w, busy, "{id} went to the cordoned rank");
+        ws[w as usize].start(&id, 100).await;
+    }
+
+    // drain: waits for the request, and outlasting its timeout is exit 3 (the cordon stays)
+    let out = brctl(
+        &snapshot,
+        &[
+            "drain",
+            GROUP,
+            &busy.to_string(),
+            "--timeout",
+            "300ms",
+            "--poll",
+            "50ms",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 3, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("still holds 1"), "{}", out.stdout);
+    let mut drain = tokio::process::Command::new(binaries().join("brctl"))
+        .args([
+            "--snapshot-addr",
+            &snap,
+            "drain",
+            GROUP,
+            &busy.to_string(),
+            "--timeout",
+            "60s",
+            "--poll",
+            "50ms",
+        ])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(drain.stdout.take().unwrap()).lines();
+    // the drain has seen the request before it finishes
+    tokio::time::timeout(RUN, async {
+        while let Some(l) = lines.next_line().await.unwrap() {
+            if l.contains("1 requests left") {
+                return;
+            }
+        }
+        panic!("drain ended without reporting the running request");
+    })
+    .await
+    .expect("drain reports the request left");
+    ws[busy as usize].finish("before-0").await;
+    let status = tokio::time::timeout(RUN, drain.wait())
+        .await
+        .expect("drain ends")
+        .unwrap();
+    let rest: Vec<String> = {
+        let mut v = Vec::new();
+        while let Ok(Some(l)) = lines.next_line().await {
+            v.push(l);
+        }
+        v
+    };
+    assert!(status.success(), "drain: {status:?} {rest:?}");
+    assert!(rest.iter().any(|l| l.contains("drained")), "{rest:?}");
+
+    // the cordon belongs to the rank: its shim restarting (a new incarnation) keeps it
+    let before = worker(&status_json(&snapshot).await, busy.into())["incarnation"].clone();
+    ws[busy as usize]
+        .reconnect(&ingest.grpc_url(), true, START)
+        .await;
+    eventually(START, "the new incarnation is in σ", || async {
+        worker(&status_json(&snapshot).await, busy.into())["incarnation"] != before
+    })
+    .await;
+    let s = status_json(&snapshot).await;
+    assert_eq!(worker(&s, busy.into())["cordoned"], true, "{s}");
+
+    // uncordon: the empty rank is the least loaded, so JSQ sends the next request there
+    let out = brctl(&snapshot, &["uncordon", GROUP, &busy.to_string()]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let version = sigma(&snapshot).await.version;
+    eventually(START, "decision sees the uncordon", || async {
+        let m = decision.metrics().await;
+        m.lines().any(|l| {
+            l.starts_with("balanceroute_decision_sigma_version")
+                && l.contains(GROUP)
+                && l.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+                    >= version as f64
+        })
+    })
+    .await;
+    assert_eq!(assign(&client, "after-0").await, busy);
+
+    // requests: the rank's list, as a table and as JSON
+    let out = brctl(&snapshot, &["requests", GROUP, "0", "--output", "json"]).await;
+    let rows: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let truth = ws[0].running.lock().unwrap().len();
+    assert!(rows.as_array().unwrap().iter().all(|r| r["worker_id"] == 0));
+    assert!(
+        rows.as_array().unwrap().len() >= truth,
+        "{rows} vs {truth} running"
+    );
+
+    // watch off a terminal prints the status at each refresh
+    let out = brctl(
+        &snapshot,
+        &["watch", GROUP, "--interval", "50ms", "--count", "2"],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.stdout.matches("group ops").count(), 2, "{}", out.stdout);
+
+    // bad input: typed errors, exit 1 (2 for usage)
+    let out = brctl(&snapshot, &["cordon", GROUP, "9"]).await;
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr.contains("NotFound") && out.stderr.contains("worker 9"),
+        "{}",
+        out.stderr
+    );
+    let out = brctl(&snapshot, &["cordon", GROUP, "5000"]).await;
+    assert_eq!(out.code, 1);
+    assert!(out.stderr.contains("InvalidArgument"), "{}", out.stderr);
+    let out = brctl(&snapshot, &["cordon", GROUP]).await;
+    assert_eq!(out.code, 2, "usage: {}", out.stderr);
+    let mut dead = Service::start("br-snapshot", &[]);
+    let dead_addr = dead.grpc_url();
+    dead.kill();
+    let out = tokio::time::timeout(
+        RUN,
+        tokio::process::Command::new(binaries().join("brctl"))
+            .args([
+                "--snapshot-addr",
+                &dead_addr,
+                "--call-timeout",
+                "2s",
+                "status",
+            ])
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Unavailable") && err.contains("--snapshot-addr"),
+        "{err}"
+    );
+}

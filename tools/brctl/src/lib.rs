@@ -1,0 +1,358 @@
+//! `brctl`: the operator's command line for BalanceRoute. It reads σ from the snapshot service
+//! (`Snapshot.ListGroups`, `Snapshot.Get`) and changes only one thing, the cordon of a rank
+//! (`Snapshot.SetCordon`); under mutual TLS it needs a certificate of role `admin`.
+//!
+//! * [`model`]: what is shown, computed from σ alone (per-rank load, imbalance, requests).
+//! * [`render`]: tables and JSON.
+//! * [`tui`]: `brctl watch`, a live terminal view.
+
+pub mod model;
+pub mod render;
+pub mod tui;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use br_proto::v1;
+use br_proto::v1::snapshot_client::SnapshotClient;
+use br_trust::{Role, TlsArgs, TlsMaterial};
+use clap::{Parser, Subcommand, ValueEnum};
+use tonic::transport::{Channel, Endpoint};
+
+/// Exit code of `brctl drain` when the rank still holds requests at `--timeout` (its cordon
+/// stays). 1 is any other failure, 2 a usage error.
+pub const EXIT_DRAIN_TIMEOUT: i32 = 3;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "brctl",
+    version,
+    about = "BalanceRoute's operator command line: see groups, ranks, loads and requests; cordon, uncordon and drain ranks",
+    after_help = "Examples:
+  brctl status                               every group the snapshot service holds
+  brctl status prod-g0                       per rank: state, KV load, requests, capacity; imbalance
+  brctl status prod-g0 --output json         the same as JSON
+  brctl requests prod-g0 3                   the requests σ holds on rank 3
+  brctl watch prod-g0                        a live view (q to quit)
+  brctl cordon prod-g0 3                     rank 3 takes no new requests; its running ones finish
+  brctl drain prod-g0 3 --timeout 10m        cordon, then wait until rank 3 holds no request
+  brctl uncordon prod-g0 3                   back in routing
+  brctl --snapshot-addr https://snapshot:50061 --tls-cert admin.pem --tls-key admin-key.pem \\
+        --tls-ca ca.pem status               under mutual TLS (a certificate of role admin)"
+)]
+pub struct Cli {
+    /// The snapshot service's gRPC address.
+    #[arg(
+        long,
+        env = "BALANCEROUTE_SNAPSHOT_ADDR",
+        default_value = "http://127.0.0.1:50061",
+        global = true
+    )]
+    pub snapshot_addr: String,
+    /// Deadline of each call.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration, global = true)]
+    pub call_timeout: Duration,
+    /// Output format.
+    #[arg(long, short, value_enum, default_value_t = Output::Table, global = true)]
+    pub output: Output,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Every group, or one group's ranks: state (live, suspect, fenced; cordoned), incarnation,
+    /// KV load as a bar and in tokens, running and reserved requests, capacity; the group's
+    /// version, imbalance and barrier idle share.
+    Status {
+        /// Show this group's ranks (without: list the groups).
+        group: Option<String>,
+    },
+    /// The requests σ holds for a group, or for one rank of it.
+    Requests { group: String, worker: Option<u32> },
+    /// A live view of a group that refreshes like `top` (q, Esc or Ctrl-C quits). When
+    /// standard output is not a terminal it prints the status table at each refresh instead.
+    Watch {
+        group: String,
+        /// Time between refreshes.
+        #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+        interval: Duration,
+        /// Stop after this many refreshes (default: until quit).
+        #[arg(long)]
+        count: Option<u64>,
+    },
+    /// Takes a rank out of routing for new requests; its running requests go on and finish.
+    /// The cordon belongs to the rank (a shim restart keeps it) until `uncordon`.
+    Cordon { group: String, worker: u32 },
+    /// Puts a cordoned rank back in routing.
+    Uncordon { group: String, worker: u32 },
+    /// Cordons a rank, then waits until σ holds no request on it (exit 3 at --timeout; the
+    /// cordon stays either way: `uncordon` when the maintenance is done).
+    Drain {
+        group: String,
+        worker: u32,
+        /// How long to wait for the rank's requests to finish.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+        /// How often to look.
+        #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+        poll: Duration,
+    },
+}
+
+/// A connected brctl: the snapshot client and the call deadline.
+pub struct Ctl {
+    client: SnapshotClient<Channel>,
+    timeout: Duration,
+}
+
+impl Ctl {
+    /// Connects lazily (the first call reports an unreachable server), over mutual TLS when
+    /// `tls` is given (the server must present the snapshot role).
+    pub fn connect(
+        addr: &str,
+        tls: Option<&Arc<TlsMaterial>>,
+        timeout: Duration,
+    ) -> anyhow::Result<Ctl> {
+        let endpoint = Endpoint::from_shared(addr.to_owned())
+            .with_context(|| format!("--snapshot-addr {addr:?} is not a URL"))?
+            .connect_timeout(timeout);
+        let channel = br_trust::tls::connect_lazy(endpoint, tls, Some(Role::Snapshot));
+        Ok(Ctl {
+            client: SnapshotClient::new(channel)
+                .max_decoding_message_size(br_sigma::MAX_SNAPSHOT_MESSAGE_BYTES),
+            timeout,
+        })
+    }
+
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        r.set_timeout(self.timeout);
+        r
+    }
+
+    pub async fn groups(&self) -> anyhow::Result<Vec<v1::GroupSummary>> {
+        let resp = self
+            .client
+            .clone()
+            .list_groups(self.request(v1::ListGroupsRequest {}))
+            .await
+            .map_err(status_error)?;
+        Ok(resp.into_inner().groups)
+    }
+
+    pub async fn snapshot(&self, group: &str) -> anyhow::Result<v1::ClusterSnapshot> {
+        let resp = self
+            .client
+            .clone()
+            .get(self.request(v1::GetRequest {
+                group: group.to_owned(),
+            }))
+            .await
+            .map_err(status_error)?;
+        Ok(resp.into_inner())
+    }
+
+    pub async fn set_cordon(
+        &self,
+        group: &str,
+        worker: u32,
+        cordoned: bool,
+    ) -> anyhow::Result<v1::SetCordonResponse> {
+        let resp = self
+            .client
+            .clone()
+            .set_cordon(self.request(v1::SetCordonRequest {
+                group: group.to_owned(),
+                worker_id: worker,
+                cordoned,
+            }))
+            .await
+            .map_err(status_error)?;
+        Ok(resp.into_inner())
+    }
+}
+
+/// A failed call, said plainly: the code and the server's message.
+fn status_error(s: tonic::Status) -> anyhow::Error {
+    let msg = s.message();
+    let hint = match s.code() {
+        tonic::Code::Unavailable => " (is the snapshot service running at --snapshot-addr?)",
+        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
+            " (brctl needs a certificate of role admin)"
+        }
+        _ => "",
+    };
+    anyhow::anyhow!("{:?}: {msg}{hint}", s.code())
+}
+
+fn json<T: serde::Serialize>(v: &T) -> anyhow::Result<String> {
+    Ok(serde_json::to_string_pretty(v)?)
+}
+
+/// Runs one command, writing what it shows to `out`. Returns the process's exit code.
+pub async fn run(cli: Cli, out: &mut (dyn std::io::Write + Send)) -> anyhow::Result<i32> {
+    let tls = cli.tls.load().context("loading the TLS files")?;
+    let ctl = Ctl::connect(&cli.snapshot_addr, tls.as_ref(), cli.call_timeout)?;
+    let output = cli.output;
+    match cli.command {
+        Command::Status { group: None } => {
+            let groups = ctl.groups().await?;
+            match output {
+                Output::Json => writeln!(out, "{}", json(&groups_json(&groups))?)?,
+                Output::Table if groups.is_empty() => {
+                    writeln!(out, "the snapshot service holds no group yet")?
+                }
+                Output::Table => writeln!(out, "{}", render::groups_table(&groups))?,
+            }
+        }
+        Command::Status { group: Some(g) } => {
+            let view = model::group_view(&ctl.snapshot(&g).await?);
+            match output {
+                Output::Json => writeln!(out, "{}", json(&view)?)?,
+                Output::Table => writeln!(out, "{}", render::group_table(&view))?,
+            }
+        }
+        Command::Requests { group, worker } => {
+            let rows = model::request_rows(&ctl.snapshot(&group).await?, worker);
+            match output {
+                Output::Json => writeln!(out, "{}", json(&rows)?)?,
+                Output::Table => writeln!(out, "{}", render::requests_table(&rows))?,
+            }
+        }
+        Command::Watch {
+            group,
+            interval,
+            count,
+        } => tui::watch(&ctl, &group, interval, count, output, out).await?,
+        Command::Cordon { group, worker } => {
+            let r = ctl.set_cordon(&group, worker, true).await?;
+            say_cordon(out, output, &group, worker, true, &r)?;
+        }
+        Command::Uncordon { group, worker } => {
+            let r = ctl.set_cordon(&group, worker, false).await?;
+            say_cordon(out, output, &group, worker, false, &r)?;
+        }
+        Command::Drain {
+            group,
+            worker,
+            timeout,
+            poll,
+        } => return drain(&ctl, &group, worker, timeout, poll, output, out).await,
+    }
+    Ok(0)
+}
+
+fn groups_json(groups: &[v1::GroupSummary]) -> serde_json::Value {
+    serde_json::Value::Array(
+        groups
+            .iter()
+            .map(|g| {
+                serde_json::json!({
+                    "group": g.group,
+                    "epoch": g.epoch,
+                    "version": g.version,
+                    "workers": g.workers,
+                    "live_workers": g.live_workers,
+                    "cordoned_workers": g.cordoned_workers,
+                    "requests": g.requests,
+                })
+            })
+            .collect(),
+    )
+}
+
+fn say_cordon(
+    out: &mut (dyn std::io::Write + Send),
+    output: Output,
+    group: &str,
+    worker: u32,
+    cordoned: bool,
+    r: &v1::SetCordonResponse,
+) -> anyhow::Result<()> {
+    match output {
+        Output::Json => writeln!(
+            out,
+            "{}",
+            json(&serde_json::json!({
+                "group": group, "worker_id": worker, "cordoned": cordoned,
+                "changed": r.changed, "version": r.version,
+            }))?
+        )?,
+        Output::Table => {
+            let what = if cordoned { "cordoned" } else { "uncordoned" };
+            let already = if r.changed { "" } else { " (it already was)" };
+            writeln!(
+                out,
+                "group {group} worker {worker} {what}{already}; σ version {}",
+                r.version
+            )?
+        }
+    }
+    Ok(())
+}
+
+/// Cordon, then poll σ until the rank holds no request or `timeout` passes.
+async fn drain(
+    ctl: &Ctl,
+    group: &str,
+    worker: u32,
+    timeout: Duration,
+    poll: Duration,
+    output: Output,
+    out: &mut (dyn std::io::Write + Send),
+) -> anyhow::Result<i32> {
+    let r = ctl.set_cordon(group, worker, true).await?;
+    if output == Output::Table {
+        say_cordon(out, output, group, worker, true, &r)?;
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last = None;
+    loop {
+        let snap = ctl.snapshot(group).await?;
+        if !snap.workers.iter().any(|w| w.worker_id == worker) {
+            bail!("worker {worker} is no longer in σ of group {group:?}");
+        }
+        let left = model::requests_on(&snap, worker);
+        if output == Output::Table && last != Some(left) {
+            writeln!(out, "worker {worker}: {left} requests left")?;
+            out.flush()?;
+        }
+        last = Some(left);
+        let drained = left == 0;
+        let timed_out = !drained && tokio::time::Instant::now() >= deadline;
+        if drained || timed_out {
+            match output {
+                Output::Json => writeln!(
+                    out,
+                    "{}",
+                    json(&serde_json::json!({
+                        "group": group, "worker_id": worker, "drained": drained,
+                        "requests_left": left, "version": snap.version,
+                    }))?
+                )?,
+                Output::Table if drained => writeln!(
+                    out,
+                    "worker {worker} drained (σ version {}); it stays cordoned: `brctl uncordon {group} {worker}` to bring it back",
+                    snap.version
+                )?,
+                Output::Table => writeln!(
+                    out,
+                    "worker {worker} still holds {left} requests after {}; it stays cordoned",
+                    humantime::format_duration(timeout)
+                )?,
+            }
+            return Ok(if drained { 0 } else { EXIT_DRAIN_TIMEOUT });
+        }
+        tokio::time::sleep(poll.min(deadline - tokio::time::Instant::now())).await;
+    }
+}

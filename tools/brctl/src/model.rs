@@ -1,0 +1,252 @@
+//! What brctl shows, computed from σ alone (pure, so it is unit-tested without a server):
+//! per-rank load, counts and liveness, the group's imbalance and barrier idle share, and the
+//! request list.
+
+use br_proto::v1;
+use serde::Serialize;
+
+/// One rank as `brctl status GROUP` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerRow {
+    pub worker_id: u32,
+    /// live | suspect | fenced.
+    pub liveness: &'static str,
+    pub cordoned: bool,
+    /// Hex, as the services log it.
+    pub incarnation: String,
+    /// KV tokens of its requests in σ (reserved count their prompt only).
+    pub load_tokens: u64,
+    pub running: u32,
+    pub reserved: u32,
+    pub capacity: u32,
+    pub endpoint: String,
+    /// The ingest replica carrying its telemetry.
+    pub carrier: String,
+}
+
+/// One group as `brctl status GROUP` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupView {
+    pub group: String,
+    pub epoch: u64,
+    pub version: u64,
+    pub workers: Vec<WorkerRow>,
+    pub requests: usize,
+    /// M: the largest load over ranks that are not fenced (the lockstep barrier waits for it).
+    pub max_load_tokens: u64,
+    /// The paper's imbalance I = G·M − Σ L over ranks that are not fenced.
+    pub imbalance_tokens: u64,
+    /// I / (G·M): the share of the barrier's KV work that is idle waiting on the slowest rank
+    /// (0 when all ranks are equal, or when there is no load).
+    pub barrier_idle_share: f64,
+}
+
+/// One request as `brctl requests` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestRow {
+    pub request_id: String,
+    pub worker_id: u32,
+    /// reserved | active.
+    pub phase: &'static str,
+    pub prompt_tokens: u32,
+    pub generated_tokens: u32,
+    pub kv_tokens: u64,
+    pub max_tokens: Option<u32>,
+}
+
+pub fn liveness_name(v: i32) -> &'static str {
+    match v1::Liveness::try_from(v) {
+        Ok(v1::Liveness::Live) => "live",
+        Ok(v1::Liveness::Suspect) => "suspect",
+        // UNSPECIFIED and unknown values are FENCED, as the contract says.
+        _ => "fenced",
+    }
+}
+
+fn is_reserved(r: &v1::RequestState) -> bool {
+    r.state == v1::RequestPhase::Reserved as i32
+}
+
+/// A request's KV load as σ counts it: a reservation its prompt, an active request prompt +
+/// generated.
+pub fn kv_tokens(r: &v1::RequestState) -> u64 {
+    let generated = if is_reserved(r) {
+        0
+    } else {
+        r.generated_tokens
+    };
+    u64::from(r.prompt_tokens) + u64::from(generated)
+}
+
+/// The view of a group's σ. Loads are recomputed from the requests (WorkerState.load_tokens is
+/// informative only, as types.proto says).
+pub fn group_view(snap: &v1::ClusterSnapshot) -> GroupView {
+    let mut workers: Vec<WorkerRow> = snap
+        .workers
+        .iter()
+        .map(|w| WorkerRow {
+            worker_id: w.worker_id,
+            liveness: liveness_name(w.liveness),
+            cordoned: w.cordoned,
+            incarnation: format!("{:016x}", w.incarnation),
+            load_tokens: 0,
+            running: 0,
+            reserved: 0,
+            capacity: w.capacity,
+            endpoint: w.endpoint.clone(),
+            carrier: w.carrier.clone(),
+        })
+        .collect();
+    workers.sort_by_key(|w| w.worker_id);
+    for r in &snap.requests {
+        let Ok(i) = workers.binary_search_by_key(&r.worker_id, |w| w.worker_id) else {
+            continue;
+        };
+        let w = &mut workers[i];
+        w.load_tokens += kv_tokens(r);
+        if is_reserved(r) {
+            w.reserved += 1;
+        } else {
+            w.running += 1;
+        }
+    }
+    let alive: Vec<u64> = workers
+        .iter()
+        .filter(|w| w.liveness != "fenced")
+        .map(|w| w.load_tokens)
+        .collect();
+    let max = alive.iter().copied().max().unwrap_or(0);
+    let sum: u64 = alive.iter().sum();
+    let barrier = alive.len() as u64 * max;
+    let imbalance = barrier - sum;
+    GroupView {
+        group: snap.group.clone(),
+        epoch: snap.epoch,
+        version: snap.version,
+        workers,
+        requests: snap.requests.len(),
+        max_load_tokens: max,
+        imbalance_tokens: imbalance,
+        barrier_idle_share: if barrier == 0 {
+            0.0
+        } else {
+            imbalance as f64 / barrier as f64
+        },
+    }
+}
+
+/// The group's requests, optionally of one rank, sorted by rank then id.
+pub fn request_rows(snap: &v1::ClusterSnapshot, worker: Option<u32>) -> Vec<RequestRow> {
+    let mut rows: Vec<RequestRow> = snap
+        .requests
+        .iter()
+        .filter(|r| worker.is_none_or(|w| r.worker_id == w))
+        .map(|r| RequestRow {
+            request_id: r.request_id.clone(),
+            worker_id: r.worker_id,
+            phase: if is_reserved(r) { "reserved" } else { "active" },
+            prompt_tokens: r.prompt_tokens,
+            generated_tokens: r.generated_tokens,
+            kv_tokens: kv_tokens(r),
+            max_tokens: r.max_tokens,
+        })
+        .collect();
+    rows.sort_by(|a, b| (a.worker_id, &a.request_id).cmp(&(b.worker_id, &b.request_id)));
+    rows
+}
+
+/// Requests σ holds on `worker` (what a drain waits to reach zero).
+pub fn requests_on(snap: &v1::ClusterSnapshot, worker: u32) -> usize {
+    snap.requests
+        .iter()
+        .filter(|r| r.worker_id == worker)
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(id: u32, liveness: v1::Liveness) -> v1::WorkerState {
+        v1::WorkerState {
+            worker_id: id,
+            incarnation: 0xab,
+            capacity: 8,
+            liveness: liveness as i32,
+            ..Default::default()
+        }
+    }
+
+    fn request(id: &str, w: u32, prompt: u32, generated: u32, reserved: bool) -> v1::RequestState {
+        v1::RequestState {
+            request_id: id.into(),
+            worker_id: w,
+            prompt_tokens: prompt,
+            generated_tokens: generated,
+            state: if reserved {
+                v1::RequestPhase::Reserved
+            } else {
+                v1::RequestPhase::Active
+            } as i32,
+            ..Default::default()
+        }
+    }
+
+    fn snapshot() -> v1::ClusterSnapshot {
+        v1::ClusterSnapshot {
+            group: "g".into(),
+            epoch: 3,
+            version: 9,
+            workers: vec![
+                worker(2, v1::Liveness::Fenced),
+                worker(1, v1::Liveness::Suspect),
+                worker(0, v1::Liveness::Live),
+            ],
+            requests: vec![
+                request("b", 0, 100, 20, false),
+                request("a", 0, 30, 0, true),
+                request("c", 1, 50, 0, false),
+            ],
+        }
+    }
+
+    #[test]
+    fn loads_counts_and_the_barrier_follow_the_requests() {
+        let v = group_view(&snapshot());
+        let ids: Vec<u32> = v.workers.iter().map(|w| w.worker_id).collect();
+        assert_eq!(ids, vec![0, 1, 2]);
+        let w0 = &v.workers[0];
+        assert_eq!((w0.load_tokens, w0.running, w0.reserved), (150, 1, 1));
+        assert_eq!(w0.incarnation, "00000000000000ab");
+        assert_eq!(
+            (v.workers[1].liveness, v.workers[2].liveness),
+            ("suspect", "fenced")
+        );
+        // the fenced rank is out of the barrier: G = 2, M = 150, Σ = 200
+        assert_eq!((v.max_load_tokens, v.imbalance_tokens), (150, 100));
+        assert!((v.barrier_idle_share - 100.0 / 300.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_empty_group_has_no_idle_share() {
+        let v = group_view(&v1::ClusterSnapshot {
+            group: "g".into(),
+            ..Default::default()
+        });
+        assert_eq!((v.imbalance_tokens, v.barrier_idle_share), (0, 0.0));
+    }
+
+    #[test]
+    fn requests_filter_by_rank_and_sort() {
+        let s = snapshot();
+        let all: Vec<String> = request_rows(&s, None)
+            .into_iter()
+            .map(|r| r.request_id)
+            .collect();
+        assert_eq!(all, vec!["a", "b", "c"]);
+        let on0 = request_rows(&s, Some(0));
+        assert_eq!(on0.len(), 2);
+        assert_eq!((on0[0].phase, on0[0].kv_tokens), ("reserved", 30));
+        assert_eq!((requests_on(&s, 1), requests_on(&s, 7)), (1, 0));
+    }
+}
