@@ -20,7 +20,8 @@ def client(shim_url):
 def tokens_total(admin_url):
     with urllib.request.urlopen(f"{admin_url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    m = re.search(r"^balanceroute_shim_tokens_total (\d+)", text, re.M)
+    # one series: this shim serves one rank (labelled with its group and worker)
+    m = re.search(r"^balanceroute_shim_tokens_total(?:\{[^}]*\})? (\d+)", text, re.M)
     assert m, text
     return int(m.group(1))
 
