@@ -753,3 +753,55 @@ async fn the_picker_port_has_the_grpc_ports_trust() {
     .await;
     assert!(refused.is_err(), "a client without TLS got an answer");
 }
+
+/// deploy/envoy/envoy.yaml says what the picker needs (the settings its README section
+/// names): a drift there would route every request nowhere, silently.
+#[test]
+fn the_envoy_example_configures_what_the_picker_needs() {
+    use yaml_rust2::{Yaml, YamlLoader};
+    let path = br_e2e::root().join("deploy/envoy/envoy.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let doc = &YamlLoader::load_from_str(&text).unwrap()[0];
+    let s = |y: &Yaml| y.as_str().map(str::to_owned);
+    let listener = &doc["static_resources"]["listeners"][0];
+    let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(hcm["preserve_external_request_id"].as_bool(), Some(true));
+    let filters = hcm["http_filters"].as_vec().unwrap();
+    let ext = filters
+        .iter()
+        .find(|f| s(&f["name"]).as_deref() == Some("envoy.filters.http.ext_proc"))
+        .expect("an ext_proc filter")["typed_config"]
+        .clone();
+    let mode = &ext["processing_mode"];
+    assert_eq!(s(&mode["request_body_mode"]).as_deref(), Some("BUFFERED"));
+    assert_eq!(s(&mode["response_header_mode"]).as_deref(), Some("SEND"));
+    assert_eq!(ext["failure_mode_allow"].as_bool(), Some(false));
+    // message_timeout above br-decision's default --ext-proc-timeout (10s)
+    let timeout = s(&ext["message_timeout"]).unwrap();
+    let secs: u64 = timeout.trim_end_matches('s').parse().unwrap();
+    assert!(
+        secs > 10,
+        "message_timeout {timeout} must exceed --ext-proc-timeout"
+    );
+    let picker = s(&ext["grpc_service"]["envoy_grpc"]["cluster_name"]).unwrap();
+    let clusters = doc["static_resources"]["clusters"].as_vec().unwrap();
+    let cluster = |name: &str| {
+        clusters
+            .iter()
+            .find(|c| s(&c["name"]).as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no cluster {name}"))
+    };
+    let picker = cluster(&picker);
+    assert_eq!(
+        s(&picker["health_checks"][0]["grpc_health_check"]["service_name"]).as_deref(),
+        Some("envoy.service.ext_proc.v3.ExternalProcessor")
+    );
+    // the route's cluster follows the picker's header
+    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
+    let upstream = cluster(&s(&route["cluster"]).unwrap());
+    assert_eq!(s(&upstream["type"]).as_deref(), Some("ORIGINAL_DST"));
+    assert_eq!(
+        s(&upstream["original_dst_lb_config"]["http_header_name"]).as_deref(),
+        Some(ENDPOINT_KEY)
+    );
+}
