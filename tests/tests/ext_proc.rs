@@ -16,11 +16,13 @@ use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, GetRequest};
 use br_testkit::{eventually, within};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Out;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    CommonResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse,
+    CommonResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse, ProtocolConfiguration, body_mutation,
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 use tokio::sync::mpsc;
@@ -299,8 +301,8 @@ async fn placed_on_answered_worker(stack: &Stack, id: &str, endpoint: &str) -> v
 }
 
 /// Headers only (tokens from the header), headers + body (tokens estimated from the body),
-/// header tokens with a body (max_tokens from it), a request without x-request-id, and a retry
-/// with the same x-request-id: each routed with the endpoint of the worker σ reserved it on.
+/// header tokens with a body (max_tokens from it), a request without x-request-id, a retry
+/// with the same x-request-id, and a full-duplex streamed body: each routed with the endpoint of the worker σ reserved it on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_routes_what_envoy_sends() {
     let stack = Stack::start().await;
@@ -456,12 +458,77 @@ async fn the_picker_routes_what_envoy_sends() {
     assert_eq!(held, 1, "one reservation per request id");
     s.exchange(response_headers()).await;
     s.close().await;
+    // FULL_DUPLEX_STREAMED (what gateways configure for an InferencePool; Envoy says so in
+    // the first message): no answer until the body is whole, then the headers' answer with the
+    // endpoint, then the body itself back as a streamed response; response bodies are echoed
+    let mut s = Envoy::open(&mut client).await;
+    let duplex = BodySendMode::FullDuplexStreamed as i32;
+    let mut first = headers(&[("x-request-id", "dup-1")], false);
+    first.protocol_config = Some(ProtocolConfiguration {
+        request_body_mode: duplex,
+        response_body_mode: duplex,
+        ..Default::default()
+    });
+    let whole = serde_json::json!({"prompt": "z".repeat(800), "max_tokens": 9}).to_string();
+    let (a, b) = whole.as_bytes().split_at(100);
+    let tx = s.tx.as_ref().unwrap();
+    tx.send(first).await.unwrap();
+    for (chunk, end) in [(a, false), (b, true)] {
+        tx.send(ProcessingRequest {
+            request: Some(In::RequestBody(HttpBody {
+                body: chunk.to_vec(),
+                end_of_stream: end,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let resp = within(ANSWER, "the held headers' answer", s.rx.message())
+        .await
+        .unwrap()
+        .unwrap();
+    let (endpoint, _) = routed_at_headers(&resp);
+    let resp = within(ANSWER, "the body back", s.rx.message())
+        .await
+        .unwrap()
+        .unwrap();
+    let streamed = |resp: &ProcessingResponse| -> (Vec<u8>, bool) {
+        let (Some(Out::RequestBody(b)) | Some(Out::ResponseBody(b))) = &resp.response else {
+            panic!("expected a body answer, got {resp:?}");
+        };
+        let m = b.response.as_ref().and_then(|c| c.body_mutation.as_ref());
+        match m.and_then(|m| m.mutation.as_ref()) {
+            Some(body_mutation::Mutation::StreamedResponse(r)) => (r.body.clone(), r.end_of_stream),
+            other => panic!("expected a streamed body, got {other:?}"),
+        }
+    };
+    assert!(matches!(resp.response, Some(Out::RequestBody(_))));
+    assert_eq!(streamed(&resp), (whole.clone().into_bytes(), true));
+    // our own count: 800 bytes / 4 = 200
+    let r = placed_on_answered_worker(&stack, "dup-1", &endpoint).await;
+    assert_eq!((r.prompt_tokens, r.max_tokens), (200, Some(9)));
+    s.exchange(response_headers()).await;
+    let resp = s
+        .exchange(ProcessingRequest {
+            request: Some(In::ResponseBody(HttpBody {
+                body: b"data: {}".to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(streamed(&resp), (b"data: {}".to_vec(), true));
+    s.close().await;
+
     // the same Assign path as the gRPC method: every routed request counted there
     assert_eq!(
         stack
             .metric("balanceroute_decision_assign_total", ("code", "ok"))
             .await,
-        5.0
+        6.0
     );
 }
 

@@ -23,7 +23,10 @@
 //! * answered with the endpoint in the headers phase when the request has no body (or Envoy
 //!   sends none: `protocol_config.request_body_mode = NONE`) and the header gives the tokens,
 //!   else in the body phase (`request_body_mode: BUFFERED`, so the header mutation still
-//!   applies);
+//!   applies); with `FULL_DUPLEX_STREAMED` (what gateways configure for InferencePools, said in
+//!   the first message's `protocol_config`) the headers' answer is held until the body has
+//!   arrived, as the reference EPP does, then sent with the endpoint, followed by the body
+//!   itself as one streamed body response; streamed response bodies are echoed unchanged;
 //! * a stream that ends (Envoy closed it, the client went away, Envoy reset it) after the
 //!   routing answer but before any response phase (`response_header_mode: SEND`) had its
 //!   request never answered by the rank: its reservation is released through the Cancel path
@@ -43,9 +46,9 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse,
-    ProcessingRequest, ProcessingResponse, TrailersResponse, processing_request,
-    processing_response,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
+    ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
+    TrailersResponse, body_mutation, processing_request, processing_response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -119,6 +122,8 @@ impl ExternalProcessor for ExtProcService {
             pending: VecDeque::new(),
             state: State::AwaitHeaders,
             body: Vec::new(),
+            request_duplex: false,
+            response_duplex: false,
         };
         tokio::spawn(stream.run());
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -242,6 +247,11 @@ struct Stream {
     state: State,
     /// The request body so far (streamed chunks until `end_of_stream`).
     body: Vec<u8>,
+    /// Envoy sends the request body FULL_DUPLEX_STREAMED: no answer per chunk, the headers'
+    /// answer waits for the body, and the body goes back as a streamed body response.
+    request_duplex: bool,
+    /// The same for the response body: each chunk is echoed as a streamed body response.
+    response_duplex: bool,
 }
 
 /// The stream has ended (Envoy closed or reset it, or stopped reading).
@@ -297,10 +307,19 @@ impl Stream {
             return Err(Gone);
         }
         let body_mode = msg.protocol_config.map(|p| p.request_body_mode);
+        if let Some(p) = msg.protocol_config {
+            let duplex = BodySendMode::FullDuplexStreamed as i32;
+            self.request_duplex = p.request_body_mode == duplex;
+            self.response_duplex = p.response_body_mode == duplex;
+        }
         match msg.request {
             Some(In::RequestHeaders(h)) => self.on_request_headers(h, body_mode).await,
             Some(In::RequestBody(b)) => {
                 let State::AwaitBody(head) = &self.state else {
+                    if self.request_duplex {
+                        // refused already: Envoy stops; nothing to answer chunk by chunk
+                        return Ok(());
+                    }
                     return self.send(continue_with(Out::RequestBody)).await;
                 };
                 if self.body.len() + b.body.len() > MAX_BODY_BYTES {
@@ -312,6 +331,10 @@ impl Stream {
                 }
                 self.body.extend_from_slice(&b.body);
                 if !b.end_of_stream {
+                    if self.request_duplex {
+                        // full duplex: the answers come once the body is whole
+                        return Ok(());
+                    }
                     // A streamed chunk: Envoy waits for this answer before the next one.
                     return self.send(continue_with(Out::RequestBody)).await;
                 }
@@ -326,7 +349,12 @@ impl Stream {
                                 estimated.unwrap_or(1)
                             }
                         };
-                        self.route(head, tokens, max_tokens, Phase::Body).await
+                        let phase = if self.request_duplex {
+                            Phase::DuplexBody(body)
+                        } else {
+                            Phase::Body
+                        };
+                        self.route(head, tokens, max_tokens, phase).await
                     }
                     Err(refusal) => self.refuse(refusal).await,
                 }
@@ -344,6 +372,14 @@ impl Stream {
                     self.state = State::Done(Outcome::Answered);
                 }
                 self.send(continue_with(Out::ResponseHeaders)).await
+            }
+            Some(In::ResponseBody(b)) if self.response_duplex => {
+                // full duplex: the body reaches the client only through our answer
+                self.send(ProcessingResponse {
+                    response: Some(Out::ResponseBody(streamed_body(b.body, b.end_of_stream))),
+                    ..Default::default()
+                })
+                .await
             }
             Some(In::ResponseBody(_)) => self.send(continue_with(Out::ResponseBody)).await,
             Some(In::ResponseTrailers(_)) => {
@@ -380,6 +416,10 @@ impl Stream {
         let no_body = h.end_of_stream || body_mode == Some(BodySendMode::None as i32);
         if !no_body {
             self.state = State::AwaitBody(head);
+            if self.request_duplex {
+                // the headers' answer carries the endpoint, so it waits for the body
+                return Ok(());
+            }
             return self
                 .send(continue_with(processing_response::Response::RequestHeaders))
                 .await;
@@ -506,22 +546,47 @@ impl Stream {
             clear_route_cache: true,
             ..Default::default()
         };
-        let response = match phase {
-            Phase::Headers => processing_response::Response::RequestHeaders(HeadersResponse {
-                response: Some(common),
-            }),
-            Phase::Body => processing_response::Response::RequestBody(BodyResponse {
-                response: Some(common),
-            }),
-        };
         tracing::debug!(group = %head.group, request_id = %head.request_id, %endpoint,
             worker = resp.worker_id, "ext_proc routed");
+        let (response, then) = match phase {
+            Phase::Headers => (
+                processing_response::Response::RequestHeaders(HeadersResponse {
+                    response: Some(common),
+                }),
+                None,
+            ),
+            Phase::Body => (
+                processing_response::Response::RequestBody(BodyResponse {
+                    response: Some(common),
+                }),
+                None,
+            ),
+            // the held headers' answer, then the body (unchanged) in one streamed response
+            Phase::DuplexBody(body) => (
+                processing_response::Response::RequestHeaders(HeadersResponse {
+                    response: Some(common),
+                }),
+                Some(processing_response::Response::RequestBody(streamed_body(
+                    body, true,
+                ))),
+            ),
+        };
         self.send(ProcessingResponse {
             response: Some(response),
             dynamic_metadata: Some(destination_metadata(&endpoint)),
             ..Default::default()
         })
-        .await
+        .await?;
+        match then {
+            None => Ok(()),
+            Some(r) => {
+                self.send(ProcessingResponse {
+                    response: Some(r),
+                    ..Default::default()
+                })
+                .await
+            }
+        }
     }
 
     async fn refuse(&mut self, refusal: Refusal) -> Result<(), Gone> {
@@ -574,10 +639,30 @@ impl Stream {
 }
 
 /// Which request phase the routing answer goes to.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 enum Phase {
     Headers,
     Body,
+    /// FULL_DUPLEX_STREAMED: the held headers' answer, then this body back to Envoy.
+    DuplexBody(Vec<u8>),
+}
+
+/// A body answer in FULL_DUPLEX_STREAMED mode: the chunk Envoy forwards (unchanged here).
+fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
+    BodyResponse {
+        response: Some(CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::StreamedResponse(
+                    StreamedBodyResponse {
+                        body,
+                        end_of_stream,
+                        ..Default::default()
+                    },
+                )),
+            }),
+            ..Default::default()
+        }),
+    }
 }
 
 /// An answer that changes nothing.
