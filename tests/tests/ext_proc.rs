@@ -872,3 +872,24 @@ fn the_envoy_example_configures_what_the_picker_needs() {
         Some(ENDPOINT_KEY)
     );
 }
+
+/// The picker's port follows the rule of every port: plaintext beyond loopback is refused at
+/// start (exit 2, naming the flag), so an Envoy can reach it only with mutual TLS.
+#[test]
+fn a_plaintext_picker_beyond_loopback_is_refused_at_start() {
+    let (status, stderr) = br_e2e::run_to_exit(
+        "br-decision",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--snapshot-addr",
+            "http://127.0.0.1:1",
+            "--ext-proc-listen",
+            "0.0.0.0:0",
+        ],
+    );
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--ext-proc-listen"), "{stderr}");
+}
