@@ -49,6 +49,11 @@ impl Stack {
     /// The stack with two workers of group `e2e` (endpoints 127.0.0.1:18000 and :18001, as
     /// FakeWorker announces them) and the picker on, `e2e` its default group.
     async fn start() -> Stack {
+        Stack::start_with(&[]).await
+    }
+
+    /// [`Stack::start`] with more br-decision flags.
+    async fn start_with(extra: &[&str]) -> Stack {
         let snapshot = Service::start(
             "br-snapshot",
             &["--reservation-ttl", "60s", "--progress-interval", "100ms"],
@@ -68,7 +73,10 @@ impl Stack {
                 "127.0.0.1:0",
                 "--ext-proc-default-group",
                 GROUP,
-            ],
+            ]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .collect::<Vec<_>>(),
         );
         ingest.wait_for("/readyz", START).await;
         let mut workers = Vec::new();
@@ -892,4 +900,92 @@ fn a_plaintext_picker_beyond_loopback_is_refused_at_start() {
     );
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--ext-proc-listen"), "{stderr}");
+}
+
+/// The pool bounds what waiting streams hold: with every slot taken, one request waits in the
+/// pool (no answer yet), the next is refused 429 at once (the pool is at `--max-pool`), and the
+/// waiting stream, once its client goes away, is withdrawn: nothing stays in the pool or σ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_is_429_and_a_waiting_stream_that_ends_is_withdrawn() {
+    let stack = Stack::start_with(&["--max-pool", "1"]).await;
+    let mut client = stack.client().await;
+    // both workers full (capacity 8 each): 16 answered requests hold every slot
+    for i in 0..16 {
+        let id = format!("fill-{i}");
+        let mut s = Envoy::open(&mut client).await;
+        let resp = s
+            .exchange(headers(
+                &[
+                    ("x-request-id", &id),
+                    ("x-balanceroute-prompt-tokens", "10"),
+                ],
+                true,
+            ))
+            .await;
+        routed_at_headers(&resp);
+        s.exchange(response_headers()).await;
+        s.close().await;
+    }
+    let pool = || async {
+        stack
+            .metric("balanceroute_decision_pool_size", ("group", GROUP))
+            .await
+    };
+    // the 17th waits in the pool
+    let waiting = Envoy::open(&mut client).await;
+    waiting
+        .tx
+        .as_ref()
+        .unwrap()
+        .send(headers(
+            &[
+                ("x-request-id", "wait-1"),
+                ("x-balanceroute-prompt-tokens", "10"),
+            ],
+            true,
+        ))
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "wait-1 waits in the pool",
+        || async { pool().await == 1.0 },
+    )
+    .await;
+    // the 18th finds the pool full
+    let mut s = Envoy::open(&mut client).await;
+    let resp = s
+        .exchange(headers(
+            &[
+                ("x-request-id", "full-1"),
+                ("x-balanceroute-prompt-tokens", "10"),
+            ],
+            true,
+        ))
+        .await;
+    assert_eq!(immediate(&resp).status.as_ref().map(|s| s.code), Some(429));
+    s.close().await;
+    // the waiting client goes away: withdrawn, not placed later
+    drop(waiting);
+    eventually(Duration::from_secs(10), "the pool empties", || async {
+        pool().await == 0.0
+    })
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the waiting stream counted as abandoned",
+        || async {
+            stack
+                .metric(
+                    "balanceroute_decision_ext_proc_streams_total",
+                    ("outcome", "abandoned"),
+                )
+                .await
+                == 1.0
+        },
+    )
+    .await;
+    for id in ["wait-1", "full-1"] {
+        assert!(stack.request(id).await.is_none(), "{id} holds nothing in σ");
+    }
 }
