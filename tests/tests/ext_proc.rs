@@ -202,6 +202,40 @@ fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
     }
 }
 
+/// Request headers with the protocol's subset hint (the endpoints the gateway allows).
+fn headers_with_subset(pairs: &[(&str, &str)], subset: &[&str]) -> ProcessingRequest {
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
+    let mut h = headers(pairs, true);
+    let list = ListValue {
+        values: subset
+            .iter()
+            .map(|e| Value {
+                kind: Some(Kind::StringValue((*e).to_owned())),
+            })
+            .collect(),
+    };
+    h.metadata_context = Some(Metadata {
+        filter_metadata: [(
+            "envoy.lb.subset_hint".to_owned(),
+            Struct {
+                fields: [(
+                    "x-gateway-destination-endpoint-subset".to_owned(),
+                    Value {
+                        kind: Some(Kind::ListValue(list)),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Default::default()
+    });
+    h
+}
+
 fn body(json: &serde_json::Value) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(In::RequestBody(HttpBody {
@@ -531,12 +565,30 @@ async fn the_picker_routes_what_envoy_sends() {
     assert_eq!(streamed(&resp), (b"data: {}".to_vec(), true));
     s.close().await;
 
+    // a subset hint that holds both ranks: routed to one of them
+    let both = [stack.endpoint_of(0).await, stack.endpoint_of(1).await];
+    let mut s = Envoy::open(&mut client).await;
+    let resp = s
+        .exchange(headers_with_subset(
+            &[
+                ("x-request-id", "sub-1"),
+                ("x-balanceroute-prompt-tokens", "30"),
+            ],
+            &[&both[0], &both[1]],
+        ))
+        .await;
+    let (endpoint, _) = routed_at_headers(&resp);
+    assert!(both.contains(&endpoint), "{endpoint} is in the subset");
+    placed_on_answered_worker(&stack, "sub-1", &endpoint).await;
+    s.exchange(response_headers()).await;
+    s.close().await;
+
     // the same Assign path as the gRPC method: every routed request counted there
     assert_eq!(
         stack
             .metric("balanceroute_decision_assign_total", ("code", "ok"))
             .await,
-        6.0
+        7.0
     );
 }
 
@@ -696,6 +748,30 @@ async fn failures_are_immediate_responses() {
             "not_found",
         ),
         (
+            "an endpoint subset that holds no rank of the group",
+            vec![headers_with_subset(
+                &[
+                    ("x-request-id", "bad-7"),
+                    ("x-balanceroute-prompt-tokens", "10"),
+                ],
+                &["10.9.9.9:1"],
+            )],
+            503,
+            "unavailable",
+        ),
+        (
+            "an empty endpoint subset",
+            vec![headers_with_subset(
+                &[
+                    ("x-request-id", "bad-8"),
+                    ("x-balanceroute-prompt-tokens", "10"),
+                ],
+                &[],
+            )],
+            503,
+            "unavailable",
+        ),
+        (
             "a group with no worker",
             vec![headers(
                 &[
@@ -740,8 +816,16 @@ async fn failures_are_immediate_responses() {
         );
         s.close().await;
     }
-    for id in ["bad-1", "bad-2", "bad-3", "bad-4", "bad-5", "bad-6"] {
-        assert!(stack.request(id).await.is_none(), "{id} is not reserved");
+    for id in [
+        "bad-1", "bad-2", "bad-3", "bad-4", "bad-5", "bad-6", "bad-7", "bad-8",
+    ] {
+        // bad-7 was placed, then released (Snapshot.Release may land a moment later)
+        eventually(
+            Duration::from_secs(10),
+            "nothing reserved for a refusal",
+            || async { stack.request(id).await.is_none() },
+        )
+        .await;
     }
     assert_eq!(
         stack
@@ -750,7 +834,7 @@ async fn failures_are_immediate_responses() {
                 ("outcome", "refused")
             )
             .await,
-        6.0
+        8.0
     );
 }
 

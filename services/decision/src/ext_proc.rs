@@ -27,6 +27,10 @@
 //!   the first message's `protocol_config`) the headers' answer is held until the body has
 //!   arrived, as the reference EPP does, then sent with the endpoint, followed by the body
 //!   itself as one streamed body response; streamed response bodies are echoed unchanged;
+//! * the protocol's subset hint (filter metadata `envoy.lb.subset_hint` /
+//!   `x-gateway-destination-endpoint-subset`, the endpoints the gateway allows): the policy
+//!   still chooses among the group's live ranks, and a choice outside the subset is released
+//!   and answered 503, as the protocol asks when no endpoint of the list is eligible;
 //! * a stream that ends (Envoy closed it, the client went away, Envoy reset it) after the
 //!   routing answer but before any response phase (`response_header_mode: SEND`) had its
 //!   request never answered by the rank: its reservation is released through the Cancel path
@@ -41,7 +45,7 @@ use br_proto::v1;
 use br_proto::valid::GroupId;
 use br_runtime::error::{ServiceError as _, code_label};
 use envoy_types::pb::envoy::config::core::v3::{
-    HeaderMap, HeaderValue, HeaderValueOption, header_value_option::HeaderAppendAction,
+    HeaderMap, HeaderValue, HeaderValueOption, Metadata, header_value_option::HeaderAppendAction,
 };
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
@@ -72,6 +76,10 @@ pub const GROUP_HEADER: &str = "x-balanceroute-group";
 pub const PROMPT_TOKENS_HEADER: &str = "x-balanceroute-prompt-tokens";
 /// The request id: Assign's idempotency key and what the shim reports the request under.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// The filter-metadata namespace of the protocol's subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// The key, in [`SUBSET_NAMESPACE`], of the endpoints the picker may choose from.
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 /// The most request body one stream buffers (Envoy's own buffer limit usually bounds it first;
 /// each message is also bounded by the server's 4 MiB decoding limit).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
@@ -124,6 +132,7 @@ impl ExternalProcessor for ExtProcService {
             body: Vec::new(),
             request_duplex: false,
             response_duplex: false,
+            subset: None,
         };
         tokio::spawn(stream.run());
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -137,6 +146,8 @@ enum Refusal {
     Input { status: u16, message: String },
     /// The Assign failed: the status its gRPC code maps to.
     Assign(DecisionError),
+    /// No endpoint the gateway allows could be chosen: 503.
+    Unavailable(String),
 }
 
 impl Refusal {
@@ -151,6 +162,7 @@ impl Refusal {
         match self {
             Refusal::Input { status, .. } => *status,
             Refusal::Assign(e) => http_status(e.grpc_code()),
+            Refusal::Unavailable(_) => 503,
         }
     }
 
@@ -159,6 +171,7 @@ impl Refusal {
         match self {
             Refusal::Input { .. } => "invalid_request",
             Refusal::Assign(e) => code_label(e.grpc_code()),
+            Refusal::Unavailable(_) => "unavailable",
         }
     }
 
@@ -166,6 +179,7 @@ impl Refusal {
         match self {
             Refusal::Input { message, .. } => message.clone(),
             Refusal::Assign(e) => e.to_string(),
+            Refusal::Unavailable(m) => m.clone(),
         }
     }
 }
@@ -252,6 +266,8 @@ struct Stream {
     request_duplex: bool,
     /// The same for the response body: each chunk is echoed as a streamed body response.
     response_duplex: bool,
+    /// The endpoints the gateway allows (the protocol's subset hint), when it sent one.
+    subset: Option<Vec<String>>,
 }
 
 /// The stream has ended (Envoy closed or reset it, or stopped reading).
@@ -307,6 +323,9 @@ impl Stream {
             return Err(Gone);
         }
         let body_mode = msg.protocol_config.map(|p| p.request_body_mode);
+        if let Some(hint) = msg.metadata_context.as_ref().and_then(subset_hint) {
+            self.subset = Some(hint);
+        }
         if let Some(p) = msg.protocol_config {
             let duplex = BodySendMode::FullDuplexStreamed as i32;
             self.request_duplex = p.request_body_mode == duplex;
@@ -489,6 +508,10 @@ impl Stream {
         max_tokens: Option<u32>,
         phase: Phase,
     ) -> Result<(), Gone> {
+        if self.subset.as_ref().is_some_and(Vec::is_empty) {
+            let why = "the gateway's endpoint subset hint is empty".to_owned();
+            return self.refuse(Refusal::Unavailable(why)).await;
+        }
         let msg = v1::AssignRequest {
             group: head.group.clone(),
             request_id: head.request_id.clone(),
@@ -533,6 +556,17 @@ impl Stream {
             let refusal = Refusal::Assign(DecisionError::NoLiveWorker(head.group.clone()));
             return self.refuse(refusal).await;
         };
+        if let Some(subset) = &self.subset
+            && !subset.contains(&endpoint)
+        {
+            let why = format!(
+                "the policy chose {endpoint} (worker {}), which is not in the gateway's endpoint \
+                 subset",
+                resp.worker_id
+            );
+            self.release().await;
+            return self.refuse(Refusal::Unavailable(why)).await;
+        }
         let mut set = vec![set_header(DESTINATION_ENDPOINT, &endpoint)];
         if head.generated_id {
             set.push(set_header(REQUEST_ID_HEADER, &head.request_id));
@@ -757,6 +791,36 @@ fn immediate(refusal: &Refusal) -> ProcessingResponse {
         )),
         ..Default::default()
     }
+}
+
+/// The protocol's subset hint from the request's filter metadata: a list of `ip:port` (a
+/// comma-separated string is read too). `None` when the gateway sent none.
+pub fn subset_hint(md: &Metadata) -> Option<Vec<String>> {
+    let value = md
+        .filter_metadata
+        .get(SUBSET_NAMESPACE)?
+        .fields
+        .get(SUBSET_KEY)?;
+    let split = |s: &str| -> Vec<String> {
+        s.split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    Some(match &value.kind {
+        Some(Kind::ListValue(list)) => list
+            .values
+            .iter()
+            .filter_map(|v| match &v.kind {
+                Some(Kind::StringValue(s)) => Some(split(s)),
+                _ => None,
+            })
+            .flatten()
+            .collect(),
+        Some(Kind::StringValue(s)) => split(s),
+        _ => Vec::new(),
+    })
 }
 
 /// A request id for a request that came without one: 128 random bits in hex.
@@ -1026,6 +1090,41 @@ mod tests {
         assert_eq!(header(&map, REQUEST_ID_HEADER).as_deref(), Some("abc"));
         assert_eq!(header(&map, GROUP_HEADER).as_deref(), Some("g"));
         assert_eq!(header(&map, PROMPT_TOKENS_HEADER), None);
+    }
+
+    #[test]
+    fn the_subset_hint_is_read_as_a_list_or_a_string() {
+        use envoy_types::pb::google::protobuf::ListValue;
+        let md = |v: Kind| Metadata {
+            filter_metadata: [(
+                SUBSET_NAMESPACE.to_owned(),
+                Struct {
+                    fields: [(SUBSET_KEY.to_owned(), Value { kind: Some(v) })]
+                        .into_iter()
+                        .collect(),
+                },
+            )]
+            .into_iter()
+            .collect(),
+            ..Default::default()
+        };
+        let s = |x: &str| Value {
+            kind: Some(Kind::StringValue(x.into())),
+        };
+        let list = md(Kind::ListValue(ListValue {
+            values: vec![s("10.0.0.1:8100"), s("10.0.0.2:8100")],
+        }));
+        assert_eq!(
+            subset_hint(&list),
+            Some(vec!["10.0.0.1:8100".to_owned(), "10.0.0.2:8100".to_owned()])
+        );
+        let string = md(Kind::StringValue("10.0.0.1:8100, 10.0.0.3:8100".into()));
+        assert_eq!(
+            subset_hint(&string),
+            Some(vec!["10.0.0.1:8100".to_owned(), "10.0.0.3:8100".to_owned()])
+        );
+        assert_eq!(subset_hint(&md(Kind::BoolValue(true))), Some(vec![]));
+        assert_eq!(subset_hint(&Metadata::default()), None);
     }
 
     #[test]
