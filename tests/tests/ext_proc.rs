@@ -565,6 +565,33 @@ async fn the_picker_routes_what_envoy_sends() {
     assert_eq!(streamed(&resp), (b"data: {}".to_vec(), true));
     s.close().await;
 
+    // BUFFERED, said in protocol_config: the one body message is the whole body even when
+    // trailers follow it (end_of_stream false)
+    let mut s = Envoy::open(&mut client).await;
+    let mut first = headers(&[("x-request-id", "buf-1")], false);
+    first.protocol_config = Some(ProtocolConfiguration {
+        request_body_mode: BodySendMode::Buffered as i32,
+        ..Default::default()
+    });
+    s.exchange(first).await;
+    let resp = s
+        .exchange(ProcessingRequest {
+            request: Some(In::RequestBody(HttpBody {
+                body: serde_json::json!({"prompt": "q".repeat(40)})
+                    .to_string()
+                    .into_bytes(),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await;
+    let (endpoint, _) = routed_at_body(&resp);
+    let r = placed_on_answered_worker(&stack, "buf-1", &endpoint).await;
+    assert_eq!(r.prompt_tokens, 10);
+    s.exchange(response_headers()).await;
+    s.close().await;
+
     // a subset hint that holds both ranks: routed to one of them
     let both = [stack.endpoint_of(0).await, stack.endpoint_of(1).await];
     let mut s = Envoy::open(&mut client).await;
@@ -588,7 +615,7 @@ async fn the_picker_routes_what_envoy_sends() {
         stack
             .metric("balanceroute_decision_assign_total", ("code", "ok"))
             .await,
-        7.0
+        8.0
     );
 }
 

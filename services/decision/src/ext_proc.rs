@@ -132,6 +132,7 @@ impl ExternalProcessor for ExtProcService {
             body: Vec::new(),
             request_duplex: false,
             response_duplex: false,
+            request_buffered: false,
             subset: None,
         };
         tokio::spawn(stream.run());
@@ -266,6 +267,9 @@ struct Stream {
     request_duplex: bool,
     /// The same for the response body: each chunk is echoed as a streamed body response.
     response_duplex: bool,
+    /// Envoy said it sends the request body BUFFERED: the one body message is the whole body,
+    /// even without `end_of_stream` (trailers follow).
+    request_buffered: bool,
     /// The endpoints the gateway allows (the protocol's subset hint), when it sent one.
     subset: Option<Vec<String>>,
 }
@@ -330,6 +334,7 @@ impl Stream {
             let duplex = BodySendMode::FullDuplexStreamed as i32;
             self.request_duplex = p.request_body_mode == duplex;
             self.response_duplex = p.response_body_mode == duplex;
+            self.request_buffered = p.request_body_mode == BodySendMode::Buffered as i32;
         }
         match msg.request {
             Some(In::RequestHeaders(h)) => self.on_request_headers(h, body_mode).await,
@@ -349,7 +354,7 @@ impl Stream {
                     return self.refuse(refusal).await;
                 }
                 self.body.extend_from_slice(&b.body);
-                if !b.end_of_stream {
+                if !b.end_of_stream && !self.request_buffered {
                     if self.request_duplex {
                         // full duplex: the answers come once the body is whole
                         return Ok(());
