@@ -83,6 +83,8 @@ pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 /// The most request body one stream buffers (Envoy's own buffer limit usually bounds it first;
 /// each message is also bounded by the server's 4 MiB decoding limit).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
+/// Messages a stream may send while its Assign waits (Envoy sends none, or its trailers).
+const MAX_PENDING: usize = 8;
 /// Responses queued towards Envoy per stream (it reads each before sending the next message).
 const RESPONSE_QUEUE: usize = 4;
 
@@ -532,8 +534,17 @@ impl Stream {
             tokio::select! {
                 r = &mut assign => break r,
                 m = self.inbound.message() => match m {
-                    // Not expected while Envoy waits for our answer; kept for after it.
-                    Ok(Some(m)) => self.pending.push_back(m),
+                    // Not expected while Envoy waits for our answer (trailers at most); kept
+                    // for after it, up to a few: a peer that floods is cut off.
+                    Ok(Some(m)) if self.pending.len() < MAX_PENDING => self.pending.push_back(m),
+                    Ok(Some(_)) => {
+                        let status = Status::resource_exhausted(
+                            "too many ext_proc messages while the routing answer is pending",
+                        );
+                        let _ = self.tx.send(Err(status)).await;
+                        self.state = State::Done(Outcome::Abandoned);
+                        return Err(Gone);
+                    }
                     Ok(None) | Err(_) => {
                         self.state = State::Done(Outcome::Abandoned);
                         return Err(Gone);
