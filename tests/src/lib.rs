@@ -279,6 +279,19 @@ impl Service {
         None
     }
 
+    /// An optional listener's address from the ready file (`key`, e.g. br-decision's
+    /// `"ext_proc"` for `--ext-proc-listen`); panics if the file has no such key.
+    pub fn ready_addr(&self, key: &str) -> SocketAddr {
+        let path = self.ready_file();
+        let bytes =
+            std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        let v: serde_json::Value = serde_json::from_slice(&bytes).expect("a JSON ready file");
+        v[key]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("{}'s ready file has no {key:?} address: {v}", self.name))
+    }
+
     /// The `--ready-file` the process wrote its addresses to.
     pub fn ready_file(&self) -> PathBuf {
         self.dir.path().join("ready.json")

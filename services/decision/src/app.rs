@@ -1,5 +1,6 @@
 //! Wiring: one group task and one Watch follower per served group, the gRPC server (Decision,
-//! health, reflection) and the admin server. Used by `main` and by the integration tests.
+//! health, reflection), the Envoy ext_proc endpoint picker when `--ext-proc-listen` is given,
+//! and the admin server. Used by `main` and by the integration tests.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -9,10 +10,13 @@ use br_core::build_policy;
 use br_proto::service_names;
 use br_proto::v1::decision_server::DecisionServer;
 use br_runtime::admin::Readiness;
+use br_runtime::serve::ServeOutcome;
 use br_runtime::skeleton::{self, Grpc, StartError};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Args;
+use crate::ext_proc::{self, ExtProcService, ExtProcSettings};
 use crate::group::{GroupCore, GroupStats};
 use crate::metrics::Metrics;
 use crate::service::DecisionService;
@@ -116,6 +120,35 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         cfg.max_wait,
         shutdown.clone(),
     );
+    // The Envoy endpoint picker: its own port, the same edge (TLS, authorisation, limits) and
+    // the same Assign path as the gRPC method.
+    let ext_proc = match &cfg.ext_proc {
+        None => None,
+        Some(ext) => {
+            let (server, addr) =
+                skeleton::bind_grpc_on(&args.common, &edge, "--ext-proc-listen", ext.listen)
+                    .await?;
+            let server = server.with_health_following(readiness.clone());
+            let picker = ExtProcService::new(
+                svc.clone(),
+                ExtProcSettings {
+                    default_group: ext.default_group.clone(),
+                    timeout: ext.timeout,
+                },
+                metrics.clone(),
+            );
+            // A buffered body arrives as one message: allow the picker's body bound, not
+            // tonic's 4 MiB default.
+            let routes = tonic::service::Routes::new(
+                ExternalProcessorServer::new(picker)
+                    .max_decoding_message_size(ext_proc::MAX_BODY_BYTES + (64 << 10)),
+            );
+            tracing::info!(ext_proc = %addr, default_group = ?ext.default_group,
+                "Envoy ext_proc endpoint picker listening");
+            Some((server, routes, addr))
+        }
+    };
+    let ext_proc_addr = ext_proc.as_ref().map(|(_, _, a)| *a);
     let routes = tonic::service::Routes::new(DecisionServer::new(svc));
     tracing::info!(grpc = %grpc_addr, admin = %admin_addr, policy = %cfg.policy.kind,
         groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, "br-decision started");
@@ -124,24 +157,40 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         metrics,
         groups: groups.clone(),
     };
-    Ok(Running::spawn(
+    let running = Running::spawn(
         grpc_addr,
         admin_addr,
         readiness,
         shutdown,
         extra,
         async move {
-            let outcome = server
-                .serve(routes, &[service_names::DECISION], serve_shutdown)
-                .await;
+            let main = server.serve(routes, &[service_names::DECISION], serve_shutdown.clone());
+            let outcome = match ext_proc {
+                None => main.await,
+                Some((ext_server, ext_routes, _)) => {
+                    let ext =
+                        ext_server.serve(ext_routes, &[ext_proc::SERVICE_NAME], serve_shutdown);
+                    match tokio::join!(main, ext) {
+                        (Ok(a), Ok(b)) => Ok(if a == ServeOutcome::Drained { b } else { a }),
+                        (Err(e), _) | (_, Err(e)) => Err(e),
+                    }
+                }
+            };
             // Only now (the drain is over) the followers, group tasks and admin port stop.
             after.cancel();
             drop(groups);
             skeleton::wait_admin(admin).await?;
             Ok(outcome?)
         },
-    ))
+    );
+    Ok(match ext_proc_addr {
+        Some(addr) => running.with_listener(EXT_PROC_KEY, addr),
+        None => running,
+    })
 }
+
+/// The ready-file key (and [`skeleton::Running::listener`] key) of `--ext-proc-listen`.
+pub const EXT_PROC_KEY: &str = "ext_proc";
 
 /// Readiness from every group's [`Placing`]. Ready while every group has a complete σ and at
 /// least one can place: a group whose workers are all gone answers UNAVAILABLE, but the

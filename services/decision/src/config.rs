@@ -29,6 +29,7 @@ pub const DEFAULT_RESERVE_TIMEOUT: &str = "1s";
 pub const DEFAULT_ADOPT_GRACE: &str = "10s";
 pub const DEFAULT_RECOMMIT_SETTLE: &str = "500ms";
 pub const DEFAULT_WATCH_BACKOFF_MAX: &str = "250ms";
+pub const DEFAULT_EXT_PROC_TIMEOUT: &str = "10s";
 
 /// br-decision: answers the gateway's Assign calls for the groups it serves. Requests wait in
 /// a per-group pool until the dispatcher admits them (pooled policies br0, brh*), or are routed
@@ -150,6 +151,22 @@ pub struct Args {
     /// Seed of the randomised baselines (random, p2c).
     #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = 0)]
     pub seed: u64,
+
+    /// Serve Envoy's external processing (`envoy.service.ext_proc.v3.ExternalProcessor`) on
+    /// this address: an endpoint picker for Envoy-based gateways (the Gateway API Inference
+    /// Extension's protocol). Off unless given; mutual TLS and authorisation as `--listen`.
+    #[arg(long, env = "BALANCEROUTE_EXT_PROC_LISTEN")]
+    pub ext_proc_listen: Option<std::net::SocketAddr>,
+
+    /// The group of an ext_proc request without an `x-balanceroute-group` header. Unset: the
+    /// served group when `--groups` names one, else such a request is refused (400).
+    #[arg(long, env = "BALANCEROUTE_EXT_PROC_DEFAULT_GROUP")]
+    pub ext_proc_default_group: Option<String>,
+
+    /// Longest the Assign of one ext_proc request waits (also capped by `--max-wait`). Keep
+    /// Envoy's ext_proc `message_timeout` above it, or Envoy gives up first.
+    #[arg(long, env = "BALANCEROUTE_EXT_PROC_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_EXT_PROC_TIMEOUT)]
+    pub ext_proc_timeout: Duration,
 }
 
 /// `--beta`: a number, or `G` (the group size).
@@ -192,6 +209,18 @@ pub struct DecisionConfig {
     pub max_wait: Duration,
     pub reserve_timeout: Duration,
     pub watch_backoff_max: Duration,
+    /// The ext_proc endpoint picker, when `--ext-proc-listen` is given.
+    pub ext_proc: Option<ExtProcConfig>,
+}
+
+/// The ext_proc endpoint picker's settings (`--ext-proc-*`).
+#[derive(Debug, Clone)]
+pub struct ExtProcConfig {
+    pub listen: std::net::SocketAddr,
+    /// The group of a request that names none.
+    pub default_group: Option<GroupId>,
+    /// How long one request's Assign may wait.
+    pub timeout: Duration,
 }
 
 impl Args {
@@ -251,6 +280,32 @@ impl Args {
         if self.answered_max == 0 {
             return Err("--answered-max must be positive".into());
         }
+        let ext_proc = match self.ext_proc_listen {
+            None => None,
+            Some(listen) => {
+                positive("ext-proc-timeout", self.ext_proc_timeout)?;
+                let default_group = match &self.ext_proc_default_group {
+                    Some(g) => {
+                        let id = GroupId::new(g.trim())
+                            .map_err(|e| format!("--ext-proc-default-group: {e}"))?;
+                        if !groups.contains(&id) {
+                            return Err(format!(
+                                "--ext-proc-default-group {g:?} is not one of --groups"
+                            ));
+                        }
+                        Some(id)
+                    }
+                    // One served group: a request that names none can only mean it.
+                    None if groups.len() == 1 => Some(groups[0].clone()),
+                    None => None,
+                };
+                Some(ExtProcConfig {
+                    listen,
+                    default_group,
+                    timeout: self.ext_proc_timeout.min(self.max_wait),
+                })
+            }
+        };
         if !(self.snapshot_addr.starts_with("http://")
             || self.snapshot_addr.starts_with("https://"))
         {
@@ -278,6 +333,7 @@ impl Args {
             max_wait: self.max_wait,
             reserve_timeout: self.reserve_timeout,
             watch_backoff_max: self.watch_backoff_max,
+            ext_proc,
         })
     }
 }
@@ -373,6 +429,68 @@ mod tests {
         assert!(parse(&["--gamma", "0"]).is_err());
         assert!(parse(&["--stage1-worker", "x"]).is_err());
         assert!(parse(&["--watch-backoff-max", "0s"]).is_err());
+    }
+
+    #[test]
+    fn ext_proc_is_off_by_default_and_its_group_defaults_to_the_one_served() {
+        assert!(parse(&[]).unwrap().to_config().unwrap().ext_proc.is_none());
+        let c = parse(&[
+            "--ext-proc-listen",
+            "127.0.0.1:0",
+            "--ext-proc-timeout",
+            "2s",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        let e = c.ext_proc.unwrap();
+        assert_eq!(e.listen.to_string(), "127.0.0.1:0");
+        assert_eq!(e.default_group.unwrap().as_str(), "default");
+        assert_eq!(e.timeout, Duration::from_secs(2));
+        // two groups: none is implied; a named one must be served
+        let a = parse(&["--groups", "a,b", "--ext-proc-listen", "127.0.0.1:0"]).unwrap();
+        assert!(
+            a.to_config()
+                .unwrap()
+                .ext_proc
+                .unwrap()
+                .default_group
+                .is_none()
+        );
+        let a = parse(&[
+            "--groups",
+            "a,b",
+            "--ext-proc-listen",
+            "127.0.0.1:0",
+            "--ext-proc-default-group",
+            "b",
+        ])
+        .unwrap();
+        let g = a.to_config().unwrap().ext_proc.unwrap().default_group;
+        assert_eq!(g.unwrap().as_str(), "b");
+        let bad = [
+            "--ext-proc-listen",
+            "127.0.0.1:0",
+            "--ext-proc-default-group",
+            "c",
+        ];
+        assert!(parse(&bad).is_err());
+        let zero = [
+            "--ext-proc-listen",
+            "127.0.0.1:0",
+            "--ext-proc-timeout",
+            "0s",
+        ];
+        assert!(parse(&zero).is_err());
+        // the timeout never exceeds --max-wait
+        let capped = ["--ext-proc-listen", "127.0.0.1:0", "--max-wait", "1s"];
+        let e = parse(&capped)
+            .unwrap()
+            .to_config()
+            .unwrap()
+            .ext_proc
+            .unwrap();
+        assert_eq!(e.timeout, Duration::from_secs(1));
     }
 
     #[test]

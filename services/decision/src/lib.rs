@@ -17,12 +17,13 @@
 //!   snapshot outage (the last σ counts), so the replica keeps answering.
 //!
 //! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`task`] and
-//! [`group`] (the per-group state), [`upstream`] (Reserve/Release client), [`metrics`],
-//! [`error`].
+//! [`group`] (the per-group state), [`upstream`] (Reserve/Release client), [`ext_proc`] (the
+//! Envoy endpoint picker on `--ext-proc-listen`), [`metrics`], [`error`].
 
 pub mod app;
 pub mod config;
 pub mod error;
+pub mod ext_proc;
 pub mod group;
 pub mod metrics;
 pub mod service;

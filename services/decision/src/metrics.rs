@@ -53,6 +53,13 @@ pub struct Metrics {
     pub recommits_total: IntCounterVec,
     /// Workers kept in the view from before a snapshot-service restart (not back in σ yet).
     pub workers_awaited: IntGaugeVec,
+    /// ext_proc streams (one per HTTP request) by how they ended: `answered`, `released`,
+    /// `refused`, `abandoned` (see `ext_proc`).
+    pub ext_proc_streams_total: IntCounterVec,
+    /// ext_proc requests answered with an `ImmediateResponse`, by HTTP status.
+    pub ext_proc_immediate_responses_total: IntCounterVec,
+    /// ext_proc requests by where their prompt tokens came from (`header`, `estimate`).
+    pub ext_proc_prompt_tokens_source_total: IntCounterVec,
 }
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
@@ -231,8 +238,50 @@ impl Metrics {
                     &["group"],
                 )?,
             ),
+            ext_proc_streams_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_ext_proc_streams_total",
+                        "Envoy ext_proc streams (one per HTTP request) by how they ended: answered (routed, the rank answered), released (routed, ended before a response: reservation released), refused (ImmediateResponse), abandoned (ended before a routing answer)",
+                    ),
+                    &["outcome"],
+                )?,
+            ),
+            ext_proc_immediate_responses_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_ext_proc_immediate_responses_total",
+                        "Envoy ext_proc requests refused with an ImmediateResponse, by HTTP status",
+                    ),
+                    &["status"],
+                )?,
+            ),
+            ext_proc_prompt_tokens_source_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_ext_proc_prompt_tokens_source_total",
+                        "Envoy ext_proc requests by where their prompt tokens came from: header (x-balanceroute-prompt-tokens) or estimate (from the body)",
+                    ),
+                    &["source"],
+                )?,
+            ),
             registry: r,
         };
+        // exported at 0 from the start, so rate() and alerts see the first one
+        for outcome in ["answered", "released", "refused", "abandoned"] {
+            m.ext_proc_streams_total.with_label_values(&[outcome]);
+        }
+        for source in ["header", "estimate"] {
+            m.ext_proc_prompt_tokens_source_total
+                .with_label_values(&[source]);
+        }
+        for status in ["400", "429", "503"] {
+            m.ext_proc_immediate_responses_total
+                .with_label_values(&[status]);
+        }
         Ok(m)
     }
 

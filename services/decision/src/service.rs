@@ -103,6 +103,85 @@ impl DecisionService {
         }
         guard.wait(deadline).await
     }
+
+    /// One `Assign` as every front end makes it (the gRPC method, the ext_proc endpoint
+    /// picker): validated at the edge, placed by the group's task, waited for at most
+    /// `timeout` (capped by `--max-wait`), and counted in the Assign metrics.
+    pub async fn assign_call(
+        &self,
+        msg: v1::AssignRequest,
+        timeout: Duration,
+    ) -> Result<v1::AssignResponse, DecisionError> {
+        let started = Instant::now();
+        let timeout = timeout.min(self.max_wait);
+        let deadline = started + timeout.saturating_sub(margin(timeout));
+        let group = msg.group.clone();
+        let result = match ValidAssign::try_from(msg) {
+            Ok(req) => self.do_assign(req, deadline).await,
+            Err(e) => Err(e.into()),
+        }
+        .map(v1::AssignResponse::from);
+        let label = self.label(&group);
+        match &result {
+            Ok(resp) => {
+                let added = started
+                    .elapsed()
+                    .saturating_sub(Duration::from_micros(resp.pool_wait_us));
+                self.metrics
+                    .assign_latency
+                    .with_label_values(&[label])
+                    .observe(added.as_secs_f64());
+                self.metrics
+                    .assign_total
+                    .with_label_values(&[label, "ok"])
+                    .inc();
+            }
+            Err(e) => {
+                self.metrics
+                    .assign_total
+                    .with_label_values(&[label, code_label(e.grpc_code())])
+                    .inc();
+                tracing::debug!(error = %e, "Assign failed");
+            }
+        }
+        result
+    }
+
+    /// One `Cancel` as every front end makes it: a waiting request leaves the pool, an
+    /// answered one has its reservation released (`Snapshot.Release`); counted by outcome.
+    pub async fn cancel_call(
+        &self,
+        msg: v1::CancelRequest,
+    ) -> Result<CancelOutcome, DecisionError> {
+        let label = self.label(&msg.group).to_owned();
+        let result: Result<CancelOutcome, DecisionError> = async {
+            let req = ValidCancel::try_from(msg)?;
+            let handle = self.group(req.group.as_str())?;
+            let (reply, rx) = oneshot::channel();
+            handle
+                .send(Command::Cancel {
+                    id: req.request_id,
+                    reply,
+                })
+                .await?;
+            rx.await.map_err(|_| DecisionError::ShuttingDown)
+        }
+        .await;
+        let outcome = match &result {
+            Ok(outcome) => outcome.label(),
+            Err(_) => "error",
+        };
+        self.metrics
+            .cancel_total
+            .with_label_values(&[&label, outcome])
+            .inc();
+        result
+    }
+
+    /// The groups this service decides for.
+    pub fn serves(&self, group: &str) -> bool {
+        self.groups.contains_key(group)
+    }
 }
 
 /// Withdraws a waiting call from its group when the handler stops waiting for any reason.
@@ -192,48 +271,19 @@ impl v1::decision_server::Decision for DecisionService {
         &self,
         request: Request<v1::AssignRequest>,
     ) -> Result<Response<v1::AssignResponse>, Status> {
-        let started = Instant::now();
         let timeout = request
             .metadata()
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout)
             .map_or(self.max_wait, |t| t.min(self.max_wait));
-        let deadline = started + timeout.saturating_sub(margin(timeout));
         let msg = request.into_inner();
-        let group = msg.group.clone();
         let span = tracing::Span::current();
-        span.record("group", group.as_str());
+        span.record("group", msg.group.as_str());
         span.record("request_id", msg.request_id.as_str());
-        let result = match ValidAssign::try_from(msg) {
-            Ok(req) => self.do_assign(req, deadline).await,
+        match self.assign_call(msg, timeout).await {
+            Ok(resp) => Ok(Response::new(resp)),
             Err(e) => Err(e.into()),
-        }
-        .map(v1::AssignResponse::from);
-        let label = self.label(&group);
-        match result {
-            Ok(resp) => {
-                let added = started
-                    .elapsed()
-                    .saturating_sub(Duration::from_micros(resp.pool_wait_us));
-                self.metrics
-                    .assign_latency
-                    .with_label_values(&[label])
-                    .observe(added.as_secs_f64());
-                self.metrics
-                    .assign_total
-                    .with_label_values(&[label, "ok"])
-                    .inc();
-                Ok(Response::new(resp))
-            }
-            Err(e) => {
-                self.metrics
-                    .assign_total
-                    .with_label_values(&[label, code_label(e.grpc_code())])
-                    .inc();
-                tracing::debug!(error = %e, "Assign failed");
-                Err(e.into())
-            }
         }
     }
 
@@ -242,40 +292,10 @@ impl v1::decision_server::Decision for DecisionService {
         &self,
         request: Request<v1::CancelRequest>,
     ) -> Result<Response<v1::CancelResponse>, Status> {
-        let msg = request.into_inner();
-        let group = msg.group.clone();
-        let label = self.label(&group).to_owned();
-        let result: Result<CancelOutcome, DecisionError> = async {
-            let req = ValidCancel::try_from(msg)?;
-            let handle = self.group(req.group.as_str())?;
-            let (reply, rx) = oneshot::channel();
-            handle
-                .send(Command::Cancel {
-                    id: req.request_id,
-                    reply,
-                })
-                .await?;
-            rx.await.map_err(|_| DecisionError::ShuttingDown)
-        }
-        .await;
-        match result {
-            Ok(outcome) => {
-                self.metrics
-                    .cancel_total
-                    .with_label_values(&[&label, outcome.label()])
-                    .inc();
-                Ok(Response::new(v1::CancelResponse {
-                    outcome: v1::CancelOutcome::from(outcome) as i32,
-                }))
-            }
-            Err(e) => {
-                self.metrics
-                    .cancel_total
-                    .with_label_values(&[&label, "error"])
-                    .inc();
-                Err(e.into())
-            }
-        }
+        let outcome = self.cancel_call(request.into_inner()).await?;
+        Ok(Response::new(v1::CancelResponse {
+            outcome: v1::CancelOutcome::from(outcome) as i32,
+        }))
     }
 }
 

@@ -116,14 +116,17 @@ mod sealed {
 
 /// The addresses a service bound, as written to `--ready-file`:
 /// `{"grpc": "127.0.0.1:50061", "admin": "127.0.0.1:9061"}` (`"http"` instead of `"grpc"` for
-/// the shim).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// the shim), plus one key per optional listener it serves (br-decision's `"ext_proc"`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BoundAddrs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grpc: Option<SocketAddr>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http: Option<SocketAddr>,
     pub admin: SocketAddr,
+    /// Optional listeners by key (see [`Running::with_listener`]).
+    #[serde(flatten)]
+    pub more: std::collections::BTreeMap<String, SocketAddr>,
 }
 
 /// A started service: what it bound, whether it is ready, and its serving task. `P` says what
@@ -137,6 +140,8 @@ pub struct Running<P: Protocol, X = ()> {
     shutdown: CancellationToken,
     task: JoinHandle<Result<ServeOutcome, ServeError>>,
     extra: X,
+    /// Optional listeners beyond `--listen` and the admin port, by ready-file key.
+    more: Vec<(&'static str, SocketAddr)>,
     protocol: PhantomData<P>,
 }
 
@@ -161,8 +166,21 @@ impl<P: Protocol, X> Running<P, X> {
             shutdown,
             task: tokio::spawn(serve),
             extra,
+            more: Vec::new(),
             protocol: PhantomData,
         }
+    }
+
+    /// Records an optional listener the service bound (`key` in the ready file, e.g.
+    /// `"ext_proc"`).
+    pub fn with_listener(mut self, key: &'static str, addr: SocketAddr) -> Self {
+        self.more.push((key, addr));
+        self
+    }
+
+    /// The address of an optional listener (see [`with_listener`](Self::with_listener)).
+    pub fn listener(&self, key: &str) -> Option<SocketAddr> {
+        self.more.iter().find(|(k, _)| *k == key).map(|(_, a)| *a)
     }
 
     /// Where `/metrics`, `/livez` and `/readyz` are served.
@@ -181,6 +199,11 @@ impl<P: Protocol, X> Running<P, X> {
             grpc,
             http,
             admin: self.admin,
+            more: self
+                .more
+                .iter()
+                .map(|(k, a)| ((*k).to_owned(), *a))
+                .collect(),
         }
     }
 
@@ -348,18 +371,26 @@ pub async fn bind_grpc(
     common: &CommonArgs,
     edge: &Edge,
 ) -> Result<(GrpcServer, SocketAddr), StartError> {
+    bind_grpc_on(common, edge, "--listen", common.listen).await
+}
+
+/// [`bind_grpc`] for another gRPC port of the service (`flag` names it in errors, e.g.
+/// br-decision's `--ext-proc-listen`): the same TLS, authorisation, keepalive, drain and
+/// accept limits as `--listen`, and the same loopback-only rule without TLS.
+pub async fn bind_grpc_on(
+    common: &CommonArgs,
+    edge: &Edge,
+    flag: &'static str,
+    addr: SocketAddr,
+) -> Result<(GrpcServer, SocketAddr), StartError> {
     if edge.tls.is_none() {
         common
             .tls
-            .check_bind(common.listen)
-            .map_err(|e| StartError::Config(format!("--listen: {e}")))?;
+            .check_bind(addr)
+            .map_err(|e| StartError::Config(format!("{flag}: {e}")))?;
     }
-    let bind_err = |source| StartError::Bind {
-        flag: "--listen",
-        addr: common.listen,
-        source,
-    };
-    let server = GrpcServer::bind(common.listen)
+    let bind_err = |source| StartError::Bind { flag, addr, source };
+    let server = GrpcServer::bind(addr)
         .await
         .map_err(bind_err)?
         .with_grace(common.shutdown_grace)
@@ -547,6 +578,7 @@ mod tests {
             grpc: Some("127.0.0.1:4001".parse().unwrap()),
             http: None,
             admin: "127.0.0.1:4002".parse().unwrap(),
+            more: Default::default(),
         };
         write_ready_file(&path, &addrs).unwrap();
         assert_eq!(
@@ -565,12 +597,38 @@ mod tests {
             grpc: None,
             http: Some("127.0.0.1:4003".parse().unwrap()),
             admin: "127.0.0.1:4004".parse().unwrap(),
+            more: Default::default(),
         };
         write_ready_file(&path, &http).unwrap();
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
             r#"{"http":"127.0.0.1:4003","admin":"127.0.0.1:4004"}"#
         );
+    }
+
+    /// An optional listener (br-decision's ext_proc port) is one more key beside the others.
+    #[tokio::test]
+    async fn ready_file_lists_optional_listeners_by_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ready.json");
+        let ext: SocketAddr = "127.0.0.1:4005".parse().unwrap();
+        let r: Running<Grpc> = Running::spawn(
+            "127.0.0.1:4001".parse().unwrap(),
+            "127.0.0.1:4002".parse().unwrap(),
+            Readiness::default(),
+            CancellationToken::new(),
+            (),
+            async { Ok(ServeOutcome::Drained) },
+        )
+        .with_listener("ext_proc", ext);
+        assert_eq!(r.listener("ext_proc"), Some(ext));
+        assert_eq!(r.listener("other"), None);
+        write_ready_file(&path, &r.addrs()).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            r#"{"grpc":"127.0.0.1:4001","admin":"127.0.0.1:4002","ext_proc":"127.0.0.1:4005"}"#
+        );
+        assert_eq!(read_ready_file(&path).unwrap(), r.addrs());
     }
 
     #[test]
@@ -581,6 +639,7 @@ mod tests {
             grpc: None,
             http: None,
             admin: "127.0.0.1:1".parse().unwrap(),
+            more: Default::default(),
         };
         assert!(write_ready_file(&path, &addrs).is_err());
     }
@@ -658,7 +717,8 @@ mod tests {
             BoundAddrs {
                 grpc: Some(listen),
                 http: None,
-                admin
+                admin,
+                more: Default::default(),
             }
         );
         assert!(r.is_ready());

@@ -42,6 +42,9 @@ impl DenyReason {
     }
 }
 
+/// Envoy's external-processing service, which br-decision serves on `--ext-proc-listen`.
+pub const EXT_PROC: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
 /// Which roles may call a gRPC method, by its path (`/package.Service/Method`). `None`: the
 /// method is unknown to the table and every call is denied (fail closed: a new RPC must be
 /// added here before anyone can call it).
@@ -55,6 +58,9 @@ pub fn allowed_roles(path: &str) -> Option<&'static [Role]> {
         (s, "Watch" | "Get") if s == SNAPSHOT => &[Role::Decision, Role::Admin],
         (s, "ListGroups" | "SetCordon") if s == SNAPSHOT => &[Role::Admin],
         (s, "Assign" | "Cancel") if s == DECISION => &[Role::Gateway, Role::Admin],
+        // br-decision's Envoy endpoint picker (`--ext-proc-listen`): an Assign per HTTP
+        // request, so the roles that may call Assign; Envoy presents the gateway certificate.
+        (EXT_PROC, "Process") => &[Role::Gateway, Role::Admin],
         ("grpc.health.v1.Health", _) => ANY,
         ("grpc.reflection.v1.ServerReflection", _) => ANY,
         ("grpc.reflection.v1alpha.ServerReflection", _) => ANY,
@@ -211,6 +217,7 @@ mod tests {
             (m(SNAPSHOT, "SetCordon"), vec![Role::Admin]),
             (m(DECISION, "Assign"), vec![Role::Gateway, Role::Admin]),
             (m(DECISION, "Cancel"), vec![Role::Gateway, Role::Admin]),
+            (m(EXT_PROC, "Process"), vec![Role::Gateway, Role::Admin]),
             (m("grpc.health.v1.Health", "Check"), Role::ALL.to_vec()),
             (
                 m(
