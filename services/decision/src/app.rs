@@ -9,7 +9,7 @@ use br_core::build_policy;
 use br_proto::service_names;
 use br_proto::v1::decision_server::DecisionServer;
 use br_runtime::admin::Readiness;
-use br_runtime::skeleton::{self, Grpc, StartError};
+use br_runtime::skeleton::{self, Grpc, ServeError, StartError};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Args;
@@ -116,9 +116,33 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         cfg.max_wait,
         shutdown.clone(),
     );
+    // HTTP/JSON (--http-listen): the same service behind another edge.
+    let http = match cfg.http_listen {
+        None => None,
+        Some(addr) => {
+            let listener = crate::http::bind(&args.common, &edge, addr).await?;
+            let router = crate::http::router(
+                svc.clone(),
+                metrics.clone(),
+                crate::http::Authz::of(&edge),
+                cfg.max_wait,
+            );
+            Some((listener, router))
+        }
+    };
+    let http_addr = http.as_ref().map(|(l, _)| l.local_addr());
     let routes = tonic::service::Routes::new(DecisionServer::new(svc));
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, policy = %cfg.policy.kind,
+    tracing::info!(grpc = %grpc_addr, http = ?http_addr, admin = %admin_addr, policy = %cfg.policy.kind,
         groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, "br-decision started");
+    let grace = args.common.shutdown_grace;
+    let http_task = http.map(|(listener, router)| {
+        tokio::spawn(crate::http::serve(
+            listener,
+            router,
+            shutdown.clone(),
+            grace,
+        ))
+    });
     let serve_shutdown = shutdown.clone();
     let extra = Groups {
         metrics,
@@ -134,13 +158,26 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             let outcome = server
                 .serve(routes, &[service_names::DECISION], serve_shutdown)
                 .await;
+            // The HTTP/JSON calls drain too (they need the group tasks as much).
+            let http_outcome = match http_task {
+                None => Ok(()),
+                Some(task) => match task.await {
+                    Ok(r) => r.map(|_| ()).map_err(|source| ServeError::Io {
+                        server: "HTTP/JSON",
+                        source,
+                    }),
+                    Err(e) => Err(ServeError::Task(e)),
+                },
+            };
             // Only now (the drain is over) the followers, group tasks and admin port stop.
             after.cancel();
             drop(groups);
             skeleton::wait_admin(admin).await?;
+            http_outcome?;
             Ok(outcome?)
         },
-    ))
+    )
+    .with_http_json(http_addr))
 }
 
 /// Readiness from every group's [`Placing`]. Ready while every group has a complete σ and at

@@ -150,6 +150,13 @@ pub struct Args {
     /// Seed of the randomised baselines (random, p2c).
     #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = 0)]
     pub seed: u64,
+
+    /// Also serve Assign and Cancel as HTTP/JSON (`POST /v1/assign`, `POST /v1/cancel`) on
+    /// this address, for gateways without gRPC. Off when unset. Same rules as `--listen`:
+    /// plaintext only on loopback, mutual TLS with the same roles when `--tls-*` are given,
+    /// and the same `--max-connections` and `--first-byte-timeout`.
+    #[arg(long, env = "BALANCEROUTE_HTTP_LISTEN")]
+    pub http_listen: Option<std::net::SocketAddr>,
 }
 
 /// `--beta`: a number, or `G` (the group size).
@@ -192,6 +199,8 @@ pub struct DecisionConfig {
     pub max_wait: Duration,
     pub reserve_timeout: Duration,
     pub watch_backoff_max: Duration,
+    /// `--http-listen`: the HTTP/JSON listener, if any.
+    pub http_listen: Option<std::net::SocketAddr>,
 }
 
 impl Args {
@@ -278,6 +287,7 @@ impl Args {
             max_wait: self.max_wait,
             reserve_timeout: self.reserve_timeout,
             watch_backoff_max: self.watch_backoff_max,
+            http_listen: self.http_listen,
         })
     }
 }
@@ -322,6 +332,7 @@ mod tests {
         assert_eq!(c.group.adopt_grace, Duration::from_secs(10));
         assert_eq!(c.group.recommit_settle, Duration::from_millis(500));
         assert_eq!(c.watch_backoff_max, Duration::from_millis(250));
+        assert_eq!(c.http_listen, None, "HTTP/JSON is off by default");
     }
 
     #[test]

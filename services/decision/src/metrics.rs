@@ -53,6 +53,10 @@ pub struct Metrics {
     pub recommits_total: IntCounterVec,
     /// Workers kept in the view from before a snapshot-service restart (not back in σ yet).
     pub workers_awaited: IntGaugeVec,
+    /// HTTP/JSON requests (`--http-listen`) by route and HTTP status.
+    pub http_requests_total: IntCounterVec,
+    /// HTTP/JSON request duration by route (from the request's head to its answer).
+    pub http_request_duration: HistogramVec,
 }
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
@@ -231,8 +235,35 @@ impl Metrics {
                     &["group"],
                 )?,
             ),
+            http_requests_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_http_requests_total",
+                        "HTTP/JSON requests (--http-listen), by route (/v1/assign, /v1/cancel, other) and HTTP status",
+                    ),
+                    &["route", "status"],
+                )?,
+            ),
+            http_request_duration: reg(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "balanceroute_decision_http_request_duration_seconds",
+                        "HTTP/JSON request duration (--http-listen) by route, the pool wait included",
+                    )
+                    .buckets(WAIT_BUCKETS.to_vec()),
+                    &["route"],
+                )?,
+            ),
             registry: r,
         };
+        // Exported from the start (at 0), so rate() and the contract test see them even
+        // before (or without) an HTTP/JSON request.
+        for route in [crate::http::ROUTE_ASSIGN, crate::http::ROUTE_CANCEL] {
+            m.http_requests_total.with_label_values(&[route, "200"]);
+            let _ = m.http_request_duration.with_label_values(&[route]);
+        }
         Ok(m)
     }
 
