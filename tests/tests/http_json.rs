@@ -31,6 +31,8 @@ struct Answer {
     status: u16,
     body: String,
     curl_exit: i32,
+    /// curl's own complaint; read only through `Debug`, in failure messages.
+    #[allow(dead_code)]
     stderr: String,
 }
 
