@@ -617,6 +617,7 @@ mod worker {
             prompt_tokens,
             generated_tokens,
             finished,
+            unkeyed: false,
         }
     }
 

@@ -329,6 +329,30 @@ impl ReporterHandle {
         generated_tokens: u32,
         finished: bool,
     ) -> Result<(), ReporterError> {
+        self.record(request_id, prompt_tokens, generated_tokens, finished, false)
+    }
+
+    /// [`progress`](Self::progress) of a request that arrived without the gateway's id:
+    /// `request_id` is the engine's, and it is reported `unkeyed` (σ then matches it to the
+    /// worker's oldest reservation; see the telemetry proto's `unkeyed`). Sticky.
+    pub fn progress_unkeyed(
+        &self,
+        request_id: &str,
+        prompt_tokens: u32,
+        generated_tokens: u32,
+        finished: bool,
+    ) -> Result<(), ReporterError> {
+        self.record(request_id, prompt_tokens, generated_tokens, finished, true)
+    }
+
+    fn record(
+        &self,
+        request_id: &str,
+        prompt_tokens: u32,
+        generated_tokens: u32,
+        finished: bool,
+        unkeyed: bool,
+    ) -> Result<(), ReporterError> {
         let shared = &self.inner.shared;
         if shared.closed.load(Ordering::Relaxed) {
             return Err(ReporterError::Closed);
@@ -336,7 +360,7 @@ impl ReporterHandle {
         check_tokens(request_id, prompt_tokens, generated_tokens)?;
         let mut st = shared.lock();
         if let Some(e) = st.requests.get_mut(request_id) {
-            let changed = e.merge(prompt_tokens, generated_tokens, finished);
+            let changed = e.merge(prompt_tokens, generated_tokens, finished, unkeyed);
             if changed && !e.dirty {
                 e.dirty = true;
                 let id = e.id.clone();
@@ -360,6 +384,7 @@ impl ReporterHandle {
                 prompt: prompt_tokens,
                 generated: generated_tokens,
                 finished,
+                unkeyed,
                 dirty: true,
                 finished_seq: 0,
             },
@@ -514,6 +539,8 @@ struct Entry {
     prompt: u32,
     generated: u32,
     finished: bool,
+    /// Reported without the gateway's id (sticky).
+    unkeyed: bool,
     /// Listed in `Pending::dirty`.
     dirty: bool,
     /// The seq of the last message that carried `finished = true` (0: none yet).
@@ -521,13 +548,14 @@ struct Entry {
 }
 
 impl Entry {
-    /// max() of the counts, sticky finished. Returns whether anything changed.
-    fn merge(&mut self, prompt: u32, generated: u32, finished: bool) -> bool {
-        let before = (self.prompt, self.generated, self.finished);
+    /// max() of the counts, sticky finished and unkeyed. Returns whether anything changed.
+    fn merge(&mut self, prompt: u32, generated: u32, finished: bool, unkeyed: bool) -> bool {
+        let before = (self.prompt, self.generated, self.finished, self.unkeyed);
         self.prompt = self.prompt.max(prompt);
         self.generated = self.generated.max(generated);
         self.finished |= finished;
-        before != (self.prompt, self.generated, self.finished)
+        self.unkeyed |= unkeyed;
+        before != (self.prompt, self.generated, self.finished, self.unkeyed)
     }
 
     fn to_wire(&self) -> v1::RequestProgress {
@@ -536,6 +564,7 @@ impl Entry {
             prompt_tokens: self.prompt,
             generated_tokens: self.generated,
             finished: self.finished,
+            unkeyed: self.unkeyed,
         }
     }
 }
@@ -1220,6 +1249,7 @@ mod tests {
                     prompt: 1,
                     generated: 1,
                     finished: fin,
+                    unkeyed: false,
                     dirty: true,
                     finished_seq: 0,
                 },
