@@ -71,7 +71,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         reason: e.to_string(),
     })?
     .with_limits(args.max_body_bytes, args.max_concurrent_requests)
-    .with_body_budget(args.max_buffered_body_bytes, args.body_timeout);
+    .with_body_budget(args.max_buffered_body_bytes, args.body_timeout)
+    .with_request_id_required(args.require_request_id);
     let readiness = Readiness::default();
     let admin =
         skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;
