@@ -344,6 +344,41 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
         .unwrap()
         .error(499, "CANCELLED");
 
+    // A client that declares a body and freezes after its first byte holds its connection
+    // only until its deadline: 408, and the handler never ran.
+    {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        conn.write_all(
+            b"POST /v1/assign HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\nX-Request-Timeout: 300ms\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+        let mut answer = Vec::new();
+        let read = async {
+            let mut buf = [0u8; 1024];
+            // the server answers and (the body never came) closes the connection
+            while let Ok(n) = conn.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                answer.extend_from_slice(&buf[..n]);
+                if answer.windows(2).any(|w| w == b"}}") || answer.ends_with(b"}") {
+                    break;
+                }
+            }
+        };
+        tokio::time::timeout(START, read)
+            .await
+            .expect("an answer to the frozen body");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+        assert!(text.contains(r#""code":"DEADLINE_EXCEEDED""#), "{text}");
+    }
+
     // Counted per route and status, and in the Assign metrics (the same service code).
     let text = decision.metrics().await;
     let http = "balanceroute_decision_http_requests_total";
