@@ -137,6 +137,8 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
             "1",
             "--http-listen",
             "127.0.0.1:0",
+            "--first-byte-timeout",
+            "2s",
         ],
     );
     let port = decision
@@ -377,6 +379,31 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
         let text = String::from_utf8_lossy(&answer);
         assert!(text.starts_with("HTTP/1.1 408"), "{text}");
         assert!(text.contains(r#""code":"DEADLINE_EXCEEDED""#), "{text}");
+    }
+
+    // Nor does a client that trickles its request's head: the connection is closed once
+    // --first-byte-timeout has passed without a complete head (axum::serve alone waits for
+    // ever, so idle clients could fill --max-connections).
+    {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        conn.write_all(b"POST /v1/assign HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let closed = async {
+            let mut buf = [0u8; 1024];
+            loop {
+                match conn.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        };
+        tokio::time::timeout(START, closed)
+            .await
+            .expect("the server closes a connection whose head never completes");
     }
 
     // Counted per route and status, and in the Assign metrics (the same service code).

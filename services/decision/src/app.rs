@@ -135,12 +135,15 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     tracing::info!(grpc = %grpc_addr, http = ?http_addr, admin = %admin_addr, policy = %cfg.policy.kind,
         groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, "br-decision started");
     let grace = args.common.shutdown_grace;
+    // A request's head has as long as a new connection's first byte (--first-byte-timeout).
+    let header_timeout = args.common.first_byte_timeout;
     let http_task = http.map(|(listener, router)| {
         tokio::spawn(crate::http::serve(
             listener,
             router,
             shutdown.clone(),
             grace,
+            header_timeout,
         ))
     });
     let serve_shutdown = shutdown.clone();

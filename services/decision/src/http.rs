@@ -93,14 +93,6 @@ pub struct JsonPeer {
     pub cert: Option<Arc<[u8]>>,
 }
 
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, JsonListener>>
-    for JsonPeer
-{
-    fn connect_info(stream: axum::serve::IncomingStream<'_, JsonListener>) -> Self {
-        stream.remote_addr().clone()
-    }
-}
-
 impl axum::serve::Listener for JsonListener {
     type Io = Either<Held<TcpStream>, TlsStream<Held<TcpStream>>>;
     type Addr = JsonPeer;
@@ -212,8 +204,8 @@ struct JsonState {
     max_wait: Duration,
 }
 
-/// The routes, for [`serve`] and for tests without a socket (`authz` needs a [`JsonPeer`]
-/// connect-info, which [`serve`] provides).
+/// The routes, for [`serve`] (which gives every request its connection's [`JsonPeer`] as
+/// `ConnectInfo`).
 pub fn router(
     svc: DecisionService,
     metrics: Metrics,
@@ -229,32 +221,72 @@ pub fn router(
 }
 
 /// Serves `router` on `listener` until `shutdown`, then lets the requests in flight finish
-/// for at most `grace` (as the gRPC port drains).
+/// for at most `grace` (as the gRPC port drains). Each connection has `header_timeout` to
+/// send a request's head (a client that trickles its headers would otherwise hold its
+/// connection slot for ever; axum::serve sets no such bound), and the connection ends
+/// gracefully (after the request in flight) on shutdown.
 pub async fn serve(
-    listener: JsonListener,
+    mut listener: JsonListener,
     router: Router,
     shutdown: CancellationToken,
     grace: Duration,
+    header_timeout: Duration,
 ) -> Result<ServeOutcome, io::Error> {
+    use axum::serve::Listener as _;
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+
     let addr = listener.local_addr();
     let tls = matches!(listener.conns, Either::Right(_));
-    let stop = shutdown.clone();
-    let server = axum::serve(
-        listener,
-        router.into_make_service_with_connect_info::<JsonPeer>(),
-    )
-    .with_graceful_shutdown(async move { stop.cancelled().await })
-    .into_future();
     tracing::info!(%addr, tls, "HTTP/JSON server listening");
-    let mut server = std::pin::pin!(server);
-    tokio::select! {
-        r = &mut server => return r.map(|()| ServeOutcome::Drained),
-        () = shutdown.cancelled() => {}
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let (io, peer) = tokio::select! {
+            c = listener.accept() => c,
+            () = shutdown.cancelled() => break,
+        };
+        // reap the finished ones, so the set holds only open connections
+        while connections.try_join_next().is_some() {}
+        let router = router.clone();
+        let stop = shutdown.clone();
+        connections.spawn(async move {
+            let svc = tower::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(ConnectInfo(peer.clone()));
+                let router = router.clone();
+                async move {
+                    tower::ServiceExt::oneshot(router, req.map(axum::body::Body::new)).await
+                }
+            });
+            let svc = hyper_util::service::TowerToHyperService::new(svc);
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = builder.serve_connection(TokioIo::new(io), svc);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "HTTP/JSON connection ended");
+                    }
+                }
+                () = stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
     }
-    match tokio::time::timeout(grace, &mut server).await {
-        Ok(r) => r.map(|()| ServeOutcome::Drained),
+    drop(listener);
+    let drained = tokio::time::timeout(grace, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    match drained {
+        Ok(()) => Ok(ServeOutcome::Drained),
         Err(_) => {
             tracing::warn!(?grace, "HTTP/JSON grace period expired; dropping requests");
+            connections.abort_all();
             Ok(ServeOutcome::GraceExpired)
         }
     }
