@@ -1238,6 +1238,29 @@ mod tests {
     }
 
     #[test]
+    fn unkeyed_is_sticky_and_sent() {
+        let id = RequestId::new("cmpl-1").unwrap();
+        let mut e = Entry {
+            id,
+            prompt: 0,
+            generated: 1,
+            finished: false,
+            unkeyed: true,
+            dirty: false,
+            finished_seq: 0,
+        };
+        assert!(
+            !e.merge(0, 1, false, false),
+            "a later report cannot unset it"
+        );
+        assert!(e.to_wire().unkeyed);
+        assert!(e.merge(10, 2, true, false));
+        let wire = e.to_wire();
+        assert!(wire.unkeyed && wire.finished);
+        assert_eq!((wire.prompt_tokens, wire.generated_tokens), (10, 2));
+    }
+
+    #[test]
     fn pending_forgets_only_acked_finished_requests() {
         let mut p = Pending::default();
         for (id, fin) in [("a", true), ("b", false)] {
