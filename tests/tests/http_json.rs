@@ -439,6 +439,45 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
             &[assign]
         ) >= 4.0
     );
+
+    // SIGTERM while an HTTP call waits in the pool: the drain lets it be answered (its
+    // deadline passes first, or it is told the service is going), not cut off, and the
+    // process exits 0.
+    let waiting = {
+        let url = assign_url.clone();
+        tokio::spawn(async move {
+            post(
+                &url,
+                &assign_body(TINY, "t5", 10),
+                &["-H", "X-Request-Timeout: 2s"],
+            )
+            .await
+        })
+    };
+    br_testkit::wait::eventually_some(START, "t5 waits in tiny's pool", || {
+        let m = decision.metrics();
+        async move {
+            let text = m.await;
+            (metric(
+                &text,
+                "balanceroute_decision_pool_size",
+                &[r#"group="tiny""#],
+            ) == 1.0)
+                .then_some(())
+        }
+    })
+    .await;
+    let mut decision = decision;
+    let exit = tokio::task::spawn_blocking(move || decision.terminate(START))
+        .await
+        .unwrap()
+        .expect("br-decision exits by itself within the grace");
+    let answer = tokio::time::timeout(START, waiting).await.unwrap().unwrap();
+    match answer.status {
+        504 => answer.error(504, "DEADLINE_EXCEEDED"),
+        _ => answer.error(503, "UNAVAILABLE"),
+    };
+    assert!(exit.success(), "{exit:?}");
 }
 
 /// curl's flags presenting `files`' certificate and trusting our CA.
