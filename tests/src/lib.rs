@@ -134,6 +134,8 @@ pub struct Service {
     /// port: gRPC, or the HTTP proxy for br-shim.
     pub grpc_port: u16,
     pub admin_port: u16,
+    /// A gRPC service's second, HTTP/JSON port (br-decision's `--http-listen`), when it has one.
+    pub http_port: Option<u16>,
     child: Option<Child>,
     /// The caller's flags (the harness adds the ports and the ready file).
     args: Vec<String>,
@@ -161,6 +163,7 @@ impl Service {
             name: bin,
             grpc_port: 0,
             admin_port: 0,
+            http_port: None,
             child: None,
             args: extra.iter().map(|s| (*s).to_owned()).collect(),
             descriptor_limit,
@@ -210,9 +213,10 @@ impl Service {
             .unwrap_or_else(|e| panic!("starting {}: {e}", path.display()));
         // Held by `self` before waiting: if the wait panics, the drop kills the process.
         let child = self.child.insert(child);
-        let (grpc, admin) = wait_for_ready_file(self.name, child, &ready);
+        let (grpc, admin, http) = wait_for_ready_file(self.name, child, &ready);
         self.grpc_port = grpc.port();
         self.admin_port = admin.port();
+        self.http_port = http.map(|a| a.port());
     }
 
     /// The process id while it runs (to inspect its sockets in /proc).
@@ -346,10 +350,15 @@ impl Drop for Service {
 }
 
 /// Waits until `child` has written its ready file (`{"grpc": ADDR, "admin": ADDR}`, `"http"`
-/// instead of `"grpc"` for br-shim, written atomically by the binary once its ports are bound)
-/// and returns the `--listen` and admin addresses. Fails
+/// instead of `"grpc"` for br-shim, `"http"` beside `"grpc"` for br-decision's HTTP/JSON port;
+/// written atomically by the binary once its ports are bound) and returns the `--listen` and
+/// admin addresses, and the HTTP/JSON one of a gRPC service that has it. Fails
 /// loudly if the process exits first or the file does not appear within [`BIND_WAIT`].
-fn wait_for_ready_file(name: &str, child: &mut Child, path: &Path) -> (SocketAddr, SocketAddr) {
+fn wait_for_ready_file(
+    name: &str,
+    child: &mut Child,
+    path: &Path,
+) -> (SocketAddr, SocketAddr, Option<SocketAddr>) {
     let deadline = Instant::now() + BIND_WAIT;
     loop {
         if let Some(status) = child.try_wait().expect("child status") {
@@ -371,12 +380,11 @@ fn wait_for_ready_file(name: &str, child: &mut Child, path: &Path) -> (SocketAdd
                             panic!("{name}'s ready file has no {key:?} address: {v}")
                         })
                 };
-                let listen = if v.get("http").is_some() {
-                    "http"
-                } else {
-                    "grpc"
-                };
-                return (addr(listen), addr("admin"));
+                if v.get("grpc").is_some() {
+                    let http = v.get("http").is_some().then(|| addr("http"));
+                    return (addr("grpc"), addr("admin"), http);
+                }
+                return (addr("http"), addr("admin"), None);
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => panic!("reading {}: {e}", path.display()),
@@ -627,6 +635,7 @@ mod worker {
             prompt_tokens,
             generated_tokens,
             finished,
+            unkeyed: false,
         }
     }
 

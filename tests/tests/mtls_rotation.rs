@@ -105,6 +105,7 @@ impl Worker {
                         prompt_tokens: 100,
                         generated_tokens: *generated,
                         finished,
+                        unkeyed: false,
                     });
                     if finished {
                         done.push(id.clone());

@@ -40,6 +40,7 @@ fn progress(seq: u64, generated: u32) -> v1::WorkerReport {
                 prompt_tokens: 10,
                 generated_tokens: generated,
                 finished: false,
+                unkeyed: false,
             }],
         })),
     }

@@ -11,7 +11,7 @@ use br_proto::service_names;
 use br_proto::v1::decision_server::DecisionServer;
 use br_runtime::admin::Readiness;
 use br_runtime::serve::ServeOutcome;
-use br_runtime::skeleton::{self, Grpc, StartError};
+use br_runtime::skeleton::{self, Grpc, ServeError, StartError};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tokio_util::sync::CancellationToken;
 
@@ -149,9 +149,36 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         }
     };
     let ext_proc_addr = ext_proc.as_ref().map(|(_, _, a)| *a);
+    // HTTP/JSON (--http-listen): the same service behind another edge.
+    let http = match cfg.http_listen {
+        None => None,
+        Some(addr) => {
+            let listener = crate::http::bind(&args.common, &edge, addr).await?;
+            let router = crate::http::router(
+                svc.clone(),
+                metrics.clone(),
+                crate::http::Authz::of(&edge),
+                cfg.max_wait,
+            );
+            Some((listener, router))
+        }
+    };
+    let http_addr = http.as_ref().map(|(l, _)| l.local_addr());
     let routes = tonic::service::Routes::new(DecisionServer::new(svc));
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, policy = %cfg.policy.kind,
+    tracing::info!(grpc = %grpc_addr, http = ?http_addr, admin = %admin_addr, policy = %cfg.policy.kind,
         groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, "br-decision started");
+    let grace = args.common.shutdown_grace;
+    // A request's head has as long as a new connection's first byte (--first-byte-timeout).
+    let header_timeout = args.common.first_byte_timeout;
+    let http_task = http.map(|(listener, router)| {
+        tokio::spawn(crate::http::serve(
+            listener,
+            router,
+            shutdown.clone(),
+            grace,
+            header_timeout,
+        ))
+    });
     let serve_shutdown = shutdown.clone();
     let extra = Groups {
         metrics,
@@ -176,13 +203,26 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
                     }
                 }
             };
+            // The HTTP/JSON calls drain too (they need the group tasks as much).
+            let http_outcome = match http_task {
+                None => Ok(()),
+                Some(task) => match task.await {
+                    Ok(r) => r.map(|_| ()).map_err(|source| ServeError::Io {
+                        server: "HTTP/JSON",
+                        source,
+                    }),
+                    Err(e) => Err(ServeError::Task(e)),
+                },
+            };
             // Only now (the drain is over) the followers, group tasks and admin port stop.
             after.cancel();
             drop(groups);
             skeleton::wait_admin(admin).await?;
+            http_outcome?;
             Ok(outcome?)
         },
-    );
+    )
+    .with_http_json(http_addr);
     Ok(match ext_proc_addr {
         Some(addr) => running.with_listener(EXT_PROC_KEY, addr),
         None => running,

@@ -167,6 +167,13 @@ pub struct Args {
     /// Envoy's ext_proc `message_timeout` above it, or Envoy gives up first.
     #[arg(long, env = "BALANCEROUTE_EXT_PROC_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_EXT_PROC_TIMEOUT)]
     pub ext_proc_timeout: Duration,
+
+    /// Also serve Assign and Cancel as HTTP/JSON (`POST /v1/assign`, `POST /v1/cancel`) on
+    /// this address, for gateways without gRPC. Off when unset. Same rules as `--listen`:
+    /// plaintext only on loopback, mutual TLS with the same roles when `--tls-*` are given,
+    /// and the same `--max-connections` and `--first-byte-timeout`.
+    #[arg(long, env = "BALANCEROUTE_HTTP_LISTEN")]
+    pub http_listen: Option<std::net::SocketAddr>,
 }
 
 /// `--beta`: a number, or `G` (the group size).
@@ -209,6 +216,8 @@ pub struct DecisionConfig {
     pub max_wait: Duration,
     pub reserve_timeout: Duration,
     pub watch_backoff_max: Duration,
+    /// `--http-listen`: the HTTP/JSON listener, if any.
+    pub http_listen: Option<std::net::SocketAddr>,
     /// The ext_proc endpoint picker, when `--ext-proc-listen` is given.
     pub ext_proc: Option<ExtProcConfig>,
 }
@@ -334,6 +343,7 @@ impl Args {
             reserve_timeout: self.reserve_timeout,
             watch_backoff_max: self.watch_backoff_max,
             ext_proc,
+            http_listen: self.http_listen,
         })
     }
 }
@@ -378,6 +388,7 @@ mod tests {
         assert_eq!(c.group.adopt_grace, Duration::from_secs(10));
         assert_eq!(c.group.recommit_settle, Duration::from_millis(500));
         assert_eq!(c.watch_backoff_max, Duration::from_millis(250));
+        assert_eq!(c.http_listen, None, "HTTP/JSON is off by default");
     }
 
     #[test]

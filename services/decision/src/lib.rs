@@ -16,15 +16,17 @@
 //!   request": every group has a complete σ and one has a live worker; it stays true through a
 //!   snapshot outage (the last σ counts), so the replica keeps answering.
 //!
-//! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`task`] and
-//! [`group`] (the per-group state), [`upstream`] (Reserve/Release client), [`ext_proc`] (the
-//! Envoy endpoint picker on `--ext-proc-listen`), [`metrics`], [`error`].
+//! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`http`] (the same
+//! handlers as HTTP/JSON, `--http-listen`), [`task`] and [`group`] (the per-group state),
+//! [`upstream`] (Reserve/Release client), [`ext_proc`] (the Envoy endpoint picker on
+//! `--ext-proc-listen`), [`metrics`], [`error`].
 
 pub mod app;
 pub mod config;
 pub mod error;
 pub mod ext_proc;
 pub mod group;
+pub mod http;
 pub mod metrics;
 pub mod service;
 pub mod task;

@@ -60,6 +60,10 @@ pub struct Metrics {
     pub ext_proc_immediate_responses_total: IntCounterVec,
     /// ext_proc requests by where their prompt tokens came from (`header`, `estimate`).
     pub ext_proc_prompt_tokens_source_total: IntCounterVec,
+    /// HTTP/JSON requests (`--http-listen`) by route and HTTP status.
+    pub http_requests_total: IntCounterVec,
+    /// HTTP/JSON request duration by route (from the request's head to its answer).
+    pub http_request_duration: HistogramVec,
 }
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
@@ -268,6 +272,27 @@ impl Metrics {
                     &["source"],
                 )?,
             ),
+            http_requests_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_http_requests_total",
+                        "HTTP/JSON requests (--http-listen), by route (/v1/assign, /v1/cancel, other) and HTTP status",
+                    ),
+                    &["route", "status"],
+                )?,
+            ),
+            http_request_duration: reg(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "balanceroute_decision_http_request_duration_seconds",
+                        "HTTP/JSON request duration (--http-listen) by route, the pool wait included",
+                    )
+                    .buckets(WAIT_BUCKETS.to_vec()),
+                    &["route"],
+                )?,
+            ),
             registry: r,
         };
         // exported at 0 from the start, so rate() and alerts see the first one
@@ -281,6 +306,12 @@ impl Metrics {
         for status in ["400", "429", "503"] {
             m.ext_proc_immediate_responses_total
                 .with_label_values(&[status]);
+        }
+        // Exported from the start (at 0), so rate() and the contract test see them even
+        // before (or without) an HTTP/JSON request.
+        for route in [crate::http::ROUTE_ASSIGN, crate::http::ROUTE_CANCEL] {
+            m.http_requests_total.with_label_values(&[route, "200"]);
+            let _ = m.http_request_duration.with_label_values(&[route]);
         }
         Ok(m)
     }

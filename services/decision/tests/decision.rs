@@ -122,6 +122,7 @@ impl Telemetry {
                     prompt_tokens: *s,
                     generated_tokens: 1,
                     finished: false,
+                    unkeyed: false,
                 })
             })
             .collect();

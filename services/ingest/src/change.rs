@@ -18,6 +18,8 @@ pub struct Cumulative {
     pub generated_tokens: u32,
     /// Sticky.
     pub finished: bool,
+    /// Reported without the gateway's id (telemetry `unkeyed`); sticky.
+    pub unkeyed: bool,
 }
 
 impl Cumulative {
@@ -27,6 +29,7 @@ impl Cumulative {
         self.prompt_tokens = self.prompt_tokens.max(other.prompt_tokens);
         self.generated_tokens = self.generated_tokens.max(other.generated_tokens);
         self.finished |= other.finished;
+        self.unkeyed |= other.unkeyed;
         before != *self
     }
 
@@ -138,6 +141,7 @@ impl Change {
                 prompt_tokens: state.prompt_tokens,
                 generated_tokens: state.generated_tokens,
                 finished: state.finished,
+                unkeyed: state.unkeyed,
             }),
             Change::Sync {
                 worker_id,
@@ -172,26 +176,54 @@ mod tests {
             prompt_tokens: 10,
             generated_tokens: 5,
             finished: false,
+            unkeyed: false,
         };
         assert!(!c.merge(Cumulative {
             prompt_tokens: 0,
             generated_tokens: 3,
-            finished: false
+            finished: false,
+            unkeyed: false,
         }));
         assert!(c.merge(Cumulative {
             prompt_tokens: 0,
             generated_tokens: 7,
-            finished: true
+            finished: true,
+            unkeyed: false,
         }));
         assert_eq!(
             c,
             Cumulative {
                 prompt_tokens: 10,
                 generated_tokens: 7,
-                finished: true
+                finished: true,
+                unkeyed: false,
             }
         );
         assert!(!c.merge(Cumulative::default()), "finished stays");
         assert_eq!(c.load(), 17);
+    }
+
+    #[test]
+    fn unkeyed_is_sticky_and_reaches_the_wire() {
+        let mut c = Cumulative {
+            prompt_tokens: 10,
+            unkeyed: true,
+            ..Cumulative::default()
+        };
+        assert!(
+            !c.merge(Cumulative::default()),
+            "a later keyed-looking report changes nothing"
+        );
+        assert!(c.unkeyed);
+        let change = Change::Progress {
+            worker_id: 1,
+            incarnation: 2,
+            request_id: RequestId::new("cmpl-1").unwrap(),
+            state: c,
+        };
+        let Some(Kind::RequestProgress(p)) = change.to_wire().kind else {
+            panic!("a RequestProgress");
+        };
+        assert!(p.unkeyed);
     }
 }

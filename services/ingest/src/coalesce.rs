@@ -308,6 +308,7 @@ mod tests {
                 prompt_tokens: 1,
                 generated_tokens: generated,
                 finished: false,
+                unkeyed: false,
             },
         }
     }

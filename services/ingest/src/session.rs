@@ -303,6 +303,7 @@ impl Session {
                 prompt_tokens: u.prompt_tokens,
                 generated_tokens: u.generated_tokens,
                 finished: u.finished,
+                unkeyed: u.unkeyed,
             };
             let merged = match self.requests.get(&u.request_id) {
                 Some(t) => t.state.merged(incoming),
@@ -356,6 +357,7 @@ impl Session {
                 prompt_tokens: u.prompt_tokens,
                 generated_tokens: u.generated_tokens,
                 finished: u.finished,
+                unkeyed: u.unkeyed,
             };
             let (changed, state) = match self.requests.get_mut(&u.request_id) {
                 Some(t) => {
@@ -430,6 +432,7 @@ mod tests {
                         prompt_tokens: *p,
                         generated_tokens: *g,
                         finished: *f,
+                        unkeyed: false,
                     })
                     .collect(),
             })),

@@ -63,6 +63,7 @@ fn report(seq: u64, full: bool, ups: &[(String, Cumulative)]) -> v1::WorkerRepor
                     prompt_tokens: c.prompt_tokens,
                     generated_tokens: c.generated_tokens,
                     finished: c.finished,
+                    unkeyed: false,
                 })
                 .collect(),
         })),

@@ -321,6 +321,7 @@ async fn floods_and_oversized_messages() {
             prompt_tokens: 1,
             generated_tokens: 1,
             finished: false,
+            unkeyed: false,
         })
         .collect();
     let m = v1::WorkerReport {

@@ -151,6 +151,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
                 .with_body_budget(args.max_buffered_body_bytes, args.body_timeout),
         }
         .with_health(health.clone())
+        .with_request_id_required(args.require_request_id)
         .with_pin(topology::Pin {
             rank: id,
             header: header.clone(),

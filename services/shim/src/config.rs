@@ -72,6 +72,11 @@ pub struct Args {
     /// 408 with a JSON error.
     #[arg(long, env = "BALANCEROUTE_BODY_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
     pub body_timeout: std::time::Duration,
+    /// Refuse a generation request without an `X-Request-Id` header (400 with a JSON error,
+    /// counted as `refused_total{reason="no_request_id"}`) instead of reporting it by the
+    /// engine's response id as an unkeyed request (the request-id rule, README "Request ids").
+    #[arg(long, env = "BALANCEROUTE_REQUIRE_REQUEST_ID", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub require_request_id: bool,
     #[command(flatten)]
     pub health: HealthArgs,
     #[command(flatten)]

@@ -10,7 +10,9 @@
 //!   out of the JSON text; nothing is re-serialised). Without usage it counts chunks.
 //! - Chunks are forwarded as they arrive; only a chunk that must be trimmed waits for the end
 //!   of its own SSE event.
-//! - The request id is the gateway's `X-Request-Id` header, else the response's `id`.
+//! - The request id is the gateway's `X-Request-Id` header, else the response's `id`, reported
+//!   `unkeyed` so σ matches it to the worker's oldest reservation (the request-id rule, see
+//!   `br_sigma::unkeyed`); `--require-request-id` refuses such requests instead.
 //! - A client that goes away, an engine error or a failed upstream call ends the request
 //!   (`finished = true`).
 //! - The engine's health ([`health`]): probes and the outcome of every proxied call decide
@@ -77,6 +79,8 @@ pub struct Shim {
     health: Arc<health::Health>,
     /// How the engine is told this shim's rank (when one server serves several).
     pin: topology::Pin,
+    /// `--require-request-id`: refuse generation requests without `X-Request-Id`.
+    require_request_id: bool,
 }
 
 impl std::fmt::Debug for Shim {
@@ -128,6 +132,7 @@ impl Shim {
             metrics,
             health: Arc::new(health::Health::always_up()),
             pin: topology::Pin::default(),
+            require_request_id: false,
         })
     }
 
@@ -191,6 +196,14 @@ impl Shim {
         let detail = health::error_chain(e);
         self.upstream_failed(health::UpstreamError::of(e), &detail);
         bad_gateway(format!("{what}: {detail}"))
+    }
+
+    /// Refuse generation requests without `X-Request-Id` (`--require-request-id`) instead of
+    /// reporting them unkeyed.
+    #[must_use]
+    pub fn with_request_id_required(mut self, required: bool) -> Self {
+        self.require_request_id = required;
+        self
     }
 
     /// The largest request body and the most requests at once (`--max-body-bytes`,
@@ -336,6 +349,9 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     if declared.is_some_and(|n| n > shim.max_body as u64) {
         return too_large(&shim);
     }
+    if tracked && let Some(refused) = require_request_id(&shim, req.headers()) {
+        return refused;
+    }
     let (parts, body) = req.into_parts();
     let mut headers = forward_headers(&parts.headers);
     shim.pin.apply_header(&mut headers);
@@ -460,6 +476,26 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     track.finish();
     out.body(Body::from(bytes))
         .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+}
+
+/// `--require-request-id`: a generation request without `X-Request-Id` cannot be matched to
+/// its reservation by id, so in strict mode it is refused (400) before anything is forwarded.
+fn require_request_id(shim: &Shim, headers: &HeaderMap) -> Option<Response> {
+    let has_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|s| !s.is_empty());
+    if !shim.require_request_id || has_id {
+        return None;
+    }
+    Some(refuse(
+        shim,
+        StatusCode::BAD_REQUEST,
+        "no_request_id",
+        "this shim runs with --require-request-id: send the id given to Decision.Assign in the \
+         X-Request-Id header"
+            .to_owned(),
+    ))
 }
 
 /// Reads a body to inspect within `--max-body-bytes` and `--body-timeout`, taking each byte
@@ -590,6 +626,8 @@ fn plan(raw: &Bytes, inject: bool) -> (Bytes, bool, Option<Strip>) {
 struct Track {
     shim: Arc<Shim>,
     id: Option<String>,
+    /// The id is the gateway's (`X-Request-Id`), not the engine's: reported keyed.
+    keyed: bool,
     prompt: u32,
     generated: u32,
     chunks: u32,
@@ -603,6 +641,7 @@ impl Track {
         shim.metrics.active.inc();
         let t = Track {
             shim,
+            keyed: id.is_some(),
             id,
             prompt: 0,
             generated: 0,
@@ -625,9 +664,12 @@ impl Track {
 
     fn report(&self) {
         if let Some(id) = &self.id {
-            self.shim
-                .sink
-                .progress(id, self.prompt, self.generated, self.finished);
+            let sink = &self.shim.sink;
+            if self.keyed {
+                sink.progress(id, self.prompt, self.generated, self.finished);
+            } else {
+                sink.progress_unkeyed(id, self.prompt, self.generated, self.finished);
+            }
             self.shim.metrics.reports.inc();
         }
     }

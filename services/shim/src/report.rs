@@ -10,6 +10,19 @@ pub trait ProgressSink: Send + Sync + 'static {
     /// `finished` is sticky.
     fn progress(&self, request_id: &str, prompt_tokens: u32, generated: u32, finished: bool);
 
+    /// [`progress`](Self::progress) of a request that came without `X-Request-Id`:
+    /// `request_id` is the engine's response id, reported `unkeyed` so σ matches it to a
+    /// reservation (the request-id rule). Sinks that cannot tell record it as keyed.
+    fn progress_unkeyed(
+        &self,
+        request_id: &str,
+        prompt_tokens: u32,
+        generated: u32,
+        finished: bool,
+    ) {
+        self.progress(request_id, prompt_tokens, generated, finished);
+    }
+
     /// Whether the telemetry stream to ingest is up (for the `ingest_connected` gauge).
     fn connected(&self) -> bool {
         true
@@ -111,6 +124,21 @@ impl ProgressSink for ReporterSink {
         if let Err(e) = self
             .0
             .progress(request_id, prompt_tokens, generated, finished)
+        {
+            tracing::debug!(request_id, error = %e, "progress not recorded");
+        }
+    }
+
+    fn progress_unkeyed(
+        &self,
+        request_id: &str,
+        prompt_tokens: u32,
+        generated: u32,
+        finished: bool,
+    ) {
+        if let Err(e) = self
+            .0
+            .progress_unkeyed(request_id, prompt_tokens, generated, finished)
         {
             tracing::debug!(request_id, error = %e, "progress not recorded");
         }

@@ -55,6 +55,7 @@ pub struct Metrics {
     carrier_lost: IntCounterVec,
     carrier_takeovers: IntCounterVec,
     carrier_grace_expired: IntCounterVec,
+    unkeyed: IntCounterVec,
     rejected: IntCounterVec,
     groups: IntGauge,
     groups_reclaimed: IntCounter,
@@ -141,6 +142,12 @@ impl Metrics {
                 "balanceroute_snapshot_reservations_expired_total",
                 "Reservations that saw no telemetry within the TTL",
                 &["group"],
+            )?,
+            unkeyed: counter(
+                &r,
+                "balanceroute_snapshot_unkeyed_requests_total",
+                "Requests reported without the gateway's id (the request-id rule), by outcome: matched (took the worker's oldest reservation), unmatched (no reservation: new load), handed_on (a taken reservation's own id showed up; the next oldest was released in its place)",
+                &["group", "outcome"],
             )?,
             workers_fenced: counter(
                 &r,
@@ -250,6 +257,9 @@ impl Metrics {
             orphaned: self.carrier_lost.with_label_values(&[group]),
             takeovers: self.carrier_takeovers.with_label_values(&[group]),
             orphans_expired: self.carrier_grace_expired.with_label_values(&[group]),
+            unkeyed_matched: self.unkeyed.with_label_values(&[group, "matched"]),
+            unkeyed_unmatched: self.unkeyed.with_label_values(&[group, "unmatched"]),
+            unkeyed_handed_on: self.unkeyed.with_label_values(&[group, "handed_on"]),
             worker_load: Vec::new(),
         }
     }
@@ -276,6 +286,10 @@ pub struct GroupMetrics {
     pub takeovers: IntCounter,
     /// `carrier_grace_expired_total`.
     pub orphans_expired: IntCounter,
+    /// `unkeyed_requests_total` by outcome.
+    pub unkeyed_matched: IntCounter,
+    pub unkeyed_unmatched: IntCounter,
+    pub unkeyed_handed_on: IntCounter,
     worker_load: Vec<Option<IntGauge>>,
 }
 
@@ -303,6 +317,9 @@ impl GroupMetrics {
         }
         let _ = f.reservations_expired.remove_label_values(&[g]);
         let _ = f.workers_fenced.remove_label_values(&[g]);
+        for o in ["matched", "unmatched", "handed_on"] {
+            let _ = f.unkeyed.remove_label_values(&[g, o]);
+        }
         for (id, w) in self.worker_load.iter().enumerate() {
             if w.is_some() {
                 let _ = f

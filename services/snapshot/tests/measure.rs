@@ -31,6 +31,7 @@ fn batch(seq: u64, step: u32) -> v1::ChangeBatch {
                     prompt_tokens: 100,
                     generated_tokens: step,
                     finished: false,
+                    unkeyed: false,
                 })),
             });
         }

@@ -342,6 +342,30 @@ impl ReporterHandle {
         generated_tokens: u32,
         finished: bool,
     ) -> Result<(), ReporterError> {
+        self.record(request_id, prompt_tokens, generated_tokens, finished, false)
+    }
+
+    /// [`progress`](Self::progress) of a request that arrived without the gateway's id:
+    /// `request_id` is the engine's, and it is reported `unkeyed` (σ then matches it to the
+    /// worker's oldest reservation; see the telemetry proto's `unkeyed`). Sticky.
+    pub fn progress_unkeyed(
+        &self,
+        request_id: &str,
+        prompt_tokens: u32,
+        generated_tokens: u32,
+        finished: bool,
+    ) -> Result<(), ReporterError> {
+        self.record(request_id, prompt_tokens, generated_tokens, finished, true)
+    }
+
+    fn record(
+        &self,
+        request_id: &str,
+        prompt_tokens: u32,
+        generated_tokens: u32,
+        finished: bool,
+        unkeyed: bool,
+    ) -> Result<(), ReporterError> {
         let shared = &self.inner.shared;
         if shared.closed.load(Ordering::Relaxed) {
             return Err(ReporterError::Closed);
@@ -349,7 +373,7 @@ impl ReporterHandle {
         check_tokens(request_id, prompt_tokens, generated_tokens)?;
         let mut st = shared.lock();
         if let Some(e) = st.requests.get_mut(request_id) {
-            let changed = e.merge(prompt_tokens, generated_tokens, finished);
+            let changed = e.merge(prompt_tokens, generated_tokens, finished, unkeyed);
             if changed && !e.dirty {
                 e.dirty = true;
                 let id = e.id.clone();
@@ -373,6 +397,7 @@ impl ReporterHandle {
                 prompt: prompt_tokens,
                 generated: generated_tokens,
                 finished,
+                unkeyed,
                 dirty: true,
                 finished_seq: 0,
             },
@@ -550,6 +575,8 @@ struct Entry {
     prompt: u32,
     generated: u32,
     finished: bool,
+    /// Reported without the gateway's id (sticky).
+    unkeyed: bool,
     /// Listed in `Pending::dirty`.
     dirty: bool,
     /// The seq of the last message that carried `finished = true` (0: none yet).
@@ -557,13 +584,14 @@ struct Entry {
 }
 
 impl Entry {
-    /// max() of the counts, sticky finished. Returns whether anything changed.
-    fn merge(&mut self, prompt: u32, generated: u32, finished: bool) -> bool {
-        let before = (self.prompt, self.generated, self.finished);
+    /// max() of the counts, sticky finished and unkeyed. Returns whether anything changed.
+    fn merge(&mut self, prompt: u32, generated: u32, finished: bool, unkeyed: bool) -> bool {
+        let before = (self.prompt, self.generated, self.finished, self.unkeyed);
         self.prompt = self.prompt.max(prompt);
         self.generated = self.generated.max(generated);
         self.finished |= finished;
-        before != (self.prompt, self.generated, self.finished)
+        self.unkeyed |= unkeyed;
+        before != (self.prompt, self.generated, self.finished, self.unkeyed)
     }
 
     fn to_wire(&self) -> v1::RequestProgress {
@@ -572,6 +600,7 @@ impl Entry {
             prompt_tokens: self.prompt,
             generated_tokens: self.generated,
             finished: self.finished,
+            unkeyed: self.unkeyed,
         }
     }
 }
@@ -1325,6 +1354,29 @@ mod tests {
     }
 
     #[test]
+    fn unkeyed_is_sticky_and_sent() {
+        let id = RequestId::new("cmpl-1").unwrap();
+        let mut e = Entry {
+            id,
+            prompt: 0,
+            generated: 1,
+            finished: false,
+            unkeyed: true,
+            dirty: false,
+            finished_seq: 0,
+        };
+        assert!(
+            !e.merge(0, 1, false, false),
+            "a later report cannot unset it"
+        );
+        assert!(e.to_wire().unkeyed);
+        assert!(e.merge(10, 2, true, false));
+        let wire = e.to_wire();
+        assert!(wire.unkeyed && wire.finished);
+        assert_eq!((wire.prompt_tokens, wire.generated_tokens), (10, 2));
+    }
+
+    #[test]
     fn pending_forgets_only_acked_finished_requests() {
         let mut p = Pending::default();
         for (id, fin) in [("a", true), ("b", false)] {
@@ -1336,6 +1388,7 @@ mod tests {
                     prompt: 1,
                     generated: 1,
                     finished: fin,
+                    unkeyed: false,
                     dirty: true,
                     finished_seq: 0,
                 },

@@ -68,6 +68,7 @@ impl Target {
             prompt_tokens: 10,
             generated_tokens: generated,
             finished,
+            unkeyed: false,
         };
         let reservation = |id: &str| v1::Reservation {
             request_id: id.into(),
@@ -157,6 +158,7 @@ impl Target {
                         prompt_tokens: 10,
                         generated_tokens: 3,
                         finished: false,
+                        unkeyed: false,
                     }),
                     Kind::WorkerDisconnected(WorkerDisconnected {
                         worker_id: 1,

@@ -335,6 +335,8 @@ pub struct ValidRequestProgress {
     /// Cumulative, 0..=10M.
     pub generated_tokens: u32,
     pub finished: bool,
+    /// `request_id` is the engine's id, not the gateway's (see the proto's `unkeyed`).
+    pub unkeyed: bool,
 }
 
 impl TryFrom<v1::RequestProgress> for ValidRequestProgress {
@@ -357,6 +359,7 @@ impl TryFrom<v1::RequestProgress> for ValidRequestProgress {
             prompt_tokens: m.prompt_tokens,
             generated_tokens: m.generated_tokens,
             finished: m.finished,
+            unkeyed: m.unkeyed,
         })
     }
 }
@@ -639,6 +642,7 @@ impl TryFrom<v1::TelemetryChange> for ValidTelemetryChange {
                     prompt_tokens: p.prompt_tokens,
                     generated_tokens: p.generated_tokens,
                     finished: p.finished,
+                    unkeyed: p.unkeyed,
                 })?;
                 Ok(ValidTelemetryChange::RequestProgress {
                     worker_id,
@@ -728,6 +732,7 @@ mod tests {
             prompt_tokens: 10,
             generated_tokens: gen_tokens,
             finished: false,
+            unkeyed: false,
         }
     }
 
@@ -1166,6 +1171,7 @@ mod tests {
             prompt_tokens: 0,
             generated_tokens: 3,
             finished: true,
+            unkeyed: false,
         };
         let v = ValidTelemetryChange::try_from(change(Kind::RequestProgress(p.clone()))).unwrap();
         assert!(matches!(

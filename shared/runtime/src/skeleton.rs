@@ -142,6 +142,8 @@ pub struct Running<P: Protocol, X = ()> {
     extra: X,
     /// Optional listeners beyond `--listen` and the admin port, by ready-file key.
     more: Vec<(&'static str, SocketAddr)>,
+    /// A second, HTTP/JSON listener of a gRPC service (br-decision's `--http-listen`).
+    http_json: Option<SocketAddr>,
     protocol: PhantomData<P>,
 }
 
@@ -167,6 +169,7 @@ impl<P: Protocol, X> Running<P, X> {
             task: tokio::spawn(serve),
             extra,
             more: Vec::new(),
+            http_json: None,
             protocol: PhantomData,
         }
     }
@@ -192,7 +195,7 @@ impl<P: Protocol, X> Running<P, X> {
     pub fn addrs(&self) -> BoundAddrs {
         let main = Some(self.listen);
         let (grpc, http) = match P::KEY {
-            "grpc" => (main, None),
+            "grpc" => (main, self.http_json),
             _ => (None, main),
         };
         BoundAddrs {
@@ -240,6 +243,20 @@ impl<X> Running<Grpc, X> {
     /// Where the gRPC service (with health and reflection) listens.
     pub fn grpc_addr(&self) -> SocketAddr {
         self.listen
+    }
+
+    /// Records the service's HTTP/JSON listener (served by the same task), so that
+    /// [`addrs`](Self::addrs) and `--ready-file` carry it as `"http"` beside `"grpc"`.
+    #[must_use]
+    pub fn with_http_json(mut self, addr: Option<SocketAddr>) -> Self {
+        self.http_json = addr;
+        self
+    }
+
+    /// Where the HTTP/JSON listener is, if the service has one (br-decision's
+    /// `--http-listen`).
+    pub fn http_json_addr(&self) -> Option<SocketAddr> {
+        self.http_json
     }
 }
 
@@ -337,8 +354,9 @@ impl Edge {
         })
     }
 
-    /// Counts the accept loop's failures (see [`br_trust::accept`]).
-    fn accept_hook(&self) -> Option<br_trust::accept::AcceptHook> {
+    /// Counts the accept loop's failures (see [`br_trust::accept`]); for every listener of
+    /// the service, so a second port is bounded and counted like `--listen`.
+    pub fn accept_hook(&self) -> Option<br_trust::accept::AcceptHook> {
         let c = self.accept_failures.clone()?;
         Some(Arc::new(move |reason| c.with_label_values(&[reason]).inc()))
     }
@@ -348,7 +366,11 @@ impl Edge {
         self.tls.as_ref()
     }
 
-    fn serving(&self) -> Option<crate::serve::TlsServing> {
+    /// What a TLS listener of this service enforces and counts (its material, the denial and
+    /// handshake-failure counters); `None` when serving plaintext. Every listener that takes
+    /// calls (gRPC, and br-decision's HTTP/JSON) uses the same, so a refusal is counted once
+    /// whichever port it came through.
+    pub fn serving(&self) -> Option<crate::serve::TlsServing> {
         let material = self.tls.clone()?;
         let denied = self.denied.clone();
         let failures = self.handshake_failures.clone();

@@ -25,18 +25,21 @@
 //! is not advanced in that case. A conforming server never sends such a delta.
 //!
 //! Modules: [`types`] (workers, requests, liveness, errors), the store ([`Sigma`]), [`Batch`]
-//! (the writer's side) and [`change`] (builders for the wire's changes).
+//! (the writer's side), [`change`] (builders for the wire's changes) and [`unkeyed`] (the
+//! writer's request-id rule for requests reported without the gateway's id).
 
 mod batch;
 pub mod change;
 mod size;
 mod store;
 mod types;
+pub mod unkeyed;
 
 pub use batch::Batch;
 pub use size::{DEFAULT_MAX_GROUP_REQUESTS, MAX_SNAPSHOT_MESSAGE_BYTES, max_snapshot_bytes};
 pub use store::Sigma;
 pub use types::{Delta, Liveness, Request, RequestBound, SigmaError, Worker};
+pub use unkeyed::{Adopted, Adoptions};
 
 use br_proto::valid::limits;
 

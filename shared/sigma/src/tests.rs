@@ -480,3 +480,292 @@ proptest! {
         }
     }
 }
+
+// ---- the request-id rule (unkeyed requests adopt reservations; see `unkeyed`) ----
+
+mod unkeyed_rule {
+    use super::*;
+    use crate::unkeyed::{Adopted, Adoptions};
+
+    const INC: u64 = 5;
+
+    /// What really happens to one request the gateway reserved.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Real {
+        /// Reserved; not sent yet.
+        Pending,
+        /// Running on the worker with this many tokens generated.
+        Arrived(u32),
+        /// Finished, or cancelled before it was sent.
+        Gone,
+    }
+
+    #[derive(Debug, Clone)]
+    struct Req {
+        n: usize,
+        prompt: u32,
+        /// Sent with the gateway's id (X-Request-Id), or without (reported by the engine's).
+        keyed: bool,
+        real: Real,
+    }
+
+    impl Req {
+        fn rid(&self) -> String {
+            format!("r{}", self.n)
+        }
+        /// The id the worker reports it by.
+        fn reported(&self) -> String {
+            if self.keyed {
+                self.rid()
+            } else {
+                format!("cmpl-{}", self.n)
+            }
+        }
+    }
+
+    /// σ's writer and a replica following its deltas, as the snapshot service does it.
+    struct Writer {
+        sigma: Sigma,
+        replica: Sigma,
+        adoptions: Adoptions,
+    }
+
+    impl Writer {
+        fn new() -> Writer {
+            let mut sigma = Sigma::with_epoch("g", 9);
+            commit(&mut sigma, vec![worker_up(0, INC, 4096, "")]);
+            let replica = Sigma::from_snapshot(&sigma.to_snapshot()).unwrap();
+            Writer {
+                sigma,
+                replica,
+                adoptions: Adoptions::default(),
+            }
+        }
+
+        fn run(&mut self, f: impl FnOnce(&mut Batch<'_>, &mut Adoptions)) {
+            let mut b = self.sigma.batch();
+            f(&mut b, &mut self.adoptions);
+            if let Some(d) = b.commit() {
+                self.replica.apply_delta(&d).unwrap();
+            }
+        }
+
+        /// A worker's report, as the snapshot service applies it (apply.rs `progress`).
+        fn report(
+            &mut self,
+            id: &str,
+            prompt: u32,
+            generated: u32,
+            unkeyed: bool,
+        ) -> Option<Adopted> {
+            let mut adopted = None;
+            self.run(|b, a| {
+                if b.sigma().request(id).is_none() {
+                    if unkeyed {
+                        adopted = Some(a.adopt(b, id, 0, INC).unwrap());
+                    } else {
+                        a.named(b, id).unwrap();
+                    }
+                }
+                let held = b
+                    .sigma()
+                    .request(id)
+                    .map(|r| (r.prompt_tokens, r.generated_tokens));
+                let (p, g) = match held {
+                    Some((hp, hg)) => (if prompt == 0 { hp } else { prompt }, hg.max(generated)),
+                    None => (prompt, generated),
+                };
+                b.apply(request_progress(id, 0, INC, p, g)).unwrap();
+            });
+            adopted
+        }
+
+        /// Cancel's Release, as the snapshot service applies it (reserve.rs `release`).
+        fn release(&mut self, id: &str) {
+            self.run(|b, a| {
+                let reserved = b
+                    .sigma()
+                    .request(id)
+                    .is_some_and(|r| r.phase == Phase::Queued);
+                if reserved {
+                    b.apply(request_released(id)).unwrap();
+                } else {
+                    a.named(b, id).unwrap();
+                }
+            });
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Reserve { prompt: u32, keyed: bool },
+        Arrive(usize),
+        Step(usize, u32),
+        Finish(usize),
+        Cancel(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (1u32..2000, any::<bool>()).prop_map(|(prompt, keyed)| Op::Reserve { prompt, keyed }),
+            3 => any::<usize>().prop_map(Op::Arrive),
+            2 => (any::<usize>(), 1u32..40).prop_map(|(i, t)| Op::Step(i, t)),
+            2 => any::<usize>().prop_map(Op::Finish),
+            1 => any::<usize>().prop_map(Op::Cancel),
+        ]
+    }
+
+    fn pick(reqs: &[Req], i: usize, want: impl Fn(Real) -> bool) -> Option<usize> {
+        let idx: Vec<usize> = (0..reqs.len()).filter(|&k| want(reqs[k].real)).collect();
+        (!idx.is_empty()).then(|| idx[i % idx.len()])
+    }
+
+    /// The independent answer: every request that exists (reserved and not sent, or running)
+    /// is in σ once; each running one under the id it is reported by, with its own tokens.
+    fn check(w: &Writer, reqs: &[Req]) {
+        let live: Vec<&Req> = reqs.iter().filter(|r| r.real != Real::Gone).collect();
+        let in_sigma = w.sigma.cluster().worker(0).unwrap().requests() as usize;
+        assert_eq!(
+            in_sigma,
+            live.len(),
+            "σ counts {in_sigma} requests, {} exist",
+            live.len()
+        );
+        assert_eq!(w.sigma.request_count(), live.len());
+        let pending = live.iter().filter(|r| r.real == Real::Pending).count();
+        let reserved = w
+            .sigma
+            .requests()
+            .filter(|r| r.phase == Phase::Queued)
+            .count();
+        assert_eq!(
+            reserved, pending,
+            "one reservation per request not sent yet"
+        );
+        for r in live {
+            if let Real::Arrived(g) = r.real {
+                let held = w
+                    .sigma
+                    .request(&r.reported())
+                    .expect("a running request is in σ");
+                assert_eq!((held.prompt_tokens, held.generated_tokens), (r.prompt, g));
+                assert_eq!(held.phase, Phase::Running);
+            }
+        }
+        assert_eq!(
+            w.replica.to_snapshot(),
+            w.sigma.to_snapshot(),
+            "the replica follows"
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Keyed and unkeyed requests mixed on one worker, arriving in any order, cancelled
+        /// or finished at any time: no request's load is ever counted twice (nor dropped).
+        #[test]
+        fn load_is_never_counted_twice(ops in proptest::collection::vec(op(), 1..80)) {
+            let mut w = Writer::new();
+            let mut reqs: Vec<Req> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Reserve { prompt, keyed } => {
+                        let r = Req { n: reqs.len(), prompt, keyed, real: Real::Pending };
+                        w.run(|b, _| {
+                            b.apply(request_reserved(&r.rid(), 0, INC, prompt, None, None)).unwrap();
+                        });
+                        reqs.push(r);
+                    }
+                    Op::Arrive(i) => {
+                        let Some(k) = pick(&reqs, i, |s| s == Real::Pending) else { continue };
+                        reqs[k].real = Real::Arrived(0);
+                        let r = reqs[k].clone();
+                        w.report(&r.reported(), r.prompt, 0, !r.keyed);
+                    }
+                    Op::Step(i, t) => {
+                        let Some(k) = pick(&reqs, i, |s| matches!(s, Real::Arrived(_))) else { continue };
+                        let Real::Arrived(g) = reqs[k].real else { continue };
+                        reqs[k].real = Real::Arrived(g + t);
+                        let r = reqs[k].clone();
+                        // the engine reports the prompt again (or 0: unknown; σ keeps it)
+                        let prompt = if t % 2 == 0 { r.prompt } else { 0 };
+                        w.report(&r.reported(), prompt, g + t, !r.keyed);
+                    }
+                    Op::Finish(i) => {
+                        let Some(k) = pick(&reqs, i, |s| matches!(s, Real::Arrived(_))) else { continue };
+                        let Real::Arrived(g) = reqs[k].real else { continue };
+                        reqs[k].real = Real::Gone;
+                        let id = reqs[k].reported();
+                        w.run(|b, _| {
+                            b.apply(request_finished(&id, g)).unwrap();
+                        });
+                    }
+                    Op::Cancel(i) => {
+                        let Some(k) = pick(&reqs, i, |s| s == Real::Pending) else { continue };
+                        reqs[k].real = Real::Gone;
+                        w.release(&reqs[k].rid());
+                    }
+                }
+                check(&w, &reqs);
+            }
+        }
+    }
+
+    #[test]
+    fn an_unkeyed_request_takes_the_oldest_reservation_and_its_fields() {
+        let mut w = Writer::new();
+        w.run(|b, _| {
+            b.apply(request_reserved("old", 0, INC, 300, Some(77), Some(64)))
+                .unwrap();
+            b.apply(request_reserved("new", 0, INC, 500, None, None))
+                .unwrap();
+        });
+        // prompt 0: the engine does not know it yet; σ keeps the reservation's
+        let got = w.report("cmpl-1", 0, 3, true).unwrap();
+        let Adopted::Matched(taken) = got else {
+            panic!("{got:?}")
+        };
+        assert_eq!(taken.id.as_str(), "old");
+        assert!(w.sigma.request("old").is_none());
+        let r = w.sigma.request("cmpl-1").unwrap();
+        assert_eq!(
+            (r.prompt_tokens, r.generated_tokens, r.phase),
+            (300, 3, Phase::Running)
+        );
+        assert_eq!(
+            (r.prompt_hash, r.max_tokens),
+            (Some(77), Some(64)),
+            "the reservation's fields"
+        );
+        assert_eq!(load(&w.sigma, 0), 303 + 500, "counted once");
+        // no reservation left: new load
+        w.run(|b, _| {
+            b.apply(request_released("new")).unwrap();
+        });
+        assert_eq!(w.report("cmpl-2", 10, 1, true), Some(Adopted::Unmatched));
+        assert_eq!(load(&w.sigma, 0), 303 + 11);
+        // a keyed report of the taken id hands its place on (nothing left to hand: new load)
+        w.report("old", 300, 1, false);
+        assert_eq!(w.sigma.request_count(), 3);
+        assert_eq!(w.replica.to_snapshot(), w.sigma.to_snapshot());
+    }
+
+    #[test]
+    fn the_memory_of_taken_reservations_is_bounded() {
+        let mut w = Writer::new();
+        w.adoptions = Adoptions::new(4);
+        for n in 0..50 {
+            let (rid, uid) = (format!("r{n}"), format!("u{n}"));
+            w.run(|b, _| {
+                b.apply(request_reserved(&rid, 0, INC, 10, None, None))
+                    .unwrap();
+            });
+            w.report(&uid, 10, 1, true);
+            w.run(|b, _| {
+                b.apply(request_finished(&uid, 1)).unwrap();
+            });
+            assert!(w.adoptions.len() <= 4);
+        }
+    }
+}

@@ -91,5 +91,6 @@ pub fn progress(w: u32, inc: u64, id: &str, p: u32, g: u32) -> v1::TelemetryChan
         prompt_tokens: p,
         generated_tokens: g,
         finished: false,
+        unkeyed: false,
     }))
 }

@@ -388,6 +388,7 @@ async fn telemetry(
                     prompt_tokens: a.prompt,
                     generated_tokens: a.generated.max(1),
                     finished: true,
+                    unkeyed: false,
                 }));
             }
         }
@@ -404,6 +405,7 @@ async fn telemetry(
                 prompt_tokens: a.prompt,
                 generated_tokens: a.generated,
                 finished: false,
+                unkeyed: false,
             }));
         }
         if !changes.is_empty() && tx.send(send(changes)).await.is_err() {

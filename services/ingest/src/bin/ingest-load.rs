@@ -505,6 +505,7 @@ async fn stream(
                 prompt_tokens: 1,
                 generated_tokens: u32::try_from(seq).unwrap_or(u32::MAX),
                 finished: false,
+                unkeyed: false,
             });
             if let Some(m) = probes.get(worker as usize)
                 && let Ok(mut m) = m.lock()
@@ -521,6 +522,7 @@ async fn stream(
                 prompt_tokens: 1000,
                 generated_tokens: generated[i],
                 finished: false,
+                unkeyed: false,
             });
         }
         let msg = v1::WorkerReport {

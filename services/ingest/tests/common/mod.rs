@@ -162,6 +162,7 @@ pub fn progress(seq: u64, full: bool, ups: &[(&str, u32, u32, bool)]) -> v1::Wor
                     prompt_tokens: *p,
                     generated_tokens: *g,
                     finished: *f,
+                    unkeyed: false,
                 })
                 .collect(),
         })),

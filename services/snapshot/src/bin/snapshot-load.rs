@@ -180,6 +180,7 @@ async fn mover(mut client: SnapshotClient<Channel>, every: Duration, stop: Durat
                         prompt_tokens: 100,
                         generated_tokens: step,
                         finished: false,
+                        unkeyed: false,
                     })),
                 })
             })

@@ -22,7 +22,7 @@ use std::time::Duration;
 use br_core::{Phase, WorkerId};
 use br_proto::v1;
 use br_proto::valid::{RequestId, ValidRequestProgress, ValidTelemetryChange as V};
-use br_sigma::{Batch, Liveness, MAX_WORKER_ID, Sigma, change};
+use br_sigma::{Adopted, Adoptions, Batch, Liveness, MAX_WORKER_ID, Sigma, change};
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::time::Instant;
 
@@ -73,13 +73,15 @@ impl Presence {
     }
 
     /// Applies one validated change into `b`. `seen` holds the requests this batch already
-    /// reported (a request named twice in one batch is a DUPLICATE).
+    /// reported (a request named twice in one batch is a DUPLICATE); `ids` is the request-id
+    /// rule's memory (see `br_sigma::unkeyed`).
     pub(super) fn apply(
         &mut self,
         b: &mut Batch<'_>,
         change: V,
         at: &Arrival<'_>,
         seen: &mut FxHashSet<RequestId>,
+        ids: &mut IdRule<'_>,
     ) -> Result<(), Reject> {
         match change {
             V::WorkerHello {
@@ -97,7 +99,7 @@ impl Presence {
                 worker_id,
                 incarnation,
                 progress: p,
-            } => progress(b, worker_id, incarnation, &p, seen),
+            } => progress(b, worker_id, incarnation, &p, seen, ids),
             V::WorkerSync {
                 worker_id,
                 incarnation,
@@ -283,12 +285,27 @@ impl Presence {
     }
 }
 
+/// The request-id rule's memory and what it did in one batch (for the metrics).
+pub(super) struct IdRule<'a> {
+    pub adoptions: &'a mut Adoptions,
+    pub counts: UnkeyedCounts,
+}
+
+/// Outcomes of the request-id rule (`balanceroute_snapshot_unkeyed_requests_total`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct UnkeyedCounts {
+    pub matched: u64,
+    pub unmatched: u64,
+    pub handed_on: u64,
+}
+
 fn progress(
     b: &mut Batch<'_>,
     worker_id: WorkerId,
     incarnation: u64,
     p: &ValidRequestProgress,
     seen: &mut FxHashSet<RequestId>,
+    ids: &mut IdRule<'_>,
 ) -> Result<(), Reject> {
     if current_worker(b, worker_id, incarnation)? == Liveness::Fenced {
         return Err(Reject::new(
@@ -303,6 +320,23 @@ fn progress(
             v1::RejectReason::Duplicate,
             format!("request {id:?} appears twice in the batch"),
         ));
+    }
+    // The request-id rule (br_sigma::unkeyed): the first report of a request σ does not
+    // hold takes over a reservation if it came without the gateway's id, or hands a taken
+    // reservation's place on if it is one; a finished one only leaves.
+    let mut adopted_prompt = None;
+    if b.sigma().request(id).is_none() && !p.finished {
+        if p.unkeyed {
+            match ids.adoptions.adopt(b, id, worker_id, incarnation)? {
+                Adopted::Matched(r) => {
+                    ids.counts.matched += 1;
+                    adopted_prompt = Some(r.prompt_tokens);
+                }
+                Adopted::Unmatched => ids.counts.unmatched += 1,
+            }
+        } else if ids.adoptions.named(b, id)?.is_some() {
+            ids.counts.handed_on += 1;
+        }
     }
     let held = b
         .sigma()
@@ -326,6 +360,9 @@ fn progress(
             },
             generated.max(p.generated_tokens),
         ),
+        // (a SUSPECT worker's adoption releases the reservation without reserving: its prompt
+        // stands in while the engine has not said)
+        None if p.prompt_tokens == 0 => (adopted_prompt.unwrap_or(0), p.generated_tokens),
         None => (p.prompt_tokens, p.generated_tokens),
     };
     b.apply(change::request_progress(

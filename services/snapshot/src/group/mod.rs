@@ -198,6 +198,8 @@ pub struct Group {
     settings: Arc<Settings>,
     presence: Presence,
     reservations: Reservations,
+    /// The request-id rule's memory of reservations unkeyed requests took.
+    adoptions: br_sigma::Adoptions,
     watchers: Watchers,
     metrics: GroupMetrics,
     /// Since when the group has been idle (see [`Group::is_idle`]); None while it is not.
@@ -242,6 +244,7 @@ impl Group {
             sigma,
             presence: Presence::default(),
             reservations: Reservations::new(settings.reservation_ttl),
+            adoptions: br_sigma::Adoptions::default(),
             watchers: Watchers::new(&settings, now),
             settings,
             metrics: metrics.group(name),
@@ -327,16 +330,24 @@ impl Group {
         };
         let mut rejected = Vec::new();
         let mut seen: FxHashSet<RequestId> = FxHashSet::default();
+        let mut ids = apply::IdRule {
+            adoptions: &mut self.adoptions,
+            counts: apply::UnkeyedCounts::default(),
+        };
         let mut b = self.sigma.batch();
         for (index, c) in changes {
-            if let Err(r) = self.presence.apply(&mut b, c, &at, &mut seen) {
+            if let Err(r) = self.presence.apply(&mut b, c, &at, &mut seen, &mut ids) {
                 self.metrics.family().reject(r.label());
                 rejected.push((index, r));
             }
         }
+        let counts = ids.counts;
         if let Some(d) = b.commit() {
             self.publish(d, now);
         }
+        self.metrics.unkeyed_matched.inc_by(counts.matched);
+        self.metrics.unkeyed_unmatched.inc_by(counts.unmatched);
+        self.metrics.unkeyed_handed_on.inc_by(counts.handed_on);
         self.count_carriers();
         Applied {
             epoch: self.sigma.epoch(),
@@ -383,10 +394,11 @@ impl Group {
     /// Releases RESERVED requests (others are ignored) as one version.
     pub fn release(&mut self, ids: &[RequestId], now: Instant) -> Released {
         let mut b = self.sigma.batch();
-        let released = reserve::release(&mut b, ids);
+        let (released, handed_on) = reserve::release(&mut b, ids, &mut self.adoptions);
         if let Some(d) = b.commit() {
             self.publish(d, now);
         }
+        self.metrics.unkeyed_handed_on.inc_by(handed_on);
         Released {
             version: self.sigma.version(),
             released,

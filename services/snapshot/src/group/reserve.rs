@@ -11,7 +11,7 @@ use std::time::Duration;
 use br_core::{Phase, RequestKey};
 use br_proto::v1;
 use br_proto::valid::{RequestId, ValidReservation};
-use br_sigma::{Batch, Liveness, MAX_WORKER_ID, change};
+use br_sigma::{Adoptions, Batch, Liveness, MAX_WORKER_ID, change};
 use tokio::time::Instant;
 
 use super::{Reject, current_worker};
@@ -79,19 +79,35 @@ impl Reservations {
     }
 }
 
-/// Releases RESERVED requests (others are ignored); returns how many.
-pub(super) fn release(b: &mut Batch<'_>, ids: &[RequestId]) -> u32 {
+/// Releases RESERVED requests (others are ignored); returns how many, and how many of them
+/// were handed on by the request-id rule: a reservation an unkeyed request took (so σ no
+/// longer holds it) releases the oldest reservation left on its worker in its place (see
+/// `br_sigma::unkeyed`).
+pub(super) fn release(
+    b: &mut Batch<'_>,
+    ids: &[RequestId],
+    adoptions: &mut Adoptions,
+) -> (u32, u64) {
     let mut released = 0;
+    let mut handed_on = 0;
     for id in ids {
-        let reserved = b
-            .sigma()
-            .request(id.as_str())
-            .is_some_and(|r| r.phase == Phase::Queued);
-        if reserved && b.apply(change::request_released(id.as_str())).is_ok() {
-            released += 1;
+        let held = b.sigma().request(id.as_str()).map(|r| r.phase);
+        match held {
+            Some(Phase::Queued) => {
+                if b.apply(change::request_released(id.as_str())).is_ok() {
+                    released += 1;
+                }
+            }
+            Some(Phase::Running) => {}
+            None => {
+                if let Ok(Some(_)) = adoptions.named(b, id.as_str()) {
+                    released += 1;
+                    handed_on += 1;
+                }
+            }
         }
     }
-    released
+    (released, handed_on)
 }
 
 /// One reservation: Ok(true) if it entered σ, Ok(false) for an idempotent repeat.

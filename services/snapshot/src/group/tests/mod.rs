@@ -74,6 +74,7 @@ fn prog(w: u32, inc: u64, id: &str, p: u32, g: u32, fin: bool) -> v1::TelemetryC
         prompt_tokens: p,
         generated_tokens: g,
         finished: fin,
+        unkeyed: false,
     }))
 }
 

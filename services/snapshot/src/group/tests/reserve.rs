@@ -74,3 +74,65 @@ fn reservations_count_at_once_expire_after_the_ttl_unless_reported() {
     assert_eq!(released.released, 1);
     assert!(g.sigma().request("b").is_some());
 }
+
+/// The request-id rule through the group (br_sigma::unkeyed): an unkeyed report takes the
+/// oldest reservation; a Release of the taken id (the gateway's Cancel) hands its place on to
+/// the next oldest; a keyed report of a taken id does the same. Each request counted once.
+#[test]
+fn unkeyed_reports_take_reservations_and_taken_ids_hand_them_on() {
+    let (mut g, now) = group();
+    let unkeyed = |id: &str, p: u32, generated: u32| {
+        let mut c = prog(0, 10, id, p, generated, false);
+        if let Some(tc::Kind::RequestProgress(rp)) = c.kind.as_mut() {
+            rp.unkeyed = true;
+        }
+        c
+    };
+    g.apply_msgs(1, vec![hello(0, 10, 8)], S1, now, 0);
+    let (acc, _) = g.reserve_msgs(
+        vec![
+            res("r1", 0, 10, 100),
+            res("r2", 0, 10, 200),
+            res("r3", 0, 10, 300),
+        ],
+        now,
+    );
+    assert_eq!(acc.len(), 3);
+    assert_eq!(load(&g, 0), 600);
+    // cmpl-a (really r3's, say) takes r1, the oldest: its prompt (0 = not known yet) is r1's
+    let ack = g.apply_msgs(2, vec![unkeyed("cmpl-a", 0, 2)], S1, now, 0);
+    assert!(ack.rejected.is_empty(), "{ack:?}");
+    assert!(g.sigma().request("r1").is_none());
+    let a = g.sigma().request("cmpl-a").unwrap();
+    assert_eq!(
+        (a.prompt_tokens, a.generated_tokens, a.phase),
+        (100, 2, Phase::Running)
+    );
+    assert_eq!(
+        a.prompt_hash,
+        Some(1),
+        "the reservation's hash goes with it"
+    );
+    assert_eq!(load(&g, 0), 102 + 200 + 300, "counted once");
+    // the gateway cancels r1: its place was taken, so r2 (the oldest left) is released
+    let released = g.release(&[RequestId::new("r1").unwrap()], now);
+    assert_eq!(released.released, 1);
+    assert!(g.sigma().request("r2").is_none());
+    assert_eq!(load(&g, 0), 102 + 300);
+    // r2 shows up keyed after all: r3 (the last reservation) makes room for it
+    g.apply_msgs(3, vec![prog(0, 10, "r2", 200, 1, false)], S1, now, 0);
+    assert!(g.sigma().request("r3").is_none());
+    assert_eq!(load(&g, 0), 102 + 201);
+    // no reservation left: an unkeyed request is new load
+    g.apply_msgs(4, vec![unkeyed("cmpl-b", 50, 1)], S1, now, 0);
+    assert_eq!(load(&g, 0), 102 + 201 + 51);
+    let m = &g.metrics;
+    assert_eq!(
+        (
+            m.unkeyed_matched.get(),
+            m.unkeyed_unmatched.get(),
+            m.unkeyed_handed_on.get()
+        ),
+        (1, 1, 2)
+    );
+}
