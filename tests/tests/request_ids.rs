@@ -184,6 +184,10 @@ async fn a_request_without_x_request_id_is_counted_once() {
         &[
             "--upstream",
             &engine.url(),
+            // this engine answers any request with a stream and numbers the ids it gives by
+            // connection: probes would take ids (and never end); health is not tested here
+            "--engine-probe-interval",
+            "0s",
             "--ingest-addr",
             &ingest.grpc_url(),
             "--group",
@@ -277,6 +281,10 @@ async fn a_strict_shim_refuses_a_request_without_x_request_id() {
         &[
             "--upstream",
             &engine.url(),
+            // this engine answers any request with a stream and numbers the ids it gives by
+            // connection: probes would take ids (and never end); health is not tested here
+            "--engine-probe-interval",
+            "0s",
             "--ingest-addr",
             "",
             "--require-request-id",
