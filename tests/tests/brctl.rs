@@ -165,6 +165,42 @@ async fn cordon_drain_and_uncordon_a_rank_with_brctl() {
     let table = brctl(&snapshot, &["status", GROUP]).await.stdout;
     assert!(table.contains("live,cordoned"), "{table}");
 
+    // the decision replicas beside σ: policy, readiness, pool; an unreachable one says why
+    let admins = format!(
+        "{},http://127.0.0.1:1",
+        decision.admin_url("").trim_end_matches('/')
+    );
+    let out = brctl(
+        &snapshot,
+        &[
+            "status",
+            GROUP,
+            "--decision-admin",
+            &admins,
+            "--output",
+            "json",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let s: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let d = &s["decision"];
+    assert_eq!(
+        (d[0]["policy"].as_str(), d[0]["ready"].as_bool()),
+        (Some("jsq"), Some(true)),
+        "{s}"
+    );
+    assert_eq!(d[0]["pool"], 0, "{s}");
+    assert!(d[0]["sigma_version"].as_u64().unwrap() > 0, "{s}");
+    assert!(d[1]["error"].as_str().is_some_and(|e| !e.is_empty()), "{s}");
+    let table = brctl(&snapshot, &["status", GROUP, "--decision-admin", &admins])
+        .await
+        .stdout;
+    assert!(
+        table.contains("jsq") && table.contains("unreadable"),
+        "{table}"
+    );
+
     // new work avoids it, though it is not the least loaded once others fill up
     let version = sigma(&snapshot).await.version;
     eventually(START, "decision sees the cordon", || async {
