@@ -12,9 +12,11 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use br_client::assign::{AssignClient, AssignParams};
+use br_e2e::pki::Pki;
 use br_e2e::{FakeWorker, Service, binaries};
 use br_proto::v1;
 use br_testkit::eventually;
+use br_trust::Role;
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 
 const GROUP: &str = "ops";
@@ -29,9 +31,15 @@ struct Out {
 }
 
 async fn brctl(snapshot: &Service, args: &[&str]) -> Out {
+    brctl_at(&snapshot.grpc_url(), &[], args).await
+}
+
+/// brctl against `snapshot_addr`, with `flags` (TLS) before the command's `args`.
+async fn brctl_at(snapshot_addr: &str, flags: &[String], args: &[&str]) -> Out {
     let child = tokio::process::Command::new(binaries().join("brctl"))
         .arg("--snapshot-addr")
-        .arg(snapshot.grpc_url())
+        .arg(snapshot_addr)
+        .args(flags)
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -164,6 +172,42 @@ async fn cordon_drain_and_uncordon_a_rank_with_brctl() {
     assert_eq!(w["running"], 1, "its request goes on: {s}");
     let table = brctl(&snapshot, &["status", GROUP]).await.stdout;
     assert!(table.contains("live,cordoned"), "{table}");
+
+    // the decision replicas beside σ: policy, readiness, pool; an unreachable one says why
+    let admins = format!(
+        "{},http://127.0.0.1:1",
+        decision.admin_url("").trim_end_matches('/')
+    );
+    let out = brctl(
+        &snapshot,
+        &[
+            "status",
+            GROUP,
+            "--decision-admin",
+            &admins,
+            "--output",
+            "json",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let s: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let d = &s["decision"];
+    assert_eq!(
+        (d[0]["policy"].as_str(), d[0]["ready"].as_bool()),
+        (Some("jsq"), Some(true)),
+        "{s}"
+    );
+    assert_eq!(d[0]["pool"], 0, "{s}");
+    assert!(d[0]["sigma_version"].as_u64().unwrap() > 0, "{s}");
+    assert!(d[1]["error"].as_str().is_some_and(|e| !e.is_empty()), "{s}");
+    let table = brctl(&snapshot, &["status", GROUP, "--decision-admin", &admins])
+        .await
+        .stdout;
+    assert!(
+        table.contains("jsq") && table.contains("unreadable"),
+        "{table}"
+    );
 
     // new work avoids it, though it is not the least loaded once others fill up
     let version = sigma(&snapshot).await.version;
@@ -333,4 +377,67 @@ async fn cordon_drain_and_uncordon_a_rank_with_brctl() {
         err.contains("Unavailable") && err.contains("--snapshot-addr"),
         "{err}"
     );
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mutual_tls_brctl_needs_the_admin_role() {
+    let pki = Pki::new();
+    // started: the ready file names the bound ports (the admin ports need a client
+    // certificate, so the plaintext readiness wait does not apply)
+    let snapshot = Service::start("br-snapshot", &strs(&pki.flags(Role::Snapshot)));
+    let snap = snapshot.grpc_url();
+    let mut decision_flags = pki.flags(Role::Decision);
+    decision_flags.extend(
+        [
+            "--snapshot-addr",
+            &snap,
+            "--policy",
+            "br0",
+            "--groups",
+            GROUP,
+        ]
+        .map(String::from),
+    );
+    let decision = Service::start("br-decision", &strs(&decision_flags));
+
+    // the admin certificate reads σ and the decision replica's admin port
+    let admin = pki.flags(Role::Admin);
+    let https_admin = format!("https://127.0.0.1:{}", decision.admin_port);
+    let out = brctl_at(
+        &snap,
+        &admin,
+        &[
+            "status",
+            GROUP,
+            "--decision-admin",
+            &https_admin,
+            "--output",
+            "json",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let s: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(s["decision"][0]["policy"], "br0", "{s}");
+    assert!(s["decision"][0]["error"].is_null(), "{s}");
+
+    // a gateway's certificate may not list groups or cordon
+    let gateway = pki.flags(Role::Gateway);
+    let out = brctl_at(&snap, &gateway, &["status"]).await;
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr.contains("PermissionDenied") && out.stderr.contains("role admin"),
+        "{}",
+        out.stderr
+    );
+    let out = brctl_at(&snap, &gateway, &["cordon", GROUP, "0"]).await;
+    assert_eq!(out.code, 1);
+    assert!(out.stderr.contains("PermissionDenied"), "{}", out.stderr);
+    // no certificate: the server refuses the handshake
+    let out = brctl_at(&snap, &[], &["status"]).await;
+    assert_eq!(out.code, 1, "{}", out.stdout);
 }

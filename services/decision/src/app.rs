@@ -77,6 +77,10 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let mut groups = Vec::with_capacity(n_groups);
     for group in &cfg.groups {
         metrics.init_group(group.as_str());
+        metrics
+            .policy_info
+            .with_label_values(&[group.as_str(), cfg.policy.kind.name()])
+            .set(1);
         let policy =
             build_policy(&cfg.policy).map_err(|e| StartError::Config(format!("--policy: {e}")))?;
         let gm = metrics.group(group.as_str());

@@ -53,6 +53,9 @@ pub struct Metrics {
     pub recommits_total: IntCounterVec,
     /// Workers kept in the view from before a snapshot-service restart (not back in σ yet).
     pub workers_awaited: IntGaugeVec,
+    /// 1 per served group, labelled with the routing policy (`--policy`): what `brctl status`
+    /// and dashboards show beside the pool.
+    pub policy_info: IntGaugeVec,
     /// ext_proc streams (one per HTTP request) by how they ended: `answered`, `released`,
     /// `refused`, `abandoned` (see `ext_proc`).
     pub ext_proc_streams_total: IntCounterVec,
@@ -240,6 +243,16 @@ impl Metrics {
                         "Workers kept in the view from before a snapshot-service restart, not back in the new σ yet",
                     ),
                     &["group"],
+                )?,
+            ),
+            policy_info: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_policy_info",
+                        "1 per served group, labelled with the routing policy (--policy)",
+                    ),
+                    &["group", "policy"],
                 )?,
             ),
             ext_proc_streams_total: reg(

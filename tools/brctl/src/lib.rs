@@ -50,6 +50,15 @@ pub struct Cli {
         global = true
     )]
     pub snapshot_addr: String,
+    /// Admin URLs (`http://host:9063`, `https://…` under mutual TLS) of decision replicas whose
+    /// policy, pool, σ version and readiness `status GROUP` shows (from their `/metrics`).
+    #[arg(
+        long,
+        env = "BALANCEROUTE_DECISION_ADMIN",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub decision_admin: Vec<String>,
     /// Deadline of each call.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration, global = true)]
     pub call_timeout: Duration,
@@ -217,9 +226,20 @@ pub async fn run(cli: Cli, out: &mut (dyn std::io::Write + Send)) -> anyhow::Res
         }
         Command::Status { group: Some(g) } => {
             let view = model::group_view(&ctl.snapshot(&g).await?);
+            let decision =
+                decision_rows(&cli.decision_admin, tls.as_ref(), cli.call_timeout, &g).await;
             match output {
-                Output::Json => writeln!(out, "{}", json(&view)?)?,
-                Output::Table => writeln!(out, "{}", render::group_table(&view))?,
+                Output::Json => {
+                    let mut v = serde_json::to_value(&view)?;
+                    v["decision"] = serde_json::to_value(&decision)?;
+                    writeln!(out, "{}", json(&v)?)?
+                }
+                Output::Table => {
+                    writeln!(out, "{}", render::group_table(&view))?;
+                    if !decision.is_empty() {
+                        writeln!(out, "{}", render::decision_table(&decision))?;
+                    }
+                }
             }
         }
         Command::Requests { group, worker } => {
@@ -250,6 +270,100 @@ pub async fn run(cli: Cli, out: &mut (dyn std::io::Write + Send)) -> anyhow::Res
         } => return drain(&ctl, &group, worker, timeout, poll, output, out).await,
     }
     Ok(0)
+}
+
+/// Reads each decision replica's `/metrics` (concurrently); one row each, with the error when
+/// it could not be read.
+async fn decision_rows(
+    admins: &[String],
+    tls: Option<&Arc<TlsMaterial>>,
+    timeout: Duration,
+    group: &str,
+) -> Vec<model::DecisionRow> {
+    if admins.is_empty() {
+        return Vec::new();
+    }
+    let reads = admins.iter().map(|admin| async move {
+        let url = format!("{}/metrics", admin.trim_end_matches('/'));
+        match tokio::time::timeout(timeout, admin_get(&url, tls)).await {
+            Ok(Ok(text)) => model::decision_row(admin, &text, group),
+            Ok(Err(e)) => unreadable(admin, format!("{e:#}")),
+            Err(_) => unreadable(admin, format!("no answer within {timeout:?}")),
+        }
+    });
+    futures::future::join_all(reads).await
+}
+
+fn unreadable(admin: &str, error: String) -> model::DecisionRow {
+    model::DecisionRow {
+        admin: admin.to_owned(),
+        policy: None,
+        ready: None,
+        pool: None,
+        sigma_version: None,
+        stale: None,
+        error: Some(error),
+    }
+}
+
+/// `GET url` on an admin port over HTTP/1.1: plaintext for `http://`, mutual TLS with brctl's
+/// certificate for `https://` (the admin port of a TLS deployment requires one; the server
+/// must present the decision role). The body of a 2xx answer.
+async fn admin_get(url: &str, tls: Option<&Arc<TlsMaterial>>) -> anyhow::Result<String> {
+    use http_body_util::BodyExt as _;
+    use hyper_util::rt::TokioIo;
+
+    let uri: http::Uri = url
+        .parse()
+        .with_context(|| format!("{url:?} is not a URL"))?;
+    let host = uri.host().context("no host")?.to_owned();
+    let https = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => bail!("{url}: the scheme must be http or https"),
+    };
+    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
+        .await
+        .with_context(|| format!("connecting to {host}:{port}"))?;
+    let req = http::Request::get(uri.path_and_query().map_or("/", |p| p.as_str()))
+        .header(http::header::HOST, format!("{host}:{port}"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())?;
+    let resp = if https {
+        let material =
+            tls.context("an https:// admin URL needs --tls-cert, --tls-key and --tls-ca")?;
+        let mut cfg = (*material.client_config(Some(Role::Decision))).clone();
+        // the admin port speaks HTTP/1.1
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let name = tokio_rustls::rustls::pki_types::ServerName::try_from(host.clone())
+            .with_context(|| format!("{host:?} is not a server name"))?;
+        let stream = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+            .connect(name, tcp)
+            .await
+            .context("TLS handshake")?;
+        send(TokioIo::new(stream), req).await?
+    } else {
+        send(TokioIo::new(tcp), req).await?
+    };
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    if !status.is_success() {
+        bail!("{url} answered {status}");
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+async fn send<T>(
+    io: T,
+    req: http::Request<http_body_util::Empty<bytes::Bytes>>,
+) -> anyhow::Result<http::Response<hyper::body::Incoming>>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+    // the connection is driven beside the request, and ends with it
+    tokio::spawn(conn);
+    Ok(sender.send_request(req).await?)
 }
 
 fn groups_json(groups: &[v1::GroupSummary]) -> serde_json::Value {

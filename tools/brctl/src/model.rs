@@ -163,6 +163,118 @@ pub fn requests_on(snap: &v1::ClusterSnapshot, worker: u32) -> usize {
         .count()
 }
 
+/// One decision replica's view of a group, read off its `/metrics` (`brctl status GROUP
+/// --decision-admin URL`). A field is `None` when the replica does not export it (an older
+/// version, or a group it does not serve).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecisionRow {
+    /// The admin URL it was read from.
+    pub admin: String,
+    pub policy: Option<String>,
+    /// Whether the replica can place a request (its `/readyz`).
+    pub ready: Option<bool>,
+    /// Assigns waiting in its pool for this group.
+    pub pool: Option<u64>,
+    /// The σ version its replica holds.
+    pub sigma_version: Option<u64>,
+    /// Whether its σ is stale (the snapshot service unreachable).
+    pub stale: Option<bool>,
+    /// Why it could not be read.
+    pub error: Option<String>,
+}
+
+/// One sample of the Prometheus text format: name, labels, value.
+type Sample = (String, Vec<(String, String)>, f64);
+
+/// Parses the Prometheus text exposition format (what every service's `/metrics` serves):
+/// comments skipped, label values unescaped (`\"`, `\\`, `\n`), timestamps ignored. Lines that do
+/// not parse are skipped: brctl shows what it can.
+pub fn parse_metrics(text: &str) -> Vec<Sample> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(parse_sample)
+        .collect()
+}
+
+fn parse_sample(line: &str) -> Option<Sample> {
+    let name_end = line.find(['{', ' '])?;
+    let name = line[..name_end].to_owned();
+    let mut labels = Vec::new();
+    let mut rest = &line[name_end..];
+    if let Some(body) = rest.strip_prefix('{') {
+        let mut chars = body.char_indices();
+        loop {
+            // key="value", ... }
+            let (start, c) = chars.next()?;
+            if c == '}' {
+                rest = &body[start + 1..];
+                break;
+            }
+            if c == ',' || c == ' ' {
+                continue;
+            }
+            let eq = body[start..].find('=')? + start;
+            let key = body[start..eq].to_owned();
+            // skip to the opening quote
+            for (i, c) in chars.by_ref() {
+                if i > eq && c == '"' {
+                    break;
+                }
+            }
+            let mut value = String::new();
+            loop {
+                match chars.next()? {
+                    (_, '\\') => match chars.next()?.1 {
+                        'n' => value.push('\n'),
+                        other => value.push(other),
+                    },
+                    (_, '"') => break,
+                    (_, c) => value.push(c),
+                }
+            }
+            labels.push((key, value));
+        }
+    }
+    let value = rest.split_whitespace().next()?.parse().ok()?;
+    Some((name, labels, value))
+}
+
+fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    labels
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+/// What a decision replica's metrics say about `group`.
+pub fn decision_row(admin: &str, metrics: &str, group: &str) -> DecisionRow {
+    let mut row = DecisionRow {
+        admin: admin.to_owned(),
+        policy: None,
+        ready: None,
+        pool: None,
+        sigma_version: None,
+        stale: None,
+        error: None,
+    };
+    for (name, labels, value) in parse_metrics(metrics) {
+        let of_group = label(&labels, "group") == Some(group);
+        match name.as_str() {
+            "balanceroute_decision_ready" => row.ready = Some(value >= 1.0),
+            "balanceroute_decision_policy_info" if of_group && value >= 1.0 => {
+                row.policy = label(&labels, "policy").map(str::to_owned);
+            }
+            "balanceroute_decision_pool_size" if of_group => row.pool = Some(value as u64),
+            "balanceroute_decision_sigma_version" if of_group => {
+                row.sigma_version = Some(value as u64);
+            }
+            "balanceroute_decision_sigma_stale" if of_group => row.stale = Some(value >= 1.0),
+            _ => {}
+        }
+    }
+    row
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,5 +360,36 @@ mod tests {
         assert_eq!(on0.len(), 2);
         assert_eq!((on0[0].phase, on0[0].kv_tokens), ("reserved", 30));
         assert_eq!((requests_on(&s, 1), requests_on(&s, 7)), (1, 0));
+    }
+    #[test]
+    fn metrics_text_parses_with_escapes_and_without_labels() {
+        let text = "# HELP x y\n# TYPE x gauge\nbalanceroute_decision_ready 1\n\
+            balanceroute_decision_pool_size{group=\"g\\\"1\"} 7 1700000000\n\
+            balanceroute_decision_pool_size{group=\"g\"} 3\n\
+            not a sample\n";
+        let s = parse_metrics(text);
+        assert_eq!(s.len(), 3, "{s:?}");
+        assert_eq!(s[0], ("balanceroute_decision_ready".into(), vec![], 1.0));
+        assert_eq!(s[1].1, vec![("group".into(), "g\"1".into())]);
+        assert_eq!(s[1].2, 7.0);
+    }
+
+    #[test]
+    fn a_decision_row_reads_its_group_only() {
+        let text = "balanceroute_decision_ready 1\n\
+            balanceroute_decision_policy_info{group=\"a\",policy=\"br0\"} 1\n\
+            balanceroute_decision_policy_info{group=\"b\",policy=\"jsq\"} 1\n\
+            balanceroute_decision_pool_size{group=\"a\"} 4\n\
+            balanceroute_decision_pool_size{group=\"b\"} 9\n\
+            balanceroute_decision_sigma_version{group=\"a\"} 120\n\
+            balanceroute_decision_sigma_stale{group=\"a\"} 0\n";
+        let r = decision_row("http://d:9063", text, "a");
+        assert_eq!(r.policy.as_deref(), Some("br0"));
+        assert_eq!(
+            (r.ready, r.pool, r.sigma_version, r.stale),
+            (Some(true), Some(4), Some(120), Some(false))
+        );
+        let none = decision_row("http://d:9063", text, "c");
+        assert_eq!((none.policy, none.pool), (None, None));
     }
 }

@@ -106,6 +106,27 @@ pub fn group_table(v: &GroupView) -> String {
     format!("{}\n{t}", group_header(v))
 }
 
+/// The decision replicas under `brctl status GROUP --decision-admin …`.
+pub fn decision_table(rows: &[crate::model::DecisionRow]) -> String {
+    let mut t = table(&["DECISION", "POLICY", "READY", "POOL", "σ VERSION", "STALE"]);
+    let opt = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
+    for r in rows {
+        if let Some(e) = &r.error {
+            t.add_row(vec![r.admin.clone(), format!("unreadable: {e}")]);
+            continue;
+        }
+        t.add_row(vec![
+            r.admin.clone(),
+            opt(r.policy.clone()),
+            opt(r.ready.map(|b| if b { "yes" } else { "no" }.to_owned())),
+            opt(r.pool.map(|p| p.to_string())),
+            opt(r.sigma_version.map(|v| v.to_string())),
+            opt(r.stale.map(|b| if b { "yes" } else { "no" }.to_owned())),
+        ]);
+    }
+    t.to_string()
+}
+
 /// `brctl requests GROUP [WORKER]`.
 pub fn requests_table(rows: &[RequestRow]) -> String {
     let mut t = table(&[

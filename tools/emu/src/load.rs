@@ -253,11 +253,17 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
         start: Instant::now(),
         time_scale,
     });
+    let progress = Progress::start(reqs.len());
     let mut tasks = Vec::with_capacity(reqs.len());
     for (i, r) in reqs.iter().enumerate() {
         let ctx = ctx.clone();
         let r = *r;
-        tasks.push(tokio::spawn(async move { one(ctx, i, r).await }));
+        let progress = progress.clone();
+        tasks.push(tokio::spawn(async move {
+            let out = one(ctx, i, r).await;
+            progress.record(&out.0);
+            out
+        }));
     }
     let mut results = Vec::with_capacity(tasks.len());
     let mut policy = String::new();
@@ -277,6 +283,7 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
             }),
         }
     }
+    progress.finish();
     let wall = ctx.start.elapsed().as_secs_f64();
     let stats = match &cfg.engine_url {
         Some(e) => Some(
@@ -290,6 +297,97 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
         None => None,
     };
     Ok(summarise(&cfg, name, policy, wall, results, stats.as_ref()))
+}
+
+/// How far a run is, on standard error: a progress bar on a terminal (indicatif hides it
+/// otherwise) and, either way, one line every [`Progress::EVERY`] (done, failed, in flight,
+/// tokens per second), so a long run in a log or CI says it is alive.
+#[derive(Clone)]
+struct Progress {
+    bar: indicatif::ProgressBar,
+    counts: Arc<ProgressCounts>,
+    ticker: Arc<tokio::task::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct ProgressCounts {
+    done: std::sync::atomic::AtomicU64,
+    failed: std::sync::atomic::AtomicU64,
+    tokens: std::sync::atomic::AtomicU64,
+}
+
+impl Progress {
+    const EVERY: Duration = Duration::from_secs(5);
+
+    fn start(total: usize) -> Progress {
+        let bar = indicatif::ProgressBar::new(total as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        let counts = Arc::new(ProgressCounts::default());
+        let ticker = {
+            let (bar, counts) = (bar.clone(), counts.clone());
+            let started = Instant::now();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Self::EVERY);
+                every.tick().await;
+                loop {
+                    every.tick().await;
+                    let line = counts.line(total, started.elapsed());
+                    if bar.is_hidden() {
+                        eprintln!("br-emu load: {line}");
+                    } else {
+                        bar.println(line);
+                    }
+                }
+            })
+        };
+        Progress {
+            bar,
+            counts,
+            ticker: Arc::new(ticker),
+        }
+    }
+
+    fn record(&self, r: &RequestResult) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counts.done.fetch_add(1, Relaxed);
+        if r.error.is_some() {
+            self.counts.failed.fetch_add(1, Relaxed);
+        }
+        self.counts
+            .tokens
+            .fetch_add(u64::from(r.generated), Relaxed);
+        self.bar.inc(1);
+        let failed = self.counts.failed.load(Relaxed);
+        if failed > 0 {
+            self.bar.set_message(format!("({failed} failed)"));
+        }
+    }
+
+    fn finish(&self) {
+        self.ticker.abort();
+        self.bar.finish_and_clear();
+    }
+}
+
+impl ProgressCounts {
+    fn line(&self, total: usize, elapsed: Duration) -> String {
+        use std::sync::atomic::Ordering::Relaxed;
+        let done = self.done.load(Relaxed);
+        let tokens = self.tokens.load(Relaxed);
+        format!(
+            "{:.0}s: {done}/{total} done, {} failed, {} to go, {:.0} tokens/s",
+            elapsed.as_secs_f64(),
+            self.failed.load(Relaxed),
+            (total as u64).saturating_sub(done),
+            tokens as f64 / elapsed.as_secs_f64().max(1e-9)
+        )
+    }
 }
 
 fn summarise(
@@ -621,6 +719,19 @@ mod tests {
         // comments, other fields and multi-line data are SSE too.
         let body = b": keep-alive\r\nevent: message\r\ndata: x\r\ndata: y\r\n\r\n";
         assert_eq!(parse(body, &[]), vec!["x\ny".to_string()]);
+    }
+
+    #[test]
+    fn the_progress_line_counts_and_rates() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = ProgressCounts::default();
+        c.done.store(30, Relaxed);
+        c.failed.store(2, Relaxed);
+        c.tokens.store(5000, Relaxed);
+        assert_eq!(
+            c.line(100, Duration::from_secs(10)),
+            "10s: 30/100 done, 2 failed, 70 to go, 500 tokens/s"
+        );
     }
 
     #[test]
