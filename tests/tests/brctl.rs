@@ -84,6 +84,17 @@ async fn sigma(snapshot: &Service) -> v1::ClusterSnapshot {
     .into_inner()
 }
 
+/// Waits until `decision`'s replica of σ holds `version` (its sigma_version gauge).
+async fn decision_caught_up(decision: &Service, version: u64, what: &str) {
+    eventually(START, what, || async {
+        br_testkit::http::metrics_url(&decision.admin_url("/metrics"))
+            .await
+            .get("balanceroute_decision_sigma_version", &[("group", GROUP)])
+            .is_some_and(|v| v >= version as f64)
+    })
+    .await;
+}
+
 /// Assigns one request; its rank.
 async fn assign(client: &AssignClient, id: &str) -> u32 {
     client
@@ -210,19 +221,11 @@ async fn cordon_drain_and_uncordon_a_rank_with_brctl() {
     );
 
     // new work avoids it, though it is not the least loaded once others fill up
-    let version = sigma(&snapshot).await.version;
-    eventually(START, "decision sees the cordon", || async {
-        let m = decision.metrics().await;
-        m.lines().any(|l| {
-            l.starts_with("balanceroute_decision_sigma_version")
-                && l.contains(GROUP)
-                && l.rsplit(' ')
-                    .next()
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .unwrap_or(0.0)
-                    >= version as f64
-        })
-    })
+    decision_caught_up(
+        &decision,
+        sigma(&snapshot).await.version,
+        "decision sees the cordon",
+    )
     .await;
     for i in 0..6 {
         let id = format!("during-{i}");
@@ -305,19 +308,11 @@ async fn cordon_drain_and_uncordon_a_rank_with_brctl() {
     // uncordon: the empty rank is the least loaded, so JSQ sends the next request there
     let out = brctl(&snapshot, &["uncordon", GROUP, &busy.to_string()]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let version = sigma(&snapshot).await.version;
-    eventually(START, "decision sees the uncordon", || async {
-        let m = decision.metrics().await;
-        m.lines().any(|l| {
-            l.starts_with("balanceroute_decision_sigma_version")
-                && l.contains(GROUP)
-                && l.rsplit(' ')
-                    .next()
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .unwrap_or(0.0)
-                    >= version as f64
-        })
-    })
+    decision_caught_up(
+        &decision,
+        sigma(&snapshot).await.version,
+        "decision sees the uncordon",
+    )
     .await;
     assert_eq!(assign(&client, "after-0").await, busy);
 
