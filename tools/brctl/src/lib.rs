@@ -297,12 +297,8 @@ async fn decision_rows(
 fn unreadable(admin: &str, error: String) -> model::DecisionRow {
     model::DecisionRow {
         admin: admin.to_owned(),
-        policy: None,
-        ready: None,
-        pool: None,
-        sigma_version: None,
-        stale: None,
         error: Some(error),
+        ..model::DecisionRow::default()
     }
 }
 

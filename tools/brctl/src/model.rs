@@ -166,7 +166,7 @@ pub fn requests_on(snap: &v1::ClusterSnapshot, worker: u32) -> usize {
 /// One decision replica's view of a group, read off its `/metrics` (`brctl status GROUP
 /// --decision-admin URL`). A field is `None` when the replica does not export it (an older
 /// version, or a group it does not serve).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct DecisionRow {
     /// The admin URL it was read from.
     pub admin: String,
@@ -250,12 +250,7 @@ fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
 pub fn decision_row(admin: &str, metrics: &str, group: &str) -> DecisionRow {
     let mut row = DecisionRow {
         admin: admin.to_owned(),
-        policy: None,
-        ready: None,
-        pool: None,
-        sigma_version: None,
-        stale: None,
-        error: None,
+        ..DecisionRow::default()
     };
     for (name, labels, value) in parse_metrics(metrics) {
         let of_group = label(&labels, "group") == Some(group);
