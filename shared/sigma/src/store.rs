@@ -627,7 +627,7 @@ impl Sigma {
         let blocked = self
             .workers
             .get(&r.worker)
-            .is_some_and(|w| w.liveness == Liveness::Suspect || w.cordoned);
+            .is_some_and(|w| !w.accepts_new_work());
         if blocked {
             self.cluster.set_accepting(r.worker, true)?;
         }
