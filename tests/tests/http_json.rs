@@ -120,6 +120,33 @@ fn metric(text: &str, name: &str, want: &[&str]) -> f64 {
         .sum()
 }
 
+/// Sends the Assign of `id` (with `X-Request-Timeout: timeout`) into TINY's one-place pool and
+/// returns once it waits there; the task ends with its answer.
+async fn wait_in_tiny_pool(
+    decision: &Service,
+    assign_url: &str,
+    id: &str,
+    timeout: &str,
+) -> tokio::task::JoinHandle<Answer> {
+    let (url, body) = (assign_url.to_owned(), assign_body(TINY, id, 10));
+    let header = format!("X-Request-Timeout: {timeout}");
+    let waiting = tokio::spawn(async move { post(&url, &body, &["-H", &header]).await });
+    br_testkit::wait::eventually_some(START, &format!("{id} waits in tiny's pool"), || {
+        let m = decision.metrics();
+        async move {
+            let text = m.await;
+            (metric(
+                &text,
+                "balanceroute_decision_pool_size",
+                &[r#"group="tiny""#],
+            ) == 1.0)
+                .then_some(())
+        }
+    })
+    .await;
+    waiting
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
     let snapshot = Service::start("br-snapshot", &["--reservation-ttl", "10m"]);
@@ -303,30 +330,7 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
     .error(504, "DEADLINE_EXCEEDED");
     // One waits (the pool holds --max-pool 1), the next is refused: 429. Cancelling the
     // waiting one ends its call: 499 CANCELLED, and the cancel says WITHDRAWN.
-    let waiting = {
-        let url = assign_url.clone();
-        tokio::spawn(async move {
-            post(
-                &url,
-                &assign_body(TINY, "t3", 10),
-                &["-H", "X-Request-Timeout: 25s"],
-            )
-            .await
-        })
-    };
-    br_testkit::wait::eventually_some(START, "t3 waits in tiny's pool", || {
-        let m = decision.metrics();
-        async move {
-            let text = m.await;
-            (metric(
-                &text,
-                "balanceroute_decision_pool_size",
-                &[r#"group="tiny""#],
-            ) == 1.0)
-                .then_some(())
-        }
-    })
-    .await;
+    let waiting = wait_in_tiny_pool(&decision, &assign_url, "t3", "25s").await;
     let full = post(&assign_url, &assign_body(TINY, "t4", 10), &[]).await;
     full.error(429, "RESOURCE_EXHAUSTED");
     let c = post(
@@ -443,30 +447,7 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
     // SIGTERM while an HTTP call waits in the pool: the drain lets it be answered (its
     // deadline passes first, or it is told the service is going), not cut off, and the
     // process exits 0.
-    let waiting = {
-        let url = assign_url.clone();
-        tokio::spawn(async move {
-            post(
-                &url,
-                &assign_body(TINY, "t5", 10),
-                &["-H", "X-Request-Timeout: 2s"],
-            )
-            .await
-        })
-    };
-    br_testkit::wait::eventually_some(START, "t5 waits in tiny's pool", || {
-        let m = decision.metrics();
-        async move {
-            let text = m.await;
-            (metric(
-                &text,
-                "balanceroute_decision_pool_size",
-                &[r#"group="tiny""#],
-            ) == 1.0)
-                .then_some(())
-        }
-    })
-    .await;
+    let waiting = wait_in_tiny_pool(&decision, &assign_url, "t5", "2s").await;
     let mut decision = decision;
     let exit = tokio::task::spawn_blocking(move || decision.terminate(START))
         .await
