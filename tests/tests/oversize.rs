@@ -2,7 +2,8 @@
 //! gRPC's status codes say, not tonic's OUT_OF_RANGE, keeping tonic's message; checked against
 //! the real binaries for a unary call (Decision.Assign, tonic's default 4 MiB limit), a
 //! server-streaming one (Snapshot.Watch, 16 MiB) and a client-streaming one (Snapshot.Apply,
-//! whose handler maps the error it reads mid-stream), and the servers keep serving.
+//! whose handler maps the error it reads mid-stream), each counted, and the servers keep
+//! serving.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -89,6 +90,13 @@ async fn oversize_requests_are_resource_exhausted_on_every_kind_of_rpc() {
         &[("reason", "message_too_large")],
     );
     assert!(refused >= 1.0, "the Apply refusal is counted");
+    // The unary and server-streaming refusals, rewritten by the serving layer, are counted by
+    // each service's oversize counter (exactly one each: nothing else was oversize).
+    let watch_refusals = metrics.value("balanceroute_snapshot_oversize_calls_total", &[]);
+    assert_eq!(watch_refusals, 1.0, "the Watch refusal is counted once");
+    let decision_metrics = br_testkit::http::metrics_url(&decision.admin_url("/metrics")).await;
+    let assign_refusals = decision_metrics.value("balanceroute_decision_oversize_calls_total", &[]);
+    assert_eq!(assign_refusals, 1.0, "the Assign refusal is counted once");
 
     // Both still serve a call of normal size.
     let status = assign

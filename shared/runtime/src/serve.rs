@@ -77,6 +77,8 @@ pub struct GrpcServer {
     health_follows: Option<crate::admin::Readiness>,
     accept_limits: br_trust::accept::AcceptLimits,
     on_accept: Option<br_trust::accept::AcceptHook>,
+    /// Called for each call refused RESOURCE_EXHAUSTED for an oversize request message.
+    on_oversize: Option<crate::oversize::OversizeHook>,
     /// HTTP/2 streams one connection may have open at once (`--max-streams-per-connection`).
     max_streams: u32,
 }
@@ -126,6 +128,7 @@ impl GrpcServer {
             health_follows: None,
             accept_limits: br_trust::accept::AcceptLimits::default(),
             on_accept: None,
+            on_oversize: None,
             max_streams: DEFAULT_MAX_STREAMS_PER_CONNECTION,
         }
     }
@@ -162,6 +165,13 @@ impl GrpcServer {
     /// connections are closed and their streams end.
     pub fn with_keepalive(mut self, keepalive: Option<(Duration, Duration)>) -> Self {
         self.keepalive = keepalive;
+        self
+    }
+
+    /// Calls `hook` for each call refused RESOURCE_EXHAUSTED because its request message was
+    /// above the decoding limit (unary and server-streaming methods; see [`crate::oversize`]).
+    pub fn with_oversize_hook(mut self, hook: Option<crate::oversize::OversizeHook>) -> Self {
+        self.on_oversize = hook;
         self
     }
 
@@ -211,6 +221,7 @@ impl GrpcServer {
             health_follows,
             accept_limits,
             on_accept,
+            on_oversize,
             max_streams,
         } = self;
         let addr = listener.local_addr().ok();
@@ -270,7 +281,7 @@ impl GrpcServer {
             .http2_keepalive_interval(keepalive.map(|(i, _)| i))
             .http2_keepalive_timeout(keepalive.map(|(_, t)| t))
             .max_concurrent_streams(max_streams)
-            .layer(crate::oversize::OversizeLayer);
+            .layer(crate::oversize::OversizeLayer::new(on_oversize));
         let tls_on = tls.is_some();
         let accepted = br_trust::accept::accept(listener, accept_limits, on_accept);
         let mut server: std::pin::Pin<

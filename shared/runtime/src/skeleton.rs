@@ -280,6 +280,36 @@ pub struct Edge {
     handshake_failures: Option<prometheus::IntCounterVec>,
     /// `balanceroute_<service>_accept_failures_total{reason}` (every port).
     accept_failures: Option<prometheus::IntCounterVec>,
+    /// `balanceroute_<service>_oversize_calls_total`, shared by every gRPC port; registered
+    /// when the first gRPC port is bound, so a service without one (br-shim) does not export a
+    /// counter that can never move.
+    oversize_calls: Option<Arc<OversizeCounter>>,
+}
+
+/// The oversize counter's name and registry, and the counter once a gRPC port asked for it.
+struct OversizeCounter {
+    name: String,
+    registry: prometheus::Registry,
+    counter: std::sync::OnceLock<Option<prometheus::IntCounter>>,
+}
+
+impl OversizeCounter {
+    fn get(&self) -> Option<prometheus::IntCounter> {
+        self.counter
+            .get_or_init(|| {
+                let c = prometheus::IntCounter::new(
+                    self.name.clone(),
+                    "Unary and server-streaming calls refused RESOURCE_EXHAUSTED because the \
+                     request message was above the port's message size limit (client-streaming \
+                     methods count theirs in their own refusal counter)",
+                )
+                .ok()?;
+                // registered once per process, so a second registration cannot collide
+                self.registry.register(Box::new(c.clone())).ok()?;
+                Some(c)
+            })
+            .clone()
+    }
 }
 
 impl std::fmt::Debug for Edge {
@@ -323,9 +353,15 @@ impl Edge {
         for reason in ["accept_error", "silent"] {
             accept_failures.with_label_values(&[reason]);
         }
+        let oversize_calls = Arc::new(OversizeCounter {
+            name: format!("balanceroute_{service}_oversize_calls_total"),
+            registry: registry.clone(),
+            counter: std::sync::OnceLock::new(),
+        });
         let Some(material) = tls else {
             return Ok(Edge {
                 accept_failures: Some(accept_failures),
+                oversize_calls: Some(oversize_calls),
                 ..Edge::default()
             });
         };
@@ -351,7 +387,14 @@ impl Edge {
             denied: Some(denied),
             handshake_failures: Some(failures),
             accept_failures: Some(accept_failures),
+            oversize_calls: Some(oversize_calls),
         })
+    }
+
+    /// Counts the gRPC ports' oversize refusals (see [`crate::oversize`]).
+    pub fn oversize_hook(&self) -> Option<crate::oversize::OversizeHook> {
+        let c = self.oversize_calls.as_ref()?.get()?;
+        Some(Arc::new(move || c.inc()))
     }
 
     /// Counts the accept loop's failures (see [`br_trust::accept`]); for every listener of
@@ -419,7 +462,8 @@ pub async fn bind_grpc_on(
         .with_keepalive(common.keepalive())
         .with_max_streams_per_connection(common.max_streams_per_connection)
         .with_tls(edge.serving())
-        .with_accept_limits(common.accept_limits(descriptor_limit()), edge.accept_hook());
+        .with_accept_limits(common.accept_limits(descriptor_limit()), edge.accept_hook())
+        .with_oversize_hook(edge.oversize_hook());
     let addr = server.local_addr().map_err(bind_err)?;
     Ok((server, addr))
 }
