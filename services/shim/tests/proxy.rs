@@ -847,9 +847,9 @@ async fn bodies_held_at_once_are_bounded_by_the_budget_and_refused_typed() {
     );
     lying.shutdown().await.unwrap();
     // One that has sent 3,000 holds 3,000.
-    let stalled = stall(addr, 3000).await;
+    let stalled = tokio::sync::Mutex::new(stall(addr, 3000).await);
     // Once the shim holds it, another large body does not fit.
-    let body = eventually_some_refusal(&base, &large).await;
+    let body = eventually_some_refusal(&base, &large, addr, &stalled).await;
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["error"]["type"], "body_budget", "{v}");
     assert!(refused(&gathered(&registry)) >= 1.0);
@@ -857,7 +857,7 @@ async fn bodies_held_at_once_are_bounded_by_the_budget_and_refused_typed() {
     assert_eq!(status, 200, "a small body still fits");
 
     // The stalled client goes away: its share comes back.
-    drop(stalled);
+    drop(stalled.into_inner());
     eventually(PATIENCE, "the large body is taken again", || async {
         post(&base, "/v1/completions", "large-again", &large)
             .await
@@ -928,8 +928,15 @@ async fn a_body_slower_than_the_timeout_is_408_typed() {
     engine.shutdown().await;
 }
 
-/// Posts `body` until the shim answers 503; that answer's body.
-async fn eventually_some_refusal(base: &str, body: &Value) -> Vec<u8> {
+/// Posts `body` until the shim answers 503; that answer's body. A 200 means the shim read this
+/// body before the stalled one's bytes, and may have refused the stalled one for it: then the
+/// client stalls again, so the next try finds the budget held.
+async fn eventually_some_refusal(
+    base: &str,
+    body: &Value,
+    addr: SocketAddr,
+    stalled: &tokio::sync::Mutex<tokio::net::TcpStream>,
+) -> Vec<u8> {
     br_testkit::eventually_some(PATIENCE, "a body over the budget is refused", || async {
         let (status, b) = post(base, "/v1/completions", "large", body).await;
         assert!(
@@ -937,7 +944,15 @@ async fn eventually_some_refusal(base: &str, body: &Value) -> Vec<u8> {
             "{status}: {}",
             String::from_utf8_lossy(&b)
         );
-        (status == 503).then_some(b)
+        if status == 503 {
+            return Some(b);
+        }
+        let mut held = stalled.lock().await;
+        let mut buf = [0u8; 512];
+        if matches!(held.try_read(&mut buf), Ok(n) if n > 0) {
+            *held = stall(addr, 3000).await;
+        }
+        None
     })
     .await
 }
