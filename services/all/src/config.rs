@@ -39,17 +39,17 @@ pub struct Args {
 /// own, each under its service's help heading. The first definition of an id wins (decision
 /// before ingest: `--groups` is the decision's).
 fn command() -> Command {
-    let mut cmd = CommonArgs::augment_args(
-        Command::new("br-all")
-            .version(env!("CARGO_PKG_VERSION"))
-            .about(
-                "br-all: BalanceRoute in one process (ingest, snapshot and decision; monolithic \
-                 mode). One gRPC port serves Telemetry, Snapshot and Decision, one admin port \
-                 their metrics and readiness; the components call each other in-process.",
-            ),
-    )
-    .mut_arg("listen", |a| a.default_value(DEFAULT_LISTEN))
-    .mut_arg("admin_listen", |a| a.default_value(DEFAULT_ADMIN_LISTEN));
+    // The about text after the shared flags: augment_args sets CommonArgs' own.
+    let mut cmd = CommonArgs::augment_args(Command::new("br-all"))
+        .version(env!("CARGO_PKG_VERSION"))
+        .about(
+            "br-all: BalanceRoute in one process (ingest, snapshot and decision; monolithic \
+             mode). One gRPC port serves Telemetry, Snapshot and Decision, one admin port \
+             their metrics and readiness; the components call each other in-process.",
+        )
+        .long_about(None)
+        .mut_arg("listen", |a| a.default_value(DEFAULT_LISTEN))
+        .mut_arg("admin_listen", |a| a.default_value(DEFAULT_ADMIN_LISTEN));
     let parts = [
         ("Decision", br_decision::Args::command()),
         ("Snapshot", br_snapshot::Args::command()),
