@@ -38,6 +38,8 @@ RENDERS = {
     "base": (K8S / "base", {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap"} | TRUST_KINDS),
     "overlays/group-g8": (K8S / "overlays" / "group-g8", {"Namespace", "StatefulSet", "Deployment"} | TRUST_KINDS),
     "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor", "PrometheusRule"} | TRUST_KINDS),
+    # br-all: the three services in one pod.
+    "overlays/all-in-one": (K8S / "overlays" / "all-in-one", {"Namespace", "StatefulSet", "Service", "ConfigMap"} | TRUST_KINDS),
 }
 # Compositions that no directory spells out: rendered from a generated kustomization in a
 # temporary directory. name -> (resources, components, must contain these kinds), paths under k8s/.

@@ -97,6 +97,8 @@ pub fn binaries() -> &'static Path {
             "br-emu",
             "-p",
             "brctl",
+            "-p",
+            "br-all",
         ]);
         // Cargo sets these for the test process; an inner build that inherits them differs
         // from the outer `cargo test` to build scripts that watch them (ring reruns on

@@ -1,11 +1,13 @@
 //! Wiring: one group task and one Watch follower per served group, the gRPC server (Decision,
 //! health, reflection), the Envoy ext_proc endpoint picker when `--ext-proc-listen` is given,
-//! and the admin server. Used by `main` and by the integration tests.
+//! and the admin server. Used by `main` and by the integration tests, and (through
+//! [`start_embedded`]) by the all-in-one `br-all`, which mounts the snapshot and ingest
+//! handlers on the same gRPC port and hands in the snapshot service in-process.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use br_client::watch::{WatchConfig, Watcher};
+use br_client::watch::{GrpcWatch, WatchConfig, WatchSource, Watcher};
 use br_core::build_policy;
 use br_proto::service_names;
 use br_proto::v1::decision_server::DecisionServer;
@@ -47,26 +49,99 @@ impl Groups {
     }
 }
 
+/// The snapshot service as the group tasks reach it: `Reserve`/`Release` and `Watch`. Over
+/// gRPC to `--snapshot-addr` in br-decision; in-process in br-all.
+#[derive(Clone)]
+pub struct Upstream {
+    pub ops: Arc<dyn SnapshotOps>,
+    pub watch: Arc<dyn WatchSource>,
+}
+
+/// What the all-in-one adds to a decision service ([`start_embedded`]).
+pub struct Embedding {
+    /// The snapshot service, in-process (instead of `--snapshot-addr`).
+    pub upstream: Upstream,
+    /// Mounts the other services on the decision's gRPC port (`--listen`).
+    pub mount: Box<dyn FnOnce(tonic::service::Routes) -> tonic::service::Routes + Send>,
+    /// Their proto names (health SERVING from the start, reflection lists them).
+    pub names: Vec<&'static str>,
+    /// Their metrics, gathered by the same `/metrics`.
+    pub registries: Vec<prometheus::Registry>,
+    /// Their readiness: `/readyz` (and [`skeleton::Running::readiness`]) holds while every
+    /// one of them and the decision's own does.
+    pub readiness: Vec<(&'static str, Readiness)>,
+    /// The service name of the port's edge counters
+    /// (`balanceroute_<edge_name>_accept_failures_total`, ...).
+    pub edge_name: &'static str,
+    /// Cancelled once the gRPC drain is over (with the decision's own group tasks): what the
+    /// draining calls still need (the snapshot writer for Reserve) stops then, not before.
+    pub after: CancellationToken,
+    /// Their tasks, awaited once `after` is cancelled.
+    pub tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Embedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Embedding")
+            .field("names", &self.names)
+            .field("edge_name", &self.edge_name)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Starts everything; returns once the ports are bound. The service is ready (and its
 /// Decision health SERVING) while it can place a request (see [`GroupsReadiness`]).
 pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
+    start_with(args, shutdown, None).await
+}
+
+/// [`start`] with other services embedded (the all-in-one `br-all`): the snapshot service is
+/// called in-process and the embedded services share `--listen` and `--admin-listen`.
+pub async fn start_embedded(
+    args: &Args,
+    shutdown: CancellationToken,
+    embedding: Embedding,
+) -> Result<Running, StartError> {
+    start_with(args, shutdown, Some(embedding)).await
+}
+
+async fn start_with(
+    args: &Args,
+    shutdown: CancellationToken,
+    embedding: Option<Embedding>,
+) -> Result<Running, StartError> {
     let cfg = args.to_config().map_err(StartError::Config)?;
     let metrics = Metrics::new()?;
     let readiness = Readiness::default();
     metrics.ready.set(0);
-    let edge = skeleton::Edge::load(&args.common, "decision", &metrics.registry, &shutdown)?;
+    let edge_name = embedding.as_ref().map_or("decision", |e| e.edge_name);
+    let edge = skeleton::Edge::load(&args.common, edge_name, &metrics.registry, &shutdown)?;
     // Followers, group tasks and the admin port outlive the gRPC drain (waiting calls still
     // need ticks and σ); they stop after it.
-    let after = CancellationToken::new();
+    let after = embedding
+        .as_ref()
+        .map_or_else(CancellationToken::new, |e| e.after.clone());
 
-    let channel =
-        snapshot_channel(&cfg.snapshot_addr, edge.tls()).map_err(|e| StartError::Upstream {
-            flag: "--snapshot-addr",
-            value: cfg.snapshot_addr.clone(),
-            reason: e.to_string(),
-        })?;
-    let ops: Arc<dyn SnapshotOps> =
-        Arc::new(GrpcSnapshot::new(channel.clone(), cfg.reserve_timeout));
+    let upstream = match &embedding {
+        Some(e) => e.upstream.clone(),
+        None => {
+            let channel = snapshot_channel(&cfg.snapshot_addr, edge.tls()).map_err(|e| {
+                StartError::Upstream {
+                    flag: "--snapshot-addr",
+                    value: cfg.snapshot_addr.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+            Upstream {
+                ops: Arc::new(GrpcSnapshot::new(channel.clone(), cfg.reserve_timeout)),
+                watch: Arc::new(GrpcWatch::new(
+                    channel,
+                    br_client::watch::DEFAULT_MAX_MESSAGE_BYTES,
+                )),
+            }
+        }
+    };
+    let ops: Arc<dyn SnapshotOps> = Arc::clone(&upstream.ops);
 
     let n_groups = cfg.groups.len();
     let placing = Arc::new(GroupsReadiness::new(
@@ -90,7 +165,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         let mut watch_cfg = WatchConfig::new(group.as_str());
         watch_cfg.backoff_max = cfg.watch_backoff_max;
         watch_cfg.backoff_initial = watch_cfg.backoff_initial.min(cfg.watch_backoff_max);
-        let (watch, updates) = Watcher::spawn(channel.clone(), watch_cfg);
+        let (watch, updates) = Watcher::spawn_from(Arc::clone(&upstream.watch), watch_cfg);
         let on_placing: OnPlacing = {
             let placing = Arc::clone(&placing);
             let group = group.to_string();
@@ -108,15 +183,31 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         groups.push(handle);
     }
 
-    let admin =
-        skeleton::start_admin(&args.common, &edge, &metrics.registry, &readiness, &after).await?;
+    let (mount, names, registries, parts, tasks) = match embedding {
+        None => (None, Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+        Some(e) => (Some(e.mount), e.names, e.registries, e.readiness, e.tasks),
+    };
+    // The admin port's readiness: the decision's own, or with embedded services, all of them.
+    let shown = if parts.is_empty() {
+        readiness.clone()
+    } else {
+        let mut all = parts;
+        all.push(("decision", readiness.clone()));
+        br_runtime::admin::all_of(all, after.clone())
+    };
+    let mut gathered = vec![metrics.registry.clone()];
+    gathered.extend(registries);
+    let admin = skeleton::start_admin_of(&args.common, &edge, &gathered, &shown, &after).await?;
     let admin_addr = admin.local_addr();
 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
     // 40 ms per unary call at low rates).
     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
-    // Decision's health follows readiness (NOT_SERVING until it can place, and from shutdown).
-    let server = server.with_health_following(readiness.clone());
+    // Decision's health follows readiness (NOT_SERVING until it can place, and from shutdown);
+    // embedded services are SERVING from the start.
+    let server = server.with_health_following_only(readiness.clone(), &[service_names::DECISION]);
+    let mut served: Vec<&'static str> = vec![service_names::DECISION];
+    served.extend(names);
 
     let svc = DecisionService::new(
         groups.clone(),
@@ -168,9 +259,12 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         }
     };
     let http_addr = http.as_ref().map(|(l, _)| l.local_addr());
-    let routes = tonic::service::Routes::new(DecisionServer::new(svc));
+    let mut routes = tonic::service::Routes::new(DecisionServer::new(svc));
+    if let Some(mount) = mount {
+        routes = mount(routes);
+    }
     tracing::info!(grpc = %grpc_addr, http = ?http_addr, admin = %admin_addr, policy = %cfg.policy.kind,
-        groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, "br-decision started");
+        groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, services = ?served, "br-decision started");
     let grace = args.common.shutdown_grace;
     // A request's head has as long as a new connection's first byte (--first-byte-timeout).
     let header_timeout = args.common.first_byte_timeout;
@@ -188,44 +282,39 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         metrics,
         groups: groups.clone(),
     };
-    let running = Running::spawn(
-        grpc_addr,
-        admin_addr,
-        readiness,
-        shutdown,
-        extra,
-        async move {
-            let main = server.serve(routes, &[service_names::DECISION], serve_shutdown.clone());
-            let outcome = match ext_proc {
-                None => main.await,
-                Some((ext_server, ext_routes, _)) => {
-                    let ext =
-                        ext_server.serve(ext_routes, &[ext_proc::SERVICE_NAME], serve_shutdown);
-                    match tokio::join!(main, ext) {
-                        (Ok(a), Ok(b)) => Ok(if a == ServeOutcome::Drained { b } else { a }),
-                        (Err(e), _) | (_, Err(e)) => Err(e),
-                    }
+    let running = Running::spawn(grpc_addr, admin_addr, shown, shutdown, extra, async move {
+        let main = server.serve(routes, &served, serve_shutdown.clone());
+        let outcome = match ext_proc {
+            None => main.await,
+            Some((ext_server, ext_routes, _)) => {
+                let ext = ext_server.serve(ext_routes, &[ext_proc::SERVICE_NAME], serve_shutdown);
+                match tokio::join!(main, ext) {
+                    (Ok(a), Ok(b)) => Ok(if a == ServeOutcome::Drained { b } else { a }),
+                    (Err(e), _) | (_, Err(e)) => Err(e),
                 }
-            };
-            // The HTTP/JSON calls drain too (they need the group tasks as much).
-            let http_outcome = match http_task {
-                None => Ok(()),
-                Some(task) => match task.await {
-                    Ok(r) => r.map(|_| ()).map_err(|source| ServeError::Io {
-                        server: "HTTP/JSON",
-                        source,
-                    }),
-                    Err(e) => Err(ServeError::Task(e)),
-                },
-            };
-            // Only now (the drain is over) the followers, group tasks and admin port stop.
-            after.cancel();
-            drop(groups);
-            skeleton::wait_admin(admin).await?;
-            http_outcome?;
-            Ok(outcome?)
-        },
-    )
+            }
+        };
+        // The HTTP/JSON calls drain too (they need the group tasks as much).
+        let http_outcome = match http_task {
+            None => Ok(()),
+            Some(task) => match task.await {
+                Ok(r) => r.map(|_| ()).map_err(|source| ServeError::Io {
+                    server: "HTTP/JSON",
+                    source,
+                }),
+                Err(e) => Err(ServeError::Task(e)),
+            },
+        };
+        // Only now (the drain is over) the followers, group tasks and admin port stop.
+        after.cancel();
+        drop(groups);
+        for task in tasks {
+            task.await?;
+        }
+        skeleton::wait_admin(admin).await?;
+        http_outcome?;
+        Ok(outcome?)
+    })
     .with_http_json(http_addr);
     Ok(match ext_proc_addr {
         Some(addr) => running.with_listener(EXT_PROC_KEY, addr),

@@ -8,8 +8,13 @@
 //! requests it drops the oldest progress and asks those workers for a full state. On every
 //! (re)connect, and when an ack shows a new epoch, it re-sends every live worker's Hello first
 //! and asks every worker for a full state, so σ is rebuilt.
+//!
+//! The stream itself comes from an [`ApplyLink`]: gRPC to `--snapshot-addr` ([`GrpcApply`],
+//! the split deployment) or the snapshot service's handler in-process (the all-in-one
+//! `br-all`). Either way the batches, acks, refusals, epochs and reconnects are this code's.
 
 use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -18,10 +23,11 @@ use br_backoff::Backoff;
 use br_proto::v1;
 use br_proto::valid::GroupId;
 use br_runtime::admin::Readiness;
+use futures::future::BoxFuture;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
 use crate::change::Change;
@@ -50,15 +56,130 @@ pub struct Input {
 }
 
 /// Forwarder settings.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ForwarderConfig {
-    pub snapshot_addr: String,
+    /// Where the Apply stream goes.
+    pub upstream: Arc<dyn ApplyLink>,
     pub batch_interval: Duration,
     pub max_buffered: usize,
     /// This replica's identity (`--ingest-id`), sent on every batch.
     pub ingest_id: String,
-    /// Mutual TLS to the snapshot service (as the ingest role), when configured.
-    pub tls: Option<Arc<br_trust::TlsMaterial>>,
+}
+
+impl std::fmt::Debug for ForwarderConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForwarderConfig")
+            .field("upstream", &self.upstream.describe())
+            .field("batch_interval", &self.batch_interval)
+            .field("max_buffered", &self.max_buffered)
+            .field("ingest_id", &self.ingest_id)
+            .finish()
+    }
+}
+
+/// The batches of one Apply stream, as the forwarder sends them. A named type rather than a
+/// bare trait object: tonic's client-streaming future over a `dyn Stream` cannot be proven
+/// `Send` by today's compiler (a "higher-ranked lifetime error"), over this it can.
+pub struct Batches(Pin<Box<dyn Stream<Item = v1::ChangeBatch> + Send>>);
+
+impl Batches {
+    pub fn new(s: impl Stream<Item = v1::ChangeBatch> + Send + 'static) -> Batches {
+        Batches(Box::pin(s))
+    }
+}
+
+impl std::fmt::Debug for Batches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Batches")
+    }
+}
+
+impl Stream for Batches {
+    type Item = v1::ChangeBatch;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<v1::ChangeBatch>> {
+        self.0.as_mut().poll_next(cx)
+    }
+}
+/// The acks of one Apply stream (an `Err` ends it).
+pub type Acks = Pin<Box<dyn Stream<Item = Result<v1::ApplyAck, tonic::Status>> + Send>>;
+
+/// Why an Apply stream could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The snapshot service cannot be reached (retried quietly with backoff).
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// It answered the call with an error.
+    #[error("refused: {0}")]
+    Refused(tonic::Status),
+}
+
+/// Opens `Snapshot.Apply` streams: the seam between ingest and the snapshot service.
+pub trait ApplyLink: Send + Sync + 'static {
+    /// Opens one stream that carries `batches` in order; its acks come back one per batch.
+    fn open(&self, batches: Batches) -> BoxFuture<'static, Result<Acks, OpenError>>;
+    /// Where the stream goes, for logs.
+    fn describe(&self) -> String;
+}
+
+/// [`ApplyLink`] over gRPC: a connection per stream (mutual TLS as the ingest role, the
+/// server verified as the snapshot role, when `tls` is given).
+#[derive(Debug, Clone)]
+pub struct GrpcApply {
+    endpoint: tonic::transport::Endpoint,
+    tls: Option<Arc<br_trust::TlsMaterial>>,
+}
+
+impl GrpcApply {
+    pub fn new(
+        snapshot_addr: &str,
+        tls: Option<Arc<br_trust::TlsMaterial>>,
+    ) -> Result<GrpcApply, tonic::transport::Error> {
+        let endpoint = tonic::transport::Endpoint::from_shared(snapshot_addr.to_owned())?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            // the same keepalive as the servers' defaults: a half-open link to the snapshot
+            // service is found from this side too within 8 s
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(3));
+        Ok(GrpcApply { endpoint, tls })
+    }
+}
+
+impl ApplyLink for GrpcApply {
+    fn open(&self, batches: Batches) -> BoxFuture<'static, Result<Acks, OpenError>> {
+        Box::pin(open_grpc(self.endpoint.clone(), self.tls.clone(), batches))
+    }
+
+    fn describe(&self) -> String {
+        self.endpoint.uri().to_string()
+    }
+}
+
+/// [`GrpcApply::open`]: a fresh connection per stream (a lazy channel, which connects on
+/// the call: the connector then runs in the channel's own task), then the call. A connection
+/// that cannot be made answers UNAVAILABLE: unreachable, retried quietly.
+async fn open_grpc(
+    endpoint: tonic::transport::Endpoint,
+    tls: Option<Arc<br_trust::TlsMaterial>>,
+    batches: Batches,
+) -> Result<Acks, OpenError> {
+    let snapshot = Some(br_trust::Role::Snapshot);
+    let channel = br_trust::tls::connect_lazy(endpoint, tls.as_ref(), snapshot);
+    let mut client = v1::snapshot_client::SnapshotClient::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    match client.apply(batches).await {
+        Ok(acks) => Ok(Box::pin(acks.into_inner())),
+        Err(status) if status.code() == tonic::Code::Unavailable => {
+            Err(OpenError::Unreachable(status.to_string()))
+        }
+        Err(status) => Err(OpenError::Refused(status)),
+    }
 }
 
 /// What the streams need from the forwarder.
@@ -100,20 +221,12 @@ pub fn spawn(
     metrics: Metrics,
     readiness: Readiness,
     shutdown: CancellationToken,
-) -> Result<(ForwarderHandle, JoinHandle<()>), tonic::transport::Error> {
-    let endpoint = tonic::transport::Endpoint::from_shared(cfg.snapshot_addr.clone())?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true)
-        // the same keepalive as the servers' defaults: a half-open link to the snapshot
-        // service is found from this side too within 8 s
-        .http2_keep_alive_interval(Duration::from_secs(5))
-        .keep_alive_timeout(Duration::from_secs(3));
+) -> (ForwarderHandle, JoinHandle<()>) {
     let (in_tx, in_rx) = mpsc::channel(INPUT_QUEUE);
     let (ev_tx, ev_rx) = mpsc::channel(8);
     let connected = Arc::new(AtomicBool::new(false));
     let link = tokio::spawn(run_link(
-        endpoint,
-        cfg.tls.clone(),
+        Arc::clone(&cfg.upstream),
         ev_tx,
         registry.clone(),
         metrics.clone(),
@@ -134,13 +247,13 @@ pub fn spawn(
         fwd.run(in_rx, ev_rx, cfg.batch_interval, shutdown).await;
         let _ = link.await;
     });
-    Ok((
+    (
         ForwarderHandle {
             tx: in_tx,
             connected,
         },
         task,
-    ))
+    )
 }
 
 struct Forwarder {
@@ -325,8 +438,7 @@ impl Forwarder {
 }
 
 async fn run_link(
-    endpoint: tonic::transport::Endpoint,
-    tls: Option<Arc<br_trust::TlsMaterial>>,
+    upstream: Arc<dyn ApplyLink>,
     events: mpsc::Sender<LinkEvent>,
     registry: Registry,
     metrics: Metrics,
@@ -338,7 +450,7 @@ async fn run_link(
             return;
         }
         let up = tokio::select! {
-            r = one_link(&endpoint, tls.as_ref(), &events, &registry, &metrics) => r,
+            r = one_link(upstream.as_ref(), &events, &registry, &metrics) => r,
             () = shutdown.cancelled() => return,
         };
         if up {
@@ -356,23 +468,11 @@ async fn run_link(
 
 /// Runs one Apply stream until it ends. Returns whether it came up.
 async fn one_link(
-    endpoint: &tonic::transport::Endpoint,
-    tls: Option<&Arc<br_trust::TlsMaterial>>,
+    upstream: &dyn ApplyLink,
     events: &mpsc::Sender<LinkEvent>,
     registry: &Registry,
     metrics: &Metrics,
 ) -> bool {
-    let snapshot = Some(br_trust::Role::Snapshot);
-    let channel = match br_trust::tls::connect(endpoint, tls, snapshot).await {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::debug!(error = %e, addr = %endpoint.uri(), "snapshot service unreachable");
-            return false;
-        }
-    };
-    let mut client = v1::snapshot_client::SnapshotClient::new(channel)
-        .max_decoding_message_size(usize::MAX)
-        .max_encoding_message_size(usize::MAX);
     let (tx, rx) = mpsc::channel::<Outgoing>(LINK_QUEUE);
     // What each unacknowledged batch is about, recorded as tonic takes it off the queue (at
     // most MAX_INFLIGHT + LINK_QUEUE entries: the forwarder stops at MAX_INFLIGHT unacked).
@@ -382,9 +482,13 @@ async fn one_link(
         lock(&record).push_back((batch.batch_seq, batch.group.clone(), workers));
         batch
     });
-    let mut acks = match client.apply(outgoing).await {
-        Ok(r) => r.into_inner(),
-        Err(status) => {
+    let mut acks = match upstream.open(Batches::new(outgoing)).await {
+        Ok(acks) => acks,
+        Err(OpenError::Unreachable(e)) => {
+            tracing::debug!(error = %e, addr = %upstream.describe(), "snapshot service unreachable");
+            return false;
+        }
+        Err(OpenError::Refused(status)) => {
             tracing::warn!(%status, "Snapshot.Apply refused");
             return false;
         }
@@ -402,7 +506,7 @@ async fn one_link(
     }
     let mut epoch = 0u64;
     loop {
-        match acks.message().await {
+        match acks.next().await.transpose() {
             Ok(Some(ack)) => {
                 acked.fetch_max(ack.batch_seq, Ordering::Relaxed);
                 let about = {

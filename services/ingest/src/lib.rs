@@ -37,37 +37,42 @@ pub type Running = skeleton::Running<Grpc>;
 
 /// Binds the gRPC and admin listeners and starts serving; everything stops when `shutdown` is
 /// cancelled (streams end with UNAVAILABLE, the gRPC server drains within the grace period).
-pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
-    args.validate().map_err(StartError::Config)?;
-    let registry = prometheus::Registry::new();
-    let metrics = metrics::Metrics::register(&registry)?;
-    let readiness = Readiness::default();
-    let edge = skeleton::Edge::load(&args.common, "ingest", &registry, &shutdown)?;
-    let admin =
-        skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;
-    // br-runtime's server sets TCP_NODELAY on every accepted connection.
-    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
+/// Ingest without its ports: the Telemetry handlers and the forwarder, for [`start`] and for
+/// the all-in-one `br-all` (which passes the snapshot service in-process as `upstream`).
+#[derive(Debug)]
+pub struct Component {
+    /// The handlers: what a port serves ([`server`]).
+    pub service: service::TelemetryService,
+    /// Ready while the Apply stream to the snapshot service is up.
+    pub readiness: Readiness,
+    /// The forwarder; it ends after `shutdown`.
+    pub forwarder_task: tokio::task::JoinHandle<()>,
+}
 
+/// Validates `args`, registers the metrics in `registry` and starts the forwarder towards
+/// `upstream`; streams end and the forwarder stops when `shutdown` is cancelled.
+pub fn component(
+    args: &Args,
+    registry: &prometheus::Registry,
+    upstream: std::sync::Arc<dyn forward::ApplyLink>,
+    shutdown: CancellationToken,
+) -> Result<Component, StartError> {
+    args.validate().map_err(StartError::Config)?;
+    let metrics = metrics::Metrics::register(registry)?;
+    let readiness = Readiness::default();
     let workers = registry::Registry::default();
-    let (fwd, fwd_task) = forward::spawn(
+    let (fwd, forwarder_task) = forward::spawn(
         forward::ForwarderConfig {
-            snapshot_addr: args.snapshot_addr.clone(),
+            upstream,
             batch_interval: args.batch_interval,
             max_buffered: args.max_buffered,
             ingest_id: args.ingest_id(),
-            tls: edge.tls().cloned(),
         },
         workers.clone(),
         metrics.clone(),
         readiness.clone(),
         shutdown.clone(),
-    )
-    .map_err(|e| StartError::Upstream {
-        flag: "--snapshot-addr",
-        value: args.snapshot_addr.clone(),
-        reason: e.to_string(),
-    })?;
-
+    );
     let limits = session::Limits {
         max_updates_per_message: args.max_updates_per_message,
         max_events_per_sec: args.max_events_per_sec_per_stream,
@@ -79,7 +84,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         hello: args.hello_timeout,
         idle: (!args.stream_idle_timeout.is_zero()).then_some(args.stream_idle_timeout),
     };
-    let svc = service::TelemetryService::new(service::TelemetryParts {
+    let service = service::TelemetryService::new(service::TelemetryParts {
         limits,
         timeouts,
         max_worker_id: args.max_worker_id,
@@ -87,12 +92,54 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         registry: workers,
         forwarder: fwd,
         metrics,
-        shutdown: shutdown.clone(),
+        shutdown,
     });
-    let routes = tonic::service::Routes::new(
-        br_proto::v1::telemetry_server::TelemetryServer::new(svc)
-            .max_decoding_message_size(args.max_message_bytes),
-    );
+    Ok(Component {
+        service,
+        readiness,
+        forwarder_task,
+    })
+}
+
+/// The gRPC server of the handlers, with `--max-message-bytes`.
+pub fn server(
+    svc: service::TelemetryService,
+    args: &Args,
+) -> br_proto::v1::telemetry_server::TelemetryServer<service::TelemetryService> {
+    br_proto::v1::telemetry_server::TelemetryServer::new(svc)
+        .max_decoding_message_size(args.max_message_bytes)
+}
+
+/// Binds the gRPC and admin listeners and starts serving; everything stops when `shutdown` is
+/// cancelled (streams end with UNAVAILABLE, the gRPC server drains within the grace period).
+pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
+    args.validate().map_err(StartError::Config)?;
+    let registry = prometheus::Registry::new();
+    // The edge first: its TLS material is the forwarder's too.
+    let edge = skeleton::Edge::load(&args.common, "ingest", &registry, &shutdown)?;
+    let upstream =
+        forward::GrpcApply::new(&args.snapshot_addr, edge.tls().cloned()).map_err(|e| {
+            StartError::Upstream {
+                flag: "--snapshot-addr",
+                value: args.snapshot_addr.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+    let Component {
+        service: svc,
+        readiness,
+        forwarder_task: fwd_task,
+    } = component(
+        args,
+        &registry,
+        std::sync::Arc::new(upstream),
+        shutdown.clone(),
+    )?;
+    let admin =
+        skeleton::start_admin(&args.common, &edge, &registry, &readiness, &shutdown).await?;
+    // br-runtime's server sets TCP_NODELAY on every accepted connection.
+    let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
+    let routes = tonic::service::Routes::new(crate::server(svc, args));
     let admin_addr = admin.local_addr();
     tracing::info!(grpc = %grpc_addr, admin = %admin_addr, snapshot = %args.snapshot_addr,
         ingest_id = %args.ingest_id(), "br-ingest started");

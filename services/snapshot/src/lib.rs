@@ -40,11 +40,54 @@ pub struct Started {
     pub epoch: u64,
 }
 
+/// The snapshot service without its ports: the writer and the handlers, for [`start`] and
+/// for the all-in-one `br-all`, which serves the handlers on its own port and calls them
+/// in-process.
+#[derive(Debug)]
+pub struct Component {
+    /// The handlers (cheap to clone): what a port serves ([`server`]) and what an in-process
+    /// caller calls.
+    pub service: service::SnapshotService,
+    pub metrics: metrics::Metrics,
+    /// This incarnation's random epoch.
+    pub epoch: u64,
+    /// The writer; it ends after `shutdown`.
+    pub writer_task: tokio::task::JoinHandle<()>,
+}
+
+/// Validates `args` and starts the writer; the writer and the streams it feeds stop when
+/// `shutdown` is cancelled.
+pub fn component(args: &Args, shutdown: CancellationToken) -> Result<Component, StartError> {
+    args.validate().map_err(StartError::Config)?;
+    let metrics = metrics::Metrics::new()?;
+    let (writer, writer_task) = writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
+    let epoch = writer.epoch();
+    let service =
+        service::SnapshotService::new(writer, metrics.clone(), args.max_watchers, shutdown);
+    Ok(Component {
+        service,
+        metrics,
+        epoch,
+        writer_task,
+    })
+}
+
+/// The gRPC server of the handlers, with the service's message limits.
+pub fn server(svc: service::SnapshotService) -> SnapshotServer<service::SnapshotService> {
+    SnapshotServer::new(svc)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(usize::MAX)
+}
+
 /// Binds both ports (port 0 picks a free one), starts the writer, the gRPC server (with
 /// health and reflection) and the admin server; everything stops when `shutdown` is cancelled.
 pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
-    args.validate().map_err(StartError::Config)?;
-    let metrics = metrics::Metrics::new()?;
+    let Component {
+        service: svc,
+        metrics,
+        epoch,
+        writer_task,
+    } = component(args, shutdown.clone())?;
     let readiness = Readiness::default();
     let edge = skeleton::Edge::load(&args.common, "snapshot", metrics.registry(), &shutdown)?;
     let admin = skeleton::start_admin(
@@ -56,14 +99,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     )
     .await?;
     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
-    let (writer, writer_task) = writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
-    let epoch = writer.epoch();
-    let svc = service::SnapshotService::new(writer, metrics, args.max_watchers, shutdown.clone());
-    let routes = tonic::service::Routes::new(
-        SnapshotServer::new(svc)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(usize::MAX),
-    );
+    let routes = tonic::service::Routes::new(crate::server(svc));
     readiness.set(true);
     let admin_addr = admin.local_addr();
     tracing::info!(%grpc_addr, %admin_addr, epoch, "br-snapshot started");

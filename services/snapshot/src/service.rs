@@ -62,7 +62,8 @@ impl SnapshotService {
     }
 }
 
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+/// A response stream of the service (Watch events, Apply acks).
+pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
 impl Snapshot for SnapshotService {
@@ -128,50 +129,7 @@ impl Snapshot for SnapshotService {
         &self,
         req: Request<Streaming<v1::ChangeBatch>>,
     ) -> Result<Response<Self::ApplyStream>, Status> {
-        let mut inbound = req.into_inner();
-        let (tx, rx) = mpsc::channel(ACK_QUEUE);
-        let stream = self.next_stream.fetch_add(1, Ordering::Relaxed);
-        let this = self.clone();
-        tokio::spawn(async move {
-            tracing::debug!(stream, "Apply stream opened");
-            let mut last_seq = 0u64;
-            loop {
-                let msg = tokio::select! {
-                    m = inbound.message() => m,
-                    () = this.shutdown.cancelled() => break,
-                };
-                let batch = match msg {
-                    Ok(Some(b)) => b,
-                    Ok(None) => break,
-                    Err(status) if br_runtime::oversize::is_too_large(&status) => {
-                        // A batch above the decoding limit ends the stream as gRPC says:
-                        // RESOURCE_EXHAUSTED (tonic reads it as OUT_OF_RANGE), counted.
-                        this.metrics.refuse("message_too_large");
-                        tracing::warn!(stream, error = %status, "an Apply batch above the message limit; ending the stream");
-                        let _ = tx
-                            .send(Err(Status::resource_exhausted(status.message().to_owned())))
-                            .await;
-                        break;
-                    }
-                    Err(status) => {
-                        tracing::debug!(stream, error = %status, "Apply stream failed");
-                        break;
-                    }
-                };
-                let ack = match this.apply_batch(batch, stream, &mut last_seq).await {
-                    Ok(ack) => Ok(ack),
-                    Err(e) => Err(this.fail(e)),
-                };
-                let stop = ack.is_err();
-                if tx.send(ack).await.is_err() || stop {
-                    break;
-                }
-            }
-            // Every worker whose Hello came on this stream is disconnected now.
-            this.writer.stream_ended(stream).await;
-            tracing::debug!(stream, "Apply stream closed");
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(self.apply_stream(req.into_inner())))
     }
 
     #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, n = req.get_ref().reservations.len()))]
@@ -239,6 +197,59 @@ impl Snapshot for SnapshotService {
 }
 
 impl SnapshotService {
+    /// One Apply stream: `inbound`'s batches in order, an ack per batch. The gRPC handler
+    /// passes the call's request stream; the all-in-one `br-all` passes its ingest's batches
+    /// in-process, so both are this code (batch_seq checks, validation, refusals, and every
+    /// worker whose Hello came on the stream disconnected when it ends).
+    pub fn apply_stream<S>(&self, mut inbound: S) -> BoxStream<v1::ApplyAck>
+    where
+        S: Stream<Item = Result<v1::ChangeBatch, Status>> + Send + Unpin + 'static,
+    {
+        let (tx, rx) = mpsc::channel(ACK_QUEUE);
+        let stream = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        let this = self.clone();
+        tokio::spawn(async move {
+            tracing::debug!(stream, "Apply stream opened");
+            let mut last_seq = 0u64;
+            loop {
+                let msg = tokio::select! {
+                    m = inbound.next() => m.transpose(),
+                    () = this.shutdown.cancelled() => break,
+                };
+                let batch = match msg {
+                    Ok(Some(b)) => b,
+                    Ok(None) => break,
+                    Err(status) if br_runtime::oversize::is_too_large(&status) => {
+                        // A batch above the decoding limit ends the stream as gRPC says:
+                        // RESOURCE_EXHAUSTED (tonic reads it as OUT_OF_RANGE), counted.
+                        this.metrics.refuse("message_too_large");
+                        tracing::warn!(stream, error = %status, "an Apply batch above the message limit; ending the stream");
+                        let _ = tx
+                            .send(Err(Status::resource_exhausted(status.message().to_owned())))
+                            .await;
+                        break;
+                    }
+                    Err(status) => {
+                        tracing::debug!(stream, error = %status, "Apply stream failed");
+                        break;
+                    }
+                };
+                let ack = match this.apply_batch(batch, stream, &mut last_seq).await {
+                    Ok(ack) => Ok(ack),
+                    Err(e) => Err(this.fail(e)),
+                };
+                let stop = ack.is_err();
+                if tx.send(ack).await.is_err() || stop {
+                    break;
+                }
+            }
+            // Every worker whose Hello came on this stream is disconnected now.
+            this.writer.stream_ended(stream).await;
+            tracing::debug!(stream, "Apply stream closed");
+        });
+        Box::pin(ReceiverStream::new(rx))
+    }
+
     /// One ChangeBatch: a batch the writer cannot take as a whole (bad group, batch_seq not
     /// increasing) is answered with every change rejected as INVALID, and σ is untouched.
     async fn apply_batch(

@@ -25,6 +25,10 @@
 //! healthy period is immediate. If the consumer ever fails to apply a delta (it cannot with a
 //! conforming server), it calls [`WatchHandle::resync`] and gets a fresh snapshot.
 //!
+//! Where the events come from is a [`WatchSource`]: gRPC over a channel ([`GrpcWatch`], the
+//! split deployment), or the snapshot service's handler called in-process (the all-in-one
+//! `br-all`), so both follow σ with this same code: positions, gaps, resets and resubscribes.
+//!
 //! While a reset's snapshot is on its way (or the service is away) the consumer keeps its last
 //! σ: it is stale, not wrong, and the decision service keeps answering from it.
 //!
@@ -49,6 +53,8 @@
 //! # Ok(()) }
 //! ```
 
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use br_proto::v1;
@@ -57,6 +63,7 @@ use br_proto::v1::watch_event::Kind;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_stream::{Stream, StreamExt as _};
 use tonic::transport::{Channel, Endpoint};
 
 use br_sigma::{Delta, Sigma};
@@ -180,6 +187,48 @@ impl Drop for WatchHandle {
     }
 }
 
+/// One Watch stream's events, as the server sends them (an `Err` ends the stream).
+pub type WatchEvents = Pin<Box<dyn Stream<Item = Result<v1::WatchEvent, tonic::Status>> + Send>>;
+
+/// Where a watcher subscribes: `Snapshot.Watch`, over gRPC or in-process. Each call is one
+/// subscription; the watcher checks everything it yields against the contract either way.
+pub trait WatchSource: Send + Sync + 'static {
+    fn watch(
+        &self,
+        req: v1::WatchRequest,
+    ) -> futures::future::BoxFuture<'static, Result<WatchEvents, tonic::Status>>;
+}
+
+/// [`WatchSource`] over a gRPC channel (which reconnects by itself).
+#[derive(Debug, Clone)]
+pub struct GrpcWatch {
+    client: SnapshotClient<Channel>,
+}
+
+impl GrpcWatch {
+    /// Accepts messages up to `max_message_bytes` (a snapshot of a big group).
+    pub fn new(channel: Channel, max_message_bytes: usize) -> GrpcWatch {
+        GrpcWatch {
+            client: SnapshotClient::new(channel)
+                .max_decoding_message_size(max_message_bytes)
+                .max_encoding_message_size(max_message_bytes),
+        }
+    }
+}
+
+impl WatchSource for GrpcWatch {
+    fn watch(
+        &self,
+        req: v1::WatchRequest,
+    ) -> futures::future::BoxFuture<'static, Result<WatchEvents, tonic::Status>> {
+        let mut client = self.client.clone();
+        Box::pin(async move {
+            let stream = client.watch(req).await?.into_inner();
+            Ok(Box::pin(stream) as WatchEvents)
+        })
+    }
+}
+
 /// Spawns watchers.
 #[derive(Debug)]
 pub struct Watcher;
@@ -188,6 +237,17 @@ impl Watcher {
     /// Follows `config.group` over `channel` (which reconnects by itself). Must be called
     /// inside a tokio runtime. The task stops when the handle or the receiver is dropped.
     pub fn spawn(channel: Channel, config: WatchConfig) -> (WatchHandle, mpsc::Receiver<Update>) {
+        let source = GrpcWatch::new(channel, config.max_message_bytes);
+        Watcher::spawn_from(Arc::new(source), config)
+    }
+
+    /// Follows `config.group` from `source` (gRPC, or the snapshot service in-process). Must be
+    /// called inside a tokio runtime. The task stops when the handle or the receiver is
+    /// dropped.
+    pub fn spawn_from(
+        source: Arc<dyn WatchSource>,
+        config: WatchConfig,
+    ) -> (WatchHandle, mpsc::Receiver<Update>) {
         let (tx, rx) = mpsc::channel(config.updates_capacity.max(1));
         let (resync_tx, resync_rx) = mpsc::channel(1);
         let now = Instant::now();
@@ -201,12 +261,9 @@ impl Watcher {
             resets: 0,
             resubscribes: 0,
         });
-        let client = SnapshotClient::new(channel)
-            .max_decoding_message_size(config.max_message_bytes)
-            .max_encoding_message_size(config.max_message_bytes);
         let task = tokio::spawn(
             Task {
-                client,
+                source,
                 config,
                 tx,
                 resync: resync_rx,
@@ -258,7 +315,7 @@ enum Leave {
 }
 
 struct Task {
-    client: SnapshotClient<Channel>,
+    source: Arc<dyn WatchSource>,
     config: WatchConfig,
     tx: mpsc::Sender<Update>,
     resync: mpsc::Receiver<()>,
@@ -287,12 +344,12 @@ impl Task {
                 },
             };
             self.pos.awaiting_snapshot = false;
-            let leave = match self.client.watch(req).await {
-                Ok(resp) => {
+            let leave = match self.source.watch(req).await {
+                Ok(events) => {
                     if !self.set_connected(true, None).await {
                         return;
                     }
-                    self.follow(resp.into_inner(), &mut failures).await
+                    self.follow(events, &mut failures).await
                 }
                 Err(status) => Leave::Resubscribe {
                     error: Some(status.to_string()),
@@ -329,15 +386,11 @@ impl Task {
 
     /// Reads one stream until it must be left. Resets `failures` whenever an event moves the
     /// consumer forward.
-    async fn follow(
-        &mut self,
-        mut stream: tonic::Streaming<v1::WatchEvent>,
-        failures: &mut u32,
-    ) -> Leave {
+    async fn follow(&mut self, mut stream: WatchEvents, failures: &mut u32) -> Leave {
         let mut pending_reset: Option<ResetInfo> = None;
         loop {
             let msg = tokio::select! {
-                m = stream.message() => m,
+                m = stream.next() => m.transpose(),
                 r = self.resync.recv() => {
                     if r.is_none() {
                         return Leave::Stop;

@@ -1,5 +1,6 @@
 //! The admin HTTP server every service runs on `--admin-listen`:
-//! `GET /metrics` (Prometheus text from the service's registry), `GET /livez` (200 while the
+//! `GET /metrics` (Prometheus text from the service's registries: one per component, several
+//! in the all-in-one `br-all`), `GET /livez` (200 while the
 //! process runs), `GET /readyz` (200 only while the service says it is ready, else 503 with
 //! the reason when the service gave one).
 
@@ -78,27 +79,79 @@ impl Readiness {
     }
 }
 
+/// Readiness that holds while every part's does: the all-in-one's `/readyz` over its
+/// components. Not ready names each part that is not, with its reason
+/// (`"decision: no live worker in group(s) g0"`). The returned flag follows the parts until
+/// `stop` is cancelled.
+pub fn all_of(parts: Vec<(&'static str, Readiness)>, stop: CancellationToken) -> Readiness {
+    let combined = Readiness::default();
+    let judge = {
+        let combined = combined.clone();
+        let parts = parts.clone();
+        move || {
+            let why: Vec<String> = parts
+                .iter()
+                .filter(|(_, r)| !r.is_ready())
+                .map(|(name, r)| match r.why_not() {
+                    w if w.is_empty() => format!("{name}: not ready"),
+                    w => format!("{name}: {w}"),
+                })
+                .collect();
+            if why.is_empty() {
+                combined.set(true);
+            } else {
+                combined.set_not_ready(why.join("; "));
+            }
+        }
+    };
+    judge();
+    let mut rxs: Vec<watch::Receiver<bool>> = parts.iter().map(|(_, r)| r.subscribe()).collect();
+    tokio::spawn(async move {
+        loop {
+            // Any part changing re-judges all of them (a handful of flags).
+            let changed =
+                futures::future::select_all(rxs.iter_mut().map(|rx| Box::pin(rx.changed())));
+            tokio::select! {
+                (r, _, _) = changed => if r.is_err() { return },
+                () = stop.cancelled() => return,
+            }
+            judge();
+        }
+    });
+    combined
+}
+
 #[derive(Clone)]
 struct AdminState {
-    registry: prometheus::Registry,
+    registries: Arc<[prometheus::Registry]>,
     readiness: Readiness,
 }
 
 /// The admin routes, for embedding or testing without a socket.
 pub fn router(registry: prometheus::Registry, readiness: Readiness) -> Router {
+    router_of(vec![registry], readiness)
+}
+
+/// [`router`] whose `/metrics` gathers several registries (the all-in-one's components, each
+/// with its own; their names never collide, being prefixed by the service).
+pub fn router_of(registries: Vec<prometheus::Registry>, readiness: Readiness) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
         .with_state(AdminState {
-            registry,
+            registries: registries.into(),
             readiness,
         })
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {
     let encoder = prometheus::TextEncoder::new();
-    match encoder.encode_to_string(&s.registry.gather()) {
+    let mut families: Vec<_> = s.registries.iter().flat_map(|r| r.gather()).collect();
+    if s.registries.len() > 1 {
+        families.sort_by(|a, b| a.name().cmp(b.name()));
+    }
+    match encoder.encode_to_string(&families) {
         Ok(body) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], body).into_response(),
         Err(e) => {
             tracing::error!(error = %e, "encoding metrics");
@@ -156,9 +209,21 @@ impl AdminServer {
         readiness: Readiness,
         shutdown: CancellationToken,
     ) -> std::io::Result<AdminServer> {
+        Self::start_gathering(addr, tls, vec![registry], readiness, shutdown).await
+    }
+
+    /// [`AdminServer::start_with_tls`] whose `/metrics` gathers several registries (see
+    /// [`router_of`]).
+    pub async fn start_gathering(
+        addr: SocketAddr,
+        tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
+        registries: Vec<prometheus::Registry>,
+        readiness: Readiness,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<AdminServer> {
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
-        let app = router(registry, readiness);
+        let app = router_of(registries, readiness);
         let tls_on = tls.is_some();
         let task = match tls {
             None => tokio::spawn(async move {

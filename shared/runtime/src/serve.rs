@@ -75,6 +75,8 @@ pub struct GrpcServer {
     keepalive: Option<(Duration, Duration)>,
     tls: Option<TlsServing>,
     health_follows: Option<crate::admin::Readiness>,
+    /// The served names whose health follows `health_follows`; `None`: all of them.
+    follow_only: Option<Vec<String>>,
     accept_limits: br_trust::accept::AcceptLimits,
     on_accept: Option<br_trust::accept::AcceptHook>,
     /// Called for each call refused RESOURCE_EXHAUSTED for an oversize request message.
@@ -126,6 +128,7 @@ impl GrpcServer {
             keepalive: None,
             tls: None,
             health_follows: None,
+            follow_only: None,
             accept_limits: br_trust::accept::AcceptLimits::default(),
             on_accept: None,
             on_oversize: None,
@@ -158,6 +161,20 @@ impl GrpcServer {
     /// that is bound before it can do its job (decision before it can place a request).
     pub fn with_health_following(mut self, readiness: crate::admin::Readiness) -> Self {
         self.health_follows = Some(readiness);
+        self
+    }
+
+    /// [`with_health_following`](Self::with_health_following) for some of the served names
+    /// only; the others turn SERVING when the server starts. For a port that serves several
+    /// services of which one is bound before it can do its job (the all-in-one's Decision,
+    /// beside Snapshot and Telemetry, which can work at once).
+    pub fn with_health_following_only(
+        mut self,
+        readiness: crate::admin::Readiness,
+        names: &[&str],
+    ) -> Self {
+        self.health_follows = Some(readiness);
+        self.follow_only = Some(names.iter().map(|n| (*n).to_owned()).collect());
         self
     }
 
@@ -219,6 +236,7 @@ impl GrpcServer {
             keepalive,
             tls,
             health_follows,
+            follow_only,
             accept_limits,
             on_accept,
             on_oversize,
@@ -260,15 +278,27 @@ impl GrpcServer {
             None => set_all(&health, service_names, ServingStatus::Serving).await,
             Some(readiness) => {
                 health.set_service_status("", ServingStatus::Serving).await;
+                let follows = |n: &str| {
+                    follow_only
+                        .as_ref()
+                        .is_none_or(|only| only.iter().any(|o| o == n))
+                };
                 for n in service_names {
-                    health
-                        .set_service_status(*n, ServingStatus::NotServing)
-                        .await;
+                    let status = if follows(n) {
+                        ServingStatus::NotServing
+                    } else {
+                        ServingStatus::Serving
+                    };
+                    health.set_service_status(*n, status).await;
                 }
                 tokio::spawn(follow_readiness(
                     health.clone(),
                     readiness.clone(),
-                    service_names.iter().map(|n| n.to_string()).collect(),
+                    service_names
+                        .iter()
+                        .filter(|n| follows(n))
+                        .map(|n| n.to_string())
+                        .collect(),
                     shutdown.clone(),
                 ));
             }

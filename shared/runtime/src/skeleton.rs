@@ -503,10 +503,28 @@ pub async fn start_admin(
     readiness: &Readiness,
     stop: &CancellationToken,
 ) -> Result<AdminServer, StartError> {
-    AdminServer::start_with_tls(
+    start_admin_of(
+        common,
+        edge,
+        std::slice::from_ref(registry),
+        readiness,
+        stop,
+    )
+    .await
+}
+
+/// [`start_admin`] whose `/metrics` gathers several registries (the all-in-one's components).
+pub async fn start_admin_of(
+    common: &CommonArgs,
+    edge: &Edge,
+    registries: &[prometheus::Registry],
+    readiness: &Readiness,
+    stop: &CancellationToken,
+) -> Result<AdminServer, StartError> {
+    AdminServer::start_gathering(
         common.admin_listen,
         edge.tls.clone(),
-        registry.clone(),
+        registries.to_vec(),
         readiness.clone(),
         stop.clone(),
     )

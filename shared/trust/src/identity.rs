@@ -32,17 +32,22 @@ pub enum Role {
     Gateway,
     /// An operator's tools: read σ, cordon and drain.
     Admin,
+    /// br-all, ingest, snapshot and decision in one process: as a server it stands for each
+    /// of the three (see [`Role::serves_as`]); as a client it may call nothing (it calls its
+    /// parts in-process), so the method table lists it nowhere.
+    All,
 }
 
 impl Role {
     /// Every role, in a fixed order (tests iterate over it).
-    pub const ALL: [Role; 6] = [
+    pub const ALL: [Role; 7] = [
         Role::Worker,
         Role::Ingest,
         Role::Decision,
         Role::Snapshot,
         Role::Gateway,
         Role::Admin,
+        Role::All,
     ];
 
     /// The path segment after `/br/` (and the file name `scripts/dev-certs.sh` uses).
@@ -54,7 +59,16 @@ impl Role {
             Role::Snapshot => "snapshot",
             Role::Gateway => "gateway",
             Role::Admin => "admin",
+            Role::All => "all",
         }
+    }
+
+    /// Whether a server of this role may answer a client that expects `want`: its own role,
+    /// or br-all in the place of any of the services it runs (a shim expecting ingest, a
+    /// gateway expecting decision, brctl expecting snapshot all reach br-all's one port).
+    pub fn serves_as(self, want: Role) -> bool {
+        self == want
+            || (self == Role::All && matches!(want, Role::Ingest | Role::Decision | Role::Snapshot))
     }
 
     fn parse(s: &str) -> Option<Role> {

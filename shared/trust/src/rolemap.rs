@@ -132,7 +132,7 @@ fn parse_grant(s: &str) -> Result<Grant, String> {
         [role] => match Role::ALL.into_iter().find(|r| r.as_str() == *role) {
             Some(r) => Ok(Grant::Role(r)),
             None => Err(format!(
-                "unknown role {role:?} (ingest, decision, snapshot, gateway, admin, worker/<group>/<id>, worker/<group>/*)"
+                "unknown role {role:?} (ingest, decision, snapshot, gateway, admin, all, worker/<group>/<id>, worker/<group>/*)"
             )),
         },
         _ => Err(format!("{s:?} is not a role")),

@@ -416,7 +416,7 @@ impl ServerCertVerifier for SpiffeServerVerifier {
             .read_cert_der(end_entity)
             .map_err(|e| rustls::Error::General(format!("server identity: {e}")))?;
         if let Some(want) = self.expect
-            && identity.role != want
+            && !identity.role.serves_as(want)
         {
             return Err(rustls::Error::General(format!(
                 "the server is {identity}, not a {want}"

@@ -56,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         Role::Decision,
         Role::Gateway,
         Role::Admin,
+        Role::All,
     ] {
         let issued = ca.issue_role(&args.trust_domain, role)?;
         br_certs::write(dir, &br_certs::role_files(role), &issued)?;
