@@ -14,7 +14,7 @@ fn main() {
         "{:<14} {:>4} {:>8} {:>10} {:>10} {:>10} {:>9}",
         "policy", "G", "waiting", "p50_us", "p99_us", "max_us", "admitted"
     );
-    for (workers, waiting) in [(8u32, 256usize), (64, 4096)] {
+    for (workers, waiting) in [(8u32, 256usize), (64, 4096), (128, 8192)] {
         for kind in [
             PolicyKind::Br0,
             PolicyKind::BrH(PredictorKind::Survival),
