@@ -270,20 +270,17 @@ pub fn dispatch_tick(
     // Stage 2: scarce capacity. Each worker is served until it admits with a non-positive score.
     let mut done = vec![false; t.free.len()];
     let mut window: Vec<PoolEntry> = Vec::with_capacity(cfg.r_max);
-    // With the tick-head window: the head, indexed by size, and the candidate scratch space.
+    // With the tick-head window: the head, indexed by size, and the candidate scratch space;
+    // `picked[i]` is the head index of `window[i]`.
     let mut tick_head = match cfg.stage2_window {
         Stage2Window::Oldest => None,
         Stage2Window::TickHead => {
             let len = (t.s_tot as usize).saturating_add(cfg.stage2_reach());
-            let mut head = Pool::new();
-            for e in t.pool.oldest(len) {
-                // keys are unique in `pool`, so they are unique here
-                let _ = head.push(e.clone());
-            }
-            Some(head)
+            Some(Head::new(t.pool, len))
         }
     };
-    let mut near: Vec<(f64, u64, PoolEntry)> = Vec::with_capacity(2 * cfg.r_max);
+    let mut near: Vec<(f64, u32)> = Vec::with_capacity(2 * cfg.r_max);
+    let mut picked: Vec<u32> = Vec::with_capacity(cfg.r_max);
     while !t.pool.is_empty() {
         let Some(w) = stage2_worker(&t.free, &done, t.margins) else {
             break;
@@ -295,14 +292,14 @@ pub fn dispatch_tick(
             Some(head) => {
                 let peak = t.stage2_peak(fill, w);
                 let tick = &t;
-                nearest_candidates(
-                    head,
+                head.candidates(
                     peak,
                     |ds| tick.stage2_score(fill, w, ds),
                     cfg.r_max,
                     &mut near,
-                    &mut window,
+                    &mut picked,
                 );
+                window.extend(picked.iter().map(|&i| head.entries[i as usize].clone()));
             }
         }
         if window.is_empty() {
@@ -328,7 +325,7 @@ pub fn dispatch_tick(
             for (i, entry) in window.iter().enumerate() {
                 if mask & (1 << i) != 0 {
                     if let Some(head) = tick_head.as_mut() {
-                        head.remove(entry.key);
+                        head.take(picked[i]);
                     }
                     t.admit(entry, w, score, Stage::Subset);
                 }
@@ -344,7 +341,7 @@ pub fn dispatch_tick(
                 );
             let score = t.margins.score(w, sizes[i]);
             if let Some(head) = tick_head.as_mut() {
-                head.remove(window[i].key);
+                head.take(picked[i]);
             }
             t.admit(&window[i], w, score, Stage::Guard);
             done[w as usize] = true;
@@ -513,37 +510,76 @@ fn best_single(pool: &Pool, margins: &Margins, w: WorkerId) -> Option<PoolEntry>
     }
 }
 
-/// Stage 2's candidates for a worker from the tick's head: the `r_max` requests with the best
-/// single `score`, oldest first among equal scores, in arrival order. The score is concave in
-/// the prompt size with its peak at `peak`, so they are among the `r_max` largest at or below it
-/// and the `r_max` smallest above it: O(r_max·log n), not a scan of the head.
-fn nearest_candidates(
-    head: &Pool,
-    peak: f64,
-    score: impl Fn(f64) -> f64,
-    r_max: usize,
-    near: &mut Vec<(f64, u64, PoolEntry)>,
-    out: &mut Vec<PoolEntry>,
-) {
-    let limit = if peak.is_finite() {
-        peak.max(0.0).floor() as u64
-    } else {
-        u64::MAX
-    };
-    near.clear();
-    for e in head
-        .largest_at_most_n(limit, r_max)
-        .into_iter()
-        .chain(head.smallest_above_n(limit, r_max))
-    {
-        let position = head.position(e.key).unwrap_or(u64::MAX);
-        near.push((score(f64::from(e.prompt_tokens)), position, e.clone()));
+/// The tick's head for Stage 2's tick-head window: its requests in arrival order and an index
+/// of the ones not yet admitted, sorted by (size, arrival). Built once per tick in O(h log h)
+/// (h = S_tot + lookahead); a query is a binary search plus O(R_max), and an admission a
+/// binary search and a shift of a few KB, so a tick costs O(h log h + admissions·(G + R_max)).
+struct Head {
+    entries: Vec<PoolEntry>,
+    /// (prompt tokens, index in `entries`) of the requests still waiting, ascending.
+    by_size: Vec<(u32, u32)>,
+}
+
+impl Head {
+    fn new(pool: &Pool, len: usize) -> Self {
+        let entries: Vec<PoolEntry> = pool.oldest(len).cloned().collect();
+        let mut by_size: Vec<(u32, u32)> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.prompt_tokens, i as u32))
+            .collect();
+        by_size.sort_unstable();
+        Self { entries, by_size }
     }
-    near.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    near.truncate(r_max);
-    // arrival order, so best_subset's ties go to the oldest as with the paper's window
-    near.sort_by_key(|c| c.1);
-    out.extend(near.drain(..).map(|c| c.2));
+
+    /// Marks a request of the head admitted.
+    fn take(&mut self, index: u32) {
+        let key = (self.entries[index as usize].prompt_tokens, index);
+        if let Ok(at) = self.by_size.binary_search(&key) {
+            self.by_size.remove(at);
+        }
+    }
+
+    /// A worker's candidates: the `r_max` waiting requests of the head with the best single
+    /// `score`, oldest first among equal scores, left in `out` (head indices) in arrival order.
+    /// The score is concave in the prompt size with its peak at `peak`, so they are among the
+    /// `r_max` largest at or below it and the `r_max` smallest above it (each the oldest first
+    /// among equal sizes).
+    fn candidates(
+        &self,
+        peak: f64,
+        score: impl Fn(f64) -> f64,
+        r_max: usize,
+        near: &mut Vec<(f64, u32)>,
+        out: &mut Vec<u32>,
+    ) {
+        let limit = if peak.is_finite() {
+            peak.max(0.0).floor().min(f64::from(u32::MAX)) as u32
+        } else {
+            u32::MAX
+        };
+        let split = self.by_size.partition_point(|&(s, _)| s <= limit);
+        near.clear();
+        let mut push = |&(s, i): &(u32, u32)| near.push((score(f64::from(s)), i));
+        // at or below the peak: largest sizes first, each size's run oldest first
+        let (mut hi, mut below) = (split, 0);
+        while hi > 0 && below < r_max {
+            let size = self.by_size[hi - 1].0;
+            let lo = self.by_size[..hi].partition_point(|&(s, _)| s < size);
+            for e in self.by_size[lo..hi].iter().take(r_max - below) {
+                push(e);
+                below += 1;
+            }
+            hi = lo;
+        }
+        self.by_size[split..].iter().take(r_max).for_each(push);
+        near.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        near.truncate(r_max);
+        out.clear();
+        out.extend(near.iter().map(|c| c.1));
+        // arrival order, so best_subset's ties go to the oldest as with the paper's window
+        out.sort_unstable();
+    }
 }
 
 /// The non-empty subset of `sizes` with at most `max_items` members that maximises `score`

@@ -116,43 +116,6 @@ impl Pool {
         self.by_arrival.get(&seq)
     }
 
-    /// Up to `n` requests with `prompt_tokens ≤ limit`, largest first (the oldest first among
-    /// equal sizes, so recurring prompt lengths are served in arrival order).
-    pub fn largest_at_most_n(&self, limit: u64, n: usize) -> Vec<&PoolEntry> {
-        let mut out = Vec::with_capacity(n);
-        let mut hi = u32::try_from(limit).unwrap_or(u32::MAX);
-        while out.len() < n {
-            let Some(&(size, _)) = self.by_size.range(..=(hi, u64::MAX)).next_back() else {
-                break;
-            };
-            let take = n - out.len();
-            out.extend(
-                self.by_size
-                    .range((size, 0)..=(size, u64::MAX))
-                    .take(take)
-                    .filter_map(|(_, seq)| self.by_arrival.get(seq)),
-            );
-            let Some(next) = size.checked_sub(1) else {
-                break;
-            };
-            hi = next;
-        }
-        out
-    }
-
-    /// Up to `n` requests with `prompt_tokens > limit`, smallest first (oldest first among
-    /// equals).
-    pub fn smallest_above_n(&self, limit: u64, n: usize) -> Vec<&PoolEntry> {
-        if limit >= u64::from(u32::MAX) {
-            return Vec::new();
-        }
-        self.by_size
-            .range((limit as u32 + 1, 0)..)
-            .take(n)
-            .filter_map(|(_, seq)| self.by_arrival.get(seq))
-            .collect()
-    }
-
     pub fn largest(&self) -> Option<&PoolEntry> {
         let &(size, _) = self.by_size.iter().next_back()?;
         let &(_, seq) = self.by_size.range((size, 0)..).next()?;
@@ -211,12 +174,6 @@ mod tests {
         assert_eq!(p.smallest_above(500).unwrap().key, 3);
         assert_eq!(p.smallest_above(499).unwrap().key, 1);
         assert_eq!(p.largest().unwrap().key, 3);
-        let keys = |v: Vec<&PoolEntry>| v.iter().map(|e| e.key).collect::<Vec<_>>();
-        assert_eq!(keys(p.largest_at_most_n(600, 3)), vec![1, 4, 2]);
-        assert_eq!(keys(p.largest_at_most_n(600, 1)), vec![1]);
-        assert_eq!(keys(p.largest_at_most_n(99, 3)), Vec::<u64>::new());
-        assert_eq!(keys(p.smallest_above_n(100, 2)), vec![1, 4]);
-        assert_eq!(keys(p.smallest_above_n(u64::MAX, 2)), Vec::<u64>::new());
         let keys: Vec<_> = p.oldest(3).map(|e| e.key).collect();
         assert_eq!(keys, vec![1, 2, 3]);
         assert_eq!(p.remove(1).unwrap().prompt_tokens, 500);
