@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use br_core::dispatch::{ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, TieBreak};
+use br_core::dispatch::{
+    ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Window, TieBreak,
+};
 use br_core::score::HorizonParams;
 use br_core::{PolicyConfig, PolicyKind};
 use br_proto::valid::GroupId;
@@ -119,6 +121,21 @@ pub struct Args {
     /// Dispatcher: which requests Stage 1 may pick from (head-batch, whole-pool).
     #[arg(long, env = "BALANCEROUTE_STAGE1_SCOPE", value_parser = kebab::<Stage1Scope>)]
     pub stage1_scope: Option<Stage1Scope>,
+
+    /// Dispatcher: which requests Stage 2 chooses from (tick-head, oldest). Unset: the core's
+    /// default.
+    #[arg(long, env = "BALANCEROUTE_STAGE2_WINDOW", value_parser = kebab::<Stage2Window>)]
+    pub stage2_window: Option<Stage2Window>,
+
+    /// Dispatcher: up to which level Stage 2 fills a worker (mean, max). Unset: the core's
+    /// default.
+    #[arg(long, env = "BALANCEROUTE_STAGE2_FILL", value_parser = kebab::<Stage2Fill>)]
+    pub stage2_fill: Option<Stage2Fill>,
+
+    /// Dispatcher: with the tick-head window, how many requests beyond the tick's free slots
+    /// Stage 2 may choose from. Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_STAGE2_LOOKAHEAD")]
+    pub stage2_lookahead: Option<u32>,
 
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
@@ -257,6 +274,9 @@ impl Args {
                 stage1_scope: self.stage1_scope.unwrap_or(d.stage1_scope),
                 cold_start: self.cold_start.unwrap_or(d.cold_start),
                 tie_break: self.tie_break.unwrap_or(d.tie_break),
+                stage2_window: self.stage2_window.unwrap_or(d.stage2_window),
+                stage2_fill: self.stage2_fill.unwrap_or(d.stage2_fill),
+                stage2_lookahead: self.stage2_lookahead.unwrap_or(d.stage2_lookahead),
             },
             horizon: HorizonParams {
                 horizon: self.horizon.unwrap_or(h.horizon),

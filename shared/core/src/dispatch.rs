@@ -4,11 +4,14 @@
 //! Stage 1 (abundant capacity, `S_tot > S_greedy`): one request at a time, the best
 //! single-request score for one chosen worker, found in O(log n) from the pool's size index.
 //! Stage 2 (scarce capacity): workers in order of (free slots, min_h m_{g,h}); each gets the
-//! best subset of the `R_max` oldest waiting requests; when no subset scores above zero it still
-//! gets the single best one (the starvation guard), and is then done for this tick.
+//! best subset of `R_max` candidates; when no subset scores above zero it still gets the single
+//! best one (the starvation guard), and is then done for this tick. The paper's candidates are
+//! the `R_max` oldest waiting requests and its subsets fill a worker up to the max; at wide-EP
+//! scale (G = 64..128) both lose half the gain (issue 16), so by default the candidates come
+//! from the tick's head ([`Stage2Window::TickHead`]) and fill to the mean ([`Stage2Fill::Mean`]).
 //!
 //! The paper leaves three choices open; each is a [`DispatcherConfig`] field and the simulator
-//! (see tools/sim/README.md) chose the defaults.
+//! (see tools/sim/README.md) chose the defaults, as for the two Stage 2 choices above.
 
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +60,43 @@ pub enum Stage1Scope {
     HeadBatch,
 }
 
+/// Which waiting requests Stage 2 chooses each worker's subset from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Stage2Window {
+    /// The paper's wording: the `R_max` oldest waiting requests, read again after every
+    /// admission. When a tick has many free slots (a large group: G·B/mean output of them free
+    /// per step in steady state) the first workers served take the best of only `R_max`, and the
+    /// tick as a whole admits nearly in arrival order.
+    Oldest,
+    /// The tick's head: the oldest `S_tot + max(stage2_lookahead, R_max − 1)` requests when
+    /// Stage 2 starts (every request the tick could admit, plus a lookahead; the paper's window
+    /// looks `R_max − 1` past the requests it admits). Each worker's `R_max` candidates are the
+    /// ones of the head whose single scores are best for it (the sizes nearest its best size),
+    /// so every worker chooses from the whole head. A tick that fills its slots passes over at
+    /// most the lookahead, however many slots it fills.
+    TickHead,
+}
+
+/// Up to which level Stage 2 fills a worker (which of the subsets that fit under the max it
+/// prefers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Stage2Fill {
+    /// The paper's F-score alone: every token admitted below the max is worth one, so each
+    /// worker takes the largest subset that fits under the max. In a large group the max is an
+    /// extreme of G loads, nearly every admission fits under it, and the score ties at `Δs`
+    /// for every placement: workers are filled towards the max, and the many that end up near
+    /// it keep the max from falling when its own requests finish.
+    Max,
+    /// To the group's mean: the score `F_g(Q) − 2·(Δs(Q) − (L̄ − L_g))+` (L̄ the mean load of
+    /// the live workers, tracked through the tick), whose peak is at `min(m_g, L̄ − L_g)`: among
+    /// subsets that fit under the max, the one that brings the worker nearest the mean (each
+    /// token past the mean costs what a token short of it does). Equal to the F-score wherever
+    /// the mean is above the max's reach (`Δs ≤ L̄ − L_g`).
+    Mean,
+}
+
 /// How the pool-bypass router breaks ties between equal scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -79,6 +119,11 @@ pub struct DispatcherConfig {
     pub stage1_scope: Stage1Scope,
     pub cold_start: ColdStart,
     pub tie_break: TieBreak,
+    pub stage2_window: Stage2Window,
+    pub stage2_fill: Stage2Fill,
+    /// With the tick-head window: how many requests beyond the tick's free slots Stage 2 may
+    /// choose from (at least `R_max − 1`, the paper's window's reach).
+    pub stage2_lookahead: u32,
 }
 
 impl Default for DispatcherConfig {
@@ -90,11 +135,23 @@ impl Default for DispatcherConfig {
             stage1_scope: Stage1Scope::HeadBatch,
             cold_start: ColdStart::LargestFirst,
             tie_break: TieBreak::FewestRequests,
+            stage2_window: Stage2Window::TickHead,
+            stage2_fill: Stage2Fill::Mean,
+            stage2_lookahead: 15,
         }
     }
 }
 
 impl DispatcherConfig {
+    /// How many waiting requests a tick that fills its slots may pass over: the paper's
+    /// `R_max − 1`, or the tick-head window's lookahead when that is larger.
+    pub fn stage2_reach(&self) -> usize {
+        match self.stage2_window {
+            Stage2Window::Oldest => self.r_max - 1,
+            Stage2Window::TickHead => (self.stage2_lookahead as usize).max(self.r_max - 1),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), CoreError> {
         if self.r_max == 0 || self.r_max > MAX_R_MAX {
             return Err(CoreError::InvalidConfig(format!(
@@ -142,11 +199,15 @@ pub fn dispatch_tick(
     let s_greedy = cfg
         .s_greedy
         .unwrap_or(state.live_workers() * cfg.r_max as u32);
+    let live = state.live_workers().max(1);
+    let load_sum = state.live_worker_ids().map(|w| margins.load(w)).sum();
     let mut t = Tick {
         pool,
         margins,
         free,
         s_tot,
+        load_sum,
+        live: f64::from(live),
         out,
     };
 
@@ -209,31 +270,79 @@ pub fn dispatch_tick(
     // Stage 2: scarce capacity. Each worker is served until it admits with a non-positive score.
     let mut done = vec![false; t.free.len()];
     let mut window: Vec<PoolEntry> = Vec::with_capacity(cfg.r_max);
+    // With the tick-head window: the head, indexed by size, and the candidate scratch space;
+    // `picked[i]` is the head index of `window[i]`.
+    let mut tick_head = match cfg.stage2_window {
+        Stage2Window::Oldest => None,
+        Stage2Window::TickHead => {
+            let len = (t.s_tot as usize).saturating_add(cfg.stage2_reach());
+            Some(Head::new(t.pool, len))
+        }
+    };
+    let mut near: Vec<(f64, u32)> = Vec::with_capacity(2 * cfg.r_max);
+    let mut picked: Vec<u32> = Vec::with_capacity(cfg.r_max);
     while !t.pool.is_empty() {
         let Some(w) = stage2_worker(&t.free, &done, t.margins) else {
             break;
         };
+        let fill = cfg.stage2_fill;
         window.clear();
-        window.extend(t.pool.oldest(cfg.r_max).cloned());
+        match tick_head.as_ref() {
+            None => window.extend(t.pool.oldest(cfg.r_max).cloned()),
+            Some(head) => {
+                let peak = t.stage2_peak(fill, w);
+                let tick = &t;
+                head.candidates(
+                    peak,
+                    |ds| tick.stage2_score(fill, w, ds),
+                    cfg.r_max,
+                    &mut near,
+                    &mut picked,
+                );
+                window.extend(picked.iter().map(|&i| head.entries[i as usize].clone()));
+            }
+        }
+        if window.is_empty() {
+            // the head is used up (it holds at least as many requests as the tick has slots,
+            // so only when the pool held fewer)
+            break;
+        }
         let sizes: Vec<f64> = window.iter().map(|e| f64::from(e.prompt_tokens)).collect();
-        let (mask, score) = best_subset(&sizes, t.free[w as usize] as usize, |ds| {
-            t.margins.score(w, ds)
+        let (mask, _) = best_subset(&sizes, t.free[w as usize] as usize, |ds| {
+            t.stage2_score(fill, w, ds)
         });
+        // Admitted or guarded by the F-score itself (−ΔI), whatever the fill preferred.
+        let chosen: f64 = (0..sizes.len())
+            .filter(|i| mask & (1 << i) != 0)
+            .map(|i| sizes[i])
+            .sum();
+        let score = if mask == 0 {
+            f64::NEG_INFINITY
+        } else {
+            t.margins.score(w, chosen)
+        };
         if score > 0.0 {
             for (i, entry) in window.iter().enumerate() {
                 if mask & (1 << i) != 0 {
+                    if let Some(head) = tick_head.as_mut() {
+                        head.take(picked[i]);
+                    }
                     t.admit(entry, w, score, Stage::Subset);
                 }
             }
         } else {
-            let (i, score) = sizes
+            let (i, _) = sizes
                 .iter()
                 .enumerate()
-                .map(|(i, &s)| (i, t.margins.score(w, s)))
+                .map(|(i, &s)| (i, t.stage2_score(fill, w, s)))
                 .fold(
                     (0, f64::NEG_INFINITY),
                     |best, c| if c.1 > best.1 { c } else { best },
                 );
+            let score = t.margins.score(w, sizes[i]);
+            if let Some(head) = tick_head.as_mut() {
+                head.take(picked[i]);
+            }
             t.admit(&window[i], w, score, Stage::Guard);
             done[w as usize] = true;
         }
@@ -248,13 +357,41 @@ struct Tick<'a> {
     free: Vec<u32>,
     /// `S_tot`: the sum of `free`.
     s_tot: u32,
+    /// Σ of the live workers' loads, as admissions add to them (Stage 2's mean fill).
+    load_sum: f64,
+    live: f64,
     out: &'a mut Vec<Admission>,
 }
 
 impl Tick<'_> {
+    /// What Stage 2 maximises for worker w: the F-score, less (with the mean fill) twice what
+    /// `delta_s` puts the worker past the mean.
+    fn stage2_score(&self, fill: Stage2Fill, w: WorkerId, delta_s: f64) -> f64 {
+        let f = self.margins.score(w, delta_s);
+        match fill {
+            Stage2Fill::Max => f,
+            Stage2Fill::Mean => f - 2.0 * (delta_s - self.mean_gap(w)).max(0.0),
+        }
+    }
+
+    /// `L̄ − L_g` (negative above the mean).
+    fn mean_gap(&self, w: WorkerId) -> f64 {
+        self.load_sum / self.live - self.margins.load(w)
+    }
+
+    /// The prompt size Stage 2's score peaks at for worker w.
+    fn stage2_peak(&self, fill: Stage2Fill, w: WorkerId) -> f64 {
+        let peak = self.margins.best_size(w);
+        match fill {
+            Stage2Fill::Max => peak,
+            Stage2Fill::Mean => peak.min(self.mean_gap(w)),
+        }
+    }
+
     fn admit(&mut self, entry: &PoolEntry, w: WorkerId, score: f64, stage: Stage) {
         self.pool.remove(entry.key);
         self.margins.admit(w, f64::from(entry.prompt_tokens));
+        self.load_sum += f64::from(entry.prompt_tokens);
         self.free[w as usize] -= 1;
         self.s_tot -= 1;
         self.out.push(Admission {
@@ -370,6 +507,78 @@ fn best_single(pool: &Pool, margins: &Margins, w: WorkerId) -> Option<PoolEntry>
         }
         (Some(x), None) | (None, Some(x)) => Some(x.clone()),
         (None, None) => None,
+    }
+}
+
+/// The tick's head for Stage 2's tick-head window: its requests in arrival order and an index
+/// of the ones not yet admitted, sorted by (size, arrival). Built once per tick in O(h log h)
+/// (h = S_tot + lookahead); a query is a binary search plus O(R_max), and an admission a
+/// binary search and a shift of a few KB, so a tick costs O(h log h + admissions·(G + R_max)).
+struct Head {
+    entries: Vec<PoolEntry>,
+    /// (prompt tokens, index in `entries`) of the requests still waiting, ascending.
+    by_size: Vec<(u32, u32)>,
+}
+
+impl Head {
+    fn new(pool: &Pool, len: usize) -> Self {
+        let entries: Vec<PoolEntry> = pool.oldest(len).cloned().collect();
+        let mut by_size: Vec<(u32, u32)> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.prompt_tokens, i as u32))
+            .collect();
+        by_size.sort_unstable();
+        Self { entries, by_size }
+    }
+
+    /// Marks a request of the head admitted.
+    fn take(&mut self, index: u32) {
+        let key = (self.entries[index as usize].prompt_tokens, index);
+        if let Ok(at) = self.by_size.binary_search(&key) {
+            self.by_size.remove(at);
+        }
+    }
+
+    /// A worker's candidates: the `r_max` waiting requests of the head with the best single
+    /// `score`, oldest first among equal scores, left in `out` (head indices) in arrival order.
+    /// The score is concave in the prompt size with its peak at `peak`, so they are among the
+    /// `r_max` largest at or below it and the `r_max` smallest above it (each the oldest first
+    /// among equal sizes).
+    fn candidates(
+        &self,
+        peak: f64,
+        score: impl Fn(f64) -> f64,
+        r_max: usize,
+        near: &mut Vec<(f64, u32)>,
+        out: &mut Vec<u32>,
+    ) {
+        let limit = if peak.is_finite() {
+            peak.max(0.0).floor().min(f64::from(u32::MAX)) as u32
+        } else {
+            u32::MAX
+        };
+        let split = self.by_size.partition_point(|&(s, _)| s <= limit);
+        near.clear();
+        let mut push = |&(s, i): &(u32, u32)| near.push((score(f64::from(s)), i));
+        // at or below the peak: largest sizes first, each size's run oldest first
+        let (mut hi, mut below) = (split, 0);
+        while hi > 0 && below < r_max {
+            let size = self.by_size[hi - 1].0;
+            let lo = self.by_size[..hi].partition_point(|&(s, _)| s < size);
+            for e in self.by_size[lo..hi].iter().take(r_max - below) {
+                push(e);
+                below += 1;
+            }
+            hi = lo;
+        }
+        self.by_size[split..].iter().take(r_max).for_each(push);
+        near.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        near.truncate(r_max);
+        out.clear();
+        out.extend(near.iter().map(|c| c.1));
+        // arrival order, so best_subset's ties go to the oldest as with the paper's window
+        out.sort_unstable();
     }
 }
 

@@ -7,7 +7,8 @@
 use std::collections::HashSet;
 
 use br_core::dispatch::{
-    Admission, ColdStart, DispatcherConfig, Stage, Stage1Scope, Stage1Worker, TieBreak, best_subset,
+    Admission, ColdStart, DispatcherConfig, Stage, Stage1Scope, Stage1Worker, Stage2Fill,
+    Stage2Window, TieBreak, best_subset,
 };
 use br_core::predict::Oracle;
 use br_core::score::{HorizonParams, Margins, br0_score};
@@ -49,6 +50,9 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     Just(TieBreak::LeastLoaded),
                     Just(TieBreak::FewestRequests)
                 ],
+                prop_oneof![Just(Stage2Window::Oldest), Just(Stage2Window::TickHead)],
+                prop_oneof![Just(Stage2Fill::Max), Just(Stage2Fill::Mean)],
+                0u32..20,
             ),
         )
             .prop_map(
@@ -56,7 +60,17 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     capacities,
                     existing,
                     pool,
-                    (r_max, s_greedy, stage1_worker, cold_start, stage1_scope, tie_break),
+                    (
+                        r_max,
+                        s_greedy,
+                        stage1_worker,
+                        cold_start,
+                        stage1_scope,
+                        tie_break,
+                        stage2_window,
+                        stage2_fill,
+                        stage2_lookahead,
+                    ),
                 )| {
                     Scenario {
                         capacities,
@@ -69,6 +83,9 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             stage1_scope,
                             cold_start,
                             tie_break,
+                            stage2_window,
+                            stage2_fill,
+                            stage2_lookahead,
                         },
                     }
                 },
@@ -308,6 +325,9 @@ fn stage2_admits_the_best_subset_through_the_dispatcher() {
         kind: PolicyKind::Br0,
         dispatcher: DispatcherConfig {
             s_greedy: Some(100),
+            // the paper's Stage 2, which this checks (the defaults fill to the mean instead)
+            stage2_window: Stage2Window::Oldest,
+            stage2_fill: Stage2Fill::Max,
             ..Default::default()
         },
         horizon: HorizonParams::default(),
@@ -378,4 +398,162 @@ fn head_batch_scope_admits_in_arrival_order() {
         .unwrap()
         .dispatch(&mut pool2, &st, &mut out2);
     assert!(out2.iter().any(|a| a.key >= 8));
+}
+
+/// One running request per worker (load `loads[w]`, capacity `free + 1`) and `sizes` waiting.
+fn one_running_each(loads: &[u32], free: u32, sizes: &[u32]) -> (ClusterState, Pool) {
+    let mut st = ClusterState::with_workers(&vec![free + 1; loads.len()]);
+    for (w, &l) in loads.iter().enumerate() {
+        st.reserve(RequestInfo {
+            key: 1_000_000 + w as u64,
+            worker: w as u32,
+            prompt_tokens: l,
+            generated: 0,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let mut pool = Pool::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        pool.push(PoolEntry {
+            key: i as u64,
+            prompt_tokens: s,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    (st, pool)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Fairness: with the head-batch scope a tick that admits n requests takes them from the
+    /// oldest n + R_max − 1 (the paper's window passes over at most R_max − 1 per tick), and the
+    /// tick-head window from the oldest n + its reach (max(lookahead, R_max − 1)) whenever the
+    /// tick fills its slots (no starvation guard ended a worker early); either way nothing
+    /// beyond the oldest S_tot + reach is admitted.
+    #[test]
+    fn a_tick_passes_over_at_most_r_max_minus_one(sc in scenario(), brh in any::<bool>()) {
+        let mut sc = sc;
+        sc.cfg.stage1_scope = Stage1Scope::HeadBatch;
+        let kind = if brh { PolicyKind::BrH(br_core::policy::PredictorKind::Oracle) } else { PolicyKind::Br0 };
+        let (st, _, out) = run(&sc, kind);
+        let s_tot: u32 = st.workers().iter().map(|w| w.free_slots()).sum();
+        let guarded = out.iter().any(|a| a.stage == Stage::Guard);
+        // pool keys are arrival positions
+        let reach = if sc.cfg.stage2_window == Stage2Window::TickHead && guarded {
+            s_tot as usize + sc.cfg.stage2_reach()
+        } else {
+            out.len() + sc.cfg.stage2_reach()
+        };
+        for a in &out {
+            prop_assert!((a.key as usize) < reach, "{:?} admitted key {} beyond the oldest {reach}", sc.cfg, a.key);
+        }
+    }
+
+    /// The tick-head window gives the first worker Stage 2 serves the best single request of
+    /// the whole head (the oldest S_tot + lookahead), by the exact integer F-score.
+    #[test]
+    fn tick_head_first_pick_is_the_best_of_the_head(
+        loads in prop::collection::vec(1u32..60_000, 2..12),
+        sizes in prop::collection::vec(1u32..20_000, 1..40),
+        r_max in 1usize..6,
+        lookahead in 0u32..12,
+    ) {
+        let (st, mut pool) = one_running_each(&loads, 1, &sizes);
+        let cfg = PolicyConfig {
+            kind: PolicyKind::Br0,
+            dispatcher: DispatcherConfig {
+                s_greedy: Some(10_000), // Stage 2 only
+                r_max,
+                stage2_window: Stage2Window::TickHead,
+                stage2_fill: Stage2Fill::Max,
+                stage2_lookahead: lookahead,
+                ..Default::default()
+            },
+            horizon: HorizonParams::default(),
+            seed: 0,
+        };
+        let mut out = Vec::new();
+        build_policy(&cfg).unwrap().dispatch(&mut pool, &st, &mut out);
+        prop_assert!(!out.is_empty());
+        let first = &out[0];
+        // every worker has one free slot: Stage 2 serves the largest margin (least load) first
+        let g = st.live_workers();
+        let max = st.max_load();
+        let w = (0..loads.len()).min_by_key(|&w| (loads[w], w)).unwrap();
+        prop_assert_eq!(first.worker as usize, w);
+        let head = (loads.len() + (lookahead as usize).max(r_max - 1)).min(sizes.len());
+        let margin = max - u64::from(loads[w]);
+        let best = sizes[..head].iter().map(|&s| br0_score(u64::from(s), margin, g)).max().unwrap();
+        prop_assert_eq!(br0_score(u64::from(first.prompt_tokens), margin, g), best);
+    }
+}
+
+#[test]
+fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
+    // Four workers at 40_000 (the max), 30_000, 30_000 and 10_000: mean 27_500. Worker 3 alone
+    // has a free slot (margin 30_000, 17_500 short of the mean). Waiting: 20_000, 17_000, 5_000.
+    // The F-score fills to the max (20_000: F = 20_000); the mean fill takes 17_000, which
+    // leaves worker 3 nearest the mean (27_000).
+    let loads = [40_000u32, 30_000, 30_000, 10_000];
+    let mut st = ClusterState::with_workers(&[1, 1, 1, 2]);
+    for (w, &l) in loads.iter().enumerate() {
+        st.reserve(RequestInfo {
+            key: 100 + w as u64,
+            worker: w as u32,
+            prompt_tokens: l,
+            generated: 0,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let pick = |fill: Stage2Fill, window: Stage2Window| {
+        let mut pool = Pool::new();
+        for (i, s) in [20_000u32, 17_000, 5_000].into_iter().enumerate() {
+            pool.push(PoolEntry {
+                key: i as u64,
+                prompt_tokens: s,
+                prompt_hash: None,
+                oracle_output: None,
+            })
+            .unwrap();
+        }
+        let cfg = PolicyConfig {
+            kind: PolicyKind::Br0,
+            dispatcher: DispatcherConfig {
+                s_greedy: Some(100),
+                stage2_fill: fill,
+                stage2_window: window,
+                ..Default::default()
+            },
+            horizon: HorizonParams::default(),
+            seed: 0,
+        };
+        let mut out = Vec::new();
+        build_policy(&cfg)
+            .unwrap()
+            .dispatch(&mut pool, &st, &mut out);
+        let got: Vec<(u32, u32, Stage)> = out
+            .iter()
+            .map(|a| (a.worker, a.prompt_tokens, a.stage))
+            .collect();
+        got
+    };
+    for window in [Stage2Window::Oldest, Stage2Window::TickHead] {
+        assert_eq!(
+            pick(Stage2Fill::Max, window),
+            vec![(3, 20_000, Stage::Subset)]
+        );
+        assert_eq!(
+            pick(Stage2Fill::Mean, window),
+            vec![(3, 17_000, Stage::Subset)]
+        );
+    }
 }

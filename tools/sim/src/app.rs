@@ -241,8 +241,8 @@ pub fn render_spread(per_seed: &[Vec<Row>]) -> String {
         .unwrap_or(6)
         .max(6);
     let mut s = format!(
-        "mean ± standard error over seeds (s.gain%: paired, against the best baseline of the same seed and G)\n{:<width$} {:>3} {:>18} {:>18} {:>20} {:>14} {:>16}\n",
-        "policy", "G", "imbalance", "s.imbal", "steady tok/s", "s.gain%", "tpot95"
+        "mean ± standard error over seeds (s.gain%, s.gap%: paired, against the best baseline of the same seed and G)\n{:<width$} {:>3} {:>18} {:>18} {:>20} {:>14} {:>12} {:>16}\n",
+        "policy", "G", "imbalance", "s.imbal", "steady tok/s", "s.gain%", "s.gap%", "tpot95"
     );
     // per seed: steady gain over the best baseline (by steady throughput) at the same G
     let steady_gain = |rows: &Vec<Row>, i: usize| {
@@ -258,29 +258,49 @@ pub fn render_spread(per_seed: &[Vec<Row>]) -> String {
             0.0
         }
     };
+    // per seed: the share of that baseline's steady gap to its fluid limit the run removes,
+    // by efficiency (steady / steady fluid), as the table's s.gap% (report::gap_share)
+    let steady_gap = |rows: &Vec<Row>, i: usize| {
+        let (r, rx) = &rows[i];
+        let best = rows
+            .iter()
+            .filter(|b| b.0.workers == r.workers && is_baseline(&b.0.policy))
+            .max_by(|x, y| {
+                x.0.steady_throughput_tok_s
+                    .total_cmp(&y.0.steady_throughput_tok_s)
+            })?;
+        crate::report::gap_share(
+            r.steady_throughput_tok_s,
+            rx.fluid_tok_s,
+            best.0.steady_throughput_tok_s,
+            best.1.fluid_tok_s,
+        )
+    };
+    let mean_sem = |xs: &[f64]| {
+        let n = xs.len() as f64;
+        let m = xs.iter().sum::<f64>() / n;
+        let v = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+        (m, (v / n).sqrt())
+    };
     for (i, (r, _)) in first.iter().enumerate() {
         let (a, da) = sem(i, &|r| r.0.avg_imbalance);
         let (b, db) = sem(i, &|r| r.1.imbalance);
         let (c, dc) = sem(i, &|r| r.0.steady_throughput_tok_s);
         let (d, dd) = sem(i, &|r| r.0.tpot_p95_ms);
         let gains: Vec<f64> = per_seed.iter().map(|rows| steady_gain(rows, i)).collect();
-        let gm = gains.iter().sum::<f64>() / k;
-        let gv = gains.iter().map(|x| (x - gm).powi(2)).sum::<f64>() / (k - 1.0).max(1.0);
+        let (gm, gse) = mean_sem(&gains);
+        let gaps: Option<Vec<f64>> = per_seed.iter().map(|rows| steady_gap(rows, i)).collect();
+        let gap = gaps.map_or_else(
+            || format!("{:>12}", "-"),
+            |g| {
+                let (m, se) = mean_sem(&g);
+                format!("{:>5.1} ±{:>5.1}", 100.0 * m, 100.0 * se)
+            },
+        );
         let _ = writeln!(
             s,
-            "{:<width$} {:>3} {:>10.0} ±{:>6.0} {:>10.0} ±{:>6.0} {:>11.1} ±{:>7.1} {:>+7.2} ±{:>5.2} {:>8.2} ±{:>6.2}",
-            r.policy,
-            r.workers,
-            a,
-            da,
-            b,
-            db,
-            c,
-            dc,
-            gm,
-            (gv / k).sqrt(),
-            d,
-            dd
+            "{:<width$} {:>3} {:>10.0} ±{:>6.0} {:>10.0} ±{:>6.0} {:>11.1} ±{:>7.1} {:>+7.2} ±{:>5.2} {gap} {:>8.2} ±{:>6.2}",
+            r.policy, r.workers, a, da, b, db, c, dc, gm, gse, d, dd
         );
     }
     s

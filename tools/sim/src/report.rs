@@ -122,15 +122,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
         // measured as efficiency (throughput / the same run's fluid throughput), so runs whose
         // schedules differ (a pool reorders requests) are compared fairly.
         let share = |x: f64, xf: f64, base: f64, bf: f64| {
-            if xf <= 0.0 || bf <= 0.0 {
-                return "-".to_string();
-            }
-            let (ex, eb) = (x / xf, base / bf);
-            if 1.0 - eb > 1e-9 {
-                format!("{:.0}", 100.0 * (ex - eb) / (1.0 - eb))
-            } else {
-                "-".into()
-            }
+            gap_share(x, xf, base, bf).map_or("-".into(), |g| format!("{:.0}", 100.0 * g))
         };
         let (gain, gap) = best.map_or(("-".into(), "-".into()), |(_, b)| {
             (
@@ -188,11 +180,21 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
 /// balanced step times), and the share is `(e_run − e_base) / (1 − e_base)`: 0 is no better
 /// than the baseline, 1 is a perfectly balanced barrier. `None` when the baseline has no gap.
 pub fn gap_captured(run: &RunReport, base: &RunReport) -> Option<f64> {
-    if run.fluid_throughput_tok_s <= 0.0 || base.fluid_throughput_tok_s <= 0.0 {
+    gap_share(
+        run.throughput_tok_s,
+        run.fluid_throughput_tok_s,
+        base.throughput_tok_s,
+        base.fluid_throughput_tok_s,
+    )
+}
+
+/// [`gap_captured`] from the four figures (a run's throughput and its fluid limit, the
+/// baseline's and its fluid limit): the one definition the table and the seed spread share.
+pub fn gap_share(run: f64, run_fluid: f64, base: f64, base_fluid: f64) -> Option<f64> {
+    if run_fluid <= 0.0 || base_fluid <= 0.0 {
         return None;
     }
-    let er = run.throughput_tok_s / run.fluid_throughput_tok_s;
-    let eb = base.throughput_tok_s / base.fluid_throughput_tok_s;
+    let (er, eb) = (run / run_fluid, base / base_fluid);
     (1.0 - eb > 1e-9).then(|| (er - eb) / (1.0 - eb))
 }
 
