@@ -201,7 +201,7 @@ impl Watcher {
             resets: 0,
             resubscribes: 0,
         });
-        let client = SnapshotClient::new(channel)
+        let client = SnapshotClient::new(br_trace::traced(channel))
             .max_decoding_message_size(config.max_message_bytes)
             .max_encoding_message_size(config.max_message_bytes);
         let task = tokio::spawn(
@@ -258,7 +258,7 @@ enum Leave {
 }
 
 struct Task {
-    client: SnapshotClient<Channel>,
+    client: SnapshotClient<br_trace::Traced<Channel>>,
     config: WatchConfig,
     tx: mpsc::Sender<Update>,
     resync: mpsc::Receiver<()>,
