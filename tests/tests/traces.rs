@@ -51,7 +51,7 @@ fn start(bin: &'static str, otlp: &Receiver, extra: &[&str]) -> Service {
     )
 }
 
-fn one<'a>(spans: &'a [Span], what: impl Fn(&Span) -> bool) -> Option<&'a Span> {
+fn one(spans: &[Span], what: impl Fn(&Span) -> bool) -> Option<&Span> {
     spans.iter().find(|s| what(s))
 }
 
