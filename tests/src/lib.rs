@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 pub mod engine;
 pub mod freeze;
+pub mod otlp;
 pub mod pki;
 pub mod reflection;
 pub mod replicated;
@@ -143,6 +144,9 @@ pub struct Service {
     args: Vec<String>,
     /// `ulimit -n` for the process, when the test sets one.
     descriptor_limit: Option<u32>,
+    /// Environment variables the test sets for the process (after the harness's own, so they
+    /// win: `RUST_LOG`, `OTEL_BSP_SCHEDULE_DELAY`).
+    env: Vec<(String, String)>,
     /// Holds the ready file; removed with the handle.
     dir: tempfile::TempDir,
 }
@@ -151,16 +155,26 @@ impl Service {
     /// Starts `bin` on port 0 (`--listen`, `--admin-listen`) with `extra` arguments, and waits
     /// until it has written the ports it bound to its `--ready-file`.
     pub fn start(bin: &'static str, extra: &[&str]) -> Service {
-        Service::launch(bin, extra, None)
+        Service::launch(bin, extra, None, &[])
+    }
+
+    /// [`Service::start`] with environment variables set for the process.
+    pub fn start_with_env(bin: &'static str, extra: &[&str], env: &[(&str, &str)]) -> Service {
+        Service::launch(bin, extra, None, env)
     }
 
     /// [`Service::start`] with the process's descriptor limit set to `nofile` (`ulimit -n`,
     /// through `sh`, before the binary starts: it reads the limit at start).
     pub fn start_with_descriptor_limit(bin: &'static str, extra: &[&str], nofile: u32) -> Service {
-        Service::launch(bin, extra, Some(nofile))
+        Service::launch(bin, extra, Some(nofile), &[])
     }
 
-    fn launch(bin: &'static str, extra: &[&str], descriptor_limit: Option<u32>) -> Service {
+    fn launch(
+        bin: &'static str,
+        extra: &[&str],
+        descriptor_limit: Option<u32>,
+        env: &[(&str, &str)],
+    ) -> Service {
         let mut s = Service {
             name: bin,
             grpc_port: 0,
@@ -169,6 +183,10 @@ impl Service {
             child: None,
             args: extra.iter().map(|s| (*s).to_owned()).collect(),
             descriptor_limit,
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
             dir: tempfile::tempdir().expect("a temporary directory"),
         };
         s.spawn(0, 0);
@@ -209,6 +227,7 @@ impl Service {
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(if log { Stdio::inherit() } else { Stdio::null() })
             .stderr(if log { Stdio::inherit() } else { Stdio::null() })
             .spawn()
@@ -656,6 +675,8 @@ mod worker {
                 seq,
                 updates,
                 full_state,
+                traceparent: String::new(),
+                tracestate: String::new(),
             })),
         }
     }

@@ -267,6 +267,8 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
     let (tx, rx) = mpsc::channel(1);
     tx.send(v1::ChangeBatch {
         ingest_id: String::new(),
+        traceparent: String::new(),
+        tracestate: String::new(),
         batch_seq: 1,
         group: GROUP.into(),
         changes: vec![],

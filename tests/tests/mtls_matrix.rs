@@ -270,6 +270,8 @@ async fn call(m: Method, ch: Channel, aim: &Aim, n: usize) -> Result<(), Status>
                     group: GROUP.into(),
                     changes: vec![change],
                     ingest_id: String::new(),
+                    traceparent: String::new(),
+                    tracestate: String::new(),
                 };
                 tx.send(batch).await.unwrap();
                 let mut acks = SnapshotClient::new(ch)

@@ -120,6 +120,8 @@ impl Worker {
                         seq,
                         updates,
                         full_state,
+                        traceparent: String::new(),
+                        tracestate: String::new(),
                     })),
                 };
                 if tx.send(msg).await.is_err() {

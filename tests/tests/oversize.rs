@@ -76,6 +76,8 @@ async fn oversize_requests_are_resource_exhausted_on_every_kind_of_rpc() {
         .into_inner();
     tx.send(v1::ChangeBatch {
         ingest_id: String::new(),
+        traceparent: String::new(),
+        tracestate: String::new(),
         batch_seq: 1,
         group: "g".repeat(OVERSIZE),
         changes: Vec::new(),

@@ -42,6 +42,8 @@ fn progress(seq: u64, generated: u32) -> v1::WorkerReport {
                 finished: false,
                 unkeyed: false,
             }],
+            traceparent: String::new(),
+            tracestate: String::new(),
         })),
     }
 }

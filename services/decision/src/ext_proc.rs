@@ -212,6 +212,9 @@ struct Head {
     /// The request had no `x-request-id`: this one was made here and is added to it.
     generated_id: bool,
     prompt_tokens: Option<u32>,
+    /// The request's W3C trace context (`traceparent`, `tracestate`), when traces are
+    /// exported: its Assign continues the client's trace.
+    trace: br_trace::W3c,
 }
 
 /// Where a stream is.
@@ -489,11 +492,20 @@ impl Stream {
         if prompt_tokens.is_some() {
             self.count_source("header");
         }
+        let trace = if br_trace::enabled() {
+            br_trace::W3c {
+                traceparent: get(br_trace::TRACEPARENT).unwrap_or_default(),
+                tracestate: get(br_trace::TRACESTATE).unwrap_or_default(),
+            }
+        } else {
+            br_trace::W3c::default()
+        };
         Ok(Head {
             group,
             request_id,
             generated_id,
             prompt_tokens,
+            trace,
         })
     }
 
@@ -528,7 +540,8 @@ impl Stream {
         };
         let svc = self.ext.svc.clone();
         let timeout = self.ext.settings.timeout;
-        let assign = svc.assign_call(msg, timeout);
+        let span = br_trace::server_span("ext_proc Assign", head.trace.context());
+        let assign = tracing::Instrument::instrument(svc.assign_call(msg, timeout), span);
         tokio::pin!(assign);
         let result = loop {
             tokio::select! {

@@ -378,9 +378,14 @@ async fn handle(
         ROUTE_CANCEL => ROUTE_CANCEL,
         _ => ROUTE_OTHER,
     };
+    // The call continues the client's trace (`traceparent`), like a gRPC call's metadata.
+    let span = br_trace::server_span(
+        format_args!("{} {route}", req.method()),
+        br_trace::context_from_headers(req.headers()),
+    );
     let response = match route {
-        ROUTE_ASSIGN => assign(&s, &peer, req).await,
-        ROUTE_CANCEL => cancel(&s, &peer, req).await,
+        ROUTE_ASSIGN => tracing::Instrument::instrument(assign(&s, &peer, req), span).await,
+        ROUTE_CANCEL => tracing::Instrument::instrument(cancel(&s, &peer, req), span).await,
         _ => Err(JsonError::new(
             StatusCode::NOT_FOUND,
             tonic::Code::NotFound,

@@ -96,6 +96,9 @@ impl DecisionService {
             req,
             call,
             reply: tx,
+            // this call's span (the gRPC server span, or the HTTP/JSON or ext_proc one), for
+            // the link from the Reserve span that will carry its reservation
+            span: br_trace::span_context(&tracing::Span::current()),
         });
         match tokio::time::timeout_at(deadline.into(), send).await {
             Ok(r) => r?,

@@ -15,9 +15,12 @@ use std::time::{Duration, Instant};
 
 use br_proto::v1;
 use br_proto::valid::{GroupId, RequestId, ValidAssign};
+use br_trace::SpanContext;
+use rustc_hash::FxHashMap;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::error::DecisionError;
 use crate::group::{CancelOutcome, GroupCore, GroupStats, Reply, wire};
@@ -35,6 +38,8 @@ pub enum Command {
         req: ValidAssign,
         call: u64,
         reply: Reply,
+        /// The call's span when traces are exported: the tick's Reserve span links it.
+        span: Option<SpanContext>,
     },
     /// The caller `call` has gone; `undelivered`: it held an answer it never read.
     Withdraw {
@@ -185,6 +190,7 @@ async fn run(
     let mut last_tick = Instant::now();
     let mut next_timer = last_tick + ticks.interval;
     let mut shutting_down = false;
+    let mut spans = AssignSpans::default();
     loop {
         let due = if core.tick_wanted() {
             (last_tick + ticks.min_interval).min(next_timer)
@@ -202,6 +208,7 @@ async fn run(
                 last_tick = now;
                 if now >= next_timer {
                     core.housekeeping(now);
+                    spans.expire(now);
                     next_timer = now + ticks.interval;
                 }
             }
@@ -224,14 +231,14 @@ async fn run(
             }
             cmd = cmds.recv() => match cmd {
                 None => break,
-                Some(cmd) => on_command(&mut core, cmd),
+                Some(cmd) => on_command(&mut core, cmd, &mut spans),
             },
             () = shutdown.cancelled(), if !shutting_down => {
                 shutting_down = true;
                 core.shut_down();
             }
         }
-        flush(&mut core, &ops, &done_tx);
+        flush(&mut core, &ops, &done_tx, &mut spans);
     }
     tracing::debug!(group = %core.group(), "group task stopped");
 }
@@ -243,10 +250,20 @@ async fn recv_feed(feed: &mut Option<Feed>) -> Option<Update> {
     }
 }
 
-fn on_command(core: &mut GroupCore, cmd: Command) {
+fn on_command(core: &mut GroupCore, cmd: Command, spans: &mut AssignSpans) {
     let now = Instant::now();
     match cmd {
-        Command::Assign { req, call, reply } => core.assign(req, call, reply, now),
+        Command::Assign {
+            req,
+            call,
+            reply,
+            span,
+        } => {
+            if let Some(span) = span {
+                spans.insert(&req.request_id, span, now);
+            }
+            core.assign(req, call, reply, now);
+        }
         Command::Withdraw {
             id,
             call,
@@ -307,22 +324,31 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
     }
 }
 
-fn flush(core: &mut GroupCore, ops: &Arc<dyn SnapshotOps>, done: &mpsc::Sender<ReserveDone>) {
+fn flush(
+    core: &mut GroupCore,
+    ops: &Arc<dyn SnapshotOps>,
+    done: &mpsc::Sender<ReserveDone>,
+    spans: &mut AssignSpans,
+) {
     let now = Instant::now();
     while let Some(job) = core.take_reserve(now) {
         tracing::trace!(group = %core.group(), job = job.id, n = job.reservations.len(), "Reserve");
         let request = wire::reserve_request(core.group(), &job);
+        let span = reserve_span(core.group(), &job, spans);
         let ops = Arc::clone(ops);
         let done = done.clone();
-        tokio::spawn(async move {
-            let result = ops.reserve(request).await;
-            let _ = done
-                .send(ReserveDone {
-                    job: job.id,
-                    result,
-                })
-                .await;
-        });
+        tokio::spawn(
+            async move {
+                let result = ops.reserve(request).await;
+                let _ = done
+                    .send(ReserveDone {
+                        job: job.id,
+                        result,
+                    })
+                    .await;
+            }
+            .instrument(span),
+        );
     }
     if let Some(ids) = core.take_release(now) {
         let rel = wire::release_request(core.group(), ids);
@@ -335,5 +361,73 @@ fn flush(core: &mut GroupCore, ops: &Arc<dyn SnapshotOps>, done: &mpsc::Sender<R
                 tracing::debug!(group = %group, n, code = ?s.code(), error = %s.message(), "Release failed");
             }
         });
+    }
+}
+
+/// The client span of one tick's `Reserve` call (disabled, and free, when traces are not
+/// exported). The call carries it to the snapshot service, whose server span is its child.
+/// The call commits the reservations of many Assigns, which parentage cannot say, so it links
+/// the span of each Assign call it serves.
+fn reserve_span(
+    group: &GroupId,
+    job: &crate::group::ReserveJob,
+    spans: &mut AssignSpans,
+) -> tracing::Span {
+    if !br_trace::enabled() {
+        return tracing::Span::none();
+    }
+    let span = tracing::info_span!(
+        "reserve",
+        otel.name = "balanceroute.v1.Snapshot/Reserve",
+        otel.kind = "client",
+        rpc.system = "grpc",
+        rpc.service = "balanceroute.v1.Snapshot",
+        rpc.method = "Reserve",
+        group = %group,
+        job = job.id,
+        n = job.reservations.len(),
+    );
+    for r in &job.reservations {
+        br_trace::add_links(&span, spans.take(&r.request_id));
+    }
+    span
+}
+
+/// Most Assign spans remembered for their Reserve (beyond it, a call's span is not linked).
+const MAX_ASSIGN_SPANS: usize = 65_536;
+/// Most calls of one request id linked (retries of one id).
+const MAX_CALLS_PER_REQUEST: usize = 8;
+/// How long an Assign span waits for its Reserve before it is forgotten (a request answered
+/// without one: refused, withdrawn, cancelled). Longer than any pool wait.
+const ASSIGN_SPAN_TTL: Duration = Duration::from_secs(600);
+
+/// The span contexts of the Assign calls whose reservations have not gone out in a `Reserve`
+/// yet, by request id. Only filled when traces are exported; bounded in size and age.
+#[derive(Default)]
+struct AssignSpans {
+    by_id: FxHashMap<RequestId, (Vec<SpanContext>, Instant)>,
+}
+
+impl AssignSpans {
+    fn insert(&mut self, id: &RequestId, span: SpanContext, now: Instant) {
+        if let Some((calls, _)) = self.by_id.get_mut(id) {
+            if calls.len() < MAX_CALLS_PER_REQUEST {
+                calls.push(span);
+            }
+            return;
+        }
+        if self.by_id.len() < MAX_ASSIGN_SPANS {
+            self.by_id.insert(id.clone(), (vec![span], now));
+        }
+    }
+
+    /// The spans of `id`'s calls, forgotten here.
+    fn take(&mut self, id: &RequestId) -> Vec<SpanContext> {
+        self.by_id.remove(id).map(|(v, _)| v).unwrap_or_default()
+    }
+
+    fn expire(&mut self, now: Instant) {
+        self.by_id
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < ASSIGN_SPAN_TTL);
     }
 }

@@ -42,14 +42,16 @@ pub fn snapshot_channel(
 /// [`SnapshotOps`] over gRPC, each call bounded by `timeout`.
 #[derive(Clone, Debug)]
 pub struct GrpcSnapshot {
-    client: SnapshotClient<Channel>,
+    client: SnapshotClient<br_trace::Traced<Channel>>,
     timeout: Duration,
 }
 
 impl GrpcSnapshot {
     pub fn new(channel: Channel, timeout: Duration) -> Self {
         GrpcSnapshot {
-            client: SnapshotClient::new(channel),
+            // Reserve and Release carry the tick's span (its trace context) to the snapshot
+            // service
+            client: SnapshotClient::new(br_trace::traced(channel)),
             timeout,
         }
     }

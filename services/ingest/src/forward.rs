@@ -53,7 +53,14 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 pub struct Input {
     pub group: GroupId,
     pub changes: Vec<Change>,
+    /// The span of the telemetry message these changes came from, when traces are exported:
+    /// the span of the batch that carries them to the snapshot service continues its trace.
+    pub trace: Option<br_trace::SpanContext>,
 }
+
+/// Most message spans one batch span names (its parent, then links); beyond it, messages
+/// of the same tick are not linked.
+const MAX_TRACES_PER_BATCH: usize = 32;
 
 /// Forwarder settings.
 #[derive(Clone)]
@@ -170,7 +177,7 @@ async fn open_grpc(
 ) -> Result<Acks, OpenError> {
     let snapshot = Some(br_trust::Role::Snapshot);
     let channel = br_trust::tls::connect_lazy(endpoint, tls.as_ref(), snapshot);
-    let mut client = v1::snapshot_client::SnapshotClient::new(channel)
+    let mut client = v1::snapshot_client::SnapshotClient::new(br_trace::traced(channel))
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX);
     match client.apply(batches).await {
@@ -242,6 +249,7 @@ pub fn spawn(
         readiness,
         connected: connected.clone(),
         ingest_id: cfg.ingest_id.clone(),
+        traces: Vec::new(),
     };
     let task = tokio::spawn(async move {
         fwd.run(in_rx, ev_rx, cfg.batch_interval, shutdown).await;
@@ -267,6 +275,9 @@ struct Forwarder {
     readiness: Readiness,
     connected: Arc<AtomicBool>,
     ingest_id: String,
+    /// Per group, the spans of the messages absorbed since its last batch went out (at most
+    /// `MAX_TRACES_PER_BATCH`; empty unless traces are exported).
+    traces: Vec<(GroupId, Vec<br_trace::SpanContext>)>,
 }
 
 impl Forwarder {
@@ -333,6 +344,13 @@ impl Forwarder {
     }
 
     fn absorb(&mut self, input: Input, dropped: &mut Vec<crate::coalesce::WorkerRef>) {
+        if let Some(t) = input.trace {
+            match self.traces.iter_mut().find(|(g, _)| *g == input.group) {
+                Some((_, v)) if v.len() < MAX_TRACES_PER_BATCH => v.push(t),
+                Some(_) => {}
+                None => self.traces.push((input.group.clone(), vec![t])),
+            }
+        }
         for c in input.changes {
             self.buf.push(&input.group, c, dropped);
         }
@@ -404,11 +422,19 @@ impl Forwarder {
                 if inflight >= MAX_INFLIGHT || link.tx.capacity() == 0 {
                     return;
                 }
+                let traces = match self.traces.iter().position(|(g, _)| g == group) {
+                    Some(i) => self.traces.swap_remove(i).1,
+                    None => Vec::new(),
+                };
+                let span = batch_span(group, changes.len(), traces);
+                let trace = br_trace::W3c::of(&span);
                 let batch = v1::ChangeBatch {
                     batch_seq: link.sent + 1,
                     group: group.as_str().to_owned(),
                     changes: changes.iter().map(Change::to_wire).collect(),
                     ingest_id: self.ingest_id.clone(),
+                    traceparent: trace.traceparent,
+                    tracestate: trace.tracestate,
                 };
                 let workers = changes
                     .iter()
@@ -435,6 +461,34 @@ impl Forwarder {
             }
         }
     }
+}
+
+/// The span of one ChangeBatch sent (disabled, and free, when traces are not exported): a
+/// producer span, child of the first message span whose changes it carries and linking the
+/// others (a batch coalesces many messages, which parentage cannot say). Its context goes in
+/// the batch, so the snapshot service's span applying it is in the same trace.
+fn batch_span(
+    group: &GroupId,
+    changes: usize,
+    traces: Vec<br_trace::SpanContext>,
+) -> tracing::Span {
+    if !br_trace::enabled() {
+        return tracing::Span::none();
+    }
+    let span = tracing::info_span!(
+        parent: None,
+        "forward_batch",
+        otel.name = "balanceroute.v1.Snapshot/Apply batch",
+        otel.kind = "producer",
+        group = %group,
+        changes,
+    );
+    let mut traces = traces.into_iter();
+    if let Some(first) = traces.next() {
+        br_trace::child_of(&span, first);
+    }
+    br_trace::add_links(&span, traces);
+    span
 }
 
 async fn run_link(

@@ -120,10 +120,16 @@ impl TelemetryParts {
     }
 
     /// Hands changes to the forwarder; false if it stayed full for too long.
-    async fn forward(&self, group: &GroupId, changes: Vec<Change>) -> bool {
+    async fn forward(
+        &self,
+        group: &GroupId,
+        changes: Vec<Change>,
+        trace: Option<br_trace::SpanContext>,
+    ) -> bool {
         let input = Input {
             group: group.clone(),
             changes,
+            trace,
         };
         self.forwarder
             .tx
@@ -252,7 +258,9 @@ async fn run_stream(
     tracing::info!(group = %hello.group, worker = hello.worker_id, incarnation = hello.incarnation,
         capacity = hello.capacity, "worker connected");
     let group = hello.group.clone();
-    let forwarded = inner.forward(&group, vec![Change::hello(&hello)]).await;
+    let forwarded = inner
+        .forward(&group, vec![Change::hello(&hello)], None)
+        .await;
     if !forwarded {
         inner.metrics.reject("overloaded");
     }
@@ -287,12 +295,42 @@ async fn run_stream(
         incarnation,
         at_unix_ms: unix_ms(),
     };
-    if !inner.forward(&group, vec![gone]).await {
+    if !inner.forward(&group, vec![gone], None).await {
         // The snapshot service also notices through the worker's missing progress and, on a
         // restart of this ingest, through the end of the Apply stream.
         inner.metrics.reject("overloaded");
         tracing::warn!(group = %group, worker = worker_id, "could not forward a disconnect");
     }
+}
+
+/// The span of one Progress message (a telemetry batch), when traces are exported: in the
+/// trace the message names (its reporter's span), or a root of its own, never a child of the
+/// stream's span (a stream lives for hours; one trace per batch). The batch span carrying its
+/// changes to the snapshot service continues it.
+fn message_span(msg: &v1::WorkerReport, hello: &ValidHello) -> tracing::Span {
+    if !br_trace::enabled() {
+        return tracing::Span::none();
+    }
+    let Some(Kind::Progress(p)) = &msg.kind else {
+        return tracing::Span::none();
+    };
+    let span = tracing::info_span!(
+        parent: None,
+        "report_batch",
+        otel.name = "balanceroute.v1.Telemetry/Report batch",
+        otel.kind = "consumer",
+        group = %hello.group,
+        worker = hello.worker_id,
+        seq = p.seq,
+        updates = p.updates.len(),
+        full_state = p.full_state,
+    );
+    // the reporter's (a shim's) span of this message, when it sends one, is the root
+    br_trace::continue_trace(
+        &span,
+        br_trace::W3c::context_of(&p.traceparent, &p.tracestate),
+    );
+    span
 }
 
 /// The stream-ending error for a refusal of `hello`'s worker.
@@ -381,7 +419,9 @@ async fn serve_session(
             }
         };
         inner.metrics.messages.inc();
-        let reply = match session.on_message(msg, Instant::now()) {
+        let span = message_span(&msg, session.hello());
+        let trace = br_trace::span_context(&span);
+        let reply = match span.in_scope(|| session.on_message(msg, Instant::now())) {
             Step::Reply(r) => r,
             Step::End(e) => {
                 inner.end(tx, e).await;
@@ -401,7 +441,7 @@ async fn serve_session(
         if let Some(h) = &reply.new_hello {
             inner.registry.update_hello(reg, h);
         }
-        if !reply.changes.is_empty() && !inner.forward(&group, reply.changes).await {
+        if !reply.changes.is_empty() && !inner.forward(&group, reply.changes, trace).await {
             inner.metrics.reject("overloaded");
             full_state = true;
             status = v1::AckStatus::Buffered;

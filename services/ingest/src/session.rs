@@ -435,6 +435,8 @@ mod tests {
                         unkeyed: false,
                     })
                     .collect(),
+                traceparent: String::new(),
+                tracestate: String::new(),
             })),
         }
     }

@@ -66,6 +66,8 @@ fn report(seq: u64, full: bool, ups: &[(String, Cumulative)]) -> v1::WorkerRepor
                     unkeyed: false,
                 })
                 .collect(),
+            traceparent: String::new(),
+            tracestate: String::new(),
         })),
     }
 }

@@ -329,6 +329,8 @@ async fn floods_and_oversized_messages() {
             seq: 1,
             updates,
             full_state: false,
+            traceparent: String::new(),
+            tracestate: String::new(),
         })),
     };
     w.send(m).await;

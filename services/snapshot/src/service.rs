@@ -196,6 +196,26 @@ impl Snapshot for SnapshotService {
     }
 }
 
+/// The span of applying one ChangeBatch (disabled, and free, when traces are not exported):
+/// a consumer span continuing the trace the batch names (its `traceparent`).
+fn apply_span(batch: &v1::ChangeBatch) -> tracing::Span {
+    if !br_trace::enabled() {
+        return tracing::Span::none();
+    }
+    let span = tracing::info_span!(
+        "apply_batch",
+        otel.name = "balanceroute.v1.Snapshot/Apply batch",
+        otel.kind = "consumer",
+        batch_seq = batch.batch_seq,
+        changes = batch.changes.len(),
+    );
+    br_trace::continue_trace(
+        &span,
+        br_trace::W3c::context_of(&batch.traceparent, &batch.tracestate),
+    );
+    span
+}
+
 impl SnapshotService {
     /// One Apply stream: `inbound`'s batches in order, an ack per batch. The gRPC handler
     /// passes the call's request stream; the all-in-one `br-all` passes its ingest's batches
@@ -234,7 +254,11 @@ impl SnapshotService {
                         break;
                     }
                 };
-                let ack = match this.apply_batch(batch, stream, &mut last_seq).await {
+                // One span per batch, in the trace of the ingest span that sent it (the
+                // stream's own metadata was sent once, at its opening).
+                let span = apply_span(&batch);
+                let applied = this.apply_batch(batch, stream, &mut last_seq);
+                let ack = match tracing::Instrument::instrument(applied, span).await {
                     Ok(ack) => Ok(ack),
                     Err(e) => Err(this.fail(e)),
                 };

@@ -38,6 +38,8 @@ fn batch(seq: u64, step: u32) -> v1::ChangeBatch {
     }
     v1::ChangeBatch {
         ingest_id: "measure".into(),
+        traceparent: String::new(),
+        tracestate: String::new(),
         batch_seq: seq,
         group: "g".into(),
         changes,
@@ -106,6 +108,8 @@ async fn run(
     // the workers
     let hello = v1::ChangeBatch {
         ingest_id: "measure".into(),
+        traceparent: String::new(),
+        tracestate: String::new(),
         batch_seq: first_seq,
         group: "g".into(),
         changes: (0..WORKERS)

@@ -740,6 +740,8 @@ async fn bad_input_on_every_rpc_gets_a_typed_answer_and_leaves_sigma_unchanged()
     let ack = ingest
         .send_raw(v1::ChangeBatch {
             ingest_id: String::new(),
+            traceparent: String::new(),
+            tracestate: String::new(),
             batch_seq: seq,
             group: "g".into(),
             changes: vec![hello(1, 1, 1)],
@@ -880,6 +882,8 @@ async fn groups_beyond_max_groups_are_refused_and_idle_ones_reclaimed_with_their
         group: "new".into(),
         changes: vec![hello(1, 10, 4)],
         ingest_id: String::new(),
+        traceparent: String::new(),
+        tracestate: String::new(),
     })
     .await
     .unwrap();

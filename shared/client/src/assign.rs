@@ -383,7 +383,7 @@ fn retryable(s: &Status) -> bool {
 #[derive(Debug)]
 struct Replica {
     addr: String,
-    client: DecisionClient<Channel>,
+    client: DecisionClient<br_trace::Traced<Channel>>,
     health: Mutex<Health>,
 }
 
@@ -399,7 +399,8 @@ impl Replica {
     fn new(addr: String, channel: Channel) -> Replica {
         Replica {
             addr,
-            client: DecisionClient::new(channel),
+            // each Assign carries the caller's trace context (when tracing is on)
+            client: DecisionClient::new(br_trace::traced(channel)),
             health: Mutex::new(Health::default()),
         }
     }

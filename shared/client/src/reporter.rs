@@ -791,7 +791,7 @@ async fn connection(
         () = shared.close_notify.notified() => return Ended::Closed,
     };
     shared.connects.fetch_add(1, Ordering::Relaxed);
-    let mut client = v1::telemetry_client::TelemetryClient::new(channel);
+    let mut client = v1::telemetry_client::TelemetryClient::new(br_trace::traced(channel));
     let (tx, rx) = mpsc::channel::<v1::WorkerReport>(OUTBOUND_QUEUE);
 
     // Hello and the full state go first; the queue has room for both.
@@ -922,13 +922,35 @@ fn full_state(shared: &Shared, seq: &mut u64) -> v1::WorkerReport {
         .updates_sent
         .fetch_add(updates.len() as u64, Ordering::Relaxed);
     shared.full_states_sent.fetch_add(1, Ordering::Relaxed);
+    let trace = message_trace(*seq, updates.len(), true);
     v1::WorkerReport {
         kind: Some(v1::worker_report::Kind::Progress(v1::Progress {
             seq: *seq,
             updates,
             full_state: true,
+            traceparent: trace.traceparent,
+            tracestate: trace.tracestate,
         })),
     }
+}
+
+/// The trace context of one Progress message (empty unless traces are exported): the root
+/// of the message's own trace, a short producer span, which ingest's span of the message and
+/// the snapshot service's span applying its changes continue.
+fn message_trace(seq: u64, updates: usize, full_state: bool) -> br_trace::W3c {
+    if !br_trace::enabled() {
+        return br_trace::W3c::default();
+    }
+    let span = tracing::info_span!(
+        parent: None,
+        "report_batch",
+        otel.name = "balanceroute.v1.Telemetry/Report batch",
+        otel.kind = "producer",
+        seq,
+        updates,
+        full_state,
+    );
+    br_trace::W3c::of(&span)
 }
 
 fn changed_state(shared: &Shared, seq: &mut u64) -> Option<v1::WorkerReport> {
@@ -942,11 +964,14 @@ fn changed_state(shared: &Shared, seq: &mut u64) -> Option<v1::WorkerReport> {
     shared
         .updates_sent
         .fetch_add(updates.len() as u64, Ordering::Relaxed);
+    let trace = message_trace(*seq, updates.len(), false);
     Some(v1::WorkerReport {
         kind: Some(v1::worker_report::Kind::Progress(v1::Progress {
             seq: *seq,
             updates,
             full_state: false,
+            traceparent: trace.traceparent,
+            tracestate: trace.tracestate,
         })),
     })
 }

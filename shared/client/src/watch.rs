@@ -202,14 +202,14 @@ pub trait WatchSource: Send + Sync + 'static {
 /// [`WatchSource`] over a gRPC channel (which reconnects by itself).
 #[derive(Debug, Clone)]
 pub struct GrpcWatch {
-    client: SnapshotClient<Channel>,
+    client: SnapshotClient<br_trace::Traced<Channel>>,
 }
 
 impl GrpcWatch {
     /// Accepts messages up to `max_message_bytes` (a snapshot of a big group).
     pub fn new(channel: Channel, max_message_bytes: usize) -> GrpcWatch {
         GrpcWatch {
-            client: SnapshotClient::new(channel)
+            client: SnapshotClient::new(br_trace::traced(channel))
                 .max_decoding_message_size(max_message_bytes)
                 .max_encoding_message_size(max_message_bytes),
         }

@@ -188,6 +188,8 @@ async fn the_largest_group_the_snapshot_service_allows_reaches_a_watcher() {
     let mut ingest = server.ingest().await;
     let batch = |seq: u64, changes: Vec<v1::TelemetryChange>| v1::ChangeBatch {
         ingest_id: carrier.clone(),
+        traceparent: String::new(),
+        tracestate: String::new(),
         batch_seq: seq,
         group: group.clone(),
         changes,

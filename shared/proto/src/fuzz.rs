@@ -111,6 +111,8 @@ impl Target {
                         seq: 2,
                         updates: vec![progress("a", 1, false), progress("b", 7, true)],
                         full_state: true,
+                        traceparent: String::new(),
+                        tracestate: String::new(),
                     }),
                     Kind::Heartbeat(v1::Heartbeat { seq: 3 }),
                 ]

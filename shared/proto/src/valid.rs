@@ -935,6 +935,8 @@ mod tests {
             seq: 1,
             updates: vec![rp("a", 0), rp("b", 10_000_000)],
             full_state: true,
+            traceparent: String::new(),
+            tracestate: String::new(),
         };
         let v = ValidProgress::try_from(ok.clone()).expect("valid");
         assert_eq!(v.updates.len(), 2);
@@ -1008,6 +1010,8 @@ mod tests {
             seq: 9,
             updates: vec![],
             full_state: true,
+            traceparent: String::new(),
+            tracestate: String::new(),
         };
         assert!(
             ValidProgress::try_from(empty).is_ok(),

@@ -1,6 +1,8 @@
 //! Logging and tracing: `tracing` to stderr (plain or JSON, filtered by `RUST_LOG`, default
 //! `info`), plus OpenTelemetry trace export over OTLP/gRPC when an endpoint is configured (off
-//! by default).
+//! by default), which also turns on W3C trace-context propagation across processes
+//! (br-trace: every gRPC server continues its caller's trace, every client sends its own).
+//! The export batches spans for `OTEL_BSP_SCHEDULE_DELAY` ms (5000 by default).
 
 use anyhow::Context as _;
 use opentelemetry::trace::TracerProvider as _;
@@ -123,6 +125,9 @@ pub fn init(
         .context("installing the tracing subscriber")?;
 
     if let Some(ep) = &endpoint {
+        // Only now: with no exporter there is nothing to continue or send, and every call
+        // skips the propagation work (br-trace checks one flag).
+        br_trace::install();
         tracing::info!(endpoint = %ep, "exporting traces over OTLP/gRPC");
     }
     Ok(ObservabilityGuard { tracer_provider })

@@ -1,9 +1,10 @@
 //! Running a tonic server the way every BalanceRoute service does: with `grpc.health.v1.Health`
 //! (tonic-health), server reflection v1 and v1alpha (the common clients still speak v1alpha)
 //! advertising only what this port serves, an UNIMPLEMENTED answer naming the right service and
-//! binary for a call of a service served elsewhere, and a graceful shutdown: on the shutdown
-//! signal every health status turns NOT_SERVING first, the listener closes, in-flight calls
-//! drain for at most the grace period, then the server exits.
+//! binary for a call of a service served elsewhere, a server span per call that continues the
+//! caller's W3C trace context (br-trace's layer, when traces are exported), and a graceful
+//! shutdown: on the shutdown signal every health status turns NOT_SERVING first, the listener
+//! closes, in-flight calls drain for at most the grace period, then the server exits.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -311,6 +312,8 @@ impl GrpcServer {
             .http2_keepalive_interval(keepalive.map(|(i, _)| i))
             .http2_keepalive_timeout(keepalive.map(|(_, t)| t))
             .max_concurrent_streams(max_streams)
+            // Outermost: a call refused by the layers below is still in its caller's trace.
+            .layer(br_trace::ServerLayer)
             .layer(crate::oversize::OversizeLayer::new(on_oversize));
         let tls_on = tls.is_some();
         let accepted = br_trust::accept::accept(listener, accept_limits, on_accept);

@@ -35,6 +35,8 @@ impl ApplyStream {
         self.seq += 1;
         self.send_raw(v1::ChangeBatch {
             ingest_id: String::new(),
+            traceparent: String::new(),
+            tracestate: String::new(),
             batch_seq: self.seq,
             group: group.into(),
             changes,

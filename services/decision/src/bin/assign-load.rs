@@ -340,6 +340,8 @@ async fn telemetry(
         seq += 1;
         v1::ChangeBatch {
             ingest_id: "assign-load".into(),
+            traceparent: String::new(),
+            tracestate: String::new(),
             batch_seq: seq,
             group: group.clone(),
             changes: changes

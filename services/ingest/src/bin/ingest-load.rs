@@ -530,6 +530,8 @@ async fn stream(
                 seq,
                 updates,
                 full_state: false,
+                traceparent: String::new(),
+                tracestate: String::new(),
             })),
         };
         tokio::select! {

@@ -165,6 +165,8 @@ pub fn progress(seq: u64, full: bool, ups: &[(&str, u32, u32, bool)]) -> v1::Wor
                     unkeyed: false,
                 })
                 .collect(),
+            traceparent: String::new(),
+            tracestate: String::new(),
         })),
     }
 }

@@ -158,6 +158,8 @@ async fn mover(mut client: SnapshotClient<Channel>, every: Duration, stop: Durat
         group: "g".into(),
         changes,
         ingest_id: "snapshot-load".into(),
+        traceparent: String::new(),
+        tracestate: String::new(),
     };
     if tx.send(batch(seq, hello)).await.is_err() {
         return;
