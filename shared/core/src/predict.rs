@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
+use crate::RequestKey;
 use crate::state::RequestInfo;
 
 /// What a predictor says about one running request, `horizon` steps ahead.
@@ -32,6 +33,11 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn predict(&self, request: &RequestInfo, horizon: u32) -> Prediction;
     /// Learns from a finished request (online update).
     fn observe(&mut self, prompt_hash: Option<u64>, output_tokens: u32);
+    /// Whether [`Predictor::observe`] can change what it predicts (a [`PredictionCache`] is
+    /// invalidated by every observation of one that does).
+    fn learns(&self) -> bool {
+        true
+    }
 }
 
 /// `ĉ_i`: steps until the request is expected to leave, or `horizon + 1` (beyond the horizon)
@@ -45,6 +51,113 @@ pub fn expected_remaining(p: &dyn Predictor, r: &RequestInfo, horizon: u32, gate
         (1.0 - pred.p_finish) * f64::from(horizon) + pred.p_finish * pred.mean_remaining
     } else {
         f64::from(horizon) + 1.0
+    }
+}
+
+/// Each request's BR-H prediction (`⌈ĉ_i⌉` as a horizon step), kept between ticks.
+///
+/// A tick at G = 64 asks the predictor about every running request (16k of them), although
+/// between two ticks most requests did not generate a token and the predictor learned nothing.
+/// An entry is reused only when the request is exactly as it was when predicted (the whole
+/// [`RequestInfo`]: generated tokens, phase, prompt hash, …), the horizon and gate are the same
+/// and the predictor has not learned since ([`PredictionCache::invalidate`], which the policy
+/// calls from `observe_finished`). So a cached tick decides exactly as an uncached one.
+#[derive(Debug, Clone, Default)]
+pub struct PredictionCache {
+    entries: FxHashMap<RequestKey, Cached>,
+    /// Bumped when the predictor learns: every older entry is stale.
+    generation: u64,
+    tick: u64,
+    /// (horizon, gate bits) the entries were computed for.
+    params: Option<(u32, u64)>,
+    hits: u64,
+    misses: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Cached {
+    request: RequestInfo,
+    generation: u64,
+    /// The last tick that read it (entries of requests gone from σ are swept).
+    seen: u64,
+    end: usize,
+}
+
+impl PredictionCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The predictor learned (or was replaced): no entry may be reused.
+    pub fn invalidate(&mut self) {
+        self.generation = self.generation.wrapping_add(1);
+    }
+
+    /// (hits, misses) since it was made: how often a tick could skip the predictor.
+    pub fn hit_counts(&self) -> (u64, u64) {
+        (self.hits, self.misses)
+    }
+
+    /// Entries held (at most about twice the requests of the last tick).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub(crate) fn begin_tick(&mut self, params: &crate::score::HorizonParams) {
+        let p = (params.horizon, params.gate.to_bits());
+        if self.params != Some(p) {
+            self.params = Some(p);
+            self.invalidate();
+        }
+        self.tick = self.tick.wrapping_add(1);
+    }
+
+    /// The cached end of `r`, or `compute()` (then cached).
+    pub(crate) fn end(&mut self, r: &RequestInfo, compute: impl FnOnce() -> usize) -> usize {
+        let (generation, tick) = (self.generation, self.tick);
+        match self.entries.get_mut(&r.key) {
+            Some(c) if c.generation == generation && c.request == *r => {
+                c.seen = tick;
+                self.hits += 1;
+                c.end
+            }
+            Some(c) => {
+                let end = compute();
+                c.request.clone_from(r);
+                c.generation = generation;
+                c.seen = tick;
+                c.end = end;
+                self.misses += 1;
+                end
+            }
+            None => {
+                let end = compute();
+                self.entries.insert(
+                    r.key,
+                    Cached {
+                        request: r.clone(),
+                        generation,
+                        seen: tick,
+                        end,
+                    },
+                );
+                self.misses += 1;
+                end
+            }
+        }
+    }
+
+    /// Forgets requests this tick did not see, once they are as many as the live ones (so
+    /// the sweep costs O(1) per tick amortised and memory stays within 2× σ's requests).
+    pub(crate) fn end_tick(&mut self, requests: usize) {
+        if self.entries.len() > 2 * requests + 64 {
+            let tick = self.tick;
+            self.entries.retain(|_, c| c.seen == tick);
+        }
     }
 }
 
@@ -297,6 +410,10 @@ impl Predictor for Oracle {
     }
 
     fn observe(&mut self, _hash: Option<u64>, _output_tokens: u32) {}
+
+    fn learns(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]
