@@ -26,7 +26,7 @@ use crate::task::{Command, GroupHandle};
 /// The Decision gRPC service.
 #[derive(Clone)]
 pub struct DecisionService {
-    groups: Arc<FxHashMap<String, GroupHandle>>,
+    groups: Arc<FxHashMap<String, Served>>,
     metrics: Metrics,
     max_wait: Duration,
     shutdown: CancellationToken,
@@ -41,6 +41,14 @@ impl std::fmt::Debug for DecisionService {
     }
 }
 
+/// A served group: its task, and its per-call metric series looked up once (a labelled
+/// lookup hashes the label and takes a lock on every call).
+struct Served {
+    handle: GroupHandle,
+    latency: prometheus::Histogram,
+    ok: prometheus::IntCounter,
+}
+
 impl DecisionService {
     pub fn new(
         groups: impl IntoIterator<Item = GroupHandle>,
@@ -50,7 +58,17 @@ impl DecisionService {
     ) -> Self {
         let groups = groups
             .into_iter()
-            .map(|h| (h.group().to_string(), h))
+            .map(|handle| {
+                let name = handle.group().to_string();
+                let served = Served {
+                    latency: metrics.assign_latency.with_label_values(&[name.as_str()]),
+                    ok: metrics
+                        .assign_total
+                        .with_label_values(&[name.as_str(), "ok"]),
+                    handle,
+                };
+                (name, served)
+            })
             .collect();
         DecisionService {
             groups: Arc::new(groups),
@@ -63,6 +81,7 @@ impl DecisionService {
     fn group(&self, name: &str) -> Result<&GroupHandle, DecisionError> {
         self.groups
             .get(name)
+            .map(|s| &s.handle)
             .ok_or_else(|| DecisionError::UnknownGroup(name.to_owned()))
     }
 
@@ -115,28 +134,25 @@ impl DecisionService {
         let started = Instant::now();
         let timeout = timeout.min(self.max_wait);
         let deadline = started + timeout.saturating_sub(margin(timeout));
-        let group = msg.group.clone();
+        // Looked up before `msg` is consumed: no copy of the group name per call.
+        let served = self.groups.get(msg.group.as_str());
         let result = match ValidAssign::try_from(msg) {
             Ok(req) => self.do_assign(req, deadline).await,
             Err(e) => Err(e.into()),
         }
         .map(v1::AssignResponse::from);
-        let label = self.label(&group);
-        match &result {
-            Ok(resp) => {
+        match (&result, served) {
+            (Ok(resp), Some(served)) => {
                 let added = started
                     .elapsed()
                     .saturating_sub(Duration::from_micros(resp.pool_wait_us));
-                self.metrics
-                    .assign_latency
-                    .with_label_values(&[label])
-                    .observe(added.as_secs_f64());
-                self.metrics
-                    .assign_total
-                    .with_label_values(&[label, "ok"])
-                    .inc();
+                served.latency.observe(added.as_secs_f64());
+                served.ok.inc();
             }
-            Err(e) => {
+            // Only a served group gets an answer; an unknown one fails with NOT_FOUND.
+            (Ok(_), None) => {}
+            (Err(e), served) => {
+                let label = served.map_or("unknown", |s| s.handle.group().as_str());
                 self.metrics
                     .assign_total
                     .with_label_values(&[label, code_label(e.grpc_code())])
