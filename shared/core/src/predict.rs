@@ -9,7 +9,6 @@ use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
-use crate::RequestKey;
 use crate::state::RequestInfo;
 
 /// What a predictor says about one running request, `horizon` steps ahead.
@@ -62,12 +61,15 @@ pub fn expected_remaining(p: &dyn Predictor, r: &RequestInfo, horizon: u32, gate
 /// [`RequestInfo`]: generated tokens, phase, prompt hash, …), the horizon and gate are the same
 /// and the predictor has not learned since ([`PredictionCache::invalidate`], which the policy
 /// calls from `observe_finished`). So a cached tick decides exactly as an uncached one.
+///
+/// Entries sit in a table indexed by the request's slot in [`crate::ClusterState`] (a hash map
+/// keyed by request was measured slower than predicting again: docs/benchmarks.md).
 #[derive(Debug, Clone, Default)]
 pub struct PredictionCache {
-    entries: FxHashMap<RequestKey, Cached>,
+    /// By slot; an entry of a request that left is caught by the key comparison.
+    entries: Vec<Option<Cached>>,
     /// Bumped when the predictor learns: every older entry is stale.
     generation: u64,
-    tick: u64,
     /// (horizon, gate bits) the entries were computed for.
     params: Option<(u32, u64)>,
     hits: u64,
@@ -78,8 +80,6 @@ pub struct PredictionCache {
 struct Cached {
     request: RequestInfo,
     generation: u64,
-    /// The last tick that read it (entries of requests gone from σ are swept).
-    seen: u64,
     end: usize,
 }
 
@@ -98,66 +98,56 @@ impl PredictionCache {
         (self.hits, self.misses)
     }
 
-    /// Entries held (at most about twice the requests of the last tick).
+    /// Entries held (one per slot σ has had; σ's slots are reused, so this stays bounded).
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.entries.iter().filter(|e| e.is_some()).count()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len() == 0
     }
 
-    pub(crate) fn begin_tick(&mut self, params: &crate::score::HorizonParams) {
+    pub(crate) fn begin_tick(&mut self, params: &crate::score::HorizonParams, slots: usize) {
         let p = (params.horizon, params.gate.to_bits());
         if self.params != Some(p) {
             self.params = Some(p);
             self.invalidate();
         }
-        self.tick = self.tick.wrapping_add(1);
-    }
-
-    /// The cached end of `r`, or `compute()` (then cached).
-    pub(crate) fn end(&mut self, r: &RequestInfo, compute: impl FnOnce() -> usize) -> usize {
-        let (generation, tick) = (self.generation, self.tick);
-        match self.entries.get_mut(&r.key) {
-            Some(c) if c.generation == generation && c.request == *r => {
-                c.seen = tick;
-                self.hits += 1;
-                c.end
-            }
-            Some(c) => {
-                let end = compute();
-                c.request.clone_from(r);
-                c.generation = generation;
-                c.seen = tick;
-                c.end = end;
-                self.misses += 1;
-                end
-            }
-            None => {
-                let end = compute();
-                self.entries.insert(
-                    r.key,
-                    Cached {
-                        request: r.clone(),
-                        generation,
-                        seen: tick,
-                        end,
-                    },
-                );
-                self.misses += 1;
-                end
-            }
+        if self.entries.len() < slots {
+            self.entries.resize(slots, None);
+        } else {
+            // σ shrank (a new σ was installed): forget the slots it no longer has.
+            self.entries.truncate(slots);
         }
     }
 
-    /// Forgets requests this tick did not see, once they are as many as the live ones (so
-    /// the sweep costs O(1) per tick amortised and memory stays within 2× σ's requests).
-    pub(crate) fn end_tick(&mut self, requests: usize) {
-        if self.entries.len() > 2 * requests + 64 {
-            let tick = self.tick;
-            self.entries.retain(|_, c| c.seen == tick);
+    /// The cached end of `r` (in `slot`), or `compute()` (then cached).
+    pub(crate) fn end(
+        &mut self,
+        slot: usize,
+        r: &RequestInfo,
+        compute: impl FnOnce() -> usize,
+    ) -> usize {
+        let generation = self.generation;
+        let Some(entry) = self.entries.get_mut(slot) else {
+            self.misses += 1;
+            return compute();
+        };
+        if let Some(c) = entry
+            && c.generation == generation
+            && c.request == *r
+        {
+            self.hits += 1;
+            return c.end;
         }
+        let end = compute();
+        *entry = Some(Cached {
+            request: r.clone(),
+            generation,
+            end,
+        });
+        self.misses += 1;
+        end
     }
 }
 

@@ -114,7 +114,7 @@ impl Margins {
         predictor: &dyn Predictor,
     ) -> Self {
         let steps = params.horizon as usize + 1;
-        Self::project(state, params, |r| {
+        Self::project(state, params, |_, r| {
             horizon_end(predictor, r, params.horizon, params.gate, steps)
         })
     }
@@ -130,22 +130,20 @@ impl Margins {
         cache: &mut PredictionCache,
     ) -> Self {
         let steps = params.horizon as usize + 1;
-        cache.begin_tick(params);
-        let m = Self::project(state, params, |r| {
-            cache.end(r, || {
+        cache.begin_tick(params, state.slot_count());
+        Self::project(state, params, |slot, r| {
+            cache.end(slot, r, || {
                 horizon_end(predictor, r, params.horizon, params.gate, steps)
             })
-        });
-        cache.end_tick(state.request_count());
-        m
+        })
     }
 
-    /// The difference-array projection shared by both builders: `end_of(r)` is the first step
+    /// The difference-array projection shared by both builders: `end_of(slot, r)` is the first step
     /// (1..=H+1) at which request r no longer counts.
     fn project(
         state: &ClusterState,
         params: &HorizonParams,
-        mut end_of: impl FnMut(&RequestInfo) -> usize,
+        mut end_of: impl FnMut(usize, &RequestInfo) -> usize,
     ) -> Self {
         let mut m = Self::empty(state, params);
         let steps = m.steps;
@@ -157,8 +155,8 @@ impl Margins {
             }
             constant.iter_mut().for_each(|x| *x = 0.0);
             slope.iter_mut().for_each(|x| *x = 0.0);
-            for r in state.requests_of(w as WorkerId) {
-                let end = end_of(r);
+            for (slot, r) in state.slotted_requests_of(w as WorkerId) {
+                let end = end_of(slot, r);
                 let kv = r.kv_tokens() as f64;
                 constant[0] += kv;
                 constant[end] -= kv;

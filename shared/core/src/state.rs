@@ -432,6 +432,29 @@ impl ClusterState {
             .filter_map(|&s| self.slots[s as usize].as_ref().map(|slot| &slot.info))
     }
 
+    /// [`Self::requests_of`] with each request's slot: a small index, stable while the request
+    /// stays and reused after it leaves (for per-request side tables such as BR-H's
+    /// prediction cache, which must check the key).
+    pub fn slotted_requests_of(
+        &self,
+        id: WorkerId,
+    ) -> impl Iterator<Item = (usize, &RequestInfo)> + '_ {
+        self.members
+            .get(id as usize)
+            .into_iter()
+            .flatten()
+            .filter_map(|&s| {
+                self.slots[s as usize]
+                    .as_ref()
+                    .map(|slot| (s as usize, &slot.info))
+            })
+    }
+
+    /// Slots in use or free: every slot index is below this.
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
     /// Every request in σ.
     pub fn requests(&self) -> impl Iterator<Item = &RequestInfo> + '_ {
         self.slots

@@ -198,11 +198,20 @@ fn cache_reuses_only_what_is_unchanged() {
     let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
     assert_eq!(cache.hit_counts(), (199, 201));
     assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
-    // Requests that left σ are forgotten once they outnumber the live ones.
-    for key in 1..=90u64 {
-        st.remove(key).unwrap();
-    }
-    assert_eq!(cache.len(), 100);
-    let _ = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
-    assert_eq!(cache.len(), 10);
+    // A request that left leaves its slot to the next one, which is predicted anew.
+    st.remove(7).unwrap();
+    st.reserve(RequestInfo {
+        key: 1_000,
+        worker: 1,
+        prompt_tokens: 100,
+        generated: 5,
+        phase: Phase::Running,
+        prompt_hash: None,
+        oracle_output: Some(50),
+    })
+    .unwrap();
+    let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
+    assert_eq!(cache.hit_counts(), (298, 202));
+    assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
+    assert!(cache.len() <= st.slot_count());
 }
