@@ -26,7 +26,7 @@ use crate::task::{Command, GroupHandle};
 /// The Decision gRPC service.
 #[derive(Clone)]
 pub struct DecisionService {
-    groups: Arc<FxHashMap<String, Served>>,
+    groups: Arc<FxHashMap<String, GroupHandle>>,
     metrics: Metrics,
     max_wait: Duration,
     shutdown: CancellationToken,
@@ -41,14 +41,6 @@ impl std::fmt::Debug for DecisionService {
     }
 }
 
-/// A served group: its task, and its per-call metric series looked up once (a labelled
-/// lookup hashes the label and takes a lock on every call).
-struct Served {
-    handle: GroupHandle,
-    latency: prometheus::Histogram,
-    ok: prometheus::IntCounter,
-}
-
 impl DecisionService {
     pub fn new(
         groups: impl IntoIterator<Item = GroupHandle>,
@@ -58,17 +50,7 @@ impl DecisionService {
     ) -> Self {
         let groups = groups
             .into_iter()
-            .map(|handle| {
-                let name = handle.group().to_string();
-                let served = Served {
-                    latency: metrics.assign_latency.with_label_values(&[name.as_str()]),
-                    ok: metrics
-                        .assign_total
-                        .with_label_values(&[name.as_str(), "ok"]),
-                    handle,
-                };
-                (name, served)
-            })
+            .map(|h| (h.group().to_string(), h))
             .collect();
         DecisionService {
             groups: Arc::new(groups),
@@ -81,7 +63,6 @@ impl DecisionService {
     fn group(&self, name: &str) -> Result<&GroupHandle, DecisionError> {
         self.groups
             .get(name)
-            .map(|s| &s.handle)
             .ok_or_else(|| DecisionError::UnknownGroup(name.to_owned()))
     }
 
@@ -134,25 +115,28 @@ impl DecisionService {
         let started = Instant::now();
         let timeout = timeout.min(self.max_wait);
         let deadline = started + timeout.saturating_sub(margin(timeout));
-        // Looked up before `msg` is consumed: no copy of the group name per call.
-        let served = self.groups.get(msg.group.as_str());
+        let group = msg.group.clone();
         let result = match ValidAssign::try_from(msg) {
             Ok(req) => self.do_assign(req, deadline).await,
             Err(e) => Err(e.into()),
         }
         .map(v1::AssignResponse::from);
-        match (&result, served) {
-            (Ok(resp), Some(served)) => {
+        let label = self.label(&group);
+        match &result {
+            Ok(resp) => {
                 let added = started
                     .elapsed()
                     .saturating_sub(Duration::from_micros(resp.pool_wait_us));
-                served.latency.observe(added.as_secs_f64());
-                served.ok.inc();
+                self.metrics
+                    .assign_latency
+                    .with_label_values(&[label])
+                    .observe(added.as_secs_f64());
+                self.metrics
+                    .assign_total
+                    .with_label_values(&[label, "ok"])
+                    .inc();
             }
-            // Only a served group gets an answer; an unknown one fails with NOT_FOUND.
-            (Ok(_), None) => {}
-            (Err(e), served) => {
-                let label = served.map_or("unknown", |s| s.handle.group().as_str());
+            Err(e) => {
                 self.metrics
                     .assign_total
                     .with_label_values(&[label, code_label(e.grpc_code())])

@@ -15,9 +15,6 @@ use std::time::{Duration, Instant};
 
 use br_proto::v1;
 use br_proto::valid::{GroupId, RequestId, ValidAssign};
-use futures::StreamExt as _;
-use futures::future::BoxFuture;
-use futures::stream::FuturesUnordered;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -30,10 +27,6 @@ use br_client::watch::{Update, WatchHandle};
 
 /// Capacity of a group's command queue (handlers wait when it is full).
 pub const COMMAND_QUEUE: usize = 8192;
-
-/// Most queued messages of one kind (commands, σ updates) a group task takes in one turn of
-/// its loop before it looks at the others again (timers, `Reserve` outcomes, shutdown).
-const DRAIN: usize = 256;
 
 /// What handlers ask of a group task.
 #[derive(Debug)]
@@ -187,10 +180,7 @@ async fn run(
     shutdown: CancellationToken,
 ) {
     let mut placing = None;
-    // `Reserve` calls in flight, polled by this task itself: the answer wakes the task that
-    // waits for it (a spawned call would wake its own task, then this one through a channel:
-    // one more hand-off on every Assign's path).
-    let mut reserves: FuturesUnordered<BoxFuture<'static, ReserveDone>> = FuturesUnordered::new();
+    let (done_tx, mut done_rx) = mpsc::channel::<ReserveDone>(64);
     let mut feed = feed;
     let mut last_tick = Instant::now();
     let mut next_timer = last_tick + ticks.interval;
@@ -215,19 +205,13 @@ async fn run(
                     next_timer = now + ticks.interval;
                 }
             }
-            Some(done) = reserves.next(), if !reserves.is_empty() => {
+            Some(done) = done_rx.recv() => {
                 tracing::trace!(group = %core.group(), job = done.job, ok = done.result.is_ok(), "Reserve done");
                 core.on_reserve_done(done.job, wire::reserve_outcome(done.result), Instant::now());
             }
             Some(u) = recv_feed(&mut feed) => {
                 if let Some(f) = feed.as_mut() {
                     on_update(&mut core, u, f, &metrics);
-                    // σ updates that queued meanwhile join this turn: one flush (and one view
-                    // rebuild at the next decision) for the lot instead of one per delta.
-                    for _ in 1..DRAIN {
-                        let Ok(u) = f.updates.try_recv() else { break };
-                        on_update(&mut core, u, f, &metrics);
-                    }
                 }
                 // Whether it can place follows σ alone, so only σ's updates can change it.
                 if let Some(report) = on_placing.as_mut() {
@@ -240,22 +224,14 @@ async fn run(
             }
             cmd = cmds.recv() => match cmd {
                 None => break,
-                Some(cmd) => {
-                    on_command(&mut core, cmd);
-                    // The handlers' hand-off, batched: every call that queued meanwhile is
-                    // taken in this turn, so they share one tick and one `Reserve`.
-                    for _ in 1..DRAIN {
-                        let Ok(cmd) = cmds.try_recv() else { break };
-                        on_command(&mut core, cmd);
-                    }
-                }
+                Some(cmd) => on_command(&mut core, cmd),
             },
             () = shutdown.cancelled(), if !shutting_down => {
                 shutting_down = true;
                 core.shut_down();
             }
         }
-        flush(&mut core, &ops, &mut reserves);
+        flush(&mut core, &ops, &done_tx);
     }
     tracing::debug!(group = %core.group(), "group task stopped");
 }
@@ -331,23 +307,22 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
     }
 }
 
-fn flush(
-    core: &mut GroupCore,
-    ops: &Arc<dyn SnapshotOps>,
-    reserves: &mut FuturesUnordered<BoxFuture<'static, ReserveDone>>,
-) {
+fn flush(core: &mut GroupCore, ops: &Arc<dyn SnapshotOps>, done: &mpsc::Sender<ReserveDone>) {
     let now = Instant::now();
     while let Some(job) = core.take_reserve(now) {
         tracing::trace!(group = %core.group(), job = job.id, n = job.reservations.len(), "Reserve");
         let request = wire::reserve_request(core.group(), &job);
-        let call = ops.reserve(request);
-        let job = job.id;
-        reserves.push(Box::pin(async move {
-            ReserveDone {
-                job,
-                result: call.await,
-            }
-        }));
+        let ops = Arc::clone(ops);
+        let done = done.clone();
+        tokio::spawn(async move {
+            let result = ops.reserve(request).await;
+            let _ = done
+                .send(ReserveDone {
+                    job: job.id,
+                    result,
+                })
+                .await;
+        });
     }
     if let Some(ids) = core.take_release(now) {
         let rel = wire::release_request(core.group(), ids);

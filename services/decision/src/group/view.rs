@@ -449,12 +449,11 @@ impl SigmaView {
                 self.estimate.remove(k);
             }
             if let Some(estimated) = self.estimate.cluster() {
-                self.view.clone_from(estimated);
+                self.view = estimated.clone();
             }
             return did;
         }
-        // Reuses the view's allocations: this runs after every σ change a decision sees.
-        self.view.clone_from(sigma.cluster());
+        self.view = sigma.cluster().clone();
         own.drop_void(sigma);
         for (key, res, current) in own.for_view(sigma) {
             // One on a suspect worker cannot be placed (the view refuses new work for it) and
