@@ -2,8 +2,15 @@
 //! full pool), at the paper's setting (G = 8, R_max = 4, 256 waiting), at G = 64 with 4,096
 //! waiting, and at wide-EP scale (G = 128, 8,192 waiting; issue 16's budget is 1 ms at p99,
 //! measured by `examples/tick_percentiles.rs`). Run: `cargo bench -p br-core --bench dispatcher`.
+//!
+//! BR-H is measured twice: through the policy (its prediction cache is warm after the first
+//! iteration, as between ticks on an unchanged σ) and `uncached` (`Margins::horizon` +
+//! `dispatch_tick`: every running request predicted each tick, as before the cache).
 
 use br_core::bench_support::steady_state;
+use br_core::dispatch::dispatch_tick;
+use br_core::predict::Oracle;
+use br_core::score::Margins;
 use br_core::{PolicyConfig, PolicyKind, build_policy};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 
@@ -33,6 +40,23 @@ fn tick(c: &mut Criterion) {
                 },
             );
         }
+        let cfg = PolicyConfig::new(PolicyKind::BrH(br_core::policy::PredictorKind::Oracle));
+        group.bench_function(
+            format!("brh-oracle-uncached/G{workers}/waiting{waiting}"),
+            |b| {
+                let mut out = Vec::with_capacity(1024);
+                b.iter_batched(
+                    || pool.clone(),
+                    |mut p| {
+                        out.clear();
+                        let mut m = Margins::horizon(&state, &cfg.horizon, &Oracle);
+                        dispatch_tick(&cfg.dispatcher, &mut p, &state, &mut m, &mut out);
+                        out.len()
+                    },
+                    BatchSize::SmallInput,
+                );
+            },
+        );
     }
     group.finish();
 }

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dispatch::{Admission, DispatcherConfig, dispatch_tick, route_bypass};
 use crate::pool::{Pool, PoolEntry};
-use crate::predict::{ExactMatch, Oracle, Predictor, Survival};
+use crate::predict::{ExactMatch, Oracle, PredictionCache, Predictor, Survival};
 use crate::score::{HorizonParams, Margins};
 use crate::state::{ClusterState, WorkerInfo};
 use crate::{CoreError, WorkerId};
@@ -233,6 +233,7 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
             kind: cfg.kind,
             cfg: cfg.clone(),
             predictor: None,
+            cache: PredictionCache::new(),
         }),
         PolicyKind::Br0Bypass => Box::new(Br0Bypass {
             cfg: cfg.dispatcher,
@@ -247,6 +248,7 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
                 kind: cfg.kind,
                 cfg: cfg.clone(),
                 predictor: Some(predictor),
+                cache: PredictionCache::new(),
             })
         }
     })
@@ -386,6 +388,8 @@ struct BalanceRoute {
     kind: PolicyKind,
     cfg: PolicyConfig,
     predictor: Option<Box<dyn Predictor>>,
+    /// BR-H: each request's prediction between ticks (unused by BR-0).
+    cache: PredictionCache,
 }
 
 impl Policy for BalanceRoute {
@@ -404,13 +408,18 @@ impl Policy for BalanceRoute {
         }
         let mut margins = match &self.predictor {
             None => Margins::br0(state),
-            Some(p) => Margins::horizon(state, &self.cfg.horizon, p.as_ref()),
+            Some(p) => {
+                Margins::horizon_cached(state, &self.cfg.horizon, p.as_ref(), &mut self.cache)
+            }
         };
         dispatch_tick(&self.cfg.dispatcher, pool, state, &mut margins, out);
     }
     fn observe_finished(&mut self, prompt_hash: Option<u64>, output_tokens: u32) {
         if let Some(p) = self.predictor.as_mut() {
             p.observe(prompt_hash, output_tokens);
+            if p.learns() {
+                self.cache.invalidate();
+            }
         }
     }
 }

@@ -32,6 +32,11 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn predict(&self, request: &RequestInfo, horizon: u32) -> Prediction;
     /// Learns from a finished request (online update).
     fn observe(&mut self, prompt_hash: Option<u64>, output_tokens: u32);
+    /// Whether [`Predictor::observe`] can change what it predicts (a [`PredictionCache`] is
+    /// invalidated by every observation of one that does).
+    fn learns(&self) -> bool {
+        true
+    }
 }
 
 /// `ĉ_i`: steps until the request is expected to leave, or `horizon + 1` (beyond the horizon)
@@ -45,6 +50,104 @@ pub fn expected_remaining(p: &dyn Predictor, r: &RequestInfo, horizon: u32, gate
         (1.0 - pred.p_finish) * f64::from(horizon) + pred.p_finish * pred.mean_remaining
     } else {
         f64::from(horizon) + 1.0
+    }
+}
+
+/// Each request's BR-H prediction (`⌈ĉ_i⌉` as a horizon step), kept between ticks.
+///
+/// A tick at G = 64 asks the predictor about every running request (16k of them), although
+/// between two ticks most requests did not generate a token and the predictor learned nothing.
+/// An entry is reused only when the request is exactly as it was when predicted (the whole
+/// [`RequestInfo`]: generated tokens, phase, prompt hash, …), the horizon and gate are the same
+/// and the predictor has not learned since ([`PredictionCache::invalidate`], which the policy
+/// calls from `observe_finished`). So a cached tick decides exactly as an uncached one.
+///
+/// Entries sit in a table indexed by the request's slot in [`crate::ClusterState`] (a hash map
+/// keyed by request was measured slower than predicting again: docs/benchmarks.md).
+#[derive(Debug, Clone, Default)]
+pub struct PredictionCache {
+    /// By slot; an entry of a request that left is caught by the key comparison.
+    entries: Vec<Option<Cached>>,
+    /// Bumped when the predictor learns: every older entry is stale.
+    generation: u64,
+    /// (horizon, gate bits) the entries were computed for.
+    params: Option<(u32, u64)>,
+    hits: u64,
+    misses: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Cached {
+    request: RequestInfo,
+    generation: u64,
+    end: usize,
+}
+
+impl PredictionCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The predictor learned (or was replaced): no entry may be reused.
+    pub fn invalidate(&mut self) {
+        self.generation = self.generation.wrapping_add(1);
+    }
+
+    /// (hits, misses) since it was made: how often a tick could skip the predictor.
+    pub fn hit_counts(&self) -> (u64, u64) {
+        (self.hits, self.misses)
+    }
+
+    /// Entries held (one per slot σ has had; σ's slots are reused, so this stays bounded).
+    pub fn len(&self) -> usize {
+        self.entries.iter().filter(|e| e.is_some()).count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn begin_tick(&mut self, params: &crate::score::HorizonParams, slots: usize) {
+        let p = (params.horizon, params.gate.to_bits());
+        if self.params != Some(p) {
+            self.params = Some(p);
+            self.invalidate();
+        }
+        if self.entries.len() < slots {
+            self.entries.resize(slots, None);
+        } else {
+            // σ shrank (a new σ was installed): forget the slots it no longer has.
+            self.entries.truncate(slots);
+        }
+    }
+
+    /// The cached end of `r` (in `slot`), or `compute()` (then cached).
+    pub(crate) fn end(
+        &mut self,
+        slot: usize,
+        r: &RequestInfo,
+        compute: impl FnOnce() -> usize,
+    ) -> usize {
+        let generation = self.generation;
+        let Some(entry) = self.entries.get_mut(slot) else {
+            self.misses += 1;
+            return compute();
+        };
+        if let Some(c) = entry
+            && c.generation == generation
+            && c.request == *r
+        {
+            self.hits += 1;
+            return c.end;
+        }
+        let end = compute();
+        *entry = Some(Cached {
+            request: r.clone(),
+            generation,
+            end,
+        });
+        self.misses += 1;
+        end
     }
 }
 
@@ -297,6 +400,10 @@ impl Predictor for Oracle {
     }
 
     fn observe(&mut self, _hash: Option<u64>, _output_tokens: u32) {}
+
+    fn learns(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@
 //! their maxima, and the discount vector. Admitting a subset updates it in O(H), so a tick that
 //! admits many requests never rebuilds it.
 
-use crate::predict::{Predictor, expected_remaining};
-use crate::state::ClusterState;
+use crate::predict::{PredictionCache, Predictor, expected_remaining};
+use crate::state::{ClusterState, RequestInfo};
 use crate::{Phase, WorkerId};
 
 /// BR-0 in exact integer arithmetic (the algebra's reference form).
@@ -64,8 +64,21 @@ impl HorizonParams {
     }
 }
 
+/// The first horizon step (1..=`steps`) at which request r no longer counts: `⌈ĉ_i⌉`, at
+/// least 1 (it counts now), at most the horizon's end.
+fn horizon_end(
+    predictor: &dyn Predictor,
+    r: &RequestInfo,
+    horizon: u32,
+    gate: f64,
+    steps: usize,
+) -> usize {
+    let remaining = expected_remaining(predictor, r, horizon, gate);
+    (remaining.ceil().max(1.0) as usize).min(steps)
+}
+
 /// One tick's projected loads and margins.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Margins {
     steps: usize,
     /// `loads[w * steps + h]`: projected load of worker w, h steps ahead.
@@ -93,11 +106,44 @@ impl Margins {
     }
 
     /// BR-H margins: each request's load `w_i + h` counts at step h while it is predicted to run
-    /// (`h < ĉ_i`). Built with difference arrays in O(requests + G·H).
+    /// (`h < ĉ_i`). Built with difference arrays in O(requests + G·H). Asks the predictor about
+    /// every request; a policy that ticks repeatedly uses [`Margins::horizon_cached`].
     pub fn horizon(
         state: &ClusterState,
         params: &HorizonParams,
         predictor: &dyn Predictor,
+    ) -> Self {
+        let steps = params.horizon as usize + 1;
+        Self::project(state, params, |_, r| {
+            horizon_end(predictor, r, params.horizon, params.gate, steps)
+        })
+    }
+
+    /// [`Margins::horizon`], asking the predictor only about requests whose prediction is not
+    /// in `cache` (new ones, ones that generated a token since, or all of them after the
+    /// predictor learned). Equal to the uncached margins by construction: the cache holds
+    /// exactly the value the predictor would give again (see [`PredictionCache`]).
+    pub fn horizon_cached(
+        state: &ClusterState,
+        params: &HorizonParams,
+        predictor: &dyn Predictor,
+        cache: &mut PredictionCache,
+    ) -> Self {
+        let steps = params.horizon as usize + 1;
+        cache.begin_tick(params, state.slot_count());
+        Self::project(state, params, |slot, r| {
+            cache.end(slot, r, || {
+                horizon_end(predictor, r, params.horizon, params.gate, steps)
+            })
+        })
+    }
+
+    /// The difference-array projection shared by both builders: `end_of(slot, r)` is the first step
+    /// (1..=H+1) at which request r no longer counts.
+    fn project(
+        state: &ClusterState,
+        params: &HorizonParams,
+        mut end_of: impl FnMut(usize, &RequestInfo) -> usize,
     ) -> Self {
         let mut m = Self::empty(state, params);
         let steps = m.steps;
@@ -109,9 +155,8 @@ impl Margins {
             }
             constant.iter_mut().for_each(|x| *x = 0.0);
             slope.iter_mut().for_each(|x| *x = 0.0);
-            for r in state.requests_of(w as WorkerId) {
-                let remaining = expected_remaining(predictor, r, params.horizon, params.gate);
-                let end = (remaining.ceil().max(1.0) as usize).min(steps);
+            for (slot, r) in state.slotted_requests_of(w as WorkerId) {
+                let end = end_of(slot, r);
                 let kv = r.kv_tokens() as f64;
                 constant[0] += kv;
                 constant[end] -= kv;

@@ -92,7 +92,10 @@ struct Slot {
 }
 
 /// σ for one group. All mutations are O(1) amortised plus O(log G) for the max/min tree.
-#[derive(Debug, Clone)]
+///
+/// `clone_from` reuses the target's allocations (a derived `Clone` would allocate anew): the
+/// decision service copies σ into its view after every σ change.
+#[derive(Debug)]
 pub struct ClusterState {
     workers: Vec<WorkerInfo>,
     slots: Vec<Option<Slot>>,
@@ -101,6 +104,30 @@ pub struct ClusterState {
     members: Vec<Vec<u32>>,
     tree: LoadTree,
     live_workers: u32,
+}
+
+impl Clone for ClusterState {
+    fn clone(&self) -> Self {
+        Self {
+            workers: self.workers.clone(),
+            slots: self.slots.clone(),
+            free_slots: self.free_slots.clone(),
+            index: self.index.clone(),
+            members: self.members.clone(),
+            tree: self.tree.clone(),
+            live_workers: self.live_workers,
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.workers.clone_from(&source.workers);
+        self.slots.clone_from(&source.slots);
+        self.free_slots.clone_from(&source.free_slots);
+        self.index.clone_from(&source.index);
+        self.members.clone_from(&source.members);
+        self.tree.clone_from(&source.tree);
+        self.live_workers = source.live_workers;
+    }
 }
 
 impl Default for ClusterState {
@@ -403,6 +430,29 @@ impl ClusterState {
             .into_iter()
             .flatten()
             .filter_map(|&s| self.slots[s as usize].as_ref().map(|slot| &slot.info))
+    }
+
+    /// [`Self::requests_of`] with each request's slot: a small index, stable while the request
+    /// stays and reused after it leaves (for per-request side tables such as BR-H's
+    /// prediction cache, which must check the key).
+    pub fn slotted_requests_of(
+        &self,
+        id: WorkerId,
+    ) -> impl Iterator<Item = (usize, &RequestInfo)> + '_ {
+        self.members
+            .get(id as usize)
+            .into_iter()
+            .flatten()
+            .filter_map(|&s| {
+                self.slots[s as usize]
+                    .as_ref()
+                    .map(|slot| (s as usize, &slot.info))
+            })
+    }
+
+    /// Slots in use or free: every slot index is below this.
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
     }
 
     /// Every request in σ.

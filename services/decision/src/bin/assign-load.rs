@@ -13,6 +13,12 @@
 //! updates per second in 1 ms batches, and finishes each request `--hold` after its answer, so
 //! σ stays bounded. `--workers 0` leaves telemetry to a real ingest/shim/emulator setup.
 //!
+//! Many groups: `--groups N` (N > 1) spreads the calls uniformly over the groups
+//! `<--group>-0` … `<--group>-(N-1)` (start br-decision with the same `--groups` list) and
+//! plays `--workers` fake workers in each of them; the progress events are spread over every
+//! group's running requests. Latencies are reported over all groups and per-group p99's
+//! spread.
+//!
 //! Mutual TLS: `--tls-cert/--tls-key/--tls-ca` is the identity `Assign` is called with (the
 //! gateway's, e.g. `gateway.pem` from `scripts/dev-certs.sh`); the decision service is verified
 //! as role decision. Only an ingest may call the snapshot service's `Apply`, so the telemetry
@@ -53,6 +59,9 @@ struct Opts {
     snapshot_addr: String,
     #[arg(long, default_value = "default")]
     group: String,
+    /// Spread the calls over this many groups, named `<group>-<i>` when more than one.
+    #[arg(long, default_value_t = 1)]
+    groups: u32,
     /// Assign calls per second (open loop).
     #[arg(long, default_value_t = 5000.0)]
     rate: f64,
@@ -106,8 +115,18 @@ struct Sample {
 }
 
 enum Outcome {
-    Ok(Sample, String, u32, u64),
+    /// The sample, the request id, the group's index, the worker and its incarnation.
+    Ok(Sample, String, usize, u32, u64),
     Err(tonic::Code),
+}
+
+/// The group names the load goes to.
+fn group_names(group: &str, n: u32) -> Vec<String> {
+    if n <= 1 {
+        vec![group.to_owned()]
+    } else {
+        (0..n).map(|i| format!("{group}-{i}")).collect()
+    }
 }
 
 #[tokio::main]
@@ -140,6 +159,8 @@ async fn main() -> anyhow::Result<()> {
         _ => None,
     };
     anyhow::ensure!(o.max_attempts >= 1, "--max-attempts must be at least 1");
+    anyhow::ensure!(o.groups >= 1, "--groups must be at least 1");
+    let groups = Arc::new(group_names(&o.group, o.groups));
     let options = br_client::assign::ClientOptions {
         selection: o.selection,
         ..Default::default()
@@ -152,12 +173,12 @@ async fn main() -> anyhow::Result<()> {
         });
 
     // Telemetry side: hello, then running / progress / finished in 1 ms batches.
-    let (assigned_tx, assigned_rx) = mpsc::channel::<(String, u32, u64, u32)>(65_536);
+    let (assigned_tx, assigned_rx) = mpsc::channel::<Assigned>(65_536);
     let telemetry = if o.workers > 0 {
         Some(tokio::spawn(telemetry(
             o.snapshot_addr.clone(),
             apply_tls,
-            o.group.clone(),
+            Arc::clone(&groups),
             o.workers,
             o.capacity,
             o.progress_events,
@@ -186,8 +207,13 @@ async fn main() -> anyhow::Result<()> {
         tokio::spawn(async move {
             let mut out = Vec::new();
             while let Some(r) = res_rx.recv().await {
-                if let Outcome::Ok(_, id, w, inc) = &r {
-                    let _ = assigned_tx.try_send((id.clone(), *w, *inc, 0));
+                if let Outcome::Ok(_, id, g, w, inc) = &r {
+                    let _ = assigned_tx.try_send(Assigned {
+                        id: id.clone(),
+                        group: *g,
+                        worker: *w,
+                        incarnation: *inc,
+                    });
                 }
                 out.push(r);
             }
@@ -209,8 +235,9 @@ async fn main() -> anyhow::Result<()> {
                 continue;
             };
             let prompt = rand::rng().random_range(o.prompt_min..=o.prompt_max);
+            let g = rand::rng().random_range(0..groups.len());
             let params =
-                AssignParams::new(o.group.clone(), format!("load-{run:08x}-{sent}"), prompt);
+                AssignParams::new(groups[g].clone(), format!("load-{run:08x}-{sent}"), prompt);
             let client = client.clone();
             let tx = res_tx.clone();
             let deadline = o.deadline;
@@ -227,6 +254,7 @@ async fn main() -> anyhow::Result<()> {
                             stale: a.stale,
                         },
                         params.request_id,
+                        g,
                         a.worker_id,
                         a.incarnation,
                     ),
@@ -250,13 +278,17 @@ async fn main() -> anyhow::Result<()> {
     let mut added = latency_histogram()?;
     let mut client_lat = latency_histogram()?;
     let mut waits = latency_histogram()?;
+    let mut per_group: Vec<Histogram<u64>> = (0..groups.len())
+        .map(|_| latency_histogram())
+        .collect::<anyhow::Result<_>>()?;
     let mut errors: std::collections::BTreeMap<String, u64> = Default::default();
     let mut stale = 0u64;
     let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
     for r in &results {
         match r {
-            Outcome::Ok(s, ..) if s.at >= counted_from => {
+            Outcome::Ok(s, _, g, ..) if s.at >= counted_from => {
                 added.saturating_record(us(s.latency.saturating_sub(s.pool_wait)));
+                per_group[*g].saturating_record(us(s.latency.saturating_sub(s.pool_wait)));
                 client_lat.saturating_record(us(s.latency));
                 waits.saturating_record(us(s.pool_wait));
                 stale += u64::from(s.stale);
@@ -277,6 +309,22 @@ async fn main() -> anyhow::Result<()> {
     report("added latency (client - pool_wait)", &added);
     report("client-observed latency", &client_lat);
     report("pool wait (from responses)", &waits);
+    if groups.len() > 1 {
+        let mut p99s: Vec<u64> = per_group
+            .iter()
+            .filter(|h| !h.is_empty())
+            .map(|h| h.value_at_quantile(0.99))
+            .collect();
+        p99s.sort_unstable();
+        if let (Some(lo), Some(hi)) = (p99s.first(), p99s.last()) {
+            println!(
+                "added latency p99 per group: min {lo} µs, median {} µs, max {hi} µs ({} of {} groups answered)",
+                p99s[p99s.len() / 2],
+                p99s.len(),
+                groups.len()
+            );
+        }
+    }
     Ok(())
 }
 
@@ -302,6 +350,14 @@ fn report(what: &str, h: &Histogram<u64>) {
     );
 }
 
+/// An answered call, for the telemetry side to report as running on its worker.
+struct Assigned {
+    id: String,
+    group: usize,
+    worker: u32,
+    incarnation: u64,
+}
+
 /// One running request the telemetry side reports.
 struct Active {
     id: String,
@@ -312,17 +368,18 @@ struct Active {
     finish_at: Instant,
 }
 
-/// Plays `workers` workers on one Apply stream (as ingest would after coalescing).
+/// Plays `workers` workers of each group on one Apply stream (as ingest would after
+/// coalescing): one batch per group and millisecond.
 #[allow(clippy::too_many_arguments)]
 async fn telemetry(
     addr: String,
     tls: Option<Arc<br_trust::tls::TlsMaterial>>,
-    group: String,
+    groups: Arc<Vec<String>>,
     workers: u32,
     capacity: u32,
     events_per_sec: u64,
     hold: Duration,
-    mut assigned: mpsc::Receiver<(String, u32, u64, u32)>,
+    mut assigned: mpsc::Receiver<Assigned>,
 ) -> anyhow::Result<()> {
     let endpoint = tonic::transport::Endpoint::from_shared(addr.clone())
         .context("--snapshot-addr")?
@@ -336,82 +393,95 @@ async fn telemetry(
     tokio::spawn(async move { while let Ok(Some(_)) = acks.message().await {} });
     let incarnation = rand::rng().random_range(1..u64::MAX / 2);
     let mut seq = 0u64;
-    let mut send = |changes: Vec<T>| {
+    let mut send = |group: &str, changes: Vec<T>| {
         seq += 1;
         v1::ChangeBatch {
             ingest_id: "assign-load".into(),
             traceparent: String::new(),
             tracestate: String::new(),
             batch_seq: seq,
-            group: group.clone(),
+            group: group.to_owned(),
             changes: changes
                 .into_iter()
                 .map(|k| v1::TelemetryChange { kind: Some(k) })
                 .collect(),
         }
     };
-    let hello = (0..workers)
-        .map(|w| {
-            T::WorkerHello(v1::telemetry_change::WorkerHello {
-                worker_id: w,
-                incarnation: incarnation + u64::from(w),
-                capacity,
-                endpoint: String::new(),
+    for group in groups.iter() {
+        let hello = (0..workers)
+            .map(|w| {
+                T::WorkerHello(v1::telemetry_change::WorkerHello {
+                    worker_id: w,
+                    incarnation: incarnation + u64::from(w),
+                    capacity,
+                    endpoint: String::new(),
+                })
             })
-        })
-        .collect();
-    tx.send(send(hello)).await?;
-    let mut active: VecDeque<Active> = VecDeque::new();
+            .collect();
+        tx.send(send(group, hello)).await?;
+    }
+    // Per group: its running requests, oldest first, and the round-robin cursor.
+    let mut active: Vec<VecDeque<Active>> = (0..groups.len()).map(|_| VecDeque::new()).collect();
+    let mut cursor = vec![0usize; groups.len()];
     let per_ms = (events_per_sec / 1000).max(1) as usize;
-    let mut cursor = 0usize;
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tick.tick().await;
         let now = Instant::now();
-        let mut changes = Vec::new();
-        while let Ok((id, worker, inc, _)) = assigned.try_recv() {
-            active.push_back(Active {
-                id,
-                worker,
-                incarnation: inc,
+        while let Ok(a) = assigned.try_recv() {
+            active[a.group].push_back(Active {
+                id: a.id,
+                worker: a.worker,
+                incarnation: a.incarnation,
                 prompt: 0,
                 generated: 0,
                 finish_at: now + hold,
             });
         }
-        // Finished ones (oldest first).
-        while active.front().is_some_and(|a| a.finish_at <= now) {
-            if let Some(a) = active.pop_front() {
+        let running: usize = active.iter().map(VecDeque::len).sum();
+        for (g, group) in groups.iter().enumerate() {
+            let mut changes = Vec::new();
+            let active = &mut active[g];
+            // Finished ones (oldest first).
+            while active.front().is_some_and(|a| a.finish_at <= now) {
+                if let Some(a) = active.pop_front() {
+                    changes.push(T::RequestProgress(v1::telemetry_change::RequestProgress {
+                        worker_id: a.worker,
+                        incarnation: a.incarnation,
+                        request_id: a.id,
+                        prompt_tokens: a.prompt,
+                        generated_tokens: a.generated.max(1),
+                        finished: true,
+                        unkeyed: false,
+                    }));
+                }
+            }
+            // Progress of running ones, round robin; the events of this millisecond are
+            // shared among the groups by how many requests each runs.
+            let n = active.len();
+            let share = if running == 0 {
+                0
+            } else {
+                (per_ms * n).div_ceil(running)
+            };
+            for _ in 0..share.min(n) {
+                cursor[g] = (cursor[g] + 1) % n;
+                let a = &mut active[cursor[g]];
+                a.generated += 1;
                 changes.push(T::RequestProgress(v1::telemetry_change::RequestProgress {
                     worker_id: a.worker,
                     incarnation: a.incarnation,
-                    request_id: a.id,
+                    request_id: a.id.clone(),
                     prompt_tokens: a.prompt,
-                    generated_tokens: a.generated.max(1),
-                    finished: true,
+                    generated_tokens: a.generated,
+                    finished: false,
                     unkeyed: false,
                 }));
             }
-        }
-        // Progress of running ones, round robin.
-        let n = active.len();
-        for _ in 0..per_ms.min(n) {
-            cursor = (cursor + 1) % n;
-            let a = &mut active[cursor];
-            a.generated += 1;
-            changes.push(T::RequestProgress(v1::telemetry_change::RequestProgress {
-                worker_id: a.worker,
-                incarnation: a.incarnation,
-                request_id: a.id.clone(),
-                prompt_tokens: a.prompt,
-                generated_tokens: a.generated,
-                finished: false,
-                unkeyed: false,
-            }));
-        }
-        if !changes.is_empty() && tx.send(send(changes)).await.is_err() {
-            anyhow::bail!("the Apply stream closed");
+            if !changes.is_empty() && tx.send(send(group, changes)).await.is_err() {
+                anyhow::bail!("the Apply stream closed");
+            }
         }
     }
 }

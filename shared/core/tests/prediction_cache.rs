@@ -1,0 +1,217 @@
+//! BR-H with its per-request prediction cache decides exactly as without it: over a run of
+//! ticks in which requests generate tokens, finish, arrive and get admitted, and the predictor
+//! learns, the policy (cached) and a reference that asks the predictor about every request
+//! each tick (`Margins::horizon` + `dispatch_tick`, the code before the cache) admit the same
+//! requests to the same workers with the same scores, and build the same margins.
+
+#![allow(clippy::unwrap_used)] // test fixtures: a panic is the failure report
+
+use br_core::dispatch::{DispatcherConfig, dispatch_tick};
+use br_core::policy::PredictorKind;
+use br_core::predict::{ExactMatch, Oracle, PredictionCache, Predictor, Survival};
+use br_core::score::{HorizonParams, Margins};
+use br_core::{
+    ClusterState, Phase, PolicyConfig, PolicyKind, Pool, PoolEntry, RequestInfo, build_policy,
+};
+use proptest::prelude::*;
+
+/// What happens between two ticks.
+#[derive(Debug, Clone)]
+enum Event {
+    /// Every running request whose key is ≡ `residue` (mod 3) generates `tokens` more.
+    Generate { residue: u64, tokens: u32 },
+    /// The `nth` request (in σ's order) finishes after its tokens; the predictor learns.
+    Finish { nth: usize },
+    /// A request arrives in the pool.
+    Arrive { prompt: u32, hash: u64, output: u32 },
+    /// A queued request starts running.
+    Start { nth: usize },
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        (0u64..3, 1u32..40).prop_map(|(residue, tokens)| Event::Generate { residue, tokens }),
+        (0usize..64).prop_map(|nth| Event::Finish { nth }),
+        (1u32..8_000, 0u64..6, 1u32..400).prop_map(|(prompt, hash, output)| Event::Arrive {
+            prompt,
+            hash,
+            output
+        }),
+        (0usize..64).prop_map(|nth| Event::Start { nth }),
+    ]
+}
+
+fn predictor(kind: PredictorKind) -> Box<dyn Predictor> {
+    match kind {
+        // Few enough samples needed that the run's own finishes train it.
+        PredictorKind::Survival => Box::new(Survival::default()),
+        PredictorKind::ExactMatch => Box::new(ExactMatch::default()),
+        PredictorKind::Oracle => Box::new(Oracle),
+    }
+}
+
+fn scenario() -> impl Strategy<Value = (PredictorKind, u32, u32, Vec<Vec<Event>>, Vec<u32>)> {
+    (
+        prop_oneof![
+            Just(PredictorKind::Survival),
+            Just(PredictorKind::ExactMatch),
+            Just(PredictorKind::Oracle)
+        ],
+        1u32..9,
+        1u32..6,
+        prop::collection::vec(prop::collection::vec(event(), 0..12), 1..25),
+        // lengths the predictor learned before the run (Survival needs 32 to say anything)
+        prop::collection::vec(1u32..600, 0..80),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn cached_and_uncached_brh_choose_the_same(
+        (kind, workers, capacity, rounds, warm) in scenario(),
+    ) {
+        let params = HorizonParams { horizon: 40, ..HorizonParams::default() };
+        let cfg = PolicyConfig {
+            kind: PolicyKind::BrH(kind),
+            dispatcher: DispatcherConfig::default(),
+            horizon: params,
+            seed: 1,
+        };
+        let mut cached = build_policy(&cfg).unwrap();
+        let mut reference = predictor(kind);
+        for (i, &len) in warm.iter().enumerate() {
+            let hash = Some(i as u64 % 6);
+            cached.observe_finished(hash, len);
+            reference.observe(hash, len);
+        }
+        let mut state = ClusterState::with_workers(&vec![capacity; workers as usize]);
+        let (mut pool_a, mut pool_b) = (Pool::new(), Pool::new());
+        let mut next_key = 1u64;
+        for events in rounds {
+            for e in events {
+                match e {
+                    Event::Generate { residue, tokens } => {
+                        let grow: Vec<(u64, u32)> = state
+                            .requests()
+                            .filter(|r| r.phase == Phase::Running && r.key % 3 == residue)
+                            .map(|r| (r.key, r.generated + tokens))
+                            .collect();
+                        for (key, generated) in grow {
+                            state.set_generated(key, generated).unwrap();
+                        }
+                    }
+                    Event::Finish { nth } => {
+                        let n = state.request_count();
+                        if n > 0 {
+                            let key = state.requests().nth(nth % n).unwrap().key;
+                            let r = state.remove(key).unwrap();
+                            let tokens = r.generated.max(1);
+                            cached.observe_finished(r.prompt_hash, tokens);
+                            reference.observe(r.prompt_hash, tokens);
+                        }
+                    }
+                    Event::Arrive { prompt, hash, output } => {
+                        let entry = PoolEntry {
+                            key: next_key,
+                            prompt_tokens: prompt,
+                            prompt_hash: Some(hash),
+                            oracle_output: Some(output),
+                        };
+                        next_key += 1;
+                        pool_a.push(entry.clone()).unwrap();
+                        pool_b.push(entry).unwrap();
+                    }
+                    Event::Start { nth } => {
+                        let queued: Vec<u64> = state
+                            .requests()
+                            .filter(|r| r.phase == Phase::Queued)
+                            .map(|r| r.key)
+                            .collect();
+                        if !queued.is_empty() {
+                            state.activate(queued[nth % queued.len()]).unwrap();
+                        }
+                    }
+                }
+            }
+            // The margins themselves are equal, not only the choices made from them.
+            let uncached_margins = Margins::horizon(&state, &params, reference.as_ref());
+            let mut fresh = PredictionCache::new();
+            let once = Margins::horizon_cached(&state, &params, reference.as_ref(), &mut fresh);
+            prop_assert_eq!(&uncached_margins, &once);
+
+            let mut a = Vec::new();
+            cached.dispatch(&mut pool_a, &state, &mut a);
+            let mut b = Vec::new();
+            if !pool_b.is_empty() && state.total_free_slots() > 0 {
+                let mut margins = uncached_margins;
+                dispatch_tick(&cfg.dispatcher, &mut pool_b, &state, &mut margins, &mut b);
+            }
+            prop_assert_eq!(&a, &b);
+            for adm in &a {
+                let entry_output = adm.key as u32 % 300 + 1;
+                state
+                    .reserve(RequestInfo {
+                        key: adm.key,
+                        worker: adm.worker,
+                        prompt_tokens: adm.prompt_tokens,
+                        generated: 0,
+                        phase: Phase::Queued,
+                        prompt_hash: Some(adm.key % 6),
+                        oracle_output: Some(entry_output),
+                    })
+                    .unwrap();
+            }
+        }
+    }
+}
+
+/// A tick on an unchanged σ reuses every prediction; one token more re-predicts just that
+/// request; the predictor learning re-predicts all of them.
+#[test]
+fn cache_reuses_only_what_is_unchanged() {
+    let params = HorizonParams::default();
+    let mut st = ClusterState::with_workers(&[64, 64]);
+    for key in 1..=100u64 {
+        st.reserve(RequestInfo {
+            key,
+            worker: (key % 2) as u32,
+            prompt_tokens: 100,
+            generated: 5,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: Some(50),
+        })
+        .unwrap();
+    }
+    let mut cache = PredictionCache::new();
+    let _ = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
+    assert_eq!(cache.hit_counts(), (0, 100));
+    let _ = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
+    assert_eq!(cache.hit_counts(), (100, 100));
+    st.set_generated(3, 6).unwrap();
+    let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
+    assert_eq!(cache.hit_counts(), (199, 101));
+    assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
+    cache.invalidate();
+    let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
+    assert_eq!(cache.hit_counts(), (199, 201));
+    assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
+    // A request that left leaves its slot to the next one, which is predicted anew.
+    st.remove(7).unwrap();
+    st.reserve(RequestInfo {
+        key: 1_000,
+        worker: 1,
+        prompt_tokens: 100,
+        generated: 5,
+        phase: Phase::Running,
+        prompt_hash: None,
+        oracle_output: Some(50),
+    })
+    .unwrap();
+    let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
+    assert_eq!(cache.hit_counts(), (298, 202));
+    assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
+    assert!(cache.len() <= st.slot_count());
+}
