@@ -1,7 +1,8 @@
 //! The admin HTTP server every service runs on `--admin-listen`:
 //! `GET /metrics` (Prometheus text from the service's registry), `GET /livez` (200 while the
 //! process runs), `GET /readyz` (200 only while the service says it is ready, else 503 with
-//! the reason when the service gave one).
+//! the reason when the service gave one). A service may mount routes of its own beside them
+//! (br-decision's live page, `/live`); they get the same TLS and role rules as `/metrics`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -143,22 +144,24 @@ impl AdminServer {
         readiness: Readiness,
         shutdown: CancellationToken,
     ) -> std::io::Result<AdminServer> {
-        Self::start_with_tls(addr, None, registry, readiness, shutdown).await
+        Self::start_with_tls(addr, None, registry, readiness, Router::new(), shutdown).await
     }
 
-    /// [`AdminServer::start`], over TLS when `tls` is given: `/livez` and `/readyz` stay open
-    /// to clients without a certificate (kubelet probes), everything else needs the admin role
-    /// (see `br_trust::admin`).
+    /// [`AdminServer::start`], over TLS when `tls` is given, with the service's own `extra`
+    /// routes beside the standard ones: `/livez` and `/readyz` stay open to clients without a
+    /// certificate (kubelet probes), everything else (`/metrics` and every extra route) needs
+    /// the admin role (see `br_trust::admin`).
     pub async fn start_with_tls(
         addr: SocketAddr,
         tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
         registry: prometheus::Registry,
         readiness: Readiness,
+        extra: Router,
         shutdown: CancellationToken,
     ) -> std::io::Result<AdminServer> {
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
-        let app = router(registry, readiness);
+        let app = router(registry, readiness).merge(extra);
         let tls_on = tls.is_some();
         let task = match tls {
             None => tokio::spawn(async move {
@@ -267,6 +270,32 @@ mod tests {
 
         assert_eq!(get(addr, "/nope").await.0, 404);
 
+        shutdown.cancel();
+        tokio::time::timeout(std::time::Duration::from_secs(5), server.wait())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_service_mounts_its_own_routes_beside_the_standard_ones() {
+        let shutdown = CancellationToken::new();
+        let extra = Router::new().route("/live", axum::routing::get(|| async { "page" }));
+        let server = AdminServer::start_with_tls(
+            "127.0.0.1:0".parse().unwrap(),
+            None,
+            prometheus::Registry::new(),
+            Readiness::new(true),
+            extra,
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        let addr = server.local_addr();
+        let (code, _, body) = get(addr, "/live").await;
+        assert_eq!((code, body.as_str()), (200, "page"));
+        assert_eq!(get(addr, "/readyz").await.0, 200);
+        assert_eq!(get(addr, "/metrics").await.0, 200);
         shutdown.cancel();
         tokio::time::timeout(std::time::Duration::from_secs(5), server.wait())
             .await

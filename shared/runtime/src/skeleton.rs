@@ -459,11 +459,25 @@ pub async fn start_admin(
     readiness: &Readiness,
     stop: &CancellationToken,
 ) -> Result<AdminServer, StartError> {
+    start_admin_with(common, edge, registry, readiness, axum::Router::new(), stop).await
+}
+
+/// [`start_admin`] with the service's own `extra` routes beside `/metrics`, `/livez` and
+/// `/readyz` (br-decision's live page); under TLS they need the admin role, as `/metrics` does.
+pub async fn start_admin_with(
+    common: &CommonArgs,
+    edge: &Edge,
+    registry: &prometheus::Registry,
+    readiness: &Readiness,
+    extra: axum::Router,
+    stop: &CancellationToken,
+) -> Result<AdminServer, StartError> {
     AdminServer::start_with_tls(
         common.admin_listen,
         edge.tls.clone(),
         registry.clone(),
         readiness.clone(),
+        extra,
         stop.clone(),
     )
     .await
