@@ -1,6 +1,6 @@
 //! Wiring: one group task and one Watch follower per served group, the gRPC server (Decision,
 //! health, reflection), the Envoy ext_proc endpoint picker when `--ext-proc-listen` is given,
-//! and the admin server. Used by `main` and by the integration tests.
+//! and the admin server with the live page's sampler and routes. Used by `main` and by the integration tests.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Args;
 use crate::ext_proc::{self, ExtProcService, ExtProcSettings};
 use crate::group::{GroupCore, GroupStats};
+use crate::live::Live;
 use crate::metrics::Metrics;
 use crate::service::DecisionService;
 use crate::task::{Feed, GroupHandle, OnPlacing, Placing, spawn_group};
@@ -108,8 +109,22 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         groups.push(handle);
     }
 
-    let admin =
-        skeleton::start_admin(&args.common, &edge, &metrics.registry, &readiness, &after).await?;
+    // The live page: one history ring per group, sampled until the admin port stops.
+    let live = Live::new(
+        cfg.live,
+        cfg.policy.kind.name(),
+        cfg.groups.iter().map(|g| g.as_str()),
+    );
+    let sampler = live.spawn_sampler(groups.clone(), metrics.clone(), after.clone());
+    let admin = skeleton::start_admin_with(
+        &args.common,
+        &edge,
+        &metrics.registry,
+        &readiness,
+        crate::live::api::router(live),
+        &after,
+    )
+    .await?;
     let admin_addr = admin.local_addr();
 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
@@ -221,6 +236,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             // Only now (the drain is over) the followers, group tasks and admin port stop.
             after.cancel();
             drop(groups);
+            // It holds handles of the group tasks: it must end for them to end.
+            sampler.await?;
             skeleton::wait_admin(admin).await?;
             http_outcome?;
             Ok(outcome?)
