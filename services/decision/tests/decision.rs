@@ -694,6 +694,21 @@ async fn live_json(d: &Running, path: &str) -> (u16, serde_json::Value) {
     (code, json)
 }
 
+/// `[{"worker_id": .., "load_tokens": ..}, ..]` (a sample's loads, or σ's worker table) by
+/// worker.
+fn loads_by_worker(list: &serde_json::Value) -> BTreeMap<u64, u64> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["worker_id"].as_u64().unwrap(),
+                w["load_tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
 /// The live page's JSON API without a browser (issue 15): a group with no σ says so; once σ
 /// arrives each rank's load and the imbalance are σ's (recomputed here from the requests
 /// σ holds); Assign traffic shows as a rate and a latency; `since` reads only newer samples;
@@ -762,33 +777,15 @@ async fn the_live_api_serves_a_bounded_history_of_sigma() {
     .await;
     let now = &j["now"];
     assert_eq!(now["placing"], "ready", "{now}");
-    let shown: BTreeMap<u64, u64> = now["sigma"]["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| {
-            (
-                w["worker_id"].as_u64().unwrap(),
-                w["load_tokens"].as_u64().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(shown, want);
+    assert_eq!(loads_by_worker(&now["sigma"]["workers"]), want);
     assert_eq!(now["sigma"]["imbalance_tokens"].as_u64(), Some(imbalance));
     let last = j["samples"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["imbalance_tokens"].as_u64(), Some(imbalance), "{last}");
-    let loads: BTreeMap<u64, u64> = last["loads"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| {
-            (
-                l["worker_id"].as_u64().unwrap(),
-                l["load_tokens"].as_u64().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(loads, want, "the series' last point is the worker table's");
+    assert_eq!(
+        loads_by_worker(&last["loads"]),
+        want,
+        "the series' last point is the worker table's"
+    );
 
     // Assign traffic shows as a rate and a latency.
     let c = client(&d).await;
