@@ -172,10 +172,10 @@ fn parse(dom: &str) -> Shown {
     if let Some((tag, _)) = element(dom, "id=\"sigma-version\"") {
         s.version = attr(tag, "data-version").and_then(|v| v.parse().ok());
     }
-    if let Some((tag, text)) = element(dom, "id=\"banner\"") {
-        if !tag.contains(" hidden") {
-            s.banner = text.to_owned();
-        }
+    if let Some((tag, text)) = element(dom, "id=\"banner\"")
+        && !tag.contains(" hidden")
+    {
+        s.banner = text.to_owned();
     }
     if let Some((_, text)) = element(dom, "id=\"group-name\"") {
         s.group = text.to_owned();
