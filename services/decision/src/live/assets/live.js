@@ -79,7 +79,10 @@ function drawChart(svg, series, opts) {
   }
   const tMax = Math.max(...all.map((p) => p[0]));
   const tMin = tMax - state.capacity * state.intervalMs;
-  const yMax = opts.yMax !== undefined ? opts.yMax : niceCeil(Math.max(...all.map((p) => p[1])));
+  // a count axis spans at least 0..4, so its five gridlines get five distinct labels
+  const yMax = opts.yMax !== undefined
+    ? opts.yMax
+    : Math.max(niceCeil(Math.max(...all.map((p) => p[1]))), opts.minMax || 0);
   const x = (t) => padL + ((t - tMin) / (tMax - tMin || 1)) * (W - padL - padR);
   const y = (v) => padT + (1 - v / yMax) * (H - padT - padB);
   for (let i = 0; i <= 4; i++) {
@@ -183,11 +186,12 @@ function renderCharts() {
     }),
   }));
   const noSigma = "no σ yet";
-  drawChart($("chart-load"), loadSeries, { fmt: fmtInt, empty: ranks.length ? undefined : noSigma });
+  const noRanks = state.now && state.now.sigma ? "no ranks in σ" : noSigma;
+  drawChart($("chart-load"), loadSeries, { fmt: fmtInt, minMax: 4, empty: noRanks });
   drawLegend($("legend-load"), loadSeries);
   const one = (f) => [{ name: "", color: COLORS[0], points: S.map((s) => [s.unix_ms, f(s)]) }];
   const withSigma = (f) => (s) => (s.sigma_version === null ? null : f(s));
-  drawChart($("chart-imbalance"), one(withSigma((s) => s.imbalance_tokens)), { fmt: fmtInt, empty: noSigma });
+  drawChart($("chart-imbalance"), one(withSigma((s) => s.imbalance_tokens)), { fmt: fmtInt, minMax: 4, empty: noSigma });
   drawChart($("chart-idle"), one(withSigma((s) => s.barrier_idle_share)), { fmt: fmtShare, yMax: 1, empty: noSigma });
   const rate = [
     { name: "answered", color: COLORS[0], points: S.map((s) => [s.unix_ms, s.assign_rate]) },
@@ -202,7 +206,7 @@ function renderCharts() {
   ];
   drawChart($("chart-latency"), latency, { fmt: (v) => fmtMs(v), empty: "no Assign answered yet" });
   drawLegend($("legend-latency"), latency);
-  drawChart($("chart-pool"), one((s) => s.pool), { fmt: fmtInt });
+  drawChart($("chart-pool"), one((s) => s.pool), { fmt: fmtInt, minMax: 4 });
 
   const sigma = state.now && state.now.sigma;
   $("load-now").textContent = sigma ? `M = ${fmtInt(sigma.max_load_tokens)}` : "";
