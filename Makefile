@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools deploy-check bench sim ci chaos fuzz soak
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ python-tests: ## third-party clients (openai, grpcio) against the real binaries
 deploy-tools: ## fetch kustomize, promtool and the Python validators into target/ (package registries)
 	bash deploy/validate.sh --install-only
 
+browser: ## install headless Chromium (Debian's package) for the live page's test
+	bash scripts/install-browser.sh
+
 deploy-check: deploy-tools ## render and validate the Kubernetes manifests, dashboard and alerts
 	bash deploy/validate.sh --no-install
 
@@ -55,5 +58,5 @@ bench: ## benchmarks (results are recorded in docs/benchmarks.md)
 sim: ## the digital twin on the paper-shaped Azure workload, G = 8
 	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated
 
-ci: deploy-tools ## what .ci/run calls: the deploy tools, then the tests (which must use them)
-	BR_REQUIRE_DEPLOY_TOOLS=1 $(MAKE) test
+ci: deploy-tools browser ## what .ci/run calls: the deploy tools and the browser, then the tests (which must use them)
+	BR_REQUIRE_DEPLOY_TOOLS=1 BR_REQUIRE_BROWSER=1 $(MAKE) test

@@ -1,8 +1,9 @@
 //! Wiring: one group task and one Watch follower per served group, the gRPC server (Decision,
 //! health, reflection), the Envoy ext_proc endpoint picker when `--ext-proc-listen` is given,
-//! and the admin server. Used by `main` and by the integration tests, and (through
-//! [`start_embedded`]) by the all-in-one `br-all`, which mounts the snapshot and ingest
-//! handlers on the same gRPC port and hands in the snapshot service in-process.
+//! and the admin server with the live page's sampler and routes. Used by `main` and by the
+//! integration tests, and (through [`start_embedded`]) by the all-in-one `br-all`, which mounts
+//! the snapshot and ingest handlers on the same gRPC port and hands in the snapshot service
+//! in-process.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -20,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Args;
 use crate::ext_proc::{self, ExtProcService, ExtProcSettings};
 use crate::group::{GroupCore, GroupStats};
+use crate::live::Live;
 use crate::metrics::Metrics;
 use crate::service::DecisionService;
 use crate::task::{Feed, GroupHandle, OnPlacing, Placing, spawn_group};
@@ -197,7 +199,22 @@ async fn start_with(
     };
     let mut gathered = vec![metrics.registry.clone()];
     gathered.extend(registries);
-    let admin = skeleton::start_admin_of(&args.common, &edge, &gathered, &shown, &after).await?;
+    // The live page: one history ring per group, sampled until the admin port stops.
+    let live = Live::new(
+        cfg.live,
+        cfg.policy.kind.name(),
+        cfg.groups.iter().map(|g| g.as_str()),
+    );
+    let sampler = live.spawn_sampler(groups.clone(), metrics.clone(), after.clone());
+    let admin = skeleton::start_admin_of(
+        &args.common,
+        &edge,
+        &gathered,
+        &shown,
+        crate::live::api::router(live),
+        &after,
+    )
+    .await?;
     let admin_addr = admin.local_addr();
 
     // br-runtime sets TCP_NODELAY on accepted connections (Nagle + delayed ACK cost up to
@@ -311,6 +328,8 @@ async fn start_with(
         for task in tasks {
             task.await?;
         }
+        // It holds handles of the group tasks: it must end for them to end.
+        sampler.await?;
         skeleton::wait_admin(admin).await?;
         http_outcome?;
         Ok(outcome?)

@@ -14,6 +14,7 @@ use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
 use crate::group::GroupConfig;
+use crate::live::{LiveConfig, MAX_SAMPLES};
 use crate::task::TickConfig;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50063";
@@ -32,6 +33,12 @@ pub const DEFAULT_ADOPT_GRACE: &str = "10s";
 pub const DEFAULT_RECOMMIT_SETTLE: &str = "500ms";
 pub const DEFAULT_WATCH_BACKOFF_MAX: &str = "250ms";
 pub const DEFAULT_EXT_PROC_TIMEOUT: &str = "10s";
+pub const DEFAULT_LIVE_SAMPLE_INTERVAL: &str = "500ms";
+pub const DEFAULT_LIVE_HISTORY: &str = "5m";
+/// The live page's sample interval: fine enough to follow a decode step's worth of load
+/// (tens of ms per step, so a few steps), coarse enough that sampling costs nothing.
+const LIVE_SAMPLE_INTERVAL_RANGE: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(10));
 
 /// br-decision: answers the gateway's Assign calls for the groups it serves. Requests wait in
 /// a per-group pool until the dispatcher admits them (pooled policies br0, brh*), or are routed
@@ -191,6 +198,16 @@ pub struct Args {
     /// and the same `--max-connections` and `--first-byte-timeout`.
     #[arg(long, env = "BALANCEROUTE_HTTP_LISTEN")]
     pub http_listen: Option<std::net::SocketAddr>,
+
+    /// The live page (`/live` on the admin port): how often each group is sampled (σ's
+    /// per-rank loads, imbalance, pool, Assign rate and latency), 100ms to 10s.
+    #[arg(long, env = "BALANCEROUTE_LIVE_SAMPLE_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_LIVE_SAMPLE_INTERVAL)]
+    pub live_sample_interval: Duration,
+
+    /// The live page: how much history each group keeps (the ring holds this / the sample
+    /// interval samples, at most 7,200; about 100 bytes + 16 per rank each).
+    #[arg(long, env = "BALANCEROUTE_LIVE_HISTORY", value_parser = humantime::parse_duration, default_value = DEFAULT_LIVE_HISTORY)]
+    pub live_history: Duration,
 }
 
 /// `--beta`: a number, or `G` (the group size).
@@ -237,6 +254,8 @@ pub struct DecisionConfig {
     pub http_listen: Option<std::net::SocketAddr>,
     /// The ext_proc endpoint picker, when `--ext-proc-listen` is given.
     pub ext_proc: Option<ExtProcConfig>,
+    /// The live page's sampling (`--live-*`).
+    pub live: LiveConfig,
 }
 
 /// The ext_proc endpoint picker's settings (`--ext-proc-*`).
@@ -335,6 +354,7 @@ impl Args {
                 })
             }
         };
+        let live = self.live_config()?;
         if !(self.snapshot_addr.starts_with("http://")
             || self.snapshot_addr.starts_with("https://"))
         {
@@ -364,6 +384,34 @@ impl Args {
             watch_backoff_max: self.watch_backoff_max,
             ext_proc,
             http_listen: self.http_listen,
+            live,
+        })
+    }
+
+    fn live_config(&self) -> Result<LiveConfig, String> {
+        let (lo, hi) = LIVE_SAMPLE_INTERVAL_RANGE;
+        let interval = self.live_sample_interval;
+        if !(lo..=hi).contains(&interval) {
+            return Err(format!(
+                "--live-sample-interval {} must be between {} and {}",
+                humantime::format_duration(interval),
+                humantime::format_duration(lo),
+                humantime::format_duration(hi),
+            ));
+        }
+        if self.live_history < interval {
+            return Err("--live-history must be at least --live-sample-interval".into());
+        }
+        let samples = self.live_history.as_nanos().div_ceil(interval.as_nanos());
+        if samples > MAX_SAMPLES as u128 {
+            return Err(format!(
+                "--live-history / --live-sample-interval is {samples} samples per group, above \
+                 {MAX_SAMPLES}: keep less history or sample less often"
+            ));
+        }
+        Ok(LiveConfig {
+            interval,
+            samples: samples as usize,
         })
     }
 }
@@ -409,6 +457,31 @@ mod tests {
         assert_eq!(c.group.recommit_settle, Duration::from_millis(500));
         assert_eq!(c.watch_backoff_max, Duration::from_millis(250));
         assert_eq!(c.http_listen, None, "HTTP/JSON is off by default");
+        assert_eq!(
+            c.live,
+            LiveConfig {
+                interval: Duration::from_millis(500),
+                samples: 600
+            },
+            "5 minutes of history at 2 samples a second"
+        );
+    }
+
+    #[test]
+    fn the_live_history_is_bounded() {
+        let live = |args: &[&str]| parse(args).map(|a| a.to_config().map(|c| c.live));
+        let c = live(&["--live-sample-interval", "250ms", "--live-history", "10m"]);
+        assert_eq!(c.unwrap().unwrap().samples, 2_400);
+        let c = live(&["--live-sample-interval", "1s", "--live-history", "1500ms"]);
+        assert_eq!(c.unwrap().unwrap().samples, 2, "rounded up");
+        for bad in [
+            &["--live-sample-interval", "50ms"][..],
+            &["--live-sample-interval", "11s"],
+            &["--live-sample-interval", "1s", "--live-history", "500ms"],
+            &["--live-sample-interval", "100ms", "--live-history", "1h"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]

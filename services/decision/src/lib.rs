@@ -19,7 +19,8 @@
 //! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`http`] (the same
 //! handlers as HTTP/JSON, `--http-listen`), [`task`] and [`group`] (the per-group state),
 //! [`upstream`] (Reserve/Release client), [`ext_proc`] (the Envoy endpoint picker on
-//! `--ext-proc-listen`), [`metrics`], [`error`].
+//! `--ext-proc-listen`), [`live`] (the live page on the admin port, `/live`), [`metrics`],
+//! [`error`].
 
 pub mod app;
 pub mod config;
@@ -27,6 +28,7 @@ pub mod error;
 pub mod ext_proc;
 pub mod group;
 pub mod http;
+pub mod live;
 pub mod metrics;
 pub mod service;
 pub mod task;

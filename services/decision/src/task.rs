@@ -24,6 +24,7 @@ use tracing::Instrument as _;
 
 use crate::error::DecisionError;
 use crate::group::{CancelOutcome, GroupCore, GroupStats, Reply, wire};
+use crate::live::LiveNow;
 use crate::metrics::GroupMetrics;
 use crate::upstream::SnapshotOps;
 use br_client::watch::{Update, WatchHandle};
@@ -53,6 +54,10 @@ pub enum Command {
     },
     Stats {
         reply: oneshot::Sender<GroupStats>,
+    },
+    /// What the live page samples (σ's summary, the pool, staleness).
+    Live {
+        reply: oneshot::Sender<LiveNow>,
     },
 }
 
@@ -91,6 +96,13 @@ impl GroupHandle {
     pub async fn stats(&self) -> Option<GroupStats> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Stats { reply }).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// The group's state for the live page; `None` once its task has ended.
+    pub async fn live(&self) -> Option<LiveNow> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Live { reply }).await.ok()?;
         rx.await.ok()
     }
 }
@@ -274,6 +286,9 @@ fn on_command(core: &mut GroupCore, cmd: Command, spans: &mut AssignSpans) {
         }
         Command::Stats { reply } => {
             let _ = reply.send(core.stats());
+        }
+        Command::Live { reply } => {
+            let _ = reply.send(core.live_now());
         }
     }
 }

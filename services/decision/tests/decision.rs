@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -14,8 +15,8 @@ use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_change::Kind as T;
 use br_testkit::apply::{ApplyStream, change};
-use br_testkit::eventually;
 use br_testkit::http::{get as http_get, metrics};
+use br_testkit::{eventually, eventually_some};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -683,5 +684,173 @@ async fn ready_only_while_a_request_can_be_placed() {
     assert_eq!(health(&d).await, H::NotServing as i32);
     let m = metrics(d.admin_addr()).await;
     assert_eq!(m.value("balanceroute_decision_ready", &[]), 0.0);
+    snap.kill().await;
+}
+
+/// `GET` of a live-page JSON route: its status and body.
+async fn live_json(d: &Running, path: &str) -> (u16, serde_json::Value) {
+    let (code, body) = http_get(d.admin_addr(), path).await;
+    let json = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"));
+    (code, json)
+}
+
+/// `[{"worker_id": .., "load_tokens": ..}, ..]` (a sample's loads, or σ's worker table) by
+/// worker.
+fn loads_by_worker(list: &serde_json::Value) -> BTreeMap<u64, u64> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["worker_id"].as_u64().unwrap(),
+                w["load_tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The live page's JSON API without a browser (issue 15): a group with no σ says so; once σ
+/// arrives each rank's load and the imbalance are σ's (recomputed here from the requests
+/// σ holds); Assign traffic shows as a rate and a latency; `since` reads only newer samples;
+/// the history never holds more than `--live-history / --live-sample-interval` samples; the
+/// page and its assets are served from the binary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_api_serves_a_bounded_history_of_sigma() {
+    // The address of a snapshot service that has gone away: decision starts without σ.
+    let gone = start_snapshot("127.0.0.1:0").await;
+    let listen = gone.addr.to_string();
+    gone.kill().await;
+    let flags = ["--live-sample-interval", "100ms", "--live-history", "1s"];
+    let d = start_decision(&format!("http://{listen}"), PolicyKind::Jsq, &flags).await;
+    const KEPT: u64 = 10;
+
+    let (code, html) = http_get(d.admin_addr(), "/live").await;
+    assert_eq!(code, 200);
+    assert!(
+        html.contains("/live/live.js") && html.contains("<svg"),
+        "{html}"
+    );
+    let (code, js) = http_get(d.admin_addr(), "/live/live.js").await;
+    assert!(code == 200 && js.contains("/live/api/group/"), "{code}");
+    assert_eq!(http_get(d.admin_addr(), "/live/live.css").await.0, 200);
+
+    let path = format!("/live/api/group/{GROUP}");
+    let no_sigma = eventually_some(WAIT, "a first sample", || async {
+        let (_, j) = live_json(&d, &path).await;
+        (j["last_seq"].as_u64() > Some(0)).then_some(j)
+    })
+    .await;
+    assert_eq!(no_sigma["now"]["placing"], "no_sigma", "{no_sigma}");
+    assert!(no_sigma["now"]["sigma"].is_null(), "{no_sigma}");
+    assert!(no_sigma["samples"][0]["sigma_version"].is_null());
+    assert_eq!(no_sigma["policy"], "jsq");
+    let (code, j) = live_json(&d, "/live/api/group/nope").await;
+    assert_eq!(code, 404);
+    assert!(j["error"].as_str().unwrap().contains(GROUP), "{j}");
+    assert_eq!(
+        http_get(d.admin_addr(), &format!("{path}?since=x")).await.0,
+        400
+    );
+
+    // σ arrives: three ranks, two with requests.
+    let snap = start_snapshot(&listen).await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(3, 8).await;
+    t.running(0, &[("a", 100)]).await;
+    t.running(1, &[("b", 40), ("c", 20)]).await;
+    let sigma = snap.get().await;
+    let mut want: BTreeMap<u64, u64> = sigma
+        .workers
+        .iter()
+        .map(|w| (w.worker_id.into(), 0))
+        .collect();
+    for r in &sigma.requests {
+        *want.entry(r.worker_id.into()).or_default() +=
+            u64::from(r.prompt_tokens) + u64::from(r.generated_tokens);
+    }
+    let max = *want.values().max().unwrap();
+    let imbalance = want.len() as u64 * max - want.values().sum::<u64>();
+    let j = eventually_some(WAIT, "the page's σ is the snapshot service's", || async {
+        let (_, j) = live_json(&d, &path).await;
+        (j["now"]["sigma"]["version"].as_u64() == Some(sigma.version)).then_some(j)
+    })
+    .await;
+    let now = &j["now"];
+    assert_eq!(now["placing"], "ready", "{now}");
+    assert_eq!(loads_by_worker(&now["sigma"]["workers"]), want);
+    assert_eq!(now["sigma"]["imbalance_tokens"].as_u64(), Some(imbalance));
+    let last = j["samples"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["imbalance_tokens"].as_u64(), Some(imbalance), "{last}");
+    assert_eq!(
+        loads_by_worker(&last["loads"]),
+        want,
+        "the series' last point is the worker table's"
+    );
+
+    // Assign traffic shows as a rate and a latency.
+    let c = client(&d).await;
+    for i in 0..5 {
+        c.assign_within(&params(&format!("live-{i}"), 10), WAIT)
+            .await
+            .unwrap();
+    }
+    let busy = eventually_some(
+        WAIT,
+        "a sample with the Assign rate and latency",
+        || async {
+            let (_, j) = live_json(&d, &path).await;
+            j["samples"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .rev()
+                .find(|s| {
+                    s["assign_rate"].as_f64() > Some(0.0) && s["latency_p50_ms"].as_f64().is_some()
+                })
+                .cloned()
+        },
+    )
+    .await;
+    assert_eq!(busy["assign_failed_rate"].as_f64(), Some(0.0), "{busy}");
+    assert!(
+        busy["latency_p99_ms"].as_f64() >= busy["latency_p50_ms"].as_f64(),
+        "{busy}"
+    );
+
+    // The bound: once more samples were taken than it keeps, it keeps exactly that many,
+    // consecutive and the newest.
+    let full = eventually_some(WAIT, "more samples than the history keeps", || async {
+        let (_, j) = live_json(&d, &path).await;
+        (j["last_seq"].as_u64().unwrap() > 2 * KEPT).then_some(j)
+    })
+    .await;
+    assert_eq!(full["history_samples"].as_u64(), Some(KEPT));
+    let seqs: Vec<u64> = full["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["seq"].as_u64().unwrap())
+        .collect();
+    let last_seq = full["last_seq"].as_u64().unwrap();
+    assert_eq!(seqs, (last_seq - KEPT + 1..=last_seq).collect::<Vec<_>>());
+    assert_eq!(full["oldest_seq"].as_u64(), Some(last_seq - KEPT + 1));
+    // since: only what came after it
+    let since = last_seq - 3;
+    let (_, j) = live_json(&d, &format!("{path}?since={since}")).await;
+    let after: Vec<u64> = j["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["seq"].as_u64().unwrap())
+        .collect();
+    assert!(after.len() >= 3 && after[0] == since + 1, "{after:?}");
+    assert!(after.windows(2).all(|w| w[1] == w[0] + 1), "{after:?}");
+
+    let (code, groups) = live_json(&d, "/live/api/groups").await;
+    assert_eq!(code, 200);
+    assert_eq!(groups["groups"][0]["group"], GROUP);
+    assert_eq!(groups["groups"][0]["now"]["ranks"], 3, "{groups}");
+    assert_eq!(groups["sample_interval_ms"], 100);
+    d.stop().await.unwrap();
     snap.kill().await;
 }

@@ -9,7 +9,10 @@
 //! report, and br-emu's load summary, which is printed beside br-sim's prediction). Latency
 //! benchmarks record into an `hdrhistogram::Histogram` instead, whose `value_at_quantile` uses
 //! the same rank rule over buckets of 3 significant digits: the two agree up to that
-//! quantisation. There is no other percentile code in the workspace.
+//! quantisation. A service that only has a Prometheus histogram (br-decision's live page, over
+//! its Assign latency buckets) uses [`bucket_quantile`]: the same rank rule again, answering
+//! the upper bound of the bucket that holds the sample. There is no other percentile code in
+//! the workspace.
 
 /// The `q`-quantile (0..=1) of `values` by nearest rank (see the module doc); 0 when empty.
 /// Reorders `values` (a selection, O(n), not a sort). NaN-free input.
@@ -21,6 +24,24 @@ pub fn quantile(values: &mut [f64], q: f64) -> f64 {
     let rank = ((q.clamp(0.0, 1.0) * n as f64).ceil() as usize).clamp(1, n) - 1;
     let (_, v, _) = values.select_nth_unstable_by(rank, f64::total_cmp);
     *v
+}
+
+/// The `q`-quantile by nearest rank over a histogram with cumulative buckets, as Prometheus
+/// keeps them: `cumulative[i]` samples are `≤ bounds[i]` (bounds ascending), `total` samples
+/// in all (those above the last bound are in the implicit `+Inf` bucket). The answer is the
+/// upper bound of the bucket holding the rank-`⌈q·n⌉` sample, so the exact quantile is at most
+/// that (and above the bucket's lower bound); `+∞` when that sample is above every bound, `None`
+/// with no samples.
+pub fn bucket_quantile(bounds: &[f64], cumulative: &[u64], total: u64, q: f64) -> Option<f64> {
+    if total == 0 {
+        return None;
+    }
+    let rank = ((q.clamp(0.0, 1.0) * total as f64).ceil() as u64).clamp(1, total);
+    let at = cumulative.iter().position(|c| *c >= rank);
+    Some(
+        at.and_then(|i| bounds.get(i).copied())
+            .unwrap_or(f64::INFINITY),
+    )
 }
 
 #[cfg(test)]
@@ -59,5 +80,33 @@ mod tests {
             prop_assert!(at_or_below(x) >= need);
             prop_assert!(v.iter().filter(|s| **s < x).all(|s| at_or_below(*s) < need));
         }
+
+        /// Over buckets, the answer is the smallest bound at or above the exact nearest-rank
+        /// quantile of the samples (+∞ above the last bound).
+        #[test]
+        fn a_bucket_quantile_bounds_the_exact_one(
+            v in prop::collection::vec(0.0f64..100.0, 1..200),
+            q in 0.0f64..=1.0,
+        ) {
+            let bounds = [1.0, 5.0, 10.0, 25.0, 50.0, 75.0];
+            let cumulative: Vec<u64> = bounds
+                .iter()
+                .map(|b| v.iter().filter(|s| **s <= *b).count() as u64)
+                .collect();
+            let exact = quantile(&mut v.clone(), q);
+            let want = bounds.iter().copied().find(|b| exact <= *b).unwrap_or(f64::INFINITY);
+            prop_assert_eq!(bucket_quantile(&bounds, &cumulative, v.len() as u64, q), Some(want));
+        }
+    }
+
+    #[test]
+    fn bucket_quantile_of_nothing_is_none() {
+        assert_eq!(bucket_quantile(&[1.0], &[0], 0, 0.5), None);
+        // 3 samples ≤ 1, 1 above every bound: p50 ≤ 1, p99 above the last bound
+        assert_eq!(bucket_quantile(&[1.0, 2.0], &[3, 3], 4, 0.5), Some(1.0));
+        assert_eq!(
+            bucket_quantile(&[1.0, 2.0], &[3, 3], 4, 0.99),
+            Some(f64::INFINITY)
+        );
     }
 }

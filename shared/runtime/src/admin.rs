@@ -2,7 +2,8 @@
 //! `GET /metrics` (Prometheus text from the service's registries: one per component, several
 //! in the all-in-one `br-all`), `GET /livez` (200 while the
 //! process runs), `GET /readyz` (200 only while the service says it is ready, else 503 with
-//! the reason when the service gave one).
+//! the reason when the service gave one). A service may mount routes of its own beside them
+//! (br-decision's live page, `/live`); they get the same TLS and role rules as `/metrics`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -196,20 +197,22 @@ impl AdminServer {
         readiness: Readiness,
         shutdown: CancellationToken,
     ) -> std::io::Result<AdminServer> {
-        Self::start_with_tls(addr, None, registry, readiness, shutdown).await
+        Self::start_with_tls(addr, None, registry, readiness, Router::new(), shutdown).await
     }
 
-    /// [`AdminServer::start`], over TLS when `tls` is given: `/livez` and `/readyz` stay open
-    /// to clients without a certificate (kubelet probes), everything else needs the admin role
-    /// (see `br_trust::admin`).
+    /// [`AdminServer::start`], over TLS when `tls` is given, with the service's own `extra`
+    /// routes beside the standard ones: `/livez` and `/readyz` stay open to clients without a
+    /// certificate (kubelet probes), everything else (`/metrics` and every extra route) needs
+    /// the admin role (see `br_trust::admin`).
     pub async fn start_with_tls(
         addr: SocketAddr,
         tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
         registry: prometheus::Registry,
         readiness: Readiness,
+        extra: Router,
         shutdown: CancellationToken,
     ) -> std::io::Result<AdminServer> {
-        Self::start_gathering(addr, tls, vec![registry], readiness, shutdown).await
+        Self::start_gathering(addr, tls, vec![registry], readiness, extra, shutdown).await
     }
 
     /// [`AdminServer::start_with_tls`] whose `/metrics` gathers several registries (see
@@ -219,11 +222,12 @@ impl AdminServer {
         tls: Option<std::sync::Arc<br_trust::TlsMaterial>>,
         registries: Vec<prometheus::Registry>,
         readiness: Readiness,
+        extra: Router,
         shutdown: CancellationToken,
     ) -> std::io::Result<AdminServer> {
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
-        let app = router_of(registries, readiness);
+        let app = router_of(registries, readiness).merge(extra);
         let tls_on = tls.is_some();
         let task = match tls {
             None => tokio::spawn(async move {
@@ -332,6 +336,32 @@ mod tests {
 
         assert_eq!(get(addr, "/nope").await.0, 404);
 
+        shutdown.cancel();
+        tokio::time::timeout(std::time::Duration::from_secs(5), server.wait())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_service_mounts_its_own_routes_beside_the_standard_ones() {
+        let shutdown = CancellationToken::new();
+        let extra = Router::new().route("/live", axum::routing::get(|| async { "page" }));
+        let server = AdminServer::start_with_tls(
+            "127.0.0.1:0".parse().unwrap(),
+            None,
+            prometheus::Registry::new(),
+            Readiness::new(true),
+            extra,
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        let addr = server.local_addr();
+        let (code, _, body) = get(addr, "/live").await;
+        assert_eq!((code, body.as_str()), (200, "page"));
+        assert_eq!(get(addr, "/readyz").await.0, 200);
+        assert_eq!(get(addr, "/metrics").await.0, 200);
         shutdown.cancel();
         tokio::time::timeout(std::time::Duration::from_secs(5), server.wait())
             .await

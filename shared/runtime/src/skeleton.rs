@@ -508,17 +508,21 @@ pub async fn start_admin(
         edge,
         std::slice::from_ref(registry),
         readiness,
+        axum::Router::new(),
         stop,
     )
     .await
 }
 
-/// [`start_admin`] whose `/metrics` gathers several registries (the all-in-one's components).
+/// [`start_admin`] whose `/metrics` gathers several registries (the all-in-one's
+/// components), with the service's own `extra` routes beside `/metrics`, `/livez` and
+/// `/readyz` (br-decision's live page); under TLS they need the admin role, as `/metrics` does.
 pub async fn start_admin_of(
     common: &CommonArgs,
     edge: &Edge,
     registries: &[prometheus::Registry],
     readiness: &Readiness,
+    extra: axum::Router,
     stop: &CancellationToken,
 ) -> Result<AdminServer, StartError> {
     AdminServer::start_gathering(
@@ -526,6 +530,7 @@ pub async fn start_admin_of(
         edge.tls.clone(),
         registries.to_vec(),
         readiness.clone(),
+        extra,
         stop.clone(),
     )
     .await

@@ -26,18 +26,22 @@
 //!
 //! Modules: [`types`] (workers, requests, liveness, errors), the store ([`Sigma`]), [`Batch`]
 //! (the writer's side), [`change`] (builders for the wire's changes) and [`unkeyed`] (the
-//! writer's request-id rule for requests reported without the gateway's id).
+//! writer's request-id rule for requests reported without the gateway's id) and [`summary`]
+//! (what operators see of σ: per-rank loads and the barrier numbers, for brctl and the live
+//! page).
 
 mod batch;
 pub mod change;
 mod size;
 mod store;
+pub mod summary;
 mod types;
 pub mod unkeyed;
 
 pub use batch::Batch;
 pub use size::{DEFAULT_MAX_GROUP_REQUESTS, MAX_SNAPSHOT_MESSAGE_BYTES, max_snapshot_bytes};
 pub use store::Sigma;
+pub use summary::{GroupSummary, WorkerSummary};
 pub use types::{Delta, Liveness, Request, RequestBound, SigmaError, Worker};
 pub use unkeyed::{Adopted, Adoptions};
 

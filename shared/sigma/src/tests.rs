@@ -433,6 +433,9 @@ fn check_mirror(s: &Sigma) {
     }
     assert_eq!(core.live_workers(), live);
     assert_eq!(core.max_load(), max);
+    // The O(ranks) summary (the live page's) is the one brctl computes from the snapshot.
+    assert_eq!(s.summary(), GroupSummary::of_snapshot(&s.to_snapshot()));
+    assert_eq!(s.summary().imbalance_tokens, core.imbalance());
 }
 
 proptest! {

@@ -225,7 +225,7 @@ pub async fn run(cli: Cli, out: &mut (dyn std::io::Write + Send)) -> anyhow::Res
             }
         }
         Command::Status { group: Some(g) } => {
-            let view = model::group_view(&ctl.snapshot(&g).await?);
+            let view = model::GroupSummary::of_snapshot(&ctl.snapshot(&g).await?);
             let decision =
                 decision_rows(&cli.decision_admin, tls.as_ref(), cli.call_timeout, &g).await;
             match output {

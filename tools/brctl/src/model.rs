@@ -1,44 +1,14 @@
 //! What brctl shows, computed from σ alone (pure, so it is unit-tested without a server):
-//! per-rank load, counts and liveness, the group's imbalance and barrier idle share, and the
-//! request list.
+//! the request list, and each decision replica's row read off its `/metrics`. The per-rank
+//! load, counts and liveness and the group's imbalance and barrier idle share are
+//! [`GroupSummary`], br-sigma's, which br-decision's live page shows as well.
 
 use br_proto::v1;
+pub use br_sigma::summary::{GroupSummary, WorkerSummary, kv_tokens};
 use serde::Serialize;
 
-/// One rank as `brctl status GROUP` shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WorkerRow {
-    pub worker_id: u32,
-    /// live | suspect | fenced.
-    pub liveness: &'static str,
-    pub cordoned: bool,
-    /// Hex, as the services log it.
-    pub incarnation: String,
-    /// KV tokens of its requests in σ (reserved count their prompt only).
-    pub load_tokens: u64,
-    pub running: u32,
-    pub reserved: u32,
-    pub capacity: u32,
-    pub endpoint: String,
-    /// The ingest replica carrying its telemetry.
-    pub carrier: String,
-}
-
-/// One group as `brctl status GROUP` shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct GroupView {
-    pub group: String,
-    pub epoch: u64,
-    pub version: u64,
-    pub workers: Vec<WorkerRow>,
-    pub requests: usize,
-    /// M: the largest load over ranks that are not fenced (the lockstep barrier waits for it).
-    pub max_load_tokens: u64,
-    /// The paper's imbalance I = G·M − Σ L over ranks that are not fenced.
-    pub imbalance_tokens: u64,
-    /// I / (G·M): the share of the barrier's KV work that is idle waiting on the slowest rank
-    /// (0 when all ranks are equal, or when there is no load).
-    pub barrier_idle_share: f64,
+fn is_reserved(r: &v1::RequestState) -> bool {
+    r.state == v1::RequestPhase::Reserved as i32
 }
 
 /// One request as `brctl requests` shows it.
@@ -52,87 +22,6 @@ pub struct RequestRow {
     pub generated_tokens: u32,
     pub kv_tokens: u64,
     pub max_tokens: Option<u32>,
-}
-
-pub fn liveness_name(v: i32) -> &'static str {
-    match v1::Liveness::try_from(v) {
-        Ok(v1::Liveness::Live) => "live",
-        Ok(v1::Liveness::Suspect) => "suspect",
-        // UNSPECIFIED and unknown values are FENCED, as the contract says.
-        _ => "fenced",
-    }
-}
-
-fn is_reserved(r: &v1::RequestState) -> bool {
-    r.state == v1::RequestPhase::Reserved as i32
-}
-
-/// A request's KV load as σ counts it: a reservation its prompt, an active request prompt +
-/// generated.
-pub fn kv_tokens(r: &v1::RequestState) -> u64 {
-    let generated = if is_reserved(r) {
-        0
-    } else {
-        r.generated_tokens
-    };
-    u64::from(r.prompt_tokens) + u64::from(generated)
-}
-
-/// The view of a group's σ. Loads are recomputed from the requests (WorkerState.load_tokens is
-/// informative only, as types.proto says).
-pub fn group_view(snap: &v1::ClusterSnapshot) -> GroupView {
-    let mut workers: Vec<WorkerRow> = snap
-        .workers
-        .iter()
-        .map(|w| WorkerRow {
-            worker_id: w.worker_id,
-            liveness: liveness_name(w.liveness),
-            cordoned: w.cordoned,
-            incarnation: format!("{:016x}", w.incarnation),
-            load_tokens: 0,
-            running: 0,
-            reserved: 0,
-            capacity: w.capacity,
-            endpoint: w.endpoint.clone(),
-            carrier: w.carrier.clone(),
-        })
-        .collect();
-    workers.sort_by_key(|w| w.worker_id);
-    for r in &snap.requests {
-        let Ok(i) = workers.binary_search_by_key(&r.worker_id, |w| w.worker_id) else {
-            continue;
-        };
-        let w = &mut workers[i];
-        w.load_tokens += kv_tokens(r);
-        if is_reserved(r) {
-            w.reserved += 1;
-        } else {
-            w.running += 1;
-        }
-    }
-    let alive: Vec<u64> = workers
-        .iter()
-        .filter(|w| w.liveness != "fenced")
-        .map(|w| w.load_tokens)
-        .collect();
-    let max = alive.iter().copied().max().unwrap_or(0);
-    let sum: u64 = alive.iter().sum();
-    let barrier = alive.len() as u64 * max;
-    let imbalance = barrier - sum;
-    GroupView {
-        group: snap.group.clone(),
-        epoch: snap.epoch,
-        version: snap.version,
-        workers,
-        requests: snap.requests.len(),
-        max_load_tokens: max,
-        imbalance_tokens: imbalance,
-        barrier_idle_share: if barrier == 0 {
-            0.0
-        } else {
-            imbalance as f64 / barrier as f64
-        },
-    }
 }
 
 /// The group's requests, optionally of one rank, sorted by rank then id.
@@ -315,32 +204,6 @@ mod tests {
                 request("c", 1, 50, 0, false),
             ],
         }
-    }
-
-    #[test]
-    fn loads_counts_and_the_barrier_follow_the_requests() {
-        let v = group_view(&snapshot());
-        let ids: Vec<u32> = v.workers.iter().map(|w| w.worker_id).collect();
-        assert_eq!(ids, vec![0, 1, 2]);
-        let w0 = &v.workers[0];
-        assert_eq!((w0.load_tokens, w0.running, w0.reserved), (150, 1, 1));
-        assert_eq!(w0.incarnation, "00000000000000ab");
-        assert_eq!(
-            (v.workers[1].liveness, v.workers[2].liveness),
-            ("suspect", "fenced")
-        );
-        // the fenced rank is out of the barrier: G = 2, M = 150, Σ = 200
-        assert_eq!((v.max_load_tokens, v.imbalance_tokens), (150, 100));
-        assert!((v.barrier_idle_share - 100.0 / 300.0).abs() < 1e-12);
-    }
-
-    #[test]
-    fn an_empty_group_has_no_idle_share() {
-        let v = group_view(&v1::ClusterSnapshot {
-            group: "g".into(),
-            ..Default::default()
-        });
-        assert_eq!((v.imbalance_tokens, v.barrier_idle_share), (0, 0.0));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use comfy_table::{CellAlignment, Table};
 
 use br_proto::v1;
 
-use crate::model::{GroupView, RequestRow};
+use crate::model::{GroupSummary, RequestRow};
 
 /// Width of the load bar in characters.
 pub const BAR_WIDTH: usize = 24;
@@ -50,7 +50,7 @@ pub fn groups_table(groups: &[v1::GroupSummary]) -> String {
 }
 
 /// The one-line summary above a group's table.
-pub fn group_header(v: &GroupView) -> String {
+pub fn group_header(v: &GroupSummary) -> String {
     format!(
         "group {}  epoch {}  version {}  requests {}  max load {} tokens  imbalance {} tokens  barrier idle {:.1}%",
         v.group,
@@ -73,7 +73,7 @@ pub fn state_label(liveness: &str, cordoned: bool) -> String {
 }
 
 /// `brctl status GROUP`.
-pub fn group_table(v: &GroupView) -> String {
+pub fn group_table(v: &GroupSummary) -> String {
     let mut t = table(&[
         "WORKER",
         "STATE",

@@ -12,7 +12,7 @@ use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::Line;
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Table};
 
-use crate::model::{GroupView, group_view};
+use crate::model::GroupSummary;
 use crate::render::{bar, group_header, group_table, state_label};
 use crate::{Ctl, Output};
 
@@ -44,7 +44,7 @@ async fn print_loop(
 ) -> anyhow::Result<()> {
     let mut n = 0u64;
     loop {
-        let view = group_view(&ctl.snapshot(group).await?);
+        let view = GroupSummary::of_snapshot(&ctl.snapshot(group).await?);
         match output {
             Output::Json => writeln!(out, "{}", serde_json::to_string(&view)?)?,
             Output::Table => writeln!(out, "{}\n", group_table(&view))?,
@@ -68,7 +68,10 @@ async fn tui_loop(
     let mut n = 0u64;
     loop {
         // A failed refresh is shown, not fatal: the operator is watching an outage too.
-        let state = ctl.snapshot(group).await.map(|s| group_view(&s));
+        let state = ctl
+            .snapshot(group)
+            .await
+            .map(|s| GroupSummary::of_snapshot(&s));
         terminal.draw(|f| draw(f, &state, interval))?;
         n += 1;
         if count.is_some_and(|c| n >= c) {
@@ -104,7 +107,7 @@ fn wait_for_quit(interval: Duration) -> std::io::Result<bool> {
 }
 
 /// One frame: the group's summary line, then a row per rank with its load bar.
-pub fn draw(f: &mut Frame, state: &anyhow::Result<GroupView>, interval: Duration) {
+pub fn draw(f: &mut Frame, state: &anyhow::Result<GroupSummary>, interval: Duration) {
     let [head, body] =
         Layout::vertical([Constraint::Length(3), Constraint::Min(3)]).areas(f.area());
     let view = match state {
@@ -175,7 +178,7 @@ mod tests {
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
 
-    fn frame_text(state: &anyhow::Result<GroupView>) -> String {
+    fn frame_text(state: &anyhow::Result<GroupSummary>) -> String {
         let mut t = Terminal::new(TestBackend::new(120, 12)).unwrap();
         t.draw(|f| draw(f, state, Duration::from_secs(1))).unwrap();
         let buf = t.backend().buffer().clone();
@@ -213,7 +216,7 @@ mod tests {
                 ..Default::default()
             }],
         };
-        let text = frame_text(&Ok(group_view(&snap)));
+        let text = frame_text(&Ok(GroupSummary::of_snapshot(&snap)));
         assert!(text.contains("group g0"), "{text}");
         assert!(text.contains("4321"), "{text}");
         assert!(text.contains("live,cordoned"), "{text}");

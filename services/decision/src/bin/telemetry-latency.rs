@@ -347,6 +347,9 @@ async fn shim(
                 seq,
                 updates,
                 full_state: false,
+                // no trace: a load tool's messages start none
+                traceparent: String::new(),
+                tracestate: String::new(),
             })),
         };
         if let Some((_, probes, pending)) = &probe {

@@ -261,6 +261,17 @@ impl GroupCore {
         }
     }
 
+    /// What the live page samples: σ's summary as the replica holds it (O(ranks)), the pool
+    /// and whether σ is stale.
+    pub fn live_now(&self) -> crate::live::LiveNow {
+        crate::live::LiveNow {
+            summary: self.view.sigma().map(Sigma::summary),
+            pool: self.requests.pool_len(),
+            stale: self.is_stale(),
+            placing: self.placing(),
+        }
+    }
+
     /// Stops taking new requests (waiting ones are still served).
     pub fn shut_down(&mut self) {
         self.shutting_down = true;
