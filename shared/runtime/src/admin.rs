@@ -49,10 +49,23 @@ impl Readiness {
             .send_if_modified(|r| std::mem::replace(r, ready) != ready);
     }
 
-    /// Not ready, for `reason` (what `/readyz` says).
+    /// Not ready, for `reason` (what `/readyz` says). Notifies subscribers when the flag or
+    /// the reason changes: a readiness made of others ([`all_of`]) re-reads their reasons only
+    /// when notified, and a service that stays not ready for a new reason ("no σ yet", then "no
+    /// live worker") must not leave the old one showing.
     pub fn set_not_ready(&self, reason: impl Into<String>) {
-        self.set_why_not(reason.into());
-        self.tx.send_if_modified(|r| std::mem::replace(r, false));
+        let reason = reason.into();
+        let reason_changed = {
+            let mut why = self
+                .why_not
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let changed = *why != reason;
+            *why = reason;
+            changed
+        };
+        self.tx
+            .send_if_modified(|r| std::mem::replace(r, false) || reason_changed);
     }
 
     /// Why the service is not ready, if it said.
@@ -285,6 +298,30 @@ mod tests {
         let (head, body) = buf.split_once("\r\n\r\n").unwrap();
         let status = head.split(' ').nth(1).unwrap().parse().unwrap();
         (status, head.to_string(), body.to_string())
+    }
+
+    /// A part that stays not ready for a new reason shows the new reason in the combined one
+    /// (br-all's decision goes from "no complete σ" to "no live worker" without becoming ready;
+    /// the combined /readyz kept saying "no complete σ").
+    #[tokio::test]
+    async fn all_of_follows_a_new_reason_while_the_part_stays_not_ready() {
+        let part = Readiness::default();
+        part.set_not_ready("no σ yet");
+        let stop = CancellationToken::new();
+        let combined = all_of(vec![("decision", part.clone())], stop.clone());
+        assert_eq!(combined.why_not(), "decision: no σ yet");
+        let mut rx = combined.subscribe();
+        part.set_not_ready("no live worker");
+        tokio::time::timeout(std::time::Duration::from_secs(10), rx.changed())
+            .await
+            .expect("the combined readiness is told within 10 s")
+            .unwrap();
+        assert!(!combined.is_ready());
+        assert_eq!(combined.why_not(), "decision: no live worker");
+        // The same reason again is no change.
+        part.set_not_ready("no live worker");
+        assert!(!rx.has_changed().unwrap());
+        stop.cancel();
     }
 
     #[tokio::test]
