@@ -92,10 +92,7 @@ struct Slot {
 }
 
 /// σ for one group. All mutations are O(1) amortised plus O(log G) for the max/min tree.
-///
-/// `clone_from` reuses the target's allocations (a derived `Clone` would allocate anew): the
-/// decision service copies σ into its view after every σ change.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ClusterState {
     workers: Vec<WorkerInfo>,
     slots: Vec<Option<Slot>>,
@@ -104,30 +101,6 @@ pub struct ClusterState {
     members: Vec<Vec<u32>>,
     tree: LoadTree,
     live_workers: u32,
-}
-
-impl Clone for ClusterState {
-    fn clone(&self) -> Self {
-        Self {
-            workers: self.workers.clone(),
-            slots: self.slots.clone(),
-            free_slots: self.free_slots.clone(),
-            index: self.index.clone(),
-            members: self.members.clone(),
-            tree: self.tree.clone(),
-            live_workers: self.live_workers,
-        }
-    }
-
-    fn clone_from(&mut self, source: &Self) {
-        self.workers.clone_from(&source.workers);
-        self.slots.clone_from(&source.slots);
-        self.free_slots.clone_from(&source.free_slots);
-        self.index.clone_from(&source.index);
-        self.members.clone_from(&source.members);
-        self.tree.clone_from(&source.tree);
-        self.live_workers = source.live_workers;
-    }
 }
 
 impl Default for ClusterState {

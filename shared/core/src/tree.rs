@@ -1,28 +1,11 @@
 //! A tournament tree over per-worker loads: the max and the min of the live workers in O(1),
 //! updated in O(log G) when one worker's load changes. G ≤ 64, so the tree is tiny and flat.
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct LoadTree {
     leaves: usize,
     max: Vec<u64>,
     min: Vec<u64>,
-}
-
-// By hand so that `clone_from` reuses the vectors (see `ClusterState`'s `Clone`).
-impl Clone for LoadTree {
-    fn clone(&self) -> Self {
-        Self {
-            leaves: self.leaves,
-            max: self.max.clone(),
-            min: self.min.clone(),
-        }
-    }
-
-    fn clone_from(&mut self, source: &Self) {
-        self.leaves = source.leaves;
-        self.max.clone_from(&source.max);
-        self.min.clone_from(&source.min);
-    }
 }
 
 /// Fenced or absent workers take no part in max or min.
