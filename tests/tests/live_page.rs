@@ -262,7 +262,14 @@ async fn the_live_page_shows_every_rank_and_its_load_in_chromium() {
     let snapshot = Service::start("br-snapshot", &[]);
     snapshot.wait_for("/livez", START).await;
     let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
+    // The fake workers, unlike a shim, send no heartbeats: once the traffic stops they are
+    // silent, and ingest's --stream-idle-timeout (10 s) would end their streams and σ would
+    // move on (SUSPECT, fenced) while Chromium, slow on a loaded machine, is still loading the
+    // page. The page must show a quiet σ, so nothing here may time the workers out.
+    let ingest = Service::start(
+        "br-ingest",
+        &["--snapshot-addr", &snap, "--stream-idle-timeout", "0"],
+    );
     let groups = format!("{GROUP},{EMPTY}");
     let decision = Service::start(
         "br-decision",
@@ -339,9 +346,14 @@ async fn the_live_page_shows_every_rank_and_its_load_in_chromium() {
         (loads_of(&s) == truth).then_some(s)
     })
     .await;
+    // At least the quiet version, not exactly it: σ can move on without any load changing (a
+    // worker's report that it started a request whose reservation σ already counted at the
+    // same prompt tokens may land just after `quiet` was read), and then the page never shows
+    // `quiet.version` itself (CI hung here). Any change that does move a load fails the
+    // assertion below with what the page showed.
     let page = eventually_some(PAGE, "the page shows the quiet σ", || async {
         let s = shown(&b, &url).await;
-        (s.version == Some(quiet.version)).then_some(s)
+        s.version.is_some_and(|v| v >= quiet.version).then_some(s)
     })
     .await;
     assert_eq!(
