@@ -144,6 +144,11 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_STAGE2_LOOKAHEAD")]
     pub stage2_lookahead: Option<u32>,
 
+    /// Dispatcher: up to which level Stage 1 fills a worker, between the group's mean load (0)
+    /// and its max (1, the paper's F-score alone). Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_STAGE1_LEVEL")]
+    pub stage1_level: Option<f64>,
+
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
     pub cold_start: Option<ColdStart>,
@@ -296,6 +301,7 @@ impl Args {
                 stage2_window: self.stage2_window.unwrap_or(d.stage2_window),
                 stage2_fill: self.stage2_fill.unwrap_or(d.stage2_fill),
                 stage2_lookahead: self.stage2_lookahead.unwrap_or(d.stage2_lookahead),
+                stage1_level: self.stage1_level.unwrap_or(d.stage1_level),
             },
             horizon: HorizonParams {
                 horizon: self.horizon.unwrap_or(h.horizon),
@@ -520,6 +526,26 @@ mod tests {
             Stage1Worker::MostFreeSlots
         );
         assert_eq!(c.policy.dispatcher.tie_break, TieBreak::LowestId);
+        // Stage 1's fill level: the core's default unset, the paper's rule at 1, 0..=1 only
+        assert_eq!(
+            parse(&[])
+                .unwrap()
+                .to_config()
+                .unwrap()
+                .policy
+                .dispatcher
+                .stage1_level,
+            br_core::dispatch::DispatcherConfig::default().stage1_level
+        );
+        let c = parse(&["--stage1-level", "1"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.policy.dispatcher.stage1_level, 1.0);
+        for bad in ["1.5", "-0.1", "x"] {
+            let refused = parse(&["--stage1-level", bad]).map(|a| a.to_config());
+            assert!(!matches!(refused, Ok(Ok(_))), "--stage1-level {bad}");
+        }
     }
 
     #[test]

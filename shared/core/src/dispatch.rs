@@ -10,6 +10,12 @@
 //! scale (G = 64..128) both lose half the gain (issue 16), so by default the candidates come
 //! from the tick's head ([`Stage2Window::TickHead`]) and fill to the mean ([`Stage2Fill::Mean`]).
 //!
+//! At moderate load (free slots everywhere, a few arrivals per tick) Stage 1 places every
+//! request, and nearly every placement fits under the max: the F-score ties at `s_i` on most
+//! ranks and the tie-break alone decides. Filling ranks up to the max raises them towards it,
+//! so by default Stage 1 fills only to halfway between the group's mean and its max
+//! ([`DispatcherConfig::stage1_level`]; issue 16, moderate load).
+//!
 //! The paper leaves three choices open; each is a [`DispatcherConfig`] field and the simulator
 //! (see tools/sim/README.md) chose the defaults, as for the two Stage 2 choices above.
 
@@ -124,6 +130,13 @@ pub struct DispatcherConfig {
     /// With the tick-head window: how many requests beyond the tick's free slots Stage 2 may
     /// choose from (at least `R_max − 1`, the paper's window's reach).
     pub stage2_lookahead: u32,
+    /// Up to which level Stage 1's by-score placement fills a worker, between the group's
+    /// mean load (0) and its max (1), in `0..=1`. Below 1 a placement is scored
+    /// `F_g({i}) − 2·(s_i − (T − L_g))+` with `T = L̄ + level·(M − L̄)`: among the ranks where
+    /// the request fits under the max (all of which score `F = s_i`), the ones it leaves at or
+    /// below `T` win, and the tie-break chooses among those. 1 is the paper's F-score alone
+    /// (fill to the max). Stage 2 is not affected (see `stage2_fill`).
+    pub stage1_level: f64,
 }
 
 impl Default for DispatcherConfig {
@@ -138,6 +151,7 @@ impl Default for DispatcherConfig {
             stage2_window: Stage2Window::TickHead,
             stage2_fill: Stage2Fill::Mean,
             stage2_lookahead: 15,
+            stage1_level: 0.5,
         }
     }
 }
@@ -157,6 +171,12 @@ impl DispatcherConfig {
             return Err(CoreError::InvalidConfig(format!(
                 "r_max must be in 1..={MAX_R_MAX}, got {}",
                 self.r_max
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.stage1_level) {
+            return Err(CoreError::InvalidConfig(format!(
+                "stage1_level must be in 0..=1, got {}",
+                self.stage1_level
             )));
         }
         Ok(())
@@ -237,9 +257,16 @@ pub fn dispatch_tick(
                 break;
             }
             let s = f64::from(entry.prompt_tokens);
-            let Some((w, score)) =
-                best_worker(cfg.tie_break, state, &t.free, &admitted, t.margins, s)
-            else {
+            let target = t.stage1_target(cfg.stage1_level, state);
+            let Some((w, score)) = best_worker(
+                cfg.tie_break,
+                state,
+                &t.free,
+                &admitted,
+                t.margins,
+                s,
+                target,
+            ) else {
                 break;
             };
             admitted[w as usize] += 1;
@@ -374,6 +401,19 @@ impl Tick<'_> {
         }
     }
 
+    /// The load Stage 1 fills a worker up to, `L̄ + level·(M − L̄)` over the live workers as
+    /// this tick's admissions left them; `None` at level 1 (the F-score alone, up to the max).
+    fn stage1_target(&self, level: f64, state: &ClusterState) -> Option<f64> {
+        if level >= 1.0 {
+            return None;
+        }
+        // every live worker's load plus its margin is the max (h = 0)
+        let w = state.live_worker_ids().next()?;
+        let max = self.margins.load(w) + self.margins.margin(w, 0);
+        let mean = self.load_sum / self.live;
+        Some(mean + level * (max - mean))
+    }
+
     /// `L̄ − L_g` (negative above the mean).
     fn mean_gap(&self, w: WorkerId) -> f64 {
         self.load_sum / self.live - self.margins.load(w)
@@ -435,7 +475,9 @@ fn stage1_worker(rule: Stage1Worker, free: &[u32], margins: &Margins) -> Option<
 }
 
 /// The worker with a free slot and the best score for one request of size `s`, ties broken by
-/// `tie` over this tick's working loads and request counts.
+/// `tie` over this tick's working loads and request counts. With a fill `target` the score
+/// also loses twice what the request puts the worker above it (Stage 1's fill level); the
+/// F-score is returned either way.
 fn best_worker(
     tie: TieBreak,
     state: &ClusterState,
@@ -443,6 +485,7 @@ fn best_worker(
     admitted: &[u32],
     margins: &Margins,
     s: f64,
+    target: Option<f64>,
 ) -> Option<(WorkerId, f64)> {
     let key = |w: WorkerId| {
         let requests = state.workers()[w as usize].requests() + admitted[w as usize];
@@ -454,7 +497,10 @@ fn best_worker(
             continue;
         }
         let w = w as WorkerId;
-        let score = margins.score(w, s);
+        let mut score = margins.score(w, s);
+        if let Some(target) = target {
+            score -= 2.0 * (s - (target - margins.load(w))).max(0.0);
+        }
         let better = match best {
             None => true,
             Some((bw, bs)) => score > bs || (score == bs && key(w) < key(bw)),
@@ -463,7 +509,7 @@ fn best_worker(
             best = Some((w, score));
         }
     }
-    best
+    best.map(|(w, _)| (w, margins.score(w, s)))
 }
 
 /// Stage 2's priority: most free slots, then the largest `min_h m_{g,h}`, then lowest id.

@@ -54,6 +54,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 prop_oneof![Just(Stage2Fill::Max), Just(Stage2Fill::Mean)],
                 0u32..20,
             ),
+            prop_oneof![Just(1.0f64), Just(0.0f64), 0.0f64..=1.0],
         )
             .prop_map(
                 |(
@@ -71,6 +72,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                         stage2_fill,
                         stage2_lookahead,
                     ),
+                    stage1_level,
                 )| {
                     Scenario {
                         capacities,
@@ -86,6 +88,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             stage2_window,
                             stage2_fill,
                             stage2_lookahead,
+                            stage1_level,
                         },
                     }
                 },
@@ -555,5 +558,147 @@ fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
             pick(Stage2Fill::Mean, window),
             vec![(3, 17_000, Stage::Subset)]
         );
+    }
+}
+
+/// One request for Stage 1 to place, over workers with the given (load, requests, free slots):
+/// each worker's load is made of `requests` running requests of equal size.
+fn place_one(workers: &[(u64, u32, u32)], s: u32, level: f64, tie_break: TieBreak) -> Admission {
+    let caps: Vec<u32> = workers.iter().map(|&(_, n, f)| n + f).collect();
+    let mut st = ClusterState::with_workers(&caps);
+    let mut key = 1_000u64;
+    for (w, &(load, n, _)) in workers.iter().enumerate() {
+        for i in 0..n {
+            // n requests summing to `load`, the remainder on the first
+            let share = load / u64::from(n) + if i == 0 { load % u64::from(n) } else { 0 };
+            st.reserve(RequestInfo {
+                key,
+                worker: w as u32,
+                prompt_tokens: share as u32,
+                generated: 0,
+                phase: Phase::Running,
+                prompt_hash: None,
+                oracle_output: None,
+            })
+            .unwrap();
+            key += 1;
+        }
+    }
+    let mut pool = Pool::new();
+    pool.push(PoolEntry {
+        key: 0,
+        prompt_tokens: s,
+        prompt_hash: None,
+        oracle_output: None,
+    })
+    .unwrap();
+    let cfg = PolicyConfig {
+        kind: PolicyKind::Br0,
+        dispatcher: DispatcherConfig {
+            s_greedy: Some(0), // Stage 1 places it
+            stage1_worker: Stage1Worker::ByScore,
+            stage1_scope: Stage1Scope::HeadBatch,
+            tie_break,
+            stage1_level: level,
+            ..Default::default()
+        },
+        horizon: HorizonParams::default(),
+        seed: 0,
+    };
+    let mut out = Vec::new();
+    build_policy(&cfg)
+        .unwrap()
+        .dispatch(&mut pool, &st, &mut out);
+    assert_eq!(out.len(), 1, "one request, free slots: it is placed");
+    out.remove(0)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// Stage 1's fill level, against a reference in exact integers: with `T = L̄ + level·(M − L̄)`,
+    /// a request goes to the tie-break's first worker (with a free slot) that it leaves at or
+    /// below T; when it fits under T nowhere, to the least-loaded worker (tie-break among equal
+    /// loads); at level 1 to the best F-score (the paper's rule). The admission records the
+    /// F-score (−ΔI) whatever the level. Loads are multiples of 32 and G divides 8, so T is an
+    /// integer and the reference needs no rounding.
+    #[test]
+    fn stage1_fills_up_to_its_level(
+        g in prop_oneof![Just(2usize), Just(4), Just(8)],
+        raw in prop::collection::vec((0u64..4_000, 1u32..6, 0u32..3), 8),
+        s in 1u32..200_000,
+        level4 in 0u32..=4,
+        tie_break in prop_oneof![
+            Just(TieBreak::LowestId),
+            Just(TieBreak::LeastLoaded),
+            Just(TieBreak::FewestRequests)
+        ],
+    ) {
+        let mut workers: Vec<(u64, u32, u32)> =
+            raw[..g].iter().map(|&(l, n, f)| (l * 32, n, f)).collect();
+        if workers.iter().all(|w| w.2 == 0) {
+            workers[0].2 = 1;
+        }
+        let level = f64::from(level4) / 4.0;
+        let a = place_one(&workers, s, level, tie_break);
+
+        let sum: u64 = workers.iter().map(|w| w.0).sum();
+        let max = workers.iter().map(|w| w.0).max().unwrap();
+        let mean = sum / g as u64; // exact: 32 | every load and g | 8
+        let t4 = u64::from(4 - level4) * mean + u64::from(level4) * max; // 4·T
+        let s64 = u64::from(s);
+        let key = |w: usize| {
+            let (load, n, _) = workers[w];
+            match tie_break {
+                TieBreak::LowestId => (0, 0, w),
+                TieBreak::LeastLoaded => (0, load, w),
+                TieBreak::FewestRequests => (n, load, w),
+            }
+        };
+        let free: Vec<usize> = (0..g).filter(|&w| workers[w].2 > 0).collect();
+        let expect = if level4 == 4 {
+            let f = |w: usize| br0_score(s64, max - workers[w].0, g as u32);
+            let best = free.iter().map(|&w| f(w)).max().unwrap();
+            free.iter().copied().filter(|&w| f(w) == best).min_by_key(|&w| key(w)).unwrap()
+        } else {
+            let under: Vec<usize> =
+                free.iter().copied().filter(|&w| 4 * (workers[w].0 + s64) <= t4).collect();
+            if under.is_empty() {
+                let least = free.iter().map(|&w| workers[w].0).min().unwrap();
+                free.iter().copied().filter(|&w| workers[w].0 == least).min_by_key(|&w| key(w)).unwrap()
+            } else {
+                under.into_iter().min_by_key(|&w| key(w)).unwrap()
+            }
+        };
+        prop_assert_eq!(a.worker as usize, expect, "workers {:?} s {} level {}", workers, s, level);
+        prop_assert_eq!(a.stage, Stage::Greedy);
+        let w = a.worker as usize;
+        prop_assert_eq!(a.score, br0_score(s64, max - workers[w].0, g as u32) as f64);
+    }
+}
+
+#[test]
+fn stage1_level_keeps_a_request_off_a_rank_near_the_max() {
+    // The moderate-load failure of the paper's rule (issue 16): worker 0 is near the max with
+    // few, large requests, worker 1 is the max, worker 2 far below it with more requests. A
+    // 5,000-token request fits under the max on 0 and 2 (F = 5,000 on both), and fewest-requests
+    // sends it to 0, which then stands 1,000 below the max. Filling only to halfway between
+    // the mean (90,000) and the max (110,000) sends it to 2.
+    let workers = [(104_000u64, 2u32, 4u32), (110_000, 10, 4), (56_000, 6, 4)];
+    let at = |level| place_one(&workers, 5_000, level, TieBreak::FewestRequests).worker;
+    assert_eq!(at(1.0), 0);
+    assert_eq!(at(0.5), 2);
+    assert_eq!(at(0.0), 2);
+    assert_eq!(DispatcherConfig::default().stage1_level, 0.5);
+    // out of range is refused
+    for bad in [-0.1, 1.5, f64::NAN] {
+        let cfg = PolicyConfig {
+            dispatcher: DispatcherConfig {
+                stage1_level: bad,
+                ..Default::default()
+            },
+            ..PolicyConfig::new(PolicyKind::Br0)
+        };
+        assert!(build_policy(&cfg).is_err(), "stage1_level {bad}");
     }
 }

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Paired seed-by-seed comparison of BR policies against the best baseline (issue 16, moderate load).
 
-Runs `br-sim run ... --seed S --json` once per seed and prints, for every non-baseline policy,
-the mean over seeds of (policy - baseline) and its standard error, where the baseline is the
-one with the lowest mean TPOT p95 over the seeds (one baseline for all seeds, so the choice is
-not a max over noise). Metrics: TPOT p50 and p95 (ms), throughput (tok/s), imbalance and
-barrier idle (KV tokens).
+Runs `br-sim run ... --seed S --json` once per seed and prints, for every BalanceRoute policy
+(names starting with `br`), the mean over seeds of (policy - baseline) and its standard error,
+paired by seed. The baseline is chosen per metric: the baseline policy with the best mean over
+the seeds for that metric (lowest TPOT, imbalance and barrier idle, highest throughput), so the
+comparison is against the strongest baseline on every figure, and the choice is one baseline for
+all seeds (not a per-seed max over noise). A delta worse than zero by more than two standard
+errors is marked `!` (worse beyond the seed spread), one better by more than two `+`.
 
-Usage: paired.py BR_SIM SEEDS -- <br-sim run arguments without --seed/--json>
+Metrics: TPOT p50 and p95 (ms), throughput (tok/s), imbalance and barrier idle (KV tokens).
+
+Usage: paired.py BR_SIM SEEDS [--json FILE] -- <br-sim run arguments without --seed/--json>
 """
 import json
 import math
@@ -16,12 +20,13 @@ import subprocess
 import sys
 import tempfile
 
+# (JSON key, label, True when higher is better)
 METRICS = [
-    ("tpot_p50_ms", "tpot50 ms"),
-    ("tpot_p95_ms", "tpot95 ms"),
-    ("throughput_tok_s", "tok/s"),
-    ("avg_imbalance", "imbalance"),
-    ("avg_barrier_idle", "barrier idle"),
+    ("tpot_p50_ms", "tpot50 ms", False),
+    ("tpot_p95_ms", "tpot95 ms", False),
+    ("throughput_tok_s", "tok/s", True),
+    ("avg_imbalance", "imbalance", False),
+    ("avg_barrier_idle", "barrier idle", False),
 ]
 
 
@@ -37,8 +42,23 @@ def mean_se(xs):
     return m, math.sqrt(v / len(xs))
 
 
+def verdict(d, se, higher_better):
+    """`!` worse beyond two standard errors, `+` better beyond two, blank otherwise."""
+    worse = -d if higher_better else d
+    if se != se:  # one seed: no spread to judge by
+        return " "
+    if worse > 2 * se:
+        return "!"
+    if worse < -2 * se:
+        return "+"
+    return " "
+
+
 def main():
-    sim, seeds = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+    sim, seeds_arg = sys.argv[1], sys.argv[2]
+    seeds = [int(s) for s in seeds_arg.split(",")]
+    opts = sys.argv[3 : sys.argv.index("--")]
+    json_out = opts[opts.index("--json") + 1] if "--json" in opts else None
     args = sys.argv[sys.argv.index("--") + 1 :]
     per_seed = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -54,21 +74,38 @@ def main():
                 per_seed.append({r["policy"]: r for r in json.load(f)["runs"]})
     names = list(per_seed[0])
     bases = [n for n in names if is_baseline(n)]
-    base = min(bases, key=lambda n: sum(s[n]["tpot_p95_ms"] for s in per_seed))
-    print(f"$ br-sim {' '.join(args)}  (seeds {sys.argv[2]})")
-    print(f"best baseline (lowest mean TPOT p95): {base}")
-    print(f"{'policy':<14}" + "".join(f"{label:>26}" for _, label in METRICS))
+    best = {}
+    for key, _, higher in METRICS:
+        total = lambda n: sum(s[n][key] for s in per_seed)  # noqa: E731
+        best[key] = (max if higher else min)(bases, key=total)
+    print(f"$ br-sim {' '.join(args)}  (seeds {seeds_arg})")
+    print(
+        "best baseline per metric: "
+        + ", ".join(f"{label} {best[key]}" for key, label, _ in METRICS)
+    )
+    print("BR rows: mean (mean paired delta against that baseline ± standard error; ! worse, + better by > 2 SE)")
+    print(f"{'policy':<40}" + "".join(f"{label:>30}" for _, label, _ in METRICS))
+    summary = {"args": args, "seeds": seeds, "best_baseline": best, "policies": {}}
     for n in names:
         cells = []
-        for key, _ in METRICS:
+        row = {}
+        for key, _, higher in METRICS:
             vals = [s[n][key] for s in per_seed]
-            m, _ = mean_se(vals)
-            if n == base or is_baseline(n):
-                cells.append(f"{m:>26.1f}")
+            m, se_m = mean_se(vals)
+            if is_baseline(n):
+                cells.append(f"{m:>30.1f}")
+                row[key] = {"mean": m, "se": se_m}
             else:
-                d, se = mean_se([s[n][key] - s[base][key] for s in per_seed])
-                cells.append(f"{m:>10.1f} ({d:+8.1f}±{se:5.1f})")
-        print(f"{n:<14}" + "".join(cells))
+                b = best[key]
+                d, se = mean_se([s[n][key] - s[b][key] for s in per_seed])
+                mark = verdict(d, se, higher)
+                cells.append(f"{m:>12.1f} ({d:+8.1f}±{se:6.1f}){mark}")
+                row[key] = {"mean": m, "delta": d, "se": se, "verdict": mark.strip()}
+        summary["policies"][n] = row
+        print(f"{n:<40}" + "".join(cells))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":
