@@ -147,7 +147,7 @@ pub struct SweepArgs {
     pub per_worker: Option<usize>,
     /// Sweep a policy parameter at the fixed `--workers` instead of G: `NAME=v1,v2,...`
     /// (r_max, s_greedy, stage1_worker, cold_start, tie_break, horizon, alpha, beta, gamma,
-    /// gate). Baselines run once, as the reference.
+    /// gate, request_cost_tokens). Baselines run once, as the reference.
     #[arg(long, value_name = "NAME=V1,V2,...")]
     pub param: Option<String>,
     /// Run every point with each of these seeds and report the mean (synthetic workloads,
