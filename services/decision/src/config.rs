@@ -177,6 +177,12 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_GATE")]
     pub gate: Option<f64>,
 
+    /// The F-score's request term, BR-0 and BR-H: KV tokens one running request costs the
+    /// barrier, `c/a` of the step model `T = a·max L + c·max n + b` (`br-sim calibrate` prints
+    /// it). Unset or 0: the paper's score.
+    #[arg(long, env = "BALANCEROUTE_REQUEST_COST_TOKENS")]
+    pub request_cost_tokens: Option<f64>,
+
     /// Seed of the randomised baselines (random, p2c).
     #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = 0)]
     pub seed: u64,
@@ -309,6 +315,7 @@ impl Args {
                 beta: self.beta.map_or(h.beta, |b| b.0),
                 gamma: self.gamma.unwrap_or(h.gamma),
                 gate: self.gate.unwrap_or(h.gate),
+                request_cost_tokens: self.request_cost_tokens.unwrap_or(h.request_cost_tokens),
             },
             seed: self.seed,
         };
@@ -559,6 +566,18 @@ mod tests {
         assert!(parse(&["--gamma", "0"]).is_err());
         assert!(parse(&["--stage1-worker", "x"]).is_err());
         assert!(parse(&["--watch-backoff-max", "0s"]).is_err());
+        assert!(parse(&["--request-cost-tokens", "-1"]).is_err());
+    }
+
+    #[test]
+    fn the_request_term_is_off_by_default_and_set_by_flag() {
+        let c = parse(&[]).unwrap().to_config().unwrap();
+        assert_eq!(c.policy.horizon.request_cost_tokens, 0.0);
+        let c = parse(&["--request-cost-tokens", "2500"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.policy.horizon.request_cost_tokens, 2500.0);
     }
 
     #[test]

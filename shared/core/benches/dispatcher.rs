@@ -3,6 +3,7 @@
 //! waiting, and at wide-EP scale (G = 128, 8,192 waiting; issue 16's budget is 1 ms at p99,
 //! measured by `examples/tick_percentiles.rs`). Run: `cargo bench -p br-core --bench dispatcher`.
 //!
+//! `br0-request-term` is BR-0 with the F-score's request term (κ = 1,250 tokens per request).
 //! BR-H is measured twice: through the policy (its prediction cache is warm after the first
 //! iteration, as between ticks on an unchanged σ) and `uncached` (`Margins::horizon` +
 //! `dispatch_tick`: every running request predicted each tick, as before the cache).
@@ -40,6 +41,26 @@ fn tick(c: &mut Criterion) {
                 },
             );
         }
+        // the F-score's request term (a step model with c ≠ 0): κ = c/a = 1,250 tokens, i.e.
+        // c = 0.25 ms per request at a = 2e-4 ms per token
+        let mut cfg = PolicyConfig::new(PolicyKind::Br0);
+        cfg.horizon.request_cost_tokens = 1250.0;
+        group.bench_function(
+            format!("br0-request-term/G{workers}/waiting{waiting}"),
+            |b| {
+                let mut policy = build_policy(&cfg).expect("valid config");
+                let mut out = Vec::with_capacity(1024);
+                b.iter_batched(
+                    || pool.clone(),
+                    |mut p| {
+                        out.clear();
+                        policy.dispatch(&mut p, &state, &mut out);
+                        out.len()
+                    },
+                    BatchSize::SmallInput,
+                );
+            },
+        );
         let cfg = PolicyConfig::new(PolicyKind::BrH(br_core::policy::PredictorKind::Oracle));
         group.bench_function(
             format!("brh-oracle-uncached/G{workers}/waiting{waiting}"),

@@ -5,7 +5,8 @@
 //! BR-0 is measured with the default Stage 2 (the tick's head, filled to the mean) and with
 //! the paper's (`br0-paper-s2`: the R_max oldest, filled to the max), the previous default, to
 //! show what the wide-EP Stage 2 costs; G = 128 with 8,192 waiting is issue 16's budget (1 ms
-//! at p99).
+//! at p99). `br0-request-term` is BR-0 with the F-score's request term (κ = 1,250 tokens per
+//! request: a step model with c = 0.25 ms per request at a = 2e-4 ms per token).
 //!
 //! BR-H rows come in three forms, measured side by side in one run:
 //! * `uncached`: `Margins::horizon` + `dispatch_tick`, asking the predictor about every
@@ -29,6 +30,8 @@ enum Form {
     Policy,
     /// BR-0 with the paper's Stage 2.
     PaperStage2,
+    /// BR-0 with the request term.
+    RequestTerm,
     Uncached,
     CachedStep,
 }
@@ -51,6 +54,7 @@ fn main() {
         let rows = [
             (PolicyKind::Br0, Form::Policy),
             (PolicyKind::Br0, Form::PaperStage2),
+            (PolicyKind::Br0, Form::RequestTerm),
             (PolicyKind::BrH(PredictorKind::Survival), Form::Uncached),
             (PolicyKind::BrH(PredictorKind::Survival), Form::Policy),
             (PolicyKind::BrH(PredictorKind::Survival), Form::CachedStep),
@@ -63,10 +67,14 @@ fn main() {
             let mut samples =
                 Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid bounds");
             let mut admitted = 0;
-            let cfg = if form == Form::PaperStage2 {
-                paper.clone()
-            } else {
-                PolicyConfig::new(kind)
+            let cfg = match form {
+                Form::PaperStage2 => paper.clone(),
+                Form::RequestTerm => {
+                    let mut c = PolicyConfig::new(kind);
+                    c.horizon.request_cost_tokens = 1250.0;
+                    c
+                }
+                _ => PolicyConfig::new(kind),
             };
             // Fresh scenarios (different seeds) so the tick sees varied states.
             for seed in 0..40u64 {
@@ -108,6 +116,7 @@ fn main() {
             let q = |p: f64| us(samples.value_at_quantile(p));
             let name = match (kind, form) {
                 (_, Form::PaperStage2) => format!("{}-paper-s2", kind.name()),
+                (_, Form::RequestTerm) => format!("{}-request-term", kind.name()),
                 (PolicyKind::Br0, _) => kind.name().to_owned(),
                 (_, Form::Uncached) => format!("{} uncached", kind.name()),
                 (_, Form::Policy) => format!("{} cached", kind.name()),

@@ -321,7 +321,7 @@ pub fn dispatch_tick(
                 let tick = &t;
                 head.candidates(
                     peak,
-                    |ds| tick.stage2_score(fill, w, ds),
+                    |ds| tick.stage2_score(fill, w, ds, 1),
                     cfg.r_max,
                     &mut near,
                     &mut picked,
@@ -335,8 +335,8 @@ pub fn dispatch_tick(
             break;
         }
         let sizes: Vec<f64> = window.iter().map(|e| f64::from(e.prompt_tokens)).collect();
-        let (mask, _) = best_subset(&sizes, t.free[w as usize] as usize, |ds| {
-            t.stage2_score(fill, w, ds)
+        let (mask, _) = best_subset_counted(&sizes, t.free[w as usize] as usize, |ds, k| {
+            t.stage2_score(fill, w, ds, k)
         });
         // Admitted or guarded by the F-score itself (−ΔI), whatever the fill preferred.
         let chosen: f64 = (0..sizes.len())
@@ -346,7 +346,7 @@ pub fn dispatch_tick(
         let score = if mask == 0 {
             f64::NEG_INFINITY
         } else {
-            t.margins.score(w, chosen)
+            t.margins.score_subset(w, chosen, mask.count_ones())
         };
         if score > 0.0 {
             for (i, entry) in window.iter().enumerate() {
@@ -361,7 +361,7 @@ pub fn dispatch_tick(
             let (i, _) = sizes
                 .iter()
                 .enumerate()
-                .map(|(i, &s)| (i, t.stage2_score(fill, w, s)))
+                .map(|(i, &s)| (i, t.stage2_score(fill, w, s, 1)))
                 .fold(
                     (0, f64::NEG_INFINITY),
                     |best, c| if c.1 > best.1 { c } else { best },
@@ -391,10 +391,10 @@ struct Tick<'a> {
 }
 
 impl Tick<'_> {
-    /// What Stage 2 maximises for worker w: the F-score, less (with the mean fill) twice what
-    /// `delta_s` puts the worker past the mean.
-    fn stage2_score(&self, fill: Stage2Fill, w: WorkerId, delta_s: f64) -> f64 {
-        let f = self.margins.score(w, delta_s);
+    /// What Stage 2 maximises for worker w and a subset of `requests` requests: the F-score,
+    /// less (with the mean fill) twice what `delta_s` puts the worker past the mean.
+    fn stage2_score(&self, fill: Stage2Fill, w: WorkerId, delta_s: f64, requests: u32) -> f64 {
+        let f = self.margins.score_subset(w, delta_s, requests);
         match fill {
             Stage2Fill::Max => f,
             Stage2Fill::Mean => f - 2.0 * (delta_s - self.mean_gap(w)).max(0.0),
@@ -631,6 +631,16 @@ impl Head {
 /// The non-empty subset of `sizes` with at most `max_items` members that maximises `score`
 /// (ties: the first in enumeration order). Returns (bitmask, score); (0, −∞) when nothing fits.
 pub fn best_subset(sizes: &[f64], max_items: usize, score: impl Fn(f64) -> f64) -> (u32, f64) {
+    best_subset_counted(sizes, max_items, |ds, _| score(ds))
+}
+
+/// [`best_subset`] for a score of the subset's size and its number of members (the F-score's
+/// request term, `score::Margins::score_subset`).
+pub fn best_subset_counted(
+    sizes: &[f64],
+    max_items: usize,
+    score: impl Fn(f64, u32) -> f64,
+) -> (u32, f64) {
     let n = sizes.len().min(MAX_R_MAX);
     let mut best = (0u32, f64::NEG_INFINITY);
     for mask in 1u32..(1u32 << n) {
@@ -641,7 +651,7 @@ pub fn best_subset(sizes: &[f64], max_items: usize, score: impl Fn(f64) -> f64) 
             .filter(|i| mask & (1 << i) != 0)
             .map(|i| sizes[i])
             .sum();
-        let f = score(ds);
+        let f = score(ds, mask.count_ones());
         if f > best.1 {
             best = (mask, f);
         }

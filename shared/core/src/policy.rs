@@ -205,6 +205,12 @@ impl PolicyConfig {
                 h.gate
             )));
         }
+        if !(h.request_cost_tokens.is_finite() && h.request_cost_tokens >= 0.0) {
+            return Err(CoreError::InvalidConfig(format!(
+                "request_cost_tokens must be finite and >= 0, got {}",
+                h.request_cost_tokens
+            )));
+        }
         Ok(())
     }
 }
@@ -407,7 +413,7 @@ impl Policy for BalanceRoute {
             return;
         }
         let mut margins = match &self.predictor {
-            None => Margins::br0(state),
+            None => Margins::br0_with_request_cost(state, self.cfg.horizon.request_cost_tokens),
             Some(p) => {
                 Margins::horizon_cached(state, &self.cfg.horizon, p.as_ref(), &mut self.cache)
             }

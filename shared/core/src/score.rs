@@ -7,6 +7,22 @@
 //! [`Margins`] holds one tick's working view: projected loads per worker and horizon step,
 //! their maxima, and the discount vector. Admitting a subset updates it in O(H), so a tick that
 //! admits many requests never rebuilds it.
+//!
+//! # The request term (a step model with c ≠ 0)
+//! With `T = a·max L + c·max n + b` (n: requests per rank; `step::StepModel`) the barrier idles
+//! `a·(max L − L_g) + c·(max n − n_g)` on rank g, so the idle time of a step is
+//! `a·I + c·I_n`, `I_n = G·max n − Σ n` the idle request-slots. Admitting Q to g changes
+//! `I_n` exactly as it changes `I`, with `|Q|` for `Δs(Q)` and `m^n_g = max n − n_g` for
+//! `m_g`: the safe regime (`|Q| ≤ m^n_g`) removes `|Q|` idle slots, each request past the max
+//! costs `G − 1`. `−Δ(idle time)/a` is then
+//!
+//! `F_g(Q) = [Δs − G·(Δs − m_g)+] + κ·[|Q| − G·(|Q| − m^n_g)+]`, `κ = c/a`
+//!
+//! in KV tokens (`HorizonParams::request_cost_tokens`). BR-H discounts both terms alike over
+//! the projected counts `m^n_{g,h}` (a request counts while it is predicted to run). κ = 0
+//! (the default) is the paper's score, computed by the same instructions as before the term
+//! existed. Why count the barrier this way and not as `max_g (a·L_g + c·n_g)`: it is the form
+//! `br-sim calibrate` fits from `(max L, max n, T)` samples, and the twin runs.
 
 use crate::predict::{PredictionCache, Predictor, expected_remaining};
 use crate::state::{ClusterState, RequestInfo};
@@ -33,6 +49,10 @@ pub struct HorizonParams {
     /// Confidence gate: a request counts as finishing inside the horizon only when the
     /// predictor's probability of that is at least this; otherwise it is assumed to run on.
     pub gate: f64,
+    /// `κ = c/a`: the KV tokens one request costs the barrier, the weight of the request term
+    /// (module docs). 0 (the default) is the paper's score; BR-0 uses it too.
+    #[serde(default)]
+    pub request_cost_tokens: f64,
 }
 
 impl Default for HorizonParams {
@@ -47,6 +67,7 @@ impl Default for HorizonParams {
             beta: Some(43.0),
             gamma: 0.86,
             gate: 0.5,
+            request_cost_tokens: 0.0,
         }
     }
 }
@@ -60,6 +81,15 @@ impl HorizonParams {
             beta: None,
             gamma: 1.0,
             gate: 1.0,
+            request_cost_tokens: 0.0,
+        }
+    }
+
+    /// BR-0 with the request term weighted `request_cost_tokens`.
+    pub fn br0_with_request_cost(request_cost_tokens: f64) -> Self {
+        Self {
+            request_cost_tokens,
+            ..Self::br0()
         }
     }
 }
@@ -90,15 +120,35 @@ pub struct Margins {
     discount_sum: f64,
     alpha: f64,
     beta: f64,
+    /// κ of the request term; 0 leaves `counts` and `max_counts` empty and the score the
+    /// paper's.
+    request_cost: f64,
+    /// `counts[w * steps + h]`: requests projected on worker w, h steps ahead (with κ > 0).
+    counts: Vec<f64>,
+    /// `max_counts[h]` over live workers (with κ > 0).
+    max_counts: Vec<f64>,
 }
 
 impl Margins {
     /// BR-0 margins: the current loads (running + queued), H = 0.
     pub fn br0(state: &ClusterState) -> Self {
-        let mut m = Self::empty(state, &HorizonParams::br0());
+        Self::br0_with_request_cost(state, 0.0)
+    }
+
+    /// BR-0 margins with the request term weighted `request_cost_tokens` (κ = c/a; the
+    /// requests of a worker are its running and queued ones, as its load is).
+    pub fn br0_with_request_cost(state: &ClusterState, request_cost_tokens: f64) -> Self {
+        let mut m = Self::empty(
+            state,
+            &HorizonParams::br0_with_request_cost(request_cost_tokens),
+        );
+        let counted = m.counted();
         for (w, info) in state.workers().iter().enumerate() {
             if info.alive {
                 m.loads[w] = info.load() as f64;
+                if counted {
+                    m.counts[w] = f64::from(info.requests());
+                }
             }
         }
         m.recompute_max();
@@ -147,14 +197,18 @@ impl Margins {
     ) -> Self {
         let mut m = Self::empty(state, params);
         let steps = m.steps;
+        let counted = m.counted();
         let mut constant = vec![0.0f64; steps + 1];
         let mut slope = vec![0.0f64; steps + 1];
+        // requests per step (the request term only): one from now until its predicted end
+        let mut present = vec![0.0f64; if counted { steps + 1 } else { 0 }];
         for (w, info) in state.workers().iter().enumerate() {
             if !info.alive {
                 continue;
             }
             constant.iter_mut().for_each(|x| *x = 0.0);
             slope.iter_mut().for_each(|x| *x = 0.0);
+            present.iter_mut().for_each(|x| *x = 0.0);
             for (slot, r) in state.slotted_requests_of(w as WorkerId) {
                 let end = end_of(slot, r);
                 let kv = r.kv_tokens() as f64;
@@ -165,12 +219,24 @@ impl Margins {
                     slope[0] += 1.0;
                     slope[end] -= 1.0;
                 }
+                if counted {
+                    present[0] += 1.0;
+                    present[end] -= 1.0;
+                }
             }
             let (mut c, mut s) = (0.0, 0.0);
             for h in 0..steps {
                 c += constant[h];
                 s += slope[h];
                 m.loads[w * steps + h] = c + s * h as f64;
+            }
+            if counted {
+                let mut n = 0.0;
+                let row = &mut m.counts[w * steps..(w + 1) * steps];
+                for (count, delta) in row.iter_mut().zip(&present) {
+                    n += delta;
+                    *count = n;
+                }
             }
         }
         m.recompute_max();
@@ -183,6 +249,7 @@ impl Margins {
         let discounts: Vec<f64> = (0..steps).map(|h| params.gamma.powi(h as i32)).collect();
         let discount_sum = discounts.iter().sum();
         let g = f64::from(state.live_workers().max(1));
+        let counted = params.request_cost_tokens > 0.0;
         Self {
             steps,
             loads: vec![0.0; n * steps],
@@ -192,17 +259,58 @@ impl Margins {
             discount_sum,
             alpha: params.alpha,
             beta: params.beta.unwrap_or(g),
+            request_cost: if counted {
+                params.request_cost_tokens
+            } else {
+                0.0
+            },
+            counts: if counted {
+                vec![0.0; n * steps]
+            } else {
+                Vec::new()
+            },
+            max_counts: if counted {
+                vec![0.0; steps]
+            } else {
+                Vec::new()
+            },
         }
+    }
+
+    /// Whether the score has the request term (κ > 0).
+    fn counted(&self) -> bool {
+        self.request_cost > 0.0
     }
 
     fn recompute_max(&mut self) {
         self.max.iter_mut().for_each(|x| *x = 0.0);
+        self.max_counts.iter_mut().for_each(|x| *x = 0.0);
+        let counted = self.counted();
         for (w, alive) in self.alive.iter().enumerate() {
             if *alive {
                 for h in 0..self.steps {
                     self.max[h] = self.max[h].max(self.loads[w * self.steps + h]);
+                    if counted {
+                        self.max_counts[h] =
+                            self.max_counts[h].max(self.counts[w * self.steps + h]);
+                    }
                 }
             }
+        }
+    }
+
+    /// κ, the weight of the request term (0: the paper's score).
+    pub fn request_cost_tokens(&self) -> f64 {
+        self.request_cost
+    }
+
+    /// `m^n_{g,h} = max n(h) − n_g(h)`: free request-slots under the busiest worker (0 without
+    /// the request term, which does not track counts).
+    pub fn request_margin(&self, w: WorkerId, h: usize) -> f64 {
+        if self.counted() {
+            self.max_counts[h] - self.counts[w as usize * self.steps + h]
+        } else {
+            0.0
         }
     }
 
@@ -227,8 +335,14 @@ impl Margins {
         self.loads[w as usize * self.steps]
     }
 
-    /// `F_g(Q)` for a subset with prompt load `delta_s`.
+    /// `F_g({i})` for one request of `delta_s` prompt tokens.
     pub fn score(&self, w: WorkerId, delta_s: f64) -> f64 {
+        self.score_subset(w, delta_s, 1)
+    }
+
+    /// `F_g(Q)` for a subset of `requests` requests with prompt load `delta_s` (the count
+    /// matters only with the request term).
+    pub fn score_subset(&self, w: WorkerId, delta_s: f64, requests: u32) -> f64 {
         let base = w as usize * self.steps;
         let mut penalty = 0.0;
         for h in 0..self.steps {
@@ -238,11 +352,24 @@ impl Margins {
                 penalty += self.discounts[h] * over;
             }
         }
-        self.alpha * self.discount_sum * delta_s - self.beta * penalty
+        let tokens = self.alpha * self.discount_sum * delta_s - self.beta * penalty;
+        if !self.counted() {
+            return tokens;
+        }
+        let k = f64::from(requests);
+        let mut over_count = 0.0;
+        for h in 0..self.steps {
+            let over = k - (self.max_counts[h] - self.counts[base + h]);
+            if over > 0.0 {
+                over_count += self.discounts[h] * over;
+            }
+        }
+        tokens + self.request_cost * (self.alpha * self.discount_sum * k - self.beta * over_count)
     }
 
     /// The prompt size that maximises `F_g` (F is concave and piecewise linear in Δs: it rises
-    /// with slope α·Σd until the margins are used up, each margin passed taking β·d_h off).
+    /// with slope α·Σd until the margins are used up, each margin passed taking β·d_h off). The
+    /// request term does not depend on Δs, so it does not move the peak.
     pub fn best_size(&self, w: WorkerId) -> f64 {
         if self.steps == 1 {
             return self.margin(w, 0);
@@ -261,12 +388,19 @@ impl Margins {
         f64::INFINITY
     }
 
-    /// Records an admission of `delta_s` prompt tokens to worker w for the rest of the tick.
+    /// Records an admission of one request of `delta_s` prompt tokens to worker w for the rest
+    /// of the tick (it counts at every horizon step: its length is not known yet).
     pub fn admit(&mut self, w: WorkerId, delta_s: f64) {
         let base = w as usize * self.steps;
         for h in 0..self.steps {
             self.loads[base + h] += delta_s;
             self.max[h] = self.max[h].max(self.loads[base + h]);
+        }
+        if self.counted() {
+            for h in 0..self.steps {
+                self.counts[base + h] += 1.0;
+                self.max_counts[h] = self.max_counts[h].max(self.counts[base + h]);
+            }
         }
     }
 }

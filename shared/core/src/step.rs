@@ -1,41 +1,73 @@
-//! The lockstep step-time model `T = a·M + b` (M: KV tokens on the most loaded rank) and an
-//! online fit of it from observed steps.
+//! The lockstep step-time model `T = a·M + c·N + b` (M: KV tokens on the most loaded rank, N:
+//! running requests on the rank that runs the most) and an online fit of its two-term form
+//! from observed steps.
 //!
-//! The simulator and the emulated engine take `a` and `b` as parameters; a service that only
-//! sees telemetry learns them: [`StepFit`] keeps the last few `(M, T)` observations and fits
-//! the line by least squares. Observations from one steady load barely vary in `M`, which
-//! leaves the slope undetermined; the fit then keeps the prior slope and fits only the
-//! intercept (the level), so an estimate is always sane: positive and finite.
+//! The paper's model is `T = a·M + b` (c = 0): a rank's step grows with the KV it reads. Real
+//! engines also pay per running request (the per-token projections, sampling, the MoE dispatch
+//! of one token per request), which is what `c` measures; `br-sim calibrate` fits it from
+//! samples that carry N and says whether the data asks for it. Both maxima are over ranks
+//! separately (the form the issue asks for and the samples can identify); the barrier then
+//! idles `a·(M − L_g) + c·(N − n_g)` on rank g, which is what the F-score's request term
+//! (`score::ScoreParams`) prices.
+//!
+//! The simulator and the emulated engine take `a`, `b` (and the simulator `c`) as parameters; a
+//! service that only sees telemetry learns them: [`StepFit`] keeps the last few `(M, T)`
+//! observations and fits the line by least squares (c = 0: telemetry gives it no N).
+//! Observations from one steady load barely vary in `M`, which leaves the slope undetermined;
+//! the fit then keeps the prior slope and fits only the intercept (the level), so an estimate is
+//! always sane: positive and finite.
 
 use std::collections::VecDeque;
 
-/// `T = a·M + b`, in milliseconds.
+/// `T = a·M + c·N + b`, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepModel {
     /// a: ms per KV token on the most loaded rank.
     pub a_ms_per_token: f64,
     /// b: fixed ms per step.
     pub b_ms: f64,
+    /// c: ms per running request on the rank that runs the most (0 in the paper's model).
+    pub c_ms_per_request: f64,
 }
 
 impl StepModel {
-    /// The simulator's defaults (a = 2e-4 ms per token, b = 30 ms).
+    /// The simulator's defaults (a = 2e-4 ms per token, b = 30 ms, c = 0).
     pub const DEFAULT: StepModel = StepModel {
         a_ms_per_token: 2e-4,
         b_ms: 30.0,
+        c_ms_per_request: 0.0,
     };
 
     /// Shortest step the model ever predicts (a guard against a degenerate fit).
     pub const MIN_STEP_MS: f64 = 1.0;
 
-    /// The step time in ms when the most loaded rank holds `max_load` KV tokens.
+    /// The step time in ms when the most loaded rank holds `max_load` KV tokens, leaving out
+    /// the request term: exact for a two-term model (c = 0, e.g. every [`StepFit`] model);
+    /// with c ≠ 0 use [`StepModel::step_ms_at`].
     pub fn step_ms(&self, max_load: u64) -> f64 {
-        let t = self.a_ms_per_token * max_load as f64 + self.b_ms;
+        self.step_ms_at(max_load, 0)
+    }
+
+    /// The step time in ms when the most loaded rank holds `max_load` KV tokens and the rank
+    /// with the most running requests runs `max_running`.
+    pub fn step_ms_at(&self, max_load: u64, max_running: u32) -> f64 {
+        let t = self.a_ms_per_token * max_load as f64
+            + self.c_ms_per_request * f64::from(max_running)
+            + self.b_ms;
         if t.is_finite() {
             t.max(Self::MIN_STEP_MS)
         } else {
             Self::MIN_STEP_MS
         }
+    }
+
+    /// `c / a`: how many KV tokens on the most loaded rank cost the barrier what one running
+    /// request on the busiest rank does, the weight of the F-score's request term
+    /// ([`crate::score::ScoreParams::request_cost_tokens`]). `None` when `a` is not positive
+    /// (then tokens do not matter and the ratio means nothing).
+    pub fn request_cost_tokens(&self) -> Option<f64> {
+        let k = self.c_ms_per_request / self.a_ms_per_token;
+        (self.a_ms_per_token > 0.0 && k.is_finite() && k >= 0.0).then_some(k)
     }
 }
 
@@ -55,10 +87,14 @@ pub struct StepFit {
 
 impl StepFit {
     /// Fits around `prior` (used as it is until the first observation, and for the slope
-    /// while the observed loads do not spread enough to determine one).
+    /// while the observed loads do not spread enough to determine one). The observations carry
+    /// no request counts, so the fit is the two-term model: the prior's `c` is dropped.
     pub fn new(prior: StepModel, window: usize) -> StepFit {
         StepFit {
-            prior,
+            prior: StepModel {
+                c_ms_per_request: 0.0,
+                ..prior
+            },
             window: window.max(1),
             samples: VecDeque::new(),
         }
@@ -103,6 +139,7 @@ impl StepFit {
                 return StepModel {
                     a_ms_per_token: a,
                     b_ms: my - a * mx,
+                    c_ms_per_request: 0.0,
                 };
             }
         }
@@ -110,6 +147,7 @@ impl StepFit {
         StepModel {
             a_ms_per_token: a,
             b_ms: my - a * mx,
+            c_ms_per_request: 0.0,
         }
     }
 }
@@ -161,7 +199,37 @@ mod tests {
         let odd = StepModel {
             a_ms_per_token: 0.0,
             b_ms: -5.0,
+            c_ms_per_request: 0.0,
         };
         assert_eq!(odd.step_ms(0), StepModel::MIN_STEP_MS);
+    }
+
+    #[test]
+    fn the_request_term_adds_c_per_request_and_c_zero_is_the_two_term_model() {
+        let m = StepModel {
+            c_ms_per_request: 0.25,
+            ..StepModel::DEFAULT
+        };
+        assert_eq!(
+            m.step_ms_at(10_000, 64),
+            2e-4 * 10_000.0 + 0.25 * 64.0 + 30.0
+        );
+        assert_eq!(m.step_ms(10_000), StepModel::DEFAULT.step_ms(10_000));
+        for n in [0u32, 1, 64, 256] {
+            assert_eq!(
+                StepModel::DEFAULT.step_ms_at(123_456, n),
+                StepModel::DEFAULT.step_ms(123_456)
+            );
+        }
+        assert_eq!(m.request_cost_tokens(), Some(1250.0));
+        assert_eq!(StepModel::DEFAULT.request_cost_tokens(), Some(0.0));
+        let flat = StepModel {
+            a_ms_per_token: 0.0,
+            ..m
+        };
+        assert_eq!(flat.request_cost_tokens(), None);
+        // the online fit has no request counts to fit c from
+        let f = StepFit::new(m, 8);
+        assert_eq!(f.model().c_ms_per_request, 0.0);
     }
 }

@@ -44,6 +44,10 @@ struct EngineArgs {
     /// b: model ms of fixed overhead per step.
     #[arg(long, env = "BALANCEROUTE_STEP_B", default_value_t = 30.0)]
     step_b: f64,
+    /// c: model ms per running request on the rank that runs the most (step time
+    /// `a·max L + c·max n + b`; 0 is the paper's model).
+    #[arg(long, env = "BALANCEROUTE_STEP_C", default_value_t = 0.0)]
+    step_c: f64,
     /// Wall time = model time × this (0 runs steps back to back).
     #[arg(long, env = "BALANCEROUTE_TIME_SCALE", default_value_t = 0.1)]
     time_scale: f64,
@@ -173,6 +177,10 @@ async fn engine(a: EngineArgs) -> anyhow::Result<()> {
         a.time_scale.is_finite() && a.time_scale >= 0.0,
         "--time-scale must be >= 0"
     );
+    anyhow::ensure!(
+        a.step_c.is_finite() && a.step_c >= 0.0,
+        "--step-c must be finite and >= 0"
+    );
     let stop = CancellationToken::new();
     let server = EngineServer::start(
         EngineConfig {
@@ -182,6 +190,7 @@ async fn engine(a: EngineArgs) -> anyhow::Result<()> {
                 a_ms_per_token: a.step_a,
                 b_ms: a.step_b,
             },
+            step_c_ms_per_request: a.step_c,
             time_scale: a.time_scale,
             model_name: a.model,
             created: None,
@@ -201,10 +210,11 @@ async fn engine(a: EngineArgs) -> anyhow::Result<()> {
         .map(|a| format!("http://{a}"))
         .collect();
     println!(
-        "br-emu engine ready: G={} B={} T=({}·max L + {}) ms × {} ranks={} dp=http://{}",
+        "br-emu engine ready: G={} B={} T=({}·max L + {}·max n + {}) ms × {} ranks={} dp=http://{}",
         a.ranks,
         a.slots,
         a.step_a,
+        a.step_c,
         a.step_b,
         a.time_scale,
         ranks.join(","),

@@ -164,3 +164,61 @@ async fn dp_port_honours_the_rank_header_and_streams_one_chunk_per_token() {
     assert_eq!(models["data"][0]["id"], "br-emu");
     e.shutdown().await;
 }
+
+/// The step log is a `br-sim calibrate` sample set: with a request term (`--step-c`) the
+/// engine's steps, read back from `/stats` as `max_kv_tokens,max_running,step_ms`, fit back to
+/// the a, c and b it ran with.
+#[tokio::test]
+async fn step_log_with_a_request_term_calibrates_back_to_its_model() {
+    const C: f64 = 0.3;
+    let e = EngineServer::start(
+        EngineConfig {
+            ranks: 2,
+            slots: 16,
+            model: StepModel {
+                a_ms_per_token: 2e-3,
+                b_ms: B,
+            },
+            step_c_ms_per_request: C,
+            time_scale: 0.0,
+            created: Some(1),
+            ..EngineConfig::default()
+        },
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let r0 = format!("http://{}", e.addrs.ranks[0]);
+    let r1 = format!("http://{}", e.addrs.ranks[1]);
+    // batches that move tokens and requests apart: many short prompts on rank 0, one long on
+    // rank 1, and the other way round
+    for (k, prompt, long) in [(1, 50, 4000), (8, 30, 200), (3, 900, 100), (12, 10, 2500)] {
+        let mut batch = tokio::task::JoinSet::new();
+        for _ in 0..k {
+            batch.spawn(complete(r0.clone(), prompt, 4, false));
+        }
+        batch.spawn(complete(r1.clone(), long, 4, false));
+        while let Some(done) = batch.join_next().await {
+            done.unwrap();
+        }
+    }
+    let s = stats(&e).await;
+    assert_eq!(s.c_ms_per_request, C);
+    assert_eq!(s.max_running.len(), s.steps);
+    let mut csv = String::from("max_kv_tokens,max_running,step_ms\n");
+    for k in 0..s.steps {
+        // (JSON parsing is exact to an ulp, not bit for bit)
+        let want = 2e-3 * s.max_load[k] as f64 + B + C * f64::from(s.max_running[k]);
+        assert!((s.model_ms[k] - want).abs() < 1e-9, "step {k}: {s:?}");
+        csv.push_str(&format!(
+            "{},{},{}\n",
+            s.max_load[k], s.max_running[k], s.model_ms[k]
+        ));
+    }
+    let fit = br_sim::calibrate::calibrate_text(std::path::Path::new("stats"), &csv, true)
+        .expect("the step log identifies a, c and b");
+    assert!((fit.a - 2e-3).abs() < 1e-9, "{fit:?}");
+    assert!((fit.c - C).abs() < 1e-6, "{fit:?}");
+    assert!((fit.b - B).abs() < 1e-6, "{fit:?}");
+    e.shutdown().await;
+}

@@ -87,4 +87,5 @@ run "D-moderate-paperazure_5.5-tie_break" sweep --trace paper-azure --arrival po
 
 # F. calibrate on the fixture
 run F-calibrate calibrate tools/sim/tests/fixtures/step_samples.csv
+run F-calibrate-n calibrate tools/sim/tests/fixtures/step_samples_n.csv
 echo "results in $OUT" >&2

@@ -41,6 +41,7 @@ fn engine_config(args: &RunArgs, workers: u32, record_loads: bool) -> EngineConf
         slots: args.slots,
         step_a: args.step_a,
         step_b: args.step_b,
+        step_c: args.step_c,
         record_loads,
         control: ControlPlane {
             telemetry_lag_steps: args.telemetry_lag_steps,
@@ -128,7 +129,7 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
     };
     format!(
         "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts{}\n\
-         G={} B={} arrival={} step T = {:e}·max L + {} ms{}",
+         G={} B={} arrival={} step T = {:e}·max L{} + {} ms{}",
         w.name,
         s.requests,
         s.mean_prompt,
@@ -143,6 +144,11 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         args.slots,
         arrival,
         args.step_a,
+        if args.step_c != 0.0 {
+            format!(" + {}·max n", args.step_c)
+        } else {
+            String::new()
+        },
         args.step_b,
         control
     )

@@ -4,7 +4,7 @@
 //! br-sim [run] --trace <path|paper-azure|paper-prop> --workers G --slots B --policies jsq,br0,...
 //!              --arrival saturated|trace|poisson [--rate-scale X] [--rate R] [--limit N]
 //!              [--filter-min-output N] [--seed S] [--json FILE] [--plot DIR]
-//!              [--step-a MS_PER_TOKEN] [--step-b MS]
+//!              [--step-a MS_PER_TOKEN] [--step-b MS] [--step-c MS_PER_REQUEST]
 //! br-sim sweep <run flags> [--workers-list 4,8,16,32,64] [--param NAME=v1,v2,...]
 //! br-sim calibrate SAMPLES.csv [--strict] [--json FILE]
 //! ```
@@ -22,7 +22,7 @@ use crate::trace::{self, Filter, LoadStats, TraceError, TraceRequest};
 pub const DEFAULT_POLICIES: &str = "random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle";
 
 /// BalanceRoute digital twin: replays request traces through the routing policies of br-core
-/// under the lockstep step-time model T = a·max_g L_g + b.
+/// under the lockstep step-time model T = a·max_g L_g + c·max_g n_g + b.
 #[derive(Debug, Parser)]
 #[command(
     name = "br-sim",
@@ -47,7 +47,8 @@ pub enum Command {
     Run(RunArgs),
     /// Sweep G (4, 8, 16, 32, 64 by default) or a policy parameter; writes the scaling figure.
     Sweep(SweepArgs),
-    /// Fit the step-time model T = a·x + b from `max_kv_tokens,step_ms` samples.
+    /// Fit the step-time model T = a·M + c·N + b from `max_kv_tokens[,max_running],step_ms`
+    /// samples (c = 0 without a max_running column).
     Calibrate(CalibrateArgs),
 }
 
@@ -115,6 +116,10 @@ pub struct RunArgs {
     /// b: fixed step overhead, in ms.
     #[arg(long, default_value_t = 30.0)]
     pub step_b: f64,
+    /// c: step time per running request on the rank that runs the most, in ms (the step is
+    /// `a·max L + c·max n + b`; `br-sim calibrate` fits it). 0 is the paper's model.
+    #[arg(long, default_value_t = 0.0)]
+    pub step_c: f64,
     /// d: deciders see worker progress this many steps late (telemetry -> σ -> replica); their
     /// own and each other's reservations are not delayed. 0 is the paper's ideal view.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -142,7 +147,7 @@ pub struct SweepArgs {
     pub per_worker: Option<usize>,
     /// Sweep a policy parameter at the fixed `--workers` instead of G: `NAME=v1,v2,...`
     /// (r_max, s_greedy, stage1_worker, cold_start, tie_break, horizon, alpha, beta, gamma,
-    /// gate). Baselines run once, as the reference.
+    /// gate, request_cost_tokens). Baselines run once, as the reference.
     #[arg(long, value_name = "NAME=V1,V2,...")]
     pub param: Option<String>,
     /// Run every point with each of these seeds and report the mean (synthetic workloads,
@@ -154,7 +159,8 @@ pub struct SweepArgs {
 /// Flags of `calibrate`.
 #[derive(Debug, Clone, Args)]
 pub struct CalibrateArgs {
-    /// CSV of `max_kv_tokens,step_ms` samples (header optional).
+    /// CSV of `max_kv_tokens,step_ms` samples (header optional), or with a header naming
+    /// `max_kv_tokens`, `max_running` and `step_ms` for the three-term fit.
     pub samples: PathBuf,
     /// Fail on the first bad row instead of rejecting it and fitting the rest.
     #[arg(long)]
@@ -210,6 +216,12 @@ impl RunArgs {
             return bad(format!(
                 "--step-b must be finite and >= 0 (and a + b > 0), got {}",
                 self.step_b
+            ));
+        }
+        if !(self.step_c.is_finite() && self.step_c >= 0.0) {
+            return bad(format!(
+                "--step-c must be finite and >= 0, got {}",
+                self.step_c
             ));
         }
         if !(self.rate_scale.is_finite() && self.rate_scale > 0.0) {
@@ -400,7 +412,7 @@ mod tests {
         assert_eq!((r.workers, r.slots), (8, 256));
         assert_eq!(r.policies, vec!["jsq", "br0"]);
         assert_eq!(r.arrival, Arrival::Auto);
-        assert_eq!((r.step_a, r.step_b), (2e-4, 30.0));
+        assert_eq!((r.step_a, r.step_b, r.step_c), (2e-4, 30.0, 0.0));
     }
 
     #[test]
@@ -427,6 +439,8 @@ mod tests {
             "1e-4",
             "--step-b",
             "20",
+            "--step-c",
+            "0.25",
         ])
         .expect("parse");
         let Command::Run(r) = cmd else {
@@ -435,6 +449,7 @@ mod tests {
         assert_eq!(r.rate_scale, 2.0);
         assert_eq!(r.limit, Some(5));
         assert_eq!(r.filter_min_output, Some(1001));
+        assert_eq!(r.step_c, 0.25);
         assert_eq!(r.policies.len(), 10);
 
         let Command::Sweep(s) =
@@ -481,6 +496,9 @@ mod tests {
         r.step_a = f64::NAN;
         assert!(r.workload().is_err());
         r.step_a = 2e-4;
+        r.step_c = -0.1;
+        assert!(r.workload().is_err());
+        r.step_c = 0.0;
         r.trace = Some("/nonexistent/t.csv".into());
         assert!(matches!(r.workload(), Err(WorkloadError::Trace(_))));
         r.trace = Some("paper-prop".into());

@@ -1,9 +1,11 @@
 //! The simulation engine: a lockstep group of G workers running `br-core`'s policies.
 //!
 //! # Model
-//! Each worker runs at most B requests. A decode step takes `T = a·max_g L_g + b` ms, where
-//! L_g is the KV load of worker g's running requests (`s_i + j − 1` for a request at its j-th
-//! token); every running request writes one token per step and leaves after its `o_i`-th.
+//! Each worker runs at most B requests. A decode step takes `T = a·max_g L_g + c·max_g n_g + b`
+//! ms, where L_g is the KV load of worker g's running requests (`s_i + j − 1` for a request at
+//! its j-th token) and n_g how many it runs (c = 0 by default: the paper's model, computed by
+//! the same instructions as before c existed); every running request writes one token per step
+//! and leaves after its `o_i`-th.
 //!
 //! # One step
 //! 1. Requests whose arrival time has come arrive. On-arrival policies ([`Mode::OnArrival`]:
@@ -13,8 +15,8 @@
 //! 2. Pooled policies run one batch admission (`Policy::dispatch`); each admitted request joins
 //!    the chosen worker's local queue (it has a free slot, so it starts in the same step).
 //! 3. Each worker starts queued requests, oldest first, while it has free slots.
-//! 4. The step runs: its time is `a·max L + b` (and the fluid time `a·mean L + b` is summed
-//!    beside it), every running request writes a token (`ClusterState::advance_step`, linear in
+//! 4. The step runs: its time is `a·max L + c·max n + b` (and the fluid time
+//!    `a·mean L + c·mean n + b` is summed beside it), every running request writes a token (`ClusterState::advance_step`, linear in
 //!    the running requests and G), requests that wrote their last token leave σ and are
 //!    reported to the policy (`Policy::observe_finished`, which trains BR-H's predictors).
 //!
@@ -27,7 +29,7 @@
 //! summed step times (idle gaps between arrivals are not counted); the steady figure counts
 //! only steps that run while requests are left waiting after admission (in the pool or a local
 //! queue; it equals the whole-run figure when nothing ever waited), the fluid one
-//! replaces every step time by `a·mean L + b`. TPOT of a request is (finish time − time of its
+//! replaces every step time by `a·mean L + c·mean n + b`. TPOT of a request is (finish time − time of its
 //! first token) / (o − 1) (requests with one output token have none); queue time is the start
 //! of its first step minus its arrival.
 
@@ -54,6 +56,8 @@ pub struct EngineConfig {
     pub step_a: f64,
     /// b, ms.
     pub step_b: f64,
+    /// c, ms per running request on the rank that runs the most (0: the paper's model).
+    pub step_c: f64,
     /// Keep the per-step per-worker loads (for the load figure).
     pub record_loads: bool,
     /// How the control plane sees the group (ideal: one decider with a perfect view).
@@ -362,9 +366,15 @@ pub fn simulate_deciders(
                 loads.push(l);
             }
         }
-        let t = cfg.step_a * max as f64 + cfg.step_b;
+        let mut t = cfg.step_a * max as f64 + cfg.step_b;
+        let mut tf = cfg.step_a * sum as f64 / g as f64 + cfg.step_b;
+        // c = 0 skips the term, so the paper's model is computed exactly as before it existed
+        if cfg.step_c != 0.0 {
+            let max_n = running.iter().copied().max().unwrap_or(0);
+            t += cfg.step_c * f64::from(max_n);
+            tf += cfg.step_c * f64::from(total_running) / g as f64;
+        }
         busy_ms += t;
-        let tf = cfg.step_a * sum as f64 / g as f64 + cfg.step_b;
         fluid_ms += tf;
         tokens += u64::from(total_running);
         sum_imb += (max - min) as f64;
@@ -552,6 +562,7 @@ mod tests {
             slots,
             step_a: a,
             step_b: b,
+            step_c: 0.0,
             record_loads: true,
             control: ControlPlane::IDEAL,
         }
@@ -763,8 +774,16 @@ mod tests {
     }
 
     /// An independent, deliberately naive model of the same semantics for round-robin
-    /// (request k in arrival order goes to worker k mod G), written without br-core.
-    fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64) -> RunReport {
+    /// (request k in arrival order goes to worker k mod G), written without br-core; `c` is the
+    /// step's ms per running request on the busiest rank.
+    fn reference_rr(
+        reqs: &[TraceRequest],
+        g: usize,
+        b: usize,
+        a: f64,
+        b0: f64,
+        c: f64,
+    ) -> RunReport {
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         let t = |i: usize| reqs[i].arrival_ms.unwrap_or(0.0);
         order.sort_by(|&x, &y| t(x).total_cmp(&t(y)));
@@ -811,10 +830,11 @@ mod tests {
             let max = loads.iter().cloned().fold(0.0, f64::max);
             let min = loads.iter().cloned().fold(f64::INFINITY, f64::min);
             let sum: f64 = loads.iter().sum();
-            let step = a * max + b0;
             let n: u64 = active.iter().map(|v| v.len() as u64).sum();
+            let max_n = active.iter().map(Vec::len).max().unwrap_or(0) as f64;
+            let step = a * max + c * max_n + b0;
             busy += step;
-            fluid += a * sum / g as f64 + b0;
+            fluid += a * sum / g as f64 + c * n as f64 / g as f64 + b0;
             tokens += n;
             imb += max - min;
             idle += g as f64 * max - sum;
@@ -875,7 +895,20 @@ mod tests {
             })
             .collect();
         let got = sim(&reqs, "rr", &cfg(3, 4, 1e-3, 5.0)).report;
-        let want = reference_rr(&reqs, 3, 4, 1e-3, 5.0);
+        let want = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.0);
+        assert_close(&got, &want);
+        // with a request term: the step pays c per request on the busiest rank, the fluid
+        // limit c per request of the mean
+        let mut with_c = cfg(3, 4, 1e-3, 5.0);
+        with_c.step_c = 0.7;
+        let got_c = sim(&reqs, "rr", &with_c).report;
+        let want_c = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.7);
+        assert_close(&got_c, &want_c);
+        assert!(got_c.throughput_tok_s < got.throughput_tok_s);
+        assert!(want.steady_throughput_tok_s > 0.0 && want.mean_queue_ms > 0.0);
+    }
+
+    fn assert_close(got: &RunReport, want: &RunReport) {
         assert_eq!(got.steps, want.steps);
         assert_eq!(got.requests, want.requests);
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y.abs().max(1.0);
@@ -899,7 +932,25 @@ mod tests {
         ] {
             assert!(close(x, y), "{name}: engine {x} vs reference {y}");
         }
-        assert!(want.steady_throughput_tok_s > 0.0 && want.mean_queue_ms > 0.0);
+    }
+
+    #[test]
+    fn a_saturated_group_pays_c_times_b_on_every_full_step() {
+        // every rank full for the whole run (equal requests, a multiple of G·B): max n = B at
+        // every step, so c adds exactly c·B per step and nothing else changes
+        let reqs: Vec<TraceRequest> = (0..64).map(|_| req(0.0, 500, 20)).collect();
+        let plain = sim(&reqs, "rr", &cfg(4, 16, 2e-4, 30.0)).report;
+        let mut c = cfg(4, 16, 2e-4, 30.0);
+        c.step_c = 0.5;
+        let with_c = sim(&reqs, "rr", &c).report;
+        assert_eq!(
+            (with_c.steps, with_c.requests),
+            (plain.steps, plain.requests)
+        );
+        assert_eq!(with_c.avg_imbalance, plain.avg_imbalance);
+        let per_step = |r: &RunReport| r.steps as f64 * 4.0 * 16.0 / r.throughput_tok_s * 1e3;
+        let extra = per_step(&with_c) / with_c.steps as f64 - per_step(&plain) / plain.steps as f64;
+        assert!((extra - 0.5 * 16.0).abs() < 1e-9, "{extra}");
     }
 
     #[test]

@@ -125,6 +125,34 @@ fn calibrate_fixture() {
     let out = br_sim(&["calibrate", "--strict", fixture.to_str().expect("utf8")]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("step_samples.csv:13"));
+
+    // with a max_running column: a, c and b, c's significance and the F-score's κ
+    let with_n = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/step_samples_n.csv");
+    let out = br_sim(&["calibrate", with_n.to_str().expect("utf8")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("rejected line 20"), "{stdout}");
+    assert!(stdout.contains("significant: the data asks"), "{stdout}");
+    assert!(
+        stdout.contains("--step-c") && stdout.contains("request_cost_tokens"),
+        "{stdout}"
+    );
+
+    // samples that cannot tell c from a and b: exit 1 with the reason
+    let dir = tempfile::tempdir().expect("tmp");
+    let constant = dir.path().join("constant_n.csv");
+    std::fs::write(
+        &constant,
+        "max_kv_tokens,max_running,step_ms\n1000,8,30\n2000,8,31\n3000,8,32\n4000,8,33\n",
+    )
+    .expect("write");
+    let out = br_sim(&["calibrate", constant.to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("max_running is the same (8)"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]

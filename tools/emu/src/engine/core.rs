@@ -5,7 +5,8 @@
 
 use std::collections::VecDeque;
 
-/// The step-time model `T = a·max_g L_g + b` (milliseconds, before `--time-scale`).
+/// The step-time model `T = a·max_g L_g + b` (milliseconds, before `--time-scale`); the
+/// request term `c·max_g n_g` is the [`Lockstep`]'s (`with_request_cost`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepModel {
     /// a: ms per KV token on the most loaded rank.
@@ -72,7 +73,7 @@ pub struct StepRecord {
     pub loads: Vec<u64>,
     /// Running requests per rank.
     pub running: Vec<u32>,
-    /// Model step time, ms (a·max L + b).
+    /// Model step time, ms (a·max L + c·max n + b).
     pub model_ms: f64,
 }
 
@@ -86,6 +87,10 @@ impl StepRecord {
     pub fn sum_load(&self) -> u64 {
         self.loads.iter().sum()
     }
+    /// The most running requests on one rank (n of the step model's request term).
+    pub fn max_running(&self) -> u32 {
+        self.running.iter().copied().max().unwrap_or(0)
+    }
 }
 
 /// G ranks with B slots each and a FIFO local queue per rank.
@@ -94,6 +99,8 @@ pub struct Lockstep<N> {
     ranks: Vec<Rank<N>>,
     slots: usize,
     model: StepModel,
+    /// c: ms per running request on the rank that runs the most (0: the paper's model).
+    c_ms_per_request: f64,
 }
 
 impl<N: Notify> Lockstep<N> {
@@ -107,7 +114,15 @@ impl<N: Notify> Lockstep<N> {
                 .collect(),
             slots: slots.max(1),
             model,
+            c_ms_per_request: 0.0,
         }
+    }
+
+    /// Steps also pay `c` ms per running request on the rank that runs the most:
+    /// `T = a·max L + c·max n + b` (what `br-sim calibrate` fits from the step log).
+    pub fn with_request_cost(mut self, c_ms_per_request: f64) -> Self {
+        self.c_ms_per_request = c_ms_per_request;
+        self
     }
 
     pub fn ranks(&self) -> usize {
@@ -167,12 +182,18 @@ impl<N: Notify> Lockstep<N> {
             .iter()
             .map(|r| r.running.iter().map(Slot::load).sum())
             .collect();
-        let running = self.ranks.iter().map(|r| r.running.len() as u32).collect();
+        let running: Vec<u32> = self.ranks.iter().map(|r| r.running.len() as u32).collect();
         let max = loads.iter().copied().max().unwrap_or(0);
+        let mut model_ms = self.model.step_ms(max);
+        // c = 0 leaves the two-term model's arithmetic as it was
+        if self.c_ms_per_request != 0.0 {
+            let n = running.iter().copied().max().unwrap_or(0);
+            model_ms += self.c_ms_per_request * f64::from(n);
+        }
         Some(StepRecord {
             loads,
             running,
-            model_ms: self.model.step_ms(max),
+            model_ms,
         })
     }
 
@@ -246,6 +267,20 @@ mod tests {
             assert_eq!(s.model_ms, 0.5 * s.max_load() as f64 + 10.0);
         }
         assert!(!e.busy());
+    }
+
+    #[test]
+    fn the_request_term_pays_c_per_request_on_the_busiest_rank() {
+        let mut e = Lockstep::new(2, 4, M).with_request_cost(2.0);
+        let n = Rec::default();
+        e.submit(0, slot(1, 100, 1, &n)).unwrap();
+        for id in 2..5 {
+            e.submit(1, slot(id, 10, 1, &n)).unwrap();
+        }
+        let rec = e.begin_step().unwrap();
+        // rank 0 holds the most tokens (100), rank 1 the most requests (3)
+        assert_eq!((rec.max_load(), rec.max_running()), (100, 3));
+        assert_eq!(rec.model_ms, 0.5 * 100.0 + 2.0 * 3.0 + 10.0);
     }
 
     #[test]

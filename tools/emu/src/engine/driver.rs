@@ -51,7 +51,9 @@ pub struct StatsLog {
     pub max_load: Vec<u64>,
     pub min_load: Vec<u64>,
     pub sum_load: Vec<u64>,
-    /// Model step time a·max L + b, ms.
+    /// The most running requests on one rank, per step.
+    pub max_running: Vec<u32>,
+    /// Model step time a·max L + c·max n + b, ms.
     pub model_ms: Vec<f64>,
     /// Wall-clock step time, ms.
     pub wall_ms: Vec<f64>,
@@ -71,6 +73,7 @@ impl StatsLog {
         self.max_load.push(rec.max_load());
         self.min_load.push(rec.min_load());
         self.sum_load.push(rec.sum_load());
+        self.max_running.push(rec.max_running());
         self.model_ms.push(rec.model_ms);
         self.wall_ms.push(wall.as_secs_f64() * 1e3);
         self.loads.extend_from_slice(&rec.loads);
@@ -149,6 +152,7 @@ pub fn spawn(
     ranks: usize,
     slots: usize,
     model: StepModel,
+    c_ms_per_request: f64,
     time_scale: f64,
     shutdown: CancellationToken,
 ) -> (EngineHandle, tokio::task::JoinHandle<()>) {
@@ -159,7 +163,7 @@ pub fn spawn(
         ranks,
         stats: stats.clone(),
     };
-    let core = Lockstep::new(ranks, slots, model);
+    let core = Lockstep::new(ranks, slots, model).with_request_cost(c_ms_per_request);
     let task = tokio::spawn(run(core, rx, handle.clone(), time_scale, shutdown));
     (handle, task)
 }

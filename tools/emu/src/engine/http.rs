@@ -51,6 +51,7 @@ pub struct ApiConfig {
     pub slots: usize,
     pub a_ms_per_token: f64,
     pub b_ms: f64,
+    pub c_ms_per_request: f64,
     pub time_scale: f64,
 }
 
@@ -621,6 +622,9 @@ pub struct Stats {
     pub slots: usize,
     pub a_ms_per_token: f64,
     pub b_ms: f64,
+    /// c: ms per running request on the busiest rank (0 for the two-term model).
+    #[serde(default)]
+    pub c_ms_per_request: f64,
     pub time_scale: f64,
     /// Index of the first step listed.
     pub first_step: u64,
@@ -629,7 +633,11 @@ pub struct Stats {
     pub max_load: Vec<u64>,
     pub min_load: Vec<u64>,
     pub sum_load: Vec<u64>,
-    /// Model step time a·max L + b per step, ms.
+    /// The most running requests on one rank per step (with `max_load` and a step time, a
+    /// `br-sim calibrate` sample).
+    #[serde(default)]
+    pub max_running: Vec<u32>,
+    /// Model step time a·max L + c·max n + b per step, ms.
     pub model_ms: Vec<f64>,
     /// Wall-clock step time per step, ms.
     pub wall_ms: Vec<f64>,
@@ -701,12 +709,14 @@ async fn stats(State(s): State<AppState>, Query(q): Query<StatsQuery>) -> Respon
             slots: s.cfg.slots,
             a_ms_per_token: s.cfg.a_ms_per_token,
             b_ms: s.cfg.b_ms,
+            c_ms_per_request: s.cfg.c_ms_per_request,
             time_scale: s.cfg.time_scale,
             first_step: log.first_step + skip as u64,
             steps: log.steps() - skip,
             max_load: log.max_load[skip..].to_vec(),
             min_load: log.min_load[skip..].to_vec(),
             sum_load: log.sum_load[skip..].to_vec(),
+            max_running: log.max_running[skip..].to_vec(),
             model_ms: log.model_ms[skip..].to_vec(),
             wall_ms: log.wall_ms[skip..].to_vec(),
             loads,

@@ -27,6 +27,8 @@ pub struct EngineConfig {
     /// B: slots per rank (max_num_seqs).
     pub slots: usize,
     pub model: StepModel,
+    /// c: model ms per running request on the rank that runs the most (0: `T = a·max L + b`).
+    pub step_c_ms_per_request: f64,
     /// Wall time = model time × this (0 = as fast as possible).
     pub time_scale: f64,
     pub model_name: String,
@@ -48,6 +50,7 @@ impl Default for EngineConfig {
                 a_ms_per_token: 2e-4,
                 b_ms: 30.0,
             },
+            step_c_ms_per_request: 0.0,
             time_scale: 0.1,
             model_name: "br-emu".into(),
             created: None,
@@ -79,6 +82,7 @@ impl EngineServer {
             slots: cfg.slots,
             a_ms_per_token: cfg.model.a_ms_per_token,
             b_ms: cfg.model.b_ms,
+            c_ms_per_request: cfg.step_c_ms_per_request,
             time_scale: cfg.time_scale,
         });
         let port = |g: usize| -> std::io::Result<u16> {
@@ -102,6 +106,7 @@ impl EngineServer {
             cfg.ranks,
             cfg.slots,
             cfg.model,
+            cfg.step_c_ms_per_request,
             cfg.time_scale,
             shutdown.clone(),
         );
