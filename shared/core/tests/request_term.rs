@@ -192,10 +192,13 @@ fn the_request_term_moves_a_placement() {
     // Worker 0 is light in tokens but runs the most requests; worker 1 holds the token max with
     // one request. A 2,000-token request scores +2,000 on worker 0 and −2,000 on worker 1 by
     // tokens alone; with κ = 3,000 tokens per request worker 0's count overflow costs 3,000
-    // (−1,000 in all) and worker 1's spare count gains 3,000 (+1,000).
+    // (−1,000 in all) and worker 1's spare count gains 3,000 (+1,000). Stage 1 fills to the
+    // max here (stage1_level = 1, the F-score alone): the default's fill level would keep the
+    // request off the token max whatever κ, and this test is about the F-score's term.
     let st = state(&[(1_000, 3), (5_000, 1)]);
     let place = |kappa: f64| {
         let mut cfg = PolicyConfig::new(PolicyKind::Br0);
+        cfg.dispatcher.stage1_level = 1.0;
         cfg.horizon.request_cost_tokens = kappa;
         let mut policy = build_policy(&cfg).unwrap();
         let mut pool = Pool::new();
