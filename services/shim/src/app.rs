@@ -77,12 +77,17 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         cfg.tls = edge.tls().cloned();
         // No Hello before the engine has answered a probe.
         cfg.serving = !probing;
-        let handle =
-            br_client::reporter::Reporter::spawn(cfg).map_err(|e| StartError::Upstream {
+        let tuning = br_client::reporter::ReporterTuning {
+            flush_interval: args.report_flush_interval,
+            ..Default::default()
+        };
+        let handle = br_client::reporter::Reporter::spawn_tuned(cfg, tuning).map_err(|e| {
+            StartError::Upstream {
                 flag: "--ingest-addr",
                 value: args.ingest_addr.clone(),
                 reason: e.to_string(),
-            })?;
+            }
+        })?;
         reporters.push(handle.clone());
         sinks.push(Arc::new(ReporterSink(handle)));
     }

@@ -72,6 +72,12 @@ pub struct Args {
     /// 408 with a JSON error.
     #[arg(long, env = "BALANCEROUTE_BODY_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
     pub body_timeout: std::time::Duration,
+    /// How often the reporter sends what changed (one batched `Progress` per rank per interval
+    /// while tokens flow): the longest a token waits in the shim before it leaves for ingest.
+    /// Shorter shows ingest and the deciders a fresher σ, at the cost of more, smaller messages
+    /// (ingest's work grows with messages per second; docs/benchmarks.md, "telemetry latency").
+    #[arg(long, env = "BALANCEROUTE_REPORT_FLUSH_INTERVAL", value_parser = humantime::parse_duration, default_value = "5ms")]
+    pub report_flush_interval: std::time::Duration,
     /// Refuse a generation request without an `X-Request-Id` header (400 with a JSON error,
     /// counted as `refused_total{reason="no_request_id"}`) instead of reporting it by the
     /// engine's response id as an unkeyed request (the request-id rule, README "Request ids").
@@ -182,6 +188,11 @@ impl ServiceArgs for Args {
         if self.body_timeout.is_zero() {
             return Err("--body-timeout must be above 0".into());
         }
+        if !(std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(1))
+            .contains(&self.report_flush_interval)
+        {
+            return Err("--report-flush-interval must be in 1ms..=1s".into());
+        }
         let ranks = self.ranks()?;
         if let Some(h) = &self.topology.dp_rank_header
             && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
@@ -253,6 +264,11 @@ mod tests {
         assert_eq!(a.upstream, DEFAULT_UPSTREAM);
         assert!(a.inject_usage);
         assert_eq!(a.body_timeout, DEFAULT_BODY_TIMEOUT);
+        assert_eq!(
+            a.report_flush_interval,
+            br_client::reporter::DEFAULT_FLUSH_INTERVAL,
+            "the shim's default is the reporter's"
+        );
         assert_eq!(a.max_buffered_body_bytes, DEFAULT_MAX_BUFFERED_BODY_BYTES);
         assert_eq!(a.health.engine_probe_path, "/health");
         assert_eq!(
@@ -363,5 +379,20 @@ mod tests {
         assert!(a.ingest_addr.is_empty(), "empty: forward without reporting");
         let a: Args = parse_from(["br-shim", "--ingest-addr", "http://a:1, https://b:2"]).unwrap();
         assert_eq!(a.ingest_addr, "http://a:1, https://b:2", "replicas");
+    }
+
+    #[test]
+    fn the_report_flush_interval_is_bounded() {
+        let ok: Args = parse_from(["br-shim", "--report-flush-interval", "1ms"]).unwrap();
+        assert_eq!(
+            ok.report_flush_interval,
+            std::time::Duration::from_millis(1)
+        );
+        for bad in ["0s", "500us", "2s"] {
+            let e = parse_from::<Args, _, _>(["br-shim", "--report-flush-interval", bad])
+                .expect_err(bad)
+                .to_string();
+            assert!(e.contains("--report-flush-interval"), "{bad}: {e}");
+        }
     }
 }
