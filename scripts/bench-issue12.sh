@@ -4,7 +4,9 @@
 #   cargo build --release -p br-decision --bins -p br-snapshot --bin br-snapshot -p br-ingest --bin br-ingest
 #   scripts/bench-issue12.sh ab DECISION_A DECISION_B [ROUNDS]   Assign added latency, 5k/s + 100k events/s,
 #                                                              two br-decision binaries alternated
-#   scripts/bench-issue12.sh telemetry                         shim report → decision's σ replica
+#   scripts/bench-issue12.sh telemetry [ARGS]                  shim report → decision's σ replica
+#                                                              (ARGS go to telemetry-latency, e.g.
+#                                                              --probe-via-reporter --flush-interval 2ms)
 #   scripts/bench-issue12.sh groups                            64 groups × 8 ranks, 10k Assign/s, RSS
 #
 # Output on stdout; the servers' logs in target/bench-issue12/. Ports 51061-51063, 9161-9163
@@ -50,7 +52,7 @@ telemetry)
     echo "== telemetry-latency, load average $(load)"
     "$BIN/telemetry-latency" --ingest-addr http://127.0.0.1:51062 --snapshot-addr http://127.0.0.1:51061 \
         --decision-admin 127.0.0.1:9163 --streams 64 --updates-per-message 64 --requests 64 \
-        --messages-per-sec-per-stream 25 --probes-per-sec 50 --duration 15s --warmup 2s
+        --messages-per-sec-per-stream 25 --probes-per-sec 50 --duration 15s --warmup 2s "${@:2}"
     echo "   load average after: $(load)"
     kill "$dp" "$ip" "$sp"; wait "$dp" "$ip" "$sp" 2>/dev/null
     ;;

@@ -13,7 +13,10 @@
 //! default), every update a real change. Probe: one more shim (worker N) reports one probe
 //! request, whose `generated_tokens` counts up, `--probes-per-sec` times a second; the time a
 //! probe's message is handed to its gRPC stream is its start (a real shim's reporter adds its
-//! own flush interval, 5 ms by default, before that).
+//! own flush interval before that). With `--probe-via-reporter` the probe is reported through
+//! br-client's `Reporter`, the code br-shim runs, flushing every `--flush-interval`: its start
+//! is then the moment the token is recorded (`ReporterHandle::progress`, what the shim does
+//! when the engine's stream yields one), so the reporter's batching is counted too.
 //!
 //! Where it arrived, all on this process's monotonic clock (one machine, one clock; no clock
 //! is compared across processes):
@@ -69,6 +72,13 @@ struct Opts {
     duration: Duration,
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     warmup: Duration,
+    /// Report the probe through br-client's Reporter (as br-shim does) instead of handing
+    /// each message to the stream directly.
+    #[arg(long)]
+    probe_via_reporter: bool,
+    /// The probe reporter's flush interval (with --probe-via-reporter).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5ms")]
+    flush_interval: Duration,
 }
 
 /// One probe's times.
@@ -210,16 +220,26 @@ async fn main() -> anyhow::Result<()> {
     }
     // Let σ show the workers before probing.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let probe = tokio::spawn(shim(
-        o.ingest_addr.clone(),
-        o.group.clone(),
-        o.streams,
-        1,
-        1,
-        o.probes_per_sec,
-        Some((probe_id, Arc::clone(&probes), Arc::clone(&pending))),
-        stop.clone(),
-    ));
+    let probe = if o.probe_via_reporter {
+        tokio::spawn(reporter_probe(
+            &o,
+            probe_id,
+            Arc::clone(&probes),
+            Arc::clone(&pending),
+            stop.clone(),
+        )?)
+    } else {
+        tokio::spawn(shim(
+            o.ingest_addr.clone(),
+            o.group.clone(),
+            o.streams,
+            1,
+            1,
+            o.probes_per_sec,
+            Some((probe_id, Arc::clone(&probes), Arc::clone(&pending))),
+            stop.clone(),
+        ))
+    };
     let started = Instant::now();
     tokio::time::sleep(o.warmup + o.duration).await;
     // Let the last probes arrive.
@@ -366,6 +386,53 @@ async fn shim(
         }
     }
     Ok(())
+}
+
+/// The probe through br-client's Reporter (worker `--streams`): each tick records one more
+/// generated token of the probe request, stamped when recorded; the reporter sends it with its
+/// next flush. Returns the task that paces it.
+fn reporter_probe(
+    o: &Opts,
+    probe_id: String,
+    probes: Probes,
+    pending: Arc<Notify>,
+    stop: CancellationToken,
+) -> anyhow::Result<impl std::future::Future<Output = anyhow::Result<()>> + use<>> {
+    use br_client::reporter::{Reporter, ReporterConfig, ReporterTuning};
+    let config = ReporterConfig::new(o.ingest_addr.clone(), o.group.clone(), o.streams, 1);
+    let tuning = ReporterTuning {
+        flush_interval: o.flush_interval,
+        ..ReporterTuning::default()
+    };
+    let handle = Reporter::spawn_tuned(config, tuning).context("the probe's reporter")?;
+    let period = Duration::from_secs_f64(1.0 / o.probes_per_sec);
+    Ok(async move {
+        let mut pace = tokio::time::interval(period);
+        pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut generated = 0u32;
+        loop {
+            tokio::select! {
+                _ = pace.tick() => {}
+                () = stop.cancelled() => break,
+            }
+            if !handle.is_connected() {
+                continue;
+            }
+            generated += 1;
+            probes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(generated)
+                .or_default()
+                .sent = Some(Instant::now());
+            handle
+                .progress(&probe_id, 1, generated, false)
+                .context("recording the probe")?;
+            pending.notify_one();
+        }
+        handle.shutdown().await;
+        Ok(())
+    })
 }
 
 /// br-decision's σ version for `group`, from one GET /metrics (HTTP/1.1, a new connection).
