@@ -3,7 +3,11 @@
 # br-ingest, br-decision, G br-shims and `br-emu engine` on loopback (free ports), replays a
 # paper-shaped workload through them first with JSQ and then with BR-0 (decision restarted with
 # --policy), and prints the measured imbalance, TPOT and throughput side by side with br-sim's
-# prediction for the same workload. Every process it starts is stopped on exit.
+# for the same workload. The twin replays each live run's arrivals as the decision service saw
+# them (`br-emu load --arrivals-csv`): a "saturated" burst reaches the decision over a fraction
+# of a second, and the first wave is placed as it arrives, which the twin's idealised burst (all
+# in the pool at time 0) does not see (docs/benchmarks.md, "A larger live run"). Every process it
+# starts is stopped on exit.
 #
 # Knobs (environment): DEMO_TRACE (paper-azure), DEMO_REQUESTS (requests per policy), DEMO_G
 # (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
@@ -33,7 +37,7 @@ STACK_TLS="${DEMO_TLS:-1}"
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 
 mkdir -p "$OUT"
-rm -f "$OUT"/*.log "$OUT"/*.json
+rm -f "$OUT"/*.log "$OUT"/*.json "$OUT"/*.csv
 
 OUT_LOGS="$OUT"
 # shellcheck source=scripts/lib/stack.sh
@@ -67,27 +71,26 @@ for policy in $POLICIES; do
     "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$GROUP" ${TLS_F[@]+"${TLS_F[@]}"} \
         --rank-urls "$RANK_URLS" --engine-url "http://127.0.0.1:$ENGINE" \
         --trace "$TRACE" --limit "$N" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} --label "$policy" \
-        --json "$OUT/$policy.json"
+        --json "$OUT/$policy.json" --arrivals-csv "$OUT/$policy-arrivals.csv"
     RUNS+=("$OUT/$policy.json")
     stop_decision
     stop_shims
 done
 
-say "br-sim: the twin's prediction for the same workload"
-SIM_POLICIES=$(echo "$POLICIES" | tr ' ' ',')
-"$BIN/br-sim" run --trace "$TRACE" --limit "$N" --workers "$G" --slots "$B" \
-    --policies "$SIM_POLICIES" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} --step-a "$STEP_A" --step-b "$STEP_B" \
-    --json "$OUT/sim.json" >"$OUT/sim.log" 2>&1 || {
-    echo "(br-sim failed; see $OUT/sim.log)"
-    rm -f "$OUT/sim.json"
-}
+say "br-sim: the twin on the same requests, arriving as each live run's did"
+SIMS=()
+for policy in $POLICIES; do
+    if "$BIN/br-sim" run --trace "$OUT/$policy-arrivals.csv" --arrival trace --limit "$N" \
+        --workers "$G" --slots "$B" --policies "$policy" --step-a "$STEP_A" --step-b "$STEP_B" \
+        --json "$OUT/sim-$policy.json" >"$OUT/sim-$policy.log" 2>&1; then
+        SIMS+=(--sim "$OUT/sim-$policy.json")
+    else
+        echo "(br-sim failed for $policy; see $OUT/sim-$policy.log)"
+    fi
+done
 
 say "results: $TRACE, $N requests, G=$G, B=$B; model time (wall / $SCALE)"
-if [ -f "$OUT/sim.json" ]; then
-    "$BIN/br-emu" report "${RUNS[@]}" --sim "$OUT/sim.json"
-else
-    "$BIN/br-emu" report "${RUNS[@]}"
-fi
+"$BIN/br-emu" report "${RUNS[@]}" ${SIMS[@]+"${SIMS[@]}"}
 echo
 echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric)"
 echo "run took $(( $(date +%s) - T0 )) s after the build; JSON and logs in $OUT"

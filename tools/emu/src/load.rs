@@ -70,6 +70,14 @@ pub struct RequestResult {
     pub generated: u32,
     /// Arrival to Assign answered, wall ms.
     pub assign_ms: f64,
+    /// Model ms from the run's start to when the decision service took the request into its
+    /// pool (the answer's time less its `pool_wait`): the arrival the decision saw, which the
+    /// twin replays (`--arrivals-csv`). Not when this tool called: a call can wait at the
+    /// client for an HTTP/2 stream, and a burst reaches the decision over time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrival_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_hash: Option<u64>,
     /// Arrival to first token, wall ms.
     pub ttft_ms: Option<f64>,
     /// Mean time between tokens after the first, wall ms.
@@ -442,6 +450,31 @@ fn summarise(
     }
 }
 
+/// The run's requests as the arrivals the decision service saw, in br-sim's generic CSV
+/// (`arrival_ms,prompt_tokens,output_tokens,prompt_hash`, model ms, in arrival order), for
+/// `br-sim run --trace FILE --arrival trace`: the twin then sees the same arrival process as
+/// the live run, not an idealised one (a saturated burst all in the pool at time 0, which the
+/// live decision never sees). A request that was never assigned has no arrival and is left out.
+pub fn arrivals_csv(results: &[RequestResult]) -> String {
+    let mut rows: Vec<&RequestResult> = results.iter().filter(|r| r.arrival_ms.is_some()).collect();
+    rows.sort_by(|a, b| {
+        a.arrival_ms
+            .partial_cmp(&b.arrival_ms)
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let mut out = String::from("arrival_ms,prompt_tokens,output_tokens,prompt_hash\n");
+    for r in rows {
+        let hash = r.prompt_hash.map(|h| h.to_string()).unwrap_or_default();
+        out.push_str(&format!(
+            "{:.3},{},{},{hash}\n",
+            r.arrival_ms.unwrap_or(0.0),
+            r.prompt_tokens,
+            r.output_tokens
+        ));
+    }
+    out
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -456,6 +489,7 @@ async fn one(ctx: Arc<Ctx>, i: usize, r: TraceRequest) -> (RequestResult, Option
         request_id: id.clone(),
         prompt_tokens: r.prompt_tokens,
         output_tokens: r.output_tokens,
+        prompt_hash: r.prompt_hash,
         ..RequestResult::default()
     };
     let mut params = AssignParams::new(ctx.cfg.group.clone(), id.clone(), r.prompt_tokens.max(1))
@@ -474,7 +508,10 @@ async fn one(ctx: Arc<Ctx>, i: usize, r: TraceRequest) -> (RequestResult, Option
             return (res, None);
         }
     };
-    res.assign_ms = ms(t0.elapsed());
+    let answered = Instant::now();
+    res.assign_ms = ms(answered - t0);
+    let at_decision = answered.checked_sub(a.pool_wait).unwrap_or(t0).max(t0);
+    res.arrival_ms = Some(ms(at_decision - ctx.start) / ctx.time_scale);
     res.worker_id = Some(a.worker_id);
     let base = if ctx.cfg.use_endpoint && !a.endpoint.is_empty() {
         Some(a.endpoint.clone())
@@ -676,6 +713,51 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_arrivals_csv_is_a_trace_br_sim_reads_back_in_arrival_order() {
+        let r = |id: &str, arrival: Option<f64>, prompt: u32, out: u32, hash: Option<u64>| {
+            RequestResult {
+                request_id: id.into(),
+                prompt_tokens: prompt,
+                output_tokens: out,
+                arrival_ms: arrival,
+                prompt_hash: hash,
+                ..RequestResult::default()
+            }
+        };
+        // out of order, one never assigned, one with a prompt hash
+        let results = vec![
+            r("b", Some(250.5), 200, 20, None),
+            r("never", None, 999, 9, None),
+            r("a", Some(0.25), 100, 10, Some(42)),
+            r("c", Some(1_000.0), 300, 30, None),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("arrivals.csv");
+        std::fs::write(&path, arrivals_csv(&results)).unwrap();
+        let t = trace::load(&path, &Filter::default()).unwrap();
+        let got: Vec<(Option<f64>, u32, u32, Option<u64>)> = t
+            .requests
+            .iter()
+            .map(|q| {
+                (
+                    q.arrival_ms,
+                    q.prompt_tokens,
+                    q.output_tokens,
+                    q.prompt_hash,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (Some(0.25), 100, 10, Some(42)),
+                (Some(250.5), 200, 20, None),
+                (Some(1_000.0), 300, 30, None),
+            ]
+        );
+    }
 
     /// The `data` of every event parsed from `body` cut into chunks at `cuts`.
     fn parse(body: &[u8], cuts: &[usize]) -> Vec<String> {

@@ -142,6 +142,10 @@ struct LoadArgs {
     /// Write the summary (and per-request results) as JSON.
     #[arg(long, env = "BALANCEROUTE_JSON")]
     json: Option<PathBuf>,
+    /// Write the arrivals the decision service saw (model ms) as a br-sim trace, for
+    /// `br-sim run --trace FILE --arrival trace`.
+    #[arg(long, env = "BALANCEROUTE_ARRIVALS_CSV")]
+    arrivals_csv: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -149,9 +153,10 @@ struct ReportArgs {
     /// `br-emu load --json` files, in table order.
     #[arg(required = true)]
     runs: Vec<PathBuf>,
-    /// br-sim's `--json` report for the same workload.
+    /// br-sim's `--json` report for the same workload; repeat it for one report per policy
+    /// (each run takes the first report that has its policy).
     #[arg(long)]
-    sim: Option<PathBuf>,
+    sim: Vec<PathBuf>,
 }
 
 #[tokio::main]
@@ -289,6 +294,10 @@ async fn load_cmd(a: LoadArgs) -> anyhow::Result<()> {
             r.error.as_deref().unwrap_or("")
         );
     }
+    if let Some(path) = a.arrivals_csv {
+        std::fs::write(&path, load::arrivals_csv(&s.results))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if let Some(path) = a.json {
         let text = serde_json::to_string_pretty(&s)?;
         std::fs::write(&path, text + "\n")
@@ -329,17 +338,17 @@ fn report(a: ReportArgs) -> anyhow::Result<()> {
             serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
         runs.push(s);
     }
-    let sim = match &a.sim {
-        Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            Some(
-                serde_json::from_str::<br_sim::report::Report>(&text)
-                    .with_context(|| format!("parsing {}", p.display()))?,
-            )
+    let mut sim: Option<br_sim::report::Report> = None;
+    for p in &a.sim {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let rep = serde_json::from_str::<br_sim::report::Report>(&text)
+            .with_context(|| format!("parsing {}", p.display()))?;
+        match &mut sim {
+            None => sim = Some(rep),
+            Some(all) => all.runs.extend(rep.runs),
         }
-        None => None,
-    };
+    }
     print!("{}", load::table(&runs, sim.as_ref()));
     Ok(())
 }
