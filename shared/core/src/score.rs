@@ -8,7 +8,7 @@
 //! their maxima, and the discount vector. Admitting a subset updates it in O(H), so a tick that
 //! admits many requests never rebuilds it.
 
-use crate::predict::{PredictionCache, Predictor, expected_remaining};
+use crate::predict::{PredictionCache, Predictor, PredictorConfig, expected_remaining};
 use crate::state::{ClusterState, RequestInfo};
 use crate::{Phase, WorkerId};
 
@@ -33,6 +33,10 @@ pub struct HorizonParams {
     /// Confidence gate: a request counts as finishing inside the horizon only when the
     /// predictor's probability of that is at least this; otherwise it is assumed to run on.
     pub gate: f64,
+    /// How the online predictors learn and what they may hold (flattened: `prompt_buckets`,
+    /// `max_hashes`, ... sit beside `horizon` in a config or a br-sim policy spec).
+    #[serde(flatten)]
+    pub predictor: PredictorConfig,
 }
 
 impl Default for HorizonParams {
@@ -47,6 +51,7 @@ impl Default for HorizonParams {
             beta: Some(43.0),
             gamma: 0.86,
             gate: 0.5,
+            predictor: PredictorConfig::default(),
         }
     }
 }
@@ -60,6 +65,7 @@ impl HorizonParams {
             beta: None,
             gamma: 1.0,
             gate: 1.0,
+            predictor: PredictorConfig::default(),
         }
     }
 }

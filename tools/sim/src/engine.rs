@@ -393,8 +393,13 @@ pub fn simulate_deciders(
             let info = state.remove(u64::from(i)).map_err(core_err(step))?;
             running[info.worker as usize] -= 1;
             let r = &requests[i as usize];
+            let done = br_core::predict::Finished {
+                prompt_tokens: r.prompt_tokens,
+                prompt_hash: r.prompt_hash,
+                output_tokens: r.output_tokens,
+            };
             for policy in policies.iter_mut() {
-                policy.observe_finished(r.prompt_hash, r.output_tokens);
+                policy.observe_finished(&done);
             }
             finished += 1;
             if r.output_tokens > 1 {
