@@ -4,6 +4,13 @@
 //! finish within H more steps? Where the classifier is confident (probability ≥ the gate) the
 //! request is projected to leave after `ĉ_i = (1 − p)·H + p·μ_rem` steps; otherwise it is
 //! assumed to run past the horizon (the conservative anchor).
+//!
+//! The predictors learn online, from finished requests only ([`Finished`]: prompt length,
+//! prompt hash, output length), one set per group (each group's policy owns its own), with no
+//! offline training and bounded memory ([`PredictorConfig`]): [`Survival`] by prompt-length
+//! octave with the group's whole distribution as the cold-start prior, [`ExactMatch`] by prompt
+//! hash (an LRU of at most `max_hashes`), [`Oracle`] for simulation. [`PredictorStats`] is what
+//! they hold (br-decision's `balanceroute_decision_predictor_*` gauges, br-sim's run line).
 
 use std::collections::VecDeque;
 
@@ -313,8 +320,9 @@ impl LengthHistogram {
 /// Both learn only from finished requests ([`Finished`]: prompt length, prompt hash if the
 /// gateway sent one, final output length), per group (each group's policy has its own), with
 /// no offline training. Memory is bounded: at most `max_hashes` prompt hashes of at most
-/// `samples_per_hash` lengths each (least recently finished forgotten first), and one
-/// length histogram per prompt-length octave (at most 33) of at most `16·2·max_len` bytes.
+/// `samples_per_hash` lengths each (least recently finished forgotten first; about 180 bytes
+/// a hash with the defaults, so ~11 MiB per group at most), and one length histogram per
+/// prompt-length octave (at most 33) of at most `16·(2·max_len + 1)` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct PredictorConfig {
