@@ -6,6 +6,7 @@ use std::time::Duration;
 use br_core::dispatch::{
     ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Window, TieBreak,
 };
+use br_core::predict::PredictorConfig;
 use br_core::score::HorizonParams;
 use br_core::{PolicyConfig, PolicyKind};
 use br_proto::valid::GroupId;
@@ -182,6 +183,15 @@ pub struct Args {
     /// it). Unset or 0: the paper's score.
     #[arg(long, env = "BALANCEROUTE_REQUEST_COST_TOKENS")]
     pub request_cost_tokens: Option<f64>,
+    /// BR-H's Survival predictor learns one output-length distribution per prompt-length
+    /// octave (besides the group's whole one, its cold-start prior): true or false (true).
+    #[arg(long, env = "BALANCEROUTE_PREDICTOR_BUCKETS", action = clap::ArgAction::Set)]
+    pub predictor_buckets: Option<bool>,
+
+    /// BR-H's ExactMatch predictor remembers at most this many prompt hashes per group, least
+    /// recently finished forgotten first (65536; 16 lengths each).
+    #[arg(long, env = "BALANCEROUTE_PREDICTOR_MAX_HASHES")]
+    pub predictor_max_hashes: Option<usize>,
 
     /// Seed of the randomised baselines (random, p2c).
     #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = 0)]
@@ -316,6 +326,11 @@ impl Args {
                 gamma: self.gamma.unwrap_or(h.gamma),
                 gate: self.gate.unwrap_or(h.gate),
                 request_cost_tokens: self.request_cost_tokens.unwrap_or(h.request_cost_tokens),
+                predictor: PredictorConfig {
+                    prompt_buckets: self.predictor_buckets.unwrap_or(h.predictor.prompt_buckets),
+                    max_hashes: self.predictor_max_hashes.unwrap_or(h.predictor.max_hashes),
+                    ..h.predictor
+                },
             },
             seed: self.seed,
         };
@@ -648,6 +663,28 @@ mod tests {
             br_runtime::config::check_env_names(&Args::command()),
             Ok(())
         );
+    }
+
+    #[test]
+    fn predictor_flags() {
+        let c = parse(&[]).unwrap().to_config().unwrap();
+        assert_eq!(c.policy.horizon.predictor, PredictorConfig::default());
+        let c = parse(&[
+            "--policy",
+            "brh",
+            "--predictor-buckets",
+            "false",
+            "--predictor-max-hashes",
+            "1000",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert!(!c.policy.horizon.predictor.prompt_buckets);
+        assert_eq!(c.policy.horizon.predictor.max_hashes, 1000);
+        let refused = parse(&["--predictor-max-hashes", "0"]).map(|a| a.to_config());
+        assert!(!matches!(refused, Ok(Ok(_))), "no hash table at all");
+        assert!(parse(&["--predictor-buckets", "maybe"]).is_err());
     }
 
     #[test]

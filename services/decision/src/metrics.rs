@@ -67,7 +67,16 @@ pub struct Metrics {
     pub http_requests_total: IntCounterVec,
     /// HTTP/JSON request duration by route (from the request's head to its answer).
     pub http_request_duration: HistogramVec,
+    /// What BR-H's online predictor holds, by `kind`: `samples` (finished requests learned
+    /// from), `hashes` (prompt hashes remembered, at most `--predictor-max-hashes`),
+    /// `buckets` (prompt-length octaves with a distribution of their own). 0 without one.
+    pub predictor_entries: IntGaugeVec,
+    /// Approximate heap bytes BR-H's online predictor holds (its memory bound, measured).
+    pub predictor_bytes: IntGaugeVec,
 }
+
+/// The `kind` labels of `balanceroute_decision_predictor_entries`.
+pub const PREDICTOR_KINDS: [&str; 3] = ["samples", "hashes", "buckets"];
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
     // Names are constants and unique; a failure is a programming error caught by the tests.
@@ -87,6 +96,26 @@ impl Metrics {
             )
         };
         let m = Metrics {
+            predictor_entries: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_predictor_entries",
+                        "What BR-H's online predictor has learned, by kind (samples, hashes, buckets)",
+                    ),
+                    &["group", "kind"],
+                )?,
+            ),
+            predictor_bytes: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "balanceroute_decision_predictor_bytes",
+                        "Approximate heap bytes BR-H's online predictor holds",
+                    ),
+                    &["group"],
+                )?,
+            ),
             assign_total: reg(
                 &r,
                 IntCounterVec::new(
@@ -350,6 +379,10 @@ impl Metrics {
         self.recommits_total.with_label_values(&[group, "sent"]);
         self.recommits_total.with_label_values(&[group, "dropped"]);
         self.workers_awaited.with_label_values(&[group]).set(0);
+        for kind in PREDICTOR_KINDS {
+            self.predictor_entries.with_label_values(&[group, kind]);
+        }
+        self.predictor_bytes.with_label_values(&[group]);
     }
 
     /// A gauge handle per group, for the group task's hot path.
@@ -367,6 +400,9 @@ impl Metrics {
             workers_awaited: self.workers_awaited.with_label_values(&[group]),
             recommits_sent: self.recommits_total.with_label_values(&[group, "sent"]),
             recommits_dropped: self.recommits_total.with_label_values(&[group, "dropped"]),
+            predictor_entries: PREDICTOR_KINDS
+                .map(|k| self.predictor_entries.with_label_values(&[group, k])),
+            predictor_bytes: self.predictor_bytes.with_label_values(&[group]),
             group: group.to_owned(),
             all: self.clone(),
         }
@@ -388,6 +424,9 @@ pub struct GroupMetrics {
     pub workers_awaited: IntGauge,
     pub recommits_sent: prometheus::IntCounter,
     pub recommits_dropped: prometheus::IntCounter,
+    /// `predictor_entries` by [`PREDICTOR_KINDS`].
+    pub predictor_entries: [IntGauge; 3],
+    pub predictor_bytes: IntGauge,
     group: String,
     all: Metrics,
 }

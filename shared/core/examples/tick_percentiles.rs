@@ -20,7 +20,7 @@ use std::time::Instant;
 use br_core::bench_support::steady_state;
 use br_core::dispatch::{Stage2Fill, Stage2Window, dispatch_tick};
 use br_core::policy::PredictorKind;
-use br_core::predict::{Oracle, Predictor, Survival};
+use br_core::predict::{Finished, Oracle, Predictor, Survival};
 use br_core::score::Margins;
 use br_core::{ClusterState, Phase, PolicyConfig, PolicyKind, build_policy};
 use hdrhistogram::Histogram;
@@ -87,8 +87,13 @@ fn main() {
                 if kind == PolicyKind::BrH(PredictorKind::Survival) {
                     // warm the predictor the way a running service would be
                     for o in warm_lengths() {
-                        policy.observe_finished(None, o);
-                        reference.observe(None, o);
+                        let f = Finished {
+                            prompt_tokens: 4_096,
+                            prompt_hash: None,
+                            output_tokens: o,
+                        };
+                        policy.observe_finished(&f);
+                        reference.observe(&f);
                     }
                 }
                 let mut out = Vec::with_capacity(1024);

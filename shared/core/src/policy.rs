@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dispatch::{Admission, DispatcherConfig, dispatch_tick, route_bypass};
 use crate::pool::{Pool, PoolEntry};
-use crate::predict::{ExactMatch, Oracle, PredictionCache, Predictor, Survival};
+use crate::predict::{Finished, Oracle, PredictionCache, Predictor, PredictorStats};
 use crate::score::{HorizonParams, Margins};
 use crate::state::{ClusterState, WorkerInfo};
 use crate::{CoreError, WorkerId};
@@ -38,8 +38,12 @@ pub trait Policy: Send + fmt::Debug {
     /// Pooled policies: one batch admission; admitted requests leave `pool` and are appended to
     /// `out`. On-arrival policies do nothing.
     fn dispatch(&mut self, pool: &mut Pool, state: &ClusterState, out: &mut Vec<Admission>);
-    /// A request finished after `output_tokens` tokens (predictors learn from this).
-    fn observe_finished(&mut self, _prompt_hash: Option<u64>, _output_tokens: u32) {}
+    /// A request finished (BR-H's predictors learn from this).
+    fn observe_finished(&mut self, _finished: &Finished) {}
+    /// What BR-H's predictor has learned and holds; `None` for a policy without one.
+    fn predictor_stats(&self) -> Option<PredictorStats> {
+        None
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -199,6 +203,7 @@ impl PolicyConfig {
                 "alpha and beta must be positive and finite".into(),
             ));
         }
+        h.predictor.validate().map_err(CoreError::InvalidConfig)?;
         if !(0.0..=1.0).contains(&h.gate) {
             return Err(CoreError::InvalidConfig(format!(
                 "gate must be in [0, 1], got {}",
@@ -246,8 +251,8 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
         }),
         PolicyKind::BrH(p) => {
             let predictor: Box<dyn Predictor> = match p {
-                PredictorKind::Survival => Box::new(Survival::default()),
-                PredictorKind::ExactMatch => Box::new(ExactMatch::default()),
+                PredictorKind::Survival => Box::new(cfg.horizon.predictor.survival()),
+                PredictorKind::ExactMatch => Box::new(cfg.horizon.predictor.exact_match()),
                 PredictorKind::Oracle => Box::new(Oracle),
             };
             Box::new(BalanceRoute {
@@ -420,12 +425,15 @@ impl Policy for BalanceRoute {
         };
         dispatch_tick(&self.cfg.dispatcher, pool, state, &mut margins, out);
     }
-    fn observe_finished(&mut self, prompt_hash: Option<u64>, output_tokens: u32) {
+    fn observe_finished(&mut self, finished: &Finished) {
         if let Some(p) = self.predictor.as_mut() {
-            p.observe(prompt_hash, output_tokens);
+            p.observe(finished);
             if p.learns() {
                 self.cache.invalidate();
             }
         }
+    }
+    fn predictor_stats(&self) -> Option<PredictorStats> {
+        self.predictor.as_ref().map(|p| p.stats())
     }
 }

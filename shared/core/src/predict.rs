@@ -4,6 +4,13 @@
 //! finish within H more steps? Where the classifier is confident (probability ≥ the gate) the
 //! request is projected to leave after `ĉ_i = (1 − p)·H + p·μ_rem` steps; otherwise it is
 //! assumed to run past the horizon (the conservative anchor).
+//!
+//! The predictors learn online, from finished requests only ([`Finished`]: prompt length,
+//! prompt hash, output length), one set per group (each group's policy owns its own), with no
+//! offline training and bounded memory ([`PredictorConfig`]): [`Survival`] by prompt-length
+//! octave with the group's whole distribution as the cold-start prior, [`ExactMatch`] by prompt
+//! hash (an LRU of at most `max_hashes`), [`Oracle`] for simulation. [`PredictorStats`] is what
+//! they hold (br-decision's `balanceroute_decision_predictor_*` gauges, br-sim's run line).
 
 use std::collections::VecDeque;
 
@@ -31,12 +38,40 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     fn predict(&self, request: &RequestInfo, horizon: u32) -> Prediction;
     /// Learns from a finished request (online update).
-    fn observe(&mut self, prompt_hash: Option<u64>, output_tokens: u32);
+    fn observe(&mut self, finished: &Finished);
     /// Whether [`Predictor::observe`] can change what it predicts (a [`PredictionCache`] is
     /// invalidated by every observation of one that does).
     fn learns(&self) -> bool {
         true
     }
+    /// What it holds (for a gauge and the simulator's report).
+    fn stats(&self) -> PredictorStats {
+        PredictorStats::default()
+    }
+}
+
+/// What the control plane learns of a request when it finishes: all an online predictor is
+/// taught from (σ's deltas carry it to the decision service; the simulator reports it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    pub prompt_tokens: u32,
+    /// The gateway's prompt hash, when it sent one (`AssignRequest.prompt_hash`).
+    pub prompt_hash: Option<u64>,
+    /// Output tokens generated in all.
+    pub output_tokens: u32,
+}
+
+/// The size of what an online predictor has learned: its memory bound made visible.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PredictorStats {
+    /// Finished requests observed.
+    pub samples: u64,
+    /// Prompt hashes remembered (ExactMatch).
+    pub hashes: usize,
+    /// Prompt-length buckets with a distribution of their own (Survival).
+    pub buckets: usize,
+    /// Heap bytes held, approximately (the tables' capacities).
+    pub bytes: usize,
 }
 
 /// `ĉ_i`: steps until the request is expected to leave, or `horizon + 1` (beyond the horizon)
@@ -151,30 +186,66 @@ impl PredictionCache {
     }
 }
 
-/// A Fenwick tree over output lengths 1..=max_len (count and sum), for O(log n) tail queries.
+/// A Fenwick tree over output lengths 1..=size (count and sum), for O(log n) tail queries.
+///
+/// It starts small and doubles as longer lengths arrive (up to the next power of two above
+/// `max_len`), so a bucket that only ever sees short outputs costs a few kilobytes, not
+/// `16·max_len` bytes: that is what lets [`Survival`] keep one per prompt-length bucket.
 #[derive(Debug, Clone)]
 struct LengthHistogram {
+    /// Fenwick arrays over 1..=size; `size` (= len − 1) is a power of two.
     count: Vec<u64>,
     sum: Vec<u64>,
     total: u64,
+    total_sum: u64,
+    max_len: u32,
 }
+
+/// Initial size of a histogram (grown by doubling).
+const INITIAL_HISTOGRAM: usize = 64;
 
 impl LengthHistogram {
     fn new(max_len: u32) -> Self {
-        let n = max_len as usize + 1;
+        let max_len = max_len.max(1);
+        let n = INITIAL_HISTOGRAM.min((max_len as usize).next_power_of_two()) + 1;
         Self {
             count: vec![0; n],
             sum: vec![0; n],
             total: 0,
+            total_sum: 0,
+            max_len,
         }
     }
 
-    fn max_len(&self) -> u32 {
-        (self.count.len() - 1) as u32
+    /// Lengths 1..=size are held (a power of two).
+    fn size(&self) -> usize {
+        self.count.len() - 1
+    }
+
+    /// Heap bytes held.
+    fn bytes(&self) -> usize {
+        (self.count.capacity() + self.sum.capacity()) * std::mem::size_of::<u64>()
+    }
+
+    /// Doubles until `len` fits. With a power-of-two size n, the entries 1..=n keep their
+    /// ranges, the new entry 2n covers everything (the old total) and the ones in between
+    /// cover only lengths above n, of which there are none yet.
+    fn grow_to(&mut self, len: usize) {
+        while self.size() < len {
+            let n = self.size();
+            // exact: the memory bound is 16·(size + 1) bytes, not whatever doubling gives
+            self.count.reserve_exact(n);
+            self.sum.reserve_exact(n);
+            self.count.resize(2 * n + 1, 0);
+            self.sum.resize(2 * n + 1, 0);
+            self.count[2 * n] = self.total;
+            self.sum[2 * n] = self.total_sum;
+        }
     }
 
     fn add(&mut self, len: u32) {
-        let len = len.clamp(1, self.max_len());
+        let len = len.clamp(1, self.max_len);
+        self.grow_to(len as usize);
         let mut i = len as usize;
         while i < self.count.len() {
             self.count[i] += 1;
@@ -182,11 +253,15 @@ impl LengthHistogram {
             i += i & i.wrapping_neg();
         }
         self.total += 1;
+        self.total_sum += u64::from(len);
     }
 
     /// (count, sum) of lengths ≤ len.
     fn prefix(&self, len: u32) -> (u64, u64) {
-        let mut i = (len.min(self.max_len())) as usize;
+        if len as usize >= self.size() {
+            return (self.total, self.total_sum);
+        }
+        let mut i = len as usize;
         let (mut c, mut s) = (0, 0);
         while i > 0 {
             c += self.count[i];
@@ -202,12 +277,13 @@ impl LengthHistogram {
     fn conditional_median(&self, generated: u32) -> Option<u32> {
         let (c_j, _) = self.prefix(generated);
         let alive = self.total - c_j;
-        if alive == 0 || generated >= self.max_len() {
+        if alive == 0 {
             return None;
         }
         let need = c_j + alive.div_ceil(2);
-        // prefix() is monotone in the length: binary search the first length reaching `need`.
-        let (mut lo, mut hi) = (generated + 1, self.max_len());
+        // prefix() is monotone in the length: binary search the first length reaching `need`
+        // (some observed length above `generated` exists, so generated < size).
+        let (mut lo, mut hi) = (generated + 1, self.size() as u32);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             if self.prefix(mid).0 >= need {
@@ -239,42 +315,147 @@ impl LengthHistogram {
     }
 }
 
-/// The empirical output-length distribution, updated online from finished requests.
+/// How the online predictors learn and how much they may hold (BR-H's `brh`, `brh-survival`).
+///
+/// Both learn only from finished requests ([`Finished`]: prompt length, prompt hash if the
+/// gateway sent one, final output length), per group (each group's policy has its own), with
+/// no offline training. Memory is bounded: at most `max_hashes` prompt hashes of at most
+/// `samples_per_hash` lengths each (least recently finished forgotten first; about 180 bytes
+/// a hash with the defaults, so ~11 MiB per group at most), and one length histogram per
+/// prompt-length octave (at most 33) of at most `16·(2·max_len + 1)` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct PredictorConfig {
+    /// Survival conditions on the prompt's length octave (`⌊log2 s⌋`): a request is predicted
+    /// from the finished requests whose prompts were about as long, once its octave has
+    /// `min_samples` of them; before that from every finished request (the prior).
+    pub prompt_buckets: bool,
+    /// ExactMatch: most prompt hashes remembered (LRU by last finish).
+    pub max_hashes: usize,
+    /// ExactMatch: most recent output lengths kept per hash.
+    pub samples_per_hash: usize,
+    /// Finished requests a distribution needs before it is used (fewer: fall back to the
+    /// coarser one, and with none, the request is assumed to run on: BR-0's view).
+    pub min_samples: u64,
+    /// Longest output length told apart (longer ones count as this).
+    pub max_len: u32,
+}
+
+impl Default for PredictorConfig {
+    fn default() -> Self {
+        Self {
+            prompt_buckets: true,
+            max_hashes: 65_536,
+            samples_per_hash: 16,
+            min_samples: 32,
+            max_len: 32_768,
+        }
+    }
+}
+
+impl PredictorConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_hashes == 0 || self.samples_per_hash == 0 || self.max_len == 0 {
+            return Err("max_hashes, samples_per_hash and max_len must be at least 1".into());
+        }
+        if self.max_hashes > 1 << 24 || self.samples_per_hash > 1024 || self.max_len > 1 << 24 {
+            return Err(format!(
+                "predictor memory out of range: max_hashes {} (≤ 2^24), samples_per_hash {} \
+                 (≤ 1024), max_len {} (≤ 2^24)",
+                self.max_hashes, self.samples_per_hash, self.max_len
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn survival(&self) -> Survival {
+        Survival::with_buckets(self.max_len, self.min_samples, self.prompt_buckets)
+    }
+
+    pub fn exact_match(&self) -> ExactMatch {
+        ExactMatch::new(self.survival(), self.max_hashes, self.samples_per_hash, 1)
+    }
+}
+
+/// Prompt-length octaves: bucket b holds prompts of 2^(b−1)..2^b − 1 tokens (0 for empty).
+const BUCKETS: usize = 33;
+
+fn bucket_of(prompt_tokens: u32) -> usize {
+    (u32::BITS - prompt_tokens.leading_zeros()) as usize
+}
+
+/// The empirical output-length distribution, updated online from finished requests; with
+/// buckets, one per prompt-length octave besides the global one (the cold-start prior).
 #[derive(Debug, Clone)]
 pub struct Survival {
-    hist: LengthHistogram,
+    global: LengthHistogram,
+    /// Empty without buckets; else [`BUCKETS`] slots, each made on its first sample.
+    buckets: Vec<Option<LengthHistogram>>,
     min_samples: u64,
 }
 
 impl Survival {
     /// Lengths above `max_len` are counted as `max_len`. Predicts "runs on" until it has seen
-    /// `min_samples` finished requests.
+    /// `min_samples` finished requests. No prompt-length buckets.
     pub fn new(max_len: u32, min_samples: u64) -> Self {
+        Self::with_buckets(max_len, min_samples, false)
+    }
+
+    /// [`Survival::new`], and with `buckets` one distribution per prompt-length octave, used
+    /// for a request once its octave has `min_samples` lengths.
+    pub fn with_buckets(max_len: u32, min_samples: u64, buckets: bool) -> Self {
         Self {
-            hist: LengthHistogram::new(max_len.max(1)),
+            global: LengthHistogram::new(max_len),
+            buckets: if buckets {
+                vec![None; BUCKETS]
+            } else {
+                Vec::new()
+            },
             min_samples,
         }
     }
 
     pub fn samples(&self) -> u64 {
-        self.hist.total
+        self.global.total
+    }
+
+    /// The distribution a request with this prompt is predicted from: its octave's once that
+    /// has `min_samples` lengths, else the global one once that has, else none.
+    fn hist_for(&self, prompt_tokens: u32) -> Option<&LengthHistogram> {
+        let bucket = self
+            .buckets
+            .get(bucket_of(prompt_tokens))
+            .and_then(Option::as_ref)
+            .filter(|h| h.total >= self.min_samples);
+        bucket.or((self.global.total >= self.min_samples).then_some(&self.global))
     }
 
     /// The median output length of a request that has generated `generated` tokens and not
     /// finished: a point estimate of when it ends (lengths above `max_len` count as
     /// `max_len`). `None` until `min_samples` lengths were observed, or when the request
-    /// already outlived every one of them (then nothing is known: it runs on).
+    /// already outlived every one of them (then nothing is known: it runs on). Global (no
+    /// prompt length known).
     pub fn median_output(&self, generated: u32) -> Option<u32> {
-        if self.hist.total < self.min_samples {
+        if self.global.total < self.min_samples {
             return None;
         }
-        self.hist.conditional_median(generated)
+        self.global.conditional_median(generated)
+    }
+
+    fn stats(&self) -> PredictorStats {
+        let buckets = self.buckets.iter().flatten();
+        PredictorStats {
+            samples: self.global.total,
+            hashes: 0,
+            buckets: buckets.clone().count(),
+            bytes: self.global.bytes() + buckets.map(LengthHistogram::bytes).sum::<usize>(),
+        }
     }
 }
 
 impl Default for Survival {
     fn default() -> Self {
-        Self::new(32_768, 32)
+        PredictorConfig::default().survival()
     }
 }
 
@@ -284,24 +465,45 @@ impl Predictor for Survival {
     }
 
     fn predict(&self, r: &RequestInfo, horizon: u32) -> Prediction {
-        if self.hist.total < self.min_samples {
-            return Prediction::RUNS_ON;
+        match self.hist_for(r.prompt_tokens) {
+            Some(h) => h.conditional(r.generated, horizon),
+            None => Prediction::RUNS_ON,
         }
-        self.hist.conditional(r.generated, horizon)
     }
 
-    fn observe(&mut self, _hash: Option<u64>, output_tokens: u32) {
-        self.hist.add(output_tokens);
+    fn observe(&mut self, f: &Finished) {
+        self.global.add(f.output_tokens);
+        if let Some(slot) = self.buckets.get_mut(bucket_of(f.prompt_tokens)) {
+            slot.get_or_insert_with(|| LengthHistogram::new(self.global.max_len))
+                .add(f.output_tokens);
+        }
+    }
+
+    fn stats(&self) -> PredictorStats {
+        Survival::stats(self)
     }
 }
 
+/// One remembered prompt hash: its latest output lengths and when it last finished.
+#[derive(Debug, Clone)]
+struct HashEntry {
+    lengths: VecDeque<u32>,
+    stamp: u64,
+}
+
 /// Per-prompt-hash empirical lengths; falls back to [`Survival`] on a miss.
+///
+/// At most `max_hashes` hashes are kept, least recently finished forgotten first (an LRU by
+/// observation: `predict` takes `&self`, and a prompt that stops finishing stops mattering).
 #[derive(Debug, Clone)]
 pub struct ExactMatch {
     fallback: Survival,
-    by_hash: FxHashMap<u64, VecDeque<u32>>,
-    /// Insertion order of hashes, for bounded memory (oldest hash forgotten first).
-    order: VecDeque<u64>,
+    by_hash: FxHashMap<u64, HashEntry>,
+    /// (stamp, hash) in observation order. An element whose stamp is no longer its hash's is
+    /// stale (the hash finished again since) and skipped; compacted when it has more stale
+    /// elements than live ones, so it stays within 2·max_hashes + 1.
+    recency: VecDeque<(u64, u64)>,
+    clock: u64,
     max_hashes: usize,
     samples_per_hash: usize,
     min_hits: usize,
@@ -317,7 +519,8 @@ impl ExactMatch {
         Self {
             fallback,
             by_hash: FxHashMap::default(),
-            order: VecDeque::new(),
+            recency: VecDeque::new(),
+            clock: 0,
             max_hashes: max_hashes.max(1),
             samples_per_hash: samples_per_hash.max(1),
             min_hits: min_hits.max(1),
@@ -327,11 +530,21 @@ impl ExactMatch {
     pub fn known_hashes(&self) -> usize {
         self.by_hash.len()
     }
+
+    /// Forgets the least recently finished hash.
+    fn evict_one(&mut self) {
+        while let Some((stamp, h)) = self.recency.pop_front() {
+            if self.by_hash.get(&h).is_some_and(|e| e.stamp == stamp) {
+                self.by_hash.remove(&h);
+                return;
+            }
+        }
+    }
 }
 
 impl Default for ExactMatch {
     fn default() -> Self {
-        Self::new(Survival::default(), 1 << 20, 16, 1)
+        PredictorConfig::default().exact_match()
     }
 }
 
@@ -341,42 +554,64 @@ impl Predictor for ExactMatch {
     }
 
     fn predict(&self, r: &RequestInfo, horizon: u32) -> Prediction {
-        let Some(samples) = r.prompt_hash.and_then(|h| self.by_hash.get(&h)) else {
+        let Some(entry) = r.prompt_hash.and_then(|h| self.by_hash.get(&h)) else {
             return self.fallback.predict(r, horizon);
         };
         let j = r.generated;
-        let alive: Vec<u32> = samples.iter().copied().filter(|&o| o > j).collect();
-        if alive.len() < self.min_hits {
+        let end = j.saturating_add(horizon);
+        let (mut alive, mut finishing, mut sum) = (0usize, 0usize, 0u64);
+        for &o in entry.lengths.iter().filter(|&&o| o > j) {
+            alive += 1;
+            if o <= end {
+                finishing += 1;
+                sum += u64::from(o);
+            }
+        }
+        if alive < self.min_hits {
             return self.fallback.predict(r, horizon);
         }
-        let end = j.saturating_add(horizon);
-        let finishing: Vec<u32> = alive.iter().copied().filter(|&o| o <= end).collect();
-        if finishing.is_empty() {
+        if finishing == 0 {
             return Prediction::RUNS_ON;
         }
-        let mean = finishing.iter().map(|&o| f64::from(o)).sum::<f64>() / finishing.len() as f64;
         Prediction {
-            p_finish: finishing.len() as f64 / alive.len() as f64,
-            mean_remaining: mean - f64::from(j),
+            p_finish: finishing as f64 / alive as f64,
+            mean_remaining: sum as f64 / finishing as f64 - f64::from(j),
         }
     }
 
-    fn observe(&mut self, hash: Option<u64>, output_tokens: u32) {
-        self.fallback.observe(hash, output_tokens);
-        let Some(h) = hash else { return };
-        if !self.by_hash.contains_key(&h) {
-            if self.by_hash.len() >= self.max_hashes
-                && let Some(old) = self.order.pop_front()
-            {
-                self.by_hash.remove(&old);
-            }
-            self.order.push_back(h);
+    fn observe(&mut self, f: &Finished) {
+        self.fallback.observe(f);
+        let Some(h) = f.prompt_hash else { return };
+        self.clock += 1;
+        let stamp = self.clock;
+        if !self.by_hash.contains_key(&h) && self.by_hash.len() >= self.max_hashes {
+            self.evict_one();
         }
-        let samples = self.by_hash.entry(h).or_default();
-        if samples.len() >= self.samples_per_hash {
-            samples.pop_front();
+        let entry = self.by_hash.entry(h).or_insert_with(|| HashEntry {
+            lengths: VecDeque::new(),
+            stamp,
+        });
+        entry.stamp = stamp;
+        if entry.lengths.len() >= self.samples_per_hash {
+            entry.lengths.pop_front();
         }
-        samples.push_back(output_tokens);
+        entry.lengths.push_back(f.output_tokens);
+        self.recency.push_back((stamp, h));
+        if self.recency.len() > 2 * self.by_hash.len() + 1 {
+            let by_hash = &self.by_hash;
+            self.recency
+                .retain(|(s, h)| by_hash.get(h).is_some_and(|e| e.stamp == *s));
+        }
+    }
+
+    fn stats(&self) -> PredictorStats {
+        let mut s = self.fallback.stats();
+        s.hashes = self.by_hash.len();
+        let per_hash = std::mem::size_of::<(u64, HashEntry)>()
+            + self.samples_per_hash * std::mem::size_of::<u32>();
+        s.bytes += self.by_hash.capacity() * per_hash
+            + self.recency.capacity() * std::mem::size_of::<(u64, u64)>();
+        s
     }
 }
 
@@ -399,7 +634,7 @@ impl Predictor for Oracle {
         }
     }
 
-    fn observe(&mut self, _hash: Option<u64>, _output_tokens: u32) {}
+    fn observe(&mut self, _finished: &Finished) {}
 
     fn learns(&self) -> bool {
         false
@@ -410,6 +645,14 @@ impl Predictor for Oracle {
 mod tests {
     use super::*;
     use crate::Phase;
+
+    fn fin(prompt_hash: Option<u64>, output_tokens: u32) -> Finished {
+        Finished {
+            prompt_tokens: 10,
+            prompt_hash,
+            output_tokens,
+        }
+    }
 
     fn running(generated: u32, hash: Option<u64>, oracle: Option<u32>) -> RequestInfo {
         RequestInfo {
@@ -427,7 +670,7 @@ mod tests {
     fn survival_conditions_on_progress() {
         let mut s = Survival::new(4096, 1);
         for len in [100, 200, 300, 400] {
-            s.observe(None, len);
+            s.observe(&fin(None, len));
         }
         // at j = 150: alive {200,300,400}; within 100 more: {200}
         let p = s.predict(&running(150, None, None), 100);
@@ -443,11 +686,11 @@ mod tests {
     #[test]
     fn median_output_conditions_on_progress() {
         let mut s = Survival::new(4096, 3);
-        s.observe(None, 100);
-        s.observe(None, 200);
+        s.observe(&fin(None, 100));
+        s.observe(&fin(None, 200));
         assert_eq!(s.median_output(0), None, "too few samples");
         for len in [300, 400] {
-            s.observe(None, len);
+            s.observe(&fin(None, len));
         }
         // {100, 200, 300, 400}: half are done by 200.
         assert_eq!(s.median_output(0), Some(200));
@@ -459,7 +702,7 @@ mod tests {
         let lens = [3u32, 3, 7, 9, 12, 12, 12, 40, 41, 1000];
         let mut s = Survival::new(4096, 1);
         for &l in &lens {
-            s.observe(None, l);
+            s.observe(&fin(None, l));
         }
         for j in 0..1001 {
             let alive: Vec<u32> = lens.iter().copied().filter(|&o| o > j).collect();
@@ -471,15 +714,15 @@ mod tests {
     #[test]
     fn survival_waits_for_enough_samples() {
         let mut s = Survival::new(4096, 3);
-        s.observe(None, 10);
+        s.observe(&fin(None, 10));
         assert_eq!(s.predict(&running(0, None, None), 100), Prediction::RUNS_ON);
     }
 
     #[test]
     fn exact_match_prefers_its_hash_and_falls_back() {
         let mut e = ExactMatch::new(Survival::new(4096, 1), 2, 4, 1);
-        e.observe(Some(7), 50);
-        e.observe(None, 1000);
+        e.observe(&fin(Some(7), 50));
+        e.observe(&fin(None, 1000));
         let hit = e.predict(&running(10, Some(7), None), 80);
         assert_eq!(hit.p_finish, 1.0);
         assert_eq!(hit.mean_remaining, 40.0);
@@ -487,8 +730,8 @@ mod tests {
         // survival over {50, 1000}: alive at 10 = 2, finishing within 90 = 1
         assert_eq!(miss.p_finish, 0.5);
         // bounded memory: a third hash evicts the oldest
-        e.observe(Some(8), 1);
-        e.observe(Some(9), 1);
+        e.observe(&fin(Some(8), 1));
+        e.observe(&fin(Some(9), 1));
         assert_eq!(e.known_hashes(), 2);
     }
 
@@ -500,10 +743,98 @@ mod tests {
         let far = running(100, None, Some(1000));
         assert_eq!(expected_remaining(&o, &far, 80, 0.5), 81.0);
         let mut s = Survival::new(4096, 1);
-        s.observe(None, 120);
-        s.observe(None, 5000);
+        s.observe(&fin(None, 120));
+        s.observe(&fin(None, 5000));
         // p = 0.5 at j = 100: below a 0.6 gate it runs on, at 0.5 it counts
         assert_eq!(expected_remaining(&s, &r, 80, 0.6), 81.0);
         assert_eq!(expected_remaining(&s, &r, 80, 0.5), 0.5 * 80.0 + 0.5 * 20.0);
+    }
+    #[test]
+    fn survival_cold_start_then_its_own_octave() {
+        let mut s = Survival::with_buckets(4096, 4, true);
+        let short = |j| RequestInfo {
+            prompt_tokens: 100,
+            ..running(j, None, None)
+        };
+        let long = |j| RequestInfo {
+            prompt_tokens: 5_000,
+            ..running(j, None, None)
+        };
+        // Nothing learned: the conservative anchor (runs on), BR-0's view.
+        assert_eq!(s.predict(&long(0), 80), Prediction::RUNS_ON);
+        for _ in 0..4 {
+            s.observe(&Finished {
+                prompt_tokens: 100,
+                prompt_hash: None,
+                output_tokens: 50,
+            });
+        }
+        // The long prompt's octave has nothing yet: the global distribution is its prior.
+        assert_eq!(s.predict(&long(0), 80).p_finish, 1.0);
+        for _ in 0..3 {
+            s.observe(&Finished {
+                prompt_tokens: 5_000,
+                prompt_hash: None,
+                output_tokens: 1_000,
+            });
+        }
+        // 3 < min_samples in its octave: still the prior (4 of 7 finish within 80).
+        assert!((s.predict(&long(0), 80).p_finish - 4.0 / 7.0).abs() < 1e-12);
+        s.observe(&Finished {
+            prompt_tokens: 5_000,
+            prompt_hash: None,
+            output_tokens: 1_000,
+        });
+        // Its own octave now: every long prompt ran 1,000 tokens.
+        assert_eq!(s.predict(&long(0), 80), Prediction::RUNS_ON);
+        let near_end = s.predict(&long(950), 80);
+        assert_eq!(near_end.p_finish, 1.0);
+        assert_eq!(near_end.mean_remaining, 50.0);
+        assert_eq!(s.predict(&short(0), 80).p_finish, 1.0);
+        let st = Predictor::stats(&s);
+        assert_eq!((st.samples, st.buckets, st.hashes), (8, 2, 0));
+    }
+
+    #[test]
+    fn exact_match_forgets_the_least_recently_finished() {
+        let mut e = ExactMatch::new(Survival::new(4096, 1), 2, 4, 1);
+        e.observe(&fin(Some(7), 50));
+        e.observe(&fin(Some(8), 60));
+        e.observe(&fin(Some(7), 50)); // 7 is now the most recent
+        e.observe(&fin(Some(9), 70)); // evicts 8, not 7 (insertion order would evict 7)
+        assert_eq!(e.known_hashes(), 2);
+        assert_eq!(
+            e.predict(&running(0, Some(7), None), 80).mean_remaining,
+            50.0
+        );
+        assert_eq!(
+            e.predict(&running(0, Some(9), None), 80).mean_remaining,
+            70.0
+        );
+        // 8 is forgotten: Survival over {50, 60, 50, 70}
+        let miss = e.predict(&running(0, Some(8), None), 80);
+        assert!((miss.mean_remaining - 57.5).abs() < 1e-12);
+        // Many repeats of one hash keep the recency queue bounded.
+        for _ in 0..1_000 {
+            e.observe(&fin(Some(7), 50));
+        }
+        assert!(e.recency.len() <= 2 * e.known_hashes() + 1);
+        assert_eq!(e.stats().hashes, 2);
+    }
+
+    #[test]
+    fn histogram_grows_by_doubling_and_keeps_its_sums() {
+        let mut h = LengthHistogram::new(10_000);
+        assert_eq!(h.size(), INITIAL_HISTOGRAM);
+        for len in [3u32, 64, 65, 700, 9_999, 20_000] {
+            h.add(len);
+        }
+        assert_eq!(h.size(), 16_384);
+        // 20,000 counts as max_len 10,000.
+        assert_eq!(h.prefix(64), (2, 67));
+        assert_eq!(h.prefix(699), (3, 132));
+        assert_eq!(h.prefix(9_999), (5, 132 + 700 + 9_999));
+        assert_eq!(h.prefix(u32::MAX), (6, 132 + 700 + 9_999 + 10_000));
+        assert_eq!(h.conditional_median(64), Some(700));
     }
 }

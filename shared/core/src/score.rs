@@ -24,7 +24,7 @@
 //! existed. Why count the barrier this way and not as `max_g (a·L_g + c·n_g)`: it is the form
 //! `br-sim calibrate` fits from `(max L, max n, T)` samples, and the twin runs.
 
-use crate::predict::{PredictionCache, Predictor, expected_remaining};
+use crate::predict::{PredictionCache, Predictor, PredictorConfig, expected_remaining};
 use crate::state::{ClusterState, RequestInfo};
 use crate::{Phase, WorkerId};
 
@@ -53,6 +53,10 @@ pub struct HorizonParams {
     /// (module docs). 0 (the default) is the paper's score; BR-0 uses it too.
     #[serde(default)]
     pub request_cost_tokens: f64,
+    /// How the online predictors learn and what they may hold (flattened: `prompt_buckets`,
+    /// `max_hashes`, ... sit beside `horizon` in a config or a br-sim policy spec).
+    #[serde(flatten)]
+    pub predictor: PredictorConfig,
 }
 
 impl Default for HorizonParams {
@@ -68,6 +72,7 @@ impl Default for HorizonParams {
             gamma: 0.86,
             gate: 0.5,
             request_cost_tokens: 0.0,
+            predictor: PredictorConfig::default(),
         }
     }
 }
@@ -82,6 +87,7 @@ impl HorizonParams {
             gamma: 1.0,
             gate: 1.0,
             request_cost_tokens: 0.0,
+            predictor: PredictorConfig::default(),
         }
     }
 

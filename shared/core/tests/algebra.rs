@@ -70,7 +70,7 @@ proptest! {
     fn brh_with_zero_horizon_is_br0(loads in prop::collection::vec(0u32..100_000, 1..32), ds in 0u32..200_000, gamma in 0.1f64..1.0) {
         let st = state(&loads);
         let br0 = Margins::br0(&st);
-        let params = HorizonParams { horizon: 0, alpha: 1.0, beta: None, gamma, gate: 0.5, request_cost_tokens: 0.0 };
+        let params = HorizonParams { horizon: 0, alpha: 1.0, beta: None, gamma, gate: 0.5, ..HorizonParams::default() };
         let brh_survival = Margins::horizon(&st, &params, &Survival::default());
         let brh_oracle = Margins::horizon(&st, &params, &Oracle);
         for w in 0..loads.len() as u32 {
@@ -82,7 +82,7 @@ proptest! {
     #[test]
     fn best_size_is_the_peak(loads in prop::collection::vec(0u32..50_000, 2..16), gamma in 0.3f64..0.95, beta in 1.0f64..50.0) {
         let st = state(&loads);
-        let params = HorizonParams { horizon: 40, alpha: 1.0, beta: Some(beta), gamma, gate: 0.5, request_cost_tokens: 0.0 };
+        let params = HorizonParams { horizon: 40, alpha: 1.0, beta: Some(beta), gamma, gate: 0.5, ..HorizonParams::default() };
         let m = Margins::horizon(&st, &params, &Oracle);
         for w in 0..loads.len() as u32 {
             let peak = m.best_size(w);
@@ -126,7 +126,7 @@ fn horizon_margins_see_requests_leave() {
         beta: Some(2.0),
         gamma: 1.0,
         gate: 0.5,
-        request_cost_tokens: 0.0,
+        ..HorizonParams::default()
     };
     let m = Margins::horizon(&st, &params, &Oracle);
     assert_eq!(m.margin(1, 0), 400.0);

@@ -8,7 +8,7 @@
 
 use br_core::dispatch::{DispatcherConfig, dispatch_tick};
 use br_core::policy::PredictorKind;
-use br_core::predict::{ExactMatch, Oracle, PredictionCache, Predictor, Survival};
+use br_core::predict::{ExactMatch, Finished, Oracle, PredictionCache, Predictor, Survival};
 use br_core::score::{HorizonParams, Margins};
 use br_core::{
     ClusterState, Phase, PolicyConfig, PolicyKind, Pool, PoolEntry, RequestInfo, build_policy,
@@ -83,8 +83,9 @@ proptest! {
         let mut reference = predictor(kind);
         for (i, &len) in warm.iter().enumerate() {
             let hash = Some(i as u64 % 6);
-            cached.observe_finished(hash, len);
-            reference.observe(hash, len);
+            let f = Finished { prompt_tokens: 100 + 700 * (i as u32 % 5), prompt_hash: hash, output_tokens: len };
+            cached.observe_finished(&f);
+            reference.observe(&f);
         }
         let mut state = ClusterState::with_workers(&vec![capacity; workers as usize]);
         let (mut pool_a, mut pool_b) = (Pool::new(), Pool::new());
@@ -108,8 +109,13 @@ proptest! {
                             let key = state.requests().nth(nth % n).unwrap().key;
                             let r = state.remove(key).unwrap();
                             let tokens = r.generated.max(1);
-                            cached.observe_finished(r.prompt_hash, tokens);
-                            reference.observe(r.prompt_hash, tokens);
+                            let f = Finished {
+                                prompt_tokens: r.prompt_tokens,
+                                prompt_hash: r.prompt_hash,
+                                output_tokens: tokens,
+                            };
+                            cached.observe_finished(&f);
+                            reference.observe(&f);
                         }
                     }
                     Event::Arrive { prompt, hash, output } => {

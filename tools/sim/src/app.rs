@@ -69,6 +69,20 @@ pub fn run_one(
     } else {
         String::new()
     };
+    // BR-H: what the twin's predictor learned as it ran, and its size (the memory bound).
+    let learned = refs
+        .first()
+        .and_then(|p| p.predictor_stats())
+        .map_or_else(String::new, |st| {
+            format!(
+                "  predictor {} samples, {} hashes, {} buckets, {} KiB",
+                st.samples,
+                st.hashes,
+                st.buckets,
+                st.bytes.div_ceil(1024)
+            )
+        });
+    let f = out.idle_flow;
     eprintln!(
         "  {:<24} G={:<3} {:>7} steps  {:>8.1} ms wall  ({:.1} ns per step·worker){refused}",
         label,
@@ -76,6 +90,18 @@ pub fn run_one(
         out.report.steps,
         out.wall.as_secs_f64() * 1e3,
         ns_per_step_worker(&out)
+    );
+    eprintln!(
+        "  {:<24} idle/step: steady {:.0} over {} steps, growth adds {:+.1} (running spread \
+         {:.2}); whole run {:.0}, growth adds {:+.1} (spread {:.2}){learned}",
+        label,
+        f.mean_idle,
+        f.steady_steps,
+        f.mean_growth,
+        f.mean_running_spread,
+        out.report.avg_barrier_idle,
+        f.run_growth,
+        f.run_running_spread
     );
     Ok(out)
 }
@@ -597,6 +623,7 @@ mod tests {
             steady_fluid_tok_s: 0.0,
             steady_imbalance: 0.0,
             refused_reservations: 0,
+            idle_flow: Default::default(),
         };
         assert_eq!(
             load_window(&[out(10_000, 0..5000), out(9000, 100..6000)]),

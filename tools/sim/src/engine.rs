@@ -156,6 +156,30 @@ pub struct RunOutcome {
     /// Pooled admissions refused because another decider filled the worker first (always 0
     /// with one decider).
     pub refused_reservations: u64,
+    /// Where the steady state's barrier idle comes from (BR-H's question, issue 16).
+    pub idle_flow: IdleFlow,
+}
+
+/// The barrier idle `G·max L − Σ L` over the steady-state steps, and the part of its change
+/// from one step to the next that growth alone makes: every running request writes a token,
+/// so rank g grows by its running count n_g, which adds `G·max(L + n) − Σ(L + n) − (G·max L −
+/// Σ L)` (zero when every rank runs the same number of requests). The rest of the change is
+/// finishes and placements. This is what a horizon projection of growth could act on; what it
+/// projects beyond that is when requests finish.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct IdleFlow {
+    pub steady_steps: u64,
+    /// Mean barrier idle per steady step (KV tokens).
+    pub mean_idle: f64,
+    /// Mean idle growth adds per steady step (KV tokens; negative when it closes gaps).
+    pub mean_growth: f64,
+    /// Mean of max_g n_g − min_g n_g (running requests) over the steady steps.
+    pub mean_running_spread: f64,
+    /// `mean_growth` over every step of the run (the whole-run barrier idle is the report's
+    /// `avg_barrier_idle`): what matters below capacity, where few steps are steady.
+    pub run_growth: f64,
+    /// `mean_running_spread` over every step of the run.
+    pub run_running_spread: f64,
 }
 
 impl RunOutcome {
@@ -223,6 +247,8 @@ pub fn simulate_deciders(
     let (mut busy_ms, mut fluid_ms, mut tokens) = (0.0f64, 0.0f64, 0u64);
     let (mut steady_ms, mut steady_tokens, mut steady_fluid_ms) = (0.0f64, 0u64, 0.0f64);
     let (mut steady_steps, mut steady_imb) = (0u64, 0.0f64);
+    let (mut steady_idle, mut steady_growth, mut steady_spread) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut all_growth, mut all_spread) = (0.0f64, 0.0f64);
     let (mut sum_imb, mut sum_idle) = (0.0f64, 0.0f64);
     let (mut first_wait, mut last_wait) = (usize::MAX, 0usize);
     let mut tpot: Vec<f64> = Vec::with_capacity(n);
@@ -379,7 +405,21 @@ pub fn simulate_deciders(
         tokens += u64::from(total_running);
         sum_imb += (max - min) as f64;
         sum_idle += (g as u64 * max - sum) as f64;
+        // growth alone: rank g's load moves to L_g + n_g before finishes and placements
+        let (mut grown_max, mut n_max, mut n_min) = (0u64, 0u32, u32::MAX);
+        for (w, &n_w) in state.workers().iter().take(g).zip(&running) {
+            grown_max = grown_max.max(w.running_load + u64::from(n_w));
+            n_max = n_max.max(n_w);
+            n_min = n_min.min(n_w);
+        }
+        let idle = (g as u64 * max - sum) as f64;
+        let growth = (g as u64 * grown_max - (sum + u64::from(total_running))) as f64 - idle;
+        all_growth += growth;
+        all_spread += f64::from(n_max - n_min);
         if waiting {
+            steady_idle += idle;
+            steady_growth += growth;
+            steady_spread += f64::from(n_max - n_min);
             steady_ms += t;
             steady_fluid_ms += tf;
             steady_steps += 1;
@@ -403,8 +443,13 @@ pub fn simulate_deciders(
             let info = state.remove(u64::from(i)).map_err(core_err(step))?;
             running[info.worker as usize] -= 1;
             let r = &requests[i as usize];
+            let done = br_core::predict::Finished {
+                prompt_tokens: r.prompt_tokens,
+                prompt_hash: r.prompt_hash,
+                output_tokens: r.output_tokens,
+            };
             for policy in policies.iter_mut() {
-                policy.observe_finished(r.prompt_hash, r.output_tokens);
+                policy.observe_finished(&done);
             }
             finished += 1;
             if r.output_tokens > 1 {
@@ -460,6 +505,23 @@ pub fn simulate_deciders(
         },
         wall: started.elapsed(),
         refused_reservations: refused,
+        idle_flow: {
+            let per = |x: f64| {
+                if steady_steps > 0 {
+                    x / steady_steps as f64
+                } else {
+                    0.0
+                }
+            };
+            IdleFlow {
+                steady_steps,
+                mean_idle: per(steady_idle),
+                mean_growth: per(steady_growth),
+                mean_running_spread: per(steady_spread),
+                run_growth: per_step(all_growth),
+                run_running_spread: per_step(all_spread),
+            }
+        },
         steady_imbalance: if steady_steps > 0 {
             steady_imb / steady_steps as f64
         } else {
@@ -587,6 +649,46 @@ mod tests {
         (0..n)
             .map(|i| req(0.0, 100 + (i * 7919) % 3000, 1 + (i * 104_729) % 200))
             .collect()
+    }
+
+    #[test]
+    fn idle_flow_counts_growth_by_hand() {
+        // rr over G = 2: requests 0 and 2 on rank 0, 1 on rank 1; all run 5 steps together.
+        // Rank 0 (the max) grows 2 tokens a step, rank 1 one: growth adds
+        // G·(max + 2) − (Σ + 3) − (G·max − Σ) = 1 token of idle per step, spread 1.
+        let reqs = vec![req(0.0, 10, 5); 3];
+        let out = sim(&reqs, "rr", &cfg(2, 2, 2e-4, 30.0));
+        assert_eq!(out.report.steps, 5);
+        let f = out.idle_flow;
+        assert_eq!((f.run_growth, f.run_running_spread), (1.0, 1.0));
+        assert_eq!(f.steady_steps, 0, "nothing waited");
+        // idle = G·max − Σ = 2·(2·(10 + j)) − 3·(10 + j) = 10 + j for j = 0..5 (a token is
+        // counted once written): mean 12 over the run
+        assert_eq!(out.report.avg_barrier_idle, 12.0);
+        // Saturated BR-0: while requests wait a freed slot is refilled in the same step, so
+        // the ranks run (all but a few steps) the same number of requests and growth adds
+        // next to nothing; on-arrival queues (rr) leave unequal counts and growth adds more.
+        let c = cfg(4, 4, 2e-4, 30.0);
+        let (br0, rr) = (
+            sim(&saturated(400), "br0", &c),
+            sim(&saturated(400), "rr", &c),
+        );
+        assert!(br0.idle_flow.steady_steps > 100 && rr.idle_flow.steady_steps > 100);
+        assert!(
+            br0.idle_flow.mean_growth.abs() < 0.01,
+            "{:?}",
+            br0.idle_flow
+        );
+        assert!(
+            br0.idle_flow.mean_running_spread < 0.01,
+            "{:?}",
+            br0.idle_flow
+        );
+        assert!(
+            rr.idle_flow.mean_growth > 10.0 * br0.idle_flow.mean_growth.abs(),
+            "{:?}",
+            rr.idle_flow
+        );
     }
 
     #[test]

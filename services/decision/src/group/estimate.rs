@@ -25,7 +25,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
-use br_core::predict::{Predictor as _, Survival};
+use br_core::predict::{Finished, Predictor as _, Survival};
 use br_core::{ClusterState, Phase, RequestInfo, RequestKey, StepFit, StepModel};
 use rustc_hash::FxHashMap;
 
@@ -132,7 +132,12 @@ impl Estimator {
     /// σ reported a request finished after `tokens` tokens.
     pub(super) fn observe_finished(&mut self, tokens: u32) {
         if tokens > 0 {
-            self.lengths.observe(None, tokens);
+            // Global lengths only (its median is asked without a prompt length).
+            self.lengths.observe(&Finished {
+                prompt_tokens: 0,
+                prompt_hash: None,
+                output_tokens: tokens,
+            });
         }
     }
 

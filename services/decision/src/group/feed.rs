@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use br_core::predict::Finished;
 use br_sigma::{Delta, Sigma, SigmaError};
 
 use super::{GroupCore, wire};
@@ -27,22 +28,28 @@ impl GroupCore {
     /// Applies a delta in order. An error means the replica must resubscribe (a gap, another
     /// epoch) or be replaced (a change failed halfway); it is kept for answering meanwhile.
     pub fn on_delta(&mut self, d: &Delta, now: Instant) -> Result<(), SigmaError> {
-        // Finished requests teach the predictors (BR-H); read their hashes before they leave.
-        let finished: Vec<(Option<u64>, u32)> = wire::finished_requests(d)
+        // Finished requests teach the predictors (BR-H, online, per group): read their prompt
+        // length and hash from the replica before they leave it. One σ has not seen (a gap
+        // being repaired) teaches nothing but the outage estimate.
+        let finished: Vec<(Option<Finished>, u32)> = wire::finished_requests(d)
             .map(|(id, tokens)| {
-                let hash = self
-                    .view
-                    .sigma()
-                    .and_then(|s| s.request(id))
-                    .and_then(|r| r.prompt_hash);
-                (hash, tokens)
+                let known = self.view.sigma().and_then(|s| s.request(id));
+                let learn = known.map(|r| Finished {
+                    prompt_tokens: r.prompt_tokens,
+                    prompt_hash: r.prompt_hash,
+                    output_tokens: tokens,
+                });
+                (learn, tokens)
             })
             .collect();
         self.view.apply_delta(d, now)?;
-        for (hash, tokens) in finished {
-            self.policy.observe_finished(hash, tokens);
+        for (learn, tokens) in finished {
+            if let Some(f) = learn.filter(|f| f.output_tokens > 0) {
+                self.policy.observe_finished(&f);
+            }
             self.view.learn_finished(tokens);
         }
+        self.update_predictor_gauges();
         if !self.requests.pool_is_empty() {
             let placed: Vec<_> = wire::placed_requests(d)
                 .filter_map(|id| self.requests.key_of(id))

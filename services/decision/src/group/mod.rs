@@ -305,6 +305,19 @@ impl GroupCore {
         self.update_gauges(now);
     }
 
+    /// What BR-H's predictor holds (after it learned from finished requests).
+    fn update_predictor_gauges(&self) {
+        let Some(st) = self.policy.predictor_stats() else {
+            return;
+        };
+        let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let [samples, hashes, buckets] = &self.metrics.predictor_entries;
+        samples.set(clamp(st.samples));
+        hashes.set(clamp(st.hashes as u64));
+        buckets.set(clamp(st.buckets as u64));
+        self.metrics.predictor_bytes.set(clamp(st.bytes as u64));
+    }
+
     fn update_gauges(&self, now: Instant) {
         self.metrics.sigma_stale.set(i64::from(self.is_stale()));
         self.metrics

@@ -5,11 +5,13 @@
 //! By concern: [`admission`] (the pool, ticks, retries, routing), [`reserve`] (the `Reserve`
 //! outcomes), [`depart`] (cancels, withdrawals, vanished callers), [`stale`] (outages and
 //! re-commits), [`outage`] (the estimated view of a long outage, a restarted snapshot
-//! service, no resurrection), `wire` (the messages), and [`prop`] (the property test: nothing is ever left
+//! service, no resurrection), [`learn`] (BR-H's predictors learn from σ's finishes), `wire` (the
+//! messages), and [`prop`] (the property test: nothing is ever left
 //! behind in σ).
 
 mod admission;
 mod depart;
+mod learn;
 mod outage;
 mod prop;
 mod reserve;

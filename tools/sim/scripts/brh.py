@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""BR-H against BR-0, paired by seed (issue 16: does the horizon earn its keep?).
+
+For one workload, G and arrival, runs `br-sim run` once per seed with the baselines, br0 and
+the BR-H variants, and prints for every BR policy the mean over seeds and the mean paired
+difference against br0 of the same seed, with its standard error:
+  s.gap%   share of the best baseline's gap to the fluid limit removed (steady state)
+  steady   steady-state throughput, % against br0
+  tok/s    whole-run throughput, % against br0
+  tpot95   TPOT p95, ms against br0
+  idle     barrier idle per step, whole run (KV tokens), % against br0
+A difference beyond two standard errors is marked `+` (BR-H better) or `!` (worse). It also
+prints where the idle comes from (br-sim's stderr line): the barrier idle per step and how much
+of it growth alone adds per step (every running request writes a token; zero when every rank
+runs the same number of requests), the part a horizon projection of growth could act on.
+
+`--capacity` first runs the workload saturated (seed 1) and sets `--rate` to PCT% of the best
+baseline's steady throughput over the mean output (the README's definition of capacity).
+
+Usage: brh.py BR_SIM SEEDS [--capacity PCT] -- <br-sim run arguments without --seed>
+"""
+import math
+import re
+import subprocess
+import sys
+
+REFERENCE = "br0"
+
+
+def mean_se(xs):
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    v = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(v / len(xs))
+
+
+def run(sim, args):
+    p = subprocess.run([sim, *args], check=True, capture_output=True, text=True)
+    table, idle, workload = {}, {}, None
+    header = None
+    for line in p.stdout.splitlines():
+        cols = line.split()
+        if cols[:2] == ["policy", "G"]:
+            header = cols
+        elif header and len(cols) == len(header) and cols[1].isdigit():
+            table[cols[0]] = dict(zip(header, cols))
+    for line in p.stderr.splitlines() + p.stdout.splitlines():
+        m = re.match(
+            r"\s+(\S+)\s+idle/step: steady (\d+) over (\d+) steps, growth adds ([-+\d.]+)"
+            r".*whole run (\d+), growth adds ([-+\d.]+)",
+            line,
+        )
+        if m:
+            idle[m.group(1)] = {
+                "steady_idle": float(m.group(2)),
+                "steady_steps": int(m.group(3)),
+                "steady_growth": float(m.group(4)),
+                "run_idle": float(m.group(5)),
+                "run_growth": float(m.group(6)),
+            }
+        m = re.match(r"workload .*output mean ([\d.]+)", line)
+        if m:
+            workload = line
+            out_mean = float(m.group(1))
+    if not table:
+        raise SystemExit(f"no table in br-sim output for {args}:\n{p.stdout}\n{p.stderr}")
+    return table, idle, workload, out_mean
+
+
+def flow(per_seed, n):
+    """Idle per step and what growth alone adds to it per step: steady state, whole run."""
+    idles = [i[n] for _, i, _, _ in per_seed if n in i]
+    if not idles:
+        return ""
+    m = lambda k: mean_se([x[k] for x in idles])[0]  # noqa: E731
+    return (f"{m('steady_growth'):+8.1f} / {m('steady_idle'):<9.0f}"
+            f"{m('run_growth'):+8.1f} / {m('run_idle'):<9.0f}")
+
+
+def is_baseline(name):
+    return not name.startswith("br")
+
+
+def main():
+    sim, seeds_arg = sys.argv[1], sys.argv[2]
+    seeds = [int(s) for s in seeds_arg.split(",")]
+    opts = sys.argv[3 : sys.argv.index("--")]
+    args = sys.argv[sys.argv.index("--") + 1 :]
+    if "--capacity" in opts:
+        pct = float(opts[opts.index("--capacity") + 1])
+        sat = [a for a in args]
+        i = sat.index("--arrival")
+        sat[i + 1] = "saturated"
+        table, _, _, out_mean = run(sim, sat + ["--seed", "1"])
+        best = max(float(r["steady"]) for n, r in table.items() if is_baseline(n))
+        rate = pct / 100 * best / out_mean
+        args = args + ["--rate", f"{rate:.3f}"]
+        print(f"capacity {best / out_mean:.3f} req/s (best baseline steady {best:.1f} tok/s "
+              f"/ mean output {out_mean:.0f}); {pct:.0f}% = {rate:.3f} req/s")
+    per_seed = [run(sim, args + ["--seed", str(s)]) for s in seeds]
+    print(f"$ br-sim {' '.join(args)}  (seeds {seeds_arg})")
+    print(per_seed[0][2])
+    names = [n for n in per_seed[0][0] if not is_baseline(n)]
+    cols = [
+        ("s.gap%", "s.gap%", "abs", True),
+        ("steady", "steady", "pct", True),
+        ("tok/s", "tok/s", "pct", True),
+        ("tpot95", "tpot95", "abs", False),
+        ("barrier_idle", "idle", "pct", False),
+    ]
+    print("mean over seeds (paired difference against br0 of the same seed ± standard error; "
+          "+ better, ! worse beyond 2 SE)")
+    print(f"{'policy':<28}" + "".join(f"{label:>28}" for _, label, _, _ in cols)
+          + f"{'growth/idle: steady':>24}{'whole run':>20}")
+    for n in names:
+        cells = []
+        for key, _, kind, higher in cols:
+            vals = [float(t[n][key]) for t, _, _, _ in per_seed]
+            refs = [float(t[REFERENCE][key]) for t, _, _, _ in per_seed]
+            if kind == "pct":
+                diffs = [100 * (v - r) / r if r else 0.0 for v, r in zip(vals, refs)]
+            else:
+                diffs = [v - r for v, r in zip(vals, refs)]
+            m, _ = mean_se(vals)
+            d, se = mean_se(diffs)
+            better = d if higher else -d
+            mark = " " if se != se or abs(d) <= 2 * se else ("+" if better > 0 else "!")
+            unit = "%" if kind == "pct" else ""
+            cells.append(f"{m:>10.1f} ({d:+6.2f}{unit}±{se:5.2f}){mark}")
+        print(f"{n:<28}" + "".join(f"{c:>28}" for c in cells) + flow(per_seed, n))
+    bases = [n for n in per_seed[0][0] if is_baseline(n)]
+    for n in bases:
+        gap = [float(t[n]["s.gap%"]) for t, _, _, _ in per_seed]
+        print(f"{n:<28} (baseline) s.gap% {mean_se(gap)[0]:6.1f}" + " " * 100 + flow(per_seed, n))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Does BR-H earn its keep (issue 16)? BR-H with predictors learned online as the twin runs
+# (ExactMatch by prompt hash, Survival by prompt-length octave; `brh`, `brh-survival`, and
+# `brh:prompt_buckets=false` for Survival without buckets) against BR-H with the oracle and
+# against BR-0, paired by seed (scripts/brh.py), B = 64, G = 8 and 32, above capacity and at
+# 85% of it, on the workloads whose output length is predictable: the two paper shapes
+# (synthetic: 30% of requests repeat a template with correlated outputs) and the mooncake
+# conversation trace (prompt-heavy; 1% repeated prompts). Every table of tools/sim/README.md's
+# "BR-H" section comes from here (raw outputs in results/H-*.txt). A few seconds per table.
+# Usage: tools/sim/scripts/brh.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
+# Sections: paired (the matrix), knobs (the oracle's (beta, gamma, H) at G = 8, paper shapes).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+OUT="${1:-$ROOT/tools/sim/results}"
+shift || true
+SECTIONS="${*:-paired knobs}"
+TRACES="${BR_SIM_TRACES:-$ROOT/../shared/data/traces}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+cd "$ROOT"
+cargo build -q -p br-sim --release
+SIM="$TARGET/release/br-sim"
+PAIRED="$ROOT/tools/sim/scripts/brh.py"
+mkdir -p "$OUT"
+SEEDS=1,2,3,4,5
+POL=rr,jsq,mintok,br0,brh,brh-survival,brh:prompt_buckets=false,brh-oracle
+MC="$TRACES/mooncake_conversation_trace.jsonl"
+
+run() { # name, then brh.py options and br-sim arguments; stdout to OUT/name.txt
+  local name="$1"; shift
+  echo "== $name" >&2
+  "$PAIRED" "$SIM" "$SEEDS" "$@" > "$OUT/$name.txt"
+}
+
+for section in $SECTIONS; do
+  case "$section" in
+  paired)
+    for g in 8 32; do
+      for wl in paper-azure paper-prop; do
+        # above capacity: the whole (seeded, synthetic) workload waiting at t = 0
+        run "H-$wl-G$g-saturated" -- --trace "$wl" --arrival saturated --workers "$g" \
+            --slots 64 --policies "$POL"
+        run "H-$wl-G$g-85" --capacity 85 -- --trace "$wl" --arrival poisson --workers "$g" \
+            --slots 64 --policies "$POL"
+      done
+      # a fixed trace: seeded Poisson arrivals at 150% of capacity give the seed spread
+      run "H-mooncake-G$g-150" --capacity 150 -- --trace "$MC" --arrival poisson \
+          --workers "$g" --slots 64 --policies "$POL"
+      run "H-mooncake-G$g-85" --capacity 85 -- --trace "$MC" --arrival poisson \
+          --workers "$g" --slots 64 --policies "$POL"
+    done ;;
+  knobs) # can any (beta, gamma, H) make the oracle beat BR-0 on the paper shapes?
+    for wl in paper-azure paper-prop; do
+      pols=rr,jsq,mintok,br0,brh-oracle
+      for k in beta=8 beta=14.67 beta=100 gamma=0.64 gamma=0.95 horizon=10 horizon=300 \
+               horizon=1000:gamma=0.99:beta=8 gate=0.9; do
+        pols="$pols,brh-oracle:$k"
+      done
+      run "H-knobs-$wl-G8-saturated" -- --trace "$wl" --arrival saturated --workers 8 \
+          --slots 64 --policies "$pols"
+    done ;;
+  *) echo "unknown section $section" >&2; exit 2 ;;
+  esac
+done
