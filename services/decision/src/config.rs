@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use br_core::dispatch::{
-    ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Window, TieBreak,
+    ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Hold, Stage2Window,
+    TieBreak,
 };
 use br_core::predict::PredictorConfig;
 use br_core::score::HorizonParams;
@@ -149,6 +150,16 @@ pub struct Args {
     /// and its max (1, the paper's F-score alone). Unset: the core's default.
     #[arg(long, env = "BALANCEROUTE_STAGE1_LEVEL")]
     pub stage1_level: Option<f64>,
+
+    /// Dispatcher: whether Stage 1 places the whole pool when it holds no more requests than
+    /// the tick's free slots (true, false). Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_STAGE1_SHALLOW")]
+    pub stage1_shallow: Option<bool>,
+
+    /// Dispatcher: when Stage 2 leaves a worker's slot empty rather than move it away from the
+    /// mean (never, above-mean, worse). Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_STAGE2_HOLD", value_parser = kebab::<Stage2Hold>)]
+    pub stage2_hold: Option<Stage2Hold>,
 
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
@@ -318,6 +329,8 @@ impl Args {
                 stage2_fill: self.stage2_fill.unwrap_or(d.stage2_fill),
                 stage2_lookahead: self.stage2_lookahead.unwrap_or(d.stage2_lookahead),
                 stage1_level: self.stage1_level.unwrap_or(d.stage1_level),
+                stage1_shallow: self.stage1_shallow.unwrap_or(d.stage1_shallow),
+                stage2_hold: self.stage2_hold.unwrap_or(d.stage2_hold),
             },
             horizon: HorizonParams {
                 horizon: self.horizon.unwrap_or(h.horizon),
@@ -568,6 +581,18 @@ mod tests {
             let refused = parse(&["--stage1-level", bad]).map(|a| a.to_config());
             assert!(!matches!(refused, Ok(Ok(_))), "--stage1-level {bad}");
         }
+        // the shallow-pool rule and Stage 2's hold: the core's defaults unset, settable
+        let d = parse(&[]).unwrap().to_config().unwrap().policy.dispatcher;
+        assert_eq!(d.stage1_shallow, DispatcherConfig::default().stage1_shallow);
+        assert_eq!(d.stage2_hold, DispatcherConfig::default().stage2_hold);
+        let c = parse(&["--stage1-shallow", "false", "--stage2-hold", "never"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert!(!c.policy.dispatcher.stage1_shallow);
+        assert_eq!(c.policy.dispatcher.stage2_hold, Stage2Hold::Never);
+        assert!(parse(&["--stage2-hold", "sometimes"]).is_err());
+        assert!(parse(&["--stage1-shallow", "maybe"]).is_err());
     }
 
     #[test]

@@ -16,6 +16,11 @@
 //! so by default Stage 1 fills only to halfway between the group's mean and its max
 //! ([`DispatcherConfig::stage1_level`]; issue 16, moderate load).
 //!
+//! Two more choices narrow what is left of the gap at B = 64 (issue 16): a pool that holds no
+//! more requests than the tick's free slots is placed whole by Stage 1 (nothing is left to
+//! choose but where each goes; [`DispatcherConfig::stage1_shallow`]), and Stage 2 leaves a slot
+//! empty on a worker above the mean rather than raise it further ([`Stage2Hold::AboveMean`]).
+//!
 //! The paper leaves three choices open; each is a [`DispatcherConfig`] field and the simulator
 //! (see tools/sim/README.md) chose the defaults, as for the two Stage 2 choices above.
 
@@ -137,6 +142,35 @@ pub struct DispatcherConfig {
     /// below `T` win, and the tie-break chooses among those. 1 is the paper's F-score alone
     /// (fill to the max). Stage 2 is not affected (see `stage2_fill`).
     pub stage1_level: f64,
+    /// Stage 1 also places the whole pool when it holds no more requests than the tick has
+    /// free slots, however few those are: every waiting request is admitted this tick, so there
+    /// is no choice of *which* (Stage 2's subset search) left, only of *where*.
+    pub stage1_shallow: bool,
+    /// When Stage 2 leaves a slot empty rather than move a worker away from the mean.
+    pub stage2_hold: Stage2Hold,
+}
+
+/// When Stage 2 (with the mean fill) leaves a worker's free slots empty for this tick rather
+/// than admit. A worker's load changes only when it admits or one of its own requests ends, so
+/// a request admitted to a worker already above the mean stays above it until that worker's
+/// next finish; at B = 64 that is what put the max rank where it was (issue 16: 88–94% of the
+/// steady steps the max rank had been left above the mean by its last admission).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Stage2Hold {
+    /// Every free slot is offered a subset (the paper; the starvation guard admits even when
+    /// nothing scores above zero).
+    Never,
+    /// A worker whose load is above the group's mean (as the tick has left them) and whose best
+    /// subset scores below zero on the mean-fill score (admitting it leaves the worker further
+    /// from the mean than an empty slot does) admits nothing this tick. Its slot waits for its
+    /// own requests to end and bring it below the mean; the requests go to workers below it.
+    /// Workers at or below the mean are never held, so a tick with any such worker free admits.
+    AboveMean,
+    /// As `AboveMean` below the mean too: any worker the best subset would take further from
+    /// the mean is held. It removes more imbalance but leaves more slots empty, and loses
+    /// throughput (tools/sim/README.md): kept for the comparison.
+    Worse,
 }
 
 impl Default for DispatcherConfig {
@@ -152,6 +186,8 @@ impl Default for DispatcherConfig {
             stage2_fill: Stage2Fill::Mean,
             stage2_lookahead: 15,
             stage1_level: 0.5,
+            stage1_shallow: true,
+            stage2_hold: Stage2Hold::AboveMean,
         }
     }
 }
@@ -216,9 +252,13 @@ pub fn dispatch_tick(
 ) {
     let free: Vec<u32> = state.workers().iter().map(|w| w.free_slots()).collect();
     let s_tot: u32 = free.iter().sum();
-    let s_greedy = cfg
-        .s_greedy
-        .unwrap_or(state.live_workers() * cfg.r_max as u32);
+    // A shallow pool (every waiting request fits this tick's free slots) is Stage 1's whole.
+    let s_greedy = if cfg.stage1_shallow && pool.len() <= s_tot as usize {
+        0
+    } else {
+        cfg.s_greedy
+            .unwrap_or(state.live_workers() * cfg.r_max as u32)
+    };
     let live = state.live_workers().max(1);
     let load_sum = state.live_worker_ids().map(|w| margins.load(w)).sum();
     let mut t = Tick {
@@ -335,9 +375,21 @@ pub fn dispatch_tick(
             break;
         }
         let sizes: Vec<f64> = window.iter().map(|e| f64::from(e.prompt_tokens)).collect();
-        let (mask, _) = best_subset_counted(&sizes, t.free[w as usize] as usize, |ds, k| {
-            t.stage2_score(fill, w, ds, k)
-        });
+        let (mask, fill_score) =
+            best_subset_counted(&sizes, t.free[w as usize] as usize, |ds, k| {
+                t.stage2_score(fill, w, ds, k)
+            });
+        let hold = fill == Stage2Fill::Mean
+            && fill_score < 0.0
+            && match cfg.stage2_hold {
+                Stage2Hold::Never => false,
+                Stage2Hold::AboveMean => t.mean_gap(w) < 0.0,
+                Stage2Hold::Worse => true,
+            };
+        if hold {
+            done[w as usize] = true;
+            continue;
+        }
         // Admitted or guarded by the F-score itself (−ΔI), whatever the fill preferred.
         let chosen: f64 = (0..sizes.len())
             .filter(|i| mask & (1 << i) != 0)

@@ -1,6 +1,7 @@
 //! Property tests of the dispatcher: capacity is never exceeded, no request is admitted twice,
-//! free slots are only left while the policy says why (the starvation guard ran), Stage 2's
-//! subset is a brute-force optimum, and everything is deterministic.
+//! free slots are only left while the policy says why (the starvation guard ran, or Stage 2
+//! held a worker above the mean), Stage 2's subset is a brute-force optimum, a pool no deeper
+//! than the free slots is admitted whole, and everything is deterministic.
 
 #![allow(clippy::unwrap_used)] // test fixtures: a panic is the failure report
 
@@ -8,7 +9,7 @@ use std::collections::HashSet;
 
 use br_core::dispatch::{
     Admission, ColdStart, DispatcherConfig, Stage, Stage1Scope, Stage1Worker, Stage2Fill,
-    Stage2Window, TieBreak, best_subset,
+    Stage2Hold, Stage2Window, TieBreak, best_subset,
 };
 use br_core::predict::Oracle;
 use br_core::score::{HorizonParams, Margins, br0_score};
@@ -55,6 +56,12 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 0u32..20,
             ),
             prop_oneof![Just(1.0f64), Just(0.0f64), 0.0f64..=1.0],
+            any::<bool>(),
+            prop_oneof![
+                Just(Stage2Hold::Never),
+                Just(Stage2Hold::AboveMean),
+                Just(Stage2Hold::Worse)
+            ],
         )
             .prop_map(
                 |(
@@ -73,6 +80,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                         stage2_lookahead,
                     ),
                     stage1_level,
+                    stage1_shallow,
+                    stage2_hold,
                 )| {
                     Scenario {
                         capacities,
@@ -89,6 +98,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             stage2_fill,
                             stage2_lookahead,
                             stage1_level,
+                            stage1_shallow,
+                            stage2_hold,
                         },
                     }
                 },
@@ -168,15 +179,35 @@ proptest! {
         for (w, info) in st.workers().iter().enumerate() {
             prop_assert!(admitted[w] <= info.free_slots(), "worker {w}: {} admitted, {} free", admitted[w], info.free_slots());
         }
-        // a free slot is left only while the pool is empty, or where the starvation guard says
-        // no subset scored above zero for that worker this tick
+        // a free slot is left only while the pool is empty, where the starvation guard says
+        // no subset scored above zero for that worker this tick, or where Stage 2 held the
+        // worker: with `above-mean` its load is above the mean (the tick's working mean only
+        // grows, so above the mean before the tick too)
+        let live: Vec<usize> = (0..st.workers().len()).filter(|&w| st.workers()[w].alive).collect();
+        let start_mean = live.iter().map(|&w| st.workers()[w].load() as f64).sum::<f64>() / live.len().max(1) as f64;
+        let mut end_load: Vec<f64> = st.workers().iter().map(|w| w.load() as f64).collect();
+        for a in &out {
+            end_load[a.worker as usize] += f64::from(a.prompt_tokens);
+        }
         if !pool.is_empty() {
             for (w, info) in st.workers().iter().enumerate() {
                 if admitted[w] < info.free_slots() {
                     let guarded = out.iter().any(|a| a.worker as usize == w && a.stage == Stage::Guard);
-                    prop_assert!(guarded, "worker {w} left with free slots and no guard while {} wait", pool.len());
+                    let mean_fill = sc.cfg.stage2_fill == Stage2Fill::Mean;
+                    let held = match sc.cfg.stage2_hold {
+                        Stage2Hold::Never => false,
+                        Stage2Hold::AboveMean => mean_fill && end_load[w] > start_mean,
+                        Stage2Hold::Worse => mean_fill,
+                    };
+                    prop_assert!(guarded || held, "worker {w} (load {} after the tick, mean {start_mean} before) left with free slots, no guard, no hold, while {} wait", end_load[w], pool.len());
                 }
             }
+        }
+        // a pool that fits the tick's free slots is admitted whole
+        let s_tot: u32 = st.workers().iter().map(|w| w.free_slots()).sum();
+        if sc.cfg.stage1_shallow && pool_before <= s_tot as usize {
+            prop_assert!(pool.is_empty(), "{} of {pool_before} left with {s_tot} free slots", pool.len());
+            prop_assert!(out.iter().all(|a| a.stage == Stage::Greedy));
         }
     }
 
@@ -444,9 +475,11 @@ proptest! {
         let mut sc = sc;
         sc.cfg.stage1_scope = Stage1Scope::HeadBatch;
         let kind = if brh { PolicyKind::BrH(br_core::policy::PredictorKind::Oracle) } else { PolicyKind::Br0 };
-        let (st, _, out) = run(&sc, kind);
+        let (st, pool, out) = run(&sc, kind);
         let s_tot: u32 = st.workers().iter().map(|w| w.free_slots()).sum();
-        let guarded = out.iter().any(|a| a.stage == Stage::Guard);
+        // the guard ended a worker early, or Stage 2 held one: the tick left slots empty
+        let guarded = out.iter().any(|a| a.stage == Stage::Guard)
+            || (out.len() < s_tot as usize && !pool.is_empty());
         // pool keys are arrival positions
         let reach = if sc.cfg.stage2_window == Stage2Window::TickHead && guarded {
             s_tot as usize + sc.cfg.stage2_reach()
@@ -471,7 +504,8 @@ proptest! {
         let cfg = PolicyConfig {
             kind: PolicyKind::Br0,
             dispatcher: DispatcherConfig {
-                s_greedy: Some(10_000), // Stage 2 only
+                s_greedy: Some(10_000), // Stage 2 only, however shallow the pool
+                stage1_shallow: false,
                 r_max,
                 stage2_window: Stage2Window::TickHead,
                 stage2_fill: Stage2Fill::Max,
@@ -559,6 +593,97 @@ fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
             vec![(3, 17_000, Stage::Subset)]
         );
     }
+}
+
+#[test]
+fn stage2_holds_a_worker_above_the_mean_and_fills_the_one_below() {
+    // Three workers at 9_000 (one free slot), 5_000 (full) and 1_000 (one free slot): mean
+    // 5_000. Waiting: 3_000, 500, 4_000 (deeper than the two free slots, so Stage 2 runs).
+    // Worker 2 (largest margin) is served first and takes 4_000, which brings it to the mean.
+    // Worker 0 is above the mean: the best it could take, 500, leaves it further above (fill
+    // score 2·(6_333 − 9_000) − 500 < 0), so with the hold its slot stays empty this tick;
+    // without it, it takes 500 and the max rises.
+    let loads = [9_000u32, 5_000, 1_000];
+    let mut st = ClusterState::with_workers(&[2, 1, 2]);
+    for (w, &l) in loads.iter().enumerate() {
+        st.reserve(RequestInfo {
+            key: 100 + w as u64,
+            worker: w as u32,
+            prompt_tokens: l,
+            generated: 0,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let pick = |hold: Stage2Hold| {
+        let mut pool = Pool::new();
+        for (i, s) in [3_000u32, 500, 4_000].into_iter().enumerate() {
+            pool.push(PoolEntry {
+                key: i as u64,
+                prompt_tokens: s,
+                prompt_hash: None,
+                oracle_output: None,
+            })
+            .unwrap();
+        }
+        let cfg = PolicyConfig {
+            kind: PolicyKind::Br0,
+            dispatcher: DispatcherConfig {
+                stage2_hold: hold,
+                ..Default::default()
+            },
+            horizon: HorizonParams::default(),
+            seed: 0,
+        };
+        let mut out = Vec::new();
+        build_policy(&cfg)
+            .unwrap()
+            .dispatch(&mut pool, &st, &mut out);
+        out.iter()
+            .map(|a| (a.worker, a.prompt_tokens))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        DispatcherConfig::default().stage2_hold,
+        Stage2Hold::AboveMean
+    );
+    assert_eq!(pick(Stage2Hold::AboveMean), vec![(2, 4_000)]);
+    assert_eq!(pick(Stage2Hold::Worse), vec![(2, 4_000)]);
+    assert_eq!(pick(Stage2Hold::Never), vec![(2, 4_000), (0, 500)]);
+}
+
+#[test]
+fn a_shallow_pool_is_placed_whole_by_stage1() {
+    // Two waiting requests, three free slots, far fewer than S_greedy (G·R_max = 12): Stage 1
+    // places both (largest first, each on the best-scoring worker), none by Stage 2.
+    let (st, pool) = one_running_each(&[8_000, 2_000, 5_000], 1, &[1_000, 6_000]);
+    let run = |shallow: bool| {
+        let mut pool = pool.clone();
+        let cfg = PolicyConfig {
+            kind: PolicyKind::Br0,
+            dispatcher: DispatcherConfig {
+                stage1_shallow: shallow,
+                ..Default::default()
+            },
+            horizon: HorizonParams::default(),
+            seed: 0,
+        };
+        let mut out = Vec::new();
+        build_policy(&cfg)
+            .unwrap()
+            .dispatch(&mut pool, &st, &mut out);
+        assert!(pool.is_empty());
+        out.iter()
+            .map(|a| (a.worker, a.prompt_tokens, a.stage))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        run(true),
+        vec![(1, 6_000, Stage::Greedy), (2, 1_000, Stage::Greedy)]
+    );
+    assert!(run(false).iter().all(|a| a.2 != Stage::Greedy));
 }
 
 /// One request for Stage 1 to place, over workers with the given (load, requests, free slots):
