@@ -19,20 +19,12 @@ baseline's steady throughput over the mean output (the README's definition of ca
 
 Usage: brh.py BR_SIM SEEDS [--capacity PCT] -- <br-sim run arguments without --seed>
 """
-import math
 import re
 import subprocess
 import sys
+from simstats import mean_se, is_baseline
 
 REFERENCE = "br0"
-
-
-def mean_se(xs):
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, float("nan")
-    v = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-    return m, math.sqrt(v / len(xs))
 
 
 def run(sim, args):
@@ -76,10 +68,6 @@ def flow(per_seed, n):
     m = lambda k: mean_se([x[k] for x in idles])[0]  # noqa: E731
     return (f"{m('steady_growth'):+8.1f} / {m('steady_idle'):<9.0f}"
             f"{m('run_growth'):+8.1f} / {m('run_idle'):<9.0f}")
-
-
-def is_baseline(name):
-    return not name.startswith("br")
 
 
 def main():

@@ -14,11 +14,11 @@ Metrics: TPOT p50 and p95 (ms), throughput (tok/s), imbalance and barrier idle (
 Usage: paired.py BR_SIM SEEDS [--json FILE] -- <br-sim run arguments without --seed/--json>
 """
 import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
+from simstats import mean_se, is_baseline
 
 # (JSON key, label, True when higher is better)
 METRICS = [
@@ -28,18 +28,6 @@ METRICS = [
     ("avg_imbalance", "imbalance", False),
     ("avg_barrier_idle", "barrier idle", False),
 ]
-
-
-def is_baseline(name):
-    return not name.startswith("br")
-
-
-def mean_se(xs):
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, float("nan")
-    v = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-    return m, math.sqrt(v / len(xs))
 
 
 def verdict(d, se, higher_better):

@@ -24,21 +24,13 @@ import os
 import re
 import tempfile
 import argparse
-import math
 import subprocess
 import sys
+from simstats import mean_se
 
 STEP_A = 2e-4  # br-sim's default a (ms per KV token); kappa = c / a
 PER_RANK = {"paper-azure": 300, "paper-prop": 500}  # as scripts/widep.sh at B = 64
 BASELINES = "rr,jsq,mintok"
-
-
-def mean_se(xs):
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, float("nan")
-    v = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-    return m, math.sqrt(v / len(xs))
 
 
 def table(stdout):
