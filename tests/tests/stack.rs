@@ -36,6 +36,11 @@ struct Stack {
 
 impl Stack {
     async fn start(policy: &str) -> Stack {
+        Self::start_with(policy, &[]).await
+    }
+
+    /// As [`Stack::start`], with more br-decision flags.
+    async fn start_with(policy: &str, decision_flags: &[&str]) -> Stack {
         let snapshot = Service::start(
             "br-snapshot",
             &[
@@ -50,17 +55,16 @@ impl Stack {
         snapshot.wait_for("/livez", START).await;
         let snap = snapshot.grpc_url();
         let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-        let decision = Service::start(
-            "br-decision",
-            &[
-                "--snapshot-addr",
-                &snap,
-                "--policy",
-                policy,
-                "--groups",
-                GROUP,
-            ],
-        );
+        let mut args = vec![
+            "--snapshot-addr",
+            &snap,
+            "--policy",
+            policy,
+            "--groups",
+            GROUP,
+        ];
+        args.extend_from_slice(decision_flags);
+        let decision = Service::start("br-decision", &args);
         ingest.wait_for("/readyz", START).await;
         // decision is ready only once it can place, i.e. after `workers`
         decision.wait_for("/livez", START).await;
@@ -182,12 +186,19 @@ fn assign_req(id: &str, prompt_tokens: u32, timeout: Duration) -> tonic::Request
 }
 
 /// Known loads: w0 5000 (1 request), w1 3000 (1), w2 200 (2 small), w3 4000 (1). JSQ picks the
-/// fewest requests (w0, the heaviest); BR-0 serves the most free slots first, then the largest
-/// margin, and fills w1's 2000-token margin exactly with a 2000-token prompt.
+/// fewest requests (w0, the heaviest); least-tokens w2. BR-0 as the paper has it
+/// (`--stage1-level 1`: the F-score alone) fills w1's 2000-token margin exactly with a
+/// 2000-token prompt; BR-0's default fills a rank only to halfway between the group's mean
+/// (3050) and its max (5000), 4025, which w1 would pass (5000) and w2 does not (2200).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn assignments_follow_the_policy_and_sigma_matches_ground_truth() {
-    for (policy, expected) in [("br0", 1u32), ("jsq", 0u32), ("mintok", 2u32)] {
-        let stack = Stack::start(policy).await;
+    for (policy, flags, expected) in [
+        ("br0", &["--stage1-level", "1"][..], 1u32),
+        ("br0", &[][..], 2u32),
+        ("jsq", &[][..], 0u32),
+        ("mintok", &[][..], 2u32),
+    ] {
+        let stack = Stack::start_with(policy, flags).await;
         let mut ws = stack.workers(4, 4).await;
         ws[0].start("pre-a", 5000).await;
         ws[1].start("pre-b", 3000).await;
@@ -204,7 +215,7 @@ async fn assignments_follow_the_policy_and_sigma_matches_ground_truth() {
             .into_inner();
         assert_eq!(
             resp.worker_id, expected,
-            "{policy} chose worker {}",
+            "{policy} {flags:?} chose worker {}",
             resp.worker_id
         );
         assert_eq!(resp.policy, policy);
