@@ -25,6 +25,10 @@
 //! side (`--workers N > 0`) presents `--tls-apply-cert/--tls-apply-key` (e.g. `ingest.pem`),
 //! verified by the same CA, and verifies the server as role snapshot.
 
+#[path = "common/latency.rs"]
+mod latency;
+use latency::{latency_histogram, report, us};
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -283,7 +287,6 @@ async fn main() -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     let mut errors: std::collections::BTreeMap<String, u64> = Default::default();
     let mut stale = 0u64;
-    let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
     for r in &results {
         match r {
             Outcome::Ok(s, _, g, ..) if s.at >= counted_from => {
@@ -326,28 +329,6 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Microseconds from 1 µs to an hour (longer is clamped), 3 significant digits.
-fn latency_histogram() -> anyhow::Result<Histogram<u64>> {
-    Ok(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)
-}
-
-fn report(what: &str, h: &Histogram<u64>) {
-    if h.is_empty() {
-        println!("{what}: no samples");
-        return;
-    }
-    let q = |p: f64| h.value_at_quantile(p);
-    println!(
-        "{what}: p50 {} µs, p90 {} µs, p99 {} µs, p99.9 {} µs, max {} µs (n = {})",
-        q(0.50),
-        q(0.90),
-        q(0.99),
-        q(0.999),
-        h.max(),
-        h.len()
-    );
 }
 
 /// An answered call, for the telemetry side to report as running on its worker.

@@ -28,6 +28,10 @@
 //!   first poll answered with a version ≥ V ends the probe. That is an upper bound, late by
 //!   at most one poll (the poll's round trip is reported beside it).
 
+#[path = "common/latency.rs"]
+mod latency;
+use latency::{latency_histogram, report, us};
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,7 +40,6 @@ use anyhow::Context as _;
 use br_client::watch::{Update, WatchConfig, Watcher};
 use br_proto::v1;
 use clap::Parser;
-use hdrhistogram::Histogram;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -451,29 +454,4 @@ async fn decision_sigma_version(addr: &str, group: &str) -> anyhow::Result<u64> 
         .and_then(|v| v.trim().parse::<f64>().ok())
         .map(|v| v as u64)
         .with_context(|| format!("no {prefix}in {addr}/metrics"))
-}
-
-fn us(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
-/// Microseconds from 1 µs to an hour, 3 significant digits.
-fn latency_histogram() -> anyhow::Result<Histogram<u64>> {
-    Ok(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)
-}
-
-fn report(what: &str, h: &Histogram<u64>) {
-    if h.is_empty() {
-        println!("{what}: no samples");
-        return;
-    }
-    let q = |p: f64| h.value_at_quantile(p);
-    println!(
-        "{what}: p50 {} µs, p90 {} µs, p99 {} µs, max {} µs (n = {})",
-        q(0.50),
-        q(0.90),
-        q(0.99),
-        h.max(),
-        h.len()
-    );
 }
