@@ -78,16 +78,8 @@ for policy in $POLICIES; do
 done
 
 say "br-sim: the twin on the same requests, arriving as each live run's did"
-SIMS=()
-for policy in $POLICIES; do
-    if "$BIN/br-sim" run --trace "$OUT/$policy-arrivals.csv" --arrival trace --limit "$N" \
-        --workers "$G" --slots "$B" --policies "$policy" --step-a "$STEP_A" --step-b "$STEP_B" \
-        --json "$OUT/sim-$policy.json" >"$OUT/sim-$policy.log" 2>&1; then
-        SIMS+=(--sim "$OUT/sim-$policy.json")
-    else
-        echo "(br-sim failed for $policy; see $OUT/sim-$policy.log)"
-    fi
-done
+# shellcheck disable=SC2086 # POLICIES is a word list
+sim_replay "" $POLICIES
 
 say "results: $TRACE, $N requests, G=$G, B=$B; model time (wall / $SCALE)"
 "$BIN/br-emu" report "${RUNS[@]}" ${SIMS[@]+"${SIMS[@]}"}

@@ -71,31 +71,14 @@ for grp in "${GROUPS_LIST[@]}"; do
     wait_http "http://127.0.0.1:${ENGINE_OF[$grp]}/health" "br-emu engine ($grp)"
 done
 
-SHIM_PIDS=()
-start_group_shims() { # start_group_shims POLICY: G shims per group, announcing capacity B
-    local grp g p
+start_group_shims() { # start_group_shims: G shims per group, announcing capacity B
+    local grp
     for grp in "${GROUPS_LIST[@]}"; do
-        for ((g = 0; g < G; g++)); do
-            p=$((SHIMS_OF[$grp] + 2 * g))
-            start "shim-$grp-$g-$1" "$BIN/br-shim" --listen "127.0.0.1:$p" \
-                --admin-listen "127.0.0.1:$((p + 1))" --upstream "http://127.0.0.1:$((ENGINE_OF[$grp] + g))" \
-                --ingest-addr "http://127.0.0.1:$INGEST" --group "$grp" --worker-id "$g" --capacity "$B"
-            SHIM_PIDS+=("$LAST_PID")
-        done
-    done
-    for grp in "${GROUPS_LIST[@]}"; do
-        for ((g = 0; g < G; g++)); do
-            wait_http "http://127.0.0.1:$((SHIMS_OF[$grp] + 2 * g + 1))/readyz" "br-shim $grp/$g"
-        done
+        start_shims "$B" "$grp" "${ENGINE_OF[$grp]}" "${SHIMS_OF[$grp]}"
+        RANK_URLS_OF[$grp]=$RANK_URLS
     done
 }
-rank_urls() { # rank_urls GROUP: its shims, comma-separated
-    local g urls=""
-    for ((g = 0; g < G; g++)); do
-        urls="$urls${urls:+,}http://127.0.0.1:$((SHIMS_OF[$1] + 2 * g))"
-    done
-    echo "$urls"
-}
+declare -A RANK_URLS_OF
 stop_pids() {
     local pid
     for pid in "$@"; do kill -TERM "$pid" 2>/dev/null || true; done
@@ -104,7 +87,7 @@ stop_pids() {
 
 for policy in $POLICIES; do
     say "br-decision --policy $policy for $GROUPS_CSV; every group replays $N requests of $TRACE at once"
-    start_group_shims "$policy"
+    start_group_shims
     start "decision-$policy" "$BIN/br-decision" --listen "127.0.0.1:$DECISION" \
         --admin-listen "127.0.0.1:$((DECISION + 1))" --snapshot-addr "http://127.0.0.1:$SNAP" \
         --groups "$GROUPS_CSV" --policy "$policy" --max-wait 600s
@@ -113,7 +96,7 @@ for policy in $POLICIES; do
     LOADS=()
     for grp in "${GROUPS_LIST[@]}"; do
         "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$grp" \
-            --rank-urls "$(rank_urls "$grp")" --engine-url "http://127.0.0.1:${ENGINE_OF[$grp]}" \
+            --rank-urls "${RANK_URLS_OF[$grp]}" --engine-url "http://127.0.0.1:${ENGINE_OF[$grp]}" \
             --trace "$TRACE" --limit "$N" --arrival saturated --label "$policy" --seed "$((1000 + ${grp#live-}))" \
             --json "$OUT/$grp-$policy.json" --arrivals-csv "$OUT/$grp-$policy-arrivals.csv" \
             >"$OUT/load-$grp-$policy.log" 2>&1 &
@@ -123,22 +106,16 @@ for policy in $POLICIES; do
         wait "$pid" || { echo "br-emu load failed; see $OUT/load-*-$policy.log" >&2; exit 1; }
     done
     stop_pids "$DECISION_PID"
-    stop_pids "${SHIM_PIDS[@]}"
-    SHIM_PIDS=()
+    stop_shims
 done
 
 for grp in "${GROUPS_LIST[@]}"; do
     RUNS=()
-    SIMS=()
-    for policy in $POLICIES; do
-        RUNS+=("$OUT/$grp-$policy.json")
-        "$BIN/br-sim" run --trace "$OUT/$grp-$policy-arrivals.csv" --arrival trace --limit "$N" \
-            --workers "$G" --slots "$B" --policies "$policy" --step-a "$STEP_A" --step-b "$STEP_B" \
-            --json "$OUT/$grp-sim-$policy.json" >"$OUT/$grp-sim-$policy.log" 2>&1
-        SIMS+=(--sim "$OUT/$grp-sim-$policy.json")
-    done
+    for policy in $POLICIES; do RUNS+=("$OUT/$grp-$policy.json"); done
+    # shellcheck disable=SC2086 # POLICIES is a word list
+    sim_replay "$grp-" $POLICIES
     say "group $grp: $TRACE, $N requests, G=$G, B=$B, beside $((NGROUPS - 1)) other group(s); model time (wall / $SCALE)"
-    "$BIN/br-emu" report "${RUNS[@]}" "${SIMS[@]}"
+    "$BIN/br-emu" report "${RUNS[@]}" ${SIMS[@]+"${SIMS[@]}"}
 done
 echo
 echo "run took $(( $(date +%s) - T0 )) s after the build; JSON and logs in $OUT"

@@ -168,25 +168,27 @@ stop_decision() {
     wait "$DECISION_PID" 2>/dev/null || true
 }
 
-# start_shims CAPACITY: one br-shim per rank in front of the engine, announcing CAPACITY;
-# sets RANK_URLS. stop_shims: SIGTERM and wait (a restart is a new incarnation).
+# start_shims CAPACITY [GROUP ENGINE SHIMS]: one br-shim per rank of GROUP (default $GROUP) in
+# front of its engine (rank g on ENGINE+g, default $ENGINE), listening on SHIMS+2g (default
+# $SHIMS), announcing CAPACITY; waits until each is ready. Appends to SHIM_PIDS (several groups
+# can be started one after another) and sets RANK_URLS to this group's shims, comma-separated.
+# stop_shims: SIGTERM every shim started so far and wait (a restart is a new incarnation).
 SHIM_PIDS=()
 start_shims() {
-    local g p
+    local cap=$1 grp=${2:-$GROUP} engine=${3:-$ENGINE} shims=${4:-$SHIMS} g p
     RANK_URLS=""
-    SHIM_PIDS=()
     for ((g = 0; g < G; g++)); do
-        p=$((SHIMS + 2 * g))
-        tls_for "worker-$GROUP-$g"
-        start "shim$g-cap$1" "$BIN/br-shim" --listen "127.0.0.1:$p" --admin-listen "127.0.0.1:$((p + 1))" \
-            --upstream "http://127.0.0.1:$((ENGINE + g))" --ingest-addr "http://127.0.0.1:$INGEST" \
-            --group "$GROUP" --worker-id "$g" --capacity "$1" ${TLS_F[@]+"${TLS_F[@]}"}
+        p=$((shims + 2 * g))
+        tls_for "worker-$grp-$g"
+        start "shim-$grp-$g-cap$cap" "$BIN/br-shim" --listen "127.0.0.1:$p" --admin-listen "127.0.0.1:$((p + 1))" \
+            --upstream "http://127.0.0.1:$((engine + g))" --ingest-addr "http://127.0.0.1:$INGEST" \
+            --group "$grp" --worker-id "$g" --capacity "$cap" ${TLS_F[@]+"${TLS_F[@]}"}
         SHIM_PIDS+=("$LAST_PID")
         RANK_URLS="$RANK_URLS${RANK_URLS:+,}http://127.0.0.1:$p"
     done
     for ((g = 0; g < G; g++)); do
-        wait_http "$ADMIN_SCHEME://127.0.0.1:$((SHIMS + 2 * g + 1))/readyz" "br-shim $g"
-        prom_add "127.0.0.1:$((SHIMS + 2 * g + 1))" shim "$g"
+        wait_http "$ADMIN_SCHEME://127.0.0.1:$((shims + 2 * g + 1))/readyz" "br-shim $grp/$g"
+        prom_add "127.0.0.1:$((shims + 2 * g + 1))" shim "$g"
     done
 }
 stop_shims() {
@@ -195,4 +197,23 @@ stop_shims() {
     for pid in "${SHIM_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${SHIM_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
     SHIM_PIDS=()
+}
+
+# sim_replay PREFIX POLICY...: the twin (br-sim) on the requests each live run replayed, arriving
+# as that run's decision saw them ($OUT/PREFIX<policy>-arrivals.csv, from `br-emu load
+# --arrivals-csv`), with the stack's G, B and step model. Sets SIMS to the `--sim FILE` arguments
+# for `br-emu report`; a policy whose twin fails is reported and left out.
+sim_replay() {
+    local prefix=$1 policy
+    shift
+    SIMS=()
+    for policy in "$@"; do
+        if "$BIN/br-sim" run --trace "$OUT/$prefix$policy-arrivals.csv" --arrival trace --limit "$N" \
+            --workers "$G" --slots "$B" --policies "$policy" --step-a "$STEP_A" --step-b "$STEP_B" \
+            --json "$OUT/${prefix}sim-$policy.json" >"$OUT/${prefix}sim-$policy.log" 2>&1; then
+            SIMS+=(--sim "$OUT/${prefix}sim-$policy.json")
+        else
+            echo "(br-sim failed for $policy; see $OUT/${prefix}sim-$policy.log)"
+        fi
+    done
 }
