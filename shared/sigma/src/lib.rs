@@ -28,10 +28,12 @@
 //! (the writer's side), [`change`] (builders for the wire's changes) and [`unkeyed`] (the
 //! writer's request-id rule for requests reported without the gateway's id) and [`summary`]
 //! (what operators see of σ: per-rank loads and the barrier numbers, for brctl and the live
-//! page).
+//! page); [`fixtures`] (tests only, or the `fixtures` feature) holds a small wire snapshot.
 
 mod batch;
 pub mod change;
+#[cfg(any(test, feature = "fixtures"))]
+pub mod fixtures;
 mod size;
 mod store;
 pub mod summary;

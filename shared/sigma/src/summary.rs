@@ -191,49 +191,7 @@ impl Sigma {
 mod tests {
     use super::*;
 
-    fn worker(id: u32, liveness: v1::Liveness) -> v1::WorkerState {
-        v1::WorkerState {
-            worker_id: id,
-            incarnation: 0xab,
-            capacity: 8,
-            liveness: liveness as i32,
-            ..Default::default()
-        }
-    }
-
-    fn request(id: &str, w: u32, prompt: u32, generated: u32, reserved: bool) -> v1::RequestState {
-        v1::RequestState {
-            request_id: id.into(),
-            worker_id: w,
-            incarnation: 0xab,
-            prompt_tokens: prompt,
-            generated_tokens: generated,
-            state: if reserved {
-                v1::RequestPhase::Reserved
-            } else {
-                v1::RequestPhase::Active
-            } as i32,
-            ..Default::default()
-        }
-    }
-
-    fn snapshot() -> v1::ClusterSnapshot {
-        v1::ClusterSnapshot {
-            group: "g".into(),
-            epoch: 3,
-            version: 9,
-            workers: vec![
-                worker(2, v1::Liveness::Fenced),
-                worker(1, v1::Liveness::Suspect),
-                worker(0, v1::Liveness::Live),
-            ],
-            requests: vec![
-                request("b", 0, 100, 20, false),
-                request("a", 0, 30, 0, true),
-                request("c", 1, 50, 0, false),
-            ],
-        }
-    }
+    use crate::fixtures::snapshot;
 
     #[test]
     fn loads_counts_and_the_barrier_follow_the_requests() {

@@ -163,48 +163,7 @@ pub fn decision_row(admin: &str, metrics: &str, group: &str) -> DecisionRow {
 mod tests {
     use super::*;
 
-    fn worker(id: u32, liveness: v1::Liveness) -> v1::WorkerState {
-        v1::WorkerState {
-            worker_id: id,
-            incarnation: 0xab,
-            capacity: 8,
-            liveness: liveness as i32,
-            ..Default::default()
-        }
-    }
-
-    fn request(id: &str, w: u32, prompt: u32, generated: u32, reserved: bool) -> v1::RequestState {
-        v1::RequestState {
-            request_id: id.into(),
-            worker_id: w,
-            prompt_tokens: prompt,
-            generated_tokens: generated,
-            state: if reserved {
-                v1::RequestPhase::Reserved
-            } else {
-                v1::RequestPhase::Active
-            } as i32,
-            ..Default::default()
-        }
-    }
-
-    fn snapshot() -> v1::ClusterSnapshot {
-        v1::ClusterSnapshot {
-            group: "g".into(),
-            epoch: 3,
-            version: 9,
-            workers: vec![
-                worker(2, v1::Liveness::Fenced),
-                worker(1, v1::Liveness::Suspect),
-                worker(0, v1::Liveness::Live),
-            ],
-            requests: vec![
-                request("b", 0, 100, 20, false),
-                request("a", 0, 30, 0, true),
-                request("c", 1, 50, 0, false),
-            ],
-        }
-    }
+    use br_sigma::fixtures::snapshot;
 
     #[test]
     fn requests_filter_by_rank_and_sort() {
