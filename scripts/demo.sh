@@ -14,7 +14,9 @@
 # DEMO_TIME_SCALE (wall = model × this), DEMO_POLICIES ("jsq br0"), DEMO_ARRIVAL (saturated |
 # poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
 # DEMO_SKIP_BUILD=1, DEMO_TLS (1: mutual TLS on every connection of the control plane, with
-# development certificates from br-certs; 0: plaintext on loopback).
+# development certificates from br-certs; 0: plaintext on loopback), TWIN_REPLAYS (8) and
+# TWIN_JITTER_MS (1): the twin's replays per policy over seeds of `--arrival-jitter-ms` (see
+# scripts/lib/stack.sh's sim_replay).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

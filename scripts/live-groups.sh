@@ -9,7 +9,8 @@
 #
 # Knobs (environment): LIVE_GROUPS (2), LIVE_TRACE (paper-azure), LIVE_REQUESTS (384 per group),
 # LIVE_G (8), LIVE_B (16), LIVE_STEP_A / LIVE_STEP_B (0.0002 / 30), LIVE_TIME_SCALE (0.25),
-# LIVE_POLICIES ("jsq br0"), LIVE_OUT (target/live-groups), LIVE_SKIP_BUILD=1. Plaintext on
+# LIVE_POLICIES ("jsq br0"), LIVE_OUT (target/live-groups), LIVE_SKIP_BUILD=1, TWIN_REPLAYS (8),
+# TWIN_JITTER_MS (1) (the twin's replays, as in scripts/demo.sh). Plaintext on
 # loopback (br-certs' development CA is per group; the demo covers mutual TLS).
 set -euo pipefail
 

@@ -201,19 +201,26 @@ stop_shims() {
 
 # sim_replay PREFIX POLICY...: the twin (br-sim) on the requests each live run replayed, arriving
 # as that run's decision saw them ($OUT/PREFIX<policy>-arrivals.csv, from `br-emu load
-# --arrivals-csv`), with the stack's G, B and step model. Sets SIMS to the `--sim FILE` arguments
-# for `br-emu report`; a policy whose twin fails is reported and left out.
+# --arrivals-csv`), with the stack's G, B and step model. The client that timed the arrivals does
+# not know the order of calls that reached the decision within a millisecond of each other, and
+# routing on arrival is sensitive to it (JSQ's imbalance moves by about ±15% with a ±1 ms jitter;
+# docs/benchmarks.md), so the twin runs TWIN_REPLAYS times (default 8) with seeded
+# `--arrival-jitter-ms` TWIN_JITTER_MS (default 1) and `br-emu report` shows their mean and spread.
+# Sets SIMS to the `--sim FILE` arguments; a policy whose twin fails is reported and left out.
 sim_replay() {
-    local prefix=$1 policy
+    local prefix=$1 policy k
     shift
     SIMS=()
     for policy in "$@"; do
-        if "$BIN/br-sim" run --trace "$OUT/$prefix$policy-arrivals.csv" --arrival trace --limit "$N" \
-            --workers "$G" --slots "$B" --policies "$policy" --step-a "$STEP_A" --step-b "$STEP_B" \
-            --json "$OUT/${prefix}sim-$policy.json" >"$OUT/${prefix}sim-$policy.log" 2>&1; then
-            SIMS+=(--sim "$OUT/${prefix}sim-$policy.json")
-        else
-            echo "(br-sim failed for $policy; see $OUT/${prefix}sim-$policy.log)"
-        fi
+        for ((k = 1; k <= ${TWIN_REPLAYS:-8}; k++)); do
+            if "$BIN/br-sim" run --trace "$OUT/$prefix$policy-arrivals.csv" --arrival trace --limit "$N" \
+                --arrival-jitter-ms "${TWIN_JITTER_MS:-1}" --seed "$k" \
+                --workers "$G" --slots "$B" --policies "$policy" --step-a "$STEP_A" --step-b "$STEP_B" \
+                --json "$OUT/${prefix}sim-$policy-$k.json" >"$OUT/${prefix}sim-$policy-$k.log" 2>&1; then
+                SIMS+=(--sim "$OUT/${prefix}sim-$policy-$k.json")
+            else
+                echo "(br-sim failed for $policy; see $OUT/${prefix}sim-$policy-$k.log)"
+            fi
+        done
     done
 }

@@ -638,6 +638,64 @@ where
 }
 
 /// A side-by-side table of runs (and br-sim's prediction for each policy, if given).
+/// Mean and standard deviation of one figure over a policy's twin runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Moments {
+    pub mean: f64,
+    pub sd: f64,
+}
+
+impl Moments {
+    fn of(v: impl Iterator<Item = f64> + Clone) -> Moments {
+        let n = v.clone().count() as f64;
+        let mean = v.clone().sum::<f64>() / n;
+        let sd = if n > 1.0 {
+            (v.map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+        } else {
+            0.0
+        };
+        Moments { mean, sd }
+    }
+
+    /// The standard deviation as a share of the mean (0 for a zero mean).
+    pub fn relative_sd(self) -> f64 {
+        if self.mean.abs() > 0.0 {
+            self.sd / self.mean.abs()
+        } else {
+            0.0
+        }
+    }
+}
+
+/// What the twin predicts for one policy: one br-sim run, or the mean and spread of several
+/// (e.g. `--arrival-jitter-ms` over seeds, which is how `scripts/demo.sh` runs it: the order of
+/// near-simultaneous arrivals is not known to the client that timed them, and JSQ's imbalance
+/// moves by ±15% with it, so one live run is compared with the twin's spread, not one replay).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TwinBand {
+    pub n: usize,
+    pub imbalance: Moments,
+    pub tpot_p50: Moments,
+    pub tpot_p95: Moments,
+    pub throughput: Moments,
+}
+
+impl TwinBand {
+    pub fn of(runs: &[&br_sim::report::RunReport]) -> Option<TwinBand> {
+        if runs.is_empty() {
+            return None;
+        }
+        let m = |f: fn(&br_sim::report::RunReport) -> f64| Moments::of(runs.iter().map(|r| f(r)));
+        Some(TwinBand {
+            n: runs.len(),
+            imbalance: m(|r| r.avg_imbalance),
+            tpot_p50: m(|r| r.tpot_p50_ms),
+            tpot_p95: m(|r| r.tpot_p95_ms),
+            throughput: m(|r| r.throughput_tok_s),
+        })
+    }
+}
+
 pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -659,19 +717,39 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
             s.mean_step_ms.unwrap_or(f64::NAN),
             s.failed,
         );
-        if let Some(r) = sim.and_then(|rep| rep.runs.iter().find(|r| r.policy == s.label)) {
+        let twins: Vec<&br_sim::report::RunReport> = sim
+            .map(|rep| rep.runs.iter().filter(|r| r.policy == s.label).collect())
+            .unwrap_or_default();
+        if let Some(t) = TwinBand::of(&twins) {
             let _ = writeln!(
                 out,
                 "{:<10} {:>9} {:>14.0} {:>12.1} {:>12.1} {:>12.0} {:>11} {:>9}",
                 "",
                 "br-sim",
-                r.avg_imbalance,
-                r.tpot_p50_ms,
-                r.tpot_p95_ms,
-                r.throughput_tok_s,
+                t.imbalance.mean,
+                t.tpot_p50.mean,
+                t.tpot_p95.mean,
+                t.throughput.mean,
                 "",
-                "",
+                if t.n > 1 {
+                    format!("n={}", t.n)
+                } else {
+                    String::new()
+                },
             );
+            if t.n > 1 {
+                let sd = |m: Moments| format!("±{:.1}%", m.relative_sd() * 100.0);
+                let _ = writeln!(
+                    out,
+                    "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12}",
+                    "",
+                    "sim sd",
+                    sd(t.imbalance),
+                    sd(t.tpot_p50),
+                    sd(t.tpot_p95),
+                    sd(t.throughput),
+                );
+            }
             let rel = |a: f64, b: f64| {
                 if b.abs() > 0.0 {
                     format!("{:+.0}%", (a / b - 1.0) * 100.0)
@@ -684,10 +762,10 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
                 "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12}",
                 "",
                 "emu/sim",
-                rel(s.imbalance_tokens.unwrap_or(f64::NAN), r.avg_imbalance),
-                rel(s.tpot_ms.p50, r.tpot_p50_ms),
-                rel(s.tpot_ms.p95, r.tpot_p95_ms),
-                rel(s.throughput_tok_s, r.throughput_tok_s),
+                rel(s.imbalance_tokens.unwrap_or(f64::NAN), t.imbalance.mean),
+                rel(s.tpot_ms.p50, t.tpot_p50.mean),
+                rel(s.tpot_ms.p95, t.tpot_p95.mean),
+                rel(s.throughput_tok_s, t.throughput.mean),
             );
         }
     }
@@ -713,6 +791,75 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn several_twin_runs_of_a_policy_are_shown_as_their_mean_and_spread() {
+        let twin = |policy: &str, imbalance: f64, tok_s: f64| br_sim::report::RunReport {
+            policy: policy.into(),
+            workers: 8,
+            avg_imbalance: imbalance,
+            avg_barrier_idle: 0.0,
+            throughput_tok_s: tok_s,
+            steady_throughput_tok_s: tok_s,
+            fluid_throughput_tok_s: tok_s,
+            tpot_p50_ms: 48.0,
+            tpot_p95_ms: 50.0,
+            mean_queue_ms: 0.0,
+            steps: 10,
+            requests: 10,
+        };
+        let rep = br_sim::report::Report {
+            runs: vec![
+                twin("jsq", 20_000.0, 2_400.0),
+                twin("br0", 9_000.0, 2_450.0),
+                twin("jsq", 24_000.0, 2_300.0),
+            ],
+        };
+        let live = |label: &str, imbalance: f64| Summary {
+            label: label.into(),
+            imbalance_tokens: Some(imbalance),
+            throughput_tok_s: 2_350.0,
+            ..Default::default()
+        };
+        let jsq: Vec<_> = rep.runs.iter().filter(|r| r.policy == "jsq").collect();
+        let band = TwinBand::of(&jsq).expect("two runs");
+        assert_eq!(band.n, 2);
+        assert_eq!(band.imbalance.mean, 22_000.0);
+        // sample standard deviation of {20000, 24000}: 2000·√2
+        assert!((band.imbalance.sd - 2_000.0 * 2f64.sqrt()).abs() < 1e-6);
+        assert_eq!(band.tpot_p50.sd, 0.0);
+        assert!(TwinBand::of(&[]).is_none());
+
+        let text = table(&[live("jsq", 22_000.0), live("br0", 9_900.0)], Some(&rep));
+        let lines: Vec<&str> = text.lines().collect();
+        // jsq: its two twin runs' mean, "n=2", a spread line, and the live run at +0%
+        let jsq_sim = lines
+            .iter()
+            .position(|l| l.contains("br-sim"))
+            .expect("sim row");
+        assert!(
+            lines[jsq_sim].contains("22000") && lines[jsq_sim].contains("n=2"),
+            "{text}"
+        );
+        assert!(
+            lines[jsq_sim + 1].contains("sim sd") && lines[jsq_sim + 1].contains("±12.9%"),
+            "{text}"
+        );
+        assert!(
+            lines[jsq_sim + 2].contains("emu/sim") && lines[jsq_sim + 2].contains("+0%"),
+            "{text}"
+        );
+        // br0: one twin run, no spread line, live 10% above it
+        let br0_sim = lines
+            .iter()
+            .rposition(|l| l.contains("br-sim"))
+            .expect("sim row");
+        assert!(!lines[br0_sim].contains("n="), "{text}");
+        assert!(
+            lines[br0_sim + 1].contains("emu/sim") && lines[br0_sim + 1].contains("+10%"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn the_arrivals_csv_is_a_trace_br_sim_reads_back_in_arrival_order() {

@@ -153,8 +153,9 @@ struct ReportArgs {
     /// `br-emu load --json` files, in table order.
     #[arg(required = true)]
     runs: Vec<PathBuf>,
-    /// br-sim's `--json` report for the same workload; repeat it for one report per policy
-    /// (each run takes the first report that has its policy).
+    /// br-sim's `--json` report for the same workload; repeat it for one report per policy.
+    /// Several reports of one policy (the twin over seeds of `--arrival-jitter-ms`) are shown
+    /// as their mean, with their standard deviation on a `sim sd` line.
     #[arg(long)]
     sim: Vec<PathBuf>,
 }

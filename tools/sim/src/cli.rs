@@ -129,6 +129,14 @@ pub struct RunArgs {
     /// pool at its arrival position.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub deciders: u32,
+    /// With `--arrival trace`: move each arrival by a seeded uniform amount in [-J, +J] ms
+    /// (model time, clamped at 0) before ordering them. For replaying a live run's arrivals
+    /// (`br-emu load --arrivals-csv`): the order of calls that reach the decision service within
+    /// a millisecond of each other is not known to the client that timed them, and routing on
+    /// arrival (JSQ) is sensitive to it, so the twin is run over several seeds of this jitter
+    /// and the live run compared with their spread (`br-emu report`). 0: the trace as it is.
+    #[arg(long, default_value_t = 0.0, value_name = "J")]
+    pub arrival_jitter_ms: f64,
 }
 
 /// Flags of `sweep`.
@@ -232,6 +240,15 @@ impl RunArgs {
         {
             return bad(format!("--rate must be > 0, got {r}"));
         }
+        if !(self.arrival_jitter_ms.is_finite() && self.arrival_jitter_ms >= 0.0) {
+            return bad(format!(
+                "--arrival-jitter-ms must be finite and >= 0, got {}",
+                self.arrival_jitter_ms
+            ));
+        }
+        if self.arrival_jitter_ms > 0.0 && self.arrival != Arrival::Trace {
+            return bad("--arrival-jitter-ms applies to --arrival trace only".into());
+        }
         if self.arrival == Arrival::Poisson && self.rate.is_none() {
             return bad("--arrival poisson needs --rate R (requests per second)".into());
         }
@@ -291,6 +308,7 @@ impl RunArgs {
         let (arrival, arrival_why) = resolve_arrival(self.arrival, synthetic_spec(spec), &requests);
         let requests = stamp_arrivals(requests, arrival, self.rate_scale, self.rate, self.seed)
             .map_err(|m| WorkloadError::Invalid(format!("{name}: {m}")))?;
+        let requests = jitter_arrivals(requests, self.arrival_jitter_ms, self.seed);
         Ok(Workload {
             name,
             requests,
@@ -325,6 +343,32 @@ pub fn resolve_arrival(
         Arrival::Auto => (Arrival::Saturated, "auto: the trace has no timestamps"),
         other => (other, "--arrival"),
     }
+}
+
+/// Moves each arrival by a uniform amount in `[-jitter_ms, +jitter_ms]` drawn from `seed`
+/// (clamped at 0) and re-sorts by arrival (stable); `jitter_ms = 0` returns `reqs` unchanged.
+/// See `--arrival-jitter-ms`.
+pub fn jitter_arrivals(
+    mut reqs: Vec<TraceRequest>,
+    jitter_ms: f64,
+    seed: u64,
+) -> Vec<TraceRequest> {
+    if jitter_ms <= 0.0 {
+        return reqs;
+    }
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x1177_e2a5_0000_0000);
+    for r in &mut reqs {
+        if let Some(t) = r.arrival_ms.as_mut() {
+            *t = (*t + rng.random_range(-jitter_ms..=jitter_ms)).max(0.0);
+        }
+    }
+    reqs.sort_by(|a, b| {
+        a.arrival_ms
+            .unwrap_or(0.0)
+            .total_cmp(&b.arrival_ms.unwrap_or(0.0))
+    });
+    reqs
 }
 
 /// Sets arrival times per the arrival mode and sorts by arrival (stable: ties keep trace
@@ -525,5 +569,61 @@ mod tests {
         .expect("stamp");
         let ts: Vec<f64> = out.iter().filter_map(|r| r.arrival_ms).collect();
         assert_eq!(ts, vec![0.0, 10.0, 30.0]);
+    }
+
+    #[test]
+    fn arrival_jitter_reorders_close_arrivals_only_and_is_seeded() {
+        // Arrivals 0.1 ms apart in a burst, then one far later; each request tagged by its
+        // prompt length so the order can be read back.
+        let reqs: Vec<TraceRequest> = (0..40)
+            .map(|i| TraceRequest {
+                arrival_ms: Some(if i == 39 { 1000.0 } else { f64::from(i) * 0.1 }),
+                prompt_tokens: i + 1,
+                output_tokens: 1,
+                prompt_hash: None,
+            })
+            .collect();
+        let order = |v: &[TraceRequest]| v.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>();
+        assert_eq!(order(&jitter_arrivals(reqs.clone(), 0.0, 7)), order(&reqs));
+        let a = jitter_arrivals(reqs.clone(), 1.0, 7);
+        assert_eq!(order(&a), order(&jitter_arrivals(reqs.clone(), 1.0, 7)));
+        assert_ne!(
+            order(&a),
+            order(&reqs),
+            "a 1 ms jitter reorders a 0.1 ms burst"
+        );
+        assert_ne!(order(&a), order(&jitter_arrivals(reqs.clone(), 1.0, 8)));
+        let ts: Vec<f64> = a.iter().filter_map(|r| r.arrival_ms).collect();
+        assert!(
+            ts.windows(2).all(|w| w[0] <= w[1]) && ts[0] >= 0.0,
+            "{ts:?}"
+        );
+        // the far arrival stays last and within ±1 ms of where it was
+        assert_eq!(a.last().map(|r| r.prompt_tokens), Some(40));
+        assert!((ts[39] - 1000.0).abs() <= 1.0);
+    }
+
+    #[test]
+    fn arrival_jitter_is_for_trace_arrivals_and_non_negative() {
+        let Command::Run(r) =
+            parse(&["--trace", "paper-azure", "--arrival-jitter-ms", "0.5"]).expect("parse")
+        else {
+            panic!("run")
+        };
+        assert_eq!(r.arrival_jitter_ms, 0.5);
+        let base = |jitter: f64, arrival: Arrival| RunArgs {
+            arrival_jitter_ms: jitter,
+            arrival,
+            ..r.clone()
+        };
+        assert!(base(1.0, Arrival::Trace).validate().is_ok());
+        for bad in [
+            base(-1.0, Arrival::Trace),
+            base(f64::NAN, Arrival::Trace),
+            base(1.0, Arrival::Saturated),
+        ] {
+            let err = bad.validate().expect_err("refused").to_string();
+            assert!(err.contains("--arrival-jitter-ms"), "{err}");
+        }
     }
 }
