@@ -51,6 +51,14 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
         };
         (self.predict(request, horizon), reads)
     }
+    /// A key that requests predicted alike share: two requests with the same `Some` key get
+    /// the same prediction and [`Reads`] at any horizon, until the predictor learns. A
+    /// [`PredictionCache`] refilling many entries asks the predictor once per key (Survival:
+    /// the distribution and the generated tokens; thousands of requests share a few thousand
+    /// keys). `None` (the default) promises nothing.
+    fn alike(&self, _request: &RequestInfo) -> Option<u64> {
+        None
+    }
     /// Learns from a finished request (online update).
     fn observe(&mut self, finished: &Finished);
     /// [`Predictor::observe`], and which parts of what it learned the observation changed (a
@@ -233,8 +241,23 @@ pub struct PredictionCache {
     clock: u32,
     /// (horizon, gate bits) the entries were computed for.
     params: Option<(u32, u64)>,
+    /// Within one tick: the predictions made, by [`Predictor::alike`] key (direct-mapped,
+    /// [`MEMO_SLOTS`]; a slot of an earlier tick is told apart by its tick).
+    memo: Vec<Memo>,
+    tick: u32,
     hits: u64,
     misses: u64,
+}
+
+/// Slots of the per-tick memo (16 bytes each: 128 KiB, allocated on the first refill).
+const MEMO_SLOTS: usize = 8192;
+
+#[derive(Debug, Clone, Copy)]
+struct Memo {
+    key: u64,
+    tick: u32,
+    end: u16,
+    reads: [Source; 2],
 }
 
 impl Default for PredictionCache {
@@ -244,6 +267,8 @@ impl Default for PredictionCache {
             changed_at: Box::new([0; SOURCES]),
             clock: 0,
             params: None,
+            memo: Vec::new(),
+            tick: 0,
             hits: 0,
             misses: 0,
         }
@@ -366,13 +391,21 @@ impl PredictionCache {
         // σ's slot count only shrinks when a new σ was installed: forget the slots it no
         // longer has.
         self.entries.resize(slots, Entry::EMPTY);
+        self.tick = self.tick.wrapping_add(1);
+        if self.tick == 0 {
+            // wrapped: no memo slot may look current
+            self.memo.clear();
+            self.tick = 1;
+        }
     }
 
-    /// The cached end of `r` (in `slot`), or `compute()` (then cached with what it read).
+    /// The cached end of `r` (in `slot`), or `compute()` (then cached with what it read);
+    /// `alike()` is the predictor's [`Predictor::alike`] key for `r`, asked only on a miss.
     pub(crate) fn end(
         &mut self,
         slot: usize,
         r: &RequestInfo,
+        alike: impl FnOnce() -> Option<u64>,
         compute: impl FnOnce() -> (usize, Reads),
     ) -> usize {
         let Some(entry) = self.entries.get_mut(slot) else {
@@ -389,8 +422,40 @@ impl PredictionCache {
             self.hits += 1;
             return usize::from(entry.end);
         }
-        let (end, reads) = compute();
         self.misses += 1;
+        let (end, reads) = match alike() {
+            None => compute(),
+            Some(k) => {
+                if self.memo.is_empty() {
+                    self.memo = vec![
+                        Memo {
+                            key: 0,
+                            tick: 0,
+                            end: 0,
+                            reads: [NO_SOURCE; 2],
+                        };
+                        MEMO_SLOTS
+                    ];
+                }
+                // Fibonacci hashing onto the table's 13 bits.
+                let i = (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 51) as usize % MEMO_SLOTS;
+                let m = &mut self.memo[i];
+                if m.tick == self.tick && m.key == k {
+                    (usize::from(m.end), Reads(m.reads))
+                } else {
+                    let (end, reads) = compute();
+                    if let Ok(e) = u16::try_from(end) {
+                        *m = Memo {
+                            key: k,
+                            tick: self.tick,
+                            end: e,
+                            reads: reads.0,
+                        };
+                    }
+                    (end, reads)
+                }
+            }
+        };
         match u16::try_from(end) {
             Ok(e) => {
                 *entry = Entry {
@@ -717,6 +782,12 @@ impl Predictor for Survival {
         (p, Reads::one(source))
     }
 
+    fn alike(&self, r: &RequestInfo) -> Option<u64> {
+        // A prediction is the distribution's conditional at `generated`: nothing else.
+        let (_, source) = self.hist_and_source(r.prompt_tokens);
+        Some(u64::from(source) << 32 | u64::from(r.generated))
+    }
+
     fn observe(&mut self, f: &Finished) {
         self.global.add(f.output_tokens);
         if let Some(slot) = self.buckets.get_mut(bucket_of(f.prompt_tokens)) {
@@ -880,6 +951,19 @@ impl Predictor for ExactMatch {
             mean_remaining: sum as f64 / finishing as f64 - f64::from(j),
         };
         (p, reads)
+    }
+
+    fn alike(&self, r: &RequestInfo) -> Option<u64> {
+        match r.prompt_hash {
+            None => self.fallback.alike(r),
+            // An unknown hash is predicted by the fallback and reads the hash's shard: alike
+            // within the shard (bit 63 keeps these keys apart from the fallback's own).
+            Some(h) if !self.by_hash.contains_key(&h) => self
+                .fallback
+                .alike(r)
+                .map(|k| 1 << 63 | u64::from(Self::shard(h)) << 40 | k),
+            Some(_) => None,
+        }
     }
 
     fn observe(&mut self, f: &Finished) {

@@ -194,11 +194,16 @@ impl Margins {
         let steps = params.horizon as usize + 1;
         cache.begin_tick(params, state.slot_count());
         Self::project(state, params, |slot, r| {
-            cache.end(slot, r, || {
-                let (remaining, reads) =
-                    expected_remaining_with_reads(predictor, r, params.horizon, params.gate);
-                (end_step(remaining, steps), reads)
-            })
+            cache.end(
+                slot,
+                r,
+                || predictor.alike(r),
+                || {
+                    let (remaining, reads) =
+                        expected_remaining_with_reads(predictor, r, params.horizon, params.gate);
+                    (end_step(remaining, steps), reads)
+                },
+            )
         })
     }
 
