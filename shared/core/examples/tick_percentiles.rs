@@ -1,6 +1,7 @@
 //! p50 / p99 of one dispatcher tick (criterion reports means and medians; the budget in
 //! docs/benchmarks.md is stated as percentiles, like the paper's 1.2 ms p50 / 2.8 ms p99).
-//! Run: `cargo run --release -p br-core --example tick_percentiles`.
+//! Run: `cargo run --release -p br-core --example tick_percentiles [FILTER]` (FILTER: only the
+//! rows whose name contains it, e.g. `"survival cached+learn"` under `perf record`).
 //!
 //! BR-0 is measured with the default Stage 2 (the tick's head, filled to the mean) and with
 //! the paper's (`br0-paper-s2`: the R_max oldest, filled to the max), the previous default, to
@@ -58,6 +59,8 @@ fn warm_finishes() -> impl Iterator<Item = Finished> {
 }
 
 fn main() {
+    // `tick_percentiles FILTER`: only the rows whose name contains FILTER (for a profile).
+    let filter = std::env::args().nth(1);
     println!(
         "{:<26} {:>4} {:>8} {:>9} {:>9} {:>12} {:>9} {:>12} {:>9}",
         "policy",
@@ -96,6 +99,18 @@ fn main() {
             .map(|f| (PolicyKind::BrH(p), f))
         });
         for (kind, form) in rows.into_iter().chain(brh) {
+            let name = match (kind, form) {
+                (_, Form::PaperStage2) => format!("{}-paper-s2", kind.name()),
+                (_, Form::RequestTerm) => format!("{}-request-term", kind.name()),
+                (PolicyKind::Br0, _) => kind.name().to_owned(),
+                (_, Form::Uncached) => format!("{} uncached", kind.name()),
+                (_, Form::Policy) => format!("{} cached", kind.name()),
+                (_, Form::CachedStep) => format!("{} cached+step", kind.name()),
+                (_, Form::CachedLearn) => format!("{} cached+learn", kind.name()),
+            };
+            if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+                continue;
+            }
             // Nanoseconds up to a minute, 3 significant digits (nearest-rank quantiles).
             let mut samples =
                 Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid bounds");
@@ -163,15 +178,7 @@ fn main() {
             }
             let us = |ns: u64| ns as f64 / 1e3;
             let q = |p: f64| us(samples.value_at_quantile(p));
-            let name = match (kind, form) {
-                (_, Form::PaperStage2) => format!("{}-paper-s2", kind.name()),
-                (_, Form::RequestTerm) => format!("{}-request-term", kind.name()),
-                (PolicyKind::Br0, _) => kind.name().to_owned(),
-                (_, Form::Uncached) => format!("{} uncached", kind.name()),
-                (_, Form::Policy) => format!("{} cached", kind.name()),
-                (_, Form::CachedStep) => format!("{} cached+step", kind.name()),
-                (_, Form::CachedLearn) => format!("{} cached+learn", kind.name()),
-            };
+
             println!(
                 "{:<26} {:>4} {:>8} {:>9.1} {:>9.1} {:>12.1} {:>9.1} {:>12.1} {:>9}",
                 name,

@@ -235,8 +235,9 @@ pub struct PredictionCache {
     /// the same prediction anyway: the fields are all it depends on).
     entries: Vec<Entry>,
     /// `changed_at[s]`: the clock when source s last changed. An entry stamped before that
-    /// and reading s is stale.
-    changed_at: Box<[u32; SOURCES]>,
+    /// and reading s is stale. 256 long so that an entry's unused place ([`NO_SOURCE`], never
+    /// changed) is checked like a used one, without a branch.
+    changed_at: Box<[u32; 256]>,
     /// Ticks on every change (every source starts at 0, every entry is stamped ≥ 0).
     clock: u32,
     /// (horizon, gate bits) the entries were computed for.
@@ -264,7 +265,7 @@ impl Default for PredictionCache {
     fn default() -> Self {
         Self {
             entries: Vec::new(),
-            changed_at: Box::new([0; SOURCES]),
+            changed_at: Box::new([0; 256]),
             clock: 0,
             params: None,
             memo: Vec::new(),
@@ -360,7 +361,9 @@ impl PredictionCache {
         // A prediction that read "everything" is stale after any change.
         let changed = changed.with(SOURCE_ALL);
         if changed == Changed::ALL {
-            self.changed_at.iter_mut().for_each(|c| *c = self.clock);
+            self.changed_at[..SOURCES]
+                .iter_mut()
+                .for_each(|c| *c = self.clock);
         } else {
             for s in changed.sources() {
                 self.changed_at[s as usize] = self.clock;
@@ -413,11 +416,10 @@ impl PredictionCache {
             return compute().0;
         };
         let key = Entry::key_of(r);
+        let [a, b] = entry.reads;
         if entry.same_request(&key)
-            && entry
-                .reads
-                .iter()
-                .all(|&s| s == NO_SOURCE || self.changed_at[s as usize] <= entry.stamp)
+            && self.changed_at[usize::from(a)] <= entry.stamp
+            && self.changed_at[usize::from(b)] <= entry.stamp
         {
             self.hits += 1;
             return usize::from(entry.end);
