@@ -57,29 +57,100 @@ telemetry)
     kill "$dp" "$ip" "$sp"; wait "$dp" "$ip" "$sp" 2>/dev/null
     ;;
 groups)
-    list=$(seq -s, -f 'g-%g' 0 63)
-    "$BIN/br-snapshot" "${SNAP[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
-    up 9161
-    echo "br-snapshot RSS at start: $(rss $sp) kB"
-    "$BIN/br-decision" "${DEC[@]}" --groups "$list" >"$LOGS/decision.log" 2>&1 & dp=$!
-    up 9163
-    echo "br-decision RSS with 64 groups, no σ yet: $(rss $dp) kB; br-snapshot $(rss $sp) kB"
-    for hold in 300ms 3s; do
-        echo "== 64 groups, 10000 Assign/s, hold $hold, load average $(load)"
-        "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
-            --group g --groups 64 --rate 10000 --duration 12s --warmup 3s --workers 8 --capacity 512 \
-            --progress-events 100000 --hold "$hold" & lp=$!
-        for i in $(seq 1 14); do
-            sleep 1
-            reqs=$(curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_requests/{s+=$2} END{print s}')
-            echo "t=$i br-snapshot RSS $(rss $sp) kB, br-decision RSS $(rss $dp) kB, requests in σ $reqs"
+    # 64 groups × 8 ranks (issue 12's scale asks), release binaries, in four parts:
+    #  1. idle RSS per group: fresh br-snapshot + br-decision for 1, 16 and 64 groups whose 8
+    #     workers said Hello (one Assign each), no requests held;
+    #  2. σ per 1,000 requests: 64 groups, requests held (never finished) while RSS and σ's
+    #     request count are sampled; --history 64 and --answered-ttl 1s so the delta history and
+    #     decision's idempotency memory do not hide σ's own cost;
+    #  3. Apply throughput: every group active, as many progress events as the writer takes;
+    #  4. Assign added latency at GROUPS_RATE (default 10k/s) spread over 64 groups, split
+    #     (br-snapshot + br-decision) and on one br-all, with GROUPS_EVENTS progress events/s.
+    # GROUPS_PARTS (default "1 2 3 4") picks parts; GROUPS_CONNECTIONS (default 4) and
+    # GROUPS_BATCH (default 2ms, ingest's own interval) go to assign-load. Part 4 needs
+    # br-all built too (cargo build --release -p br-all --bin br-all).
+    RATE="${GROUPS_RATE:-10000}" EVENTS="${GROUPS_EVENTS:-100000}"
+    CONNS="${GROUPS_CONNECTIONS:-4}" BATCH="${GROUPS_BATCH:-2ms}"
+    PARTS="${GROUPS_PARTS:-1 2 3 4}"
+    list() { seq -s, -f 'g-%g' 0 $(($1 - 1)); }
+    cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
+    split_up() { # split_up N [extra snapshot flags] [-- extra decision flags]: start both
+        local n=$1; shift
+        local sflags=() dflags=() into=s
+        for a in "$@"; do
+            if [ "$a" = -- ]; then into=d; continue; fi
+            if [ $into = s ]; then sflags+=("$a"); else dflags+=("$a"); fi
         done
-        wait "$lp"
-        echo "   load average after: $(load); CPU ticks so far: br-snapshot $(awk '{print $14+$15}' /proc/$sp/stat), br-decision $(awk '{print $14+$15}' /proc/$dp/stat)"
-        curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_batches_applied_total/{s+=$2} END{print "batches applied, all groups:", s}'
-        echo "br-decision /metrics lines: $(curl -s 127.0.0.1:9163/metrics | wc -l)"
-    done
-    kill "$dp" "$sp"; wait "$dp" "$sp" 2>/dev/null
+        "$BIN/br-snapshot" "${SNAP[@]}" "${sflags[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
+        "$BIN/br-decision" "${DEC[@]}" --groups "$(list "$n")" "${dflags[@]}" >"$LOGS/decision.log" 2>&1 & dp=$!
+        up 9161 && up 9163
+    }
+    down() { kill "$@"; wait "$@" 2>/dev/null; }
+    LOADARGS=(--group g --workers 8 --capacity 512 --connections "$CONNS" --batch-interval "$BATCH")
+    for part in $PARTS; do case $part in
+    1)
+        for n in 1 16 64; do
+            split_up "$n"
+            s0=$(rss $sp) d0=$(rss $dp)
+            "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+                "${LOADARGS[@]}" --groups "$n" --rate "$n" --duration 1s --warmup 0s \
+                --progress-events 0 --hold 100ms >"$LOGS/idle-$n.log" 2>&1
+            echo "== idle, $n group(s) × 8 workers: br-snapshot RSS $s0 kB at start, $(rss $sp) kB with the workers; br-decision $d0 kB, $(rss $dp) kB"
+            down "$dp" "$sp"
+        done
+        ;;
+    2)
+        split_up 64 --history 64 -- --answered-ttl 1s
+        echo "== σ per 1,000 requests: 64 groups, 2,000 Assign/s held 60 s (none finish), load average $(load)"
+        "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+            "${LOADARGS[@]}" --groups 64 --rate 2000 --duration 16s --warmup 1s \
+            --progress-events 0 --hold 60s >"$LOGS/sigma.log" 2>&1 & lp=$!
+        for i in $(seq 1 17); do
+            sleep 1
+            reqs=$(curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_requests/{s+=$2} END{print s+0}')
+            echo "t=$i requests in σ $reqs, br-snapshot RSS $(rss $sp) kB, br-decision RSS $(rss $dp) kB"
+        done
+        wait "$lp"; tail -n 12 "$LOGS/sigma.log"
+        down "$dp" "$sp"
+        ;;
+    3)
+        split_up 64
+        ev="${GROUPS_APPLY_EVENTS:-1000000}"
+        echo "== Apply throughput: 64 groups, 2,000 Assign/s, $ev progress events/s offered, load average $(load)"
+        b0=0
+        "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+            "${LOADARGS[@]}" --groups 64 --rate 2000 --duration 15s --warmup 2s \
+            --progress-events "$ev" --hold 3s >"$LOGS/apply.log" 2>&1 & lp=$!
+        c0=$(cpu $sp)
+        for i in $(seq 1 17); do
+            sleep 1
+            b=$(curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_batches_applied_total/{s+=$2} END{print s+0}')
+            echo "t=$i batches applied $b (+$((b - b0))/s), br-snapshot CPU $(cpu $sp) s"; b0=$b
+        done
+        wait "$lp"; grep -E "^telemetry|^generator|^sent" "$LOGS/apply.log"
+        echo "   br-snapshot CPU over the run: $(awk -v a="$c0" -v b="$(cpu $sp)" 'BEGIN{print b-a}') s; load average after: $(load)"
+        down "$dp" "$sp"
+        ;;
+    4)
+        for setup in split all; do
+            if [ $setup = split ]; then
+                split_up 64
+                D=http://127.0.0.1:51063 S=http://127.0.0.1:51061 pids="$dp $sp"
+            else
+                "$BIN/br-all" --listen 127.0.0.1:51060 --admin-listen 127.0.0.1:9160 --policy br0 \
+                    --groups "$(list 64)" >"$LOGS/all.log" 2>&1 & ap=$!
+                up 9160
+                D=http://127.0.0.1:51060 S=http://127.0.0.1:51060 pids="$ap"
+            fi
+            echo "== $setup: 64 groups, $RATE Assign/s, $EVENTS progress events/s, hold 300ms, load average $(load)"
+            "$BIN/assign-load" --decision-addr $D --snapshot-addr $S "${LOADARGS[@]}" --groups 64 \
+                --rate "$RATE" --duration 15s --warmup 3s --progress-events "$EVENTS" --hold 300ms
+            echo "   load average after: $(load); RSS: $(for p in $pids; do echo -n "$(rss "$p") kB "; done); CPU s: $(for p in $pids; do echo -n "$(cpu "$p") "; done)"
+            # shellcheck disable=SC2086
+            down $pids
+        done
+        ;;
+    esac; done
     ;;
 *)
     sed -n '2,12p' "$0"; exit 2

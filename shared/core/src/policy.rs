@@ -427,10 +427,8 @@ impl Policy for BalanceRoute {
     }
     fn observe_finished(&mut self, finished: &Finished) {
         if let Some(p) = self.predictor.as_mut() {
-            p.observe(finished);
-            if p.learns() {
-                self.cache.invalidate();
-            }
+            // Only the predictions that read what this observation changed are made again.
+            self.cache.learned(p.learn(finished));
         }
     }
     fn predictor_stats(&self) -> Option<PredictorStats> {

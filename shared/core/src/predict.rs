@@ -36,9 +36,42 @@ impl Prediction {
 
 pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
+    /// A prediction is a function of the request's `prompt_tokens`, `generated`, `prompt_hash`
+    /// and `oracle_output` and of what the predictor learned; nothing else of the request (a
+    /// [`PredictionCache`] reuses it while those four are unchanged).
     fn predict(&self, request: &RequestInfo, horizon: u32) -> Prediction;
+    /// [`Predictor::predict`], and which parts of what it learned the prediction read
+    /// ([`Reads`]). The default says "everything" ([`Reads::ALL`]): exact for any predictor,
+    /// and a cache then re-predicts every request after any observation.
+    fn predict_with_reads(&self, request: &RequestInfo, horizon: u32) -> (Prediction, Reads) {
+        let reads = if self.learns() {
+            Reads::ALL
+        } else {
+            Reads::NOTHING
+        };
+        (self.predict(request, horizon), reads)
+    }
+    /// A key that requests predicted alike share: two requests with the same `Some` key get
+    /// the same prediction and [`Reads`] at any horizon, until the predictor learns. A
+    /// [`PredictionCache`] refilling many entries asks the predictor once per key (Survival:
+    /// the distribution and the generated tokens; thousands of requests share a few thousand
+    /// keys). `None` (the default) promises nothing.
+    fn alike(&self, _request: &RequestInfo) -> Option<u64> {
+        None
+    }
     /// Learns from a finished request (online update).
     fn observe(&mut self, finished: &Finished);
+    /// [`Predictor::observe`], and which parts of what it learned the observation changed (a
+    /// [`PredictionCache`] re-predicts only the requests whose prediction read one of them).
+    /// The default says "everything" when the predictor [`Predictor::learns`].
+    fn learn(&mut self, finished: &Finished) -> Changed {
+        self.observe(finished);
+        if self.learns() {
+            Changed::ALL
+        } else {
+            Changed::NOTHING
+        }
+    }
     /// Whether [`Predictor::observe`] can change what it predicts (a [`PredictionCache`] is
     /// invalidated by every observation of one that does).
     fn learns(&self) -> bool {
@@ -47,6 +80,80 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
     /// What it holds (for a gauge and the simulator's report).
     fn stats(&self) -> PredictorStats {
         PredictorStats::default()
+    }
+}
+
+/// A part of what a predictor learned, named so that a [`PredictionCache`] can tell which
+/// predictions one observation made stale: an id below [`SOURCES`]. Survival's global
+/// distribution, each of its prompt-length octaves, and a shard of ExactMatch's prompt hashes
+/// are one each; [`SOURCE_ALL`] stands for everything a predictor learned.
+pub type Source = u8;
+
+/// Source ids are below this.
+pub const SOURCES: usize = 128;
+/// Everything: read by a prediction of a predictor that cannot say what it read, and changed
+/// by an observation of one that cannot say what it changed.
+pub const SOURCE_ALL: Source = 0;
+/// Survival's global distribution (the cold-start prior).
+const SOURCE_GLOBAL: Source = 1;
+/// Survival's octave b is `SOURCE_BUCKET0 + b` (b < [`BUCKETS`]).
+const SOURCE_BUCKET0: Source = 2;
+/// ExactMatch's prompt hashes fall into this many shards, `SOURCE_SHARD0 + shard`.
+const SOURCE_SHARD0: Source = SOURCE_BUCKET0 + BUCKETS as Source;
+const HASH_SHARDS: u64 = 64;
+const _: () = assert!(SOURCE_SHARD0 as usize + HASH_SHARDS as usize <= SOURCES);
+
+/// The sources one prediction read: at most two (a cache entry holds them in two bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reads([Source; 2]);
+
+/// No source (`u8::MAX` is above every id).
+const NO_SOURCE: Source = u8::MAX;
+
+impl Reads {
+    /// Depends on nothing learned (Oracle; a horizon of 0).
+    pub const NOTHING: Reads = Reads([NO_SOURCE, NO_SOURCE]);
+    /// Depends on everything learned.
+    pub const ALL: Reads = Reads([SOURCE_ALL, NO_SOURCE]);
+
+    pub fn one(source: Source) -> Self {
+        Reads([source.min(SOURCES as Source - 1), NO_SOURCE])
+    }
+
+    pub fn two(a: Source, b: Source) -> Self {
+        Reads([a.min(SOURCES as Source - 1), b.min(SOURCES as Source - 1)])
+    }
+
+    /// The ids it holds.
+    pub fn sources(self) -> impl Iterator<Item = Source> {
+        self.0.into_iter().filter(|&s| s != NO_SOURCE)
+    }
+}
+
+/// The sources one observation changed (a set over [`SOURCES`] ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Changed(u128);
+
+impl Changed {
+    pub const NOTHING: Changed = Changed(0);
+    /// Everything the predictor learned (every prediction is stale).
+    pub const ALL: Changed = Changed(u128::MAX);
+
+    pub fn with(self, source: Source) -> Self {
+        Changed(self.0 | 1u128 << (source as usize % SOURCES))
+    }
+
+    pub fn union(self, other: Changed) -> Self {
+        Changed(self.0 | other.0)
+    }
+
+    pub fn contains(self, source: Source) -> bool {
+        self.0 & (1u128 << (source as usize % SOURCES)) != 0
+    }
+
+    /// The changed ids, ascending.
+    pub fn sources(self) -> impl Iterator<Item = Source> {
+        (0..SOURCES as Source).filter(move |&s| self.contains(s))
     }
 }
 
@@ -80,7 +187,24 @@ pub fn expected_remaining(p: &dyn Predictor, r: &RequestInfo, horizon: u32, gate
     if horizon == 0 {
         return 1.0;
     }
-    let pred = p.predict(r, horizon);
+    remaining_from(p.predict(r, horizon), horizon, gate)
+}
+
+/// [`expected_remaining`], and what the prediction read of the predictor's learning.
+pub fn expected_remaining_with_reads(
+    p: &dyn Predictor,
+    r: &RequestInfo,
+    horizon: u32,
+    gate: f64,
+) -> (f64, Reads) {
+    if horizon == 0 {
+        return (1.0, Reads::NOTHING);
+    }
+    let (pred, reads) = p.predict_with_reads(r, horizon);
+    (remaining_from(pred, horizon, gate), reads)
+}
+
+fn remaining_from(pred: Prediction, horizon: u32, gate: f64) -> f64 {
     if pred.p_finish >= gate && pred.p_finish > 0.0 {
         (1.0 - pred.p_finish) * f64::from(horizon) + pred.p_finish * pred.mean_remaining
     } else {
@@ -91,31 +215,124 @@ pub fn expected_remaining(p: &dyn Predictor, r: &RequestInfo, horizon: u32, gate
 /// Each request's BR-H prediction (`⌈ĉ_i⌉` as a horizon step), kept between ticks.
 ///
 /// A tick at G = 64 asks the predictor about every running request (16k of them), although
-/// between two ticks most requests did not generate a token and the predictor learned nothing.
-/// An entry is reused only when the request is exactly as it was when predicted (the whole
-/// [`RequestInfo`]: generated tokens, phase, prompt hash, …), the horizon and gate are the same
-/// and the predictor has not learned since ([`PredictionCache::invalidate`], which the policy
-/// calls from `observe_finished`). So a cached tick decides exactly as an uncached one.
+/// between two ticks most requests did not generate a token and the predictor learned little.
+/// An entry is reused only when what the prediction is a function of is unchanged: the
+/// request's `prompt_tokens`, `generated`, `prompt_hash` and `oracle_output` (the
+/// [`Predictor::predict`] contract), the horizon and gate, and every part of the predictor's
+/// learning the prediction read ([`Reads`]) since it was made. An observation marks the parts
+/// it changed ([`PredictionCache::learned`], which the policy calls with what
+/// [`Predictor::learn`] returned): a Survival finish re-predicts the requests of its
+/// prompt-length octave and those predicted from the global prior, not all of them. So a
+/// cached tick decides exactly as an uncached one.
 ///
-/// Entries sit in a table indexed by the request's slot in [`crate::ClusterState`] (a hash map
-/// keyed by request was measured slower than predicting again: docs/benchmarks.md).
-#[derive(Debug, Clone, Default)]
+/// Entries sit in a dense table indexed by the request's slot in [`crate::ClusterState`], 32
+/// bytes each (a hash map keyed by request was measured slower than predicting again, and a
+/// table of whole `RequestInfo`s spent the refill tick writing 72-byte entries:
+/// docs/benchmarks.md).
+#[derive(Debug, Clone)]
 pub struct PredictionCache {
-    /// By slot; an entry of a request that left is caught by the key comparison.
-    entries: Vec<Option<Cached>>,
-    /// Bumped when the predictor learns: every older entry is stale.
-    generation: u64,
+    /// By slot; an entry of a request that left is caught by the field comparison (or it is
+    /// the same prediction anyway: the fields are all it depends on).
+    entries: Vec<Entry>,
+    /// `changed_at[s]`: the clock when source s last changed. An entry stamped before that
+    /// and reading s is stale. 256 long so that an entry's unused place ([`NO_SOURCE`], never
+    /// changed) is checked like a used one, without a branch.
+    changed_at: Box<[u32; 256]>,
+    /// Ticks on every change (every source starts at 0, every entry is stamped ≥ 0).
+    clock: u32,
     /// (horizon, gate bits) the entries were computed for.
     params: Option<(u32, u64)>,
+    /// Within one tick: the predictions made, by [`Predictor::alike`] key (direct-mapped,
+    /// [`MEMO_SLOTS`]; a slot of an earlier tick is told apart by its tick).
+    memo: Vec<Memo>,
+    tick: u32,
     hits: u64,
     misses: u64,
 }
 
-#[derive(Debug, Clone)]
-struct Cached {
-    request: RequestInfo,
-    generation: u64,
-    end: usize,
+/// Slots of the per-tick memo (16 bytes each: 128 KiB, allocated on the first refill).
+const MEMO_SLOTS: usize = 8192;
+
+#[derive(Debug, Clone, Copy)]
+struct Memo {
+    key: u64,
+    tick: u32,
+    end: u16,
+    reads: [Source; 2],
+}
+
+impl Default for PredictionCache {
+    fn default() -> Self {
+        Self {
+            entries: Vec::new(),
+            changed_at: Box::new([0; 256]),
+            clock: 0,
+            params: None,
+            memo: Vec::new(),
+            tick: 0,
+            hits: 0,
+            misses: 0,
+        }
+    }
+}
+
+/// One slot's prediction and what it was computed from (32 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    prompt_hash: u64,
+    prompt_tokens: u32,
+    generated: u32,
+    oracle_output: u32,
+    /// The clock when it was computed.
+    stamp: u32,
+    /// `⌈ĉ_i⌉` (at most the horizon's steps, ≤ 4,097).
+    end: u16,
+    reads: [Source; 2],
+    /// `VALID | HAS_HASH | HAS_ORACLE`.
+    flags: u8,
+}
+
+const VALID: u8 = 1;
+const HAS_HASH: u8 = 2;
+const HAS_ORACLE: u8 = 4;
+
+impl Entry {
+    const EMPTY: Entry = Entry {
+        prompt_hash: 0,
+        prompt_tokens: 0,
+        generated: 0,
+        oracle_output: 0,
+        stamp: 0,
+        end: 0,
+        reads: [NO_SOURCE; 2],
+        flags: 0,
+    };
+
+    /// The fields of `r` a prediction is a function of, in an entry's form.
+    fn key_of(r: &RequestInfo) -> Entry {
+        Entry {
+            prompt_hash: r.prompt_hash.unwrap_or(0),
+            prompt_tokens: r.prompt_tokens,
+            generated: r.generated,
+            oracle_output: r.oracle_output.unwrap_or(0),
+            flags: VALID
+                | if r.prompt_hash.is_some() { HAS_HASH } else { 0 }
+                | if r.oracle_output.is_some() {
+                    HAS_ORACLE
+                } else {
+                    0
+                },
+            ..Entry::EMPTY
+        }
+    }
+
+    fn same_request(&self, key: &Entry) -> bool {
+        self.flags == key.flags
+            && self.generated == key.generated
+            && self.prompt_tokens == key.prompt_tokens
+            && self.prompt_hash == key.prompt_hash
+            && self.oracle_output == key.oracle_output
+    }
 }
 
 impl PredictionCache {
@@ -123,9 +340,35 @@ impl PredictionCache {
         Self::default()
     }
 
-    /// The predictor learned (or was replaced): no entry may be reused.
+    /// The predictor was replaced: no entry may be reused (not even one that read nothing
+    /// the old predictor learned).
     pub fn invalidate(&mut self) {
-        self.generation = self.generation.wrapping_add(1);
+        self.entries.iter_mut().for_each(|e| *e = Entry::EMPTY);
+    }
+
+    /// The predictor learned; `changed` is what [`Predictor::learn`] said it changed.
+    pub fn learned(&mut self, changed: Changed) {
+        if changed == Changed::NOTHING {
+            return;
+        }
+        if self.clock == u32::MAX {
+            // The clock would wrap and make old stamps look new: start over.
+            self.entries.iter_mut().for_each(|e| *e = Entry::EMPTY);
+            self.changed_at.iter_mut().for_each(|c| *c = 0);
+            self.clock = 0;
+        }
+        self.clock += 1;
+        // A prediction that read "everything" is stale after any change.
+        let changed = changed.with(SOURCE_ALL);
+        if changed == Changed::ALL {
+            self.changed_at[..SOURCES]
+                .iter_mut()
+                .for_each(|c| *c = self.clock);
+        } else {
+            for s in changed.sources() {
+                self.changed_at[s as usize] = self.clock;
+            }
+        }
     }
 
     /// (hits, misses) since it was made: how often a tick could skip the predictor.
@@ -135,7 +378,7 @@ impl PredictionCache {
 
     /// Entries held (one per slot σ has had; σ's slots are reused, so this stays bounded).
     pub fn len(&self) -> usize {
-        self.entries.iter().filter(|e| e.is_some()).count()
+        self.entries.iter().filter(|e| e.flags & VALID != 0).count()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -146,42 +389,87 @@ impl PredictionCache {
         let p = (params.horizon, params.gate.to_bits());
         if self.params != Some(p) {
             self.params = Some(p);
-            self.invalidate();
+            self.entries.iter_mut().for_each(|e| *e = Entry::EMPTY);
         }
-        if self.entries.len() < slots {
-            self.entries.resize(slots, None);
-        } else {
-            // σ shrank (a new σ was installed): forget the slots it no longer has.
-            self.entries.truncate(slots);
+        // σ's slot count only shrinks when a new σ was installed: forget the slots it no
+        // longer has.
+        self.entries.resize(slots, Entry::EMPTY);
+        self.tick = self.tick.wrapping_add(1);
+        if self.tick == 0 {
+            // wrapped: no memo slot may look current
+            self.memo.clear();
+            self.tick = 1;
         }
     }
 
-    /// The cached end of `r` (in `slot`), or `compute()` (then cached).
+    /// The cached end of `r` (in `slot`), or `compute()` (then cached with what it read);
+    /// `alike()` is the predictor's [`Predictor::alike`] key for `r`, asked only on a miss.
     pub(crate) fn end(
         &mut self,
         slot: usize,
         r: &RequestInfo,
-        compute: impl FnOnce() -> usize,
+        alike: impl FnOnce() -> Option<u64>,
+        compute: impl FnOnce() -> (usize, Reads),
     ) -> usize {
-        let generation = self.generation;
         let Some(entry) = self.entries.get_mut(slot) else {
             self.misses += 1;
-            return compute();
+            return compute().0;
         };
-        if let Some(c) = entry
-            && c.generation == generation
-            && c.request == *r
+        let key = Entry::key_of(r);
+        let [a, b] = entry.reads;
+        if entry.same_request(&key)
+            && self.changed_at[usize::from(a)] <= entry.stamp
+            && self.changed_at[usize::from(b)] <= entry.stamp
         {
             self.hits += 1;
-            return c.end;
+            return usize::from(entry.end);
         }
-        let end = compute();
-        *entry = Some(Cached {
-            request: r.clone(),
-            generation,
-            end,
-        });
         self.misses += 1;
+        let (end, reads) = match alike() {
+            None => compute(),
+            Some(k) => {
+                if self.memo.is_empty() {
+                    self.memo = vec![
+                        Memo {
+                            key: 0,
+                            tick: 0,
+                            end: 0,
+                            reads: [NO_SOURCE; 2],
+                        };
+                        MEMO_SLOTS
+                    ];
+                }
+                // Fibonacci hashing onto the table's 13 bits.
+                let i = (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 51) as usize % MEMO_SLOTS;
+                let m = &mut self.memo[i];
+                if m.tick == self.tick && m.key == k {
+                    (usize::from(m.end), Reads(m.reads))
+                } else {
+                    let (end, reads) = compute();
+                    if let Ok(e) = u16::try_from(end) {
+                        *m = Memo {
+                            key: k,
+                            tick: self.tick,
+                            end: e,
+                            reads: reads.0,
+                        };
+                    }
+                    (end, reads)
+                }
+            }
+        };
+        match u16::try_from(end) {
+            Ok(e) => {
+                *entry = Entry {
+                    stamp: self.clock,
+                    end: e,
+                    reads: reads.0,
+                    ..key
+                }
+            }
+            // beyond what an entry holds (a horizon above 65,534 steps): not cached
+            Err(_) => *entry = Entry::EMPTY,
+        }
         end
     }
 }
@@ -421,13 +709,32 @@ impl Survival {
 
     /// The distribution a request with this prompt is predicted from: its octave's once that
     /// has `min_samples` lengths, else the global one once that has, else none.
-    fn hist_for(&self, prompt_tokens: u32) -> Option<&LengthHistogram> {
-        let bucket = self
+    /// Also the source a prediction from it reads: its octave's once that is used (an octave
+    /// only ever gains lengths, so it stays used), else the global one, which every
+    /// observation changes (also the one that makes an octave usable).
+    fn hist_and_source(&self, prompt_tokens: u32) -> (Option<&LengthHistogram>, Source) {
+        let b = bucket_of(prompt_tokens);
+        if let Some(h) = self
             .buckets
-            .get(bucket_of(prompt_tokens))
+            .get(b)
             .and_then(Option::as_ref)
-            .filter(|h| h.total >= self.min_samples);
-        bucket.or((self.global.total >= self.min_samples).then_some(&self.global))
+            .filter(|h| h.total >= self.min_samples)
+        {
+            return (Some(h), SOURCE_BUCKET0 + b as Source);
+        }
+        let global = (self.global.total >= self.min_samples).then_some(&self.global);
+        (global, SOURCE_GLOBAL)
+    }
+
+    /// What observing a request with this prompt changes: the global distribution and, with
+    /// buckets, the prompt's octave.
+    fn changed_by(&self, prompt_tokens: u32) -> Changed {
+        let c = Changed::NOTHING.with(SOURCE_GLOBAL);
+        if self.buckets.is_empty() {
+            c
+        } else {
+            c.with(SOURCE_BUCKET0 + bucket_of(prompt_tokens) as Source)
+        }
     }
 
     /// The median output length of a request that has generated `generated` tokens and not
@@ -465,10 +772,22 @@ impl Predictor for Survival {
     }
 
     fn predict(&self, r: &RequestInfo, horizon: u32) -> Prediction {
-        match self.hist_for(r.prompt_tokens) {
+        self.predict_with_reads(r, horizon).0
+    }
+
+    fn predict_with_reads(&self, r: &RequestInfo, horizon: u32) -> (Prediction, Reads) {
+        let (hist, source) = self.hist_and_source(r.prompt_tokens);
+        let p = match hist {
             Some(h) => h.conditional(r.generated, horizon),
             None => Prediction::RUNS_ON,
-        }
+        };
+        (p, Reads::one(source))
+    }
+
+    fn alike(&self, r: &RequestInfo) -> Option<u64> {
+        // A prediction is the distribution's conditional at `generated`: nothing else.
+        let (_, source) = self.hist_and_source(r.prompt_tokens);
+        Some(u64::from(source) << 32 | u64::from(r.generated))
     }
 
     fn observe(&mut self, f: &Finished) {
@@ -477,6 +796,11 @@ impl Predictor for Survival {
             slot.get_or_insert_with(|| LengthHistogram::new(self.global.max_len))
                 .add(f.output_tokens);
         }
+    }
+
+    fn learn(&mut self, f: &Finished) -> Changed {
+        self.observe(f);
+        self.changed_by(f.prompt_tokens)
     }
 
     fn stats(&self) -> PredictorStats {
@@ -531,61 +855,34 @@ impl ExactMatch {
         self.by_hash.len()
     }
 
-    /// Forgets the least recently finished hash.
-    fn evict_one(&mut self) {
+    /// Forgets the least recently finished hash, and says which.
+    fn evict_one(&mut self) -> Option<u64> {
         while let Some((stamp, h)) = self.recency.pop_front() {
             if self.by_hash.get(&h).is_some_and(|e| e.stamp == stamp) {
                 self.by_hash.remove(&h);
-                return;
+                return Some(h);
             }
         }
-    }
-}
-
-impl Default for ExactMatch {
-    fn default() -> Self {
-        PredictorConfig::default().exact_match()
-    }
-}
-
-impl Predictor for ExactMatch {
-    fn name(&self) -> &'static str {
-        "exact-match"
+        None
     }
 
-    fn predict(&self, r: &RequestInfo, horizon: u32) -> Prediction {
-        let Some(entry) = r.prompt_hash.and_then(|h| self.by_hash.get(&h)) else {
-            return self.fallback.predict(r, horizon);
-        };
-        let j = r.generated;
-        let end = j.saturating_add(horizon);
-        let (mut alive, mut finishing, mut sum) = (0usize, 0usize, 0u64);
-        for &o in entry.lengths.iter().filter(|&&o| o > j) {
-            alive += 1;
-            if o <= end {
-                finishing += 1;
-                sum += u64::from(o);
-            }
-        }
-        if alive < self.min_hits {
-            return self.fallback.predict(r, horizon);
-        }
-        if finishing == 0 {
-            return Prediction::RUNS_ON;
-        }
-        Prediction {
-            p_finish: finishing as f64 / alive as f64,
-            mean_remaining: sum as f64 / finishing as f64 - f64::from(j),
-        }
+    /// The source of a prompt hash's shard: a prediction for a request with this hash reads
+    /// it (the hash's lengths, or that it has none), and an observation of it or its
+    /// eviction changes it.
+    fn shard(hash: u64) -> Source {
+        // Fibonacci hashing: the top bits of the product spread any hash pattern.
+        SOURCE_SHARD0 + (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as Source
     }
 
-    fn observe(&mut self, f: &Finished) {
+    /// [`Predictor::observe`]; returns the hash evicted to make room, if one was.
+    fn observe_evicting(&mut self, f: &Finished) -> Option<u64> {
         self.fallback.observe(f);
-        let Some(h) = f.prompt_hash else { return };
+        let h = f.prompt_hash?;
         self.clock += 1;
         let stamp = self.clock;
+        let mut evicted = None;
         if !self.by_hash.contains_key(&h) && self.by_hash.len() >= self.max_hashes {
-            self.evict_one();
+            evicted = self.evict_one();
         }
         let entry = self.by_hash.entry(h).or_insert_with(|| HashEntry {
             lengths: VecDeque::new(),
@@ -602,6 +899,86 @@ impl Predictor for ExactMatch {
             self.recency
                 .retain(|(s, h)| by_hash.get(h).is_some_and(|e| e.stamp == *s));
         }
+        evicted
+    }
+}
+
+impl Default for ExactMatch {
+    fn default() -> Self {
+        PredictorConfig::default().exact_match()
+    }
+}
+
+impl Predictor for ExactMatch {
+    fn name(&self) -> &'static str {
+        "exact-match"
+    }
+
+    fn predict(&self, r: &RequestInfo, horizon: u32) -> Prediction {
+        self.predict_with_reads(r, horizon).0
+    }
+
+    fn predict_with_reads(&self, r: &RequestInfo, horizon: u32) -> (Prediction, Reads) {
+        let Some(h) = r.prompt_hash else {
+            return self.fallback.predict_with_reads(r, horizon);
+        };
+        // Whether its hash is known is itself read: its shard.
+        let shard = Self::shard(h);
+        let fallback = |this: &Self| {
+            let (p, reads) = this.fallback.predict_with_reads(r, horizon);
+            (p, Reads::two(shard, reads.0[0]))
+        };
+        let Some(entry) = self.by_hash.get(&h) else {
+            return fallback(self);
+        };
+        let j = r.generated;
+        let end = j.saturating_add(horizon);
+        let (mut alive, mut finishing, mut sum) = (0usize, 0usize, 0u64);
+        for &o in entry.lengths.iter().filter(|&&o| o > j) {
+            alive += 1;
+            if o <= end {
+                finishing += 1;
+                sum += u64::from(o);
+            }
+        }
+        if alive < self.min_hits {
+            return fallback(self);
+        }
+        let reads = Reads::one(shard);
+        if finishing == 0 {
+            return (Prediction::RUNS_ON, reads);
+        }
+        let p = Prediction {
+            p_finish: finishing as f64 / alive as f64,
+            mean_remaining: sum as f64 / finishing as f64 - f64::from(j),
+        };
+        (p, reads)
+    }
+
+    fn alike(&self, r: &RequestInfo) -> Option<u64> {
+        match r.prompt_hash {
+            None => self.fallback.alike(r),
+            // An unknown hash is predicted by the fallback and reads the hash's shard: alike
+            // within the shard (bit 63 keeps these keys apart from the fallback's own).
+            Some(h) if !self.by_hash.contains_key(&h) => self
+                .fallback
+                .alike(r)
+                .map(|k| 1 << 63 | u64::from(Self::shard(h)) << 40 | k),
+            Some(_) => None,
+        }
+    }
+
+    fn observe(&mut self, f: &Finished) {
+        self.observe_evicting(f);
+    }
+
+    fn learn(&mut self, f: &Finished) -> Changed {
+        let evicted = self.observe_evicting(f);
+        let mut changed = self.fallback.changed_by(f.prompt_tokens);
+        for h in f.prompt_hash.into_iter().chain(evicted) {
+            changed = changed.with(Self::shard(h));
+        }
+        changed
     }
 
     fn stats(&self) -> PredictorStats {
@@ -634,7 +1011,15 @@ impl Predictor for Oracle {
         }
     }
 
+    fn predict_with_reads(&self, r: &RequestInfo, horizon: u32) -> (Prediction, Reads) {
+        (self.predict(r, horizon), Reads::NOTHING)
+    }
+
     fn observe(&mut self, _finished: &Finished) {}
+
+    fn learn(&mut self, _finished: &Finished) -> Changed {
+        Changed::NOTHING
+    }
 
     fn learns(&self) -> bool {
         false

@@ -24,7 +24,9 @@
 //! existed. Why count the barrier this way and not as `max_g (a·L_g + c·n_g)`: it is the form
 //! `br-sim calibrate` fits from `(max L, max n, T)` samples, and the twin runs.
 
-use crate::predict::{PredictionCache, Predictor, PredictorConfig, expected_remaining};
+use crate::predict::{
+    PredictionCache, Predictor, PredictorConfig, expected_remaining, expected_remaining_with_reads,
+};
 use crate::state::{ClusterState, RequestInfo};
 use crate::{Phase, WorkerId};
 
@@ -109,7 +111,11 @@ fn horizon_end(
     gate: f64,
     steps: usize,
 ) -> usize {
-    let remaining = expected_remaining(predictor, r, horizon, gate);
+    end_step(expected_remaining(predictor, r, horizon, gate), steps)
+}
+
+/// `⌈ĉ_i⌉` as a horizon step: at least 1, at most `steps`.
+fn end_step(remaining: f64, steps: usize) -> usize {
     (remaining.ceil().max(1.0) as usize).min(steps)
 }
 
@@ -188,9 +194,16 @@ impl Margins {
         let steps = params.horizon as usize + 1;
         cache.begin_tick(params, state.slot_count());
         Self::project(state, params, |slot, r| {
-            cache.end(slot, r, || {
-                horizon_end(predictor, r, params.horizon, params.gate, steps)
-            })
+            cache.end(
+                slot,
+                r,
+                || predictor.alike(r),
+                || {
+                    let (remaining, reads) =
+                        expected_remaining_with_reads(predictor, r, params.horizon, params.gate);
+                    (end_step(remaining, steps), reads)
+                },
+            )
         })
     }
 

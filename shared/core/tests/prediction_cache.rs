@@ -8,7 +8,7 @@
 
 use br_core::dispatch::{DispatcherConfig, dispatch_tick};
 use br_core::policy::PredictorKind;
-use br_core::predict::{ExactMatch, Finished, Oracle, PredictionCache, Predictor, Survival};
+use br_core::predict::{Finished, Oracle, PredictionCache, Predictor, PredictorConfig, Survival};
 use br_core::score::{HorizonParams, Margins};
 use br_core::{
     ClusterState, Phase, PolicyConfig, PolicyKind, Pool, PoolEntry, RequestInfo, build_policy,
@@ -41,22 +41,48 @@ fn event() -> impl Strategy<Value = Event> {
     ]
 }
 
-fn predictor(kind: PredictorKind) -> Box<dyn Predictor> {
+fn predictor(kind: PredictorKind, config: &PredictorConfig) -> Box<dyn Predictor> {
     match kind {
-        // Few enough samples needed that the run's own finishes train it.
-        PredictorKind::Survival => Box::new(Survival::default()),
-        PredictorKind::ExactMatch => Box::new(ExactMatch::default()),
+        PredictorKind::Survival => Box::new(config.survival()),
+        PredictorKind::ExactMatch => Box::new(config.exact_match()),
         PredictorKind::Oracle => Box::new(Oracle),
     }
 }
 
-fn scenario() -> impl Strategy<Value = (PredictorKind, u32, u32, Vec<Vec<Event>>, Vec<u32>)> {
+/// The predictors' memory and warm-up: the defaults, or a few samples per octave and an
+/// ExactMatch that holds two hashes (so octaves turn usable mid-run and hashes are evicted,
+/// the two ways an observation changes what other requests read).
+fn predictor_config() -> impl Strategy<Value = PredictorConfig> {
+    prop_oneof![
+        Just(PredictorConfig::default()),
+        (1u64..6, 1usize..4, any::<bool>()).prop_map(|(min_samples, max_hashes, buckets)| {
+            PredictorConfig {
+                min_samples,
+                max_hashes,
+                prompt_buckets: buckets,
+                ..PredictorConfig::default()
+            }
+        }),
+    ]
+}
+
+type Scenario = (
+    PredictorKind,
+    PredictorConfig,
+    u32,
+    u32,
+    Vec<Vec<Event>>,
+    Vec<u32>,
+);
+
+fn scenario() -> impl Strategy<Value = Scenario> {
     (
         prop_oneof![
             Just(PredictorKind::Survival),
             Just(PredictorKind::ExactMatch),
             Just(PredictorKind::Oracle)
         ],
+        predictor_config(),
         1u32..9,
         1u32..6,
         prop::collection::vec(prop::collection::vec(event(), 0..12), 1..25),
@@ -70,9 +96,9 @@ proptest! {
 
     #[test]
     fn cached_and_uncached_brh_choose_the_same(
-        (kind, workers, capacity, rounds, warm) in scenario(),
+        (kind, config, workers, capacity, rounds, warm) in scenario(),
     ) {
-        let params = HorizonParams { horizon: 40, ..HorizonParams::default() };
+        let params = HorizonParams { horizon: 40, predictor: config, ..HorizonParams::default() };
         let cfg = PolicyConfig {
             kind: PolicyKind::BrH(kind),
             dispatcher: DispatcherConfig::default(),
@@ -80,12 +106,18 @@ proptest! {
             seed: 1,
         };
         let mut cached = build_policy(&cfg).unwrap();
-        let mut reference = predictor(kind);
+        let mut reference = predictor(kind, &config);
+        // A cache that lives through the whole run beside the policy's, told what each
+        // observation changed by its own predictor (fed the same lengths as the reference):
+        // its margins must equal the uncached ones every round.
+        let mut tracked = predictor(kind, &config);
+        let mut long_lived = PredictionCache::new();
         for (i, &len) in warm.iter().enumerate() {
             let hash = Some(i as u64 % 6);
             let f = Finished { prompt_tokens: 100 + 700 * (i as u32 % 5), prompt_hash: hash, output_tokens: len };
             cached.observe_finished(&f);
             reference.observe(&f);
+            long_lived.learned(tracked.learn(&f));
         }
         let mut state = ClusterState::with_workers(&vec![capacity; workers as usize]);
         let (mut pool_a, mut pool_b) = (Pool::new(), Pool::new());
@@ -116,6 +148,7 @@ proptest! {
                             };
                             cached.observe_finished(&f);
                             reference.observe(&f);
+                            long_lived.learned(tracked.learn(&f));
                         }
                     }
                     Event::Arrive { prompt, hash, output } => {
@@ -146,6 +179,8 @@ proptest! {
             let mut fresh = PredictionCache::new();
             let once = Margins::horizon_cached(&state, &params, reference.as_ref(), &mut fresh);
             prop_assert_eq!(&uncached_margins, &once);
+            let kept = Margins::horizon_cached(&state, &params, tracked.as_ref(), &mut long_lived);
+            prop_assert_eq!(&uncached_margins, &kept);
 
             let mut a = Vec::new();
             cached.dispatch(&mut pool_a, &state, &mut a);
@@ -204,7 +239,9 @@ fn cache_reuses_only_what_is_unchanged() {
     let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
     assert_eq!(cache.hit_counts(), (199, 201));
     assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
-    // A request that left leaves its slot to the next one, which is predicted anew.
+    // A request that left leaves its slot to the next one, which is predicted anew (it ends
+    // at another length: a prediction is a function of the request's prompt, generated
+    // tokens, hash and oracle length, so a newcomer equal in all four may keep the entry).
     st.remove(7).unwrap();
     st.reserve(RequestInfo {
         key: 1_000,
@@ -213,11 +250,71 @@ fn cache_reuses_only_what_is_unchanged() {
         generated: 5,
         phase: Phase::Running,
         prompt_hash: None,
-        oracle_output: Some(50),
+        oracle_output: Some(60),
     })
     .unwrap();
     let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
     assert_eq!(cache.hit_counts(), (298, 202));
     assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
     assert!(cache.len() <= st.slot_count());
+    // One equal in all four (another key, another worker, queued) reuses the entry: the same
+    // prediction.
+    st.remove(1_000).unwrap();
+    st.reserve(RequestInfo {
+        key: 2_000,
+        worker: 0,
+        prompt_tokens: 100,
+        generated: 5,
+        phase: Phase::Queued,
+        prompt_hash: None,
+        oracle_output: Some(60),
+    })
+    .unwrap();
+    let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
+    assert_eq!(cache.hit_counts(), (398, 202));
+    assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
+}
+
+/// A Survival finish re-predicts the requests of its prompt-length octave (and any predicted
+/// from the global prior), not the others.
+#[test]
+fn a_finish_re_predicts_only_its_octave() {
+    let params = HorizonParams::default();
+    let mut st = ClusterState::with_workers(&[64, 64]);
+    for key in 1..=100u64 {
+        st.reserve(RequestInfo {
+            key,
+            worker: (key % 2) as u32,
+            // octave 7 (64..127) and octave 13 (4,096..8,191)
+            prompt_tokens: if key <= 50 { 100 } else { 5_000 },
+            generated: 5,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let mut survival = Survival::with_buckets(4096, 4, true);
+    let mut cache = PredictionCache::new();
+    let finish = |prompt_tokens, output_tokens| Finished {
+        prompt_tokens,
+        prompt_hash: None,
+        output_tokens,
+    };
+    for _ in 0..4 {
+        cache.learned(survival.learn(&finish(100, 50)));
+        cache.learned(survival.learn(&finish(5_000, 1_000)));
+    }
+    let _ = Margins::horizon_cached(&st, &params, &survival, &mut cache);
+    assert_eq!(cache.hit_counts(), (0, 100));
+    cache.learned(survival.learn(&finish(5_000, 900)));
+    let m = Margins::horizon_cached(&st, &params, &survival, &mut cache);
+    assert_eq!(cache.hit_counts(), (50, 150), "only the long prompts again");
+    assert_eq!(m, Margins::horizon(&st, &params, &survival));
+    // An octave no request is in: it changes the global prior, which no prediction reads
+    // now that both octaves have their own distribution.
+    cache.learned(survival.learn(&finish(20_000, 10)));
+    let m = Margins::horizon_cached(&st, &params, &survival, &mut cache);
+    assert_eq!(cache.hit_counts(), (150, 150));
+    assert_eq!(m, Margins::horizon(&st, &params, &survival));
 }

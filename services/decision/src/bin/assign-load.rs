@@ -19,6 +19,16 @@
 //! group's running requests. Latencies are reported over all groups and per-group p99's
 //! spread.
 //!
+//! Offering 10k calls/s on a small machine: `--connections N` opens N HTTP/2 connections to
+//! each decision address (calls go round robin over them; one connection is one h2 task on
+//! each side, which serialises every frame of every call through one core), and
+//! `--batch-interval` sets how often each group's telemetry batch is sent (ingest's own
+//! coalescing interval is 2 ms; at 64 groups a 1 ms batch is 64k Apply messages a second).
+//! The report says how honest the offered load was: calls skipped at `--max-in-flight`, how
+//! late calls left against their open-loop schedule (p50/p99/max, and how many more than
+//! 1 ms late), telemetry events and batches actually sent per second against the offer, and
+//! the generator's own CPU time (from /proc/self/stat), so a saturated generator shows itself.
+//!
 //! Mutual TLS: `--tls-cert/--tls-key/--tls-ca` is the identity `Assign` is called with (the
 //! gateway's, e.g. `gateway.pem` from `scripts/dev-certs.sh`); the decision service is verified
 //! as role decision. Only an ingest may call the snapshot service's `Apply`, so the telemetry
@@ -75,6 +85,13 @@ struct Opts {
     /// Results of the first part are not counted.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     warmup: Duration,
+    /// HTTP/2 connections per decision address; calls go round robin over them.
+    #[arg(long, default_value_t = 1)]
+    connections: usize,
+    /// Telemetry side: each group's batch of changes is sent this often (one Apply message
+    /// per group per interval).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "1ms")]
+    batch_interval: Duration,
     /// Most calls in flight; beyond it the generator counts a "skipped" call.
     #[arg(long, default_value_t = 4096)]
     max_in_flight: usize,
@@ -169,15 +186,30 @@ async fn main() -> anyhow::Result<()> {
         selection: o.selection,
         ..Default::default()
     };
-    let client = AssignClient::with_options(o.decision_addr.iter().cloned(), tls.as_ref(), options)
-        .context("--decision-addr")?
-        .with_retry(RetryPolicy {
-            max_attempts: o.max_attempts,
-            ..RetryPolicy::default()
-        });
+    anyhow::ensure!(o.connections >= 1, "--connections must be at least 1");
+    anyhow::ensure!(
+        o.batch_interval >= Duration::from_micros(100),
+        "--batch-interval must be at least 100µs"
+    );
+    // One client per connection: each holds its own channel (one HTTP/2 connection) to every
+    // address.
+    let clients: Vec<AssignClient> = (0..o.connections)
+        .map(|_| {
+            AssignClient::with_options(o.decision_addr.iter().cloned(), tls.as_ref(), options)
+                .context("--decision-addr")
+                .map(|c| {
+                    c.with_retry(RetryPolicy {
+                        max_attempts: o.max_attempts,
+                        ..RetryPolicy::default()
+                    })
+                })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let cpu_at_start = process_cpu();
 
-    // Telemetry side: hello, then running / progress / finished in 1 ms batches.
+    // Telemetry side: hello, then running / progress / finished in batches.
     let (assigned_tx, assigned_rx) = mpsc::channel::<Assigned>(65_536);
+    let telemetry_counts = Arc::new(TelemetryCounts::default());
     let telemetry = if o.workers > 0 {
         Some(tokio::spawn(telemetry(
             o.snapshot_addr.clone(),
@@ -187,7 +219,9 @@ async fn main() -> anyhow::Result<()> {
             o.capacity,
             o.progress_events,
             o.hold,
+            o.batch_interval,
             assigned_rx,
+            Arc::clone(&telemetry_counts),
         )))
     } else {
         drop(assigned_rx);
@@ -204,20 +238,30 @@ async fn main() -> anyhow::Result<()> {
     let total = o.warmup + o.duration;
     let mut sent = 0u64;
     let mut skipped = 0u64;
+    // How late each call left against its open-loop schedule (start + n / rate).
+    let mut lateness = latency_histogram()?;
+    let unreported = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let collector = {
         let assigned_tx = assigned_tx.clone();
+        let unreported = Arc::clone(&unreported);
         tokio::spawn(async move {
             let mut out = Vec::new();
             while let Some(r) = res_rx.recv().await {
-                if let Outcome::Ok(_, id, g, w, inc) = &r {
-                    let _ = assigned_tx.try_send(Assigned {
-                        id: id.clone(),
-                        group: *g,
-                        worker: *w,
-                        incarnation: *inc,
-                    });
+                if let Outcome::Ok(_, id, g, w, inc) = &r
+                    && assigned_tx
+                        .try_send(Assigned {
+                            id: id.clone(),
+                            group: *g,
+                            worker: *w,
+                            incarnation: *inc,
+                        })
+                        .is_err()
+                {
+                    // The telemetry side is behind: this request is never reported running
+                    // nor finished (it leaves σ by the reservation's TTL).
+                    unreported.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 out.push(r);
             }
@@ -232,17 +276,22 @@ async fn main() -> anyhow::Result<()> {
             break;
         }
         let due = (o.rate * elapsed.as_secs_f64()) as u64;
+        let mut rng = rand::rng();
         while sent < due {
             sent += 1;
+            let scheduled = start + Duration::from_secs_f64(sent as f64 / o.rate);
+            if scheduled >= start + o.warmup {
+                lateness.saturating_record(us(Instant::now().saturating_duration_since(scheduled)));
+            }
             let Ok(permit) = Arc::clone(&sem).try_acquire_owned() else {
                 skipped += 1;
                 continue;
             };
-            let prompt = rand::rng().random_range(o.prompt_min..=o.prompt_max);
-            let g = rand::rng().random_range(0..groups.len());
+            let prompt = rng.random_range(o.prompt_min..=o.prompt_max);
+            let g = rng.random_range(0..groups.len());
             let params =
                 AssignParams::new(groups[g].clone(), format!("load-{run:08x}-{sent}"), prompt);
-            let client = client.clone();
+            let client = clients[sent as usize % clients.len()].clone();
             let tx = res_tx.clone();
             let deadline = o.deadline;
             tokio::spawn(async move {
@@ -270,6 +319,8 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     drop(res_tx);
+    let cpu_sending = process_cpu().saturating_sub(cpu_at_start);
+    let wall_sending = start.elapsed();
     // Wait for the calls in flight.
     let _ = sem.acquire_many(o.max_in_flight as u32).await;
     let results = collector.await?;
@@ -309,6 +360,35 @@ async fn main() -> anyhow::Result<()> {
         o.warmup,
         added.len() as f64 / secs
     );
+    let late_1ms = lateness.len() - lateness.count_between(0, 1_000);
+    report("send lateness against the open-loop schedule", &lateness);
+    println!(
+        "calls sent more than 1 ms late: {late_1ms} of {}; answered but never reported to telemetry (its queue full): {}",
+        lateness.len(),
+        unreported.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    if o.workers > 0 {
+        let t = &telemetry_counts;
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let secs = total.as_secs_f64();
+        println!(
+            "telemetry sent: {} progress/finish events ({:.0}/s, offered {}/s), {} batches ({:.0}/s), {} of {} batch intervals missed (the loop was late)",
+            load(&t.events),
+            load(&t.events) as f64 / secs,
+            o.progress_events,
+            load(&t.batches),
+            load(&t.batches) as f64 / secs,
+            load(&t.missed_intervals),
+            load(&t.intervals) + load(&t.missed_intervals),
+        );
+    }
+    println!(
+        "generator CPU while sending: {:.2} s over {:.1} s ({:.0}% of one core), {} connection(s)",
+        cpu_sending.as_secs_f64(),
+        wall_sending.as_secs_f64(),
+        100.0 * cpu_sending.as_secs_f64() / wall_sending.as_secs_f64().max(1e-9),
+        o.connections
+    );
     report("added latency (client - pool_wait)", &added);
     report("client-observed latency", &client_lat);
     report("pool wait (from responses)", &waits);
@@ -339,6 +419,35 @@ struct Assigned {
     incarnation: u64,
 }
 
+/// What the telemetry side did (for the report: offered is not sent).
+#[derive(Default)]
+struct TelemetryCounts {
+    events: std::sync::atomic::AtomicU64,
+    batches: std::sync::atomic::AtomicU64,
+    intervals: std::sync::atomic::AtomicU64,
+    missed_intervals: std::sync::atomic::AtomicU64,
+}
+
+/// CPU time (user + system) of this process so far, from /proc/self/stat (zero where that
+/// cannot be read: not Linux).
+fn process_cpu() -> Duration {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return Duration::ZERO;
+    };
+    // Fields after the command's closing parenthesis; utime and stime are the 14th and 15th
+    // of the line, in clock ticks (USER_HZ, 100 on Linux).
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return Duration::ZERO;
+    };
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    Duration::from_millis(f.iter().sum::<u64>() * 10)
+}
+
 /// One running request the telemetry side reports.
 struct Active {
     id: String,
@@ -360,8 +469,11 @@ async fn telemetry(
     capacity: u32,
     events_per_sec: u64,
     hold: Duration,
+    interval: Duration,
     mut assigned: mpsc::Receiver<Assigned>,
+    counts: Arc<TelemetryCounts>,
 ) -> anyhow::Result<()> {
+    use std::sync::atomic::Ordering::Relaxed;
     let endpoint = tonic::transport::Endpoint::from_shared(addr.clone())
         .context("--snapshot-addr")?
         .tcp_nodelay(true);
@@ -404,12 +516,21 @@ async fn telemetry(
     // Per group: its running requests, oldest first, and the round-robin cursor.
     let mut active: Vec<VecDeque<Active>> = (0..groups.len()).map(|_| VecDeque::new()).collect();
     let mut cursor = vec![0usize; groups.len()];
-    let per_ms = (events_per_sec / 1000).max(1) as usize;
-    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    // Events per interval (at least one).
+    let per_tick = ((events_per_sec as f64 * interval.as_secs_f64()).round() as usize).max(1);
+    let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut last = Instant::now();
     loop {
         tick.tick().await;
         let now = Instant::now();
+        // Skipped intervals: the loop (or the Apply stream's back-pressure) was late.
+        let gap = now.saturating_duration_since(last).as_secs_f64() / interval.as_secs_f64();
+        if gap >= 2.0 {
+            counts.missed_intervals.fetch_add(gap as u64 - 1, Relaxed);
+        }
+        last = now;
+        counts.intervals.fetch_add(1, Relaxed);
         while let Ok(a) = assigned.try_recv() {
             active[a.group].push_back(Active {
                 id: a.id,
@@ -438,13 +559,13 @@ async fn telemetry(
                     }));
                 }
             }
-            // Progress of running ones, round robin; the events of this millisecond are
+            // Progress of running ones, round robin; the events of this interval are
             // shared among the groups by how many requests each runs.
             let n = active.len();
             let share = if running == 0 {
                 0
             } else {
-                (per_ms * n).div_ceil(running)
+                (per_tick * n).div_ceil(running)
             };
             for _ in 0..share.min(n) {
                 cursor[g] = (cursor[g] + 1) % n;
@@ -460,7 +581,12 @@ async fn telemetry(
                     unkeyed: false,
                 }));
             }
-            if !changes.is_empty() && tx.send(send(group, changes)).await.is_err() {
+            if changes.is_empty() {
+                continue;
+            }
+            counts.events.fetch_add(changes.len() as u64, Relaxed);
+            counts.batches.fetch_add(1, Relaxed);
+            if tx.send(send(group, changes)).await.is_err() {
                 anyhow::bail!("the Apply stream closed");
             }
         }
