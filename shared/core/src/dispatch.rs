@@ -176,10 +176,11 @@ pub enum Stage2Target {
     /// that it, not the horizon reward, sets where the rank lands. Without a horizon (BR-0,
     /// H = 0) every climb is 0, the weight 1, and this is `Now`.
     ///
-    /// Not the default (tools/sim/README.md, B = 64, 5 seeds): with BR-H it removes 1–2 more
-    /// points of the gap on paper-azure at G = 32..128, but loses 2 at G = 8 and on paper-prop,
-    /// and takes away BR-H's gain on prompt-heavy short-output traffic (mooncake), where the
-    /// horizon reward filling towards a max about to fall is what helps.
+    /// Not the default (tools/sim/README.md, "BR-H measured at each rank's next finish"; B = 64,
+    /// 5 seeds): at G ≥ 16 it lifts BR-H 2–7 points of the gap on the paper shapes, to level
+    /// with or above BR-0 on paper-azure, but it is below BR-0 at G = 8 and (with online
+    /// predictors) on paper-prop, and it takes away BR-H's gain on prompt-heavy short-output
+    /// traffic (mooncake), where the horizon reward filling towards a max about to fall helps.
     NextFinish,
 }
 
