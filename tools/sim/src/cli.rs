@@ -129,6 +129,10 @@ pub struct RunArgs {
     /// pool at its arrival position.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub deciders: u32,
+    /// With K > 1 deciders: they take turns, one admission round (step) each, so each sees all
+    /// the others' admissions and none collide (a model of splitting ticks between replicas).
+    #[arg(long)]
+    pub decider_turns: bool,
 }
 
 /// Flags of `sweep`.
