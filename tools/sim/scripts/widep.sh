@@ -7,7 +7,8 @@
 # of capacity, seed spread), paired (the same, paired by seed with paired.py), lag, gap (the
 # issue's 90% target: saturated and Poisson at 1.2x the fluid capacity, G = 8..128, B = 64 and
 # 256, BR-0 against the previous default; the figures' CSV), nextfinish (BR-H with Stage 2's
-# mean fill measured at each rank's next predicted finish, B = 64, G = 8..128).
+# mean fill measured at each rank's next predicted finish, B = 64, G = 8..128), turns (two
+# deciders admitting in turn, G = 64, B = 64).
 # Sized for a shared 2-core machine: 300 requests per rank (paper-azure) and 500 (paper-prop)
 # keep several hundred steady steps at every G; 5 seeds; run it under `nice`.
 set -euo pipefail
@@ -188,6 +189,19 @@ for section in $SECTIONS; do
       python3 "$ROOT/tools/sim/scripts/paired.py" "$SIM" "$SEEDS" -- --trace "$1" --arrival poisson \
           --rate "$2" --workers 8 --slots 256 --policies "$BASE,br0,brh,brh:$NF" \
           > "$OUT/W-nf-moderate-$1-60.txt"
+    done ;;
+  turns) # two deciders admitting in turn against two active-active ones, G = 64, B = 64
+    OUTF="$OUT/W-gap-deciders-turns-B64-G64.txt"
+    : > "$OUTF"
+    for spec in "paper-prop --deciders 2" "paper-prop --deciders 2 --decider-turns" \
+                "paper-azure --deciders 2 --decider-turns"; do
+      set -- $spec
+      wl=$1; shift
+      echo "== $wl $*" >&2
+      { echo "\$ br-sim sweep --trace $wl --arrival saturated --slots 64 --workers-list 64 --per-worker $(per_rank "$wl" 64) --policies $BASE,br0 $* --seeds $SEEDS"
+        "$SIM" sweep --trace "$wl" --arrival saturated --slots 64 --workers-list 64 \
+            --per-worker "$(per_rank "$wl" 64)" --policies "$BASE,br0" "$@" --seeds "$SEEDS" 2>/dev/null
+        echo; } >> "$OUTF"
     done ;;
   *) echo "unknown section $section" >&2; exit 2 ;;
   esac
