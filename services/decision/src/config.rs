@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use br_core::dispatch::{
-    ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Hold, Stage2Window,
-    TieBreak,
+    ColdStart, DispatcherConfig, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Hold, Stage2Target,
+    Stage2Window, TieBreak,
 };
 use br_core::predict::PredictorConfig;
 use br_core::score::HorizonParams;
@@ -160,6 +160,12 @@ pub struct Args {
     /// mean (never, above-mean, worse). Unset: the core's default.
     #[arg(long, env = "BALANCEROUTE_STAGE2_HOLD", value_parser = kebab::<Stage2Hold>)]
     pub stage2_hold: Option<Stage2Hold>,
+
+    /// Dispatcher: which load Stage 2's mean fill compares ranks by (now, next-finish: each
+    /// rank's projected load before its next predicted finish; BR-H only, BR-0 has no
+    /// horizon). Unset: the core's default.
+    #[arg(long, env = "BALANCEROUTE_STAGE2_TARGET", value_parser = kebab::<Stage2Target>)]
+    pub stage2_target: Option<Stage2Target>,
 
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
@@ -331,6 +337,7 @@ impl Args {
                 stage1_level: self.stage1_level.unwrap_or(d.stage1_level),
                 stage1_shallow: self.stage1_shallow.unwrap_or(d.stage1_shallow),
                 stage2_hold: self.stage2_hold.unwrap_or(d.stage2_hold),
+                stage2_target: self.stage2_target.unwrap_or(d.stage2_target),
             },
             horizon: HorizonParams {
                 horizon: self.horizon.unwrap_or(h.horizon),
@@ -592,6 +599,13 @@ mod tests {
         assert!(!c.policy.dispatcher.stage1_shallow);
         assert_eq!(c.policy.dispatcher.stage2_hold, Stage2Hold::Never);
         assert!(parse(&["--stage2-hold", "sometimes"]).is_err());
+        assert_eq!(d.stage2_target, DispatcherConfig::default().stage2_target);
+        let c = parse(&["--stage2-target", "next-finish"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.policy.dispatcher.stage2_target, Stage2Target::NextFinish);
+        assert!(parse(&["--stage2-target", "later"]).is_err());
         assert!(parse(&["--stage1-shallow", "maybe"]).is_err());
     }
 

@@ -21,6 +21,9 @@
 //! choose but where each goes; [`DispatcherConfig::stage1_shallow`]), and Stage 2 leaves a slot
 //! empty on a worker above the mean rather than raise it further ([`Stage2Hold::AboveMean`]).
 //!
+//! BR-H can also measure Stage 2's mean fill at each rank's next predicted finish instead of now
+//! ([`Stage2Target::NextFinish`], opt-in).
+//!
 //! The paper leaves three choices open; each is a [`DispatcherConfig`] field and the simulator
 //! (see tools/sim/README.md) chose the defaults, as for the two Stage 2 choices above.
 
@@ -148,6 +151,37 @@ pub struct DispatcherConfig {
     pub stage1_shallow: bool,
     /// When Stage 2 leaves a slot empty rather than move a worker away from the mean.
     pub stage2_hold: Stage2Hold,
+    /// Which load Stage 2's mean fill (and its hold) compares ranks by.
+    pub stage2_target: Stage2Target,
+}
+
+/// Which load of a rank Stage 2's mean fill brings to the group's mean (and the hold compares
+/// with it). A full rank's load changes only at its own finishes: between two of them it climbs
+/// by its running count every step. What an admission decides is where the rank stands until
+/// its *next* finish (the refill of that slot corrects it again), so under a long-output
+/// workload the rank that becomes the max is the one refilled longest before its next finish
+/// (issue 16: on paper-azure the max rank had been refilled 49 steps before under Poisson).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Stage2Target {
+    /// The loads now (BR-0 has nothing else: its margins have no horizon).
+    Now,
+    /// Each rank's projected load just before its next predicted finish (its peak until the
+    /// slot it frees is refilled), from the horizon projection: `L_g + climb_g`, where
+    /// `climb_g` is what the rank's running requests add before the first step at which its
+    /// projected load falls (the horizon's end if none does), and the mean is over the live
+    /// ranks' peaks. A rank whose next finish is far off is filled below the mean by what it
+    /// will climb more than the others; one about to finish takes a larger prompt. The fill
+    /// then weighs a token past the target at the score's own reward per token (`α·Σd`), so
+    /// that it, not the horizon reward, sets where the rank lands. Without a horizon (BR-0,
+    /// H = 0) every climb is 0, the weight 1, and this is `Now`.
+    ///
+    /// Not the default (tools/sim/README.md, "BR-H measured at each rank's next finish"; B = 64,
+    /// 5 seeds): at G ≥ 16 it lifts BR-H 2–7 points of the gap on the paper shapes, to level
+    /// with or above BR-0 on paper-azure, but it is below BR-0 at G = 8 and (with online
+    /// predictors) on paper-prop, and it takes away BR-H's gain on prompt-heavy short-output
+    /// traffic (mooncake), where the horizon reward filling towards a max about to fall helps.
+    NextFinish,
 }
 
 /// When Stage 2 (with the mean fill) leaves a worker's free slots empty for this tick rather
@@ -188,6 +222,7 @@ impl Default for DispatcherConfig {
             stage1_level: 0.5,
             stage1_shallow: true,
             stage2_hold: Stage2Hold::AboveMean,
+            stage2_target: Stage2Target::Now,
         }
     }
 }
@@ -261,6 +296,13 @@ pub fn dispatch_tick(
     };
     let live = state.live_workers().max(1);
     let load_sum = state.live_worker_ids().map(|w| margins.load(w)).sum();
+    let (climb, climb_mean, fill_weight) = match cfg.stage2_target {
+        Stage2Target::Now => (Vec::new(), 0.0, 1.0),
+        Stage2Target::NextFinish => {
+            let (climb, mean) = climbs(state, margins);
+            (climb, mean, margins.reward_per_token())
+        }
+    };
     let mut t = Tick {
         pool,
         margins,
@@ -268,6 +310,9 @@ pub fn dispatch_tick(
         s_tot,
         load_sum,
         live: f64::from(live),
+        climb,
+        climb_mean,
+        fill_weight,
         out,
     };
 
@@ -439,6 +484,15 @@ struct Tick<'a> {
     /// Σ of the live workers' loads, as admissions add to them (Stage 2's mean fill).
     load_sum: f64,
     live: f64,
+    /// With [`Stage2Target::NextFinish`]: per worker, what it climbs before its next predicted
+    /// finish (empty otherwise), and the mean of that over the live workers.
+    climb: Vec<f64>,
+    climb_mean: f64,
+    /// What a token past the mean costs Stage 2's mean fill, per token the fill falls short:
+    /// 1 (in BR-0's units), or with [`Stage2Target::NextFinish`] the score's own reward per
+    /// token, `α·Σd` (BR-H: about 7 with the paper's γ), so that the fill, not the horizon
+    /// reward, decides where the rank lands.
+    fill_weight: f64,
     out: &'a mut Vec<Admission>,
 }
 
@@ -449,7 +503,7 @@ impl Tick<'_> {
         let f = self.margins.score_subset(w, delta_s, requests);
         match fill {
             Stage2Fill::Max => f,
-            Stage2Fill::Mean => f - 2.0 * (delta_s - self.mean_gap(w)).max(0.0),
+            Stage2Fill::Mean => f - 2.0 * self.fill_weight * (delta_s - self.mean_gap(w)).max(0.0),
         }
     }
 
@@ -466,9 +520,14 @@ impl Tick<'_> {
         Some(mean + level * (max - mean))
     }
 
-    /// `L̄ − L_g` (negative above the mean).
+    /// `L̄ − L_g` (negative above the mean), or with [`Stage2Target::NextFinish`] the same
+    /// for the loads at each rank's next finish.
     fn mean_gap(&self, w: WorkerId) -> f64 {
-        self.load_sum / self.live - self.margins.load(w)
+        let gap = self.load_sum / self.live - self.margins.load(w);
+        match self.climb.get(w as usize) {
+            Some(c) => gap - (c - self.climb_mean),
+            None => gap,
+        }
     }
 
     /// The prompt size Stage 2's score peaks at for worker w.
@@ -494,6 +553,32 @@ impl Tick<'_> {
             stage,
         });
     }
+}
+
+/// Per worker, what its projected load climbs before its first projected fall (its next
+/// predicted finish), or over the whole horizon if it does not fall; 0 for a dead worker. And
+/// the mean over the live workers. O(G·H).
+fn climbs(state: &ClusterState, margins: &Margins) -> (Vec<f64>, f64) {
+    let steps = margins.horizon_steps();
+    let mut climb = vec![0.0; state.workers().len()];
+    for w in state.live_worker_ids() {
+        let mut peak = margins.projected_load(w, 0);
+        for h in 1..steps {
+            let next = margins.projected_load(w, h);
+            if next < peak {
+                break;
+            }
+            peak = next;
+        }
+        climb[w as usize] = peak - margins.load(w);
+    }
+    let live = f64::from(state.live_workers().max(1));
+    let mean = state
+        .live_worker_ids()
+        .map(|w| climb[w as usize])
+        .sum::<f64>()
+        / live;
+    (climb, mean)
 }
 
 fn all_margins_zero(state: &ClusterState, margins: &Margins) -> bool {

@@ -354,6 +354,19 @@ impl Margins {
         self.loads[w as usize * self.steps]
     }
 
+    /// Projected load of worker w, h steps ahead (h < [`Margins::horizon_steps`]), with this
+    /// tick's admissions counted at every step.
+    pub fn projected_load(&self, w: WorkerId, h: usize) -> f64 {
+        self.loads[w as usize * self.steps + h]
+    }
+
+    /// What one admitted token adds to the score while it fits under every margin: `α·Σd`
+    /// (1 for BR-0). A penalty added to the score per token (Stage 2's mean fill) is in these
+    /// units.
+    pub fn reward_per_token(&self) -> f64 {
+        self.alpha * self.discount_sum
+    }
+
     /// `F_g({i})` for one request of `delta_s` prompt tokens.
     pub fn score(&self, w: WorkerId, delta_s: f64) -> f64 {
         self.score_subset(w, delta_s, 1)

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use br_core::dispatch::{
     Admission, ColdStart, DispatcherConfig, Stage, Stage1Scope, Stage1Worker, Stage2Fill,
-    Stage2Hold, Stage2Window, TieBreak, best_subset,
+    Stage2Hold, Stage2Target, Stage2Window, TieBreak, best_subset,
 };
 use br_core::predict::Oracle;
 use br_core::score::{HorizonParams, Margins, br0_score};
@@ -62,6 +62,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 Just(Stage2Hold::AboveMean),
                 Just(Stage2Hold::Worse)
             ],
+            prop_oneof![Just(Stage2Target::Now), Just(Stage2Target::NextFinish)],
         )
             .prop_map(
                 |(
@@ -82,6 +83,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     stage1_level,
                     stage1_shallow,
                     stage2_hold,
+                    stage2_target,
                 )| {
                     Scenario {
                         capacities,
@@ -100,6 +102,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             stage1_level,
                             stage1_shallow,
                             stage2_hold,
+                            stage2_target,
                         },
                     }
                 },
@@ -139,6 +142,46 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
         .unwrap();
     }
     (st, pool)
+}
+
+/// Per worker, what its load climbs before the first step at which its projected load falls
+/// (a request ending by the oracle within the default horizon), or over the whole horizon if it
+/// never falls: the next-finish target's climb, recomputed here from the requests (each counts
+/// `prompt + generated`, plus h if running, while h is below its oracle end), not from `Margins`.
+fn climbs_to_next_finish(st: &ClusterState) -> Vec<f64> {
+    let h_max = u64::from(HorizonParams::default().horizon);
+    st.workers()
+        .iter()
+        .enumerate()
+        .map(|(w, info)| {
+            if !info.alive {
+                return 0.0;
+            }
+            let reqs: Vec<&RequestInfo> = st.requests_of(w as u32).collect();
+            // the oracle predicts a finish only within the horizon; else it runs past it
+            let end = |r: &RequestInfo| match r.oracle_output {
+                Some(o) if o > r.generated && u64::from(o - r.generated) <= h_max => {
+                    u64::from(o - r.generated)
+                }
+                _ => h_max + 1,
+            };
+            let load_at = |h: u64| -> u64 {
+                reqs.iter()
+                    .filter(|r| h < end(r))
+                    .map(|r| r.kv_tokens() + if r.phase == Phase::Running { h } else { 0 })
+                    .sum()
+            };
+            let mut peak = load_at(0);
+            for h in 1..=h_max {
+                let next = load_at(h);
+                if next < peak {
+                    break;
+                }
+                peak = next;
+            }
+            (peak - load_at(0)) as f64
+        })
+        .collect()
 }
 
 fn run(sc: &Scenario, kind: PolicyKind) -> (ClusterState, Pool, Vec<Admission>) {
@@ -188,6 +231,17 @@ proptest! {
         let mut end_load: Vec<f64> = st.workers().iter().map(|w| w.load() as f64).collect();
         for a in &out {
             end_load[a.worker as usize] += f64::from(a.prompt_tokens);
+        }
+        // with the next-finish target (BR-H) the hold compares each rank's projected load
+        // before its next finish with the mean of those: add each rank's climb to both sides
+        let climb = if brh && sc.cfg.stage2_target == Stage2Target::NextFinish {
+            climbs_to_next_finish(&st)
+        } else {
+            vec![0.0; st.workers().len()]
+        };
+        let start_mean = start_mean + live.iter().map(|&w| climb[w]).sum::<f64>() / live.len().max(1) as f64;
+        for (w, c) in climb.iter().enumerate() {
+            end_load[w] += c;
         }
         if !pool.is_empty() {
             for (w, info) in st.workers().iter().enumerate() {
@@ -825,5 +879,86 @@ fn stage1_level_keeps_a_request_off_a_rank_near_the_max() {
             ..PolicyConfig::new(PolicyKind::Br0)
         };
         assert!(build_policy(&cfg).is_err(), "stage1_level {bad}");
+    }
+}
+
+#[test]
+fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() {
+    // Ranks 0 and 1 run ten requests each, 20_000 tokens (one of 11_000 and nine of 1_000),
+    // one free slot each; rank 2 runs ten of 3_000 (30_000, full, the max). By the oracle one
+    // 1_000 request of one rank ends in 5 steps and one of the other's in 75; nothing else ends
+    // within H = 80. The rank finishing soon climbs 10·4 = 40 tokens before its next finish,
+    // the other 10·74 = 740, rank 2 10·80 = 800: mean 526.7. Loads now: mean 23_333, both
+    // free ranks 3_333 short of it. Waiting: 3_100, 3_800, 10_000. Rank 0 is served first
+    // (equal free slots and margins, lowest id).
+    // - Measured at the next finish, the rank finishing soon is 3_820 short and takes 3_800;
+    //   the other is 3_120 short and takes 3_100 (3_800 would pass its target by 680).
+    // - BR-0 (no horizon) sees only the loads now, equal in both layouts: rank 0 takes 3_100
+    //   (3_800 passes the mean by 467) and rank 1 3_800 (the mean rose by then).
+    let state = |soon: u32| {
+        let mut st = ClusterState::with_workers(&[11, 11, 10]);
+        let mut key = 100;
+        let mut add = |st: &mut ClusterState, w: u32, prompt: u32, output: u32| {
+            key += 1;
+            st.reserve(RequestInfo {
+                key,
+                worker: w,
+                prompt_tokens: prompt,
+                generated: 0,
+                phase: Phase::Running,
+                prompt_hash: None,
+                oracle_output: Some(output),
+            })
+            .unwrap();
+        };
+        for w in 0..2 {
+            add(&mut st, w, 11_000, 5_000);
+            add(&mut st, w, 1_000, if w == soon { 5 } else { 75 });
+            for _ in 0..8 {
+                add(&mut st, w, 1_000, 5_000);
+            }
+        }
+        for _ in 0..10 {
+            add(&mut st, 2, 3_000, 5_000);
+        }
+        st
+    };
+    let pick = |st: &ClusterState, kind: PolicyKind| {
+        let mut pool = Pool::new();
+        for (i, s) in [3_100u32, 3_800, 10_000].into_iter().enumerate() {
+            pool.push(PoolEntry {
+                key: i as u64,
+                prompt_tokens: s,
+                prompt_hash: None,
+                oracle_output: Some(1_000),
+            })
+            .unwrap();
+        }
+        let cfg = PolicyConfig {
+            kind,
+            dispatcher: DispatcherConfig {
+                stage2_target: Stage2Target::NextFinish,
+                ..Default::default()
+            },
+            horizon: HorizonParams::default(),
+            seed: 0,
+        };
+        let mut out = Vec::new();
+        build_policy(&cfg)
+            .unwrap()
+            .dispatch(&mut pool, st, &mut out);
+        out.iter()
+            .map(|a| (a.worker, a.prompt_tokens))
+            .collect::<Vec<_>>()
+    };
+    let oracle = PolicyKind::BrH(br_core::policy::PredictorKind::Oracle);
+    assert_eq!(pick(&state(0), oracle), vec![(0, 3_800), (1, 3_100)]);
+    assert_eq!(pick(&state(1), oracle), vec![(0, 3_100), (1, 3_800)]);
+    // BR-0 has no horizon: the next-finish target is the load now
+    for soon in [0, 1] {
+        assert_eq!(
+            pick(&state(soon), PolicyKind::Br0),
+            vec![(0, 3_100), (1, 3_800)]
+        );
     }
 }

@@ -6,13 +6,18 @@ paired against the best baseline of the same seed and G), as `br-sim sweep` prin
 Usage: gap_table.py RESULTS_DIR > W-gap.csv
        gap_table.py --markdown RESULTS_DIR   (the README's tables: s.gap% and s.gain% against G
                                               of `br0`, the previous default in parentheses)
+       gap_table.py --prefix W-nf --by-policy RESULTS_DIR
+                                             (widep.sh's `nextfinish` section, W-nf-*.txt: one
+                                              row per workload, arrival and BR policy, s.gap%
+                                              and s.gain% against G)
 """
 import glob
 import os
 import re
 import sys
 
-NAME = re.compile(r"W-gap-(paper-\w+)-B(\d+)-(saturated|poisson)(?:-G\d+)?\.txt$")
+def name_re(prefix):
+    return re.compile(prefix + r"-(paper-\w+)-B(\d+)-(saturated|poisson)(?:-G\d+)?\.txt$")
 # policy G  imbalance ± se  s.imbal ± se  steady ± se  s.gain% ± se  s.gap% ± se  tpot95 ± se
 ROW = re.compile(
     r"^(\S+)\s+(\d+)" + r"\s+(-?[\d.+]+)\s+±\s+([\d.]+)" * 6 + r"\s*$"
@@ -33,10 +38,11 @@ def rows(path):
                 yield m.groups()
 
 
-def collect(out):
+def collect(out, prefix="W-gap"):
     lines = []
-    for path in glob.glob(os.path.join(out, "W-gap-*.txt")):
-        m = NAME.search(path)
+    name = name_re(prefix)
+    for path in glob.glob(os.path.join(out, prefix + "-*.txt")):
+        m = name.search(path)
         if not m:
             continue
         wl, b, arrival = m.groups()
@@ -84,11 +90,54 @@ def markdown(rows):
         print()
 
 
+BASELINES = ("rr", "jsq", "mintok")
+
+
+def by_policy(rows):
+    cells = {}
+    gs = sorted({int(r[3]) for r in rows})
+    keys = []
+    for wl, b, arrival, g, policy, _imb, gain, gain_se, gap, gap_se, _tpot in rows:
+        if policy in BASELINES:
+            continue
+        key = (wl, int(b), arrival, policy)
+        if key not in keys:
+            keys.append(key)
+        cells[(key, int(g))] = (float(gain), float(gain_se), float(gap), float(gap_se))
+    head = "| workload | B | arrival | policy | " + " | ".join(f"G = {g}" for g in gs) + " |"
+    rule = "|---|---|---|---|" + "---|" * len(gs)
+    for title in ("s.gap%", "s.gain%"):
+        print(f"{title}, mean ± standard error over 5 seeds:\n")
+        print(head)
+        print(rule)
+        for key in keys:
+            row = []
+            for g in gs:
+                c = cells.get((key, g))
+                if c is None:
+                    row.append("")
+                elif title == "s.gap%":
+                    row.append(f"{c[2]:.1f} ± {c[3]:.1f}")
+                else:
+                    row.append(f"{c[0]:+.2f} ± {c[1]:.2f}")
+            print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(row) + " |")
+        print()
+
+
 def main():
     args = sys.argv[1:]
     md = "--markdown" in args
-    args = [a for a in args if a != "--markdown"]
-    rows = collect(args[0])
+    per_policy = "--by-policy" in args
+    prefix = "W-gap"
+    if "--prefix" in args:
+        i = args.index("--prefix")
+        prefix = args[i + 1]
+        del args[i : i + 2]
+    args = [a for a in args if a not in ("--markdown", "--by-policy")]
+    rows = collect(args[0], prefix)
+    if per_policy:
+        by_policy(rows)
+        return
     if md:
         markdown(rows)
         return

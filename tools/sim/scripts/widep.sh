@@ -6,7 +6,9 @@
 # Sections: scale (the G sweeps), knobs (what moves the share at G = 128), moderate (40/60/85%
 # of capacity, seed spread), paired (the same, paired by seed with paired.py), lag, gap (the
 # issue's 90% target: saturated and Poisson at 1.2x the fluid capacity, G = 8..128, B = 64 and
-# 256, BR-0 against the previous default; the figures' CSV).
+# 256, BR-0 against the previous default; the figures' CSV), nextfinish (BR-H with Stage 2's
+# mean fill measured at each rank's next predicted finish, B = 64, G = 8..128), turns (two
+# deciders admitting in turn, G = 64, B = 64).
 # Sized for a shared 2-core machine: 300 requests per rank (paper-azure) and 500 (paper-prop)
 # keep several hundred steady steps at every G; 5 seeds; run it under `nice`.
 set -euo pipefail
@@ -151,6 +153,55 @@ for section in $SECTIONS; do
             --arrival poisson --rate "$rate" --workers 8 --slots 256 \
             --policies "random,rr,p2c,jsq,vllm-dp,mintok,$PREVGAP,br0" > "$OUT/W-gap-moderate-$tag-$pct.txt"
       done
+    done ;;
+  nextfinish) # BR-H with Stage 2's mean fill measured at each rank's next predicted finish
+    # (stage2_target = next-finish), online (ExactMatch) and with the oracle, against BR-0 and
+    # BR-H as they are, B = 64, saturated and Poisson at 1.2x the fluid capacity as in `gap`
+    NF=stage2_target=next-finish
+    POLS="$BASE,br0,brh,brh:$NF,brh-oracle,brh-oracle:$NF"
+    for spec in "paper-azure 0.75" "paper-prop 0.77"; do
+      set -- $spec
+      run "W-nf-$1-B64-saturated" sweep --trace "$1" --arrival saturated --slots 64 \
+          --workers-list 8,16,32,64,128 --per-worker "$(per_rank "$1" 64)" \
+          --policies "$POLS" --seeds "$SEEDS"
+      for G in 8 16 32 64 128; do
+        rate=$(awk -v g="$G" -v c="$2" 'BEGIN { printf "%.2f", g * c }')
+        run "W-nf-$1-B64-poisson-G$G" sweep --trace "$1" --arrival poisson --rate "$rate" \
+            --slots 64 --workers-list "$G" --per-worker "$(per_rank "$1" 64)" \
+            --policies "$POLS" --seeds "$SEEDS"
+      done
+    done
+    # where BR-H earns its keep today (prompt-heavy, short outputs, 150% of capacity; the
+    # H-mooncake tables of scripts/brh.sh), and moderate load (60%, G = 8, B = 256), paired
+    MC="$TRACES/mooncake_conversation_trace.jsonl"
+    if [ -f "$MC" ]; then
+      for g in 8 32; do
+        echo "== W-nf-mooncake-G$g-150" >&2
+        python3 "$ROOT/tools/sim/scripts/brh.py" "$SIM" "$SEEDS" --capacity 150 -- --trace "$MC" \
+            --arrival poisson --workers "$g" --slots 64 \
+            --policies "$BASE,br0,brh,brh-survival,brh:$NF,brh-survival:$NF,brh-oracle:$NF" \
+            > "$OUT/W-nf-mooncake-G$g-150.txt"
+      done
+    fi
+    for spec in "paper-azure 3.84" "paper-prop 4.26"; do
+      set -- $spec
+      echo "== W-nf-moderate-$1-60" >&2
+      python3 "$ROOT/tools/sim/scripts/paired.py" "$SIM" "$SEEDS" -- --trace "$1" --arrival poisson \
+          --rate "$2" --workers 8 --slots 256 --policies "$BASE,br0,brh,brh:$NF" \
+          > "$OUT/W-nf-moderate-$1-60.txt"
+    done ;;
+  turns) # two deciders admitting in turn against two active-active ones, G = 64, B = 64
+    OUTF="$OUT/W-gap-deciders-turns-B64-G64.txt"
+    : > "$OUTF"
+    for spec in "paper-prop --deciders 2" "paper-prop --deciders 2 --decider-turns" \
+                "paper-azure --deciders 2 --decider-turns"; do
+      set -- $spec
+      wl=$1; shift
+      echo "== $wl $*" >&2
+      { echo "\$ br-sim sweep --trace $wl --arrival saturated --slots 64 --workers-list 64 --per-worker $(per_rank "$wl" 64) --policies $BASE,br0 $* --seeds $SEEDS"
+        "$SIM" sweep --trace "$wl" --arrival saturated --slots 64 --workers-list 64 \
+            --per-worker "$(per_rank "$wl" 64)" --policies "$BASE,br0" "$@" --seeds "$SEEDS" 2>/dev/null
+        echo; } >> "$OUTF"
     done ;;
   *) echo "unknown section $section" >&2; exit 2 ;;
   esac

@@ -46,6 +46,7 @@ fn engine_config(args: &RunArgs, workers: u32, record_loads: bool) -> EngineConf
         control: ControlPlane {
             telemetry_lag_steps: args.telemetry_lag_steps,
             deciders: args.deciders,
+            turns: args.decider_turns,
         },
     }
 }
@@ -147,8 +148,14 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
     };
     let control = if args.telemetry_lag_steps > 0 || args.deciders > 1 {
         format!(
-            " control plane: {} decider(s), telemetry lag {} step(s)",
-            args.deciders, args.telemetry_lag_steps
+            " control plane: {} decider(s){}, telemetry lag {} step(s)",
+            args.deciders,
+            if args.decider_turns {
+                " taking turns"
+            } else {
+                ""
+            },
+            args.telemetry_lag_steps
         )
     } else {
         String::new()

@@ -137,6 +137,10 @@ pub struct RunArgs {
     /// and the live run compared with their spread (`br-emu report`). 0: the trace as it is.
     #[arg(long, default_value_t = 0.0, value_name = "J")]
     pub arrival_jitter_ms: f64,
+    /// With K > 1 deciders: they take turns, one admission round (step) each, so each sees all
+    /// the others' admissions and none collide (a model of splitting ticks between replicas).
+    #[arg(long)]
+    pub decider_turns: bool,
 }
 
 /// Flags of `sweep`.

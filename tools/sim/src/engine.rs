@@ -77,10 +77,15 @@ pub struct EngineConfig {
 ///   reservations of the same step only at the next step (one `Reserve` round trip). A pooled
 ///   admission that finds its worker full when it reaches σ is refused and rejoins its decider's
 ///   pool at its arrival position, as the snapshot service's serialised `Reserve` would do.
+/// * `turns`: the K deciders take turns, one admission round each (decider `r mod K` in round
+///   r, one round per step): each then sees every other's admissions, made in earlier rounds,
+///   and none collide. A model of splitting ticks rather than only the pool between replicas
+///   (the live services have no shared round order; issue 16 measures whether one is worth it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ControlPlane {
     pub telemetry_lag_steps: u32,
     pub deciders: u32,
+    pub turns: bool,
 }
 
 impl ControlPlane {
@@ -88,6 +93,7 @@ impl ControlPlane {
     pub const IDEAL: ControlPlane = ControlPlane {
         telemetry_lag_steps: 0,
         deciders: 1,
+        turns: false,
     };
 }
 
@@ -243,6 +249,9 @@ pub fn simulate_deciders(
 
     let mut now = 0.0f64;
     let mut step: u64 = 0;
+    // admission rounds (one per step, more while nothing runs): whose turn it is with `turns`
+    let mut round: u64 = 0;
+    let mut idle_rounds: usize = 0;
     let mut next = 0usize;
     let (mut busy_ms, mut fluid_ms, mut tokens) = (0.0f64, 0.0f64, 0u64);
     let (mut steady_ms, mut steady_tokens, mut steady_fluid_ms) = (0.0f64, 0u64, 0.0f64);
@@ -307,8 +316,10 @@ pub fn simulate_deciders(
         }
 
         // 2. pooled batch admission, one per decider, each against its own view
+        let turn = (round % k_count as u64) as usize;
+        round += 1;
         for (k, (policy, pool)) in policies.iter_mut().zip(pools.iter_mut()).enumerate() {
-            if mode != Mode::Pooled || pool.is_empty() {
+            if mode != Mode::Pooled || pool.is_empty() || (cfg.control.turns && k != turn) {
                 continue;
             }
             admissions.clear();
@@ -374,12 +385,18 @@ pub fn simulate_deciders(
             if pooled == 0 && queued_total == 0 {
                 break;
             }
+            // taking turns, every decider gets a round before the group counts as stuck
+            if cfg.control.turns && idle_rounds + 1 < k_count {
+                idle_rounds += 1;
+                continue;
+            }
             return Err(SimError::Stuck {
                 policy: label.to_string(),
                 step,
                 pool: pooled,
             });
         }
+        idle_rounds = 0;
 
         // 4. the step
         let (mut max, mut min, mut sum) = (0u64, u64::MAX, 0u64);
@@ -700,6 +717,7 @@ mod tests {
         c.control = ControlPlane {
             telemetry_lag_steps: 0,
             deciders: 2,
+            turns: false,
         };
         for policy in ["br0", "brh", "jsq"] {
             let out = sim_plane(&reqs, policy, &c);
@@ -714,6 +732,31 @@ mod tests {
                     "on-arrival queues at the worker"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn deciders_taking_turns_never_collide_and_lose_nothing() {
+        let reqs = saturated(400);
+        let mut c = cfg(4, 4, 2e-4, 30.0);
+        c.control = ControlPlane {
+            telemetry_lag_steps: 0,
+            deciders: 2,
+            turns: true,
+        };
+        let mut together = c;
+        together.control.turns = false;
+        for policy in ["br0", "brh"] {
+            let out = sim_plane(&reqs, policy, &c);
+            assert_eq!(out.report.requests, 400, "{policy}");
+            // one decider admits per round and sees every earlier admission: no collision
+            assert_eq!(out.refused_reservations, 0, "{policy}");
+            // and the turns change what is decided (else the flag is not modelled)
+            assert_ne!(
+                out.report,
+                sim_plane(&reqs, policy, &together).report,
+                "{policy}"
+            );
         }
     }
 
