@@ -66,8 +66,9 @@ impl GroupCore {
     /// by id. The pool is small (a request waits for one tick) while a delta carries a
     /// progress report of most running requests, and the requests by id also hold every
     /// answered one kept for retries (some 300k at 5k Assign/s with `--answered-ttl 60s`):
-    /// looking each report's id up there was a cold string comparison per progress event,
-    /// 7% of br-all's samples under 100k events/s (docs/benchmarks.md, issue 12).
+    /// looking each report's id up there, and then in σ, cost a cold string comparison or
+    /// two per progress event: 3% of br-all's samples under 100k events/s
+    /// (docs/benchmarks.md, "Session 23").
     fn waiting_placed_by(&self, d: &Delta) -> Vec<RequestKey> {
         let in_delta = wire::placed_requests(d).count();
         if self.requests.pool_len() > in_delta {
