@@ -11,6 +11,18 @@
 # Knobs (environment): BENCH_RATE (5000), BENCH_EVENTS (100000), BENCH_DURATION (20s),
 # BENCH_ROUNDS (2), BENCH_PROFILE (release), BENCH_OUT (target/bench-all-in-one),
 # BENCH_SKIP_BUILD=1. Results are recorded in docs/benchmarks.md ("all-in-one vs split").
+#
+# Before/after in one run: BENCH_A=DIR BENCH_B=DIR, each a directory holding br-all,
+# br-snapshot and br-decision (e.g. main's release binaries copied aside, and this branch's
+# target/release). Every round then runs split and all-in-one with A's and with B's binaries,
+# A first in odd rounds and B first in even ones (so a drift of the machine's load does not
+# favour one side); assign-load is always $BIN's. BENCH_NICE=N runs the servers and the load
+# tool under `nice -n N` (default: not niced).
+#
+# Per run it prints assign-load's report, the load average before and after, and the CPU
+# seconds (utime + stime, /proc/PID/stat) each server process spent during the load (start-up
+# excluded); one line per run goes to $BENCH_OUT/summary.tsv (set-up, side, round, load
+# before/after, added p50/p99/p99.9 in µs, answered, CPU seconds per process).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,9 +35,13 @@ PROFILE="${BENCH_PROFILE:-release}"
 OUT="${BENCH_OUT:-$ROOT/target/bench-all-in-one}"
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/$PROFILE"
 GROUP=default
+NICE=()
+[ -n "${BENCH_NICE:-}" ] && NICE=(nice -n "$BENCH_NICE")
 
 mkdir -p "$OUT"
 OUT_LOGS="$OUT"
+SUMMARY="$OUT/summary.tsv"
+printf 'setup\tside\tround\tload_before\tload_after\tp50_us\tp99_us\tp999_us\tanswered\tcpu_s\n' >"$SUMMARY"
 # shellcheck source=scripts/lib/stack.sh
 source "$ROOT/scripts/lib/stack.sh"
 
@@ -35,13 +51,42 @@ if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
     cargo build ${flag[@]+"${flag[@]}"} -q -p br-all -p br-snapshot -p br-decision --bins
 fi
 
-load() {
-    local what=$1 decision=$2 snapshot=$3
-    echo "--- $what: $(uptime | sed 's/.*load average/load average/')"
-    "$BIN/assign-load" --decision-addr "$decision" --snapshot-addr "$snapshot" --group "$GROUP" \
-        --rate "$RATE" --duration "$DURATION" --warmup 2s --workers 8 --capacity 512 \
-        --progress-events "$EVENTS" --hold 300ms
-    echo "--- $what done: $(uptime | sed 's/.*load average/load average/')"
+TCK=$(getconf CLK_TCK)
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+load1() { cut -d' ' -f1 /proc/loadavg; }
+
+# run SETUP SIDE ROUND DECISION_URL SNAPSHOT_URL NAME=PID...: one assign-load run against
+# running servers, with the CPU each named server spent during it.
+run() {
+    local setup=$1 side=$2 round=$3 decision=$4 snapshot=$5
+    shift 5
+    local procs=("$@") before=() p i
+    for p in "${procs[@]}"; do before+=("$(ticks "${p#*=}")"); done
+    local lb la report
+    lb=$(load1)
+    echo "--- $setup $side (round $round): $(uptime | sed 's/.*load average/load average/')"
+    report=$("${NICE[@]}" "$BIN/assign-load" --decision-addr "$decision" --snapshot-addr "$snapshot" \
+        --group "$GROUP" --rate "$RATE" --duration "$DURATION" --warmup 2s --workers 8 \
+        --capacity 512 --progress-events "$EVENTS" --hold 300ms)
+    echo "$report"
+    la=$(load1)
+    local cpu=""
+    for i in "${!procs[@]}"; do
+        p=${procs[$i]}
+        local secs
+        secs=$(awk -v a="${before[$i]}" -v b="$(ticks "${p#*=}")" -v t="$TCK" 'BEGIN{printf "%.2f", (b - a) / t}')
+        cpu="$cpu${cpu:+ }${p%%=*} ${secs}s"
+    done
+    echo "--- $setup $side done: $(uptime | sed 's/.*load average/load average/'); CPU during the load: $cpu"
+    local line
+    line=$(echo "$report" | grep '^added latency') || line=""
+    local p50 p99 p999 n
+    p50=$(echo "$line" | sed -n 's/.* p50 \([0-9]*\) µs.*/\1/p')
+    p99=$(echo "$line" | sed -n 's/.* p99 \([0-9]*\) µs.*/\1/p')
+    p999=$(echo "$line" | sed -n 's/.* p99.9 \([0-9]*\) µs.*/\1/p')
+    n=$(echo "$line" | sed -n 's/.*(n = \([0-9]*\)).*/\1/p')
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$setup" "$side" "$round" "$lb" "$la" \
+        "$p50" "$p99" "$p999" "$n" "$cpu" >>"$SUMMARY"
 }
 
 stop_all() {
@@ -50,21 +95,46 @@ stop_all() {
     PIDS=()
 }
 
-for round in $(seq 1 "$ROUNDS"); do
+# split SIDE DIR ROUND / all SIDE DIR ROUND: one fresh set-up from DIR's binaries, one load.
+split() {
+    local side=$1 dir=$2 round=$3 P Q sp
     free_ports 2 P
-    start "split-snapshot-$round" "$BIN/br-snapshot" --listen "127.0.0.1:$P" --admin-listen "127.0.0.1:$((P + 1))"
+    start "split-snapshot-$side-$round" "${NICE[@]}" "$dir/br-snapshot" --listen "127.0.0.1:$P" --admin-listen "127.0.0.1:$((P + 1))"
+    sp=$LAST_PID
     free_ports 2 Q
-    start "split-decision-$round" "$BIN/br-decision" --listen "127.0.0.1:$Q" --admin-listen "127.0.0.1:$((Q + 1))" \
+    start "split-decision-$side-$round" "${NICE[@]}" "$dir/br-decision" --listen "127.0.0.1:$Q" --admin-listen "127.0.0.1:$((Q + 1))" \
         --snapshot-addr "http://127.0.0.1:$P" --policy br0 --groups "$GROUP"
     wait_http "http://127.0.0.1:$((P + 1))/readyz" br-snapshot
     wait_http "http://127.0.0.1:$((Q + 1))/livez" br-decision
-    load "split (round $round)" "http://127.0.0.1:$Q" "http://127.0.0.1:$P"
+    run split "$side" "$round" "http://127.0.0.1:$Q" "http://127.0.0.1:$P" "br-snapshot=$sp" "br-decision=$LAST_PID"
     stop_all
+}
 
+all() {
+    local side=$1 dir=$2 round=$3 A
     free_ports 2 A
-    start "all-$round" "$BIN/br-all" --listen "127.0.0.1:$A" --admin-listen "127.0.0.1:$((A + 1))" \
+    start "all-$side-$round" "${NICE[@]}" "$dir/br-all" --listen "127.0.0.1:$A" --admin-listen "127.0.0.1:$((A + 1))" \
         --policy br0 --groups "$GROUP"
     wait_http "http://127.0.0.1:$((A + 1))/livez" br-all
-    load "all-in-one (round $round)" "http://127.0.0.1:$A" "http://127.0.0.1:$A"
+    run all-in-one "$side" "$round" "http://127.0.0.1:$A" "http://127.0.0.1:$A" "br-all=$LAST_PID"
     stop_all
+}
+
+for round in $(seq 1 "$ROUNDS"); do
+    if [ -z "${BENCH_A:-}" ]; then
+        split - "$BIN" "$round"
+        all - "$BIN" "$round"
+        continue
+    fi
+    sides=(A B)
+    [ $((round % 2)) = 0 ] && sides=(B A)
+    for setup in split all; do
+        for side in "${sides[@]}"; do
+            dir="$BENCH_A"
+            [ "$side" = B ] && dir="$BENCH_B"
+            "$setup" "$side" "$dir" "$round"
+        done
+    done
 done
+echo
+column -t -s $'\t' "$SUMMARY"

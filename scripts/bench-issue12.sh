@@ -3,7 +3,10 @@
 #
 #   cargo build --release -p br-decision --bins -p br-snapshot --bin br-snapshot -p br-ingest --bin br-ingest
 #   scripts/bench-issue12.sh ab DECISION_A DECISION_B [ROUNDS]   Assign added latency, 5k/s + 100k events/s,
-#                                                              two br-decision binaries alternated
+#                                                              two br-decision binaries alternated, with
+#                                                              the CPU seconds each server spent
+#   (br-all and both sides of the split deployment before/after: scripts/bench-all-in-one.sh
+#    with BENCH_A/BENCH_B)
 #   scripts/bench-issue12.sh telemetry [ARGS]                  shim report → decision's σ replica
 #                                                              (ARGS go to telemetry-latency, e.g.
 #                                                              --probe-via-reporter --flush-interval 2ms)
@@ -20,6 +23,9 @@ SNAP=(--listen 127.0.0.1:51061 --admin-listen 127.0.0.1:9161)
 DEC=(--listen 127.0.0.1:51063 --admin-listen 127.0.0.1:9163 --snapshot-addr http://127.0.0.1:51061 --policy br0)
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 rss() { awk '/VmRSS/{print $2}' "/proc/$1/status"; }
+# CPU of a process: utime + stime in clock ticks, and the seconds between two readings.
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+secs() { awk -v a="$1" -v b="$2" -v t="$(getconf CLK_TCK)" 'BEGIN{printf "%.2f", (b - a) / t}'; }
 up() { # up ADMIN_PORT: wait (at most 10 s) until the admin port answers
     for _ in $(seq 1 100); do curl -fsS -o /dev/null "http://127.0.0.1:$1/livez" 2>/dev/null && return 0; sleep 0.1; done
     echo "admin port $1 never answered" >&2; return 1
@@ -35,10 +41,11 @@ ab)
             "$bin" "${DEC[@]}" >"$LOGS/decision.log" 2>&1 & dp=$!
             up 9161 && up 9163
             echo "== round $round, br-decision $v ($bin), load average $(load)"
+            s0=$(ticks "$sp") d0=$(ticks "$dp")
             "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
                 --rate 5000 --duration 12s --warmup 2s --workers 8 --capacity 512 \
                 --progress-events 100000 --hold 300ms
-            echo "   load average after: $(load)"
+            echo "   load average after: $(load); CPU during the load: br-snapshot $(secs "$s0" "$(ticks "$sp")") s, br-decision $(secs "$d0" "$(ticks "$dp")") s"
             kill "$dp" "$sp"; wait "$dp" "$sp" 2>/dev/null
         done
     done
@@ -153,6 +160,6 @@ groups)
     esac; done
     ;;
 *)
-    sed -n '2,12p' "$0"; exit 2
+    sed -n '2,16p' "$0"; exit 2
     ;;
 esac

@@ -49,6 +49,12 @@ impl Groups {
         let h = self.groups.iter().find(|h| h.group().as_str() == group)?;
         h.stats().await
     }
+
+    /// One group's σ replica as a snapshot (see [`GroupHandle::sigma`]).
+    pub async fn sigma(&self, group: &str) -> Option<br_proto::v1::ClusterSnapshot> {
+        let h = self.groups.iter().find(|h| h.group().as_str() == group)?;
+        h.sigma().await
+    }
 }
 
 /// The snapshot service as the group tasks reach it: `Reserve`/`Release` and `Watch`. Over

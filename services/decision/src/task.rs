@@ -32,6 +32,11 @@ use br_client::watch::{Update, WatchHandle};
 /// Capacity of a group's command queue (handlers wait when it is full).
 pub const COMMAND_QUEUE: usize = 8192;
 
+/// Most commands (or σ updates) a group task takes from its queue in one turn of its loop
+/// before it flushes and looks at its other inputs again: bounded, so a flood of Assigns
+/// cannot hold back σ updates, `Reserve` outcomes or a due tick for long.
+const BATCH: usize = 64;
+
 /// What handlers ask of a group task.
 #[derive(Debug)]
 pub enum Command {
@@ -58,6 +63,10 @@ pub enum Command {
     /// What the live page samples (σ's summary, the pool, staleness).
     Live {
         reply: oneshot::Sender<LiveNow>,
+    },
+    /// The replica of σ as the group task holds it (tests comparing it with the writer's).
+    Sigma {
+        reply: oneshot::Sender<Option<v1::ClusterSnapshot>>,
     },
 }
 
@@ -97,6 +106,14 @@ impl GroupHandle {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Stats { reply }).await.ok()?;
         rx.await.ok()
+    }
+
+    /// The group's σ replica as a snapshot (tests: the embedded decision must hold the
+    /// writer's σ); `None` before the first σ or once the task has ended.
+    pub async fn sigma(&self) -> Option<v1::ClusterSnapshot> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Sigma { reply }).await.ok()?;
+        rx.await.ok()?
     }
 
     /// The group's state for the live page; `None` once its task has ended.
@@ -203,15 +220,23 @@ async fn run(
     let mut next_timer = last_tick + ticks.interval;
     let mut shutting_down = false;
     let mut spans = AssignSpans::default();
+    // One timer for the task's life, moved when the next tick is due at another instant: a
+    // new `sleep_until` per turn of the loop registered and dropped a timer entry for every
+    // command and σ update.
+    let timer = tokio::time::sleep_until(next_timer.into());
+    tokio::pin!(timer);
     loop {
         let due = if core.tick_wanted() {
             (last_tick + ticks.min_interval).min(next_timer)
         } else {
             next_timer
         };
+        if timer.deadline() != due.into() {
+            timer.as_mut().reset(due.into());
+        }
         tokio::select! {
             biased;
-            () = tokio::time::sleep_until(due.into()) => {
+            () = &mut timer => {
                 let now = Instant::now();
                 if core.tick(now) {
                     metrics.ticks_total.inc();
@@ -231,6 +256,12 @@ async fn run(
             Some(u) = recv_feed(&mut feed) => {
                 if let Some(f) = feed.as_mut() {
                     on_update(&mut core, u, f, &metrics);
+                    // σ updates already queued are applied in this turn too (one flush and
+                    // one readiness check for all of them).
+                    for _ in 1..BATCH {
+                        let Ok(u) = f.updates.try_recv() else { break };
+                        on_update(&mut core, u, f, &metrics);
+                    }
                 }
                 // Whether it can place follows σ alone, so only σ's updates can change it.
                 if let Some(report) = on_placing.as_mut() {
@@ -243,7 +274,15 @@ async fn run(
             }
             cmd = cmds.recv() => match cmd {
                 None => break,
-                Some(cmd) => on_command(&mut core, cmd, &mut spans),
+                Some(cmd) => {
+                    on_command(&mut core, cmd, &mut spans);
+                    // The handlers' commands already queued are taken in this turn too: one
+                    // flush (one Reserve job) for the Assigns that arrived together.
+                    for _ in 1..BATCH {
+                        let Ok(cmd) = cmds.try_recv() else { break };
+                        on_command(&mut core, cmd, &mut spans);
+                    }
+                }
             },
             () = shutdown.cancelled(), if !shutting_down => {
                 shutting_down = true;
@@ -289,6 +328,9 @@ fn on_command(core: &mut GroupCore, cmd: Command, spans: &mut AssignSpans) {
         }
         Command::Live { reply } => {
             let _ = reply.send(core.live_now());
+        }
+        Command::Sigma { reply } => {
+            let _ = reply.send(core.sigma().map(br_sigma::Sigma::to_snapshot));
         }
     }
 }

@@ -478,13 +478,17 @@ impl Sigma {
     }
 
     fn request_progress(&mut self, p: &v1::change::RequestProgress) -> Result<bool, SigmaError> {
-        let id = request_id(&p.request_id)?;
-        check_tokens(p.prompt_tokens, p.generated_tokens)?;
-        let w = self.check_worker(p.worker_id, p.incarnation)?;
-        if w.liveness == Liveness::Fenced {
-            return Err(SigmaError::WorkerFenced(p.worker_id));
-        }
-        let Some(old) = self.requests.get(id.as_str()) else {
+        // The common report (more tokens of a request σ holds) is applied on the writer and
+        // on every replica, once per progress event: it takes one lookup by id and allocates
+        // nothing. An id σ holds was validated when it came in, so only a new one is checked
+        // (and interned), in the order the checks always had.
+        let Some(old) = self.requests.get_mut(p.request_id.as_str()) else {
+            let id = request_id(&p.request_id)?;
+            check_tokens(p.prompt_tokens, p.generated_tokens)?;
+            let w = self.check_worker(p.worker_id, p.incarnation)?;
+            if w.liveness == Liveness::Fenced {
+                return Err(SigmaError::WorkerFenced(p.worker_id));
+            }
             self.check_room(p.worker_id)?;
             self.insert(Request {
                 id,
@@ -499,6 +503,11 @@ impl Sigma {
             })?;
             return Ok(true);
         };
+        check_tokens(p.prompt_tokens, p.generated_tokens)?;
+        let w = worker_of(&self.workers, p.worker_id, p.incarnation)?;
+        if w.liveness == Liveness::Fenced {
+            return Err(SigmaError::WorkerFenced(p.worker_id));
+        }
         if old.worker == p.worker_id
             && old.incarnation == p.incarnation
             && old.prompt_tokens == p.prompt_tokens
@@ -518,26 +527,23 @@ impl Sigma {
                 max_tokens: max,
             });
         }
-        if old.worker != p.worker_id {
-            self.check_room(p.worker_id)?;
-        }
-        let key = old.key;
         if old.worker == p.worker_id
             && old.prompt_tokens == p.prompt_tokens
             && old.generated_tokens <= p.generated_tokens
         {
             // The common case: more tokens on the same worker (O(log G) in the core).
-            self.cluster.set_generated(key, p.generated_tokens)?;
-            if let Some(r) = self.requests.get_mut(id.as_str()) {
-                r.generated_tokens = p.generated_tokens;
-                r.incarnation = p.incarnation;
-                r.phase = Phase::Running;
-            }
+            self.cluster.set_generated(old.key, p.generated_tokens)?;
+            old.generated_tokens = p.generated_tokens;
+            old.incarnation = p.incarnation;
+            old.phase = Phase::Running;
             return Ok(true);
         }
-        // Moved to another worker, or the prompt count changed: re-insert in the core.
         let mut r = old.clone();
-        self.cluster.remove(key)?;
+        if r.worker != p.worker_id {
+            self.check_room(p.worker_id)?;
+        }
+        // Moved to another worker, or the prompt count changed: re-insert in the core.
+        self.cluster.remove(r.key)?;
         r.worker = p.worker_id;
         r.incarnation = p.incarnation;
         r.prompt_tokens = p.prompt_tokens;
@@ -570,15 +576,7 @@ impl Sigma {
 
     /// The worker, if σ holds it with this incarnation.
     fn check_worker(&self, id: WorkerId, incarnation: u64) -> Result<&Worker, SigmaError> {
-        let w = self.workers.get(&id).ok_or(SigmaError::UnknownWorker(id))?;
-        if w.incarnation != incarnation {
-            return Err(SigmaError::StaleIncarnation {
-                worker: id,
-                have: w.incarnation,
-                got: incarnation,
-            });
-        }
-        Ok(w)
+        worker_of(&self.workers, id, incarnation)
     }
 
     /// Whether the writer's bound lets one more request onto `worker` (always, without a
@@ -646,6 +644,24 @@ impl Sigma {
             }
         }
     }
+}
+
+/// The worker, if `workers` holds it with this incarnation ([`Sigma::check_worker`] for a
+/// caller that holds another field of σ borrowed).
+fn worker_of(
+    workers: &BTreeMap<WorkerId, Worker>,
+    id: WorkerId,
+    incarnation: u64,
+) -> Result<&Worker, SigmaError> {
+    let w = workers.get(&id).ok_or(SigmaError::UnknownWorker(id))?;
+    if w.incarnation != incarnation {
+        return Err(SigmaError::StaleIncarnation {
+            worker: id,
+            have: w.incarnation,
+            got: incarnation,
+        });
+    }
+    Ok(w)
 }
 
 fn request_id(s: &str) -> Result<RequestId, SigmaError> {

@@ -46,8 +46,16 @@ impl GroupCore {
             self.answer(key, false, now);
             return;
         }
-        self.refresh_view(now);
-        if !self.view.accepting_any() {
+        // A pooled request waits for the tick, which rebuilds the view once for every arrival
+        // since σ moved; on arrival it only needs to know whether any worker takes work.
+        let accepting = match self.view.accepting_any_without_rebuild() {
+            Some(any) if self.mode == Mode::Pooled => any,
+            _ => {
+                self.refresh_view(now);
+                self.view.accepting_any()
+            }
+        };
+        if !accepting {
             let _ = reply.send(Err(DecisionError::NoLiveWorker(self.group.to_string())));
             return;
         }

@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use br_core::RequestKey;
 use br_core::predict::Finished;
 use br_sigma::{Delta, Sigma, SigmaError};
 
@@ -51,13 +52,40 @@ impl GroupCore {
         }
         self.update_predictor_gauges();
         if !self.requests.pool_is_empty() {
-            let placed: Vec<_> = wire::placed_requests(d)
-                .filter_map(|id| self.requests.key_of(id))
-                .collect();
+            let placed = self.waiting_placed_by(d);
             self.answer_placed_waiting(&placed, now);
         }
         self.sigma_moved(now);
         Ok(())
+    }
+
+    /// The requests waiting in the pool that `d` places (reserves, or reports running).
+    ///
+    /// Two ways to the same set, the cheaper one taken: the pool's requests checked against σ
+    /// (a hit is then confirmed in the delta), or the delta's ids looked up among the requests
+    /// by id. The pool is small (a request waits for one tick) while a delta carries a
+    /// progress report of most running requests, and the requests by id also hold every
+    /// answered one kept for retries (some 300k at 5k Assign/s with `--answered-ttl 60s`):
+    /// looking each report's id up there, and then in σ, cost a cold string comparison or
+    /// two per progress event: 3% of br-all's samples under 100k events/s
+    /// (docs/benchmarks.md, "Session 23").
+    fn waiting_placed_by(&self, d: &Delta) -> Vec<RequestKey> {
+        let in_delta = wire::placed_requests(d).count();
+        if self.requests.pool_len() > in_delta {
+            return wire::placed_requests(d)
+                .filter_map(|id| self.requests.key_of(id))
+                .collect();
+        }
+        self.requests
+            .pool_keys()
+            .filter(|&key| {
+                self.requests.get(key).is_some_and(|r| {
+                    let id = r.id.as_str();
+                    // σ places it (rare for a waiting request), and this delta did so.
+                    self.view.placed(id).is_some() && wire::placed_requests(d).any(|p| p == id)
+                })
+            })
+            .collect()
     }
 
     /// The Watch stream is up again (the replica may still be catching up).

@@ -269,7 +269,12 @@ impl Requests {
 
     /// The keys of the requests waiting in the pool.
     pub(super) fn pooled(&self) -> Vec<RequestKey> {
-        self.pool.iter().map(|e| e.key).collect()
+        self.pool_keys().collect()
+    }
+
+    /// The keys of the requests waiting in the pool, without collecting them.
+    pub(super) fn pool_keys(&self) -> impl Iterator<Item = RequestKey> + '_ {
+        self.pool.iter().map(|e| e.key)
     }
 
     /// A waiting request σ places already: it leaves the pool, `Reserving` at that placement,

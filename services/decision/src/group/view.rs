@@ -395,6 +395,23 @@ impl SigmaView {
         self.view.accepting_worker_ids().next().is_some()
     }
 
+    /// [`Self::accepting_any`] of the view as the next rebuild would make it, without
+    /// rebuilding it, when that answer is σ's own: σ is current and neither an estimate nor
+    /// an adoption carries the view, so a rebuild copies σ's workers and their accepting
+    /// flags as they are (own reservations add requests, not workers). None when only a
+    /// rebuild can say. A pooled Assign asks this on arrival; rebuilding the view there (a
+    /// copy of σ's `ClusterState`) after every σ change cost one copy per Assign under
+    /// telemetry load, where one per tick does.
+    pub(super) fn accepting_any_without_rebuild(&self) -> Option<bool> {
+        let plain =
+            self.connected && !self.broken && !self.estimate.running() && self.adopting.is_none();
+        let sigma = self.sigma.as_ref().filter(|_| plain)?;
+        if !self.dirty {
+            return Some(self.accepting_any());
+        }
+        Some(sigma.cluster().accepting_worker_ids().next().is_some())
+    }
+
     /// Counts an admission at once (and in the estimate, while one runs).
     pub(super) fn reserve(&mut self, info: RequestInfo, max_tokens: Option<u32>, group: &GroupId) {
         self.estimate.admit(&info, max_tokens);

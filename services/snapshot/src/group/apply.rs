@@ -325,7 +325,14 @@ fn progress(
     // hold takes over a reservation if it came without the gateway's id, or hands a taken
     // reservation's place on if it is one; a finished one only leaves.
     let mut adopted_prompt = None;
-    if b.sigma().request(id).is_none() && !p.finished {
+    let held = |b: &Batch<'_>| {
+        b.sigma()
+            .request(id)
+            .map(|r| (r.prompt_tokens, r.generated_tokens))
+    };
+    // One lookup for the common report (a request σ holds); the rule below may change σ.
+    let mut held_now = held(b);
+    if held_now.is_none() && !p.finished {
         if p.unkeyed {
             match ids.adoptions.adopt(b, id, worker_id, incarnation)? {
                 Adopted::Matched(r) => {
@@ -337,11 +344,9 @@ fn progress(
         } else if ids.adoptions.named(b, id)?.is_some() {
             ids.counts.handed_on += 1;
         }
+        held_now = held(b);
     }
-    let held = b
-        .sigma()
-        .request(id)
-        .map(|r| (r.prompt_tokens, r.generated_tokens));
+    let held = held_now;
     if p.finished {
         if let Some((_, generated)) = held {
             b.apply(change::request_finished(

@@ -155,6 +155,53 @@ fn a_waiting_id_sigma_comes_to_place_is_answered_from_sigma() {
     assert_eq!(fx.tick_and_commit(true), 0, "no second reservation");
 }
 
+/// The same whichever way the group finds the waiting ids a delta places: by walking the
+/// pool (the delta names more requests than wait) or by looking the delta's ids up (more wait
+/// than it names). Only the waiting request the delta reserves is answered; the running
+/// requests it reports, answered long ago, and the other waiting ones are left alone.
+#[test]
+fn a_delta_answers_exactly_the_waiting_ids_it_places_both_ways() {
+    for busy in [true, false] {
+        let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 4);
+        // Running requests that were answered here (kept for retries), reported in the delta.
+        let mut running = Vec::new();
+        for i in 0..4 {
+            let id = format!("run{i}");
+            let (_, mut rx) = fx.assign(&id, 10);
+            fx.tick_and_commit(true);
+            running.push((id, answer(&mut rx)));
+        }
+        let waiting: Vec<_> = ["w0", "w1", "w2"]
+            .iter()
+            .map(|id| fx.assign(id, 20).1)
+            .collect();
+        assert_eq!(fx.core.stats().pool, 3);
+        let mut changes = vec![change::request_reserved("w1", 1, 101, 20, None, None)];
+        if busy {
+            // More placed ids in the delta than requests waiting.
+            for (id, a) in &running {
+                changes.push(change::request_progress(id, a.worker, a.incarnation, 10, 3));
+            }
+        }
+        fx.sigma_change(changes);
+        let mut waiting = waiting;
+        let w1 = answer(&mut waiting[1]);
+        assert_eq!(
+            (w1.worker, w1.incarnation, w1.stale),
+            (1, 101, false),
+            "busy {busy}"
+        );
+        assert!(
+            pending(&mut waiting[0]) && pending(&mut waiting[2]),
+            "busy {busy}"
+        );
+        assert_eq!(fx.core.stats().pool, 2, "busy {busy}");
+        // A retry of a running one still gets its first answer.
+        let (_, mut again) = fx.assign(&running[0].0, 10);
+        assert_eq!(answer(&mut again), running[0].1, "busy {busy}");
+    }
+}
+
 #[test]
 fn not_ready_no_worker_and_full_pool_are_typed() {
     let mut c = core(PolicyKind::Br0, GroupConfig::default());
