@@ -62,7 +62,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::DecisionError;
 use crate::metrics::Metrics;
-use crate::service::DecisionService;
+use crate::service::{Caller, DecisionService};
 
 /// The gRPC service this port serves.
 pub const SERVICE_NAME: &str = br_trust::policy::EXT_PROC;
@@ -123,6 +123,8 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        // The stream's identity (mutual TLS) owns the request it assigns, and releases it.
+        let caller = Caller::of(br_trust::policy::caller(&request));
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
         let stream = Stream {
@@ -136,6 +138,7 @@ impl ExternalProcessor for ExtProcService {
             response_duplex: false,
             request_buffered: false,
             subset: None,
+            caller,
         };
         tokio::spawn(stream.run());
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -277,6 +280,8 @@ struct Stream {
     request_buffered: bool,
     /// The endpoints the gateway allows (the protocol's subset hint), when it sent one.
     subset: Option<Vec<String>>,
+    /// Who opened the stream: its Assign is bound to it, and its release is its Cancel.
+    caller: Caller,
 }
 
 /// The stream has ended (Envoy closed or reset it, or stopped reading).
@@ -541,7 +546,9 @@ impl Stream {
         let svc = self.ext.svc.clone();
         let timeout = self.ext.settings.timeout;
         let span = br_trace::server_span("ext_proc Assign", head.trace.context());
-        let assign = tracing::Instrument::instrument(svc.assign_call(msg, timeout), span);
+        let caller = self.caller.clone();
+        let assign = svc.assign_call(msg, timeout, &caller);
+        let assign = tracing::Instrument::instrument(assign, span);
         tokio::pin!(assign);
         let result = loop {
             tokio::select! {
@@ -676,7 +683,7 @@ impl Stream {
             group: group.clone(),
             request_id: request_id.clone(),
         };
-        match self.ext.svc.cancel_call(req).await {
+        match self.ext.svc.cancel_call(req, &self.caller).await {
             Ok(outcome) => tracing::debug!(%group, %request_id, outcome = outcome.label(),
                 "ext_proc stream ended before a response: reservation released"),
             Err(e) => tracing::warn!(%group, %request_id, error = %e,

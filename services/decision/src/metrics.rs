@@ -44,6 +44,7 @@ pub struct Metrics {
     pub reserve_failures_total: IntCounterVec,
     /// Cancel calls by outcome (`withdrawn`, `released`, `not_found`, `error`).
     pub cancel_total: IntCounterVec,
+    pub cancel_denied_total: IntCounterVec,
     /// Assign answers decided without a current σ (the response says `stale`).
     pub stale_answers_total: IntCounterVec,
     /// Requests the outage estimate let finish (freeing their slots) while σ was stale.
@@ -234,6 +235,16 @@ impl Metrics {
                     &["group", "outcome"],
                 )?,
             ),
+            cancel_denied_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_cancel_denied_total",
+                        "Cancels refused PERMISSION_DENIED under mutual TLS: the caller's identity did not assign the request",
+                    ),
+                    &["group"],
+                )?,
+            ),
             stale_answers_total: reg(
                 &r,
                 IntCounterVec::new(
@@ -374,6 +385,7 @@ impl Metrics {
         self.reserve_failures_total
             .with_label_values(&[group, "unavailable"]);
         self.cancel_total.with_label_values(&[group, "withdrawn"]);
+        self.cancel_denied_total.with_label_values(&[group]);
         self.stale_answers_total.with_label_values(&[group]);
         self.estimated_finishes_total.with_label_values(&[group]);
         self.recommits_total.with_label_values(&[group, "sent"]);
