@@ -2,8 +2,8 @@
 //! per-service registry so tests can run several services in one process.
 
 use prometheus::{
-    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry,
 };
 
 /// Buckets for latencies this service adds (tens of µs to tens of ms).
@@ -45,6 +45,8 @@ pub struct Metrics {
     /// Cancel calls by outcome (`withdrawn`, `released`, `not_found`, `error`).
     pub cancel_total: IntCounterVec,
     pub cancel_denied_total: IntCounterVec,
+    pub ext_proc_buffered_bytes: IntGauge,
+    pub ext_proc_budget_refusals_total: IntCounter,
     /// Assign answers decided without a current σ (the response says `stale`).
     pub stale_answers_total: IntCounterVec,
     /// Requests the outage estimate let finish (freeing their slots) while σ was stale.
@@ -303,6 +305,20 @@ impl Metrics {
                         "Envoy ext_proc streams (one per HTTP request) by how they ended: answered (routed, the rank answered), released (routed, ended before a response: reservation released), refused (ImmediateResponse), abandoned (ended before a routing answer)",
                     ),
                     &["outcome"],
+                )?,
+            ),
+            ext_proc_buffered_bytes: reg(
+                &r,
+                IntGauge::new(
+                    "balanceroute_decision_ext_proc_buffered_bytes",
+                    "Request-body bytes the ext_proc streams hold now, together (bounded by --ext-proc-max-buffered-bytes)",
+                )?,
+            ),
+            ext_proc_budget_refusals_total: reg(
+                &r,
+                IntCounter::new(
+                    "balanceroute_decision_ext_proc_budget_refusals_total",
+                    "ext_proc requests refused 503 because their body did not fit --ext-proc-max-buffered-bytes",
                 )?,
             ),
             ext_proc_immediate_responses_total: reg(
