@@ -1100,3 +1100,111 @@ async fn a_full_pool_is_429_and_a_waiting_stream_that_ends_is_withdrawn() {
         assert!(stack.request(id).await.is_none(), "{id} holds nothing in σ");
     }
 }
+
+/// A streamed request-body chunk (Envoy's STREAMED mode: one answer per chunk).
+fn chunk(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(In::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Each stream bounds its own body, and `--ext-proc-max-buffered-bytes` bounds them all
+/// together: many streams each holding part of a body fill the budget, the next chunk that
+/// does not fit is refused 503 (counted), and bytes come back when a stream ends or its
+/// body is parsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_streams_share_one_body_budget() {
+    const PART: usize = 16 << 10;
+    const FIT: usize = 4;
+    // room for FIT parts and a little more (the last chunk of one body), not FIT + 1 parts
+    const BUDGET: usize = FIT * PART + 1024;
+    let budget = BUDGET.to_string();
+    let stack = Stack::start_with(&["--ext-proc-max-buffered-bytes", &budget]).await;
+    let mut client = stack.client().await;
+    let metrics =
+        || async { br_testkit::http::metrics_url(&stack.decision.admin_url("/metrics")).await };
+    // the first part of a JSON body whose prompt is PART bytes of text
+    let mut first = br#"{"model":"m","prompt":""#.to_vec();
+    first.resize(PART, b'x');
+    let last = br#""}"#;
+
+    let mut held = Vec::new();
+    let mut refused: u32 = 0;
+    for i in 0..12 {
+        let id = format!("budget-{i}");
+        let mut s = Envoy::open(&mut client).await;
+        let resp = s.exchange(headers(&[("x-request-id", &id)], false)).await;
+        assert!(
+            matches!(resp.response, Some(Out::RequestHeaders(_))),
+            "{resp:?}"
+        );
+        let resp = s.exchange(chunk(&first, false)).await;
+        match &resp.response {
+            Some(Out::RequestBody(_)) => held.push(s),
+            Some(Out::ImmediateResponse(i)) => {
+                assert_eq!(i.status.as_ref().map(|s| s.code), Some(503), "{i:?}");
+                assert!(
+                    String::from_utf8_lossy(&i.body).contains("--ext-proc-max-buffered-bytes"),
+                    "{i:?}"
+                );
+                refused += 1;
+                s.close().await;
+            }
+            other => panic!("stream {i}: expected the chunk taken or refused, got {other:?}"),
+        }
+    }
+    assert_eq!(held.len(), FIT, "as many streams as the budget holds");
+    assert_eq!(refused as usize, 12 - FIT);
+    let m = metrics().await;
+    assert_eq!(
+        m.value("balanceroute_decision_ext_proc_budget_refusals_total", &[]),
+        f64::from(refused)
+    );
+    assert_eq!(
+        m.value("balanceroute_decision_ext_proc_buffered_bytes", &[]),
+        (FIT * PART) as f64
+    );
+
+    // A stream that ends gives its bytes back; another can buffer again.
+    held.pop().expect("a held stream").close().await;
+    eventually(
+        Duration::from_secs(10),
+        "an ended stream's bytes come back",
+        || async {
+            metrics()
+                .await
+                .value("balanceroute_decision_ext_proc_buffered_bytes", &[])
+                == ((FIT - 1) * PART) as f64
+        },
+    )
+    .await;
+    let mut s = Envoy::open(&mut client).await;
+    s.exchange(headers(&[("x-request-id", "budget-again")], false))
+        .await;
+    let resp = s.exchange(chunk(&first, false)).await;
+    assert!(
+        matches!(resp.response, Some(Out::RequestBody(_))),
+        "{resp:?}"
+    );
+
+    // A body that completes is parsed and routed; its bytes go back to the budget.
+    let resp = s.exchange(chunk(last, true)).await;
+    routed_at_body(&resp);
+    s.exchange(response_headers()).await;
+    s.close().await;
+    for s in held {
+        s.close().await;
+    }
+    eventually(Duration::from_secs(10), "every byte is back", || async {
+        metrics()
+            .await
+            .value("balanceroute_decision_ext_proc_buffered_bytes", &[])
+            == 0.0
+    })
+    .await;
+}

@@ -252,6 +252,7 @@ async fn start_with(
                 ExtProcSettings {
                     default_group: ext.default_group.clone(),
                     timeout: ext.timeout,
+                    max_buffered_bytes: ext.max_buffered_bytes,
                 },
                 metrics.clone(),
             );

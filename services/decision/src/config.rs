@@ -230,6 +230,12 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_EXT_PROC_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_EXT_PROC_TIMEOUT)]
     pub ext_proc_timeout: Duration,
 
+    /// The request-body bytes all ext_proc streams together may buffer (each also at most
+    /// 16 MiB). A body message that does not fit is refused at once with a 503
+    /// ImmediateResponse and counted in `balanceroute_decision_ext_proc_budget_refusals_total`.
+    #[arg(long, env = "BALANCEROUTE_EXT_PROC_MAX_BUFFERED_BYTES", default_value_t = crate::ext_proc::DEFAULT_MAX_BUFFERED_BYTES)]
+    pub ext_proc_max_buffered_bytes: usize,
+
     /// Also serve Assign and Cancel as HTTP/JSON (`POST /v1/assign`, `POST /v1/cancel`) on
     /// this address, for gateways without gRPC. Off when unset. Same rules as `--listen`:
     /// plaintext only on loopback, mutual TLS with the same roles when `--tls-*` are given,
@@ -304,6 +310,8 @@ pub struct ExtProcConfig {
     pub default_group: Option<GroupId>,
     /// How long one request's Assign may wait.
     pub timeout: Duration,
+    /// The request-body bytes every stream together may buffer.
+    pub max_buffered_bytes: usize,
 }
 
 impl Args {
@@ -380,6 +388,12 @@ impl Args {
             None => None,
             Some(listen) => {
                 positive("ext-proc-timeout", self.ext_proc_timeout)?;
+                let max = self.ext_proc_max_buffered_bytes;
+                if !(1024..=tokio::sync::Semaphore::MAX_PERMITS).contains(&max) {
+                    return Err(format!(
+                        "--ext-proc-max-buffered-bytes {max} must be at least 1024 (and fit a semaphore)"
+                    ));
+                }
                 let default_group = match &self.ext_proc_default_group {
                     Some(g) => {
                         let id = GroupId::new(g.trim())
@@ -399,6 +413,7 @@ impl Args {
                     listen,
                     default_group,
                     timeout: self.ext_proc_timeout.min(self.max_wait),
+                    max_buffered_bytes: self.ext_proc_max_buffered_bytes,
                 })
             }
         };

@@ -45,6 +45,12 @@ pub enum DecisionError {
         "request {0:?} is already placed by another decision replica, and this replica's σ does not show it yet; retry the same request id"
     )]
     PlacedElsewhere(String),
+    /// Under mutual TLS, a `Cancel` of a request another identity assigned (or one this
+    /// service did not assign, whose owner it cannot tell).
+    #[error(
+        "request {request_id:?} was not assigned by {caller} through this decision service; only the identity that assigned a request may cancel it"
+    )]
+    NotOwner { request_id: String, caller: String },
     /// The snapshot service refused the reservation in a way a retry will not fix.
     #[error("reservation refused: {0}")]
     ReserveRefused(String),
@@ -63,6 +69,7 @@ impl ServiceError for DecisionError {
             DecisionError::PoolFull { .. } => Code::ResourceExhausted,
             DecisionError::Cancelled => Code::Cancelled,
             DecisionError::ReserveRefused(_) => Code::Internal,
+            DecisionError::NotOwner { .. } => Code::PermissionDenied,
         }
     }
 }
@@ -105,6 +112,13 @@ mod tests {
             ),
             (DecisionError::Cancelled, Code::Cancelled),
             (DecisionError::ShuttingDown, Code::Unavailable),
+            (
+                DecisionError::NotOwner {
+                    request_id: "r".into(),
+                    caller: "spiffe://td/br/gateway".into(),
+                },
+                Code::PermissionDenied,
+            ),
         ];
         for (e, code) in cases {
             let s: tonic::Status = e.clone().into();

@@ -56,13 +56,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use tokio::sync::mpsc;
+use prometheus::IntGauge;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::DecisionError;
 use crate::metrics::Metrics;
-use crate::service::DecisionService;
+use crate::service::{Caller, DecisionService};
 
 /// The gRPC service this port serves.
 pub const SERVICE_NAME: &str = br_trust::policy::EXT_PROC;
@@ -83,6 +84,9 @@ pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 /// The most request body one stream buffers (Envoy's own buffer limit usually bounds it first;
 /// each message is also bounded by the server's 4 MiB decoding limit).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
+/// The default of `--ext-proc-max-buffered-bytes`: the request bodies all streams together
+/// may hold (four streams at [`MAX_BODY_BYTES`], as br-shim's `--max-buffered-body-bytes`).
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 4 * MAX_BODY_BYTES;
 /// Messages a stream may send while its Assign waits (Envoy sends none, or its trailers).
 const MAX_PENDING: usize = 8;
 /// Responses queued towards Envoy per stream (it reads each before sending the next message).
@@ -95,6 +99,71 @@ pub struct ExtProcSettings {
     pub default_group: Option<GroupId>,
     /// How long one request's Assign may wait.
     pub timeout: Duration,
+    /// The request-body bytes every stream together may buffer (`--ext-proc-max-buffered-bytes`).
+    pub max_buffered_bytes: usize,
+}
+
+/// The request-body bytes all streams of the picker hold, bounded process-wide: each stream
+/// bounds its own body ([`MAX_BODY_BYTES`]) but many streams could together exhaust memory.
+/// A stream takes one permit per byte as each body message arrives and gives them back when
+/// the body is dropped (parsed, or sent back to Envoy in full-duplex mode) or the stream ends;
+/// a message that does not fit is refused 503 at once (nothing waits for room: Envoy retries
+/// or fails over, and a waiting stream would hold what it has).
+#[derive(Debug, Clone)]
+struct BodyBudget {
+    permits: Arc<Semaphore>,
+    /// The bytes held now (`balanceroute_decision_ext_proc_buffered_bytes`).
+    held: IntGauge,
+    max: usize,
+}
+
+/// One stream's share of the [`BodyBudget`]; given back on drop.
+#[derive(Debug)]
+struct BodyHold {
+    permit: OwnedSemaphorePermit,
+    held: IntGauge,
+}
+
+impl BodyBudget {
+    fn new(max: usize, held: IntGauge) -> BodyBudget {
+        let max = max.min(Semaphore::MAX_PERMITS);
+        BodyBudget {
+            permits: Arc::new(Semaphore::new(max)),
+            held,
+            max,
+        }
+    }
+
+    /// Takes `n` more bytes into `hold`; `false` (nothing taken) when they do not fit.
+    fn take(&self, hold: &mut Option<BodyHold>, n: usize) -> bool {
+        if n == 0 {
+            return true;
+        }
+        let Ok(n32) = u32::try_from(n) else {
+            return false;
+        };
+        let Ok(permit) = Arc::clone(&self.permits).try_acquire_many_owned(n32) else {
+            return false;
+        };
+        self.held.add(i64::from(n32));
+        match hold {
+            Some(h) => h.permit.merge(permit),
+            None => {
+                *hold = Some(BodyHold {
+                    permit,
+                    held: self.held.clone(),
+                });
+            }
+        }
+        true
+    }
+}
+
+impl Drop for BodyHold {
+    fn drop(&mut self) {
+        self.held
+            .sub(i64::try_from(self.permit.num_permits()).unwrap_or(i64::MAX));
+    }
 }
 
 /// `envoy.service.ext_proc.v3.ExternalProcessor` over a [`DecisionService`].
@@ -103,14 +172,20 @@ pub struct ExtProcService {
     svc: DecisionService,
     settings: Arc<ExtProcSettings>,
     metrics: Metrics,
+    budget: BodyBudget,
 }
 
 impl ExtProcService {
     pub fn new(svc: DecisionService, settings: ExtProcSettings, metrics: Metrics) -> Self {
+        let budget = BodyBudget::new(
+            settings.max_buffered_bytes,
+            metrics.ext_proc_buffered_bytes.clone(),
+        );
         ExtProcService {
             svc,
             settings: Arc::new(settings),
             metrics,
+            budget,
         }
     }
 }
@@ -123,6 +198,8 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        // The stream's identity (mutual TLS) owns the request it assigns, and releases it.
+        let caller = Caller::of(br_trust::policy::caller(&request));
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
         let stream = Stream {
@@ -132,10 +209,12 @@ impl ExternalProcessor for ExtProcService {
             pending: VecDeque::new(),
             state: State::AwaitHeaders,
             body: Vec::new(),
+            body_hold: None,
             request_duplex: false,
             response_duplex: false,
             request_buffered: false,
             subset: None,
+            caller,
         };
         tokio::spawn(stream.run());
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -151,6 +230,8 @@ enum Refusal {
     Assign(DecisionError),
     /// No endpoint the gateway allows could be chosen: 503.
     Unavailable(String),
+    /// The process-wide body budget is in use (`--ext-proc-max-buffered-bytes`): 503.
+    Busy(String),
 }
 
 impl Refusal {
@@ -165,7 +246,7 @@ impl Refusal {
         match self {
             Refusal::Input { status, .. } => *status,
             Refusal::Assign(e) => http_status(e.grpc_code()),
-            Refusal::Unavailable(_) => 503,
+            Refusal::Unavailable(_) | Refusal::Busy(_) => 503,
         }
     }
 
@@ -175,6 +256,7 @@ impl Refusal {
             Refusal::Input { .. } => "invalid_request",
             Refusal::Assign(e) => code_label(e.grpc_code()),
             Refusal::Unavailable(_) => "unavailable",
+            Refusal::Busy(_) => "resource_exhausted",
         }
     }
 
@@ -182,7 +264,7 @@ impl Refusal {
         match self {
             Refusal::Input { message, .. } => message.clone(),
             Refusal::Assign(e) => e.to_string(),
-            Refusal::Unavailable(m) => m.clone(),
+            Refusal::Unavailable(m) | Refusal::Busy(m) => m.clone(),
         }
     }
 }
@@ -267,6 +349,9 @@ struct Stream {
     state: State,
     /// The request body so far (streamed chunks until `end_of_stream`).
     body: Vec<u8>,
+    /// `body`'s share of the process-wide [`BodyBudget`] (and, in full-duplex mode, of the
+    /// whole body until it went back to Envoy).
+    body_hold: Option<BodyHold>,
     /// Envoy sends the request body FULL_DUPLEX_STREAMED: no answer per chunk, the headers'
     /// answer waits for the body, and the body goes back as a streamed body response.
     request_duplex: bool,
@@ -277,6 +362,8 @@ struct Stream {
     request_buffered: bool,
     /// The endpoints the gateway allows (the protocol's subset hint), when it sent one.
     subset: Option<Vec<String>>,
+    /// Who opened the stream: its Assign is bound to it, and its release is its Cancel.
+    caller: Caller,
 }
 
 /// The stream has ended (Envoy closed or reset it, or stopped reading).
@@ -358,6 +445,18 @@ impl Stream {
                     };
                     return self.refuse(refusal).await;
                 }
+                if !self.ext.budget.take(&mut self.body_hold, b.body.len()) {
+                    self.ext.metrics.ext_proc_budget_refusals_total.inc();
+                    let message = format!(
+                        "the endpoint picker holds its --ext-proc-max-buffered-bytes ({} bytes) \
+                         of request bodies; retry",
+                        self.ext.budget.max
+                    );
+                    tracing::warn!(%message, "ext_proc request body refused");
+                    self.body = Vec::new();
+                    self.body_hold = None;
+                    return self.refuse(Refusal::Busy(message)).await;
+                }
                 self.body.extend_from_slice(&b.body);
                 if !b.end_of_stream && !self.request_buffered {
                     if self.request_duplex {
@@ -381,9 +480,14 @@ impl Stream {
                         let phase = if self.request_duplex {
                             Phase::DuplexBody(body)
                         } else {
+                            // parsed: the bytes go back to the budget before the Assign waits
+                            drop(body);
+                            self.body_hold = None;
                             Phase::Body
                         };
-                        self.route(head, tokens, max_tokens, phase).await
+                        let routed = self.route(head, tokens, max_tokens, phase).await;
+                        self.body_hold = None;
+                        routed
                     }
                     Err(refusal) => self.refuse(refusal).await,
                 }
@@ -541,7 +645,9 @@ impl Stream {
         let svc = self.ext.svc.clone();
         let timeout = self.ext.settings.timeout;
         let span = br_trace::server_span("ext_proc Assign", head.trace.context());
-        let assign = tracing::Instrument::instrument(svc.assign_call(msg, timeout), span);
+        let caller = self.caller.clone();
+        let assign = svc.assign_call(msg, timeout, &caller);
+        let assign = tracing::Instrument::instrument(assign, span);
         tokio::pin!(assign);
         let result = loop {
             tokio::select! {
@@ -676,7 +782,7 @@ impl Stream {
             group: group.clone(),
             request_id: request_id.clone(),
         };
-        match self.ext.svc.cancel_call(req).await {
+        match self.ext.svc.cancel_call(req, &self.caller).await {
             Ok(outcome) => tracing::debug!(%group, %request_id, outcome = outcome.label(),
                 "ext_proc stream ended before a response: reservation released"),
             Err(e) => tracing::warn!(%group, %request_id, error = %e,

@@ -2,8 +2,8 @@
 //! per-service registry so tests can run several services in one process.
 
 use prometheus::{
-    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry,
 };
 
 /// Buckets for latencies this service adds (tens of µs to tens of ms).
@@ -44,6 +44,9 @@ pub struct Metrics {
     pub reserve_failures_total: IntCounterVec,
     /// Cancel calls by outcome (`withdrawn`, `released`, `not_found`, `error`).
     pub cancel_total: IntCounterVec,
+    pub cancel_denied_total: IntCounterVec,
+    pub ext_proc_buffered_bytes: IntGauge,
+    pub ext_proc_budget_refusals_total: IntCounter,
     /// Assign answers decided without a current σ (the response says `stale`).
     pub stale_answers_total: IntCounterVec,
     /// Requests the outage estimate let finish (freeing their slots) while σ was stale.
@@ -234,6 +237,16 @@ impl Metrics {
                     &["group", "outcome"],
                 )?,
             ),
+            cancel_denied_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_cancel_denied_total",
+                        "Cancels refused PERMISSION_DENIED under mutual TLS: the caller's identity did not assign the request",
+                    ),
+                    &["group"],
+                )?,
+            ),
             stale_answers_total: reg(
                 &r,
                 IntCounterVec::new(
@@ -292,6 +305,20 @@ impl Metrics {
                         "Envoy ext_proc streams (one per HTTP request) by how they ended: answered (routed, the rank answered), released (routed, ended before a response: reservation released), refused (ImmediateResponse), abandoned (ended before a routing answer)",
                     ),
                     &["outcome"],
+                )?,
+            ),
+            ext_proc_buffered_bytes: reg(
+                &r,
+                IntGauge::new(
+                    "balanceroute_decision_ext_proc_buffered_bytes",
+                    "Request-body bytes the ext_proc streams hold now, together (bounded by --ext-proc-max-buffered-bytes)",
+                )?,
+            ),
+            ext_proc_budget_refusals_total: reg(
+                &r,
+                IntCounter::new(
+                    "balanceroute_decision_ext_proc_budget_refusals_total",
+                    "ext_proc requests refused 503 because their body did not fit --ext-proc-max-buffered-bytes",
                 )?,
             ),
             ext_proc_immediate_responses_total: reg(
@@ -374,6 +401,7 @@ impl Metrics {
         self.reserve_failures_total
             .with_label_values(&[group, "unavailable"]);
         self.cancel_total.with_label_values(&[group, "withdrawn"]);
+        self.cancel_denied_total.with_label_values(&[group]);
         self.stale_answers_total.with_label_values(&[group]);
         self.estimated_finishes_total.with_label_values(&[group]);
         self.recommits_total.with_label_values(&[group, "sent"]);

@@ -23,6 +23,51 @@ use crate::group::{Assignment, CancelOutcome};
 use crate::metrics::Metrics;
 use crate::task::{Command, GroupHandle};
 
+/// Who makes a call, as far as binding a request to the identity that assigned it goes
+/// (mutual TLS; br-trust's authorization layer put the verified identity on the request).
+#[derive(Debug, Clone, Default)]
+pub enum Caller {
+    /// A plaintext server: no identity, nothing is bound and any caller may cancel any
+    /// request (the loopback-only deployment's behaviour).
+    #[default]
+    Anonymous,
+    /// The admin role (an operator): its Assigns are bound to it, and it may cancel any
+    /// request.
+    Admin(Arc<str>),
+    /// Any other identity (a gateway): its Assigns are bound to its SPIFFE id, and it may
+    /// cancel only the requests bound to that id.
+    Peer(Arc<str>),
+}
+
+impl Caller {
+    /// The caller of a request that passed br-trust's layer (`None`: plaintext).
+    pub fn of(identity: Option<&br_trust::Identity>) -> Caller {
+        match identity {
+            None => Caller::Anonymous,
+            Some(id) if id.role == br_trust::Role::Admin => {
+                Caller::Admin(Arc::from(id.spiffe_id.as_str()))
+            }
+            Some(id) => Caller::Peer(Arc::from(id.spiffe_id.as_str())),
+        }
+    }
+
+    /// What an Assign binds its request to.
+    fn owner(&self) -> Option<Arc<str>> {
+        match self {
+            Caller::Anonymous => None,
+            Caller::Admin(id) | Caller::Peer(id) => Some(id.clone()),
+        }
+    }
+
+    /// What a Cancel is checked against the request's owner with (`None`: not checked).
+    fn checked(&self) -> Option<Arc<str>> {
+        match self {
+            Caller::Peer(id) => Some(id.clone()),
+            Caller::Anonymous | Caller::Admin(_) => None,
+        }
+    }
+}
+
 /// The Decision gRPC service.
 #[derive(Clone)]
 pub struct DecisionService {
@@ -79,6 +124,7 @@ impl DecisionService {
         &self,
         req: ValidAssign,
         deadline: Instant,
+        caller: &Caller,
     ) -> Result<Assignment, DecisionError> {
         if self.shutdown.is_cancelled() {
             return Err(DecisionError::ShuttingDown);
@@ -99,6 +145,7 @@ impl DecisionService {
             // this call's span (the gRPC server span, or the HTTP/JSON or ext_proc one), for
             // the link from the Reserve span that will carry its reservation
             span: br_trace::span_context(&tracing::Span::current()),
+            owner: caller.owner(),
         });
         match tokio::time::timeout_at(deadline.into(), send).await {
             Ok(r) => r?,
@@ -109,18 +156,20 @@ impl DecisionService {
 
     /// One `Assign` as every front end makes it (the gRPC method, the ext_proc endpoint
     /// picker): validated at the edge, placed by the group's task, waited for at most
-    /// `timeout` (capped by `--max-wait`), and counted in the Assign metrics.
+    /// `timeout` (capped by `--max-wait`), and counted in the Assign metrics. Under mutual
+    /// TLS the request is bound to `caller`, the one identity whose `Cancel` it accepts.
     pub async fn assign_call(
         &self,
         msg: v1::AssignRequest,
         timeout: Duration,
+        caller: &Caller,
     ) -> Result<v1::AssignResponse, DecisionError> {
         let started = Instant::now();
         let timeout = timeout.min(self.max_wait);
         let deadline = started + timeout.saturating_sub(margin(timeout));
         let group = msg.group.clone();
         let result = match ValidAssign::try_from(msg) {
-            Ok(req) => self.do_assign(req, deadline).await,
+            Ok(req) => self.do_assign(req, deadline, caller).await,
             Err(e) => Err(e.into()),
         }
         .map(v1::AssignResponse::from);
@@ -152,9 +201,13 @@ impl DecisionService {
 
     /// One `Cancel` as every front end makes it: a waiting request leaves the pool, an
     /// answered one has its reservation released (`Snapshot.Release`); counted by outcome.
+    /// Under mutual TLS only the identity that assigned the request (or the admin role) may
+    /// cancel it: anyone else is refused PERMISSION_DENIED, counted in
+    /// `balanceroute_decision_cancel_denied_total` and logged.
     pub async fn cancel_call(
         &self,
         msg: v1::CancelRequest,
+        caller: &Caller,
     ) -> Result<CancelOutcome, DecisionError> {
         let label = self.label(&msg.group).to_owned();
         let result: Result<CancelOutcome, DecisionError> = async {
@@ -164,14 +217,23 @@ impl DecisionService {
             handle
                 .send(Command::Cancel {
                     id: req.request_id,
+                    caller: caller.checked(),
                     reply,
                 })
                 .await?;
-            rx.await.map_err(|_| DecisionError::ShuttingDown)
+            rx.await.map_err(|_| DecisionError::ShuttingDown)?
         }
         .await;
         let outcome = match &result {
             Ok(outcome) => outcome.label(),
+            Err(e @ DecisionError::NotOwner { .. }) => {
+                self.metrics
+                    .cancel_denied_total
+                    .with_label_values(&[&label])
+                    .inc();
+                tracing::warn!(group = %label, error = %e, "Cancel denied");
+                "denied"
+            }
             Err(_) => "error",
         };
         self.metrics
@@ -274,6 +336,7 @@ impl v1::decision_server::Decision for DecisionService {
         &self,
         request: Request<v1::AssignRequest>,
     ) -> Result<Response<v1::AssignResponse>, Status> {
+        let caller = Caller::of(br_trust::policy::caller(&request));
         let timeout = request
             .metadata()
             .get("grpc-timeout")
@@ -284,7 +347,7 @@ impl v1::decision_server::Decision for DecisionService {
         let span = tracing::Span::current();
         span.record("group", msg.group.as_str());
         span.record("request_id", msg.request_id.as_str());
-        match self.assign_call(msg, timeout).await {
+        match self.assign_call(msg, timeout, &caller).await {
             Ok(resp) => Ok(Response::new(resp)),
             Err(e) => Err(e.into()),
         }
@@ -295,7 +358,8 @@ impl v1::decision_server::Decision for DecisionService {
         &self,
         request: Request<v1::CancelRequest>,
     ) -> Result<Response<v1::CancelResponse>, Status> {
-        let outcome = self.cancel_call(request.into_inner()).await?;
+        let caller = Caller::of(br_trust::policy::caller(&request));
+        let outcome = self.cancel_call(request.into_inner(), &caller).await?;
         Ok(Response::new(v1::CancelResponse {
             outcome: v1::CancelOutcome::from(outcome) as i32,
         }))

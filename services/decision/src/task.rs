@@ -46,6 +46,9 @@ pub enum Command {
         reply: Reply,
         /// The call's span when traces are exported: the tick's Reserve span links it.
         span: Option<SpanContext>,
+        /// The caller's SPIFFE id under mutual TLS: the request is bound to it (only it may
+        /// cancel). `None` on a plaintext server.
+        owner: Option<Arc<str>>,
     },
     /// The caller `call` has gone; `undelivered`: it held an answer it never read.
     Withdraw {
@@ -55,7 +58,10 @@ pub enum Command {
     },
     Cancel {
         id: RequestId,
-        reply: oneshot::Sender<CancelOutcome>,
+        /// The caller's SPIFFE id, checked against the request's owner; `None`: not checked
+        /// (a plaintext server, or the admin role).
+        caller: Option<Arc<str>>,
+        reply: oneshot::Sender<Result<CancelOutcome, DecisionError>>,
     },
     Stats {
         reply: oneshot::Sender<GroupStats>,
@@ -309,19 +315,27 @@ fn on_command(core: &mut GroupCore, cmd: Command, spans: &mut AssignSpans) {
             call,
             reply,
             span,
+            owner,
         } => {
             if let Some(span) = span {
                 spans.insert(&req.request_id, span, now);
             }
-            core.assign(req, call, reply, now);
+            match owner {
+                None => core.assign(req, call, reply, now),
+                Some(owner) => {
+                    let id = req.request_id.clone();
+                    core.assign(req, call, reply, now);
+                    core.claim(id.as_str(), owner);
+                }
+            }
         }
         Command::Withdraw {
             id,
             call,
             undelivered,
         } => core.withdraw(id.as_str(), call, undelivered),
-        Command::Cancel { id, reply } => {
-            let _ = reply.send(core.cancel(id.as_str(), now));
+        Command::Cancel { id, caller, reply } => {
+            let _ = reply.send(core.cancel_by(id.as_str(), caller.as_deref(), now));
         }
         Command::Stats { reply } => {
             let _ = reply.send(core.stats());

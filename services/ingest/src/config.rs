@@ -20,6 +20,8 @@ pub const DEFAULT_HELLO_TIMEOUT: &str = "5s";
 /// Ten of the reporter's 1 s heartbeats (br-client's `DEFAULT_HEARTBEAT_EVERY`): a shim that
 /// pauses for a few seconds keeps its stream, a silent one loses it.
 pub const DEFAULT_STREAM_IDLE_TIMEOUT: &str = "10s";
+/// One untraced telemetry message in this many per stream gets a span (traces on).
+pub const DEFAULT_MESSAGE_SPAN_EVERY: u64 = 1000;
 
 /// br-ingest: terminates the workers' telemetry streams (Telemetry.Report), validates them,
 /// and streams coalesced change batches to the snapshot service (Snapshot.Apply).
@@ -81,6 +83,14 @@ pub struct Args {
     /// so a client that opens streams and never speaks holds no task, buffer or slot.
     #[arg(long, env = "BALANCEROUTE_HELLO_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_HELLO_TIMEOUT)]
     pub hello_timeout: Duration,
+
+    /// With traces exported (`--otlp-endpoint`), one telemetry message in this many per
+    /// stream gets a span of its own (a root trace); 0: none. A message whose reporter traced
+    /// it (a shim exporting traces sends its span's context) always continues that trace, so
+    /// the shims' sampler sets how many of those there are. 1: a span per message (the old
+    /// behaviour: 100k root traces a second at 100k single-update messages a second).
+    #[arg(long, env = "BALANCEROUTE_MESSAGE_SPAN_EVERY", default_value_t = DEFAULT_MESSAGE_SPAN_EVERY)]
+    pub message_span_every: u64,
 
     /// How long a stream that said Hello may go without a message (Progress, Heartbeat or
     /// Hello; HTTP/2 keepalive pings do not count): past it the stream is ended with

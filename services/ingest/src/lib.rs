@@ -93,6 +93,7 @@ pub fn component(
         forwarder: fwd,
         metrics,
         shutdown,
+        message_span_every: args.message_span_every,
     });
     Ok(Component {
         service,

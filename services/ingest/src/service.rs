@@ -58,6 +58,9 @@ pub struct TelemetryParts {
     pub forwarder: ForwarderHandle,
     pub metrics: Metrics,
     pub shutdown: CancellationToken,
+    /// `--message-span-every`: with traces exported, one Progress message in this many (per
+    /// stream) that no reporter traced gets a span; 0: none.
+    pub message_span_every: u64,
 }
 
 impl TelemetryService {
@@ -307,13 +310,25 @@ async fn run_stream(
 /// trace the message names (its reporter's span), or a root of its own, never a child of the
 /// stream's span (a stream lives for hours; one trace per batch). The batch span carrying its
 /// changes to the snapshot service continues it.
-fn message_span(msg: &v1::WorkerReport, hello: &ValidHello) -> tracing::Span {
+///
+/// Sampled, not one per message: with one update per message, 100k progress events/s made
+/// 100k root traces a second for the collector to take, each a span created, recorded and
+/// exported by this process, for batches nobody traced. A message its
+/// reporter traced (a `traceparent`: the shim's own sampler chose it) continues that trace;
+/// of the others, only the `nth` (per stream, from 0) that is a multiple of `every` gets a
+/// root span of its own (`--message-span-every`; 0: none). Errors stay events on the
+/// stream's span, which every message still runs under.
+fn message_span(msg: &v1::WorkerReport, hello: &ValidHello, nth: u64, every: u64) -> tracing::Span {
     if !br_trace::enabled() {
         return tracing::Span::none();
     }
     let Some(Kind::Progress(p)) = &msg.kind else {
         return tracing::Span::none();
     };
+    let parent = br_trace::W3c::context_of(&p.traceparent, &p.tracestate);
+    if parent.is_none() && (every == 0 || !nth.is_multiple_of(every)) {
+        return tracing::Span::none();
+    }
     let span = tracing::info_span!(
         parent: None,
         "report_batch",
@@ -326,10 +341,7 @@ fn message_span(msg: &v1::WorkerReport, hello: &ValidHello) -> tracing::Span {
         full_state = p.full_state,
     );
     // the reporter's (a shim's) span of this message, when it sends one, is the root
-    br_trace::continue_trace(
-        &span,
-        br_trace::W3c::context_of(&p.traceparent, &p.tracestate),
-    );
+    br_trace::continue_trace(&span, parent);
     span
 }
 
@@ -367,6 +379,8 @@ async fn serve_session(
     // time this task spent handling a message or waiting for room in the ack queue.
     // (Without a limit the branch below is disabled and the timer never polled.)
     let idle = inner.timeouts.idle;
+    // Progress messages of this stream so far (which ones get a span: see `message_span`).
+    let mut progress_seen: u64 = 0;
     let silence = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(silence);
     loop {
@@ -419,7 +433,14 @@ async fn serve_session(
             }
         };
         inner.metrics.messages.inc();
-        let span = message_span(&msg, session.hello());
+        let is_progress = matches!(msg.kind, Some(Kind::Progress(_)));
+        let span = message_span(
+            &msg,
+            session.hello(),
+            progress_seen,
+            inner.message_span_every,
+        );
+        progress_seen += u64::from(is_progress);
         let trace = br_trace::span_context(&span);
         let reply = match span.in_scope(|| session.on_message(msg, Instant::now())) {
             Step::Reply(r) => r,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use br_runtime::admin::Readiness;
 use br_runtime::config::Validate as _;
 use br_runtime::serve::ServeOutcome;
-use br_runtime::skeleton::{self, Http, ServeError, StartError};
+use br_runtime::skeleton::{self, Http, StartError};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Args;
@@ -202,6 +202,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         _ => topology::rank_router(shims),
     };
     let grace = args.common.shutdown_grace;
+    let header_timeout = args.header_read_timeout;
     let serve_shutdown = shutdown.clone();
     Ok(Running::spawn(
         http_addr,
@@ -210,13 +211,9 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         shutdown,
         (),
         async move {
-            let server = axum::serve(listener, app)
-                .with_graceful_shutdown(serve_shutdown.clone().cancelled_owned());
+            let server = crate::serve::serve(listener, app, header_timeout, serve_shutdown.clone());
             let outcome = tokio::select! {
-                r = server => {
-                    r.map_err(|source| ServeError::Io { server: "proxy", source })?;
-                    ServeOutcome::Drained
-                }
+                () = server => ServeOutcome::Drained,
                 // Streams can be long: after the grace period, stop waiting for them.
                 () = async { serve_shutdown.cancelled().await; tokio::time::sleep(grace).await } => {
                     tracing::warn!("grace period over; closing open streams");

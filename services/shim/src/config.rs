@@ -72,6 +72,11 @@ pub struct Args {
     /// 408 with a JSON error.
     #[arg(long, env = "BALANCEROUTE_BODY_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
     pub body_timeout: std::time::Duration,
+    /// How long a client may take to send a request's headers on the proxy port (HTTP/1);
+    /// a connection whose headers have not all arrived by then is closed (a slowloris client
+    /// otherwise holds it, and one of --max-connections, forever).
+    #[arg(long, env = "BALANCEROUTE_HEADER_READ_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub header_read_timeout: std::time::Duration,
     /// How often the reporter sends what changed (one batched `Progress` per rank per interval
     /// while tokens flow): the longest a token waits in the shim before it leaves for ingest.
     /// Shorter shows ingest and the deciders a fresher σ, at the cost of more, smaller messages
@@ -187,6 +192,9 @@ impl ServiceArgs for Args {
         }
         if self.body_timeout.is_zero() {
             return Err("--body-timeout must be above 0".into());
+        }
+        if self.header_read_timeout.is_zero() {
+            return Err("--header-read-timeout must be above 0".into());
         }
         if !(std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(1))
             .contains(&self.report_flush_interval)

@@ -103,6 +103,13 @@ pub struct Args {
     /// snapshot must fit the 64 MiB a watcher decodes (at most about 218,000).
     #[arg(long, env = "BALANCEROUTE_MAX_GROUP_REQUESTS", default_value_t = br_sigma::DEFAULT_MAX_GROUP_REQUESTS)]
     pub max_group_requests: usize,
+
+    /// Keep the operator's cordons (SetCordon) in this file, so they survive a restart of the
+    /// service (σ itself is rebuilt from the shims, which know nothing of cordons). Written
+    /// atomically before SetCordon answers; read at start (a missing file is no cordons, an
+    /// unreadable one stops the start). Unset: cordons last as long as the process.
+    #[arg(long, env = "BALANCEROUTE_CORDON_FILE")]
+    pub cordon_file: Option<std::path::PathBuf>,
 }
 
 impl Args {

@@ -28,6 +28,9 @@ pub enum SnapshotError {
         "worker {worker} is not in σ of group {group:?} (its shim never said Hello in this epoch); cordon it once it has connected"
     )]
     UnknownWorker { group: String, worker: u32 },
+    /// The cordon could not be written to `--cordon-file` (nothing changed).
+    #[error("the cordon could not be written to --cordon-file ({0}); nothing changed, retry")]
+    CordonNotSaved(String),
     /// A Watch beyond `--max-watchers` streams open at once.
     #[error("the service holds --max-watchers {max} Watch streams; retry once one ends")]
     TooManyWatchers { max: usize },
@@ -39,6 +42,7 @@ impl ServiceError for SnapshotError {
             SnapshotError::Invalid(_) => tonic::Code::InvalidArgument,
             SnapshotError::ShuttingDown => tonic::Code::Unavailable,
             SnapshotError::UnknownWorker { .. } => tonic::Code::NotFound,
+            SnapshotError::CordonNotSaved(_) => tonic::Code::Unavailable,
             SnapshotError::TooManyGroups { .. }
             | SnapshotError::WatcherTooSlow { .. }
             | SnapshotError::TooManyWatchers { .. } => tonic::Code::ResourceExhausted,
@@ -50,6 +54,7 @@ impl ServiceError for SnapshotError {
             SnapshotError::Invalid(e) => e.reason_label(),
             SnapshotError::ShuttingDown => "unavailable",
             SnapshotError::UnknownWorker { .. } => "unknown_worker",
+            SnapshotError::CordonNotSaved(_) => "cordon_not_saved",
             SnapshotError::TooManyGroups { .. } => "max_groups",
             SnapshotError::WatcherTooSlow { .. } => "watcher_queue_bytes",
             SnapshotError::TooManyWatchers { .. } => "max_watchers",

@@ -11,6 +11,7 @@
 //! writer's σ by construction.
 
 pub mod config;
+pub mod cordons;
 pub mod error;
 pub mod group;
 pub mod metrics;
@@ -60,7 +61,17 @@ pub struct Component {
 pub fn component(args: &Args, shutdown: CancellationToken) -> Result<Component, StartError> {
     args.validate().map_err(StartError::Config)?;
     let metrics = metrics::Metrics::new()?;
-    let (writer, writer_task) = writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
+    let cordons = match &args.cordon_file {
+        Some(path) => {
+            cordons::Cordons::load(path).map_err(|e| StartError::Config(e.to_string()))?
+        }
+        None => cordons::Cordons::in_memory(),
+    };
+    if !cordons.is_empty() {
+        tracing::info!(cordoned = cordons.len(), "cordons read from --cordon-file");
+    }
+    let (writer, writer_task) =
+        writer::spawn_with_cordons(args.settings(), metrics.clone(), shutdown.clone(), cordons);
     let epoch = writer.epoch();
     let service =
         service::SnapshotService::new(writer, metrics.clone(), args.max_watchers, shutdown);

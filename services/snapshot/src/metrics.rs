@@ -60,6 +60,7 @@ pub struct Metrics {
     groups: IntGauge,
     groups_reclaimed: IntCounter,
     refused: IntCounterVec,
+    cordons: IntGauge,
 }
 
 fn gauge(
@@ -192,6 +193,14 @@ impl Metrics {
                 r.register(Box::new(c.clone()))?;
                 c
             },
+            cordons: {
+                let g = IntGauge::new(
+                    "balanceroute_snapshot_cordons",
+                    "Workers cordoned by SetCordon, over every group, as the writer keeps them (with --cordon-file, also across restarts); a cordoned worker not in σ yet is cordoned when it says Hello",
+                )?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
             refused: counter(
                 &r,
                 "balanceroute_snapshot_refused_total",
@@ -227,6 +236,11 @@ impl Metrics {
     #[cfg(test)]
     pub fn refused_count(&self, reason: &str) -> u64 {
         self.refused.with_label_values(&[reason]).get()
+    }
+
+    /// How many workers are cordoned (see [`crate::cordons`]).
+    pub fn cordons(&self, n: usize) {
+        self.cordons.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// How many groups are held, and how many were just reclaimed.

@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
+use crate::cordons::Cordons;
 use crate::error::SnapshotError;
 use crate::group::{
     Applied, Cordoned, Group, Reject, Released, Reserved, Settings, StreamId, WatchQueue,
@@ -139,7 +140,18 @@ pub fn spawn(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> (WriterHandle, JoinHandle<()>) {
+    spawn_with_cordons(settings, metrics, shutdown, Cordons::in_memory())
+}
+
+/// [`spawn`], starting from (and keeping) the operator's `cordons` (`--cordon-file`).
+pub fn spawn_with_cordons(
+    settings: Settings,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+    cordons: Cordons,
+) -> (WriterHandle, JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+    metrics.cordons(cordons.len());
     let epoch = random_epoch();
     let writer = Writer {
         groups: HashMap::new(),
@@ -150,6 +162,7 @@ pub fn spawn(
         draining: false,
         next_version: 0,
         at_max_groups: false,
+        cordons,
     };
     let task = tokio::spawn(writer.run(rx, shutdown));
     (WriterHandle { tx, epoch }, task)
@@ -168,6 +181,8 @@ struct Writer {
     next_version: u64,
     /// The last new group was refused for `max_groups` (logged once per episode).
     at_max_groups: bool,
+    /// The operator's cordons, which σ forgets on a restart (see [`crate::cordons`]).
+    cordons: Cordons,
 }
 
 /// The wall clock in ms since the Unix epoch (0 before it).
@@ -262,6 +277,47 @@ impl Writer {
         }
     }
 
+    /// Snapshot.SetCordon: recorded (and, with `--cordon-file`, written) before σ changes, so
+    /// an answered cordon survives a restart. A worker σ does not hold may be uncordoned (a
+    /// cordon left for a rank that has gone) but not cordoned.
+    fn set_cordon(
+        &mut self,
+        req: &ValidSetCordon,
+        now: Instant,
+    ) -> Result<Cordoned, SnapshotError> {
+        let (group, worker, cordoned) = (req.group.as_str(), req.worker_id, req.cordoned);
+        let g = self.groups.get_mut(&req.group);
+        let in_sigma = g
+            .as_ref()
+            .is_some_and(|g| g.sigma().worker(worker).is_some());
+        // an uncordon of a worker the file holds but σ does not (a rank gone for good)
+        let stale_uncordon = !cordoned && self.cordons.contains(group, worker);
+        if !in_sigma && !stale_uncordon {
+            return Err(SnapshotError::UnknownWorker {
+                group: group.to_owned(),
+                worker,
+            });
+        }
+        let kept = self.cordons.set(group, worker, cordoned).map_err(|e| {
+            tracing::error!(%group, worker, cordoned, error = %e, "cordon not written to --cordon-file; refused");
+            SnapshotError::CordonNotSaved(e.to_string())
+        })?;
+        self.metrics.cordons(self.cordons.len());
+        match g {
+            Some(g) if in_sigma => {
+                g.set_cordon(worker, cordoned, now)
+                    .map_err(|_| SnapshotError::UnknownWorker {
+                        group: group.to_owned(),
+                        worker,
+                    })
+            }
+            _ => Ok(Cordoned {
+                version: self.groups.get(&req.group).map_or(0, Group::version),
+                changed: kept,
+            }),
+        }
+    }
+
     /// Answers one command at `now` (`wall_ms`: the wall clock, against which ingest's
     /// disconnect times are read).
     fn handle(&mut self, cmd: Command, now: Instant, wall_ms: u64) {
@@ -273,9 +329,10 @@ impl Writer {
                 carrier,
                 reply,
             } => {
-                let applied = self
-                    .group(&group, now)
-                    .map(|g| g.apply_from(changes, stream, &carrier, now, wall_ms));
+                let cordons = self.cordons.of(group.as_str()).cloned();
+                let applied = self.group(&group, now).map(|g| {
+                    g.apply_cordoned(changes, stream, &carrier, now, wall_ms, cordons.as_ref())
+                });
                 if applied.is_ok() {
                     let touched = self.stream_groups.entry(stream).or_default();
                     if !touched.contains(&group) {
@@ -323,17 +380,7 @@ impl Writer {
                 let _ = reply.send(resp);
             }
             Command::SetCordon { req, reply } => {
-                let unknown = || SnapshotError::UnknownWorker {
-                    group: req.group.to_string(),
-                    worker: req.worker_id,
-                };
-                let resp = match self.groups.get_mut(&req.group) {
-                    Some(g) => g
-                        .set_cordon(req.worker_id, req.cordoned, now)
-                        .map_err(|_| unknown()),
-                    None => Err(unknown()),
-                };
-                let _ = reply.send(resp);
+                let _ = reply.send(self.set_cordon(&req, now));
             }
             Command::ListGroups { reply } => {
                 let mut groups: Vec<v1::GroupSummary> =

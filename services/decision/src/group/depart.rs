@@ -3,6 +3,7 @@
 //! in σ for a request nobody will send: one whose answer reached nobody, or that was cancelled,
 //! is released (at once, or once its `Reserve` call returns). Owns no state of its own.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use br_core::{Mode, Phase, RequestKey};
@@ -83,7 +84,49 @@ impl GroupCore {
         }
     }
 
-    /// `Decision.Cancel`.
+    /// Binds request `id` (if it is still here after its `Assign`) to the caller's identity,
+    /// the one [`Self::cancel_by`] accepts; a request keeps its first owner.
+    pub fn claim(&mut self, id: &str, owner: Arc<str>) {
+        self.requests.claim(id, owner);
+    }
+
+    /// `Decision.Cancel` by `caller` (a SPIFFE id, under mutual TLS): only the identity whose
+    /// `Assign` brought the request here may cancel it. An id this service did not assign
+    /// (another replica or an earlier incarnation did) has no owner to check, so a caller with
+    /// an identity may not release σ's reservation of it: that reservation expires by its
+    /// TTL instead. `None` (plaintext, or the admin role) may cancel anything, as [`Self::cancel`].
+    pub fn cancel_by(
+        &mut self,
+        id: &str,
+        caller: Option<&str>,
+        now: Instant,
+    ) -> Result<CancelOutcome, DecisionError> {
+        let Some(caller) = caller else {
+            return Ok(self.cancel(id, now));
+        };
+        let not_owner = || DecisionError::NotOwner {
+            request_id: id.to_owned(),
+            caller: caller.to_owned(),
+        };
+        match self.requests.key_of(id).and_then(|k| self.requests.get(k)) {
+            Some(r) => match &r.owner {
+                Some(owner) if **owner != *caller => Err(not_owner()),
+                _ => Ok(self.cancel(id, now)),
+            },
+            None => {
+                let in_sigma = self.view.sigma().and_then(|s| s.request(id));
+                if in_sigma.is_some_and(|r| r.phase == Phase::Queued)
+                    && !self.reservations.recently_released(id)
+                {
+                    Err(not_owner())
+                } else {
+                    Ok(CancelOutcome::NotFound)
+                }
+            }
+        }
+    }
+
+    /// `Decision.Cancel` without an identity to check.
     pub fn cancel(&mut self, id: &str, now: Instant) -> CancelOutcome {
         let Some(key) = self.requests.key_of(id) else {
             return self.cancel_unknown(id, now);

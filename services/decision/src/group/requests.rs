@@ -12,6 +12,7 @@
 //! σ, of reservations or of the wire: callers pass in the placement and the answer.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use br_core::{Pool, PoolEntry, RequestKey};
@@ -83,6 +84,9 @@ pub(super) struct Req {
     pub(super) arrived: Instant,
     pub(super) state: State,
     waiters: Vec<Waiter>,
+    /// The identity (SPIFFE id) of the first caller, under mutual TLS: only it may `Cancel`
+    /// the request. `None` on a plaintext server, where any caller may.
+    pub(super) owner: Option<Arc<str>>,
 }
 
 impl Req {
@@ -244,9 +248,18 @@ impl Requests {
                 arrived: now,
                 state,
                 waiters: vec![Waiter { call, tx: reply }],
+                owner: None,
             },
         );
         key
+    }
+
+    /// Binds a request to the identity of the caller that brought it here, unless it is
+    /// bound already (a retry by someone else does not take it over).
+    pub(super) fn claim(&mut self, id: &str, owner: Arc<str>) {
+        if let Some(r) = self.key_of(id).and_then(|k| self.reqs.get_mut(&k)) {
+            r.owner.get_or_insert(owner);
+        }
     }
 
     // ---------------------------------------------------------------- the pool

@@ -320,6 +320,22 @@ impl Group {
         now: Instant,
         wall_ms: u64,
     ) -> Applied {
+        self.apply_cordoned(changes, stream, carrier, now, wall_ms, None)
+    }
+
+    /// [`Group::apply_from`], keeping the operator's `cordons` (the writer's, which outlive
+    /// σ: see [`crate::cordons`]): a cordoned worker that the batch brings into σ uncordoned
+    /// (its first Hello after a restart of this service, or after its group was reclaimed)
+    /// is cordoned in the same version, so no watcher ever sees it routable.
+    pub fn apply_cordoned(
+        &mut self,
+        changes: Vec<(usize, ValidTelemetryChange)>,
+        stream: StreamId,
+        carrier: &str,
+        now: Instant,
+        wall_ms: u64,
+        cordons: Option<&std::collections::BTreeSet<u32>>,
+    ) -> Applied {
         self.idle_since = None;
         let at = Arrival {
             stream,
@@ -339,6 +355,14 @@ impl Group {
             if let Err(r) = self.presence.apply(&mut b, c, &at, &mut seen, &mut ids) {
                 self.metrics.family().reject(r.label());
                 rejected.push((index, r));
+            }
+        }
+        for &w in cordons.into_iter().flatten() {
+            if b.sigma().worker(w).is_some_and(|x| !x.cordoned) {
+                // cannot fail: σ holds the worker
+                let _ = b.apply(br_sigma::change::worker_cordon(w, true));
+                tracing::info!(group = %b.sigma().group(), worker = w,
+                    "worker is back in σ and stays cordoned");
             }
         }
         let counts = ids.counts;

@@ -40,6 +40,71 @@ fn cancel_withdraws_releases_or_finds_nothing() {
     assert!(fx.release().is_none());
 }
 
+/// Under mutual TLS a request belongs to the identity whose Assign brought it: another
+/// identity's Cancel is refused whatever state the request is in, and changes nothing.
+#[test]
+fn cancel_is_bound_to_the_assigning_identity() {
+    let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
+    let a: std::sync::Arc<str> = "spiffe://td/br/gateway".into();
+    let b = "spiffe://td/ns/br/sa/other-gateway";
+    let not_owner = |id: &str| DecisionError::NotOwner {
+        request_id: id.into(),
+        caller: b.into(),
+    };
+
+    // waiting in the pool
+    let (_, mut waiting) = fx.assign("w", 100);
+    fx.core.claim("w", a.clone());
+    assert_eq!(fx.core.cancel_by("w", Some(b), fx.now), Err(not_owner("w")));
+    assert_eq!(fx.core.stats().pool, 1, "still waiting");
+    assert!(matches!(waiting.try_recv(), Err(TryRecvError::Empty)));
+    // a retry by someone else does not take it over
+    let (_, _retry) = fx.assign("w", 100);
+    fx.core.claim("w", b.into());
+    assert_eq!(fx.core.cancel_by("w", Some(b), fx.now), Err(not_owner("w")));
+    assert_eq!(
+        fx.core.cancel_by("w", Some(&a), fx.now),
+        Ok(CancelOutcome::Withdrawn)
+    );
+    assert_eq!(error(&mut waiting), DecisionError::Cancelled);
+
+    // answered, reserved in σ
+    let (_, mut done) = fx.assign("d", 100);
+    fx.core.claim("d", a.clone());
+    fx.tick_and_commit(true);
+    answer(&mut done);
+    assert_eq!(fx.core.cancel_by("d", Some(b), fx.now), Err(not_owner("d")));
+    assert!(fx.release().is_none(), "a refused Cancel releases nothing");
+    assert_eq!(
+        fx.core.cancel_by("d", Some(&a), fx.now),
+        Ok(CancelOutcome::Released)
+    );
+    assert_eq!(fx.release().expect("a Release").request_ids, vec!["d"]);
+
+    // σ holds a reservation this service did not make: no owner to check, so an identity
+    // may not release it (it expires by its TTL); plaintext and the admin role may.
+    fx.sigma_change(vec![change::request_reserved(
+        "foreign", 0, 100, 10, None, None,
+    )]);
+    assert_eq!(
+        fx.core.cancel_by("foreign", Some(b), fx.now),
+        Err(not_owner("foreign"))
+    );
+    assert!(fx.release().is_none());
+    assert_eq!(
+        fx.core.cancel_by("never", Some(b), fx.now),
+        Ok(CancelOutcome::NotFound)
+    );
+    assert_eq!(
+        fx.core.cancel_by("foreign", None, fx.now),
+        Ok(CancelOutcome::Released)
+    );
+    assert_eq!(
+        fx.release().expect("a Release").request_ids,
+        vec!["foreign"]
+    );
+}
+
 #[test]
 fn cancel_during_reserve_releases_once_accepted() {
     let mut fx = Fx::new(PolicyKind::Br0, &[0, 0], 8);
