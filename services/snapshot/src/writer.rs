@@ -331,7 +331,7 @@ impl Writer {
             } => {
                 let cordons = self.cordons.of(group.as_str()).cloned();
                 let applied = self.group(&group, now).map(|g| {
-                    g.apply_cordoned(changes, stream, &carrier, now, wall_ms, cordons.as_ref())
+                    g.apply_from(changes, stream, &carrier, now, wall_ms, cordons.as_ref())
                 });
                 if applied.is_ok() {
                     let touched = self.stream_groups.entry(stream).or_default();

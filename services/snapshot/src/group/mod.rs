@@ -305,29 +305,17 @@ impl Group {
         now: Instant,
         wall_ms: u64,
     ) -> Applied {
-        self.apply_from(changes, stream, "", now, wall_ms)
+        self.apply_from(changes, stream, "", now, wall_ms, None)
     }
 
     /// Applies one batch of validated telemetry changes (each with its index in the batch)
     /// from Apply stream `stream` of ingest replica `carrier` as one version (or none if
     /// nothing changed). Rejected changes are returned by index (and counted); the rest apply
-    /// in order.
+    /// in order. With the operator's `cordons` (the writer's, which outlive σ: see
+    /// [`crate::cordons`]), a cordoned worker that the batch brings into σ uncordoned (its
+    /// first Hello after a restart of this service, or after its group was reclaimed) is
+    /// cordoned in the same version, so no watcher ever sees it routable.
     pub fn apply_from(
-        &mut self,
-        changes: Vec<(usize, ValidTelemetryChange)>,
-        stream: StreamId,
-        carrier: &str,
-        now: Instant,
-        wall_ms: u64,
-    ) -> Applied {
-        self.apply_cordoned(changes, stream, carrier, now, wall_ms, None)
-    }
-
-    /// [`Group::apply_from`], keeping the operator's `cordons` (the writer's, which outlive
-    /// σ: see [`crate::cordons`]): a cordoned worker that the batch brings into σ uncordoned
-    /// (its first Hello after a restart of this service, or after its group was reclaimed)
-    /// is cordoned in the same version, so no watcher ever sees it routable.
-    pub fn apply_cordoned(
         &mut self,
         changes: Vec<(usize, ValidTelemetryChange)>,
         stream: StreamId,

@@ -196,7 +196,7 @@ fn apply_via(
 ) -> Applied {
     let wire::Changes { valid, invalid } = wire::telemetry_changes(changes);
     assert!(invalid.is_empty(), "{invalid:?}");
-    g.apply_from(valid, stream, carrier, now, 0)
+    g.apply_from(valid, stream, carrier, now, 0, None)
 }
 
 /// The carrier's Apply stream ends (its ingest replica was killed): its worker keeps its
