@@ -364,7 +364,11 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
     match u {
         Update::Connected { .. } => core.on_connected(now),
         Update::Disconnected { at, error } => {
-            if core.has_sigma() && !core.is_stale() {
+            if core.is_shutting_down() {
+                // br-all's snapshot writer ends the Watch streams once the drain is over: a
+                // clean shutdown, not an outage to warn about.
+                tracing::debug!(group = %core.group(), %error, "σ feed ended while shutting down");
+            } else if core.has_sigma() && !core.is_stale() {
                 tracing::warn!(group = %core.group(), %error, "σ feed lost; answering from the last σ (stale)");
             }
             core.on_disconnected(at.into_std(), now);
