@@ -305,15 +305,16 @@ impl RunArgs {
                 cfg.rate_per_s = r;
             }
             let (reqs, stats) = filter.apply(synth::generate(kind, &cfg));
-            if let (None, Some(n)) = (count, self.limit) {
-                if !reqs.is_empty() && reqs.len() < n {
-                    return Err(WorkloadError::Invalid(format!(
-                        "--limit {n}: only {} of the {} generated {} requests pass --filter-min-output; lower --limit or the filter",
-                        reqs.len(),
-                        cfg.requests,
-                        kind.name()
-                    )));
-                }
+            if let (None, Some(n)) = (count, self.limit)
+                && !reqs.is_empty()
+                && reqs.len() < n
+            {
+                return Err(WorkloadError::Invalid(format!(
+                    "--limit {n}: only {} of the {} generated {} requests pass --filter-min-output; lower --limit or the filter",
+                    reqs.len(),
+                    cfg.requests,
+                    kind.name()
+                )));
             }
             (format!("{} (synthetic)", kind.name()), reqs, stats)
         } else {
