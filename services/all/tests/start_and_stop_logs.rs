@@ -102,7 +102,10 @@ async fn one_start_up_line_and_a_quiet_clean_shutdown() {
         assert!(line.contains(&field), "{field} in {line}");
     }
     assert!(line.contains("groups=") && line.contains(GROUP), "{line}");
-    assert!(!line.contains("snapshot="), "no unused --snapshot-addr: {line}");
+    assert!(
+        !line.contains("snapshot="),
+        "no unused --snapshot-addr: {line}"
+    );
 
     stop.cancel();
     running.wait().await.unwrap();
