@@ -38,11 +38,8 @@ pub type Running = br_decision::Running;
 /// br-decision's optional listeners (`--http-listen`, `--ext-proc-listen`) when given.
 pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, StartError> {
     args.validate().map_err(StartError::Config)?;
-    let reserve_timeout = args
-        .decision
-        .to_config()
-        .map_err(StartError::Config)?
-        .reserve_timeout;
+    let decision = args.decision.to_config().map_err(StartError::Config)?;
+    let reserve_timeout = decision.reserve_timeout;
     // The snapshot writer outlives the gRPC drain: calls still waiting in decision's pool
     // need Reserve until they are answered. Decision cancels `after` once the drain is over.
     let after = CancellationToken::new();
@@ -68,11 +65,8 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
                 .add_service(br_ingest::server(telemetry, &ingest_args))
         })
     };
-    tracing::info!(
-        epoch = snapshot.epoch,
-        "br-all: snapshot, ingest and decision in one process"
-    );
-    br_decision::app::start_embedded(
+    let epoch = snapshot.epoch;
+    let running = br_decision::app::start_embedded(
         &args.decision,
         shutdown,
         br_decision::app::Embedding {
@@ -91,5 +85,19 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             tasks: vec![snapshot.writer_task, ingest.forwarder_task],
         },
     )
-    .await
+    .await?;
+    // The one start-up line: what an operator checks first (ports, groups, TLS, version).
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        grpc = %running.grpc_addr(),
+        admin = %running.admin_addr(),
+        http = ?running.http_json_addr(),
+        ext_proc = ?running.listener(br_decision::app::EXT_PROC_KEY),
+        tls = args.common.tls.enabled(),
+        policy = %decision.policy.kind,
+        groups = ?decision.groups,
+        epoch,
+        "br-all started: snapshot, ingest and decision in one process"
+    );
+    Ok(running)
 }

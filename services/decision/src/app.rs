@@ -284,11 +284,18 @@ async fn start_with(
     };
     let http_addr = http.as_ref().map(|(l, _)| l.local_addr());
     let mut routes = tonic::service::Routes::new(DecisionServer::new(svc));
+    // Embedded (br-all), the embedding logs the one start-up line: `--snapshot-addr` is not
+    // used there, and one process should not announce itself twice.
+    let embedded = mount.is_some();
     if let Some(mount) = mount {
         routes = mount(routes);
     }
-    tracing::info!(grpc = %grpc_addr, http = ?http_addr, admin = %admin_addr, policy = %cfg.policy.kind,
-        groups = ?cfg.groups, snapshot = %cfg.snapshot_addr, services = ?served, "br-decision started");
+    if !embedded {
+        tracing::info!(version = env!("CARGO_PKG_VERSION"), grpc = %grpc_addr, http = ?http_addr,
+            ext_proc = ?ext_proc_addr, admin = %admin_addr, tls = edge.tls().is_some(),
+            policy = %cfg.policy.kind, groups = ?cfg.groups, snapshot = %cfg.snapshot_addr,
+            services = ?served, "br-decision started");
+    }
     let grace = args.common.shutdown_grace;
     // A request's head has as long as a new connection's first byte (--first-byte-timeout).
     let header_timeout = args.common.first_byte_timeout;

@@ -51,6 +51,14 @@ pub enum DecisionError {
         "request {request_id:?} was not assigned by {caller} through this decision service; only the identity that assigned a request may cancel it"
     )]
     NotOwner { request_id: String, caller: String },
+    /// `Cancel` took the request out of this service, but the snapshot service did not
+    /// acknowledge its `Release` (within `--reserve-timeout`): σ may still hold the
+    /// reservation until its TTL expires, so the answer is not RELEASED but ABORTED (a
+    /// retry cannot help: the request is no longer here to release).
+    #[error(
+        "request {request_id:?} left this decision service but σ may still hold its reservation ({detail}); it expires by its TTL"
+    )]
+    ReleaseUnconfirmed { request_id: String, detail: String },
     /// The snapshot service refused the reservation in a way a retry will not fix.
     #[error("reservation refused: {0}")]
     ReserveRefused(String),
@@ -65,6 +73,8 @@ impl ServiceError for DecisionError {
             | DecisionError::NoLiveWorker(_)
             | DecisionError::ShuttingDown
             | DecisionError::PlacedElsewhere(_) => Code::Unavailable,
+            // Not UNAVAILABLE: a retried Cancel would find nothing here and say NOT_FOUND.
+            DecisionError::ReleaseUnconfirmed { .. } => Code::Aborted,
             DecisionError::DeadlineExceeded => Code::DeadlineExceeded,
             DecisionError::PoolFull { .. } => Code::ResourceExhausted,
             DecisionError::Cancelled => Code::Cancelled,
@@ -112,6 +122,13 @@ mod tests {
             ),
             (DecisionError::Cancelled, Code::Cancelled),
             (DecisionError::ShuttingDown, Code::Unavailable),
+            (
+                DecisionError::ReleaseUnconfirmed {
+                    request_id: "r".into(),
+                    detail: "Release timed out".into(),
+                },
+                Code::Aborted,
+            ),
             (
                 DecisionError::NotOwner {
                     request_id: "r".into(),

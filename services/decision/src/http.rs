@@ -27,6 +27,7 @@ use axum::response::{IntoResponse, Response};
 use br_proto::v1;
 use br_proto::v1::decision_server::Decision as _;
 use br_runtime::config::CommonArgs;
+use br_runtime::http_serve::{HttpServing, serve_http};
 use br_runtime::serve::{ServeOutcome, TLS_HANDSHAKE_TIMEOUT};
 use br_runtime::skeleton::{self, Edge, StartError};
 use br_trust::IdentityReader;
@@ -221,75 +222,27 @@ pub fn router(
 }
 
 /// Serves `router` on `listener` until `shutdown`, then lets the requests in flight finish
-/// for at most `grace` (as the gRPC port drains). Each connection has `header_timeout` to
-/// send a request's head (a client that trickles its headers would otherwise hold its
-/// connection slot for ever; axum::serve sets no such bound), and the connection ends
-/// gracefully (after the request in flight) on shutdown.
+/// for at most `grace` (as the gRPC port drains), with br-runtime's HTTP accept loop: each
+/// connection has `header_timeout` to send a request's head (a client that trickles its
+/// headers would otherwise hold its connection slot for ever; axum::serve sets no such
+/// bound), and ends gracefully (after the request in flight) on shutdown. Each request
+/// carries its [`JsonPeer`] as `ConnectInfo`.
 pub async fn serve(
-    mut listener: JsonListener,
+    listener: JsonListener,
     router: Router,
     shutdown: CancellationToken,
     grace: Duration,
     header_timeout: Duration,
 ) -> Result<ServeOutcome, io::Error> {
-    use axum::serve::Listener as _;
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-
     let addr = listener.local_addr();
     let tls = matches!(listener.conns, Either::Right(_));
     tracing::info!(%addr, tls, "HTTP/JSON server listening");
-    let mut connections = tokio::task::JoinSet::new();
-    loop {
-        let (io, peer) = tokio::select! {
-            c = listener.accept() => c,
-            () = shutdown.cancelled() => break,
-        };
-        // reap the finished ones, so the set holds only open connections
-        while connections.try_join_next().is_some() {}
-        let router = router.clone();
-        let stop = shutdown.clone();
-        connections.spawn(async move {
-            let svc = tower::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-                req.extensions_mut().insert(ConnectInfo(peer.clone()));
-                let router = router.clone();
-                async move {
-                    tower::ServiceExt::oneshot(router, req.map(axum::body::Body::new)).await
-                }
-            });
-            let svc = hyper_util::service::TowerToHyperService::new(svc);
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout);
-            let conn = builder.serve_connection(TokioIo::new(io), svc);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(e) = r {
-                        tracing::debug!(error = %e, "HTTP/JSON connection ended");
-                    }
-                }
-                () = stop.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = conn.await;
-                }
-            }
-        });
-    }
-    drop(listener);
-    let drained = tokio::time::timeout(grace, async {
-        while connections.join_next().await.is_some() {}
-    })
-    .await;
-    match drained {
-        Ok(()) => Ok(ServeOutcome::Drained),
-        Err(_) => {
-            tracing::warn!(?grace, "HTTP/JSON grace period expired; dropping requests");
-            connections.abort_all();
-            Ok(ServeOutcome::GraceExpired)
-        }
-    }
+    let how = HttpServing {
+        name: "HTTP/JSON",
+        header_timeout,
+        grace: Some(grace),
+    };
+    Ok(serve_http(listener, router, how, shutdown).await)
 }
 
 // ---- the handler ----

@@ -18,11 +18,13 @@
 //!
 //! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`http`] (the same
 //! handlers as HTTP/JSON, `--http-listen`), [`task`] and [`group`] (the per-group state),
-//! [`upstream`] (Reserve/Release client), [`ext_proc`] (the Envoy endpoint picker on
+//! [`upstream`] (Reserve/Release client), [`cancel_ack`] (Cancel's RELEASED waits for the
+//! acknowledged Release), [`ext_proc`] (the Envoy endpoint picker on
 //! `--ext-proc-listen`), [`live`] (the live page on the admin port, `/live`), [`metrics`],
 //! [`error`].
 
 pub mod app;
+pub mod cancel_ack;
 pub mod config;
 pub mod error;
 pub mod ext_proc;

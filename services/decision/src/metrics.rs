@@ -23,6 +23,8 @@ const TICK_BUCKETS: &[f64] = &[
 /// Every metric of the service. Cheap to clone (the collectors are shared handles).
 #[derive(Clone, Debug)]
 pub struct Metrics {
+    /// This service's own registry (not the global one), served on the admin port's
+    /// `/metrics`, so several services can run in one process (tests, br-all).
     pub registry: Registry,
     /// Assign calls by group and final gRPC code (`ok`, `deadline_exceeded`, ...).
     pub assign_total: IntCounterVec,
@@ -30,13 +32,23 @@ pub struct Metrics {
     pub assign_latency: HistogramVec,
     /// Time from arrival to admission, per admitted request.
     pub pool_wait: HistogramVec,
+    /// Requests waiting in the pool now, by group: a pool that only grows means the group is
+    /// saturated (or σ shows no free slot).
     pub pool_size: IntGaugeVec,
+    /// Duration of one dispatcher tick (view rebuild and dispatch), by group: the policy's
+    /// cost, which every pooled request waits for.
     pub tick_duration: HistogramVec,
+    /// Dispatcher ticks run, by group (arrivals, σ changes and the `--tick-interval` timer).
     pub ticks_total: IntCounterVec,
+    /// Version of the group's σ replica: it stops moving when the Watch feed does.
     pub sigma_version: IntGaugeVec,
     /// 1 while the service can place a request (see `app::GroupsReadiness`).
     pub ready: IntGauge,
+    /// 1 while the group's Watch stream is down and decisions use the last σ plus this
+    /// service's own reservations (answers say `stale`).
     pub sigma_stale: IntGaugeVec,
+    /// Seconds since σ was last confirmed current by the snapshot service (0 while
+    /// connected): how old the state behind stale answers is.
     pub sigma_staleness: GaugeVec,
     /// Resubscriptions of the Watch follower, by reason (reset reasons, `gap`, `error`).
     pub watch_resets_total: IntCounterVec,
@@ -44,8 +56,13 @@ pub struct Metrics {
     pub reserve_failures_total: IntCounterVec,
     /// Cancel calls by outcome (`withdrawn`, `released`, `not_found`, `error`).
     pub cancel_total: IntCounterVec,
+    /// Cancels refused PERMISSION_DENIED under mutual TLS (the caller's identity did not
+    /// assign the request): a misconfigured or hostile gateway shows up here.
     pub cancel_denied_total: IntCounterVec,
+    /// Request-body bytes all ext_proc streams hold now (bounded by
+    /// `--ext-proc-max-buffered-bytes`): how close the budget is to refusing.
     pub ext_proc_buffered_bytes: IntGauge,
+    /// ext_proc requests refused 503 because their body did not fit the buffer budget.
     pub ext_proc_budget_refusals_total: IntCounter,
     /// Assign answers decided without a current σ (the response says `stale`).
     pub stale_answers_total: IntCounterVec,
@@ -440,22 +457,37 @@ impl Metrics {
 /// The series of one group, resolved once.
 #[derive(Clone, Debug)]
 pub struct GroupMetrics {
+    /// [`Metrics::pool_size`] of this group.
     pub pool_size: IntGauge,
+    /// [`Metrics::tick_duration`] of this group.
     pub tick_duration: prometheus::Histogram,
+    /// [`Metrics::ticks_total`] of this group.
     pub ticks_total: prometheus::IntCounter,
+    /// [`Metrics::pool_wait`] of this group.
     pub pool_wait: prometheus::Histogram,
+    /// [`Metrics::sigma_version`] of this group.
     pub sigma_version: IntGauge,
+    /// [`Metrics::sigma_stale`] of this group.
     pub sigma_stale: IntGauge,
+    /// [`Metrics::sigma_staleness`] of this group.
     pub sigma_staleness: Gauge,
+    /// [`Metrics::stale_answers_total`] of this group.
     pub stale_answers: prometheus::IntCounter,
+    /// [`Metrics::estimated_finishes_total`] of this group.
     pub estimated_finishes: prometheus::IntCounter,
+    /// [`Metrics::workers_awaited`] of this group.
     pub workers_awaited: IntGauge,
+    /// [`Metrics::recommits_total`] `{outcome="sent"}` of this group.
     pub recommits_sent: prometheus::IntCounter,
+    /// [`Metrics::recommits_total`] `{outcome="dropped"}` of this group.
     pub recommits_dropped: prometheus::IntCounter,
     /// `predictor_entries` by [`PREDICTOR_KINDS`].
     pub predictor_entries: [IntGauge; 3],
+    /// [`Metrics::predictor_bytes`] of this group.
     pub predictor_bytes: IntGauge,
+    /// The `group` label of the vectors this holds children of.
     group: String,
+    /// The whole set, for the series labelled by more than the group (resets, failures).
     all: Metrics,
 }
 

@@ -22,8 +22,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::cancel_ack::{CancelReply, ReleaseWaiters, release_then_answer};
 use crate::error::DecisionError;
-use crate::group::{CancelOutcome, GroupCore, GroupStats, Reply, wire};
+use crate::group::{GroupCore, GroupStats, Reply, wire};
 use crate::live::LiveNow;
 use crate::metrics::GroupMetrics;
 use crate::upstream::SnapshotOps;
@@ -61,7 +62,8 @@ pub enum Command {
         /// The caller's SPIFFE id, checked against the request's owner; `None`: not checked
         /// (a plaintext server, or the admin role).
         caller: Option<Arc<str>>,
-        reply: oneshot::Sender<Result<CancelOutcome, DecisionError>>,
+        /// Answered RELEASED only once the snapshot service acknowledged the `Release`.
+        reply: CancelReply,
     },
     Stats {
         reply: oneshot::Sender<GroupStats>,
@@ -226,6 +228,7 @@ async fn run(
     let mut next_timer = last_tick + ticks.interval;
     let mut shutting_down = false;
     let mut spans = AssignSpans::default();
+    let mut cancels = ReleaseWaiters::default();
     // One timer for the task's life, moved when the next tick is due at another instant: a
     // new `sleep_until` per turn of the loop registered and dropped a timer entry for every
     // command and σ update.
@@ -281,12 +284,12 @@ async fn run(
             cmd = cmds.recv() => match cmd {
                 None => break,
                 Some(cmd) => {
-                    on_command(&mut core, cmd, &mut spans);
+                    on_command(&mut core, cmd, &mut spans, &mut cancels);
                     // The handlers' commands already queued are taken in this turn too: one
                     // flush (one Reserve job) for the Assigns that arrived together.
                     for _ in 1..BATCH {
                         let Ok(cmd) = cmds.try_recv() else { break };
-                        on_command(&mut core, cmd, &mut spans);
+                        on_command(&mut core, cmd, &mut spans, &mut cancels);
                     }
                 }
             },
@@ -295,7 +298,7 @@ async fn run(
                 core.shut_down();
             }
         }
-        flush(&mut core, &ops, &done_tx, &mut spans);
+        flush(&mut core, &ops, &done_tx, &mut spans, &mut cancels);
     }
     tracing::debug!(group = %core.group(), "group task stopped");
 }
@@ -307,7 +310,12 @@ async fn recv_feed(feed: &mut Option<Feed>) -> Option<Update> {
     }
 }
 
-fn on_command(core: &mut GroupCore, cmd: Command, spans: &mut AssignSpans) {
+fn on_command(
+    core: &mut GroupCore,
+    cmd: Command,
+    spans: &mut AssignSpans,
+    cancels: &mut ReleaseWaiters,
+) {
     let now = Instant::now();
     match cmd {
         Command::Assign {
@@ -335,7 +343,9 @@ fn on_command(core: &mut GroupCore, cmd: Command, spans: &mut AssignSpans) {
             undelivered,
         } => core.withdraw(id.as_str(), call, undelivered),
         Command::Cancel { id, caller, reply } => {
-            let _ = reply.send(core.cancel_by(id.as_str(), caller.as_deref(), now));
+            let outcome = core.cancel_by(id.as_str(), caller.as_deref(), now);
+            let pending = core.release_pending(id.as_str());
+            cancels.answer(id, outcome, pending, reply);
         }
         Command::Stats { reply } => {
             let _ = reply.send(core.stats());
@@ -354,7 +364,11 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
     match u {
         Update::Connected { .. } => core.on_connected(now),
         Update::Disconnected { at, error } => {
-            if core.has_sigma() && !core.is_stale() {
+            if core.is_shutting_down() {
+                // br-all's snapshot writer ends the Watch streams once the drain is over: a
+                // clean shutdown, not an outage to warn about.
+                tracing::debug!(group = %core.group(), %error, "σ feed ended while shutting down");
+            } else if core.has_sigma() && !core.is_stale() {
                 tracing::warn!(group = %core.group(), %error, "σ feed lost; answering from the last σ (stale)");
             }
             core.on_disconnected(at.into_std(), now);
@@ -400,6 +414,7 @@ fn flush(
     ops: &Arc<dyn SnapshotOps>,
     done: &mpsc::Sender<ReserveDone>,
     spans: &mut AssignSpans,
+    cancels: &mut ReleaseWaiters,
 ) {
     let now = Instant::now();
     while let Some(job) = core.take_reserve(now) {
@@ -422,17 +437,19 @@ fn flush(
         );
     }
     if let Some(ids) = core.take_release(now) {
+        let waiters = cancels.take_for(&ids);
         let rel = wire::release_request(core.group(), ids);
         let ops = Arc::clone(ops);
         let group = core.group().clone();
         tokio::spawn(async move {
             let n = rel.request_ids.len();
-            if let Err(s) = ops.release(rel).await {
+            if let Err(s) = release_then_answer(ops.release(rel), waiters).await {
                 // Best effort: an unreleased reservation expires after the TTL.
                 tracing::debug!(group = %group, n, code = ?s.code(), error = %s.message(), "Release failed");
             }
         });
     }
+    cancels.settle(|id| core.release_pending(id));
 }
 
 /// The client span of one tick's `Reserve` call (disabled, and free, when traces are not

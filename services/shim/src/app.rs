@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use br_runtime::admin::Readiness;
 use br_runtime::config::Validate as _;
+use br_runtime::http_serve::{HttpServing, serve_http};
 use br_runtime::serve::ServeOutcome;
 use br_runtime::skeleton::{self, Http, StartError};
 use tokio_util::sync::CancellationToken;
@@ -211,9 +212,15 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         shutdown,
         (),
         async move {
-            let server = crate::serve::serve(listener, app, header_timeout, serve_shutdown.clone());
+            // the caller bounds the drain (below): streams end with the reporters' shutdown
+            let how = HttpServing {
+                name: "proxy",
+                header_timeout,
+                grace: None,
+            };
+            let server = serve_http(listener, app, how, serve_shutdown.clone());
             let outcome = tokio::select! {
-                () = server => ServeOutcome::Drained,
+                o = server => o,
                 // Streams can be long: after the grace period, stop waiting for them.
                 () = async { serve_shutdown.cancelled().await; tokio::time::sleep(grace).await } => {
                     tracing::warn!("grace period over; closing open streams");

@@ -23,7 +23,6 @@ pub mod config;
 pub mod health;
 pub mod metrics;
 pub mod report;
-pub mod serve;
 pub mod sse;
 pub mod topology;
 

@@ -6,6 +6,7 @@
 //! - [`admin`]: the admin HTTP server (`/metrics`, `/livez`, `/readyz`).
 //! - [`serve`]: a tonic server with health, reflection and a graceful, bounded drain on
 //!   SIGTERM/SIGINT.
+//! - [`http_serve`]: the plain HTTP ports' accept loop (header-read timeout, graceful drain).
 //! - [`oversize`]: a request above the decoding limit answered RESOURCE_EXHAUSTED, not
 //!   tonic's OUT_OF_RANGE.
 //! - [`error`]: one mapping from a service's error enum to a gRPC status.
@@ -55,6 +56,7 @@
 pub mod admin;
 pub mod config;
 pub mod error;
+pub mod http_serve;
 pub mod observability;
 pub mod oversize;
 pub mod serve;

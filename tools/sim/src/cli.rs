@@ -94,7 +94,8 @@ pub struct RunArgs {
     /// traces' timestamps (default 5/s).
     #[arg(long)]
     pub rate: Option<f64>,
-    /// Use at most N requests (after filtering).
+    /// Use at most N requests (after filtering). For `paper-azure` / `paper-prop`: generate N
+    /// requests (instead of the published count), before `--filter-min-output`.
     #[arg(long)]
     pub limit: Option<usize>,
     /// Keep only requests with at least N output tokens (the paper's Azure filter is > 1000,
@@ -289,11 +290,32 @@ impl RunArgs {
             cfg.seed = self.seed;
             if let Some(c) = count {
                 cfg.requests = c;
+            } else if let Some(n) = self.limit {
+                // `--limit` sizes a synthetic workload (it has no file to cut): above the
+                // published count it asks for more requests. With `--filter-min-output` the
+                // filter keeps the first N that pass among at least the published count (the
+                // generator is prefix-stable: more requests only append).
+                cfg.requests = if self.filter_min_output.is_some() {
+                    n.max(cfg.requests)
+                } else {
+                    n
+                };
             }
             if let Some(r) = self.rate {
                 cfg.rate_per_s = r;
             }
             let (reqs, stats) = filter.apply(synth::generate(kind, &cfg));
+            if let (None, Some(n)) = (count, self.limit)
+                && !reqs.is_empty()
+                && reqs.len() < n
+            {
+                return Err(WorkloadError::Invalid(format!(
+                    "--limit {n}: only {} of the {} generated {} requests pass --filter-min-output; lower --limit or the filter",
+                    reqs.len(),
+                    cfg.requests,
+                    kind.name()
+                )));
+            }
             (format!("{} (synthetic)", kind.name()), reqs, stats)
         } else {
             let path = PathBuf::from(spec);
@@ -550,6 +572,24 @@ mod tests {
         r.trace = Some("/nonexistent/t.csv".into());
         assert!(matches!(r.workload(), Err(WorkloadError::Trace(_))));
         r.trace = Some("paper-prop".into());
+        // `--limit` sizes a synthetic workload, above its published count too.
+        r.arrival = Arrival::Saturated;
+        let published = SynthKind::PaperProp.default_requests();
+        r.limit = Some(published + 500);
+        assert_eq!(
+            r.workload().expect("workload").requests.len(),
+            published + 500
+        );
+        // With a filter too: N of those that pass, or an error naming the flags.
+        r.filter_min_output = Some(1001);
+        r.limit = Some(50);
+        let w = r.workload().expect("workload");
+        assert_eq!(w.requests.len(), 50);
+        assert!(w.requests.iter().all(|q| q.output_tokens >= 1001));
+        r.limit = Some(published * 10);
+        let e = r.workload().expect_err("more than pass the filter");
+        assert!(e.to_string().contains("--limit"), "{e}");
+        r.limit = Some(100);
         r.filter_min_output = Some(u32::MAX);
         assert!(matches!(r.workload(), Err(WorkloadError::Invalid(_))));
     }

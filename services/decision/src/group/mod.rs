@@ -277,6 +277,12 @@ impl GroupCore {
         self.shutting_down = true;
     }
 
+    /// Whether [`Self::shut_down`] was called (σ's feed ending then is the shutdown's, not an
+    /// outage).
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down
+    }
+
     /// Forgets old answers, drops waiters whose handler has gone, updates the gauges.
     pub fn housekeeping(&mut self, now: Instant) {
         self.requests

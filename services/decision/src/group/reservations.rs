@@ -620,6 +620,16 @@ impl Reservations {
         Some(ids)
     }
 
+    /// Whether a `Release` of `id` is still to be sent: queued for the next call, or due once
+    /// the `Reserve` call carrying it returns.
+    pub(super) fn release_pending(&self, id: &str) -> bool {
+        self.releases.iter().any(|r| r == id)
+            || self
+                .local
+                .values()
+                .any(|l| l.release_when_done && l.res.request_id.as_str() == id)
+    }
+
     pub(super) fn recently_released(&self, id: &str) -> bool {
         self.released.contains_key(id)
     }

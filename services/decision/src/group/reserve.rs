@@ -267,4 +267,10 @@ impl GroupCore {
     pub fn take_release(&mut self, now: Instant) -> Option<Vec<String>> {
         self.reservations.take_release(now)
     }
+
+    /// Whether a `Release` of `id` is still to be sent (so a `Cancel` answered RELEASED waits
+    /// for it to be acknowledged).
+    pub fn release_pending(&self, id: &str) -> bool {
+        self.reservations.release_pending(id)
+    }
 }

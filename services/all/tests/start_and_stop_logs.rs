@@ -1,0 +1,118 @@
+//! What br-all logs when it starts and stops: one start-up line that says what an operator
+//! checks first (ports, groups, TLS, version), and a clean shutdown (SIGTERM's path: the
+//! shutdown token) with no WARN or ERROR. Before, the embedded decision announced itself with
+//! a `--snapshot-addr` it does not use, and its group tasks warned "σ feed lost" when the
+//! writer ended the Watch streams after the drain.
+//!
+//! The events are captured by a tracing layer installed for this test binary (one test, so
+//! the global subscriber is its own).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
+
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+
+use br_testkit::{PATIENCE, eventually};
+use tokio_util::sync::CancellationToken;
+use tracing::field::{Field, Visit};
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt as _};
+
+const GROUP: &str = "logs";
+
+/// One captured event: its level and its fields as `name=value` (the message first).
+#[derive(Debug, Clone)]
+struct Line {
+    level: Level,
+    text: String,
+}
+
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<Line>>>);
+
+struct Fields(String);
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        let _ = write!(self.0, " {}={:?}", field.name(), value);
+    }
+}
+
+impl<S: Subscriber> Layer<S> for Capture {
+    fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+        let mut f = Fields(String::new());
+        event.record(&mut f);
+        self.0.lock().unwrap().push(Line {
+            level: *event.metadata().level(),
+            text: f.0,
+        });
+    }
+}
+
+impl Capture {
+    fn lines(&self) -> Vec<Line> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_start_up_line_and_a_quiet_clean_shutdown() {
+    let capture = Capture::default();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
+        .unwrap();
+    let args: br_all::Args = br_runtime::config::parse_from([
+        "br-all",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--groups",
+        GROUP,
+        "--shutdown-grace",
+        "1s",
+    ])
+    .unwrap();
+    let stop = CancellationToken::new();
+    let running = br_all::start(&args, stop.clone()).await.unwrap();
+    let grpc = running.grpc_addr().to_string();
+    let admin = running.admin_addr().to_string();
+    // The group task holds σ: a feed that ends now is what warned on shutdown.
+    eventually(PATIENCE, "decision's group task installs σ", || async {
+        capture
+            .lines()
+            .iter()
+            .any(|l| l.text.contains("σ snapshot installed"))
+    })
+    .await;
+
+    let started: Vec<Line> = capture
+        .lines()
+        .into_iter()
+        .filter(|l| l.text.contains("br-all started") || l.text.contains("br-decision started"))
+        .collect();
+    assert_eq!(started.len(), 1, "one start-up line: {started:#?}");
+    assert!(started[0].text.contains("br-all started"), "{started:#?}");
+    let line = &started[0].text;
+    for field in [
+        format!("grpc={grpc}"),
+        format!("admin={admin}"),
+        "tls=false".to_string(),
+        format!("version=\"{}\"", env!("CARGO_PKG_VERSION")),
+    ] {
+        assert!(line.contains(&field), "{field} in {line}");
+    }
+    assert!(line.contains("groups=") && line.contains(GROUP), "{line}");
+    assert!(
+        !line.contains("snapshot="),
+        "no unused --snapshot-addr: {line}"
+    );
+
+    stop.cancel();
+    running.wait().await.unwrap();
+    let loud: Vec<Line> = capture
+        .lines()
+        .into_iter()
+        .filter(|l| l.level <= Level::WARN)
+        .collect();
+    assert!(loud.is_empty(), "a clean shutdown logs no WARN: {loud:#?}");
+}
