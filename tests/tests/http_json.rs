@@ -229,17 +229,16 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
     let c = post(&cancel_url, &cancel, &[]).await;
     assert_eq!(c.status, 200, "{c:?}");
     assert_eq!(c.json(), json!({"outcome": "CANCEL_OUTCOME_RELEASED"}));
-    // The answer comes when the release is queued; the group task's next flush sends the
-    // `Release` (batched with others), so σ drops it shortly after, not necessarily before
-    // the next read (the gRPC e2e tests wait the same way).
-    br_testkit::wait::eventually(START, "the cancelled reservation leaves σ", || async {
+    // RELEASED means the snapshot service acknowledged the Release: σ no longer holds it, on
+    // the very next read (no waiting: a wait here would hide an answer given too early).
+    assert!(
         !sigma(&snap, GROUP)
             .await
             .requests
             .iter()
-            .any(|r| r.request_id == "r1")
-    })
-    .await;
+            .any(|r| r.request_id == "r1"),
+        "RELEASED was answered while σ still held r1"
+    );
     let c = post(&cancel_url, &cancel, &[]).await;
     assert_eq!(c.json(), json!({"outcome": "CANCEL_OUTCOME_NOT_FOUND"}));
 
