@@ -51,6 +51,8 @@ pub struct Metrics {
     pub stale_answers_total: IntCounterVec,
     /// Requests the outage estimate let finish (freeing their slots) while σ was stale.
     pub estimated_finishes_total: IntCounterVec,
+    /// Rank split: reservations on this replica's own ranks refused as full.
+    pub rank_split_conflicts_total: IntCounterVec,
     /// Stale reservations after an outage, by outcome (`sent`: reserved again; `dropped`:
     /// the worker's reports no longer list them, so they are not brought back).
     pub recommits_total: IntCounterVec,
@@ -267,6 +269,16 @@ impl Metrics {
                     &["group"],
                 )?,
             ),
+            rank_split_conflicts_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_rank_split_conflicts_total",
+                        "With --deciders K > 1: reservations on a rank this replica owns refused because another replica filled it first; a steady rise means two replicas claim one --decider-index or disagree on --deciders",
+                    ),
+                    &["group"],
+                )?,
+            ),
             recommits_total: reg(
                 &r,
                 IntCounterVec::new(
@@ -404,6 +416,7 @@ impl Metrics {
         self.cancel_denied_total.with_label_values(&[group]);
         self.stale_answers_total.with_label_values(&[group]);
         self.estimated_finishes_total.with_label_values(&[group]);
+        self.rank_split_conflicts_total.with_label_values(&[group]);
         self.recommits_total.with_label_values(&[group, "sent"]);
         self.recommits_total.with_label_values(&[group, "dropped"]);
         self.workers_awaited.with_label_values(&[group]).set(0);
@@ -425,6 +438,7 @@ impl Metrics {
             sigma_staleness: self.sigma_staleness.with_label_values(&[group]),
             stale_answers: self.stale_answers_total.with_label_values(&[group]),
             estimated_finishes: self.estimated_finishes_total.with_label_values(&[group]),
+            rank_split_conflicts: self.rank_split_conflicts_total.with_label_values(&[group]),
             workers_awaited: self.workers_awaited.with_label_values(&[group]),
             recommits_sent: self.recommits_total.with_label_values(&[group, "sent"]),
             recommits_dropped: self.recommits_total.with_label_values(&[group, "dropped"]),
@@ -449,6 +463,7 @@ pub struct GroupMetrics {
     pub sigma_staleness: Gauge,
     pub stale_answers: prometheus::IntCounter,
     pub estimated_finishes: prometheus::IntCounter,
+    pub rank_split_conflicts: prometheus::IntCounter,
     pub workers_awaited: IntGauge,
     pub recommits_sent: prometheus::IntCounter,
     pub recommits_dropped: prometheus::IntCounter,
