@@ -35,6 +35,9 @@ pub struct StackConfig {
     pub ingest_args: Vec<String>,
     /// Every br-decision's flags (besides ports, `--snapshot-addr` and `--groups`).
     pub decision_args: Vec<String>,
+    /// Whether each br-decision also gets `--deciders K --decider-index i` (K = `deciders`,
+    /// i its position): the rank split.
+    pub split_ranks: bool,
 }
 
 /// The running processes and the workers' first connections.
@@ -60,8 +63,16 @@ impl ReplicatedStack {
             .collect();
         let mut decision_args = vec!["--snapshot-addr", &snap, "--groups", cfg.group];
         decision_args.extend(strs(&cfg.decision_args));
+        let k = cfg.deciders.to_string();
         let deciders: Vec<Service> = (0..cfg.deciders)
-            .map(|_| Service::start("br-decision", &decision_args))
+            .map(|i| {
+                let index = i.to_string();
+                let mut args = decision_args.clone();
+                if cfg.split_ranks {
+                    args.extend(["--deciders", &k, "--decider-index", &index]);
+                }
+                Service::start("br-decision", &args)
+            })
             .collect();
         for i in &ingests {
             i.wait_for("/readyz", START).await;

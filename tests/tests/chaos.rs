@@ -168,6 +168,7 @@ async fn seeded_faults_under_load_keep_the_invariants() {
         ]),
         ingest_args: Vec::new(),
         decision_args: strings(&["--policy", "br0"]),
+        split_ranks: false,
     })
     .await;
     let mut proxies = Vec::new();

@@ -54,6 +54,7 @@ async fn killing_a_decision_replica_under_load_loses_no_request() {
         ]),
         ingest_args: Vec::new(),
         decision_args: strings(&["--policy", "br0"]),
+        split_ranks: false,
     })
     .await;
     let d1 = stack.deciders.pop().unwrap();

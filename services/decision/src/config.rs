@@ -15,7 +15,7 @@ use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
-use crate::group::GroupConfig;
+use crate::group::{GroupConfig, RankSplit};
 use crate::live::{LiveConfig, MAX_SAMPLES};
 use crate::task::TickConfig;
 
@@ -37,6 +37,7 @@ pub const DEFAULT_WATCH_BACKOFF_MAX: &str = "250ms";
 pub const DEFAULT_EXT_PROC_TIMEOUT: &str = "10s";
 pub const DEFAULT_LIVE_SAMPLE_INTERVAL: &str = "500ms";
 pub const DEFAULT_LIVE_HISTORY: &str = "5m";
+pub const DEFAULT_DECIDER_TAKEOVER: &str = "100ms";
 /// The live page's sample interval: fine enough to follow a decode step's worth of load
 /// (tens of ms per step, so a few steps), coarse enough that sampling costs nothing.
 const LIVE_SAMPLE_INTERVAL_RANGE: (Duration, Duration) =
@@ -243,6 +244,26 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_HTTP_LISTEN")]
     pub http_listen: Option<std::net::SocketAddr>,
 
+    /// K: decision replicas serving the same groups together. With K > 1 each places only on
+    /// the ranks g with `g mod K = --decider-index` (every rank counts in its score), so two
+    /// replicas never reach for one free slot; a rank left with free slots for
+    /// `--decider-takeover` is open to every replica (its owner is dead or idle). 1: every
+    /// replica places everywhere (collisions are refused by the snapshot and re-pooled).
+    /// Pooled policies only.
+    #[arg(long, env = "BALANCEROUTE_DECIDERS", default_value_t = 1)]
+    pub deciders: u32,
+
+    /// This replica's index in 0..K (`--deciders`); every replica of a group needs its own
+    /// (e.g. a StatefulSet's ordinal).
+    #[arg(long, env = "BALANCEROUTE_DECIDER_INDEX", default_value_t = 0)]
+    pub decider_index: u32,
+
+    /// With `--deciders` K > 1: how long another replica's rank must show free slots before
+    /// this one places there too. Bounds how long a dead replica's ranks stay unused; keep it
+    /// well above the time a replica takes to fill a freed slot (a σ delta and a tick).
+    #[arg(long, env = "BALANCEROUTE_DECIDER_TAKEOVER", value_parser = humantime::parse_duration, default_value = DEFAULT_DECIDER_TAKEOVER)]
+    pub decider_takeover: Duration,
+
     /// The live page (`/live` on the admin port): how often each group is sampled (σ's
     /// per-rank loads, imbalance, pool, Assign rate and latency), 100ms to 10s.
     #[arg(long, env = "BALANCEROUTE_LIVE_SAMPLE_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_LIVE_SAMPLE_INTERVAL)]
@@ -363,6 +384,14 @@ impl Args {
             seed: self.seed,
         };
         policy.validate().map_err(|e| e.to_string())?;
+        let split = RankSplit::new(self.deciders, self.decider_index, self.decider_takeover)
+            .map_err(|e| e.to_string())?;
+        if split.is_some() && policy.kind.mode() != br_core::Mode::Pooled {
+            return Err(format!(
+                "--deciders {} splits the ticks of pooled policies (br0, brh*); {} routes on arrival",
+                self.deciders, self.policy
+            ));
+        }
         let positive = |name: &str, d: Duration| {
             if d.is_zero() {
                 Err(format!("--{name} must be positive"))
@@ -440,6 +469,7 @@ impl Args {
                 answered_max: self.answered_max,
                 adopt_grace: self.adopt_grace,
                 recommit_settle: self.recommit_settle,
+                split,
                 ..GroupConfig::default()
             },
             max_wait: self.max_wait,
@@ -636,6 +666,43 @@ mod tests {
         assert!(parse(&["--stage1-worker", "x"]).is_err());
         assert!(parse(&["--watch-backoff-max", "0s"]).is_err());
         assert!(parse(&["--request-cost-tokens", "-1"]).is_err());
+    }
+
+    #[test]
+    fn the_rank_split_is_off_by_default_and_a_split_that_cannot_work_is_refused() {
+        let c = parse(&[]).unwrap().to_config().unwrap();
+        assert_eq!(c.group.split, None);
+        let c = parse(&["--deciders", "2", "--decider-index", "1"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        let split = c.group.split.expect("a split");
+        assert!(split.owns(1) && split.owns(3) && !split.owns(0));
+        assert_eq!(split.takeover(), Duration::from_millis(100));
+        // refused at parsing (which validates), with the typed error's message
+        let refused = |args: &[&str]| match parse(args) {
+            Err(e) => e.to_string(),
+            Ok(a) => a.to_config().unwrap_err(),
+        };
+        assert!(
+            refused(&["--deciders", "2", "--decider-index", "2"])
+                .contains("--decider-index 2 must be below --deciders 2")
+        );
+        assert!(refused(&["--deciders", "0"]).contains("at least 1"));
+        assert!(refused(&["--decider-index", "1"]).contains("needs --deciders"));
+        assert!(refused(&["--deciders", "2", "--decider-takeover", "0s"]).contains("positive"));
+        assert!(refused(&["--deciders", "2", "--policy", "jsq"]).contains("routes on arrival"));
+        // the file's keys, as deploy/k8s/base/config/decision.toml names them
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(b"deciders = 3\ndecider_index = 2\ndecider_takeover = \"250ms\"\n")
+            .unwrap();
+        let c = parse(&["--config", f.path().to_str().unwrap()])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        let split = c.group.split.expect("a split");
+        assert!(split.owns(2) && split.owns(5) && !split.owns(3));
+        assert_eq!(split.takeover(), Duration::from_millis(250));
     }
 
     #[test]

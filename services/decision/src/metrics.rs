@@ -68,6 +68,8 @@ pub struct Metrics {
     pub stale_answers_total: IntCounterVec,
     /// Requests the outage estimate let finish (freeing their slots) while σ was stale.
     pub estimated_finishes_total: IntCounterVec,
+    /// Rank split: reservations on this replica's own ranks refused as full.
+    pub rank_split_conflicts_total: IntCounterVec,
     /// Stale reservations after an outage, by outcome (`sent`: reserved again; `dropped`:
     /// the worker's reports no longer list them, so they are not brought back).
     pub recommits_total: IntCounterVec,
@@ -284,6 +286,16 @@ impl Metrics {
                     &["group"],
                 )?,
             ),
+            rank_split_conflicts_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_rank_split_conflicts_total",
+                        "With --deciders K > 1: reservations on a rank this replica owns refused because another replica filled it first; a steady rise means two replicas claim one --decider-index or disagree on --deciders",
+                    ),
+                    &["group"],
+                )?,
+            ),
             recommits_total: reg(
                 &r,
                 IntCounterVec::new(
@@ -421,6 +433,7 @@ impl Metrics {
         self.cancel_denied_total.with_label_values(&[group]);
         self.stale_answers_total.with_label_values(&[group]);
         self.estimated_finishes_total.with_label_values(&[group]);
+        self.rank_split_conflicts_total.with_label_values(&[group]);
         self.recommits_total.with_label_values(&[group, "sent"]);
         self.recommits_total.with_label_values(&[group, "dropped"]);
         self.workers_awaited.with_label_values(&[group]).set(0);
@@ -442,6 +455,7 @@ impl Metrics {
             sigma_staleness: self.sigma_staleness.with_label_values(&[group]),
             stale_answers: self.stale_answers_total.with_label_values(&[group]),
             estimated_finishes: self.estimated_finishes_total.with_label_values(&[group]),
+            rank_split_conflicts: self.rank_split_conflicts_total.with_label_values(&[group]),
             workers_awaited: self.workers_awaited.with_label_values(&[group]),
             recommits_sent: self.recommits_total.with_label_values(&[group, "sent"]),
             recommits_dropped: self.recommits_total.with_label_values(&[group, "dropped"]),
@@ -475,6 +489,8 @@ pub struct GroupMetrics {
     pub stale_answers: prometheus::IntCounter,
     /// [`Metrics::estimated_finishes_total`] of this group.
     pub estimated_finishes: prometheus::IntCounter,
+    /// [`Metrics::rank_split_conflicts_total`] of this group.
+    pub rank_split_conflicts: prometheus::IntCounter,
     /// [`Metrics::workers_awaited`] of this group.
     pub workers_awaited: IntGauge,
     /// [`Metrics::recommits_total`] `{outcome="sent"}` of this group.

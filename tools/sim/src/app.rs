@@ -47,6 +47,7 @@ fn engine_config(args: &RunArgs, workers: u32, record_loads: bool) -> EngineConf
             telemetry_lag_steps: args.telemetry_lag_steps,
             deciders: args.deciders,
             turns: args.decider_turns,
+            rank_split: args.decider_ranks.then_some(args.decider_takeover_steps),
         },
     }
 }
@@ -151,9 +152,14 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
             " control plane: {} decider(s){}, telemetry lag {} step(s)",
             args.deciders,
             if args.decider_turns {
-                " taking turns"
+                " taking turns".to_string()
+            } else if args.decider_ranks {
+                format!(
+                    " splitting ranks (takeover after {} steps)",
+                    args.decider_takeover_steps
+                )
             } else {
-                ""
+                String::new()
             },
             args.telemetry_lag_steps
         )

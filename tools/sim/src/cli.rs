@@ -140,8 +140,17 @@ pub struct RunArgs {
     pub arrival_jitter_ms: f64,
     /// With K > 1 deciders: they take turns, one admission round (step) each, so each sees all
     /// the others' admissions and none collide (a model of splitting ticks between replicas).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "decider_ranks")]
     pub decider_turns: bool,
+    /// With K > 1 deciders: decider k places only on ranks g with g mod K = k (every rank
+    /// counts in its score), and on any rank that has had free slots for
+    /// `--decider-takeover-steps` steps; what `br-decision --decider-index` does live.
+    #[arg(long)]
+    pub decider_ranks: bool,
+    /// With `--decider-ranks`: steps a rank keeps free slots before every decider may place on
+    /// it (its owner is dead or had nothing to place).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub decider_takeover_steps: u32,
 }
 
 /// Flags of `sweep`.

@@ -79,13 +79,21 @@ pub struct EngineConfig {
 ///   pool at its arrival position, as the snapshot service's serialised `Reserve` would do.
 /// * `turns`: the K deciders take turns, one admission round each (decider `r mod K` in round
 ///   r, one round per step): each then sees every other's admissions, made in earlier rounds,
-///   and none collide. A model of splitting ticks rather than only the pool between replicas
-///   (the live services have no shared round order; issue 16 measures whether one is worth it).
+///   and none collide. A model of splitting ticks rather than only the pool between replicas.
+///   The live services have no shared round order to keep such turns by (their ticks run on
+///   their own clocks); `rank_split` is the order they do keep (`br-decision --decider-index`).
+/// * `rank_split = Some(t)`: decider k places only on the ranks it owns (`g mod K = k`), every
+///   rank still counted in its score (the others are not accepting in its view, their load
+///   stays), so no two deciders ever reach for one free slot. A rank with free slots since `t`
+///   steps or more (its owner left them: it is dead, or had nothing to place) is open to every
+///   decider, which is what keeps a group served when a replica dies; only such takeovers can
+///   collide. The live rule, with `t` a duration read from σ (`--decider-takeover`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ControlPlane {
     pub telemetry_lag_steps: u32,
     pub deciders: u32,
     pub turns: bool,
+    pub rank_split: Option<u32>,
 }
 
 impl ControlPlane {
@@ -94,6 +102,7 @@ impl ControlPlane {
         telemetry_lag_steps: 0,
         deciders: 1,
         turns: false,
+        rank_split: None,
     };
 }
 
@@ -265,6 +274,9 @@ pub fn simulate_deciders(
     let mut finished = 0u64;
     let mut loads: Vec<u64> = Vec::new();
     let mut refused = 0u64;
+    // rank split: the step since which each rank has had free slots (takeover after t steps)
+    let split = cfg.control.rank_split.filter(|_| k_count > 1);
+    let mut free_since: Vec<Option<u64>> = vec![None; g];
 
     let core_err = |step: u64| {
         move |source| SimError::Core {
@@ -318,11 +330,26 @@ pub fn simulate_deciders(
         // 2. pooled batch admission, one per decider, each against its own view
         let turn = (round % k_count as u64) as usize;
         round += 1;
+        if split.is_some() {
+            for (since, w) in free_since.iter_mut().zip(state.workers()) {
+                *since = (w.free_slots() > 0).then(|| since.unwrap_or(step));
+            }
+        }
         for (k, (policy, pool)) in policies.iter_mut().zip(pools.iter_mut()).enumerate() {
             if mode != Mode::Pooled || pool.is_empty() || (cfg.control.turns && k != turn) {
                 continue;
             }
             admissions.clear();
+            if let Some(takeover) = split {
+                // nothing ran last round: the clock moves on without steps, so every rank is
+                // past the takeover time
+                let open = |w: usize| {
+                    w % k_count == k
+                        || idle_rounds > 0
+                        || free_since[w].is_some_and(|s| step >= s + u64::from(takeover))
+                };
+                views.close_ranks(k, (0..g).filter(|&w| !open(w)));
+            }
             let view = if ideal { &state } else { views.view(k) };
             policy.dispatch(pool, view, &mut admissions);
             for a in &admissions {
@@ -386,7 +413,9 @@ pub fn simulate_deciders(
                 break;
             }
             // taking turns, every decider gets a round before the group counts as stuck
-            if cfg.control.turns && idle_rounds + 1 < k_count {
+            if (cfg.control.turns && idle_rounds + 1 < k_count)
+                || (split.is_some() && idle_rounds == 0)
+            {
                 idle_rounds += 1;
                 continue;
             }
@@ -603,6 +632,15 @@ impl Views {
         &self.views[decider]
     }
 
+    /// Rank split: the ranks `decider` may not place on this step stop accepting in its view
+    /// (their load still counts in its score). The next `begin_step` reopens them.
+    fn close_ranks(&mut self, decider: usize, ranks: impl Iterator<Item = usize>) {
+        for w in ranks {
+            // every rank of the simulated group exists
+            let _ = self.views[decider].set_accepting(w as WorkerId, false);
+        }
+    }
+
     fn admitted(&mut self, decider: usize, step: u64, info: &RequestInfo) {
         let _ = self.views[decider].reserve(info.clone());
         self.log.push_back((step, info.clone()));
@@ -718,6 +756,7 @@ mod tests {
             telemetry_lag_steps: 0,
             deciders: 2,
             turns: false,
+            rank_split: None,
         };
         for policy in ["br0", "brh", "jsq"] {
             let out = sim_plane(&reqs, policy, &c);
@@ -743,6 +782,7 @@ mod tests {
             telemetry_lag_steps: 0,
             deciders: 2,
             turns: true,
+            rank_split: None,
         };
         let mut together = c;
         together.control.turns = false;
@@ -757,6 +797,47 @@ mod tests {
                 sim_plane(&reqs, policy, &together).report,
                 "{policy}"
             );
+        }
+    }
+
+    #[test]
+    fn deciders_splitting_ranks_never_collide_on_their_own_ranks_and_lose_nothing() {
+        let reqs = saturated(400);
+        let mut c = cfg(4, 4, 2e-4, 30.0);
+        c.control = ControlPlane {
+            telemetry_lag_steps: 0,
+            deciders: 2,
+            turns: false,
+            // no takeover within the run: each decider places only on its own ranks
+            rank_split: Some(1000),
+        };
+        let mut together = c;
+        together.control.rank_split = None;
+        for policy in ["br0", "brh"] {
+            let out = sim_plane(&reqs, policy, &c);
+            assert_eq!(out.report.requests, 400, "{policy}");
+            assert_eq!(out.refused_reservations, 0, "{policy}");
+            let apart = sim_plane(&reqs, policy, &together);
+            assert!(apart.refused_reservations > 0, "{policy}");
+            assert_ne!(out.report, apart.report, "{policy}");
+        }
+    }
+
+    #[test]
+    fn a_decider_without_ranks_of_its_own_places_by_takeover() {
+        // G = 1, K = 2: decider 1 owns no rank, so only the takeover rule serves its half of
+        // the arrivals (what keeps a group served when the owner of some ranks is dead)
+        let reqs = saturated(60);
+        let mut c = cfg(1, 4, 2e-4, 30.0);
+        c.control = ControlPlane {
+            telemetry_lag_steps: 0,
+            deciders: 2,
+            turns: false,
+            rank_split: Some(2),
+        };
+        for policy in ["br0", "brh"] {
+            let out = sim_plane(&reqs, policy, &c);
+            assert_eq!(out.report.requests, 60, "{policy}");
         }
     }
 

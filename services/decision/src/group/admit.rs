@@ -133,13 +133,20 @@ impl GroupCore {
             self.refresh_view(now);
             let mut out = std::mem::take(&mut self.scratch);
             out.clear();
-            self.policy
-                .dispatch(self.requests.pool_mut(), self.view.cluster(), &mut out);
+            if let Some(split) = &mut self.split {
+                split.closed(self.view.cluster(), now, &mut self.closed);
+            }
+            let (policy, pool) = (&mut self.policy, self.requests.pool_mut());
+            self.view.with_closed(&self.closed, |cluster| {
+                policy.dispatch(pool, cluster, &mut out)
+            });
             for a in &out {
                 self.admit(a.key, a.worker, 0, now);
             }
             self.scratch = out;
             self.requests.sync_gauge();
+        } else if let Some(split) = &mut self.split {
+            split.forget();
         }
         true
     }

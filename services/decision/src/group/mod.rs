@@ -47,6 +47,7 @@ mod feed;
 mod requests;
 mod reservations;
 mod reserve;
+mod split;
 mod view;
 pub mod wire;
 
@@ -65,9 +66,11 @@ use crate::metrics::GroupMetrics;
 
 pub use requests::{Assignment, Reply};
 pub use reservations::{RejectReason, Rejection, Reservation, ReserveJob, ReserveOutcome};
+pub use split::{RankSplit, SplitError};
 
 use requests::Requests;
 use reservations::Reservations;
+use split::SplitTurns;
 use view::SigmaView;
 
 /// Keys of requests this service knows locally start here; σ's interned keys start at 1.
@@ -92,6 +95,9 @@ pub struct GroupConfig {
     /// How long a worker's reports take to show in σ once it is back; a stale reservation σ
     /// does not show by then is not re-committed (`--recommit-settle`).
     pub recommit_settle: Duration,
+    /// Several replicas of this group: the ranks this one places on (`--deciders`,
+    /// `--decider-index`, `--decider-takeover`). `None`: every rank.
+    pub split: Option<RankSplit>,
 }
 
 impl Default for GroupConfig {
@@ -104,6 +110,7 @@ impl Default for GroupConfig {
             local_ttl: Duration::from_secs(60),
             adopt_grace: Duration::from_secs(10),
             recommit_settle: Duration::from_millis(500),
+            split: None,
         }
     }
 }
@@ -159,6 +166,9 @@ pub struct GroupCore {
     tick_wanted: bool,
     shutting_down: bool,
     scratch: Vec<Admission>,
+    /// With a rank split: the free time of each rank, and the ranks closed to this tick.
+    split: Option<SplitTurns>,
+    closed: Vec<br_core::WorkerId>,
 }
 
 impl std::fmt::Debug for GroupCore {
@@ -179,6 +189,7 @@ impl GroupCore {
         metrics: GroupMetrics,
     ) -> GroupCore {
         let mode = policy.mode();
+        let split = cfg.split.map(SplitTurns::new);
         GroupCore {
             view: SigmaView::new(cfg.adopt_grace),
             requests: Requests::new(metrics.pool_size.clone()),
@@ -191,6 +202,8 @@ impl GroupCore {
             tick_wanted: false,
             shutting_down: false,
             scratch: Vec::new(),
+            split,
+            closed: Vec::new(),
         }
     }
 

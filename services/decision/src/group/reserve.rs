@@ -174,6 +174,13 @@ impl GroupCore {
             self.requests.forget(key);
             return;
         }
+        if reason == RejectReason::WorkerFull
+            && self.split.as_ref().is_some_and(|s| s.owns(at.worker))
+        {
+            // Another replica filled one of this one's ranks before its takeover time: two
+            // replicas claim one index, or they disagree on K (or a takeover raced the owner).
+            self.metrics.rank_split_conflicts.inc();
+        }
         if worker_refused(reason) {
             // σ is behind: keep the worker out of this view until σ moves.
             self.view.refuse_worker(at.worker);

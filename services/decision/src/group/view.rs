@@ -385,6 +385,24 @@ impl SigmaView {
         &self.view
     }
 
+    /// Runs `decide` on the view with the `closed` ranks not accepting (their load still
+    /// counts), then reopens them: the rank split's ranks another replica owns. Every closed
+    /// rank has free slots, so it was accepting.
+    pub(super) fn with_closed<R>(
+        &mut self,
+        closed: &[u32],
+        decide: impl FnOnce(&ClusterState) -> R,
+    ) -> R {
+        for &w in closed {
+            self.view.set_accepting(w, false).ok();
+        }
+        let decided = decide(&self.view);
+        for &w in closed {
+            self.view.set_accepting(w, true).ok();
+        }
+        decided
+    }
+
     /// The next decision needs a rebuild (an own reservation may have expired).
     pub(super) fn mark_dirty(&mut self) {
         self.dirty = true;

@@ -15,6 +15,7 @@ mod learn;
 mod outage;
 mod prop;
 mod reserve;
+mod split;
 mod stale;
 mod wire;
 

@@ -1,0 +1,226 @@
+//! Several decision replicas of one group without collisions: the rank split
+//! (`--deciders K --decider-index i`).
+//!
+//! Replicas that tick on the same σ pick the same free slots, and the snapshot's serialised
+//! `Reserve` refuses all but the first (`WorkerFull`), which re-pools the rest. Taking turns
+//! by a round counter would remove that, but the replicas share no clock and no counter: only σ
+//! (through the Watch) and `Reserve`. What they can keep without talking is a split of the
+//! *ranks*: replica i places only on ranks g with `g mod K = i`. Every rank still counts in
+//! its score (the others' ranks stop accepting in its view, their load stays), so it balances
+//! against the whole group; no two replicas reach for one free slot.
+//!
+//! A dead replica must not strand its ranks (HA is why there are several): a rank that has had
+//! free slots in this replica's view for `takeover` or longer is open to it too. Its owner
+//! fills a freed slot at its next tick (a σ change triggers one within `--tick-min-interval`),
+//! so a slot left free that long means the owner is gone or had nothing to place, and only
+//! such takeovers can collide. The group is served by the survivors within `takeover` plus a
+//! tick. The rule needs no liveness protocol: a free slot's age is read from σ alone.
+//!
+//! A wrong configuration (two replicas claiming one index, K disagreeing) cannot be seen from
+//! one replica's flags; it shows as refusals on ranks this replica owns, counted in
+//! `balanceroute_decision_rank_split_conflicts_total`, which a consistent split keeps near 0.
+
+use std::time::{Duration, Instant};
+
+use br_core::{ClusterState, WorkerId};
+use rustc_hash::FxHashMap;
+
+/// A rank split configuration that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SplitError {
+    #[error("--deciders must be at least 1")]
+    NoDeciders,
+    #[error("--decider-index {index} must be below --deciders {deciders}")]
+    IndexOutOfRange { index: u32, deciders: u32 },
+    #[error("--decider-index {index} needs --deciders K > 1 (one decider owns every rank)")]
+    IndexWithoutSplit { index: u32 },
+    #[error("--decider-takeover must be positive (0 would let every replica place everywhere)")]
+    ZeroTakeover,
+}
+
+/// Which ranks this replica owns, and when it takes over the others' free slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankSplit {
+    deciders: u32,
+    index: u32,
+    takeover: Duration,
+}
+
+impl RankSplit {
+    /// `None` with one decider (no split); an error for a split that cannot work.
+    pub fn new(deciders: u32, index: u32, takeover: Duration) -> Result<Option<Self>, SplitError> {
+        match deciders {
+            0 => Err(SplitError::NoDeciders),
+            1 if index != 0 => Err(SplitError::IndexWithoutSplit { index }),
+            1 => Ok(None),
+            _ if index >= deciders => Err(SplitError::IndexOutOfRange { index, deciders }),
+            _ if takeover.is_zero() => Err(SplitError::ZeroTakeover),
+            _ => Ok(Some(RankSplit {
+                deciders,
+                index,
+                takeover,
+            })),
+        }
+    }
+
+    /// Whether this replica owns rank `worker`.
+    pub fn owns(&self, worker: WorkerId) -> bool {
+        worker % self.deciders == self.index
+    }
+
+    pub fn takeover(&self) -> Duration {
+        self.takeover
+    }
+}
+
+/// The rank split of one group: since when each rank has had free slots in this replica's view.
+#[derive(Debug)]
+pub(super) struct SplitTurns {
+    split: RankSplit,
+    free_since: FxHashMap<WorkerId, Instant>,
+}
+
+impl SplitTurns {
+    pub(super) fn new(split: RankSplit) -> SplitTurns {
+        SplitTurns {
+            split,
+            free_since: FxHashMap::default(),
+        }
+    }
+
+    pub(super) fn owns(&self, worker: WorkerId) -> bool {
+        self.split.owns(worker)
+    }
+
+    /// A tick that placed nothing (an empty pool) does not watch the ranks: their free time
+    /// starts again at the next one, which delays a takeover by at most `takeover` but never
+    /// takes a slot its owner may just have refilled and freed again unseen.
+    pub(super) fn forget(&mut self) {
+        self.free_since.clear();
+    }
+
+    /// The ranks this replica may not place on at `now`: the others' ranks with free slots
+    /// for less than the takeover time (ranks without free slots take nothing anyway).
+    pub(super) fn closed(&mut self, view: &ClusterState, now: Instant, out: &mut Vec<WorkerId>) {
+        out.clear();
+        for (worker, info) in (0..).zip(view.workers()) {
+            if info.free_slots() == 0 {
+                self.free_since.remove(&worker);
+                continue;
+            }
+            let since = *self.free_since.entry(worker).or_insert(now);
+            if !self.split.owns(worker)
+                && now.saturating_duration_since(since) < self.split.takeover
+            {
+                out.push(worker);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use br_core::{Phase, RequestInfo};
+    use proptest::prelude::*;
+
+    const T: Duration = Duration::from_millis(100);
+
+    fn split(k: u32, i: u32) -> RankSplit {
+        RankSplit::new(k, i, T).unwrap().unwrap()
+    }
+
+    #[test]
+    fn bad_splits_are_typed_errors() {
+        assert_eq!(RankSplit::new(1, 0, T), Ok(None));
+        assert_eq!(RankSplit::new(0, 0, T), Err(SplitError::NoDeciders));
+        assert_eq!(
+            RankSplit::new(2, 2, T),
+            Err(SplitError::IndexOutOfRange {
+                index: 2,
+                deciders: 2
+            })
+        );
+        assert_eq!(
+            RankSplit::new(1, 1, T),
+            Err(SplitError::IndexWithoutSplit { index: 1 })
+        );
+        assert_eq!(
+            RankSplit::new(2, 0, Duration::ZERO),
+            Err(SplitError::ZeroTakeover)
+        );
+    }
+
+    fn fill(view: &mut ClusterState, worker: WorkerId, n: u32, key: &mut u64) {
+        for _ in 0..n {
+            *key += 1;
+            view.reserve(RequestInfo {
+                key: *key,
+                worker,
+                prompt_tokens: 10,
+                generated: 0,
+                phase: Phase::Queued,
+                prompt_hash: None,
+                oracle_output: None,
+            })
+            .unwrap();
+        }
+    }
+
+    #[test]
+    fn a_rank_left_free_for_the_takeover_time_opens_and_a_filled_one_starts_again() {
+        let mut view = ClusterState::with_workers(&[1, 1, 1, 1]);
+        let mut turns = SplitTurns::new(split(2, 0));
+        let t0 = Instant::now();
+        let mut closed = Vec::new();
+        turns.closed(&view, t0, &mut closed);
+        assert_eq!(closed, vec![1, 3], "the other replica's ranks");
+        turns.closed(&view, t0 + T / 2, &mut closed);
+        assert_eq!(closed, vec![1, 3]);
+        // rank 3 is filled by its owner in time; rank 1 is not (its owner is gone)
+        let mut key = 0;
+        fill(&mut view, 3, 1, &mut key);
+        turns.closed(&view, t0 + T, &mut closed);
+        assert!(closed.is_empty(), "rank 1 is open, rank 3 takes nothing");
+        // rank 3 frees again: its free time starts now, not at t0
+        view.remove(key).unwrap();
+        turns.closed(&view, t0 + T + T / 2, &mut closed);
+        assert_eq!(closed, vec![3]);
+        // an idle spell forgets what was seen: rank 1 waits the takeover time again
+        turns.forget();
+        turns.closed(&view, t0 + 3 * T, &mut closed);
+        assert_eq!(closed, vec![1, 3]);
+    }
+
+    proptest! {
+        /// Every rank has exactly one owner among K replicas with a consistent split, so
+        /// before any takeover no two replicas may place on one rank, and each may place on
+        /// its own free ranks.
+        #[test]
+        fn before_the_takeover_time_each_free_rank_is_open_to_exactly_its_owner(
+            k in 2u32..9,
+            capacities in prop::collection::vec(0u32..3, 1..40),
+            elapsed_ms in 0u64..100,
+        ) {
+            let view = ClusterState::with_workers(&capacities);
+            let now = Instant::now();
+            let mut open_to = vec![0u32; capacities.len()];
+            for i in 0..k {
+                let mut turns = SplitTurns::new(split(k, i));
+                let mut closed = Vec::new();
+                turns.closed(&view, now, &mut closed);
+                turns.closed(&view, now + Duration::from_millis(elapsed_ms), &mut closed);
+                for (w, info) in (0..).zip(view.workers()) {
+                    if info.free_slots() > 0 && !closed.contains(&w) {
+                        prop_assert!(turns.owns(w));
+                        open_to[w as usize] += 1;
+                    }
+                }
+            }
+            for (w, info) in view.workers().iter().enumerate() {
+                prop_assert_eq!(open_to[w], u32::from(info.free_slots() > 0));
+            }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! The rank split (`--deciders K --decider-index i`): a replica places only on its own ranks
+//! until another's rank has shown free slots for the takeover time.
+
+use super::*;
+use crate::group::RankSplit;
+
+const TAKEOVER: Duration = Duration::from_millis(100);
+
+fn split_cfg(k: u32, i: u32) -> GroupConfig {
+    GroupConfig {
+        split: RankSplit::new(k, i, TAKEOVER).unwrap(),
+        ..GroupConfig::default()
+    }
+}
+
+#[test]
+fn a_replica_places_on_its_own_ranks_and_takes_over_ranks_left_free() {
+    // 4 ranks of one slot; replica 1 of 2 owns ranks 1 and 3
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0, 0, 0, 0], 1, split_cfg(2, 1));
+    let mut rxs: Vec<Rx> = (0..4).map(|i| fx.assign(&format!("r{i}"), 10).1).collect();
+    assert_eq!(fx.tick_and_commit(true), 2);
+    let mut placed: Vec<u32> = rxs[..2].iter_mut().map(|rx| answer(rx).worker).collect();
+    placed.sort_unstable();
+    assert_eq!(placed, vec![1, 3], "only its own ranks");
+    assert!(pending(&mut rxs[2]) && pending(&mut rxs[3]));
+    // ranks 0 and 2 stay free (their owner is dead): not yet...
+    fx.advance(TAKEOVER / 2);
+    assert_eq!(fx.tick_and_commit(true), 0);
+    // ...but once they have been free for the takeover time
+    fx.advance(TAKEOVER / 2);
+    assert_eq!(fx.tick_and_commit(true), 2);
+    let mut taken: Vec<u32> = rxs[2..].iter_mut().map(|rx| answer(rx).worker).collect();
+    taken.sort_unstable();
+    assert_eq!(taken, vec![0, 2], "taken over");
+}
+
+#[test]
+fn two_replicas_on_one_sigma_never_pick_the_same_rank() {
+    // both see the same σ and tick before seeing each other's reservations: without the
+    // split both pick the emptiest ranks, with it their picks are disjoint
+    for (split, disjoint) in [(true, true), (false, false)] {
+        let cfg = |i| {
+            if split {
+                split_cfg(2, i)
+            } else {
+                GroupConfig::default()
+            }
+        };
+        let loads = [0, 0, 0, 0, 0, 0];
+        let mut a = Fx::with_cfg(PolicyKind::Br0, &loads, 1, cfg(0));
+        let mut b = Fx::with_cfg(PolicyKind::Br0, &loads, 1, cfg(1));
+        let mut picks = Vec::new();
+        for (name, fx) in [("a", &mut a), ("b", &mut b)] {
+            let rxs: Vec<Rx> = (0..3)
+                .map(|i| fx.assign(&format!("{name}{i}"), 10).1)
+                .collect();
+            fx.tick_and_commit(true);
+            for mut rx in rxs {
+                picks.push(answer(&mut rx).worker);
+            }
+        }
+        let mut unique = picks.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(
+            unique.len() == picks.len(),
+            disjoint,
+            "split {split}: {picks:?}"
+        );
+    }
+}
