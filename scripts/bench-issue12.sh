@@ -11,12 +11,19 @@
 #                                                              (ARGS go to telemetry-latency, e.g.
 #                                                              --probe-via-reporter --flush-interval 2ms)
 #   scripts/bench-issue12.sh groups                            64 groups × 8 ranks, 10k Assign/s, RSS
+#   scripts/bench-issue12.sh split-ab DIR_A DIR_B [ROUNDS]     the split deployment over 64 groups,
+#                                                              br-snapshot + br-decision from DIR_A and
+#                                                              DIR_B alternated (A first in odd rounds),
+#                                                              with per-Assign costs: CPU, context
+#                                                              switches, socket syscalls, Watch deltas
+#                                                              (SPLIT_RATE, default 2000/s; SPLIT_EVENTS,
+#                                                              default 20000/s; SPLIT_DURATION 10s)
 #
 # Output on stdout; the servers' logs in target/bench-issue12/. Ports 51061-51063, 9161-9163
 # (below the ephemeral range). Each run kills only the processes it started.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
+BIN="${BENCH_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 LOGS="$ROOT/target/bench-issue12"
 mkdir -p "$LOGS"
 SNAP=(--listen 127.0.0.1:51061 --admin-listen 127.0.0.1:9161)
@@ -46,6 +53,41 @@ ab)
                 --rate 5000 --duration 12s --warmup 2s --workers 8 --capacity 512 \
                 --progress-events 100000 --hold 300ms
             echo "   load average after: $(load); CPU during the load: br-snapshot $(secs "$s0" "$(ticks "$sp")") s, br-decision $(secs "$d0" "$(ticks "$dp")") s"
+            kill "$dp" "$sp"; wait "$dp" "$sp" 2>/dev/null
+        done
+    done
+    ;;
+split-ab)
+    A="$2" B="$3" ROUNDS="${4:-2}"
+    RATE="${SPLIT_RATE:-2000}" EVENTS="${SPLIT_EVENTS:-20000}" DUR="${SPLIT_DURATION:-10s}"
+    # Per process over the load (start-up excluded), every thread: CPU (task-clock), context
+    # switches and syscalls (the socket reads and writes that carry the gRPC frames), by
+    # `perf stat -p` (root, or kernel.perf_event_paranoid <= -1 for the syscall tracepoint).
+    deltas() { curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_version/{s+=$2} END{printf "%d", s}'; }
+    counted() { # counted NAME FILE: task-clock ms, context switches, syscalls from a perf stat file
+        awk -v n="$1" -F, '$3=="task-clock"{c=$1} $3=="context-switches"{x=$1} $3=="raw_syscalls:sys_enter"{y=$1}
+            END{printf "%s CPU %.0f ms, %d context switches, %d syscalls", n, c, x, y}' "$2"
+    }
+    for round in $(seq 1 "$ROUNDS"); do
+        order="A B"; [ $((round % 2)) = 0 ] && order="B A"
+        for v in $order; do
+            dir="$A"; [ "$v" = B ] && dir="$B"
+            "$dir/br-snapshot" "${SNAP[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
+            "$dir/br-decision" "${DEC[@]}" --groups "$(seq -s, -f 'g-%g' 0 63)" >"$LOGS/decision.log" 2>&1 & dp=$!
+            up 9161 && up 9163
+            echo "== round $round, $v ($dir): 64 groups, $RATE Assign/s, $EVENTS events/s, load average $(load)"
+            v0=$(deltas)
+            perf stat -x, -e task-clock,context-switches,raw_syscalls:sys_enter -p "$sp" -o "$LOGS/perf-snapshot.csv" & ps_=$!
+            perf stat -x, -e task-clock,context-switches,raw_syscalls:sys_enter -p "$dp" -o "$LOGS/perf-decision.csv" & pd_=$!
+            "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+                --group g --workers 8 --capacity 512 --connections 4 --batch-interval 2ms --groups 64 \
+                --rate "$RATE" --duration "$DUR" --warmup 2s --progress-events "$EVENTS" --hold 300ms \
+                >"$LOGS/split-ab.log" 2>&1
+            grep -E "^sent|^telemetry sent|^added latency" "$LOGS/split-ab.log"
+            v1=$(deltas)
+            kill -INT "$ps_" "$pd_"; wait "$ps_" "$pd_" 2>/dev/null
+            echo "   load average after: $(load); over the run: $(counted br-snapshot "$LOGS/perf-snapshot.csv");" \
+                "$(counted br-decision "$LOGS/perf-decision.csv"); σ versions (Watch deltas) $((v1 - v0))"
             kill "$dp" "$sp"; wait "$dp" "$sp" 2>/dev/null
         done
     done

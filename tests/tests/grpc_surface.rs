@@ -145,3 +145,48 @@ async fn each_port_lists_only_its_own_service_and_points_elsewhere_for_the_rest(
     );
     served_elsewhere(report(dec).await, telemetry_svc, "br-ingest", "br-decision");
 }
+
+/// The br-snapshot binary serves ReserveStream beside Reserve (issue 12: one stream instead of
+/// a unary call per tick): a call is answered by its id with what Reserve answers, and a bad
+/// one with its error while the stream goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_binary_answers_reserve_calls_on_one_stream_like_reserve() {
+    let snapshot = Service::start("br-snapshot", &[]);
+    let reservation = |group: &str| v1::ReserveRequest {
+        group: group.into(),
+        reservations: vec![v1::Reservation {
+            request_id: "r".into(),
+            worker_id: 0,
+            incarnation: 1,
+            prompt_tokens: 1,
+            ..Default::default()
+        }],
+    };
+    let unary = SnapshotClient::new(channel(&snapshot))
+        .reserve(reservation(GROUP))
+        .await
+        .unwrap()
+        .into_inner();
+    let calls = [2u64, 1].map(|id| v1::ReserveCall {
+        call_id: id,
+        request: Some(reservation(if id == 1 { GROUP } else { "" })),
+        ..Default::default()
+    });
+    let mut answers = SnapshotClient::new(channel(&snapshot))
+        .reserve_stream(futures::stream::iter(calls))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = Vec::new();
+    while let Some(r) = answers.message().await.unwrap() {
+        got.push(r);
+    }
+    got.sort_by_key(|r| r.call_id);
+    use v1::reserve_result::Outcome;
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[0].outcome, Some(Outcome::Response(unary)), "{got:?}");
+    let Some(Outcome::Error(e)) = &got[1].outcome else {
+        panic!("{got:?}")
+    };
+    assert_eq!(e.code, Code::InvalidArgument as i32, "{e:?}");
+}

@@ -23,6 +23,10 @@ use crate::writer::{Command, WriterHandle};
 /// Acks queued towards one Apply stream.
 const ACK_QUEUE: usize = 64;
 
+/// Calls in flight on one ReserveStream (see `Snapshot.ReserveStream`): past it the stream is
+/// not read until some are answered.
+pub const RESERVE_STREAM_IN_FLIGHT: usize = 1024;
+
 /// The Snapshot service. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct SnapshotService {
@@ -137,13 +141,16 @@ impl Snapshot for SnapshotService {
         &self,
         req: Request<v1::ReserveRequest>,
     ) -> Result<Response<v1::ReserveResponse>, Status> {
-        let req = ValidReserve::try_from(req.into_inner()).map_err(|e| self.fail(e.into()))?;
-        let resp = self
-            .writer
-            .call(|reply| Command::Reserve { req, reply })
-            .await
-            .map_err(|e| self.fail(e))?;
-        Ok(Response::new(wire::reserve_response(resp)))
+        self.reserve_one(req.into_inner()).await.map(Response::new)
+    }
+
+    type ReserveStreamStream = BoxStream<v1::ReserveResult>;
+
+    async fn reserve_stream(
+        &self,
+        req: Request<Streaming<v1::ReserveCall>>,
+    ) -> Result<Response<Self::ReserveStreamStream>, Status> {
+        Ok(Response::new(self.reserve_calls(req.into_inner())))
     }
 
     #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, n = req.get_ref().request_ids.len()))]
@@ -216,7 +223,89 @@ fn apply_span(batch: &v1::ChangeBatch) -> tracing::Span {
     span
 }
 
+/// The server span of one call on a ReserveStream, named like a unary Reserve's and continuing
+/// the trace the call names (disabled, and free, when traces are not exported).
+fn reserve_call_span(call: &v1::ReserveCall) -> tracing::Span {
+    br_trace::server_span(
+        "balanceroute.v1.Snapshot/Reserve",
+        br_trace::W3c::context_of(&call.traceparent, &call.tracestate),
+    )
+}
+
 impl SnapshotService {
+    /// One Reserve, unary or on a stream: validated at the edge, committed by the writer.
+    async fn reserve_one(&self, req: v1::ReserveRequest) -> Result<v1::ReserveResponse, Status> {
+        let req = ValidReserve::try_from(req).map_err(|e| self.fail(e.into()))?;
+        let resp = self
+            .writer
+            .call(|reply| Command::Reserve { req, reply })
+            .await
+            .map_err(|e| self.fail(e))?;
+        Ok(wire::reserve_response(resp))
+    }
+
+    /// One ReserveStream: each call answered as it completes, calls of different groups
+    /// concurrently (the writer still takes them one at a time, in the order they came).
+    /// A call with no request is the empty ReserveRequest: INVALID_ARGUMENT, like a unary one.
+    pub fn reserve_calls<S>(&self, mut inbound: S) -> BoxStream<v1::ReserveResult>
+    where
+        S: Stream<Item = Result<v1::ReserveCall, Status>> + Send + Unpin + 'static,
+    {
+        let (tx, rx) = mpsc::channel(RESERVE_STREAM_IN_FLIGHT);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut in_flight = futures::stream::FuturesUnordered::new();
+            let mut reading = true;
+            while reading || !in_flight.is_empty() {
+                tokio::select! {
+                    m = inbound.next(), if reading && in_flight.len() < RESERVE_STREAM_IN_FLIGHT => match m {
+                        Some(Ok(call)) => {
+                            let this = this.clone();
+                            in_flight.push(async move {
+                                let span = reserve_call_span(&call);
+                                let request = call.request.unwrap_or_default();
+                                let outcome = tracing::Instrument::instrument(this.reserve_one(request), span).await;
+                                v1::ReserveResult {
+                                    call_id: call.call_id,
+                                    outcome: Some(match outcome {
+                                        Ok(r) => v1::reserve_result::Outcome::Response(r),
+                                        Err(s) => v1::reserve_result::Outcome::Error(v1::CallError {
+                                            code: s.code() as i32,
+                                            message: s.message().to_owned(),
+                                        }),
+                                    }),
+                                }
+                            });
+                        }
+                        Some(Err(status)) if br_runtime::oversize::is_too_large(&status) => {
+                            // As on Apply: a call above the decoding limit ends the stream
+                            // RESOURCE_EXHAUSTED, counted.
+                            this.metrics.refuse("message_too_large");
+                            tracing::warn!(error = %status, "a ReserveCall above the message limit; ending the stream");
+                            let _ = tx
+                                .send(Err(Status::resource_exhausted(status.message().to_owned())))
+                                .await;
+                            return;
+                        }
+                        Some(Err(status)) => {
+                            tracing::debug!(error = %status, "ReserveStream failed");
+                            return;
+                        }
+                        // The caller closed its side: answer what is in flight, then end.
+                        None => reading = false,
+                    },
+                    Some(result) = in_flight.next(), if !in_flight.is_empty() => {
+                        if tx.send(Ok(result)).await.is_err() {
+                            return;
+                        }
+                    }
+                    () = this.shutdown.cancelled() => return,
+                }
+            }
+        });
+        Box::pin(ReceiverStream::new(rx))
+    }
+
     /// One Apply stream: `inbound`'s batches in order, an ack per batch. The gRPC handler
     /// passes the call's request stream; the all-in-one `br-all` passes its ingest's batches
     /// in-process, so both are this code (batch_seq checks, validation, refusals, and every

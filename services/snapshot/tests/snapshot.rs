@@ -1103,3 +1103,86 @@ async fn watchers_beyond_max_watchers_are_refused_until_one_ends() {
     .await;
     drop(second);
 }
+
+/// ReserveStream: each call is a Reserve answered by its call_id (accepted, rejected, or its
+/// own error without ending the stream), with the same σ effect as a unary Reserve; closing
+/// the request side ends the stream once every call is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_stream_answers_each_call_by_id_like_a_unary_reserve() {
+    let server = Server::start(&[]).await;
+    let mut ingest = server.ingest().await;
+    ingest.send("g", vec![hello(0, 10, 4)]).await;
+    ingest.send("h", vec![hello(0, 20, 4)]).await;
+
+    let (calls, rx) = tokio::sync::mpsc::channel(8);
+    let mut answers = server
+        .client
+        .clone()
+        .reserve_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let call = |id: u64, request: Option<v1::ReserveRequest>| v1::ReserveCall {
+        call_id: id,
+        request,
+        ..Default::default()
+    };
+    let req = |group: &str, rs| {
+        Some(v1::ReserveRequest {
+            group: group.into(),
+            reservations: rs,
+        })
+    };
+    for c in [
+        call(7, req("g", vec![reservation("a", 0, 10, 100)])),
+        call(8, req("", vec![reservation("x", 0, 10, 1)])),
+        call(9, req("h", vec![reservation("b", 5, 20, 1)])),
+        call(10, None),
+        call(11, req("h", vec![reservation("c", 0, 20, 30)])),
+    ] {
+        calls.send(c).await.unwrap();
+    }
+    let mut got = std::collections::BTreeMap::new();
+    while got.len() < 5 {
+        let r = within(PATIENCE, "the five answers", answers.message())
+            .await
+            .unwrap()
+            .expect("the stream stays open while calls are in flight");
+        got.insert(r.call_id, r.outcome.expect("an outcome"));
+    }
+    use v1::reserve_result::Outcome;
+    let Outcome::Response(a) = &got[&7] else {
+        panic!("{:?}", got[&7])
+    };
+    assert_eq!(a.accepted, vec!["a"]);
+    for bad in [8, 10] {
+        let Outcome::Error(e) = &got[&bad] else {
+            panic!("{:?}", got[&bad])
+        };
+        assert_eq!(e.code, tonic::Code::InvalidArgument as i32, "{e:?}");
+    }
+    let Outcome::Response(b) = &got[&9] else {
+        panic!("{:?}", got[&9])
+    };
+    assert_eq!(b.rejected[0].reason, R::UnknownWorker as i32);
+    let Outcome::Response(c) = &got[&11] else {
+        panic!("{:?}", got[&11])
+    };
+    assert_eq!(c.accepted, vec!["c"]);
+
+    // The same σ as unary calls: "a" is in g at the answered version, and a unary retry is
+    // idempotent.
+    assert_eq!(server.get("g").await.version, a.version);
+    let again = server
+        .reserve("g", vec![reservation("a", 0, 10, 100)])
+        .await;
+    assert_eq!(
+        (again.accepted, again.version),
+        (vec!["a".to_string()], a.version)
+    );
+
+    drop(calls);
+    let end = within(PATIENCE, "the stream's end", answers.message()).await;
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    server.stop().await;
+}

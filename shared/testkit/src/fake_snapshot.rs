@@ -312,6 +312,17 @@ impl v1::snapshot_server::Snapshot for FakeSnapshot {
         call(&self.release, req.into_inner())
     }
 
+    type ReserveStreamStream = BoxStream<v1::ReserveResult>;
+
+    // Not served, like a snapshot service from before ReserveStream: a client falls back to
+    // the scripted unary Reserve (which is what the decision service's tests script).
+    async fn reserve_stream(
+        &self,
+        _req: tonic::Request<tonic::Streaming<v1::ReserveCall>>,
+    ) -> Result<tonic::Response<Self::ReserveStreamStream>, tonic::Status> {
+        unimplemented()
+    }
+
     // The operator RPCs are not scripted: the fake serves the data path only.
     async fn list_groups(
         &self,

@@ -54,7 +54,7 @@ pub fn allowed_roles(path: &str) -> Option<&'static [Role]> {
     let roles: &'static [Role] = match (service, method) {
         (s, "Report") if s == TELEMETRY => &[Role::Worker],
         (s, "Apply") if s == SNAPSHOT => &[Role::Ingest],
-        (s, "Reserve" | "Release") if s == SNAPSHOT => &[Role::Decision],
+        (s, "Reserve" | "ReserveStream" | "Release") if s == SNAPSHOT => &[Role::Decision],
         (s, "Watch" | "Get") if s == SNAPSHOT => &[Role::Decision, Role::Admin],
         (s, "ListGroups" | "SetCordon") if s == SNAPSHOT => &[Role::Admin],
         (s, "Assign" | "Cancel") if s == DECISION => &[Role::Gateway, Role::Admin],
@@ -210,6 +210,7 @@ mod tests {
             (m(TELEMETRY, "Report"), vec![Role::Worker]),
             (m(SNAPSHOT, "Apply"), vec![Role::Ingest]),
             (m(SNAPSHOT, "Reserve"), vec![Role::Decision]),
+            (m(SNAPSHOT, "ReserveStream"), vec![Role::Decision]),
             (m(SNAPSHOT, "Release"), vec![Role::Decision]),
             (m(SNAPSHOT, "Watch"), vec![Role::Decision, Role::Admin]),
             (m(SNAPSHOT, "Get"), vec![Role::Decision, Role::Admin]),

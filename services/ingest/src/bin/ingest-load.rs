@@ -678,6 +678,13 @@ impl v1::snapshot_server::Snapshot for FakeSnapshot {
     ) -> Result<tonic::Response<v1::ReserveResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("fake"))
     }
+    type ReserveStreamStream = BoxStream<v1::ReserveResult>;
+    async fn reserve_stream(
+        &self,
+        _: tonic::Request<tonic::Streaming<v1::ReserveCall>>,
+    ) -> Result<tonic::Response<Self::ReserveStreamStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
     async fn release(
         &self,
         _: tonic::Request<v1::ReleaseRequest>,
