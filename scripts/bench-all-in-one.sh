@@ -22,7 +22,13 @@
 # Per run it prints assign-load's report, the load average before and after, and the CPU
 # seconds (utime + stime, /proc/PID/stat) each server process spent during the load (start-up
 # excluded); one line per run goes to $BENCH_OUT/summary.tsv (set-up, side, round, load
-# before/after, added p50/p99/p99.9 in µs, answered, CPU seconds per process).
+# before/after, added p50/p99/p99.9 in µs, answered, CPU seconds per process, and per answered
+# call: CPU µs and context switches of all server processes). The per-call figures are the
+# load-independent ones: CPU and thread wake-ups per Assign do not depend on who else holds the
+# cores, where the latency percentiles do. Context switches are voluntary + involuntary, summed
+# over every thread of a process (/proc/PID/task/*/status).
+#
+# BENCH_SETUPS="split all" (default) or one of them: which set-ups each round runs.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,13 +41,14 @@ PROFILE="${BENCH_PROFILE:-release}"
 OUT="${BENCH_OUT:-$ROOT/target/bench-all-in-one}"
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/$PROFILE"
 GROUP=default
+SETUPS="${BENCH_SETUPS:-split all}"
 NICE=()
 [ -n "${BENCH_NICE:-}" ] && NICE=(nice -n "$BENCH_NICE")
 
 mkdir -p "$OUT"
 OUT_LOGS="$OUT"
 SUMMARY="$OUT/summary.tsv"
-printf 'setup\tside\tround\tload_before\tload_after\tp50_us\tp99_us\tp999_us\tanswered\tcpu_s\n' >"$SUMMARY"
+printf 'setup\tside\tround\tload_before\tload_after\tp50_us\tp99_us\tp999_us\tanswered\tcpu_s\tcpu_us_per_call\tcsw_per_call\n' >"$SUMMARY"
 # shellcheck source=scripts/lib/stack.sh
 source "$ROOT/scripts/lib/stack.sh"
 
@@ -53,6 +60,8 @@ fi
 
 TCK=$(getconf CLK_TCK)
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# Context switches (voluntary + involuntary) of every thread of process $1.
+switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ {n += $2} END {print n + 0}'; }
 load1() { cut -d' ' -f1 /proc/loadavg; }
 
 # run SETUP SIDE ROUND DECISION_URL SNAPSHOT_URL NAME=PID...: one assign-load run against
@@ -60,8 +69,11 @@ load1() { cut -d' ' -f1 /proc/loadavg; }
 run() {
     local setup=$1 side=$2 round=$3 decision=$4 snapshot=$5
     shift 5
-    local procs=("$@") before=() p i
-    for p in "${procs[@]}"; do before+=("$(ticks "${p#*=}")"); done
+    local procs=("$@") before=() csw_before=() p i
+    for p in "${procs[@]}"; do
+        before+=("$(ticks "${p#*=}")")
+        csw_before+=("$(switches "${p#*=}")")
+    done
     local lb la report
     lb=$(load1)
     echo "--- $setup $side (round $round): $(uptime | sed 's/.*load average/load average/')"
@@ -70,14 +82,18 @@ run() {
         --capacity 512 --progress-events "$EVENTS" --hold 300ms)
     echo "$report"
     la=$(load1)
-    local cpu=""
+    local cpu="" ticks_total=0 csw_total=0
     for i in "${!procs[@]}"; do
         p=${procs[$i]}
-        local secs
-        secs=$(awk -v a="${before[$i]}" -v b="$(ticks "${p#*=}")" -v t="$TCK" 'BEGIN{printf "%.2f", (b - a) / t}')
+        local secs now_ticks now_csw
+        now_ticks=$(ticks "${p#*=}")
+        now_csw=$(switches "${p#*=}")
+        secs=$(awk -v a="${before[$i]}" -v b="$now_ticks" -v t="$TCK" 'BEGIN{printf "%.2f", (b - a) / t}')
         cpu="$cpu${cpu:+ }${p%%=*} ${secs}s"
+        ticks_total=$((ticks_total + now_ticks - before[i]))
+        csw_total=$((csw_total + now_csw - csw_before[i]))
     done
-    echo "--- $setup $side done: $(uptime | sed 's/.*load average/load average/'); CPU during the load: $cpu"
+    echo "--- $setup $side done: $(uptime | sed 's/.*load average/load average/'); CPU during the load: $cpu; context switches: $csw_total"
     local line
     line=$(echo "$report" | grep '^added latency') || line=""
     local p50 p99 p999 n
@@ -85,8 +101,15 @@ run() {
     p99=$(echo "$line" | sed -n 's/.* p99 \([0-9]*\) µs.*/\1/p')
     p999=$(echo "$line" | sed -n 's/.* p99.9 \([0-9]*\) µs.*/\1/p')
     n=$(echo "$line" | sed -n 's/.*(n = \([0-9]*\)).*/\1/p')
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$setup" "$side" "$round" "$lb" "$la" \
-        "$p50" "$p99" "$p999" "$n" "$cpu" >>"$SUMMARY"
+    # Per call sent, over the whole run: the CPU and switches are read around the whole load,
+    # warm-up included (assign-load's n counts only the answers after the warm-up).
+    local total_calls per_cpu per_csw
+    total_calls=$(echo "$report" | sed -n 's/^sent \([0-9]*\) calls in.*/\1/p')
+    [ -n "$total_calls" ] || total_calls=$n
+    per_cpu=$(awk -v t="$ticks_total" -v hz="$TCK" -v n="$total_calls" 'BEGIN{if (n > 0) printf "%.1f", t / hz * 1e6 / n}')
+    per_csw=$(awk -v c="$csw_total" -v n="$total_calls" 'BEGIN{if (n > 0) printf "%.2f", c / n}')
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$setup" "$side" "$round" "$lb" "$la" \
+        "$p50" "$p99" "$p999" "$n" "$cpu" "$per_cpu" "$per_csw" >>"$SUMMARY"
 }
 
 stop_all() {
@@ -122,13 +145,14 @@ all() {
 
 for round in $(seq 1 "$ROUNDS"); do
     if [ -z "${BENCH_A:-}" ]; then
-        split - "$BIN" "$round"
-        all - "$BIN" "$round"
+        for setup in $SETUPS; do
+            "$setup" - "$BIN" "$round"
+        done
         continue
     fi
     sides=(A B)
     [ $((round % 2)) = 0 ] && sides=(B A)
-    for setup in split all; do
+    for setup in $SETUPS; do
         for side in "${sides[@]}"; do
             dir="$BENCH_A"
             [ "$side" = B ] && dir="$BENCH_B"

@@ -1,6 +1,12 @@
 //! The task that owns one group's [`GroupCore`]: it takes commands from the handlers (bounded
 //! mpsc, answers by oneshot), σ events from the Watch follower and `Reserve` outcomes, runs the
-//! ticks, and makes the `Reserve`/`Release` calls (spawned, at most a few in flight).
+//! ticks, and makes the `Reserve`/`Release` calls (at most a few `Reserve` calls in flight).
+//!
+//! The `Reserve` calls are futures the task polls itself, beside its other inputs, not tasks it
+//! spawns: a spawned call cost two more hand-offs per round trip (the task waking the call's
+//! task, and that task waking it back with the outcome), each a thread wake-up on the Assign
+//! path. In br-all, where the call is the snapshot writer's queue, the round trip is now one
+//! wake-up each way.
 //!
 //! Ticks run on new arrivals (coalesced: at most one per `tick_min_interval`), on every σ
 //! change, and every `tick_interval` (which also does the housekeeping).
@@ -9,6 +15,8 @@
 //! `now`, and the `Reserve`/`Release` messages are built and parsed through
 //! [`crate::group::wire`].
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -16,6 +24,8 @@ use std::time::{Duration, Instant};
 use br_proto::v1;
 use br_proto::valid::{GroupId, RequestId, ValidAssign};
 use br_trace::SpanContext;
+use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
 use rustc_hash::FxHashMap;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -188,6 +198,10 @@ struct ReserveDone {
     result: Result<v1::ReserveResponse, tonic::Status>,
 }
 
+/// One `Reserve` call in flight, polled by the group task (at most
+/// `--max-inflight-reserves` of them: the core bounds the jobs it hands out).
+type ReserveCall = Pin<Box<dyn Future<Output = ReserveDone> + Send>>;
+
 /// Starts the task that owns `core`. It ends when every [`GroupHandle`] is dropped.
 pub fn spawn_group(
     core: GroupCore,
@@ -222,7 +236,7 @@ async fn run(
     shutdown: CancellationToken,
 ) {
     let mut placing = None;
-    let (done_tx, mut done_rx) = mpsc::channel::<ReserveDone>(64);
+    let mut reserves: FuturesUnordered<ReserveCall> = FuturesUnordered::new();
     let mut feed = feed;
     let mut last_tick = Instant::now();
     let mut next_timer = last_tick + ticks.interval;
@@ -258,7 +272,7 @@ async fn run(
                     next_timer = now + ticks.interval;
                 }
             }
-            Some(done) = done_rx.recv() => {
+            Some(done) = reserves.next(), if !reserves.is_empty() => {
                 tracing::trace!(group = %core.group(), job = done.job, ok = done.result.is_ok(), "Reserve done");
                 core.on_reserve_done(done.job, wire::reserve_outcome(done.result), Instant::now());
             }
@@ -298,7 +312,7 @@ async fn run(
                 core.shut_down();
             }
         }
-        flush(&mut core, &ops, &done_tx, &mut spans, &mut cancels);
+        flush(&mut core, &ops, &mut reserves, &mut spans, &mut cancels);
     }
     tracing::debug!(group = %core.group(), "group task stopped");
 }
@@ -409,10 +423,12 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
     }
 }
 
+/// Starts the `Reserve` calls the core has ready (into `reserves`, which the loop polls) and
+/// spawns the `Release` call, if any.
 fn flush(
     core: &mut GroupCore,
     ops: &Arc<dyn SnapshotOps>,
-    done: &mpsc::Sender<ReserveDone>,
+    reserves: &mut FuturesUnordered<ReserveCall>,
     spans: &mut AssignSpans,
     cancels: &mut ReleaseWaiters,
 ) {
@@ -421,20 +437,15 @@ fn flush(
         tracing::trace!(group = %core.group(), job = job.id, n = job.reservations.len(), "Reserve");
         let request = wire::reserve_request(core.group(), &job);
         let span = reserve_span(core.group(), &job, spans);
-        let ops = Arc::clone(ops);
-        let done = done.clone();
-        tokio::spawn(
+        let call = ops.reserve(request);
+        let job = job.id;
+        reserves.push(Box::pin(
             async move {
-                let result = ops.reserve(request).await;
-                let _ = done
-                    .send(ReserveDone {
-                        job: job.id,
-                        result,
-                    })
-                    .await;
+                let result = call.await;
+                ReserveDone { job, result }
             }
             .instrument(span),
-        );
+        ));
     }
     if let Some(ids) = core.take_release(now) {
         let waiters = cancels.take_for(&ids);
@@ -517,5 +528,152 @@ impl AssignSpans {
     fn expire(&mut self, now: Instant) {
         self.by_id
             .retain(|_, (_, at)| now.saturating_duration_since(*at) < ASSIGN_SPAN_TTL);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
+mod tests {
+    use std::time::Duration;
+
+    use br_core::{PolicyConfig, PolicyKind, build_policy};
+    use br_proto::v1;
+    use br_proto::valid::{GroupId, RequestId, ValidAssign};
+    use br_sigma::{Sigma, change};
+    use futures::future::BoxFuture;
+    use tokio::sync::{mpsc, oneshot};
+    use tokio_util::sync::CancellationToken;
+
+    use super::{Command, TickConfig, spawn_group};
+    use crate::group::{GroupConfig, GroupCore};
+    use crate::upstream::SnapshotOps;
+
+    const EPOCH: u64 = 7;
+    /// A hang guard for waits, not a timing assertion.
+    const WAIT: Duration = Duration::from_secs(10);
+
+    type Answer = oneshot::Sender<Result<v1::ReserveResponse, tonic::Status>>;
+
+    /// A snapshot service whose `Reserve` calls the test answers by hand: each call hands its
+    /// request and a sender for its answer to the test.
+    struct HeldReserve {
+        calls: mpsc::Sender<(v1::ReserveRequest, Answer)>,
+    }
+
+    impl SnapshotOps for HeldReserve {
+        fn reserve(
+            &self,
+            req: v1::ReserveRequest,
+        ) -> BoxFuture<'static, Result<v1::ReserveResponse, tonic::Status>> {
+            let calls = self.calls.clone();
+            Box::pin(async move {
+                let (answer, rx) = oneshot::channel();
+                calls
+                    .send((req, answer))
+                    .await
+                    .map_err(|_| tonic::Status::unavailable("test gone"))?;
+                rx.await
+                    .map_err(|_| tonic::Status::unavailable("answer dropped"))?
+            })
+        }
+
+        fn release(
+            &self,
+            _req: v1::ReleaseRequest,
+        ) -> BoxFuture<'static, Result<v1::ReleaseResponse, tonic::Status>> {
+            Box::pin(async { Ok(v1::ReleaseResponse::default()) })
+        }
+    }
+
+    /// One live worker (0) of capacity 8 in σ, installed in a BR-0 group core.
+    fn core_with_sigma() -> (GroupCore, crate::metrics::GroupMetrics) {
+        let metrics = crate::metrics::Metrics::new().unwrap().group("g");
+        let policy = build_policy(&PolicyConfig::new(PolicyKind::Br0)).unwrap();
+        let mut core = GroupCore::new(
+            GroupId::new("g").unwrap(),
+            policy,
+            GroupConfig::default(),
+            metrics.clone(),
+        );
+        let mut sigma = Sigma::with_epoch("g", EPOCH);
+        let mut b = sigma.batch();
+        b.apply(change::worker_up(0, 100, 8, "http://w0")).unwrap();
+        b.commit();
+        core.set_sigma(sigma, std::time::Instant::now());
+        (core, metrics)
+    }
+
+    /// The `Reserve` round trip adds no task of its own: the group task polls the call (one
+    /// wake-up each way on the Assign path instead of three). A spawned call is a task alive
+    /// while its answer is awaited; here the count of live tasks stays the group task's.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_reserve_call_in_flight_is_no_task_of_its_own_and_answers_the_assign() {
+        let (core, metrics) = core_with_sigma();
+        let (calls_tx, mut calls) = mpsc::channel(4);
+        let shutdown = CancellationToken::new();
+        let (handle, task) = spawn_group(
+            core,
+            std::sync::Arc::new(HeldReserve { calls: calls_tx }),
+            None,
+            TickConfig::default(),
+            metrics,
+            None,
+            shutdown,
+        );
+        let runtime = tokio::runtime::Handle::current().metrics();
+        let tasks_before = runtime.num_alive_tasks();
+
+        let (reply, answered) = oneshot::channel();
+        let req = ValidAssign {
+            group: GroupId::new("g").unwrap(),
+            request_id: RequestId::new("r1").unwrap(),
+            prompt_tokens: 100,
+            prompt_hash: None,
+            max_tokens: None,
+        };
+        handle
+            .send(Command::Assign {
+                req,
+                call: handle.next_call(),
+                reply,
+                span: None,
+                owner: None,
+            })
+            .await
+            .unwrap();
+        let (sent, answer) = tokio::time::timeout(WAIT, calls.recv())
+            .await
+            .expect("no Reserve call was made for the Assign")
+            .unwrap();
+        assert_eq!(sent.group, "g");
+        assert_eq!(sent.reservations.len(), 1);
+        assert_eq!(sent.reservations[0].request_id, "r1");
+        assert_eq!(
+            runtime.num_alive_tasks(),
+            tasks_before,
+            "the Reserve call in flight runs as a task of its own"
+        );
+
+        answer
+            .send(Ok(v1::ReserveResponse {
+                epoch: EPOCH,
+                version: 2,
+                accepted: vec!["r1".into()],
+                rejected: vec![],
+            }))
+            .unwrap();
+        let got = tokio::time::timeout(WAIT, answered)
+            .await
+            .expect("the Assign was not answered after its Reserve")
+            .unwrap()
+            .unwrap();
+        assert_eq!(got.worker, 0);
+        assert!(!got.stale, "an accepted reservation answers current");
+
+        drop(handle);
+        tokio::time::timeout(WAIT, task)
+            .await
+            .expect("the group task did not end with its last handle")
+            .unwrap();
     }
 }
