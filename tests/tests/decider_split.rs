@@ -18,7 +18,6 @@ use br_client::assign::{AssignClient, AssignParams};
 use br_e2e::Service;
 use br_e2e::replicated::{
     Outcome, Ran, ReplicatedStack, StackConfig, assert_each_request_ran_once, drive_workers,
-    metric_sum,
 };
 use br_testkit::within;
 use tokio::sync::mpsc;
