@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use br_client::assign::Assignment;
+use br_client::assign::{AssignClient, AssignParams, Assignment};
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, GetRequest};
 use br_testkit::eventually;
@@ -153,6 +153,40 @@ pub struct Outcome {
     pub issued: Instant,
     pub answered: Instant,
     pub result: Result<Assignment, String>,
+}
+
+impl Outcome {
+    /// One gateway call of the fault tests: `Assign` of `req-{i}` (a prompt of 300-999 tokens
+    /// picked from `i`) to `group` through `client`, bounded by `timeout`; an answered call is
+    /// handed to the workers' driver ([`drive_workers`]) on `answers` as (id, rank, prompt).
+    pub async fn assign(
+        client: AssignClient,
+        group: &str,
+        i: usize,
+        timeout: Duration,
+        answers: mpsc::Sender<(String, u32, u32)>,
+    ) -> Outcome {
+        let id = format!("req-{i}");
+        let prompt = 300 + (i as u32 * 37) % 700;
+        let issued = Instant::now();
+        let result = client
+            .assign_within(&AssignParams::new(group, &id, prompt), timeout)
+            .await
+            .map_err(|e| e.to_string());
+        let answered = Instant::now();
+        if let Ok(a) = &result {
+            answers
+                .send((id.clone(), a.worker_id, prompt))
+                .await
+                .expect("the workers' driver runs until every answer is in");
+        }
+        Outcome {
+            id,
+            issued,
+            answered,
+            result,
+        }
+    }
 }
 
 /// Which rank ran which request id (more than one rank: a double assignment).

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use br_client::assign::{AssignClient, AssignParams};
+use br_client::assign::AssignClient;
 use br_e2e::Service;
 use br_e2e::replicated::{
     Outcome, Ran, ReplicatedStack, StackConfig, assert_each_request_ran_once, drive_workers,
@@ -60,25 +60,7 @@ async fn issue(
     for i in ids {
         pace.tick().await;
         let (client, tx) = (clients[i % 2].clone(), answers.clone());
-        calls.spawn(async move {
-            let id = format!("req-{i}");
-            let prompt = 300 + (i as u32 * 37) % 700;
-            let issued = Instant::now();
-            let result = client
-                .assign_within(&AssignParams::new(GROUP, &id, prompt), LONG)
-                .await
-                .map_err(|e| e.to_string());
-            let answered = Instant::now();
-            if let Ok(a) = &result {
-                tx.send((id.clone(), a.worker_id, prompt)).await.unwrap();
-            }
-            Outcome {
-                id,
-                issued,
-                answered,
-                result,
-            }
-        });
+        calls.spawn(Outcome::assign(client, GROUP, i, LONG, tx));
     }
     let mut outcomes = Vec::new();
     while let Some(o) = within(LONG, "every Assign ends", calls.join_next()).await {

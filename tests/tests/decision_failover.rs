@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use br_client::assign::{AssignClient, AssignParams};
+use br_client::assign::AssignClient;
 use br_e2e::replicated::{
     Outcome, Ran, ReplicatedStack, StackConfig, assert_each_request_ran_once, drive_workers,
     metric_sum,
@@ -94,24 +94,11 @@ async fn killing_a_decision_replica_under_load_loses_no_request() {
         }
         let (client, tx, answered) = (client.clone(), answers_tx.clone(), answered.clone());
         calls.spawn(async move {
-            let id = format!("req-{i}");
-            let prompt = 300 + (i as u32 * 37) % 700;
-            let issued = Instant::now();
-            let result = client
-                .assign_within(&AssignParams::new(GROUP, &id, prompt), LONG)
-                .await
-                .map_err(|e| e.to_string());
-            let answered_at = Instant::now();
-            if let Ok(a) = &result {
+            let outcome = Outcome::assign(client, GROUP, i, LONG, tx).await;
+            if outcome.result.is_ok() {
                 *answered.lock().unwrap() += 1;
-                tx.send((id.clone(), a.worker_id, prompt)).await.unwrap();
             }
-            Outcome {
-                id,
-                issued,
-                answered: answered_at,
-                result,
-            }
+            outcome
         });
     }
     drop(answers_tx);

@@ -437,7 +437,10 @@ fn flush(
         tracing::trace!(group = %core.group(), job = job.id, n = job.reservations.len(), "Reserve");
         let request = wire::reserve_request(core.group(), &job);
         let span = reserve_span(core.group(), &job, spans);
-        let call = ops.reserve(request);
+        // Made inside the tick's Reserve span: the upstream takes the trace context it sends
+        // (a unary call's metadata, a ReserveStream call's fields) from the current span when
+        // the call is made, not when it is polled.
+        let call = span.in_scope(|| ops.reserve(request));
         let job = job.id;
         reserves.push(Box::pin(
             async move {
