@@ -277,6 +277,13 @@ async fn run(
                 core.on_reserve_done(done.job, wire::reserve_outcome(done.result), Instant::now());
             }
             Some(u) = recv_feed(&mut feed) => {
+                // The select is biased towards σ's feed, so the feed's end (br-all's writer
+                // closes the Watch streams after the drain) can win over the shutdown branch
+                // in the same turn: look at the token itself, or a clean stop logs an outage.
+                if !shutting_down && shutdown.is_cancelled() {
+                    shutting_down = true;
+                    core.shut_down();
+                }
                 if let Some(f) = feed.as_mut() {
                     on_update(&mut core, u, f, &metrics);
                     // σ updates already queued are applied in this turn too (one flush and
