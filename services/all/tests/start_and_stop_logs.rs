@@ -1,8 +1,8 @@
 //! What br-all logs when it starts and stops: one start-up line, at INFO, that says what an
 //! operator checks first (ports, groups, TLS, version), and a clean stop (SIGTERM's path: the
-//! shutdown token). Before, the embedded decision announced itself with a `--snapshot-addr` it
-//! does not use. That the stop logs no WARN is not asserted: a "σ feed lost" WARN still shows
-//! in some runs (see the note at the end of the test).
+//! shutdown token) that logs nothing at WARN or above. Before, the embedded decision announced
+//! itself with a `--snapshot-addr` it does not use, and a clean stop could log "σ feed lost"
+//! (decision's group task) or "snapshot service ended the Apply stream" (ingest's forwarder).
 //!
 //! The events are captured by a tracing layer installed for this test binary (one test, so
 //! the global subscriber is its own).
@@ -55,8 +55,19 @@ impl Capture {
     }
 }
 
+impl Capture {
+    fn take(&self) -> Vec<Line> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+/// Start-and-stop cycles: the WARNs a clean stop logged came from races between the
+/// components' shutdowns (ingest's Apply stream ending before its shutdown branch ran: 2 of 20
+/// runs of one cycle), so one cycle could pass by luck.
+const CYCLES: usize = 12;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_start_up_line_at_info_and_a_clean_stop() {
+async fn one_start_up_line_at_info_and_a_clean_stop_without_warnings() {
     let capture = Capture::default();
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
         .unwrap();
@@ -72,11 +83,18 @@ async fn one_start_up_line_at_info_and_a_clean_stop() {
         "1s",
     ])
     .unwrap();
+    for cycle in 0..CYCLES {
+        start_and_stop(&args, &capture, cycle).await;
+    }
+}
+
+async fn start_and_stop(args: &br_all::Args, capture: &Capture, cycle: usize) {
     let stop = CancellationToken::new();
-    let running = br_all::start(&args, stop.clone()).await.unwrap();
+    let running = br_all::start(args, stop.clone()).await.unwrap();
     let grpc = running.grpc_addr().to_string();
     let admin = running.admin_addr().to_string();
-    // The group task holds σ: a feed that ends now is what warned on shutdown.
+    // The group task holds σ and ingest's Apply stream is up: their ends on shutdown are
+    // what warned.
     eventually(PATIENCE, "decision's group task installs σ", || async {
         capture
             .lines()
@@ -108,9 +126,13 @@ async fn one_start_up_line_at_info_and_a_clean_stop() {
         "no unused --snapshot-addr: {line}"
     );
 
-    // A clean stop ends without an error. Not asserted yet: that it logs no WARN. A
-    // `σ feed lost ... stream ended by the server` WARN still shows in some runs (CI on a
-    // clean clone, then every local run), whose cause is not found yet (session 24's note).
+    // A clean stop ends without an error and logs nothing at WARN or above.
     stop.cancel();
     running.wait().await.unwrap();
+    let lines = capture.take();
+    let loud: Vec<&Line> = lines.iter().filter(|l| l.level <= Level::WARN).collect();
+    assert!(
+        loud.is_empty(),
+        "cycle {cycle}: a clean start and stop logged {loud:#?}\nevery line: {lines:#?}"
+    );
 }

@@ -240,7 +240,6 @@ async fn run(
     let mut feed = feed;
     let mut last_tick = Instant::now();
     let mut next_timer = last_tick + ticks.interval;
-    let mut shutting_down = false;
     let mut spans = AssignSpans::default();
     let mut cancels = ReleaseWaiters::default();
     // One timer for the task's life, moved when the next tick is due at another instant: a
@@ -280,8 +279,7 @@ async fn run(
                 // The select is biased towards σ's feed, so the feed's end (br-all's writer
                 // closes the Watch streams after the drain) can win over the shutdown branch
                 // in the same turn: look at the token itself, or a clean stop logs an outage.
-                if !shutting_down && shutdown.is_cancelled() {
-                    shutting_down = true;
+                if shutdown.is_cancelled() {
                     core.shut_down();
                 }
                 if let Some(f) = feed.as_mut() {
@@ -314,10 +312,7 @@ async fn run(
                     }
                 }
             },
-            () = shutdown.cancelled(), if !shutting_down => {
-                shutting_down = true;
-                core.shut_down();
-            }
+            () = shutdown.cancelled(), if !core.is_shutting_down() => core.shut_down(),
         }
         flush(&mut core, &ops, &mut reserves, &mut spans, &mut cancels);
     }

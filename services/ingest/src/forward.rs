@@ -504,7 +504,7 @@ async fn run_link(
             return;
         }
         let up = tokio::select! {
-            r = one_link(upstream.as_ref(), &events, &registry, &metrics) => r,
+            r = one_link(upstream.as_ref(), &events, &registry, &metrics, &shutdown) => r,
             () = shutdown.cancelled() => return,
         };
         if up {
@@ -526,6 +526,7 @@ async fn one_link(
     events: &mpsc::Sender<LinkEvent>,
     registry: &Registry,
     metrics: &Metrics,
+    shutdown: &CancellationToken,
 ) -> bool {
     let (tx, rx) = mpsc::channel::<Outgoing>(LINK_QUEUE);
     // What each unacknowledged batch is about, recorded as tonic takes it off the queue (at
@@ -588,8 +589,19 @@ async fn one_link(
                 }
                 epoch = ack.epoch;
             }
+            // On a shutdown the forwarder stops first and its end of the stream closes, so
+            // the stream ends here too, racing `run_link`'s shutdown branch: that end is
+            // the shutdown's, not an outage to warn about (br-all logged a WARN on a clean stop).
+            Ok(None) if shutdown.is_cancelled() => {
+                tracing::debug!("Apply stream ended while shutting down");
+                return true;
+            }
             Ok(None) => {
                 tracing::warn!("snapshot service ended the Apply stream");
+                return true;
+            }
+            Err(status) if shutdown.is_cancelled() => {
+                tracing::debug!(%status, "Apply stream failed while shutting down");
                 return true;
             }
             Err(status) => {
