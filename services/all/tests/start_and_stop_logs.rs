@@ -9,11 +9,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
 
+mod common;
+
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
 use br_testkit::{PATIENCE, eventually};
-use tokio_util::sync::CancellationToken;
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt as _};
@@ -60,20 +61,7 @@ async fn one_start_up_line_at_info_and_a_clean_stop() {
     let capture = Capture::default();
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
         .unwrap();
-    let args: br_all::Args = br_runtime::config::parse_from([
-        "br-all",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--groups",
-        GROUP,
-        "--shutdown-grace",
-        "1s",
-    ])
-    .unwrap();
-    let stop = CancellationToken::new();
-    let running = br_all::start(&args, stop.clone()).await.unwrap();
+    let (running, stop) = common::start(GROUP, &[]).await;
     let grpc = running.grpc_addr().to_string();
     let admin = running.admin_addr().to_string();
     // The group task holds σ: a feed that ends now is what warned on shutdown.
