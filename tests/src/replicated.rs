@@ -40,6 +40,41 @@ pub struct StackConfig {
     pub split_ranks: bool,
 }
 
+impl StackConfig {
+    /// One snapshot service, one ingest and two BR-0 decision replicas placing on every rank,
+    /// with the failover tests' timing ([`Self::snapshot_timing`] of 2 s and 10 s); change a
+    /// field with `..` for a variant.
+    pub fn two_br0_deciders(group: &'static str, workers: u32, capacity: u32) -> StackConfig {
+        StackConfig {
+            group,
+            ingests: 1,
+            deciders: 2,
+            workers,
+            capacity,
+            snapshot_args: StackConfig::snapshot_timing("2s", "10s"),
+            ingest_args: Vec::new(),
+            decision_args: vec!["--policy".into(), "br0".into()],
+            split_ranks: false,
+        }
+    }
+
+    /// br-snapshot's flags for a test with faults: a lost worker is fenced after
+    /// `worker_grace`, an uncommitted reservation expires after `reservation_ttl`, and
+    /// progress is reported every 100 ms.
+    pub fn snapshot_timing(worker_grace: &str, reservation_ttl: &str) -> Vec<String> {
+        [
+            "--worker-grace",
+            worker_grace,
+            "--reservation-ttl",
+            reservation_ttl,
+            "--progress-interval",
+            "100ms",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+}
+
 /// The running processes and the workers' first connections.
 pub struct ReplicatedStack {
     pub group: &'static str,

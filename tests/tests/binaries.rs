@@ -99,3 +99,76 @@ fn a_configuration_refused_at_start_exits_2_naming_the_flag() {
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--admin-listen"), "{stderr}");
 }
+
+/// br-all logs its own start-up line (ports, groups, TLS, version) and nothing else at start:
+/// the skeleton's generic "br-all listening" came after it before, two start-up lines for one
+/// process. Read from the binary's stderr at INFO, through a SIGTERM stop.
+#[test]
+fn br_all_logs_one_start_up_line() {
+    use std::io::BufRead as _;
+    use std::process::{Command, Stdio};
+    use std::sync::mpsc;
+
+    let mut child = Command::new(br_e2e::binaries().join("br-all"))
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--groups", "g", "--shutdown-grace", "1s"])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning br-all");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            if tx.send(line.expect("reading stderr")).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let mut read_until = |stop: &dyn Fn(&str) -> bool, child: &mut std::process::Child| loop {
+        match lines.recv_timeout(WAIT) {
+            Ok(line) => {
+                let done = stop(&line);
+                seen.push(line);
+                if done {
+                    return;
+                }
+            }
+            // stderr closed: the process has ended
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let _ = child.kill();
+                panic!("br-all logged nothing for {WAIT:?}: {seen:#?}");
+            }
+        }
+    };
+    read_until(&|l| l.contains("br-all started"), &mut child);
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    // every line to the end (the generic line, if logged, came before the stop)
+    read_until(&|_| false, &mut child);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{seen:#?}");
+    let started: Vec<&String> = seen
+        .iter()
+        .filter(|l| l.contains("br-all started"))
+        .collect();
+    assert_eq!(started.len(), 1, "one start-up line: {seen:#?}");
+    assert!(
+        started[0].contains("grpc=127.0.0.1:") && started[0].contains("admin=127.0.0.1:"),
+        "it names the ports: {}",
+        started[0]
+    );
+    assert!(
+        !seen.iter().any(|l| l.contains("br-all listening")),
+        "no second start-up line: {seen:#?}"
+    );
+    assert!(
+        seen.iter().any(|l| l.contains("br-all stopped")),
+        "the stop is logged: {seen:#?}"
+    );
+}

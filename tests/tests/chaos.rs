@@ -151,24 +151,12 @@ async fn seeded_faults_under_load_keep_the_invariants() {
     let plan = schedule(seed, &kinds, count);
     eprintln!("chaos: seed {seed}, faults {kinds:?}, schedule {plan:?}");
 
-    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    // two ingest replicas (a worker's stream moves between them), and a longer grace and TTL
+    // than the failover tests' for faults that stack
     let (mut stack, workers) = ReplicatedStack::start(&StackConfig {
-        group: GROUP,
         ingests: 2,
-        deciders: 2,
-        workers: WORKERS,
-        capacity: CAPACITY,
-        snapshot_args: strings(&[
-            "--worker-grace",
-            "3s",
-            "--reservation-ttl",
-            "20s",
-            "--progress-interval",
-            "100ms",
-        ]),
-        ingest_args: Vec::new(),
-        decision_args: strings(&["--policy", "br0"]),
-        split_ranks: false,
+        snapshot_args: StackConfig::snapshot_timing("3s", "20s"),
+        ..StackConfig::two_br0_deciders(GROUP, WORKERS, CAPACITY)
     })
     .await;
     let mut proxies = Vec::new();

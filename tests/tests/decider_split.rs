@@ -89,24 +89,9 @@ struct Run {
 }
 
 async fn start(split_ranks: bool) -> Run {
-    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
     let (stack, workers) = ReplicatedStack::start(&StackConfig {
-        group: GROUP,
-        ingests: 1,
-        deciders: 2,
-        workers: WORKERS,
-        capacity: CAPACITY,
-        snapshot_args: strings(&[
-            "--worker-grace",
-            "2s",
-            "--reservation-ttl",
-            "10s",
-            "--progress-interval",
-            "100ms",
-        ]),
-        ingest_args: Vec::new(),
-        decision_args: strings(&["--policy", "br0"]),
         split_ranks,
+        ..StackConfig::two_br0_deciders(GROUP, WORKERS, CAPACITY)
     })
     .await;
     let urls: Vec<String> = stack.deciders.iter().map(Service::grpc_url).collect();

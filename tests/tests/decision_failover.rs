@@ -37,26 +37,8 @@ const HOLD_TICKS: u32 = 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_decision_replica_under_load_loses_no_request() {
-    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-    let (mut stack, workers) = ReplicatedStack::start(&StackConfig {
-        group: GROUP,
-        ingests: 1,
-        deciders: 2,
-        workers: WORKERS,
-        capacity: CAPACITY,
-        snapshot_args: strings(&[
-            "--worker-grace",
-            "2s",
-            "--reservation-ttl",
-            "10s",
-            "--progress-interval",
-            "100ms",
-        ]),
-        ingest_args: Vec::new(),
-        decision_args: strings(&["--policy", "br0"]),
-        split_ranks: false,
-    })
-    .await;
+    let (mut stack, workers) =
+        ReplicatedStack::start(&StackConfig::two_br0_deciders(GROUP, WORKERS, CAPACITY)).await;
     let d1 = stack.deciders.pop().unwrap();
     let mut d0 = stack.deciders.pop().unwrap();
 

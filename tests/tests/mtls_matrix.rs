@@ -133,6 +133,7 @@ enum Method {
     Report,
     Apply,
     Reserve,
+    ReserveStream,
     Release,
     Watch,
     Get,
@@ -144,10 +145,11 @@ enum Method {
     ReflectionV1Alpha,
 }
 
-const METHODS: [Method; 12] = [
+const METHODS: [Method; 13] = [
     Method::Report,
     Method::Apply,
     Method::Reserve,
+    Method::ReserveStream,
     Method::Release,
     Method::Watch,
     Method::Get,
@@ -166,6 +168,7 @@ impl Method {
             Method::Report => "Report",
             Method::Apply => "Apply",
             Method::Reserve => "Reserve",
+            Method::ReserveStream => "ReserveStream",
             Method::Release => "Release",
             Method::Watch | Method::HealthWatch => "Watch",
             Method::Get => "Get",
@@ -181,9 +184,12 @@ impl Method {
     fn path(self) -> String {
         let service = match self {
             Method::Report => "balanceroute.v1.Telemetry",
-            Method::Apply | Method::Reserve | Method::Release | Method::Watch | Method::Get => {
-                "balanceroute.v1.Snapshot"
-            }
+            Method::Apply
+            | Method::Reserve
+            | Method::ReserveStream
+            | Method::Release
+            | Method::Watch
+            | Method::Get => "balanceroute.v1.Snapshot",
             Method::Assign | Method::Cancel => "balanceroute.v1.Decision",
             Method::HealthCheck | Method::HealthWatch => "grpc.health.v1.Health",
             Method::ReflectionV1 => "grpc.reflection.v1.ServerReflection",
@@ -196,9 +202,12 @@ impl Method {
     fn ports(self) -> &'static [Port] {
         match self {
             Method::Report => &[Port::Ingest],
-            Method::Apply | Method::Reserve | Method::Release | Method::Watch | Method::Get => {
-                &[Port::Snapshot]
-            }
+            Method::Apply
+            | Method::Reserve
+            | Method::ReserveStream
+            | Method::Release
+            | Method::Watch
+            | Method::Get => &[Port::Snapshot],
             Method::Assign | Method::Cancel => &[Port::Decision],
             Method::HealthCheck
             | Method::HealthWatch
@@ -210,14 +219,15 @@ impl Method {
 
 /// Issue 10, "What to build", authorisation per method, as written there:
 /// `Telemetry.Report`: worker, and only for its own group and worker id; `Snapshot.Apply`:
-/// ingest; `Snapshot.Reserve/Release`: decision; `Snapshot.Watch/Get`: decision and admin;
+/// ingest; `Snapshot.Reserve/Release`: decision (and `ReserveStream`, Reserve over a stream, as
+/// Reserve); `Snapshot.Watch/Get`: decision and admin;
 /// `Decision.Assign/Cancel`: gateway (and admin); health and reflection: any authenticated
 /// peer. (Every Report of the matrix claims [`Caller::Worker`]'s slot.)
 fn issue_allows(m: Method, c: Caller) -> bool {
     match m {
         Method::Report => c == Caller::Worker,
         Method::Apply => c == Caller::Ingest,
-        Method::Reserve | Method::Release => c == Caller::Decision,
+        Method::Reserve | Method::ReserveStream | Method::Release => c == Caller::Decision,
         Method::Watch | Method::Get => matches!(c, Caller::Decision | Caller::Admin),
         Method::Assign | Method::Cancel => matches!(c, Caller::Gateway | Caller::Admin),
         Method::HealthCheck
@@ -234,6 +244,20 @@ struct Aim {
     worker: u32,
     incarnation: u64,
     request: String,
+}
+
+/// A reservation of `aim`'s worker, as Reserve and ReserveStream send it.
+fn reservation(aim: &Aim, request_id: String) -> v1::ReserveRequest {
+    v1::ReserveRequest {
+        group: GROUP.into(),
+        reservations: vec![v1::Reservation {
+            request_id,
+            worker_id: aim.worker,
+            incarnation: aim.incarnation,
+            prompt_tokens: 10_000_000,
+            ..Default::default()
+        }],
+    }
 }
 
 /// Makes one call; `Ok` if the server answered it (for a stream: its first message).
@@ -285,18 +309,29 @@ async fn call(m: Method, ch: Channel, aim: &Aim, n: usize) -> Result<(), Status>
                     .ok_or_else(|| Status::unknown("the Apply stream ended without an answer"))
             }
             Method::Reserve => SnapshotClient::new(ch)
-                .reserve(v1::ReserveRequest {
-                    group: GROUP.into(),
-                    reservations: vec![v1::Reservation {
-                        request_id: req_id,
-                        worker_id: aim.worker,
-                        incarnation: aim.incarnation,
-                        prompt_tokens: 10_000_000,
-                        ..Default::default()
-                    }],
-                })
+                .reserve(reservation(aim, req_id))
                 .await
                 .map(drop),
+            Method::ReserveStream => {
+                // the same reservation as Reserve's, as the one call of a stream
+                let (tx, rx) = mpsc::channel(4);
+                let call = v1::ReserveCall {
+                    call_id: 1,
+                    request: Some(reservation(aim, req_id)),
+                    traceparent: String::new(),
+                    tracestate: String::new(),
+                };
+                tx.send(call).await.unwrap();
+                let mut results = SnapshotClient::new(ch)
+                    .reserve_stream(ReceiverStream::new(rx))
+                    .await?
+                    .into_inner();
+                let first = results.message().await?;
+                drop(tx);
+                first.map(drop).ok_or_else(|| {
+                    Status::unknown("the ReserveStream stream ended without an answer")
+                })
+            }
             Method::Release => SnapshotClient::new(ch)
                 .release(v1::ReleaseRequest {
                     group: GROUP.into(),

@@ -99,5 +99,5 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         epoch,
         "br-all started: snapshot, ingest and decision in one process"
     );
-    Ok(running)
+    Ok(running.announced())
 }

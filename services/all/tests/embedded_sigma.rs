@@ -9,6 +9,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
 
+mod common;
+
 use br_proto::v1;
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
@@ -26,27 +28,19 @@ struct Plane {
 }
 
 async fn start() -> Plane {
-    let args: br_all::Args = br_runtime::config::parse_from([
-        "br-all",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--groups",
+    let (running, stop) = common::start(
         GROUP,
-        "--policy",
-        "br0",
-        // A reported disconnect fences its worker soon (the writer's clock does it).
-        "--worker-grace",
-        "200ms",
-        "--reservation-ttl",
-        "30s",
-        "--shutdown-grace",
-        "1s",
-    ])
-    .unwrap();
-    let stop = CancellationToken::new();
-    let running = br_all::start(&args, stop.clone()).await.unwrap();
+        &[
+            "--policy",
+            "br0",
+            // A reported disconnect fences its worker soon (the writer's clock does it).
+            "--worker-grace",
+            "200ms",
+            "--reservation-ttl",
+            "30s",
+        ],
+    )
+    .await;
     let url = format!("http://{}", running.grpc_addr());
     Plane { running, stop, url }
 }

@@ -9,11 +9,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on purpose
 
+mod common;
+
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
 use br_testkit::{PATIENCE, eventually};
-use tokio_util::sync::CancellationToken;
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt as _};
@@ -71,26 +72,13 @@ async fn one_start_up_line_at_info_and_a_clean_stop_without_warnings() {
     let capture = Capture::default();
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
         .unwrap();
-    let args: br_all::Args = br_runtime::config::parse_from([
-        "br-all",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--groups",
-        GROUP,
-        "--shutdown-grace",
-        "1s",
-    ])
-    .unwrap();
     for cycle in 0..CYCLES {
-        start_and_stop(&args, &capture, cycle).await;
+        start_and_stop(&capture, cycle).await;
     }
 }
 
-async fn start_and_stop(args: &br_all::Args, capture: &Capture, cycle: usize) {
-    let stop = CancellationToken::new();
-    let running = br_all::start(args, stop.clone()).await.unwrap();
+async fn start_and_stop(capture: &Capture, cycle: usize) {
+    let (running, stop) = common::start(GROUP, &[]).await;
     let grpc = running.grpc_addr().to_string();
     let admin = running.admin_addr().to_string();
     // The group task holds σ and ingest's Apply stream is up: their ends on shutdown are

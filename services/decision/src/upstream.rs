@@ -313,7 +313,6 @@ mod tests {
 
     use super::*;
     use br_testkit::{FakeSnapshot, PATIENCE};
-    use tokio_util::sync::CancellationToken;
 
     fn reserve(group: &str, id: &str) -> v1::ReserveRequest {
         v1::ReserveRequest {
@@ -336,17 +335,8 @@ mod tests {
     /// gets the answer a unary Reserve gets (here: no such worker in σ), errors included.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reserves_of_many_groups_share_one_stream_and_answer_like_unary_reserve() {
-        let args: br_snapshot::Args = br_runtime::config::parse_from([
-            "br-snapshot",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .unwrap();
-        let shutdown = CancellationToken::new();
-        let running = br_snapshot::start(&args, shutdown.clone()).await.unwrap();
-        let url = format!("http://{}", running.grpc_addr());
+        let (running, shutdown) = br_testkit::snapshot::start("127.0.0.1:0", &[]).await;
+        let url = br_testkit::snapshot::url(&running);
         let ops = GrpcSnapshot::new(lazy(url.clone()), PATIENCE);
 
         let calls = (0..16).map(|g| ops.reserve(reserve(&format!("g{g}"), &format!("r{g}"))));

@@ -31,18 +31,7 @@ struct Snapshot {
 }
 
 async fn start_snapshot(listen: &str) -> Snapshot {
-    let args: br_snapshot::Args = br_runtime::config::parse_from([
-        "br-snapshot",
-        "--listen",
-        listen,
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--shutdown-grace",
-        "300ms",
-    ])
-    .unwrap();
-    let stop = CancellationToken::new();
-    let running = br_snapshot::start(&args, stop.clone()).await.unwrap();
+    let (running, stop) = br_testkit::snapshot::start(listen, &["--shutdown-grace", "300ms"]).await;
     let addr = running.grpc_addr();
     Snapshot {
         running,

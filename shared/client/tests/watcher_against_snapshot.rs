@@ -11,7 +11,7 @@ use br_client::watch::{Update, WatchConfig, Watcher};
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_sigma::Sigma;
-use br_snapshot::{Args, Running};
+use br_snapshot::Running;
 use br_testkit::apply::{ApplyStream, hello, progress as prog};
 use br_testkit::{PATIENCE, within};
 use tokio::sync::mpsc;
@@ -27,19 +27,9 @@ struct Server {
 
 impl Server {
     async fn start(listen: &str) -> Server {
-        let args: Args = br_runtime::config::parse_from([
-            "br-snapshot",
-            "--listen",
-            listen,
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--shutdown-grace",
-            "5s",
-        ])
-        .unwrap();
-        let shutdown = CancellationToken::new();
-        let running = br_snapshot::start(&args, shutdown.clone()).await.unwrap();
-        let url = format!("http://{}", running.grpc_addr());
+        let (running, shutdown) =
+            br_testkit::snapshot::start(listen, &["--shutdown-grace", "5s"]).await;
+        let url = br_testkit::snapshot::url(&running);
         let client = SnapshotClient::connect(url.clone()).await.unwrap();
         Server {
             running,

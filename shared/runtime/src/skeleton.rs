@@ -144,6 +144,8 @@ pub struct Running<P: Protocol, X = ()> {
     more: Vec<(&'static str, SocketAddr)>,
     /// A second, HTTP/JSON listener of a gRPC service (br-decision's `--http-listen`).
     http_json: Option<SocketAddr>,
+    /// The service logged its own start-up line, so [`main`] logs no generic one.
+    announced: bool,
     protocol: PhantomData<P>,
 }
 
@@ -170,6 +172,7 @@ impl<P: Protocol, X> Running<P, X> {
             extra,
             more: Vec::new(),
             http_json: None,
+            announced: false,
             protocol: PhantomData,
         }
     }
@@ -178,6 +181,15 @@ impl<P: Protocol, X> Running<P, X> {
     /// `"ext_proc"`).
     pub fn with_listener(mut self, key: &'static str, addr: SocketAddr) -> Self {
         self.more.push((key, addr));
+        self
+    }
+
+    /// Says that the service logged its own start-up line (one that names its addresses), so
+    /// that [`main`] does not log its generic "NAME listening" after it: an operator reads one
+    /// start-up line a process.
+    #[must_use]
+    pub fn announced(mut self) -> Self {
+        self.announced = true;
         self
     }
 
@@ -586,10 +598,11 @@ fn temp_path(path: &Path) -> PathBuf {
 ///
 /// It parses the flags (clap, `BALANCEROUTE_*` variables, `--config` TOML; a bad configuration
 /// exits with 2), initialises logging and tracing, cancels the shutdown token on the first
-/// SIGTERM or SIGINT, starts the service, writes `--ready-file`, logs the bound addresses and
-/// waits. Exit code: 0 after a drain (even one cut short by the grace period), 2 if the
-/// service refused its configuration at start ([`StartError::Config`]), 1 if it could not
-/// start otherwise or failed while serving (the error is printed on stderr).
+/// SIGTERM or SIGINT, starts the service, writes `--ready-file`, logs the bound addresses
+/// (unless the service logged its own start-up line: [`Running::announced`]) and waits. Exit
+/// code: 0 after a drain (even one cut short by the grace period), 2 if the service refused
+/// its configuration at start ([`StartError::Config`]), 1 if it could not start otherwise or
+/// failed while serving (the error is printed on stderr).
 pub async fn main<A, P, X>(
     name: &'static str,
     start: impl AsyncFnOnce(&A, CancellationToken) -> Result<Running<P, X>, StartError>,
@@ -636,6 +649,7 @@ where
         return ExitCode::FAILURE;
     }
     match (addrs.grpc, addrs.http) {
+        _ if running.announced => {}
         (Some(grpc), _) => tracing::info!(%grpc, admin = %addrs.admin, "{name} listening"),
         (None, Some(http)) => tracing::info!(%http, admin = %addrs.admin, "{name} listening"),
         (None, None) => tracing::info!(admin = %addrs.admin, "{name} listening"),

@@ -14,6 +14,7 @@
 //!   parses names, labels and values, with the metric contract (`deploy/metrics-contract.txt`).
 //! - [`proxy::FaultProxy`]: a TCP proxy that freezes (half-open) or cuts the connections
 //!   through it, for connection faults between real processes.
+//! - `snapshot` (feature `snapshot`): the real br-snapshot started in-process.
 //!
 //! A dev-dependency only (`publish = false`): panicking is how it reports.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -27,6 +28,8 @@ pub mod http;
 pub mod net;
 pub mod prom;
 pub mod proxy;
+#[cfg(feature = "snapshot")]
+pub mod snapshot;
 pub mod wait;
 
 pub use fake_ingest::FakeIngest;

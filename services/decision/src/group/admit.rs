@@ -133,7 +133,7 @@ impl GroupCore {
             self.refresh_view(now);
             let mut out = std::mem::take(&mut self.scratch);
             out.clear();
-            if let Some(split) = &mut self.split {
+            if let Some(split) = &self.split {
                 split.closed(self.view.cluster(), now, &mut self.closed);
             }
             let (policy, pool) = (&mut self.policy, self.requests.pool_mut());
@@ -145,8 +145,6 @@ impl GroupCore {
             }
             self.scratch = out;
             self.requests.sync_gauge();
-        } else if let Some(split) = &mut self.split {
-            split.forget();
         }
         true
     }

@@ -110,6 +110,10 @@ impl GroupCore {
 
     fn sigma_moved(&mut self, now: Instant) {
         self.view.learn(now);
+        // The rank split's clock runs on σ, not on ticks (idle spells included).
+        if let (Some(split), Some(s)) = (&mut self.split, self.view.sigma()) {
+            split.observe(s.cluster(), now);
+        }
         self.reservations.prune(self.view.sigma(), now);
         // Freed slots may admit waiting requests.
         if !self.requests.pool_is_empty() {

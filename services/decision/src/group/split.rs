@@ -10,11 +10,13 @@
 //! against the whole group; no two replicas reach for one free slot.
 //!
 //! A dead replica must not strand its ranks (HA is why there are several): a rank that has had
-//! free slots in this replica's view for `takeover` or longer is open to it too. Its owner
-//! fills a freed slot at its next tick (a σ change triggers one within `--tick-min-interval`),
-//! so a slot left free that long means the owner is gone or had nothing to place, and only
-//! such takeovers can collide. The group is served by the survivors within `takeover` plus a
-//! tick. The rule needs no liveness protocol: a free slot's age is read from σ alone.
+//! free slots in σ for `takeover` or longer is open to it too. Its owner fills a freed slot at
+//! its next tick (a σ change triggers one within `--tick-min-interval`), so a slot left free
+//! that long means the owner is gone or had nothing to place, and only such takeovers can
+//! collide. The group is served by the survivors within `takeover` plus a tick. The rule needs
+//! no liveness protocol: a free slot's age is read from σ alone, at every σ change, whether
+//! this replica has anything to place or not (a clock kept only by ticks that place would
+//! start again after every idle spell, and a takeover would wait one more `takeover`).
 //!
 //! A wrong configuration (two replicas claiming one index, K disagreeing) cannot be seen from
 //! one replica's flags; it shows as refusals on ranks this replica owns, counted in
@@ -23,7 +25,6 @@
 use std::time::{Duration, Instant};
 
 use br_core::{ClusterState, WorkerId};
-use rustc_hash::FxHashMap;
 
 /// A rank split configuration that cannot work.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -73,18 +74,20 @@ impl RankSplit {
     }
 }
 
-/// The rank split of one group: since when each rank has had free slots in this replica's view.
+/// The rank split of one group: since when each rank has had free slots in σ.
 #[derive(Debug)]
 pub(super) struct SplitTurns {
     split: RankSplit,
-    free_since: FxHashMap<WorkerId, Instant>,
+    /// By rank (σ's ranks are dense); `None` while σ shows the rank without free slots, or
+    /// has not shown it yet.
+    free_since: Vec<Option<Instant>>,
 }
 
 impl SplitTurns {
     pub(super) fn new(split: RankSplit) -> SplitTurns {
         SplitTurns {
             split,
-            free_since: FxHashMap::default(),
+            free_since: Vec::new(),
         }
     }
 
@@ -92,25 +95,32 @@ impl SplitTurns {
         self.split.owns(worker)
     }
 
-    /// A tick that placed nothing (an empty pool) does not watch the ranks: their free time
-    /// starts again at the next one, which delays a takeover by at most `takeover` but never
-    /// takes a slot its owner may just have refilled and freed again unseen.
-    pub(super) fn forget(&mut self) {
-        self.free_since.clear();
+    /// Reads σ as it is at `now` (called at every σ change): a rank's free time starts when σ
+    /// first shows it with a free slot and ends when σ shows it full, so a slot its owner
+    /// fills and frees again starts again. O(ranks), as the outage estimate's look at σ.
+    pub(super) fn observe(&mut self, sigma: &ClusterState, now: Instant) {
+        let workers = sigma.workers();
+        self.free_since.resize(workers.len(), None);
+        for (since, info) in self.free_since.iter_mut().zip(workers) {
+            if info.free_slots() == 0 {
+                *since = None;
+            } else {
+                since.get_or_insert(now);
+            }
+        }
     }
 
-    /// The ranks this replica may not place on at `now`: the others' ranks with free slots
-    /// for less than the takeover time (ranks without free slots take nothing anyway).
-    pub(super) fn closed(&mut self, view: &ClusterState, now: Instant, out: &mut Vec<WorkerId>) {
+    /// The ranks this replica may not place on at `now`: the others' ranks with free slots in
+    /// the `view` that σ has not shown free for the takeover time (ranks without free slots in
+    /// the view take nothing anyway).
+    pub(super) fn closed(&self, view: &ClusterState, now: Instant, out: &mut Vec<WorkerId>) {
         out.clear();
         for (worker, info) in (0..).zip(view.workers()) {
-            if info.free_slots() == 0 {
-                self.free_since.remove(&worker);
+            if info.free_slots() == 0 || self.split.owns(worker) {
                 continue;
             }
-            let since = *self.free_since.entry(worker).or_insert(now);
-            if !self.split.owns(worker)
-                && now.saturating_duration_since(since) < self.split.takeover
+            let since = self.free_since.get(worker as usize).copied().flatten();
+            if since.is_none_or(|since| now.saturating_duration_since(since) < self.split.takeover)
             {
                 out.push(worker);
             }
@@ -170,27 +180,29 @@ mod tests {
 
     #[test]
     fn a_rank_left_free_for_the_takeover_time_opens_and_a_filled_one_starts_again() {
-        let mut view = ClusterState::with_workers(&[1, 1, 1, 1]);
+        let mut sigma = ClusterState::with_workers(&[1, 1, 1, 1]);
         let mut turns = SplitTurns::new(split(2, 0));
         let t0 = Instant::now();
         let mut closed = Vec::new();
-        turns.closed(&view, t0, &mut closed);
+        turns.closed(&sigma, t0, &mut closed);
+        assert_eq!(closed, vec![1, 3], "not seen free in σ yet");
+        turns.observe(&sigma, t0);
+        turns.closed(&sigma, t0 + T / 2, &mut closed);
         assert_eq!(closed, vec![1, 3], "the other replica's ranks");
-        turns.closed(&view, t0 + T / 2, &mut closed);
-        assert_eq!(closed, vec![1, 3]);
         // rank 3 is filled by its owner in time; rank 1 is not (its owner is gone)
         let mut key = 0;
-        fill(&mut view, 3, 1, &mut key);
-        turns.closed(&view, t0 + T, &mut closed);
+        fill(&mut sigma, 3, 1, &mut key);
+        turns.observe(&sigma, t0 + T / 2);
+        turns.closed(&sigma, t0 + T, &mut closed);
         assert!(closed.is_empty(), "rank 1 is open, rank 3 takes nothing");
         // rank 3 frees again: its free time starts now, not at t0
-        view.remove(key).unwrap();
-        turns.closed(&view, t0 + T + T / 2, &mut closed);
+        sigma.remove(key).unwrap();
+        turns.observe(&sigma, t0 + T);
+        turns.closed(&sigma, t0 + T + T / 2, &mut closed);
         assert_eq!(closed, vec![3]);
-        // an idle spell forgets what was seen: rank 1 waits the takeover time again
-        turns.forget();
-        turns.closed(&view, t0 + 3 * T, &mut closed);
-        assert_eq!(closed, vec![1, 3]);
+        // no σ change for a while (nothing to place, or nothing happened): the clock runs on
+        turns.closed(&sigma, t0 + 2 * T, &mut closed);
+        assert!(closed.is_empty(), "both open");
     }
 
     proptest! {
@@ -209,7 +221,7 @@ mod tests {
             for i in 0..k {
                 let mut turns = SplitTurns::new(split(k, i));
                 let mut closed = Vec::new();
-                turns.closed(&view, now, &mut closed);
+                turns.observe(&view, now);
                 turns.closed(&view, now + Duration::from_millis(elapsed_ms), &mut closed);
                 for (w, info) in (0..).zip(view.workers()) {
                     if info.free_slots() > 0 && !closed.contains(&w) {

@@ -69,3 +69,45 @@ fn two_replicas_on_one_sigma_never_pick_the_same_rank() {
         );
     }
 }
+
+#[test]
+fn a_rank_free_longer_than_the_takeover_through_an_idle_spell_is_open_at_once() {
+    // replica 1 of 2 owns ranks 1 and 3, both full; ranks 0 and 2 have been free since σ came
+    // (their owner is gone)
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0, 1, 0, 1], 1, split_cfg(2, 1));
+    // an idle spell: timer ticks with nothing to place
+    for _ in 0..3 {
+        fx.advance(TAKEOVER / 2);
+        assert_eq!(fx.tick_and_commit(true), 0);
+    }
+    // the first request after it: the slots have waited longer than the takeover
+    let (_, mut rx) = fx.assign("r", 10);
+    assert_eq!(fx.tick_and_commit(true), 1, "taken over at the first tick");
+    let worker = answer(&mut rx).worker;
+    assert!(worker == 0 || worker == 2, "on rank {worker}");
+}
+
+#[test]
+fn a_rank_its_owner_filled_and_freed_while_idle_waits_the_takeover_from_its_freeing() {
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0, 1, 0, 1], 1, split_cfg(2, 1));
+    // while this replica has nothing to place, rank 0's owner fills it and its request ends
+    fx.advance(TAKEOVER / 2);
+    fx.core.tick(fx.now);
+    fx.sigma_change(vec![change::request_progress("own0", 0, 100, 10, 0)]);
+    fx.advance(TAKEOVER);
+    fx.core.tick(fx.now);
+    fx.sigma_change(vec![change::request_finished("own0", 5)]);
+    // rank 2 has been free since σ came, rank 0 only for half the takeover
+    fx.advance(TAKEOVER / 2);
+    let rxs: Vec<Rx> = (0..2).map(|i| fx.assign(&format!("r{i}"), 10).1).collect();
+    assert_eq!(fx.tick_and_commit(true), 1, "only rank 2 is open");
+    let mut placed: Vec<u32> = rxs
+        .into_iter()
+        .filter_map(|mut rx| rx.try_recv().ok().map(|a| a.unwrap().worker))
+        .collect();
+    placed.sort_unstable();
+    assert_eq!(placed, vec![2]);
+    // rank 0 opens once it has been free for the takeover
+    fx.advance(TAKEOVER / 2);
+    assert_eq!(fx.tick_and_commit(true), 1, "rank 0 is open now");
+}
