@@ -16,6 +16,8 @@
 #                                                              DIR_B alternated (A first in odd rounds),
 #                                                              with per-Assign costs: CPU, context
 #                                                              switches, socket syscalls, Watch deltas
+#                                                              (σ versions) and the delta messages
+#                                                              that carried them (merged, session 25)
 #                                                              (SPLIT_RATE, default 2000/s; SPLIT_EVENTS,
 #                                                              default 20000/s; SPLIT_DURATION 10s)
 #
@@ -64,6 +66,9 @@ split-ab)
     # switches and syscalls (the socket reads and writes that carry the gRPC frames), by
     # `perf stat -p` (root, or kernel.perf_event_paranoid <= -1 for the syscall tracepoint).
     deltas() { curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_version/{s+=$2} END{printf "%d", s}'; }
+    # Delta messages sent to watchers (session 25 merges queued deltas; "-" on a br-snapshot
+    # without the counter, where each version is one message per watcher).
+    messages() { curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_watch_delta_messages_total/{s+=$2; n=1} END{if (n) printf "%d", s; else printf "-"}'; }
     counted() { # counted NAME FILE: task-clock ms, context switches, syscalls from a perf stat file
         awk -v n="$1" -F, '$3=="task-clock"{c=$1} $3=="context-switches"{x=$1} $3=="raw_syscalls:sys_enter"{y=$1}
             END{printf "%s CPU %.0f ms, %d context switches, %d syscalls", n, c, x, y}' "$2"
@@ -76,7 +81,7 @@ split-ab)
             "$dir/br-decision" "${DEC[@]}" --groups "$(seq -s, -f 'g-%g' 0 63)" >"$LOGS/decision.log" 2>&1 & dp=$!
             up 9161 && up 9163
             echo "== round $round, $v ($dir): 64 groups, $RATE Assign/s, $EVENTS events/s, load average $(load)"
-            v0=$(deltas)
+            v0=$(deltas) m0=$(messages)
             perf stat -x, -e task-clock,context-switches,raw_syscalls:sys_enter -p "$sp" -o "$LOGS/perf-snapshot.csv" & ps_=$!
             perf stat -x, -e task-clock,context-switches,raw_syscalls:sys_enter -p "$dp" -o "$LOGS/perf-decision.csv" & pd_=$!
             "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
@@ -84,10 +89,11 @@ split-ab)
                 --rate "$RATE" --duration "$DUR" --warmup 2s --progress-events "$EVENTS" --hold 300ms \
                 >"$LOGS/split-ab.log" 2>&1
             grep -E "^sent|^telemetry sent|^added latency" "$LOGS/split-ab.log"
-            v1=$(deltas)
+            v1=$(deltas) m1=$(messages)
             kill -INT "$ps_" "$pd_"; wait "$ps_" "$pd_" 2>/dev/null
             echo "   load average after: $(load); over the run: $(counted br-snapshot "$LOGS/perf-snapshot.csv");" \
-                "$(counted br-decision "$LOGS/perf-decision.csv"); σ versions (Watch deltas) $((v1 - v0))"
+                "$(counted br-decision "$LOGS/perf-decision.csv"); σ versions (Watch deltas) $((v1 - v0));" \
+                "Watch delta messages $([ "$m0" = - ] && echo - || echo $((m1 - m0)))"
             kill "$dp" "$sp"; wait "$dp" "$sp" 2>/dev/null
         done
     done

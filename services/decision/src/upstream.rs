@@ -101,27 +101,15 @@ impl GrpcSnapshot {
             .map(tonic::Response::into_inner)
     }
 
-    async fn reserve_streamed(&self, req: v1::ReserveRequest, trace: br_trace::W3c) -> Answer {
-        let (reply, answer) = oneshot::channel();
-        let mut call = Pending {
-            request: req,
-            trace,
-            reply,
-        };
+    async fn reserve_streamed(&self, mut req: v1::ReserveRequest, trace: br_trace::W3c) -> Answer {
         // A stream that just ended may still be the one handed out: one more try on a new one.
         for _ in 0..2 {
-            let calls = self.stream.calls(&self.client);
-            match calls.send(call).await {
-                Ok(()) => {
-                    return answer.await.unwrap_or_else(|_| {
-                        Answer::Done(Err(tonic::Status::unavailable(
-                            "the ReserveStream to the snapshot service ended",
-                        )))
-                    });
-                }
-                Err(mpsc::error::SendError(back)) => {
-                    self.stream.forget(&calls);
-                    call = back;
+            let open = self.stream.open(&self.client);
+            match open.call(req, &trace).await {
+                Sent::Answered(answer) => return answer,
+                Sent::Ended(back) => {
+                    self.stream.forget(&open);
+                    req = back;
                 }
             }
         }
@@ -131,51 +119,184 @@ impl GrpcSnapshot {
     }
 }
 
-/// The shared `ReserveStream`: the queue of its task, while one runs.
+/// The shared `ReserveStream`: the open one, if any.
 #[derive(Debug, Default)]
 struct ReserveStream {
-    open: std::sync::Mutex<Option<mpsc::Sender<Pending>>>,
+    open: std::sync::Mutex<Option<Arc<OpenStream>>>,
     /// The server answered UNIMPLEMENTED: unary Reserve from now on.
     unary_only: AtomicBool,
 }
 
 impl ReserveStream {
-    /// The running stream's queue, starting a stream task if none runs.
-    fn calls(
+    /// The open stream, opening one (and starting the task that reads its answers) if none is.
+    fn open(
         self: &Arc<Self>,
         client: &SnapshotClient<br_trace::Traced<Channel>>,
-    ) -> mpsc::Sender<Pending> {
+    ) -> Arc<OpenStream> {
         let mut open = self
             .open
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(tx) = open.as_ref().filter(|tx| !tx.is_closed()) {
-            return tx.clone();
+        if let Some(s) = open.as_ref().filter(|s| !s.out.is_closed()) {
+            return Arc::clone(s);
         }
-        let (tx, rx) = mpsc::channel(RESERVE_STREAM_IN_FLIGHT);
-        tokio::spawn(run_reserve_stream(client.clone(), rx, Arc::downgrade(self)));
-        *open = Some(tx.clone());
-        tx
+        // At most RESERVE_STREAM_IN_FLIGHT calls are waiting (the permits), so the request
+        // body's queue never fills and answers are always read (no wait on a full stream
+        // while the server waits on us).
+        let (out, out_rx) = mpsc::channel(RESERVE_STREAM_IN_FLIGHT);
+        let waiting = Arc::new(Waiting::default());
+        let s = Arc::new(OpenStream {
+            out,
+            waiting: Arc::clone(&waiting),
+        });
+        tokio::spawn(read_reserve_stream(
+            client.clone(),
+            ReceiverStream::new(out_rx),
+            waiting,
+            Arc::downgrade(self),
+        ));
+        *open = Some(Arc::clone(&s));
+        s
     }
 
-    /// Drops `calls` as the running stream (it ended), unless another one replaced it.
-    fn forget(&self, calls: &mpsc::Sender<Pending>) {
+    /// Drops `s` as the open stream (it ended), unless another one replaced it.
+    fn forget(&self, s: &Arc<OpenStream>) {
         let mut open = self
             .open
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if open.as_ref().is_some_and(|tx| tx.same_channel(calls)) {
+        if open.as_ref().is_some_and(|o| Arc::ptr_eq(o, s)) {
             *open = None;
         }
     }
 }
 
-/// One Reserve waiting for its stream.
+/// One open `ReserveStream`, as callers write to it: each call goes straight into the request
+/// body (no task in between), and waits for its answer in `waiting`. Its request side ends
+/// when the last holder drops it (every GrpcSnapshot gone), which ends the stream.
 #[derive(Debug)]
-struct Pending {
-    request: v1::ReserveRequest,
-    trace: br_trace::W3c,
+struct OpenStream {
+    out: mpsc::Sender<v1::ReserveCall>,
+    waiting: Arc<Waiting>,
+}
+
+/// The calls of one stream waiting for their answers, shared by the callers and the task that
+/// reads the answers.
+#[derive(Debug)]
+struct Waiting {
+    /// By call id; None once the stream ended (a call then goes to a new stream).
+    calls: std::sync::Mutex<Option<HashMap<u64, Waiter>>>,
+    next_id: std::sync::atomic::AtomicU64,
+    /// The server has answered a call, so it serves ReserveStream: no copy of a request is
+    /// kept any more for the unary fallback.
+    served: AtomicBool,
+    /// One permit per call waiting: the 1,024 in flight the server takes.
+    in_flight: tokio::sync::Semaphore,
+}
+
+impl Default for Waiting {
+    fn default() -> Self {
+        Waiting {
+            calls: std::sync::Mutex::new(Some(HashMap::new())),
+            next_id: std::sync::atomic::AtomicU64::new(0),
+            served: AtomicBool::new(false),
+            in_flight: tokio::sync::Semaphore::new(RESERVE_STREAM_IN_FLIGHT),
+        }
+    }
+}
+
+impl Waiting {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<u64, Waiter>>> {
+        self.calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Calls waiting now (for tests: none may be left behind).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.lock().as_ref().map_or(0, HashMap::len)
+    }
+
+    /// Ends the stream for its callers: every call waiting gets `status` (or, for a server
+    /// without ReserveStream, its request back, to be sent unary); later calls find it ended.
+    fn end(&self, status: &tonic::Status) {
+        self.in_flight.close();
+        let unsupported = status.code() == tonic::Code::Unimplemented;
+        let Some(calls) = self.lock().take() else {
+            return;
+        };
+        for (_, w) in calls {
+            let answer = match w.request {
+                Some(req) if unsupported => Answer::Unsupported(req),
+                _ => Answer::Done(Err(status.clone())),
+            };
+            let _ = w.reply.send(answer);
+        }
+    }
+}
+
+/// One call waiting for its answer.
+#[derive(Debug)]
+struct Waiter {
     reply: oneshot::Sender<Answer>,
+    /// A copy of the request until the server is known to serve ReserveStream.
+    request: Option<v1::ReserveRequest>,
+}
+
+/// What became of a call written to a stream.
+#[derive(Debug)]
+enum Sent {
+    Answered(Answer),
+    /// The stream had ended before the call went out: the request, for another stream.
+    Ended(v1::ReserveRequest),
+}
+
+/// Removes its call from `waiting` when the caller stops waiting (answered, or given up at
+/// the reserve timeout), so no entry outlives its caller.
+struct Registered<'a> {
+    waiting: &'a Waiting,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        if let Some(calls) = self.waiting.lock().as_mut() {
+            calls.remove(&self.id);
+        }
+    }
+}
+
+impl OpenStream {
+    /// Writes one call into the stream and waits for its answer.
+    async fn call(&self, req: v1::ReserveRequest, trace: &br_trace::W3c) -> Sent {
+        let waiting = &*self.waiting;
+        let Ok(_permit) = waiting.in_flight.acquire().await else {
+            return Sent::Ended(req);
+        };
+        let id = waiting.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let (reply, answer) = oneshot::channel();
+        let request = (!waiting.served.load(Ordering::Relaxed)).then(|| req.clone());
+        match waiting.lock().as_mut() {
+            Some(calls) => calls.insert(id, Waiter { reply, request }),
+            None => return Sent::Ended(req),
+        };
+        let _registered = Registered { waiting, id };
+        let call = v1::ReserveCall {
+            call_id: id,
+            request: Some(req),
+            traceparent: trace.traceparent.clone(),
+            tracestate: trace.tracestate.clone(),
+        };
+        if let Err(mpsc::error::SendError(call)) = self.out.send(call).await {
+            return Sent::Ended(call.request.unwrap_or_default());
+        }
+        Sent::Answered(answer.await.unwrap_or_else(|_| {
+            Answer::Done(Err(tonic::Status::unavailable(
+                "the ReserveStream to the snapshot service ended",
+            )))
+        }))
+    }
 }
 
 #[derive(Debug)]
@@ -198,56 +319,20 @@ impl Answer {
     }
 }
 
-/// Runs one `ReserveStream`: sends the queued calls, hands each answer to its caller, and on
-/// the stream's end fails the calls in flight and the queued ones with its status.
-async fn run_reserve_stream(
+/// Reads one `ReserveStream`'s answers and hands each to its caller; on the stream's end,
+/// fails the calls still waiting with its status (see [`Waiting::end`]).
+async fn read_reserve_stream(
     mut client: SnapshotClient<br_trace::Traced<Channel>>,
-    mut calls: mpsc::Receiver<Pending>,
+    calls: ReceiverStream<v1::ReserveCall>,
+    waiting: Arc<Waiting>,
     owner: Weak<ReserveStream>,
 ) {
-    // At most RESERVE_STREAM_IN_FLIGHT calls are pending, so `out` never blocks and answers
-    // are always read (no wait on a full stream while the server waits on us).
-    let (out, out_rx) = mpsc::channel::<v1::ReserveCall>(RESERVE_STREAM_IN_FLIGHT);
-    let mut pending: HashMap<u64, oneshot::Sender<Answer>> = HashMap::new();
-    let mut next_id = 0u64;
-    let status = match client.reserve_stream(ReceiverStream::new(out_rx)).await {
+    let status = match client.reserve_stream(calls).await {
         Err(status) => status,
-        Ok(answers) => {
-            let mut answers = answers.into_inner();
-            loop {
-                tokio::select! {
-                    call = calls.recv(), if pending.len() < RESERVE_STREAM_IN_FLIGHT => {
-                        // None: every GrpcSnapshot is gone.
-                        let Some(call) = call else { return };
-                        next_id += 1;
-                        pending.insert(next_id, call.reply);
-                        let sent = out.try_send(v1::ReserveCall {
-                            call_id: next_id,
-                            request: Some(call.request),
-                            traceparent: call.trace.traceparent,
-                            tracestate: call.trace.tracestate,
-                        });
-                        if sent.is_err() {
-                            break tonic::Status::unavailable("the ReserveStream's request side closed");
-                        }
-                    }
-                    answer = answers.next() => match answer {
-                        Some(Ok(result)) => {
-                            if let Some(reply) = pending.remove(&result.call_id) {
-                                // The caller may have timed out and gone.
-                                let _ = reply.send(Answer::of(result));
-                            }
-                        }
-                        Some(Err(status)) => break status,
-                        None => break tonic::Status::unavailable("the snapshot service ended the ReserveStream"),
-                    },
-                }
-            }
-        }
+        Ok(answers) => answer_calls(answers.into_inner(), &waiting).await,
     };
-    let unsupported = status.code() == tonic::Code::Unimplemented;
     if let Some(owner) = owner.upgrade() {
-        if unsupported {
+        if status.code() == tonic::Code::Unimplemented {
             tracing::info!("the snapshot service has no ReserveStream; using unary Reserve");
             owner.unary_only.store(true, Ordering::Relaxed);
         } else {
@@ -257,19 +342,39 @@ async fn run_reserve_stream(
             .open
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *open = None;
+        if open
+            .as_ref()
+            .is_some_and(|o| Arc::ptr_eq(&o.waiting, &waiting))
+        {
+            *open = None;
+        }
     }
-    calls.close();
-    for (_, reply) in pending.drain() {
-        let _ = reply.send(Answer::Done(Err(status.clone())));
-    }
-    while let Some(call) = calls.recv().await {
-        let answer = if unsupported {
-            Answer::Unsupported(call.request)
-        } else {
-            Answer::Done(Err(status.clone()))
-        };
-        let _ = call.reply.send(answer);
+    waiting.end(&status);
+}
+
+/// Hands each answer to the call waiting for it until the stream ends; returns why it ended.
+async fn answer_calls<S>(mut answers: S, waiting: &Waiting) -> tonic::Status
+where
+    S: futures::Stream<Item = Result<v1::ReserveResult, tonic::Status>> + Unpin,
+{
+    loop {
+        match answers.next().await {
+            Some(Ok(result)) => {
+                waiting.served.store(true, Ordering::Relaxed);
+                let w = waiting
+                    .lock()
+                    .as_mut()
+                    .and_then(|calls| calls.remove(&result.call_id));
+                // None: the caller gave up (timed out) and removed its entry.
+                if let Some(w) = w {
+                    let _ = w.reply.send(Answer::of(result));
+                }
+            }
+            Some(Err(status)) => return status,
+            None => {
+                return tonic::Status::unavailable("the snapshot service ended the ReserveStream");
+            }
+        }
     }
 }
 
@@ -374,6 +479,95 @@ mod tests {
             .await
             .expect_err("no service");
         assert_ne!(gone.code(), tonic::Code::DeadlineExceeded, "{gone:?}");
+    }
+
+    /// A stream no server reads or answers: the calls written to it, and its waiting calls.
+    fn unanswered() -> (OpenStream, mpsc::Receiver<v1::ReserveCall>) {
+        let (out, out_rx) = mpsc::channel(RESERVE_STREAM_IN_FLIGHT);
+        let waiting = Arc::new(Waiting::default());
+        (OpenStream { out, waiting }, out_rx)
+    }
+
+    /// A caller that gives up (the reserve timeout) takes its waiting entry with it: a stream
+    /// whose server never answers does not collect them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_that_times_out_leaves_no_waiting_entry() {
+        let (open, mut sent) = unanswered();
+        let trace = br_trace::W3c::default();
+        let (outcome, waiting_while_sent) = tokio::join!(
+            tokio::time::timeout(
+                Duration::from_millis(50),
+                open.call(reserve("g", "r"), &trace)
+            ),
+            async {
+                let call = sent.recv().await.unwrap();
+                assert_eq!(call.request.unwrap().group, "g");
+                open.waiting.len()
+            }
+        );
+        assert!(outcome.is_err(), "nobody answers: the caller times out");
+        assert_eq!(waiting_while_sent, 1, "waiting while the call was out");
+        assert_eq!(open.waiting.len(), 0, "no entry left behind");
+    }
+
+    /// When the server ends the stream, every call still waiting gets its error (none hangs),
+    /// an answered one keeps its answer, and a later call goes to another stream.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_waiting_when_the_stream_ends_all_get_an_error() {
+        let (open, mut sent) = unanswered();
+        let open = Arc::new(open);
+        let trace = br_trace::W3c::default();
+        let n = 8;
+        let callers: Vec<_> = (0..n)
+            .map(|i| {
+                let (open, trace) = (Arc::clone(&open), trace.clone());
+                tokio::spawn(async move { open.call(reserve("g", &format!("r{i}")), &trace).await })
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for _ in 0..n {
+            ids.push(within(sent.recv()).await.unwrap().call_id);
+        }
+        assert_eq!(open.waiting.len(), n);
+        // The server answers one call, then ends the stream.
+        let answered = v1::ReserveResult {
+            call_id: ids[0],
+            outcome: Some(v1::reserve_result::Outcome::Response(v1::ReserveResponse {
+                version: 4,
+                ..Default::default()
+            })),
+        };
+        let answers = futures::stream::iter(vec![
+            Ok(answered),
+            Err(tonic::Status::aborted("the server went away")),
+        ]);
+        let status = answer_calls(answers, &open.waiting).await;
+        assert_eq!(status.code(), tonic::Code::Aborted);
+        open.waiting.end(&status);
+        let (mut ok, mut failed) = (0, 0);
+        for c in callers {
+            match within(c).await.unwrap() {
+                Sent::Answered(Answer::Done(Ok(r))) => {
+                    assert_eq!(r.version, 4);
+                    ok += 1;
+                }
+                Sent::Answered(Answer::Done(Err(e))) => {
+                    assert_eq!(e.code(), tonic::Code::Aborted);
+                    failed += 1;
+                }
+                _ => panic!("a waiting call of an ended stream must get its error"),
+            }
+        }
+        assert_eq!((ok, failed), (1, n - 1));
+        assert_eq!(open.waiting.len(), 0);
+        assert!(matches!(
+            open.call(reserve("g", "late"), &trace).await,
+            Sent::Ended(_)
+        ));
+    }
+
+    async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
+        br_testkit::within(PATIENCE, "a ReserveStream call", f).await
     }
 
     /// A snapshot service without ReserveStream (UNIMPLEMENTED) gets unary Reserve calls, the

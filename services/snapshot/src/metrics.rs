@@ -50,6 +50,8 @@ pub struct Metrics {
     requests: IntGaugeVec,
     watchers: IntGaugeVec,
     watch_resets: IntCounterVec,
+    watch_delta_versions: IntCounterVec,
+    watch_delta_messages: IntCounterVec,
     reservations_expired: IntCounterVec,
     workers_fenced: IntCounterVec,
     carrier_lost: IntCounterVec,
@@ -137,6 +139,21 @@ impl Metrics {
                 "balanceroute_snapshot_watch_resets_total",
                 "Resets sent to watchers, by reason",
                 &["group", "reason"],
+            )?,
+            // Versions over messages is how many versions a delta message carries on average:
+            // 1 when watchers keep up, more when deltas queued behind each other were merged
+            // (`group::MergedWatchQueue`), i.e. fewer messages for watchers to decode.
+            watch_delta_versions: counter(
+                &r,
+                "balanceroute_snapshot_watch_delta_versions_total",
+                "σ versions sent to watchers in deltas (summed over watchers); divided by balanceroute_snapshot_watch_delta_messages_total, the versions per message",
+                &["group"],
+            )?,
+            watch_delta_messages: counter(
+                &r,
+                "balanceroute_snapshot_watch_delta_messages_total",
+                "Delta messages sent to watchers (summed over watchers); one carries several versions when deltas queued for a watcher were merged",
+                &["group"],
             )?,
             reservations_expired: counter(
                 &r,
@@ -238,6 +255,15 @@ impl Metrics {
         self.refused.with_label_values(&[reason]).get()
     }
 
+    /// The counters of a group's delta messages sent to watchers and the versions they carry
+    /// (`watch_delta_messages_total`, `watch_delta_versions_total`), for one Watch stream.
+    pub fn watch_deltas(&self, group: &str) -> WatchDeltas {
+        WatchDeltas {
+            messages: self.watch_delta_messages.with_label_values(&[group]),
+            versions: self.watch_delta_versions.with_label_values(&[group]),
+        }
+    }
+
     /// How many workers are cordoned (see [`crate::cordons`]).
     pub fn cordons(&self, n: usize) {
         self.cordons.set(i64::try_from(n).unwrap_or(i64::MAX));
@@ -255,6 +281,8 @@ impl Metrics {
             .iter()
             .map(|r| self.watch_resets.with_label_values(&[group, r]))
             .collect();
+        // Created at 0 with the group, so an operator sees the batching before any watcher.
+        let _ = self.watch_deltas(group);
         GroupMetrics {
             group: group.to_owned(),
             family: self.clone(),
@@ -276,6 +304,21 @@ impl Metrics {
             unkeyed_handed_on: self.unkeyed.with_label_values(&[group, "handed_on"]),
             worker_load: Vec::new(),
         }
+    }
+}
+
+/// One Watch stream's handles on its group's delta counters (see [`Metrics::watch_deltas`]).
+#[derive(Debug, Clone)]
+pub struct WatchDeltas {
+    messages: IntCounter,
+    versions: IntCounter,
+}
+
+impl WatchDeltas {
+    /// Counts one delta message spanning `prev_version` to `version`.
+    pub fn sent(&self, prev_version: u64, version: u64) {
+        self.messages.inc();
+        self.versions.inc_by(version.saturating_sub(prev_version));
     }
 }
 
@@ -329,6 +372,8 @@ impl GroupMetrics {
         for r in RESET_REASONS {
             let _ = f.watch_resets.remove_label_values(&[g, r]);
         }
+        let _ = f.watch_delta_versions.remove_label_values(&[g]);
+        let _ = f.watch_delta_messages.remove_label_values(&[g]);
         let _ = f.reservations_expired.remove_label_values(&[g]);
         let _ = f.workers_fenced.remove_label_values(&[g]);
         for o in ["matched", "unmatched", "handed_on"] {

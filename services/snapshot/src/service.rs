@@ -85,6 +85,7 @@ impl Snapshot for SnapshotService {
                 max: self.max_watchers,
             }));
         };
+        let group = req.group.as_str().to_owned();
         let rx = self
             .writer
             .call(|reply| Command::Watch { req, reply })
@@ -94,9 +95,16 @@ impl Snapshot for SnapshotService {
         // The writer ends the stream (drops the queue's sender) on shutdown; a queue that went
         // over its bytes yields its overflow, which ends the stream RESOURCE_EXHAUSTED.
         // The permit goes with the stream: released when the watcher goes away or is ended.
-        let stream = rx.map(move |ev| match ev {
+        // Deltas queued behind each other go out merged (one message for several versions,
+        // see `group::MergedWatchQueue`); the br-all's in-process watchers read this same
+        // stream, so they are merged alike.
+        let deltas = self.metrics.watch_deltas(&group);
+        let stream = rx.merging().map(move |ev| match ev {
             Ok(ev) => {
                 let _held = &permit;
+                if let crate::group::Event::Delta(d) = &ev {
+                    deltas.sent(d.prev_version, d.version);
+                }
                 Ok(wire::watch_event(&ev))
             }
             Err(o) => {

@@ -226,19 +226,17 @@ async fn watch_from_scratch_resume_with_deltas_and_the_replica_matches() {
 
     let mut ingest = server.ingest().await;
     let mut at: Vec<Sigma> = vec![replica.clone()];
-    ingest
-        .send("g", vec![hello(0, 10, 8), hello(1, 11, 8)])
-        .await;
-    for i in 0..6u32 {
-        let ack = ingest
-            .send(
-                "g",
-                vec![prog(i % 2, 10 + u64::from(i % 2), &format!("r{i}"), 100, i)],
-            )
-            .await;
+    // One batch at a time, each delta read before the next batch: a lone delta goes out at
+    // once, one version per message (deltas queued behind each other would be merged).
+    for v in 1..=7u64 {
+        let changes = if v == 1 {
+            vec![hello(0, 10, 8), hello(1, 11, 8)]
+        } else {
+            let i = u32::try_from(v - 2).unwrap();
+            vec![prog(i % 2, 10 + u64::from(i % 2), &format!("r{i}"), 100, i)]
+        };
+        let ack = ingest.send("g", changes).await;
         assert!(ack.rejected.is_empty());
-    }
-    for v in 1..=7 {
         let Ev::Delta(d) = next_data(&mut w).await else {
             panic!()
         };

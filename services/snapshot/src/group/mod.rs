@@ -37,7 +37,7 @@ use tokio::time::Instant;
 
 use crate::metrics::{GroupMetrics, Metrics};
 use apply::{Arrival, Presence};
-pub use queue::{Overflow, Receiver as WatchQueue};
+pub use queue::{MERGE_MAX_BYTES, Merging as MergedWatchQueue, Overflow, Receiver as WatchQueue};
 use reserve::Reservations;
 use watchers::Watchers;
 pub use watchers::{Event, MERGE_MAX_CHANGES, event_bytes};

@@ -13,6 +13,10 @@
 //! The bytes are each event's encoded size, counted once per event (events are shared by every
 //! watcher, so this is what the watcher would be sent, an upper bound of what it holds alone).
 //! The lock is held only to push or pop, never across an await.
+//!
+//! The Watch stream reads it through [`Receiver::merging`]: each read also takes the deltas
+//! queued right behind a delta and sends them as one (see [`Merging`]), so a watcher that fell
+//! a few versions behind gets one message, never waiting for more to come.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -21,7 +25,7 @@ use std::task::{Context, Poll, Waker};
 
 use futures::Stream;
 
-use super::watchers::Event;
+use super::watchers::{Event, MERGE_MAX_CHANGES, merge};
 
 /// What [`Sender::try_send`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,7 +158,12 @@ pub struct Receiver {
 impl Receiver {
     /// The next item if one is ready: `Some(None)` once the stream ended, `None` if nothing
     /// is queued yet (`waker`, if any, is woken when something is).
-    fn next_item(&self, waker: Option<&Waker>) -> Option<Option<Result<Event, Overflow>>> {
+    /// With `merging`, a delta comes with the deltas queued right behind it, merged.
+    fn next_item(
+        &self,
+        waker: Option<&Waker>,
+        merging: bool,
+    ) -> Option<Option<Result<Event, Overflow>>> {
         let mut s = lock(&self.shared);
         if let Some(o) = s.overflow.take() {
             s.finished = true;
@@ -165,7 +174,17 @@ impl Receiver {
         }
         if let Some((ev, bytes)) = s.events.pop_front() {
             s.bytes -= bytes;
-            return Some(Some(Ok(ev)));
+            if !merging || !matches!(ev, Event::Delta(_)) {
+                return Some(Some(Ok(ev)));
+            }
+            let mut run = take_run(&mut s, ev, bytes);
+            if run.len() == 1 {
+                return Some(run.pop().map(Ok));
+            }
+            // Merged outside the lock: the writer pushes to this queue meanwhile.
+            drop(s);
+            let refs: Vec<&Event> = run.iter().collect();
+            return Some(Some(Ok(merge(&refs))));
         }
         if s.sender_gone {
             s.finished = true;
@@ -179,7 +198,76 @@ impl Receiver {
 
     /// The next item without waiting (`None`: nothing queued now, or the end).
     pub fn try_recv(&mut self) -> Option<Result<Event, Overflow>> {
-        self.next_item(None).flatten()
+        self.next_item(None, false).flatten()
+    }
+
+    /// This queue read as the Watch stream sends it: runs of queued deltas merged.
+    pub fn merging(self) -> Merging {
+        Merging(self)
+    }
+}
+
+/// A merged message's bound in encoded bytes: 1 MiB, far below what a watcher decodes
+/// (`br_client::watch::DEFAULT_MAX_MESSAGE_BYTES`, 64 MiB), so merging never makes a message a
+/// watcher refuses, and one message does not hold an HTTP/2 connection long. A single delta
+/// above it still goes out, alone, as it would unmerged.
+pub const MERGE_MAX_BYTES: usize = 1 << 20;
+
+/// `first` (a delta, already popped) and the deltas queued right behind it that continue its
+/// version chain, while the run stays within [`MERGE_MAX_BYTES`] and [`MERGE_MAX_CHANGES`].
+/// Stops at anything else (snapshot, reset, progress mark), so no merge crosses one, and never
+/// waits: only what is queued now is taken.
+fn take_run(s: &mut State, first: Event, first_bytes: usize) -> Vec<Event> {
+    let Event::Delta(d) = &first else {
+        return vec![first];
+    };
+    let (epoch, mut version) = (d.epoch, d.version);
+    let mut bytes = first_bytes;
+    let mut changes = d.changes.len();
+    let mut run = vec![first];
+    while let Some((Event::Delta(next), next_bytes)) = s.events.front() {
+        let continues = next.epoch == epoch && next.prev_version == version;
+        if !continues
+            || bytes + next_bytes > MERGE_MAX_BYTES
+            || changes + next.changes.len() > MERGE_MAX_CHANGES
+        {
+            break;
+        }
+        version = next.version;
+        bytes += next_bytes;
+        changes += next.changes.len();
+        let next_bytes = *next_bytes;
+        if let Some((ev, _)) = s.events.pop_front() {
+            s.bytes -= next_bytes;
+            run.push(ev);
+        }
+    }
+    run
+}
+
+/// A watcher's queue as its Watch stream reads it ([`Receiver::merging`]): like the
+/// [`Receiver`], except that a delta comes merged with the deltas queued right behind it
+/// (`prev_version` of the first, `version` of the last, the changes in order). A lone delta
+/// goes out at once; under load the queue is deeper and the messages fewer, with no timer and
+/// no added latency. Snapshots, resets, progress marks and the overflow come as they are, in
+/// their order.
+pub struct Merging(Receiver);
+
+impl Merging {
+    /// The next item without waiting (`None`: nothing queued now, or the end).
+    pub fn try_recv(&mut self) -> Option<Result<Event, Overflow>> {
+        self.0.next_item(None, true).flatten()
+    }
+}
+
+impl Stream for Merging {
+    type Item = Result<Event, Overflow>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.0.next_item(Some(cx.waker()), true) {
+            Some(item) => Poll::Ready(item),
+            None => Poll::Pending,
+        }
     }
 }
 
@@ -187,7 +275,7 @@ impl Stream for Receiver {
     type Item = Result<Event, Overflow>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        match self.next_item(Some(cx.waker())) {
+        match self.next_item(Some(cx.waker()), false) {
             Some(item) => Poll::Ready(item),
             None => Poll::Pending,
         }
@@ -200,6 +288,12 @@ impl Drop for Receiver {
         s.receiver_gone = true;
         s.events.clear();
         s.bytes = 0;
+    }
+}
+
+impl std::fmt::Debug for Merging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Merging").field(&self.0).finish()
     }
 }
 

@@ -316,8 +316,10 @@ fn delta_of(ev: &Event) -> Option<&Delta> {
     }
 }
 
-/// One delta from consecutive ones (the first's prev_version to the last's version).
-fn merge(chunk: &[&Event]) -> Event {
+/// One delta from consecutive ones (the first's prev_version to the last's version). Used for
+/// a resuming watcher's catch-up and for the deltas queued behind each other in a watcher's
+/// queue (`queue::Merging`).
+pub(super) fn merge(chunk: &[&Event]) -> Event {
     if let [one] = chunk {
         return (*one).clone();
     }

@@ -5,6 +5,7 @@
 
 mod apply;
 mod bounds;
+mod merging;
 mod props;
 mod reserve;
 mod watchers;

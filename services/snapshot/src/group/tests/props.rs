@@ -42,7 +42,8 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 struct Follower {
-    rx: WatchQueue,
+    /// Read as the Watch stream reads it: queued deltas merged.
+    rx: MergedWatchQueue,
     replica: Option<Sigma>,
     awaiting_snapshot: bool,
 }
@@ -135,7 +136,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 };
                 let v = held.as_ref().map_or(0, Sigma::version);
                 followers.push(Follower {
-                    rx: g.subscribe(epoch, v),
+                    rx: g.subscribe(epoch, v).merging(),
                     replica: held,
                     awaiting_snapshot: false,
                 });
