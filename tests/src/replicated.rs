@@ -192,8 +192,7 @@ pub struct Outcome {
 
 impl Outcome {
     /// One gateway call of the fault tests: `Assign` of `req-{i}` (a prompt of 300-999 tokens
-    /// picked from `i`) to `group` through `client`, bounded by `timeout`; an answered call is
-    /// handed to the workers' driver ([`drive_workers`]) on `answers` as (id, rank, prompt).
+    /// picked from `i`) to `group` through `client`, bounded by `timeout` (see [`Self::call`]).
     pub async fn assign(
         client: AssignClient,
         group: &str,
@@ -201,8 +200,21 @@ impl Outcome {
         timeout: Duration,
         answers: mpsc::Sender<(String, u32, u32)>,
     ) -> Outcome {
-        let id = format!("req-{i}");
         let prompt = 300 + (i as u32 * 37) % 700;
+        Self::call(client, group, format!("req-{i}"), prompt, timeout, answers).await
+    }
+
+    /// `Assign` of request `id` with a `prompt`-token prompt to `group` through `client`,
+    /// bounded by `timeout`; an answered call is handed to the workers' driver
+    /// ([`drive_workers`]) on `answers` as (id, rank, prompt).
+    pub async fn call(
+        client: AssignClient,
+        group: &str,
+        id: String,
+        prompt: u32,
+        timeout: Duration,
+        answers: mpsc::Sender<(String, u32, u32)>,
+    ) -> Outcome {
         let issued = Instant::now();
         let result = client
             .assign_within(&AssignParams::new(group, &id, prompt), timeout)

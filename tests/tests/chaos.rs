@@ -24,9 +24,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use br_client::assign::{AssignClient, AssignParams, Assignment};
+use br_client::assign::{AssignClient, Assignment};
 use br_e2e::replicated::{
     Outcome, Ran, ReplicatedStack, START, StackConfig, WorkerEvent, assert_each_request_ran_once,
     drive_workers, metric_sum,
@@ -212,25 +212,15 @@ async fn seeded_faults_under_load_keep_the_invariants() {
             injected.push((i, f.kind, r));
             eprintln!("chaos: after {i} calls, {:?} on {r}", f.kind);
         }
-        let (client, tx) = (client.clone(), answers_tx.clone());
-        calls.spawn(async move {
-            let id = format!("c-{i}");
-            let prompt = 200 + (i as u32 * 53) % 900;
-            let issued = Instant::now();
-            let result = client
-                .assign_within(&AssignParams::new(GROUP, &id, prompt), DEADLINE)
-                .await
-                .map_err(|e| e.to_string());
-            if let Ok(a) = &result {
-                tx.send((id.clone(), a.worker_id, prompt)).await.unwrap();
-            }
-            Outcome {
-                id,
-                issued,
-                answered: Instant::now(),
-                result,
-            }
-        });
+        let prompt = 200 + (i as u32 * 53) % 900;
+        calls.spawn(Outcome::call(
+            client.clone(),
+            GROUP,
+            format!("c-{i}"),
+            prompt,
+            DEADLINE,
+            answers_tx.clone(),
+        ));
     }
     drop(answers_tx);
     let mut outcomes = Vec::new();
