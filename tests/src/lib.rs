@@ -127,6 +127,41 @@ pub fn binaries() -> &'static Path {
     })
 }
 
+/// How long [`Split::start`] waits for each process to answer on its admin port: a hang guard
+/// for a loaded 2-core machine, not a timing assertion.
+const SPLIT_START_WAIT: Duration = Duration::from_secs(60);
+
+/// The split control plane as three real processes: br-snapshot first (the other two dial
+/// it), then br-ingest and br-decision on it.
+pub struct Split {
+    pub snapshot: Service,
+    pub ingest: Service,
+    pub decision: Service,
+}
+
+impl Split {
+    /// Starts the three, with `snapshot_flags` for br-snapshot and `--snapshot-addr` then
+    /// `decision_flags` for br-decision (`--groups`, `--policy` …). Returns once snapshot and
+    /// decision are live and ingest is ready (its Apply stream to snapshot is open); decision
+    /// is ready only once it can place, which needs workers.
+    pub async fn start(snapshot_flags: &[&str], decision_flags: &[&str]) -> Split {
+        let snapshot = Service::start("br-snapshot", snapshot_flags);
+        snapshot.wait_for("/livez", SPLIT_START_WAIT).await;
+        let snap = snapshot.grpc_url();
+        let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
+        let mut args = vec!["--snapshot-addr", snap.as_str()];
+        args.extend_from_slice(decision_flags);
+        let decision = Service::start("br-decision", &args);
+        ingest.wait_for("/readyz", SPLIT_START_WAIT).await;
+        decision.wait_for("/livez", SPLIT_START_WAIT).await;
+        Split {
+            snapshot,
+            ingest,
+            decision,
+        }
+    }
+}
+
 /// How long a process may take to bind its ports and write its ready file.
 const BIND_WAIT: Duration = Duration::from_secs(30);
 

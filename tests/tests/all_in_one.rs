@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::time::Duration;
 
-use br_e2e::{FakeWorker, Service, binaries};
+use br_e2e::{FakeWorker, Service, Split, binaries};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, AssignRequest, CancelRequest, GetRequest};
@@ -67,25 +67,14 @@ impl Plane {
     }
 
     async fn split(policy: &str) -> Plane {
-        let snapshot = Service::start("br-snapshot", &SIGMA_FLAGS);
-        snapshot.wait_for("/livez", START).await;
-        let snap = snapshot.grpc_url();
-        let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-        let decision = Service::start(
-            "br-decision",
-            &[
-                "--snapshot-addr",
-                &snap,
-                "--policy",
-                policy,
-                "--groups",
-                GROUP,
-            ],
-        );
-        ingest.wait_for("/readyz", START).await;
+        let Split {
+            snapshot,
+            ingest,
+            decision,
+        } = Split::start(&SIGMA_FLAGS, &["--policy", policy, "--groups", GROUP]).await;
         Plane {
             telemetry: ingest.grpc_url(),
-            snapshot: snap,
+            snapshot: snapshot.grpc_url(),
             decision: decision.grpc_url(),
             decision_admin: 2,
             procs: vec![snapshot, ingest, decision],

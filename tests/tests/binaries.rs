@@ -100,24 +100,83 @@ fn a_configuration_refused_at_start_exits_2_naming_the_flag() {
     assert!(stderr.contains("--admin-listen"), "{stderr}");
 }
 
-/// br-all logs its own start-up line (ports, groups, TLS, version) and nothing else at start:
-/// the skeleton's generic "br-all listening" came after it before, two start-up lines for one
-/// process. Read from the binary's stderr at INFO, through a SIGTERM stop.
+/// Each binary logs one start-up line at INFO, naming its ports (and its version, where the
+/// service writes its own line), and nothing else that announces a listener: the services'
+/// own "br-snapshot started" (and the like) used to come with the skeleton's generic
+/// "br-snapshot listening" and the servers' "gRPC server listening" / "admin HTTP server
+/// listening", three or four start-up lines for one process. Read from the binary's stderr at
+/// INFO, through a SIGTERM stop.
 #[test]
-fn br_all_logs_one_start_up_line() {
+fn every_binary_logs_one_start_up_line() {
+    let cases: [(&str, &str, &str, Vec<&str>); 5] = [
+        ("br-all", "br-all started", "grpc=", vec!["--groups", "g"]),
+        ("br-snapshot", "br-snapshot started", "grpc=", vec![]),
+        (
+            "br-ingest",
+            "br-ingest started",
+            "grpc=",
+            vec!["--snapshot-addr", NOWHERE],
+        ),
+        (
+            "br-decision",
+            "br-decision started",
+            "grpc=",
+            vec!["--snapshot-addr", NOWHERE, "--groups", "g"],
+        ),
+        // The shim writes no line of its own: the skeleton's is its one line.
+        (
+            "br-shim",
+            "br-shim listening",
+            "http=",
+            vec!["--upstream", NOWHERE, "--ingest-addr", ""],
+        ),
+    ];
+    for (bin, line, port, args) in cases {
+        let seen = start_and_stop_at_info(bin, &args);
+        let started: Vec<&String> = seen.iter().filter(|l| l.contains(line)).collect();
+        assert_eq!(started.len(), 1, "{bin}: one start-up line: {seen:#?}");
+        assert!(
+            started[0].contains(&format!("{port}127.0.0.1:"))
+                && started[0].contains("admin=127.0.0.1:"),
+            "{bin}: it names the ports: {}",
+            started[0]
+        );
+        let announcing: Vec<&String> = seen
+            .iter()
+            .filter(|l| {
+                !l.contains(line)
+                    && (l.contains(" listening") || l.contains(&format!("{bin} started")))
+            })
+            .collect();
+        assert!(
+            announcing.is_empty(),
+            "{bin}: no second start-up line: {announcing:#?}"
+        );
+        assert!(
+            seen.iter().any(|l| l.contains(&format!("{bin} stopped"))),
+            "{bin}: the stop is logged: {seen:#?}"
+        );
+    }
+}
+
+/// Runs `bin` on loopback port 0 at RUST_LOG=info until its first line naming a port
+/// ("started" or "listening"), stops it with SIGTERM and returns every line it wrote to
+/// stderr; asserts it exited 0.
+fn start_and_stop_at_info(bin: &str, args: &[&str]) -> Vec<String> {
     use std::io::BufRead as _;
     use std::process::{Command, Stdio};
     use std::sync::mpsc;
 
-    let mut child = Command::new(br_e2e::binaries().join("br-all"))
+    let mut child = Command::new(br_e2e::binaries().join(bin))
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--groups", "g", "--shutdown-grace", "1s"])
+        .args(["--shutdown-grace", "1s"])
+        .args(args)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawning br-all");
+        .unwrap_or_else(|e| panic!("spawning {bin}: {e}"));
     let stderr = child.stderr.take().expect("piped stderr");
     let (tx, lines) = mpsc::channel();
     std::thread::spawn(move || {
@@ -141,34 +200,20 @@ fn br_all_logs_one_start_up_line() {
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 let _ = child.kill();
-                panic!("br-all logged nothing for {WAIT:?}: {seen:#?}");
+                panic!("{bin} logged nothing for {WAIT:?}: {seen:#?}");
             }
         }
     };
-    read_until(&|l| l.contains("br-all started"), &mut child);
+    read_until(
+        &|l| l.contains("admin=127.0.0.1:") && (l.contains(" started") || l.contains(" listening")),
+        &mut child,
+    );
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
-    // every line to the end (the generic line, if logged, came before the stop)
+    // every line to the end (a second start-up line, if logged, came before the stop)
     read_until(&|_| false, &mut child);
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(0), "{seen:#?}");
-    let started: Vec<&String> = seen
-        .iter()
-        .filter(|l| l.contains("br-all started"))
-        .collect();
-    assert_eq!(started.len(), 1, "one start-up line: {seen:#?}");
-    assert!(
-        started[0].contains("grpc=127.0.0.1:") && started[0].contains("admin=127.0.0.1:"),
-        "it names the ports: {}",
-        started[0]
-    );
-    assert!(
-        !seen.iter().any(|l| l.contains("br-all listening")),
-        "no second start-up line: {seen:#?}"
-    );
-    assert!(
-        seen.iter().any(|l| l.contains("br-all stopped")),
-        "the stop is logged: {seen:#?}"
-    );
+    assert_eq!(status.code(), Some(0), "{bin}: {seen:#?}");
+    seen
 }

@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use br_e2e::{FakeWorker, Service, root};
+use br_e2e::{FakeWorker, Service, Split, root};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::{AssignRequest, CancelRequest};
 use br_testkit::eventually_some;
@@ -349,15 +349,11 @@ fn the_checker_finds_missing_labels_and_metrics() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_panel_and_alert_queries_series_and_labels_a_live_stack_exports() {
-    let snapshot = Service::start("br-snapshot", &["--progress-interval", "100ms"]);
-    snapshot.wait_for("/livez", START).await;
-    let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-    let decision = Service::start(
-        "br-decision",
-        &["--snapshot-addr", &snap, "--groups", GROUP],
-    );
-    ingest.wait_for("/readyz", START).await;
+    let Split {
+        snapshot,
+        ingest,
+        decision,
+    } = Split::start(&["--progress-interval", "100ms"], &["--groups", GROUP]).await;
     let ingest_url = ingest.grpc_url();
     // A shim in front of an engine that is not there: its metrics exist all the same. In a
     // group of its own, so that Assigns go to the fake workers, which run what they get.

@@ -11,7 +11,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use br_e2e::{FakeWorker, Service};
+use br_e2e::{FakeWorker, Service, Split};
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, GetRequest};
 use br_testkit::{eventually, within};
@@ -54,31 +54,27 @@ impl Stack {
 
     /// [`Stack::start`] with more br-decision flags.
     async fn start_with(extra: &[&str]) -> Stack {
-        let snapshot = Service::start(
-            "br-snapshot",
-            &["--reservation-ttl", "60s", "--progress-interval", "100ms"],
-        );
-        snapshot.wait_for("/livez", START).await;
-        let snap = snapshot.grpc_url();
-        let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
         let groups = format!("{GROUP},{EMPTY}");
-        let decision = Service::start(
-            "br-decision",
+        let Split {
+            snapshot,
+            ingest,
+            decision,
+        } = Split::start(
+            &["--reservation-ttl", "60s", "--progress-interval", "100ms"],
             &[
-                "--snapshot-addr",
-                &snap,
-                "--groups",
-                &groups,
-                "--ext-proc-listen",
-                "127.0.0.1:0",
-                "--ext-proc-default-group",
-                GROUP,
+                &[
+                    "--groups",
+                    &groups,
+                    "--ext-proc-listen",
+                    "127.0.0.1:0",
+                    "--ext-proc-default-group",
+                    GROUP,
+                ],
+                extra,
             ]
-            .into_iter()
-            .chain(extra.iter().copied())
-            .collect::<Vec<_>>(),
-        );
-        ingest.wait_for("/readyz", START).await;
+            .concat(),
+        )
+        .await;
         let mut workers = Vec::new();
         for id in 0..2 {
             workers.push(FakeWorker::connect(&ingest.grpc_url(), GROUP, id, 8).await);

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use br_e2e::{Service, reflection};
+use br_e2e::{Service, Split, reflection};
 use br_proto::v1;
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
@@ -92,13 +92,11 @@ async fn report(ch: Channel) -> Result<(), tonic::Status> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_port_lists_only_its_own_service_and_points_elsewhere_for_the_rest() {
-    let snapshot = Service::start("br-snapshot", &[]);
-    let snap_url = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap_url]);
-    let decision = Service::start(
-        "br-decision",
-        &["--snapshot-addr", &snap_url, "--groups", GROUP],
-    );
+    let Split {
+        snapshot,
+        ingest,
+        decision,
+    } = Split::start(&[], &["--groups", GROUP]).await;
     let ports = [
         ("br-snapshot", &snapshot, "balanceroute.v1.Snapshot"),
         ("br-ingest", &ingest, "balanceroute.v1.Telemetry"),

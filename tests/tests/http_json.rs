@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use br_e2e::pki::{self, Pki};
-use br_e2e::{FakeWorker, Service};
+use br_e2e::{FakeWorker, Service, Split};
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_trust::{Role, TlsFiles};
@@ -149,15 +149,14 @@ async fn wait_in_tiny_pool(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
-    let snapshot = Service::start("br-snapshot", &["--reservation-ttl", "10m"]);
-    let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
     let groups = format!("{GROUP},{TINY},{EMPTY}");
-    let decision = Service::start(
-        "br-decision",
+    let Split {
+        snapshot,
+        ingest,
+        decision,
+    } = Split::start(
+        &["--reservation-ttl", "10m"],
         &[
-            "--snapshot-addr",
-            &snap,
             "--groups",
             &groups,
             "--max-pool",
@@ -167,7 +166,9 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
             "--first-byte-timeout",
             "2s",
         ],
-    );
+    )
+    .await;
+    let snap = snapshot.grpc_url();
     let port = decision
         .http_port
         .expect("the ready file names the HTTP port");

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use br_e2e::Service;
+use br_e2e::{Service, Split};
 use br_proto::v1;
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
@@ -172,13 +172,12 @@ fn counter(text: &str, name: &str, label: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_without_x_request_id_is_counted_once() {
     let engine = Engine::start().await;
-    let snapshot = Service::start("br-snapshot", &["--reservation-ttl", "10m"]);
+    let Split {
+        snapshot,
+        ingest,
+        decision,
+    } = Split::start(&["--reservation-ttl", "10m"], &["--groups", GROUP]).await;
     let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-    let decision = Service::start(
-        "br-decision",
-        &["--snapshot-addr", &snap, "--groups", GROUP],
-    );
     let shim = Service::start(
         "br-shim",
         &[

@@ -14,8 +14,8 @@
 
 use std::time::{Duration, Instant};
 
-use br_e2e::Service;
 use br_e2e::engine::EmuEngine;
+use br_e2e::{Service, Split};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, AssignRequest, GetRequest};
@@ -43,22 +43,15 @@ impl Stack {
     async fn start() -> Stack {
         // A grace long enough that every fault below ends before the worker is fenced: it
         // comes back as the same incarnation with its requests.
-        let snapshot = Service::start("br-snapshot", &["--worker-grace", "60s"]);
-        snapshot.wait_for("/livez", START).await;
-        let snap = snapshot.grpc_url();
-        let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-        let decision = Service::start(
-            "br-decision",
-            &[
-                "--snapshot-addr",
-                &snap,
-                "--policy",
-                "jsq",
-                "--groups",
-                GROUP,
-            ],
-        );
-        ingest.wait_for("/readyz", START).await;
+        let Split {
+            snapshot,
+            ingest,
+            decision,
+        } = Split::start(
+            &["--worker-grace", "60s"],
+            &["--policy", "jsq", "--groups", GROUP],
+        )
+        .await;
         let mut ranks = Vec::new();
         for id in 0..2u32 {
             let engine =

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use br_e2e::{FakeWorker, Service};
+use br_e2e::{FakeWorker, Service, Split};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, AssignRequest, GetRequest};
@@ -146,8 +146,11 @@ struct Report {
 async fn run(policy: &str) -> Report {
     let t0 = Instant::now();
     let mark = |what: &str| eprintln!("[{policy} {:>6.2}s] {what}", t0.elapsed().as_secs_f64());
-    let mut snapshot = Service::start(
-        "br-snapshot",
+    let Split {
+        mut snapshot,
+        ingest,
+        decision,
+    } = Split::start(
         &[
             "--worker-grace",
             "30s",
@@ -156,23 +159,9 @@ async fn run(policy: &str) -> Report {
             "--progress-interval",
             "100ms",
         ],
-    );
-    snapshot.wait_for("/livez", START).await;
-    let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-    let decision = Service::start(
-        "br-decision",
-        &[
-            "--snapshot-addr",
-            &snap,
-            "--policy",
-            policy,
-            "--groups",
-            GROUP,
-        ],
-    );
-    ingest.wait_for("/readyz", START).await;
-    decision.wait_for("/livez", START).await;
+        &["--policy", policy, "--groups", GROUP],
+    )
+    .await;
 
     let mut workers = Vec::new();
     for id in 0..WORKERS {

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use br_e2e::{FakeWorker, Service};
+use br_e2e::{FakeWorker, Service, Split};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, AssignRequest, CancelRequest, GetRequest};
@@ -41,8 +41,11 @@ impl Stack {
 
     /// As [`Stack::start`], with more br-decision flags.
     async fn start_with(policy: &str, decision_flags: &[&str]) -> Stack {
-        let snapshot = Service::start(
-            "br-snapshot",
+        let Split {
+            snapshot,
+            ingest,
+            decision,
+        } = Split::start(
             &[
                 "--worker-grace",
                 "1s",
@@ -51,23 +54,10 @@ impl Stack {
                 "--progress-interval",
                 "100ms",
             ],
-        );
-        snapshot.wait_for("/livez", START).await;
-        let snap = snapshot.grpc_url();
-        let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-        let mut args = vec![
-            "--snapshot-addr",
-            &snap,
-            "--policy",
-            policy,
-            "--groups",
-            GROUP,
-        ];
-        args.extend_from_slice(decision_flags);
-        let decision = Service::start("br-decision", &args);
-        ingest.wait_for("/readyz", START).await;
+            &[&["--policy", policy, "--groups", GROUP], decision_flags].concat(),
+        )
+        .await;
         // decision is ready only once it can place, i.e. after `workers`
-        decision.wait_for("/livez", START).await;
         Stack {
             snapshot,
             ingest,

@@ -16,8 +16,8 @@
 
 use std::time::Duration;
 
-use br_e2e::Service;
 use br_e2e::engine::EmuEngine;
+use br_e2e::{Service, Split};
 use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::{self, AssignRequest, GetRequest};
@@ -244,23 +244,11 @@ async fn check(topology: Topology, snapshot: &Service, ingest: &str, decision: &
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_topology_runs_each_request_on_the_rank_assign_chose() {
     let groups = "per-rank,vllm-dp,sglang-dp,multi";
-    let snapshot = Service::start("br-snapshot", &[]);
-    snapshot.wait_for("/livez", START).await;
-    let snap = snapshot.grpc_url();
-    let ingest = Service::start("br-ingest", &["--snapshot-addr", &snap]);
-    let decision = Service::start(
-        "br-decision",
-        &[
-            "--snapshot-addr",
-            &snap,
-            "--policy",
-            "jsq",
-            "--groups",
-            groups,
-        ],
-    );
-    ingest.wait_for("/readyz", START).await;
-    decision.wait_for("/livez", START).await;
+    let Split {
+        snapshot,
+        ingest,
+        decision,
+    } = Split::start(&[], &["--policy", "jsq", "--groups", groups]).await;
     for t in [
         Topology::PerRank,
         Topology::VllmDp,

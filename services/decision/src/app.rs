@@ -262,7 +262,8 @@ async fn start_with(
                 ExternalProcessorServer::new(picker)
                     .max_decoding_message_size(ext_proc::MAX_BODY_BYTES + (64 << 10)),
             );
-            tracing::info!(ext_proc = %addr, default_group = ?ext.default_group,
+            // DEBUG: the process's one start-up line (INFO) names this address.
+            tracing::debug!(ext_proc = %addr, default_group = ?ext.default_group,
                 "Envoy ext_proc endpoint picker listening");
             Some((server, routes, addr))
         }
@@ -348,7 +349,9 @@ async fn start_with(
         http_outcome?;
         Ok(outcome?)
     })
-    .with_http_json(http_addr);
+    .with_http_json(http_addr)
+    // The one start-up line is logged above (or by the embedding), not the skeleton's.
+    .announced();
     Ok(match ext_proc_addr {
         Some(addr) => running.with_listener(EXT_PROC_KEY, addr),
         None => running,

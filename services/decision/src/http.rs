@@ -236,7 +236,8 @@ pub async fn serve(
 ) -> Result<ServeOutcome, io::Error> {
     let addr = listener.local_addr();
     let tls = matches!(listener.conns, Either::Right(_));
-    tracing::info!(%addr, tls, "HTTP/JSON server listening");
+    // DEBUG: br-decision's one start-up line (INFO) names this address.
+    tracing::debug!(%addr, tls, "HTTP/JSON server listening");
     let how = HttpServing {
         name: "HTTP/JSON",
         header_timeout,

@@ -142,16 +142,13 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let (server, grpc_addr) = skeleton::bind_grpc(&args.common, &edge).await?;
     let routes = tonic::service::Routes::new(crate::server(svc, args));
     let admin_addr = admin.local_addr();
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, snapshot = %args.snapshot_addr,
+    // The one start-up line (the skeleton's generic one is suppressed: `announced`).
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), grpc = %grpc_addr, admin = %admin_addr,
+        tls = edge.tls().is_some(), snapshot = %args.snapshot_addr,
         ingest_id = %args.ingest_id(), "br-ingest started");
     let serve_shutdown = shutdown.clone();
-    Ok(Running::spawn(
-        grpc_addr,
-        admin_addr,
-        readiness,
-        shutdown,
-        (),
-        async move {
+    Ok(
+        Running::spawn(grpc_addr, admin_addr, readiness, shutdown, (), async move {
             let served = server
                 .serve(
                     routes,
@@ -168,6 +165,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             fwd_task.await?;
             skeleton::wait_admin(admin).await?;
             Ok(served?)
-        },
-    ))
+        })
+        .announced(),
+    )
 }

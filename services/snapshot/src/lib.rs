@@ -113,7 +113,9 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     let routes = tonic::service::Routes::new(crate::server(svc));
     readiness.set(true);
     let admin_addr = admin.local_addr();
-    tracing::info!(%grpc_addr, %admin_addr, epoch, "br-snapshot started");
+    // The one start-up line (the skeleton's generic one is suppressed: `announced`).
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), grpc = %grpc_addr, admin = %admin_addr,
+        tls = edge.tls().is_some(), epoch, "br-snapshot started");
     let ready = readiness.clone();
     let serve_shutdown = shutdown.clone();
     Ok(Running::spawn(
@@ -132,5 +134,6 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             writer_task.await?;
             Ok(outcome)
         },
-    ))
+    )
+    .announced())
 }

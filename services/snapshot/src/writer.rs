@@ -196,7 +196,8 @@ impl Writer {
     async fn run(mut self, mut rx: mpsc::Receiver<Command>, shutdown: CancellationToken) {
         let mut tick = tokio::time::interval(tick_period(&self.settings));
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        tracing::info!(epoch = self.epoch, "snapshot writer started");
+        // DEBUG: the process's one start-up line (INFO) names the epoch.
+        tracing::debug!(epoch = self.epoch, "snapshot writer started");
         loop {
             tokio::select! {
                 biased;

@@ -265,7 +265,8 @@ impl AdminServer {
                 })
             }
         };
-        tracing::info!(addr = %local_addr, tls = tls_on, "admin HTTP server listening");
+        // DEBUG: the process's one start-up line (INFO) names this address.
+        tracing::debug!(addr = %local_addr, tls = tls_on, "admin HTTP server listening");
         Ok(AdminServer { local_addr, task })
     }
 

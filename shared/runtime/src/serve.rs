@@ -341,7 +341,8 @@ impl GrpcServer {
                 )
             }
         };
-        tracing::info!(addr = ?addr, services = ?service_names, tls = tls_on, "gRPC server listening");
+        // DEBUG: the process's one start-up line (INFO) names this address.
+        tracing::debug!(addr = ?addr, services = ?service_names, tls = tls_on, "gRPC server listening");
 
         tokio::select! {
             r = &mut server => {
