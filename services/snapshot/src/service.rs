@@ -241,6 +241,22 @@ fn reserve_call_span(call: &v1::ReserveCall) -> tracing::Span {
 }
 
 impl SnapshotService {
+    /// One Reserve from a caller in this process (br-all's decision): what the unary handler
+    /// does, under the server span a ReserveStream call gets (a child of the caller's Reserve
+    /// span; disabled, and free, when traces are not exported) instead of the unary handler's
+    /// always-on `#[instrument]` span. That span cost 1.5% of br-all's CPU under load
+    /// (docs/benchmarks.md, "Session 26"), and the split deployment's Reserve (a ReserveStream
+    /// call) never paid it. Made synchronously, so the span's parent is the caller's current one.
+    pub fn reserve_in_process(
+        &self,
+        req: v1::ReserveRequest,
+    ) -> impl std::future::Future<Output = Result<v1::ReserveResponse, Status>> + Send + 'static
+    {
+        let span = br_trace::server_span("balanceroute.v1.Snapshot/Reserve", None);
+        let this = self.clone();
+        tracing::Instrument::instrument(async move { this.reserve_one(req).await }, span)
+    }
+
     /// One Reserve, unary or on a stream: validated at the edge, committed by the writer.
     async fn reserve_one(&self, req: v1::ReserveRequest) -> Result<v1::ReserveResponse, Status> {
         let req = ValidReserve::try_from(req).map_err(|e| self.fail(e.into()))?;

@@ -92,7 +92,7 @@ struct Slot {
 }
 
 /// σ for one group. All mutations are O(1) amortised plus O(log G) for the max/min tree.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ClusterState {
     workers: Vec<WorkerInfo>,
     slots: Vec<Option<Slot>>,
@@ -101,6 +101,35 @@ pub struct ClusterState {
     members: Vec<Vec<u32>>,
     tree: LoadTree,
     live_workers: u32,
+}
+
+impl Clone for ClusterState {
+    fn clone(&self) -> Self {
+        Self {
+            workers: self.workers.clone(),
+            slots: self.slots.clone(),
+            free_slots: self.free_slots.clone(),
+            index: self.index.clone(),
+            members: self.members.clone(),
+            tree: self.tree.clone(),
+            live_workers: self.live_workers,
+        }
+    }
+
+    /// Copies `source` into the allocations `self` already has. The decision service rebuilds
+    /// its view from σ's state on every tick after σ moved (`view.clone_from(σ)`); the derived
+    /// `clone_from` is `*self = source.clone()`, a fresh allocation of every table per tick and
+    /// the old ones freed (2% of br-all's CPU under load, docs/benchmarks.md "Session 26").
+    fn clone_from(&mut self, source: &Self) {
+        self.workers.clone_from(&source.workers);
+        self.slots.clone_from(&source.slots);
+        self.free_slots.clone_from(&source.free_slots);
+        self.index.clone_from(&source.index);
+        // Element-wise: each worker's member list keeps its allocation too.
+        self.members.clone_from(&source.members);
+        self.tree.clone_from(&source.tree);
+        self.live_workers = source.live_workers;
+    }
 }
 
 impl Default for ClusterState {
@@ -535,6 +564,88 @@ mod tests {
         assert_eq!(st.accepting_worker_ids().collect::<Vec<_>>(), vec![0]);
         st.upsert_worker(1, 4).unwrap();
         assert_eq!(st.worker(1).unwrap().free_slots(), 3);
+    }
+
+    /// What a caller can see of a state: equal views mean the same σ.
+    fn observed(st: &ClusterState) -> impl PartialEq + std::fmt::Debug {
+        let mut requests: Vec<RequestInfo> = st.requests().cloned().collect();
+        requests.sort_by_key(|r| r.key);
+        let members: Vec<Vec<RequestKey>> = (0..st.workers().len() as WorkerId)
+            .map(|w| {
+                let mut keys: Vec<RequestKey> = st.requests_of(w).map(|r| r.key).collect();
+                keys.sort_unstable();
+                keys
+            })
+            .collect();
+        (
+            st.workers().to_vec(),
+            requests,
+            members,
+            st.max_load(),
+            st.min_load(),
+            st.live_workers(),
+            st.request_count(),
+        )
+    }
+
+    /// `clone_from` leaves exactly the source's state whatever `self` held (more or fewer
+    /// workers and requests), and both then evolve alike (the free list, the index and the
+    /// tree were copied too, not only what the getters show).
+    #[test]
+    fn clone_from_is_a_clone_whatever_it_overwrites() {
+        let mut source = ClusterState::with_workers(&[4, 4, 4]);
+        source.reserve(req(1, 0, 100)).unwrap();
+        source.reserve(req(2, 2, 30)).unwrap();
+        source.reserve(req(3, 2, 7)).unwrap();
+        source.remove(2).unwrap();
+        source.set_generated(3, 4).unwrap();
+        let mut bigger = ClusterState::with_workers(&[8, 8, 8, 8, 8]);
+        for k in 10..30 {
+            bigger.reserve(req(k, (k % 5) as WorkerId, 11)).unwrap();
+        }
+        bigger.fence_worker(4).unwrap();
+        for mut target in [
+            ClusterState::new(),
+            ClusterState::with_workers(&[1]),
+            bigger,
+        ] {
+            target.clone_from(&source);
+            assert_eq!(observed(&target), observed(&source));
+            let mut twin = source.clone();
+            for st in [&mut target, &mut twin] {
+                st.reserve(req(4, 1, 50)).unwrap();
+                st.remove(1).unwrap();
+                st.reserve(req(5, 0, 9)).unwrap();
+                st.advance_step();
+                st.fence_worker(2).unwrap();
+            }
+            assert_eq!(observed(&target), observed(&twin));
+        }
+    }
+
+    /// The view rebuilt from σ on every tick reuses its tables: after `clone_from` a state of
+    /// the same shape keeps its allocations (the derived `clone_from` replaced them all).
+    #[test]
+    fn clone_from_reuses_the_allocations() {
+        let mut source = ClusterState::with_workers(&[64, 64]);
+        for k in 0..100 {
+            source.reserve(req(k, (k % 2) as WorkerId, 10)).unwrap();
+        }
+        let mut view = source.clone();
+        let before = (
+            view.slots.as_ptr(),
+            view.workers.as_ptr(),
+            view.members[0].as_ptr(),
+        );
+        source.set_generated(7, 3).unwrap();
+        view.clone_from(&source);
+        let after = (
+            view.slots.as_ptr(),
+            view.workers.as_ptr(),
+            view.members[0].as_ptr(),
+        );
+        assert_eq!(before, after);
+        assert_eq!(observed(&view), observed(&source));
     }
 
     #[test]

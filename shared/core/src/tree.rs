@@ -1,7 +1,7 @@
 //! A tournament tree over per-worker loads: the max and the min of the live workers in O(1),
 //! updated in O(log G) when one worker's load changes. G ≤ 64, so the tree is tiny and flat.
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct LoadTree {
     leaves: usize,
     max: Vec<u64>,
@@ -11,6 +11,23 @@ pub(crate) struct LoadTree {
 /// Fenced or absent workers take no part in max or min.
 const ABSENT_MAX: u64 = 0;
 const ABSENT_MIN: u64 = u64::MAX;
+
+impl Clone for LoadTree {
+    fn clone(&self) -> Self {
+        Self {
+            leaves: self.leaves,
+            max: self.max.clone(),
+            min: self.min.clone(),
+        }
+    }
+
+    /// Into the vectors `self` has (see `ClusterState::clone_from`).
+    fn clone_from(&mut self, source: &Self) {
+        self.leaves = source.leaves;
+        self.max.clone_from(&source.max);
+        self.min.clone_from(&source.min);
+    }
+}
 
 impl LoadTree {
     pub(crate) fn new() -> Self {

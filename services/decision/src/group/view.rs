@@ -484,11 +484,12 @@ impl SigmaView {
                 self.estimate.remove(k);
             }
             if let Some(estimated) = self.estimate.cluster() {
-                self.view = estimated.clone();
+                self.view.clone_from(estimated);
             }
             return did;
         }
-        self.view = sigma.cluster().clone();
+        // Into the view's own tables: this runs on every tick after σ moved.
+        self.view.clone_from(sigma.cluster());
         own.drop_void(sigma);
         for (key, res, current) in own.for_view(sigma) {
             // One on a suspect worker cannot be placed (the view refuses new work for it) and
