@@ -121,14 +121,25 @@ impl Clone for ClusterState {
     /// `clone_from` is `*self = source.clone()`, a fresh allocation of every table per tick and
     /// the old ones freed (2% of br-all's CPU under load, docs/benchmarks.md "Session 26").
     fn clone_from(&mut self, source: &Self) {
-        self.workers.clone_from(&source.workers);
-        self.slots.clone_from(&source.slots);
-        self.free_slots.clone_from(&source.free_slots);
-        self.index.clone_from(&source.index);
+        // Destructured, so that a field added to the struct fails to compile here instead of
+        // being left stale in the view.
+        let Self {
+            workers,
+            slots,
+            free_slots,
+            index,
+            members,
+            tree,
+            live_workers,
+        } = source;
+        self.workers.clone_from(workers);
+        self.slots.clone_from(slots);
+        self.free_slots.clone_from(free_slots);
+        self.index.clone_from(index);
         // Element-wise: each worker's member list keeps its allocation too.
-        self.members.clone_from(&source.members);
-        self.tree.clone_from(&source.tree);
-        self.live_workers = source.live_workers;
+        self.members.clone_from(members);
+        self.tree.clone_from(tree);
+        self.live_workers = *live_workers;
     }
 }
 

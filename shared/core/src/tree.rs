@@ -23,9 +23,11 @@ impl Clone for LoadTree {
 
     /// Into the vectors `self` has (see `ClusterState::clone_from`).
     fn clone_from(&mut self, source: &Self) {
-        self.leaves = source.leaves;
-        self.max.clone_from(&source.max);
-        self.min.clone_from(&source.min);
+        // Destructured: a new field fails to compile here rather than go uncopied.
+        let Self { leaves, max, min } = source;
+        self.leaves = *leaves;
+        self.max.clone_from(max);
+        self.min.clone_from(min);
     }
 }
 
