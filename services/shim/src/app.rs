@@ -232,5 +232,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             skeleton::wait_admin(admin).await?;
             Ok(outcome)
         },
-    ))
+    )
+    // "br-shim serving" above is the one start-up line, not the skeleton's.
+    .announced())
 }

@@ -19,36 +19,82 @@ pub use tonic_health::ServingStatus as HealthStatus;
 
 /// Returns a token cancelled on the first SIGTERM or SIGINT (Ctrl-C). Must be called inside a
 /// tokio runtime. Pass clones to everything that must stop (servers, background tasks).
+///
+/// The handlers are installed before it returns, not in the task it spawns: a SIGTERM that
+/// arrives before that task first runs (a process stopped right after it started, on a busy
+/// machine) is kept for it and drains the process, where it used to meet the default action
+/// and kill the process undrained.
 pub fn shutdown_on_signal() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
+    let signals = Signals::install();
     tokio::spawn(async move {
-        wait_for_signal().await;
+        signals.wait().await;
         t.cancel();
     });
     token
 }
 
-/// Completes on the first SIGTERM or SIGINT.
+/// Completes on the first SIGTERM or SIGINT (received from the moment it is first polled).
 pub async fn wait_for_signal() {
+    Signals::install().wait().await;
+}
+
+/// SIGTERM and SIGINT handlers, installed when made.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
-                    r = tokio::signal::ctrl_c() => log_ctrl_c(r),
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    /// Must be called inside a tokio runtime.
+    fn install() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let mut install = |kind: SignalKind, name: &str| match signal(kind) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot listen for {name}");
+                    None
                 }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the process");
-                log_ctrl_c(tokio::signal::ctrl_c().await);
+            };
+            Signals {
+                term: install(SignalKind::terminate(), "SIGTERM"),
+                int: install(SignalKind::interrupt(), "SIGINT"),
             }
         }
+        #[cfg(not(unix))]
+        Signals {}
     }
-    #[cfg(not(unix))]
-    log_ctrl_c(tokio::signal::ctrl_c().await);
+
+    async fn wait(self) {
+        #[cfg(unix)]
+        {
+            async fn next(s: Option<tokio::signal::unix::Signal>) {
+                match s {
+                    Some(mut s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            }
+            let Signals { term, int } = self;
+            if term.is_none() && int.is_none() {
+                // Neither could be installed: Ctrl-C the portable way, as a last resort.
+                log_ctrl_c(tokio::signal::ctrl_c().await);
+                return;
+            }
+            tokio::select! {
+                () = next(term) => tracing::info!("SIGTERM received, shutting down"),
+                () = next(int) => tracing::info!("SIGINT received, shutting down"),
+            }
+        }
+        #[cfg(not(unix))]
+        log_ctrl_c(tokio::signal::ctrl_c().await);
+    }
 }
 
 fn log_ctrl_c(r: std::io::Result<()>) {
