@@ -54,7 +54,7 @@ impl Signals {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{SignalKind, signal};
-            let mut install = |kind: SignalKind, name: &str| match signal(kind) {
+            let install = |kind: SignalKind, name: &str| match signal(kind) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot listen for {name}");
