@@ -35,11 +35,6 @@ pub fn shutdown_on_signal() -> CancellationToken {
     token
 }
 
-/// Completes on the first SIGTERM or SIGINT (received from the moment it is first polled).
-pub async fn wait_for_signal() {
-    Signals::install().wait().await;
-}
-
 /// SIGTERM and SIGINT handlers, installed when made.
 struct Signals {
     #[cfg(unix)]
