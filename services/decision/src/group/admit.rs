@@ -134,7 +134,12 @@ impl GroupCore {
             let mut out = std::mem::take(&mut self.scratch);
             out.clear();
             if let Some(split) = &self.split {
-                split.closed(self.view.cluster(), now, &mut self.closed);
+                split.closed(
+                    self.view.cluster(),
+                    now,
+                    self.view.is_stale(),
+                    &mut self.closed,
+                );
             }
             let (policy, pool) = (&mut self.policy, self.requests.pool_mut());
             self.view.with_closed(&self.closed, |cluster| {

@@ -16,6 +16,10 @@ use super::{GroupCore, wire};
 impl GroupCore {
     /// Installs a replica (a snapshot, or a σ built directly in tests).
     pub fn set_sigma(&mut self, sigma: Sigma, now: Instant) {
+        // The rank split's clocks start again on a fresh snapshot (see `split`).
+        if let Some(split) = &mut self.split {
+            split.restart();
+        }
         if self.view.install(sigma, now) {
             // The snapshot service restarted: what it accepted before is gone unless the
             // workers report it.
@@ -91,6 +95,11 @@ impl GroupCore {
     /// The Watch stream is up again (the replica may still be catching up).
     pub fn on_connected(&mut self, now: Instant) {
         self.view.confirmed(now);
+        // No takeover ran while σ was stale; the clocks start again from now (see `split`).
+        if let (Some(split), Some(s)) = (&mut self.split, self.view.sigma()) {
+            split.restart();
+            split.observe(s.cluster(), now);
+        }
         self.update_gauges(now);
     }
 

@@ -18,6 +18,16 @@
 //! this replica has anything to place or not (a clock kept only by ticks that place would
 //! start again after every idle spell, and a takeover would wait one more `takeover`).
 //!
+//! The clock only runs on a σ the snapshot service confirms current. While σ is stale (the
+//! Watch is down, or the replica awaits a fresh snapshot) no rank is taken over: the owner
+//! places on its ranks from its own stale view meanwhile, where no other replica can see it, so
+//! a free slot's age in a frozen σ says nothing about whether its owner is gone (two replicas
+//! taking the same slots through an outage would answer the gateway with both and collide when
+//! they re-commit). When σ is current again, and after every fresh snapshot (a resubscription
+//! that missed deltas, a restart of the snapshot service), every clock starts again: a takeover
+//! then waits `takeover` from that moment. A group whose other replicas and snapshot service are
+//! down at once keeps only this replica's ranks until σ is back.
+//!
 //! A wrong configuration (two replicas claiming one index, K disagreeing) cannot be seen from
 //! one replica's flags; it shows as refusals on ranks this replica owns, counted in
 //! `balanceroute_decision_rank_split_conflicts_total`, which a consistent split keeps near 0.
@@ -95,6 +105,12 @@ impl SplitTurns {
         self.split.owns(worker)
     }
 
+    /// Forgets every rank's free time (σ was not current for a while, or was replaced by a
+    /// snapshot): the next [`Self::observe`] starts the clocks again.
+    pub(super) fn restart(&mut self) {
+        self.free_since.fill(None);
+    }
+
     /// Reads σ as it is at `now` (called at every σ change): a rank's free time starts when σ
     /// first shows it with a free slot and ends when σ shows it full, so a slot its owner
     /// fills and frees again starts again. O(ranks), as the outage estimate's look at σ.
@@ -111,16 +127,24 @@ impl SplitTurns {
     }
 
     /// The ranks this replica may not place on at `now`: the others' ranks with free slots in
-    /// the `view` that σ has not shown free for the takeover time (ranks without free slots in
-    /// the view take nothing anyway).
-    pub(super) fn closed(&self, view: &ClusterState, now: Instant, out: &mut Vec<WorkerId>) {
+    /// the `view` that σ has not shown free for the takeover time, and all of them while σ is
+    /// `stale` (ranks without free slots in the view take nothing anyway).
+    pub(super) fn closed(
+        &self,
+        view: &ClusterState,
+        now: Instant,
+        stale: bool,
+        out: &mut Vec<WorkerId>,
+    ) {
         out.clear();
         for (worker, info) in (0..).zip(view.workers()) {
             if info.free_slots() == 0 || self.split.owns(worker) {
                 continue;
             }
             let since = self.free_since.get(worker as usize).copied().flatten();
-            if since.is_none_or(|since| now.saturating_duration_since(since) < self.split.takeover)
+            if stale
+                || since
+                    .is_none_or(|since| now.saturating_duration_since(since) < self.split.takeover)
             {
                 out.push(worker);
             }
@@ -184,24 +208,24 @@ mod tests {
         let mut turns = SplitTurns::new(split(2, 0));
         let t0 = Instant::now();
         let mut closed = Vec::new();
-        turns.closed(&sigma, t0, &mut closed);
+        turns.closed(&sigma, t0, false, &mut closed);
         assert_eq!(closed, vec![1, 3], "not seen free in σ yet");
         turns.observe(&sigma, t0);
-        turns.closed(&sigma, t0 + T / 2, &mut closed);
+        turns.closed(&sigma, t0 + T / 2, false, &mut closed);
         assert_eq!(closed, vec![1, 3], "the other replica's ranks");
         // rank 3 is filled by its owner in time; rank 1 is not (its owner is gone)
         let mut key = 0;
         fill(&mut sigma, 3, 1, &mut key);
         turns.observe(&sigma, t0 + T / 2);
-        turns.closed(&sigma, t0 + T, &mut closed);
+        turns.closed(&sigma, t0 + T, false, &mut closed);
         assert!(closed.is_empty(), "rank 1 is open, rank 3 takes nothing");
         // rank 3 frees again: its free time starts now, not at t0
         sigma.remove(key).unwrap();
         turns.observe(&sigma, t0 + T);
-        turns.closed(&sigma, t0 + T + T / 2, &mut closed);
+        turns.closed(&sigma, t0 + T + T / 2, false, &mut closed);
         assert_eq!(closed, vec![3]);
         // no σ change for a while (nothing to place, or nothing happened): the clock runs on
-        turns.closed(&sigma, t0 + 2 * T, &mut closed);
+        turns.closed(&sigma, t0 + 2 * T, false, &mut closed);
         assert!(closed.is_empty(), "both open");
     }
 
@@ -222,7 +246,7 @@ mod tests {
                 let mut turns = SplitTurns::new(split(k, i));
                 let mut closed = Vec::new();
                 turns.observe(&view, now);
-                turns.closed(&view, now + Duration::from_millis(elapsed_ms), &mut closed);
+                turns.closed(&view, now + Duration::from_millis(elapsed_ms), false, &mut closed);
                 for (w, info) in (0..).zip(view.workers()) {
                     if info.free_slots() > 0 && !closed.contains(&w) {
                         prop_assert!(turns.owns(w));

@@ -111,3 +111,57 @@ fn a_rank_its_owner_filled_and_freed_while_idle_waits_the_takeover_from_its_free
     fx.advance(TAKEOVER / 2);
     assert_eq!(fx.tick_and_commit(true), 1, "rank 0 is open now");
 }
+
+#[test]
+fn no_takeover_while_sigma_is_stale_and_the_clock_starts_again_when_it_is_back() {
+    // replica 1 of 2 owns ranks 1 and 3, both full; ranks 0 and 2 have been free in σ since it
+    // came. Then the snapshot service goes away: the owner of ranks 0 and 2 places on them from
+    // its own (stale) view, where this replica cannot see it.
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0, 1, 0, 1], 1, split_cfg(2, 1));
+    fx.advance(TAKEOVER / 2);
+    fx.core.on_disconnected(fx.now, fx.now);
+    let (_, mut rx) = fx.assign("r", 10);
+    // long past the takeover time: a σ frozen by the outage shows nothing of the slots' age
+    for _ in 0..6 {
+        fx.advance(TAKEOVER / 2);
+        fx.core.tick(fx.now);
+        assert!(fx.core.take_reserve(fx.now).is_none());
+        assert!(pending(&mut rx), "taken over while σ is stale");
+    }
+    // back: the clock counts from the moment σ is current again, not from before the outage
+    fx.core.on_connected(fx.now);
+    fx.advance(TAKEOVER / 2);
+    assert_eq!(
+        fx.tick_and_commit(true),
+        0,
+        "taken over before the takeover time"
+    );
+    assert!(pending(&mut rx));
+    fx.advance(TAKEOVER / 2);
+    assert_eq!(
+        fx.tick_and_commit(true),
+        1,
+        "open once free for the takeover time"
+    );
+    let worker = answer(&mut rx).worker;
+    assert!(worker == 0 || worker == 2, "on rank {worker}");
+}
+
+#[test]
+fn a_fresh_snapshot_starts_the_clock_again() {
+    // a resubscription answered with a snapshot (the deltas since were gone, or the service
+    // restarted) follows a spell in which this replica saw nothing of the slots
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0, 1, 0, 1], 1, split_cfg(2, 1));
+    fx.advance(TAKEOVER * 2);
+    fx.core.set_sigma(fx.writer.clone(), fx.now);
+    let (_, mut rx) = fx.assign("r", 10);
+    fx.advance(TAKEOVER / 2);
+    assert_eq!(
+        fx.tick_and_commit(true),
+        0,
+        "taken over on a clock from before the snapshot"
+    );
+    assert!(pending(&mut rx));
+    fx.advance(TAKEOVER / 2);
+    assert_eq!(fx.tick_and_commit(true), 1);
+}
