@@ -109,6 +109,11 @@ impl GrpcSnapshot {
                 Sent::Answered(answer) => return answer,
                 Sent::Ended(back) => {
                     self.stream.forget(&open);
+                    // Why it ended decides: a server without ReserveStream may have said so
+                    // before this call was written (the first calls to an old server).
+                    if open.waiting.ended().await == Some(tonic::Code::Unimplemented) {
+                        return Answer::Unsupported(back);
+                    }
                     req = back;
                 }
             }
@@ -192,6 +197,8 @@ struct Waiting {
     served: AtomicBool,
     /// One permit per call waiting: the 1,024 in flight the server takes.
     in_flight: tokio::sync::Semaphore,
+    /// Why the stream ended, once it has (set by [`Waiting::end`]).
+    ended: tokio::sync::watch::Sender<Option<tonic::Code>>,
 }
 
 impl Default for Waiting {
@@ -201,6 +208,7 @@ impl Default for Waiting {
             next_id: std::sync::atomic::AtomicU64::new(0),
             served: AtomicBool::new(false),
             in_flight: tokio::sync::Semaphore::new(RESERVE_STREAM_IN_FLIGHT),
+            ended: tokio::sync::watch::Sender::new(None),
         }
     }
 }
@@ -223,7 +231,9 @@ impl Waiting {
     fn end(&self, status: &tonic::Status) {
         self.in_flight.close();
         let unsupported = status.code() == tonic::Code::Unimplemented;
-        let Some(calls) = self.lock().take() else {
+        let calls = self.lock().take();
+        self.ended.send_replace(Some(status.code()));
+        let Some(calls) = calls else {
             return;
         };
         for (_, w) in calls {
@@ -233,6 +243,16 @@ impl Waiting {
             };
             let _ = w.reply.send(answer);
         }
+    }
+}
+
+impl Waiting {
+    /// Why the stream ended, for a call that found it ended ([`Sent::Ended`]): the task
+    /// reading the stream is then ending it, or has (the caller's Reserve timeout bounds the
+    /// wait all the same).
+    async fn ended(&self) -> Option<tonic::Code> {
+        let mut ended = self.ended.subscribe();
+        ended.wait_for(Option::is_some).await.ok().and_then(|c| *c)
     }
 }
 
@@ -564,6 +584,32 @@ mod tests {
             open.call(reserve("g", "late"), &trace).await,
             Sent::Ended(_)
         ));
+    }
+
+    /// A call that finds its stream already ended by the server's UNIMPLEMENTED (the answer to
+    /// the first call to an old server came back before the call was written: a caller
+    /// preempted on a loaded machine) goes unary, not to another stream that would end the
+    /// same way: a second failure there ended the call with UNAVAILABLE (1 run in 60 of
+    /// `an_old_server_without_the_stream_gets_unary_reserve`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_that_finds_its_stream_ended_by_unimplemented_goes_unary() {
+        // Nobody listens here: a call sent to another stream fails.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ops = GrpcSnapshot::new(lazy(format!("http://127.0.0.1:{port}")), PATIENCE);
+        let (open, _sent) = unanswered();
+        open.waiting
+            .end(&tonic::Status::unimplemented("no ReserveStream here"));
+        *ops.stream.open.lock().unwrap() = Some(Arc::new(open));
+        let answer =
+            within(ops.reserve_streamed(reserve("g", "r"), br_trace::W3c::default())).await;
+        assert!(
+            matches!(&answer, Answer::Unsupported(r) if r.reservations[0].request_id == "r"),
+            "{answer:?}"
+        );
     }
 
     async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
