@@ -27,7 +27,7 @@ use br_trace::SpanContext;
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use rustc_hash::FxHashMap;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -38,7 +38,7 @@ use crate::group::{GroupCore, GroupStats, Reply, wire};
 use crate::live::LiveNow;
 use crate::metrics::GroupMetrics;
 use crate::upstream::SnapshotOps;
-use br_client::watch::{Update, WatchHandle};
+use br_client::watch::{Update, WatchHandle, WatchStatus};
 
 /// Capacity of a group's command queue (handlers wait when it is full).
 pub const COMMAND_QUEUE: usize = 8192;
@@ -165,6 +165,8 @@ impl Default for TickConfig {
 pub struct Feed {
     pub updates: mpsc::Receiver<Update>,
     pub handle: WatchHandle,
+    /// The watcher's status, kept rather than taken from `handle` at every update.
+    status: watch::Receiver<WatchStatus>,
     resubscribes_seen: u64,
 }
 
@@ -172,6 +174,7 @@ impl Feed {
     pub fn new(handle: WatchHandle, updates: mpsc::Receiver<Update>) -> Feed {
         Feed {
             updates,
+            status: handle.status(),
             handle,
             resubscribes_seen: 0,
         }
@@ -418,7 +421,7 @@ fn on_update(core: &mut GroupCore, u: Update, feed: &mut Feed, metrics: &GroupMe
         }
     }
     // Resubscriptions the watcher made on its own (gaps, stream errors).
-    let resubscribes = feed.handle.status().borrow().resubscribes;
+    let resubscribes = feed.status.borrow().resubscribes;
     if resubscribes > feed.resubscribes_seen {
         metrics.watch_reset_by("resubscribe", resubscribes - feed.resubscribes_seen);
         feed.resubscribes_seen = resubscribes;
