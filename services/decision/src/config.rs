@@ -260,7 +260,9 @@ pub struct Args {
 
     /// With `--deciders` K > 1: how long another replica's rank must show free slots before
     /// this one places there too. Bounds how long a dead replica's ranks stay unused; keep it
-    /// well above the time a replica takes to fill a freed slot (a σ delta and a tick).
+    /// well above the time a replica takes to fill a freed slot (a σ delta and a tick). A rank
+    /// σ shows back (a restarted snapshot service, a reconnection) waits
+    /// `--recommit-settle` for its reports first.
     #[arg(long, env = "BALANCEROUTE_DECIDER_TAKEOVER", value_parser = humantime::parse_duration, default_value = DEFAULT_DECIDER_TAKEOVER)]
     pub decider_takeover: Duration,
 

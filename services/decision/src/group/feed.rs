@@ -96,10 +96,10 @@ impl GroupCore {
     pub fn on_connected(&mut self, now: Instant) {
         self.view.confirmed(now);
         // No takeover ran while σ was stale; the clocks start again from now (see `split`).
-        if let (Some(split), Some(s)) = (&mut self.split, self.view.sigma()) {
+        if let Some(split) = &mut self.split {
             split.restart();
-            split.observe(s.cluster(), now);
         }
+        self.observe_split(now);
         self.update_gauges(now);
     }
 
@@ -120,9 +120,7 @@ impl GroupCore {
     fn sigma_moved(&mut self, now: Instant) {
         self.view.learn(now);
         // The rank split's clock runs on σ, not on ticks (idle spells included).
-        if let (Some(split), Some(s)) = (&mut self.split, self.view.sigma()) {
-            split.observe(s.cluster(), now);
-        }
+        self.observe_split(now);
         self.reservations.prune(self.view.sigma(), now);
         // Freed slots may admit waiting requests.
         if !self.requests.pool_is_empty() {
@@ -131,5 +129,15 @@ impl GroupCore {
         if let Some(s) = self.view.sigma() {
             self.metrics.sigma_version.set(s.version() as i64);
         }
+    }
+
+    /// The rank split reads σ: a rank's free time starts no earlier than its worker's reports
+    /// had `--recommit-settle` to arrive since σ (current) showed it back (see `split`).
+    fn observe_split(&mut self, now: Instant) {
+        let (Some(split), Some(s)) = (&mut self.split, self.view.sigma()) else {
+            return;
+        };
+        let (view, settle) = (&self.view, self.cfg.recommit_settle);
+        split.observe(s.cluster(), now, |w| view.back_at(w).map(|t| t + settle));
     }
 }

@@ -28,6 +28,13 @@
 //! then waits `takeover` from that moment. A group whose other replicas and snapshot service are
 //! down at once keeps only this replica's ranks until σ is back.
 //!
+//! Nor does a clock start before σ's picture of the rank can be believed: a worker σ shows
+//! back (after a restart of the snapshot service, a reconnection, or the worker's own restart)
+//! holds what it reports, and its reports take up to `--recommit-settle` to arrive. Until then
+//! σ may show it empty while the owner's placements through the outage run on it (the owner
+//! re-commits them by the same rule, [`super::reservations`]). So a rank back in σ is taken
+//! over `--recommit-settle` plus `takeover` after σ shows it back at the earliest.
+//!
 //! A wrong configuration (two replicas claiming one index, K disagreeing) cannot be seen from
 //! one replica's flags; it shows as refusals on ranks this replica owns, counted in
 //! `balanceroute_decision_rank_split_conflicts_total`, which a consistent split keeps near 0.
@@ -114,14 +121,32 @@ impl SplitTurns {
     /// Reads σ as it is at `now` (called at every σ change): a rank's free time starts when σ
     /// first shows it with a free slot and ends when σ shows it full, so a slot its owner
     /// fills and frees again starts again. O(ranks), as the outage estimate's look at σ.
-    pub(super) fn observe(&mut self, sigma: &ClusterState, now: Instant) {
+    ///
+    /// `trusted_from(rank)` is when σ's picture of the rank can be believed: its worker's own
+    /// reports have had time to arrive since σ (current) last showed it back (`None`: σ does
+    /// not show it live). A free slot's time starts no earlier. After a restart of the
+    /// snapshot service a worker is back before its reports are, and σ shows it empty; its
+    /// owner's placements through the outage show only once the worker reports them.
+    pub(super) fn observe(
+        &mut self,
+        sigma: &ClusterState,
+        now: Instant,
+        trusted_from: impl Fn(WorkerId) -> Option<Instant>,
+    ) {
         let workers = sigma.workers();
         self.free_since.resize(workers.len(), None);
-        for (since, info) in self.free_since.iter_mut().zip(workers) {
+        for ((since, info), worker) in self.free_since.iter_mut().zip(workers).zip(0..) {
             if info.free_slots() == 0 {
                 *since = None;
-            } else {
-                since.get_or_insert(now);
+                continue;
+            }
+            match trusted_from(worker) {
+                // a start in the future keeps the rank closed until then plus the takeover
+                Some(trusted) => {
+                    let start = trusted.max(now);
+                    *since = Some(since.map_or(start, |s| s.max(trusted)));
+                }
+                None => *since = None,
             }
         }
     }
@@ -210,23 +235,59 @@ mod tests {
         let mut closed = Vec::new();
         turns.closed(&sigma, t0, false, &mut closed);
         assert_eq!(closed, vec![1, 3], "not seen free in σ yet");
-        turns.observe(&sigma, t0);
+        turns.observe(&sigma, t0, |_| Some(t0));
         turns.closed(&sigma, t0 + T / 2, false, &mut closed);
         assert_eq!(closed, vec![1, 3], "the other replica's ranks");
         // rank 3 is filled by its owner in time; rank 1 is not (its owner is gone)
         let mut key = 0;
         fill(&mut sigma, 3, 1, &mut key);
-        turns.observe(&sigma, t0 + T / 2);
+        turns.observe(&sigma, t0 + T / 2, |_| Some(t0));
         turns.closed(&sigma, t0 + T, false, &mut closed);
         assert!(closed.is_empty(), "rank 1 is open, rank 3 takes nothing");
         // rank 3 frees again: its free time starts now, not at t0
         sigma.remove(key).unwrap();
-        turns.observe(&sigma, t0 + T);
+        turns.observe(&sigma, t0 + T, |_| Some(t0));
         turns.closed(&sigma, t0 + T + T / 2, false, &mut closed);
         assert_eq!(closed, vec![3]);
         // no σ change for a while (nothing to place, or nothing happened): the clock runs on
         turns.closed(&sigma, t0 + 2 * T, false, &mut closed);
         assert!(closed.is_empty(), "both open");
+    }
+
+    #[test]
+    fn a_rank_is_not_taken_over_before_its_reports_can_be_believed() {
+        let sigma = ClusterState::with_workers(&[1, 1, 1, 1]);
+        let mut turns = SplitTurns::new(split(2, 0));
+        let t0 = Instant::now();
+        let settle = 5 * T;
+        // rank 1 is back in σ at t0 (its reports may take `settle`); σ does not show rank 3
+        // live
+        let trusted = |w: WorkerId| (w == 1).then_some(t0 + settle);
+        turns.observe(&sigma, t0, trusted);
+        let mut closed = Vec::new();
+        turns.closed(&sigma, t0 + T, false, &mut closed);
+        assert_eq!(
+            closed,
+            vec![1, 3],
+            "free in σ for the takeover time, not believable yet"
+        );
+        turns.observe(&sigma, t0 + settle, trusted);
+        turns.closed(&sigma, t0 + settle + T / 2, false, &mut closed);
+        assert_eq!(closed, vec![1, 3]);
+        turns.closed(&sigma, t0 + settle + T, false, &mut closed);
+        assert_eq!(
+            closed,
+            vec![3],
+            "free since it can be believed, for the takeover time"
+        );
+        // a clock already running starts again when the rank is back again later (a
+        // reconnection, a new incarnation)
+        let later = t0 + settle + T;
+        turns.observe(&sigma, later, |w| (w == 1).then_some(later + settle));
+        turns.closed(&sigma, later + settle + T / 2, false, &mut closed);
+        assert_eq!(closed, vec![1, 3]);
+        turns.closed(&sigma, later + settle + T, false, &mut closed);
+        assert_eq!(closed, vec![3]);
     }
 
     proptest! {
@@ -245,7 +306,7 @@ mod tests {
             for i in 0..k {
                 let mut turns = SplitTurns::new(split(k, i));
                 let mut closed = Vec::new();
-                turns.observe(&view, now);
+                turns.observe(&view, now, |_| Some(now));
                 turns.closed(&view, now + Duration::from_millis(elapsed_ms), false, &mut closed);
                 for (w, info) in (0..).zip(view.workers()) {
                     if info.free_slots() > 0 && !closed.contains(&w) {

@@ -281,6 +281,12 @@ impl SigmaView {
         Some(self.connected_at.map_or(since, |c| c.max(since)))
     }
 
+    /// [`Self::ready_at`] for the incarnation σ shows `worker` live with now.
+    pub(super) fn back_at(&self, worker: u32) -> Option<Instant> {
+        let &(incarnation, _) = self.live_since.get(&worker)?;
+        self.ready_at(worker, incarnation)
+    }
+
     /// Ends the estimate once σ is current (connected, not adopting) for [`RESUME_LINGER`]
     /// without moving: a resubscription that missed nothing brings no delta.
     fn end_estimate_if_current(&mut self, now: Instant) {
