@@ -279,18 +279,23 @@ async fn run(
                 core.on_reserve_done(done.job, wire::reserve_outcome(done.result), Instant::now());
             }
             Some(u) = recv_feed(&mut feed) => {
-                // The select is biased towards σ's feed, so the feed's end (br-all's writer
-                // closes the Watch streams after the drain) can win over the shutdown branch
-                // in the same turn: look at the token itself, or a clean stop logs an outage.
-                if shutdown.is_cancelled() {
-                    core.shut_down();
-                }
                 if let Some(f) = feed.as_mut() {
-                    on_update(&mut core, u, f, &metrics);
                     // σ updates already queued are applied in this turn too (one flush and
                     // one readiness check for all of them).
-                    for _ in 1..BATCH {
-                        let Ok(u) = f.updates.try_recv() else { break };
+                    let mut next = Some(u);
+                    for _ in 0..BATCH {
+                        let Some(u) = next.take().or_else(|| f.updates.try_recv().ok()) else {
+                            break;
+                        };
+                        // The select is biased towards σ's feed, so the feed's end (br-all's
+                        // writer closes the Watch streams after the drain) can win over the
+                        // shutdown branch: look at the token itself before each update, or a
+                        // clean stop logs an outage. Once per turn was not enough: the token
+                        // can be cancelled while a batch is applied (2 runs in 100 of
+                        // br-all's `start_and_stop_logs`).
+                        if shutdown.is_cancelled() {
+                            core.shut_down();
+                        }
                         on_update(&mut core, u, f, &metrics);
                     }
                 }
