@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ fuzz: ## libFuzzer over every decoder and validator for FUZZ_SECONDS (default 60
 
 soak: ## the whole control plane under steady load for SOAK_MINUTES (default 10): RSS flat, p99 steady (scripts/soak.sh)
 	scripts/soak.sh
+
+flake-hunt: ## every test binary FLAKE_ROUNDS times (default 10), two at once: the rare failures CI meets now and then (scripts/flake-hunt.sh)
+	bash scripts/flake-hunt.sh
 
 chaos: ## seeded chaos (kill -9, frozen connections under load) for MINUTES (default 10): scripts/chaos.sh
 	scripts/chaos.sh --minutes $(or $(MINUTES),10)
