@@ -335,6 +335,12 @@ async fn a_stalled_watcher_is_reset_while_another_receives_every_delta_in_order(
     let mut ingest = server.ingest().await;
     ingest.send("g", vec![hello(0, 10, 64)]).await;
     let n = 1500u64;
+    // The reader says how far it has read; the writer stays within LAG versions of it. A
+    // reader that keeps up is the case under test, and on a loaded machine a reader task left
+    // without a core for a few ms fell more than its queue of 4 behind a writer at full speed
+    // (a SLOW_CONSUMER reset of the reading watcher: 1 run of 4 × 93 binaries in a flake hunt).
+    const LAG: u64 = 2;
+    let (read_to, mut read) = tokio::sync::watch::channel(0u64);
     let reading = tokio::spawn(async move {
         let mut replica: Option<Sigma> = None;
         let mut version = 0;
@@ -350,12 +356,18 @@ async fn a_stalled_watcher_is_reset_while_another_receives_every_delta_in_order(
                 }
                 e => panic!("the reading watcher got {e:?}"),
             }
+            read_to.send_replace(version);
         }
         version
     });
     // ~2 KB per delta, 3 MB in all: more than the HTTP/2 buffers of the stalled stream (the
     // client's window and the server's send buffer) plus its queue. σ itself stays small.
     for i in 1..n {
+        // σ's version after the Hello and i - 1 of these batches is i
+        tokio::time::timeout(PATIENCE, read.wait_for(|&v| v + LAG >= i))
+            .await
+            .expect("the reading watcher keeps up")
+            .expect("the reader is running");
         let i = u32::try_from(i).unwrap();
         let changes = (0..8)
             .map(|r| prog(0, 10, &format!("{pad}-{r}"), 10, i))
