@@ -291,7 +291,7 @@ async fn run(
                         // writer closes the Watch streams after the drain) can win over the
                         // shutdown branch: look at the token itself before each update, or a
                         // clean stop logs an outage. Once per turn was not enough: the token
-                        // can be cancelled while a batch is applied (2 runs in 100 of
+                        // can be cancelled while a batch is applied (about 1 run in 100 of
                         // br-all's `start_and_stop_logs`).
                         if shutdown.is_cancelled() {
                             core.shut_down();

@@ -220,6 +220,14 @@ impl Waiting {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Why the stream ended, for a call that found it ended ([`Sent::Ended`]): the task
+    /// reading the stream is then ending it, or has (the caller's Reserve timeout bounds the
+    /// wait all the same).
+    async fn ended(&self) -> Option<tonic::Code> {
+        let mut ended = self.ended.subscribe();
+        ended.wait_for(Option::is_some).await.ok().and_then(|c| *c)
+    }
+
     /// Calls waiting now (for tests: none may be left behind).
     #[cfg(test)]
     fn len(&self) -> usize {
@@ -243,16 +251,6 @@ impl Waiting {
             };
             let _ = w.reply.send(answer);
         }
-    }
-}
-
-impl Waiting {
-    /// Why the stream ended, for a call that found it ended ([`Sent::Ended`]): the task
-    /// reading the stream is then ending it, or has (the caller's Reserve timeout bounds the
-    /// wait all the same).
-    async fn ended(&self) -> Option<tonic::Code> {
-        let mut ended = self.ended.subscribe();
-        ended.wait_for(Option::is_some).await.ok().and_then(|c| *c)
     }
 }
 
