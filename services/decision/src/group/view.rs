@@ -274,17 +274,24 @@ impl SigmaView {
     /// has confirmed σ since): from then on the worker's own reports are in σ. None if σ
     /// does not show it so.
     pub(super) fn ready_at(&self, worker: u32, incarnation: u64) -> Option<Instant> {
-        let &(inc, since) = self.live_since.get(&worker)?;
-        if inc != incarnation || !self.connected {
-            return None;
-        }
-        Some(self.connected_at.map_or(since, |c| c.max(since)))
+        self.live_entry(worker)
+            .filter(|&(inc, _)| inc == incarnation)
+            .map(|(_, ready)| ready)
     }
 
     /// [`Self::ready_at`] for the incarnation σ shows `worker` live with now.
     pub(super) fn back_at(&self, worker: u32) -> Option<Instant> {
-        let &(incarnation, _) = self.live_since.get(&worker)?;
-        self.ready_at(worker, incarnation)
+        self.live_entry(worker).map(|(_, ready)| ready)
+    }
+
+    /// The incarnation σ shows `worker` live with, and when its reports are in σ; None while
+    /// σ is not current. One lookup serves both [`Self::ready_at`] and [`Self::back_at`].
+    fn live_entry(&self, worker: u32) -> Option<(u64, Instant)> {
+        if !self.connected {
+            return None;
+        }
+        let &(inc, since) = self.live_since.get(&worker)?;
+        Some((inc, self.connected_at.map_or(since, |c| c.max(since))))
     }
 
     /// Ends the estimate once σ is current (connected, not adopting) for [`RESUME_LINGER`]

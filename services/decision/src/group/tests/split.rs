@@ -27,6 +27,24 @@ fn replica(k: u32, i: u32, loads: &[u32]) -> Fx {
     fx
 }
 
+/// Advances the clock in steps of `step` until `done` (called after each step) returns
+/// Some, which it must within `limit`: the time that took, and what `done` returned.
+fn steps_until<T>(
+    fx: &mut Fx,
+    step: Duration,
+    limit: Duration,
+    mut done: impl FnMut(&mut Fx) -> Option<T>,
+) -> (Duration, T) {
+    let from = fx.now;
+    loop {
+        fx.advance(step);
+        if let Some(t) = done(fx) {
+            return (fx.now - from, t);
+        }
+        assert!(fx.now - from <= limit, "not done within {limit:?}");
+    }
+}
+
 /// Ticks in steps of `step` until `rx` is answered (it must be, within `limit`): the time that
 /// took, and the answer.
 fn ticks_until_answered(
@@ -35,17 +53,18 @@ fn ticks_until_answered(
     step: Duration,
     limit: Duration,
 ) -> (Duration, Assignment) {
-    let from = fx.now;
-    loop {
-        match rx.try_recv() {
-            Ok(answer) => return (fx.now - from, answer.expect("ok")),
-            Err(TryRecvError::Empty) => {}
-            Err(TryRecvError::Closed) => panic!("the caller's channel closed"),
-        }
-        assert!(fx.now - from <= limit, "not answered within {limit:?}");
-        fx.advance(step);
-        fx.tick_and_commit(true);
+    let answered = |rx: &mut Rx| match rx.try_recv() {
+        Ok(answer) => Some(answer.expect("ok")),
+        Err(TryRecvError::Empty) => None,
+        Err(TryRecvError::Closed) => panic!("the caller's channel closed"),
+    };
+    if let Some(a) = answered(rx) {
+        return (Duration::ZERO, a);
     }
+    steps_until(fx, step, limit, |fx| {
+        fx.tick_and_commit(true);
+        answered(rx)
+    })
 }
 
 #[test]
@@ -222,18 +241,11 @@ fn after_a_restart_of_the_snapshot_service_a_rank_waits_for_its_reports() {
     fx.core.tick(fx.now);
     let job = fx.core.take_reserve(fx.now);
     assert!(job.is_none(), "placed on a full rank of its own");
-    let mut waited = Duration::ZERO;
-    loop {
-        fx.advance(TAKEOVER / 4);
-        waited += TAKEOVER / 4;
+    let (waited, worker) = steps_until(&mut fx, TAKEOVER / 4, 4 * settle(), |fx| {
         fx.core.tick(fx.now);
-        if let Some(job) = fx.core.take_reserve(fx.now) {
-            let w = job.reservations[0].worker;
-            assert!(w == 0 || w == 2, "on rank {w}");
-            break;
-        }
-        assert!(waited <= 4 * settle(), "never taken over");
-    }
+        Some(fx.core.take_reserve(fx.now)?.reservations[0].worker)
+    });
+    assert!(worker == 0 || worker == 2, "on rank {worker}");
     assert_eq!(
         waited,
         settle() + TAKEOVER,
