@@ -11,6 +11,10 @@
 # (target/flake-hunt). Builds first (`cargo test --no-run`). Every failing run's output is kept
 # in FLAKE_OUT/fail-<binary>-r<round>.log; times.txt has one line per run. Exit 0 only if no
 # run failed.
+#
+# Property tests draw fresh cases in every run here (CI's `make unit` fixes PROPTEST_RNG_SEED),
+# unless PROPTEST_RNG_SEED is set (each property fixes its own case count, so more rounds are
+# how to draw more). A failing case is printed in the run's log with its minimal input.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
