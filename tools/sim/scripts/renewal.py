@@ -27,6 +27,8 @@ import os
 import re
 import sys
 
+from gap_table import rows as means_rows  # the means table's rows, as gap_table.py reads them
+
 BASELINES = ("rr", "jsq", "mintok")
 NAME = r"-((?:paper-|x)\w+)-B(\d+)-(saturated|poisson)(?:-G\d+)?\.txt$"
 # the per-G table after the means: policy G imbalance s.imbal barrier_idle tok/s fluid gain%
@@ -34,7 +36,6 @@ NAME = r"-((?:paper-|x)\w+)-B(\d+)-(saturated|poisson)(?:-G\d+)?\.txt$"
 ROW = re.compile(r"^(\S+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+\s+\S+\s+\S+\s+([\d.]+)\s+([\d.]+)\s")
 STEP = re.compile(r"step T = ([\d.e+-]+)·max L")
 OUTPUT = re.compile(r"output mean (\d+)")
-GAP = re.compile(r"^(\S+)\s+(\d+)" + r"\s+(-?[\d.+]+)\s+±\s+([\d.]+)" * 6 + r"\s*$")
 
 
 def harmonic(n):
@@ -48,17 +49,13 @@ def runs(path):
     a = float(STEP.search(text).group(1))
     outs = [float(x) for x in OUTPUT.findall(text)]
     e_out = sum(outs) / len(outs)
-    excess, gap = {}, {}
-    inside = False
+    gap = {}
+    for m in means_rows(path):
+        gap.setdefault(int(m[1]), {})[m[0]] = (float(m[10]), float(m[11]))
+    excess = {}
     for line in text.splitlines():
-        if line.startswith("mean ± standard error"):
-            inside = True
-            continue
-        m = GAP.match(line) if inside else None
-        if m:
-            gap.setdefault(int(m.group(2)), {})[m.group(1)] = (float(m.group(11)), float(m.group(12)))
         m = ROW.match(line)
-        if m and "barrier_idle" not in line:
+        if m:
             policy, g, steady, fluid = m.group(1), int(m.group(2)), float(m.group(3)), float(m.group(4))
             t_fluid_ms = g * b / fluid * 1e3
             t_ms = g * b / steady * 1e3
