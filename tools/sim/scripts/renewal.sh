@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The renewal model's test (issue 16; tools/sim/README.md, "What bounds the B = 64 targets"):
-# it predicts BR-0's steady max − mean as E[out]·(H_G − 1) tokens, so scaling every output length
-# by k should scale it by k while the baselines' excess barely moves. One workload, paper-azure's
+# The renewal model's test (issue 16; tools/sim/README.md, "A model of what is left"): it
+# predicts BR-0's steady max − mean as E[out]·(H_G − 1) tokens, so scaling every output length
+# by k should scale it by k (the baselines' excess grows far less). One workload, paper-azure's
 # shape (prompts uniform 700..8,000; outputs 55% exactly 1,024, the rest uniform 1,001..1,500,
 # like `paper-azure`'s filter), outputs × k for k in 0.25..4; G = 64, B = 64, Poisson arrivals
 # at 1.2× the fluid capacity (48/s at k = 1, 48/k otherwise), 5 seeds. Writes
