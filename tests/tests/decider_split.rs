@@ -57,6 +57,15 @@ async fn issue(
     ids: std::ops::Range<usize>,
     answers: &mpsc::Sender<(String, u32, u32)>,
 ) -> Vec<Outcome> {
+    collect(send(clients, ids, answers).await).await
+}
+
+/// Sends `ids` (10 ms apart), alternating between the two gateway clients; the calls run on.
+async fn send(
+    clients: &[AssignClient; 2],
+    ids: std::ops::Range<usize>,
+    answers: &mpsc::Sender<(String, u32, u32)>,
+) -> tokio::task::JoinSet<Outcome> {
     let mut calls = tokio::task::JoinSet::new();
     let mut pace = tokio::time::interval(Duration::from_millis(10));
     for i in ids {
@@ -64,11 +73,23 @@ async fn issue(
         let (client, tx) = (clients[i % 2].clone(), answers.clone());
         calls.spawn(Outcome::assign(client, GROUP, i, LONG, tx));
     }
+    calls
+}
+
+/// Waits for every call [`send`] started to end.
+async fn collect(mut calls: tokio::task::JoinSet<Outcome>) -> Vec<Outcome> {
     let mut outcomes = Vec::new();
     while let Some(o) = within(LONG, "every Assign ends", calls.join_next()).await {
         outcomes.push(o.unwrap());
     }
     outcomes
+}
+
+/// Waits until `metric` on every replica of `deciders` satisfies `ok`.
+async fn on_every_replica(deciders: &[Service], what: &str, metric: &str, ok: fn(f64) -> bool) {
+    for d in deciders {
+        eventually(LONG, what, || async { ok(metric_sum(d, metric).await) }).await;
+    }
 }
 
 fn latency_ms(outcomes: &[Outcome], q: f64) -> f64 {
@@ -222,47 +243,31 @@ async fn split_replicas_keep_to_their_ranks_through_a_restart_of_the_snapshot_se
     // neither may place on the other's ranks then: neither can see the other's placements.
     // (Checked by mutation: with takeovers allowed while stale, replica 1 answered 4 of 17 on
     // replica 0's ranks.) After the restart every request runs once, none is lost, and σ ends
-    // as empty as the workers. The takeover clock's wait for a rank's reports after the restart is
-    // the unit tests' (`group::tests::split`): here the workers report again within one
-    // progress interval, and a mutation that drops that wait passes.
+    // as empty as the workers. The takeover clock's wait for a rank's reports after the
+    // restart is the unit tests' (`group::tests::split`): here the workers report again within
+    // one progress interval, and a mutation that drops that wait passes.
     let mut run = start(true).await;
     let mut outcomes = issue(&run.clients, 0..BOTH_ALIVE / 2, &run.answers).await;
     let urls: Vec<String> = run.stack.deciders.iter().map(Service::grpc_url).collect();
 
     run.stack.snapshot.kill();
-    for d in &run.stack.deciders {
-        eventually(LONG, "the replica sees σ stale", || async {
-            metric_sum(d, "balanceroute_decision_sigma_stale").await == 1.0
-        })
-        .await;
-    }
+    let sigma_stale = "balanceroute_decision_sigma_stale";
+    on_every_replica(&run.stack.deciders, "σ stale", sigma_stale, |v| v == 1.0).await;
     // Calls through the outage: each replica answers its own (alternate) ones, stale.
-    let outage = BOTH_ALIVE / 2..BOTH_ALIVE;
-    let mut calls = tokio::task::JoinSet::new();
-    let mut pace = tokio::time::interval(Duration::from_millis(10));
-    for i in outage.clone() {
-        pace.tick().await;
-        let (client, tx) = (run.clients[i % 2].clone(), run.answers.clone());
-        calls.spawn(Outcome::assign(client, GROUP, i, LONG, tx));
-    }
+    let calls = send(&run.clients, BOTH_ALIVE / 2..BOTH_ALIVE, &run.answers).await;
     // Restart once both replicas have answered stale (the outage estimate frees slots).
-    for d in &run.stack.deciders {
-        eventually(LONG, "the replica answers stale", || async {
-            metric_sum(d, "balanceroute_decision_stale_answers_total").await >= 1.0
-        })
-        .await;
-    }
+    let answered_stale = "balanceroute_decision_stale_answers_total";
+    on_every_replica(&run.stack.deciders, "stale answers", answered_stale, |v| {
+        v >= 1.0
+    })
+    .await;
     run.stack.snapshot.restart();
     run.stack.snapshot.wait_for("/livez", LONG).await;
-    while let Some(o) = within(LONG, "every outage Assign ends", calls.join_next()).await {
-        outcomes.push(o.unwrap());
-    }
-    for d in &run.stack.deciders {
-        eventually(LONG, "the replica is fresh again", || async {
-            metric_sum(d, "balanceroute_decision_sigma_stale").await == 0.0
-        })
-        .await;
-    }
+    outcomes.extend(collect(calls).await);
+    on_every_replica(&run.stack.deciders, "σ fresh again", sigma_stale, |v| {
+        v == 0.0
+    })
+    .await;
     let total = BOTH_ALIVE + AFTER_KILL;
     outcomes.extend(issue(&run.clients, BOTH_ALIVE..total, &run.answers).await);
 
@@ -296,7 +301,7 @@ async fn split_replicas_keep_to_their_ranks_through_a_restart_of_the_snapshot_se
     );
     // Refusals on a replica's own ranks (a takeover racing the owner) stay rare: 4 in one of
     // 24 runs beside a CPU hog, 0 in the others, each request re-pooled, not lost. Replicas
-    // that ignored the split would collide about every other call (95-119 in 200 in the test
+    // that ignored the split would collide about every other call (95-137 in 200 in the test
     // without it).
     assert!(
         conflicts <= (total / 20) as f64,
