@@ -656,10 +656,15 @@ fn stage2_worker(free: &[u32], done: &[bool], margins: &Margins) -> Option<Worke
         if f == 0 || done[w] {
             continue;
         }
+        // fewer free slots lose whatever their margin: no need to compute it
+        if best.is_some_and(|(_, bf, _)| f < bf) {
+            continue;
+        }
+        // kept by `margins` between picks: most picks recompute only the last one's worker
         let m = margins.min_margin(w as WorkerId);
         let better = match best {
             None => true,
-            Some((_, bf, bm)) => f > bf || (f == bf && m > bm),
+            Some((_, bf, bm)) => f > bf || m > bm,
         };
         if better {
             best = Some((w as WorkerId, f, m));
