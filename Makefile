@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -13,7 +13,7 @@ build: ## build every binary (release)
 run: ## the demo: the whole control plane on loopback, JSQ vs BR-0 on a paper-shaped workload
 	bash scripts/demo.sh
 
-test: fmt-check clippy unit python-tests ## everything CI checks: format, lints, all tests
+test: fmt-check clippy unit python-tests flake-hunt-smoke ## everything CI checks: format, lints, all tests
 	@echo "make test: all checks passed"
 
 fmt: ## format the code
@@ -53,6 +53,15 @@ soak: ## the whole control plane under steady load for SOAK_MINUTES (default 10)
 
 flake-hunt: ## every test binary FLAKE_ROUNDS times (default 10), two at once: the rare failures CI meets now and then (scripts/flake-hunt.sh)
 	bash scripts/flake-hunt.sh
+
+# CI's short form of the flake hunt: one round of one small binary (the build is `make unit`'s),
+# so the script's own path from build to verdict keeps working.
+flake-hunt-smoke:
+	FLAKE_ROUNDS=1 FLAKE_FILTER='/br_backoff-' FLAKE_OUT=target/flake-hunt-smoke \
+		bash scripts/flake-hunt.sh > target/flake-hunt-smoke.log 2>&1 \
+		|| { cat target/flake-hunt-smoke.log; exit 1; }
+	grep -Eq '^[0-9]+ runs, 0 failed$$' target/flake-hunt-smoke.log \
+		|| { cat target/flake-hunt-smoke.log; exit 1; }
 
 chaos: ## seeded chaos (kill -9, frozen connections under load) for MINUTES (default 10): scripts/chaos.sh
 	scripts/chaos.sh --minutes $(or $(MINUTES),10)

@@ -26,6 +26,8 @@ FILTER="${FLAKE_FILTER:-.}"
 TIMEOUT="${FLAKE_TIMEOUT:-900}"
 OUT="${FLAKE_OUT:-$ROOT/target/flake-hunt}"
 mkdir -p "$OUT"
+# absolute: each run changes into its crate's directory
+OUT="$(cd "$OUT" && pwd)"
 rm -f "$OUT"/fail-*.log "$OUT"/times.txt "$OUT"/run-*.log
 
 echo "building the test binaries"
@@ -78,6 +80,8 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "round $round of $ROUNDS done"
 done
 
-failed=$(ls "$OUT"/fail-*.log 2>/dev/null | wc -l)
+# find, not ls: with no failure an unmatched glob made ls (and, under pipefail, the script)
+# exit 2 before the verdict
+failed=$(find "$OUT" -maxdepth 1 -name 'fail-*.log' | wc -l)
 echo "$(wc -l < "$OUT/times.txt") runs, $failed failed"
 [ "$failed" -eq 0 ]
