@@ -491,7 +491,7 @@ impl Margins {
         if delta_s > self.min_margin(w) {
             for h in 0..self.steps {
                 let margin = self.max[h] - self.loads[base + h];
-                // branch-free, as above: a step under its margin adds +0
+                // branch-free: a step under its margin adds d·0 = +0 here too
                 penalty += self.discounts[h] * (delta_s - margin).max(0.0);
             }
         }
@@ -565,18 +565,18 @@ impl Margins {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use crate::predict::Oracle;
     use crate::state::RequestInfo;
     use proptest::prelude::*;
 
     /// One running request: (worker, prompt tokens, generated, output length).
-    pub(crate) type Running = (u32, u32, u32, u32);
+    type Running = (u32, u32, u32, u32);
 
     /// Requests spread over `workers` ranks, as a proptest strategy: loads that differ from step
     /// to step of the horizon (each request leaves when its output is done).
-    pub(crate) fn running(workers: u32) -> impl Strategy<Value = Vec<Running>> {
+    fn running(workers: u32) -> impl Strategy<Value = Vec<Running>> {
         prop::collection::vec(
             (0..workers, 1u32..5_000, 0u32..50, 1u32..120)
                 .prop_map(|(w, p, g, out)| (w, p, g.min(out - 1), out)),
@@ -585,12 +585,7 @@ pub(crate) mod tests {
     }
 
     /// BR-H margins over `requests` (the oracle predictor: each request's end is known).
-    pub(crate) fn horizon_margins(
-        workers: u32,
-        requests: &[Running],
-        horizon: u32,
-        gamma: f64,
-    ) -> Margins {
+    fn horizon_margins(workers: u32, requests: &[Running], horizon: u32, gamma: f64) -> Margins {
         let mut st = ClusterState::with_workers(&vec![64; workers as usize]);
         for (key, &(w, prompt, generated, out)) in requests.iter().enumerate() {
             let _ = st.reserve(RequestInfo {
