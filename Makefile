@@ -59,8 +59,7 @@ flake-hunt: ## every test binary FLAKE_ROUNDS times (default 10), two at once: t
 flake-hunt-smoke:
 	FLAKE_ROUNDS=1 FLAKE_FILTER='/br_backoff-' FLAKE_OUT=target/flake-hunt-smoke \
 		bash scripts/flake-hunt.sh > target/flake-hunt-smoke.log 2>&1 \
-		|| { cat target/flake-hunt-smoke.log; exit 1; }
-	grep -Eq '^[0-9]+ runs, 0 failed$$' target/flake-hunt-smoke.log \
+		&& grep -Eq '^[0-9]+ runs, 0 failed$$' target/flake-hunt-smoke.log \
 		|| { cat target/flake-hunt-smoke.log; exit 1; }
 
 chaos: ## seeded chaos (kill -9, frozen connections under load) for MINUTES (default 10): scripts/chaos.sh
