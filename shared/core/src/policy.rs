@@ -432,6 +432,9 @@ impl Policy for BalanceRoute {
         }
     }
     fn predictor_stats(&self) -> Option<PredictorStats> {
-        self.predictor.as_ref().map(|p| p.stats())
+        self.predictor.as_ref().map(|p| PredictorStats {
+            cache: self.cache.counts(),
+            ..p.stats()
+        })
     }
 }

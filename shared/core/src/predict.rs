@@ -130,30 +130,137 @@ impl Reads {
     }
 }
 
-/// The sources one observation changed (a set over [`SOURCES`] ids).
+/// The sources one observation changed (a set over [`SOURCES`] ids), and how.
+///
+/// A source is either *replaced* (anything about it may have changed: every prediction that
+/// read it is stale) or *sampled*: its only change is one more output length `sample_length`
+/// in an empirical distribution that predictions read as [`Survival`]'s conditional does
+/// (`P(o ≤ j + H | o > j)` and `E[o | j < o ≤ j + H]` over the lengths above `j`). Such a
+/// sample leaves two kinds of prediction exactly as they were (a [`PredictionCache`] keeps
+/// them): those of requests that generated `j ≥ sample_length` (the length is below their
+/// age on both sides of the conditional), and those of requests predicted to run past the
+/// horizon with `j + H < sample_length` (one more survivor lowers `p_finish` and changes
+/// nothing else, so it stays under the gate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Changed(u128);
+pub struct Changed {
+    replaced: u128,
+    /// Disjoint from `replaced`.
+    sampled: u128,
+    /// The length the `sampled` sources gained (as counted: clamped like the distribution).
+    sample_length: u32,
+}
 
 impl Changed {
-    pub const NOTHING: Changed = Changed(0);
+    pub const NOTHING: Changed = Changed {
+        replaced: 0,
+        sampled: 0,
+        sample_length: 0,
+    };
     /// Everything the predictor learned (every prediction is stale).
-    pub const ALL: Changed = Changed(u128::MAX);
+    pub const ALL: Changed = Changed {
+        replaced: u128::MAX,
+        sampled: 0,
+        sample_length: 0,
+    };
 
+    fn bit(source: Source) -> u128 {
+        1u128 << (source as usize % SOURCES)
+    }
+
+    /// `source` replaced.
     pub fn with(self, source: Source) -> Self {
-        Changed(self.0 | 1u128 << (source as usize % SOURCES))
+        let bit = Self::bit(source);
+        Changed {
+            replaced: self.replaced | bit,
+            sampled: self.sampled & !bit,
+            ..self
+        }
+        .normalized()
+    }
+
+    /// `source` gained one sample of `length` and nothing else (see [`Changed`]). One
+    /// observation has one length: a second length in the same set replaces the sources
+    /// sampled with the first.
+    pub fn with_sample(self, source: Source, length: u32) -> Self {
+        let bit = Self::bit(source);
+        if self.replaced & bit != 0 {
+            return self;
+        }
+        let base = if self.sampled != 0 && self.sample_length != length {
+            self.sampled_replaced()
+        } else {
+            self
+        };
+        Changed {
+            sampled: base.sampled | bit,
+            sample_length: length,
+            ..base
+        }
+    }
+
+    /// Every sampled source counted as replaced.
+    fn sampled_replaced(self) -> Self {
+        Changed {
+            replaced: self.replaced | self.sampled,
+            sampled: 0,
+            sample_length: 0,
+        }
     }
 
     pub fn union(self, other: Changed) -> Self {
-        Changed(self.0 | other.0)
+        let mut u = if other.sampled == 0 {
+            self
+        } else if self.sampled == 0 || self.sample_length == other.sample_length {
+            Changed {
+                sampled: self.sampled | other.sampled,
+                sample_length: other.sample_length,
+                ..self
+            }
+        } else {
+            self.sampled_replaced().union(other.sampled_replaced())
+        };
+        u.replaced |= other.replaced;
+        u.sampled &= !u.replaced;
+        u.normalized()
     }
 
+    /// With no source sampled, no length either (so that equal sets compare equal).
+    fn normalized(self) -> Self {
+        if self.sampled == 0 {
+            Changed {
+                sample_length: 0,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+
+    /// Whether `source` changed at all (replaced or sampled).
     pub fn contains(self, source: Source) -> bool {
-        self.0 & (1u128 << (source as usize % SOURCES)) != 0
+        (self.replaced | self.sampled) & Self::bit(source) != 0
+    }
+
+    /// Whether `source` changed in more than one sample.
+    pub fn replaces(self, source: Source) -> bool {
+        self.replaced & Self::bit(source) != 0
+    }
+
+    /// The length the sampled sources gained, if any source was only sampled.
+    pub fn sample_length(self) -> Option<u32> {
+        (self.sampled != 0).then_some(self.sample_length)
     }
 
     /// The changed ids, ascending.
     pub fn sources(self) -> impl Iterator<Item = Source> {
-        (0..SOURCES as Source).filter(move |&s| self.contains(s))
+        let mut left = self.replaced | self.sampled;
+        std::iter::from_fn(move || {
+            (left != 0).then(|| {
+                let s = left.trailing_zeros() as Source;
+                left &= left - 1;
+                s
+            })
+        })
     }
 }
 
@@ -179,6 +286,21 @@ pub struct PredictorStats {
     pub buckets: usize,
     /// Heap bytes held, approximately (the tables' capacities).
     pub bytes: usize,
+    /// How the policy's [`PredictionCache`] answered, over its life.
+    pub cache: CacheCounts,
+}
+
+/// How a [`PredictionCache`] answered for one request at one tick, counted over its life.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheCounts {
+    /// Nothing the prediction is a function of changed: reused.
+    pub reused: u64,
+    /// What the prediction read gained samples that cannot change it ([`Changed`]): reused.
+    /// A cache that re-predicted after every change of what a prediction read would have
+    /// made these.
+    pub spared: u64,
+    /// Asked of the predictor (or of the tick's memo of predictions alike).
+    pub made: u64,
 }
 
 /// `ĉ_i`: steps until the request is expected to leave, or `horizon + 1` (beyond the horizon)
@@ -204,9 +326,14 @@ pub fn expected_remaining_with_reads(
     (remaining_from(pred, horizon, gate), reads)
 }
 
+/// `ĉ_i` from a prediction: at most `horizon` when the predictor is confident (a mix of the
+/// horizon and a mean within it; rounding could put it an ulp above), `horizon + 1` exactly
+/// when it is not. So a request's end step is the horizon's last plus one (`H + 1`) exactly
+/// when it is predicted to run on, which a [`PredictionCache`] relies on.
 fn remaining_from(pred: Prediction, horizon: u32, gate: f64) -> f64 {
     if pred.p_finish >= gate && pred.p_finish > 0.0 {
-        (1.0 - pred.p_finish) * f64::from(horizon) + pred.p_finish * pred.mean_remaining
+        let h = f64::from(horizon);
+        ((1.0 - pred.p_finish) * h + pred.p_finish * pred.mean_remaining).min(h)
     } else {
         f64::from(horizon) + 1.0
     }
@@ -221,33 +348,33 @@ fn remaining_from(pred: Prediction, horizon: u32, gate: f64) -> f64 {
 /// [`Predictor::predict`] contract), the horizon and gate, and every part of the predictor's
 /// learning the prediction read ([`Reads`]) since it was made. An observation marks the parts
 /// it changed ([`PredictionCache::learned`], which the policy calls with what
-/// [`Predictor::learn`] returned): a Survival finish re-predicts the requests of its
-/// prompt-length octave and those predicted from the global prior, not all of them. So a
-/// cached tick decides exactly as an uncached one.
+/// [`Predictor::learn`] returned). A Survival finish of length L adds one sample to its
+/// prompt-length octave and to the global prior ([`Changed`]), which leaves unchanged the
+/// predictions of every other octave, and in these two those of the requests that generated
+/// L or more and of the ones predicted to run past the horizon with j + H < L: only the rest
+/// (about the requests within H tokens below L, and the few predicted to finish soon) are
+/// predicted again. So a cached tick decides exactly as an uncached one.
 ///
 /// Entries sit in a dense table indexed by the request's slot in [`crate::ClusterState`], 32
 /// bytes each (a hash map keyed by request was measured slower than predicting again, and a
 /// table of whole `RequestInfo`s spent the refill tick writing 72-byte entries:
 /// docs/benchmarks.md).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PredictionCache {
     /// By slot; an entry of a request that left is caught by the field comparison (or it is
     /// the same prediction anyway: the fields are all it depends on).
     entries: Vec<Entry>,
-    /// `changed_at[s]`: the clock when source s last changed. An entry stamped before that
-    /// and reading s is stale. 256 long so that an entry's unused place ([`NO_SOURCE`], never
-    /// changed) is checked like a used one, without a branch.
-    changed_at: Box<[u32; 256]>,
-    /// Ticks on every change (every source starts at 0, every entry is stamped ≥ 0).
-    clock: u32,
+    /// What the predictor's observations changed, and when.
+    changes: SourceChanges,
     /// (horizon, gate bits) the entries were computed for.
     params: Option<(u32, u64)>,
+    /// The horizon H of `params` (0 before the first tick).
+    horizon: u32,
     /// Within one tick: the predictions made, by [`Predictor::alike`] key (direct-mapped,
     /// [`MEMO_SLOTS`]; a slot of an earlier tick is told apart by its tick).
     memo: Vec<Memo>,
     tick: u32,
-    hits: u64,
-    misses: u64,
+    counts: CacheCounts,
 }
 
 /// Slots of the per-tick memo (16 bytes each: 128 KiB, allocated on the first refill).
@@ -261,18 +388,134 @@ struct Memo {
     reads: [Source; 2],
 }
 
-impl Default for PredictionCache {
+/// When each source of a predictor's learning last changed, and how (see [`Changed`]).
+#[derive(Debug, Clone)]
+struct SourceChanges {
+    /// `changed_at[s]`: the clock when source s last changed. An entry stamped at or after it
+    /// is current. 256 long so that an entry's unused place ([`NO_SOURCE`], never changed) is
+    /// checked like a used one, without a branch.
+    changed_at: Box<[u32; 256]>,
+    /// `replaced_at[s]`: the clock when source s last changed in more than one sample
+    /// ([`Changed::replaces`]); an entry stamped before it and reading s is stale whatever
+    /// its request.
+    replaced_at: Box<[u32; 256]>,
+    /// By source: its latest one-sample changes, which an entry stamped before them survives
+    /// when none of their lengths affects its prediction.
+    recent: Vec<RecentSamples>,
+    /// Ticks on every change (every source starts at 0, every entry is stamped ≥ 0).
+    clock: u32,
+}
+
+impl Default for SourceChanges {
     fn default() -> Self {
         Self {
-            entries: Vec::new(),
             changed_at: Box::new([0; 256]),
+            replaced_at: Box::new([0; 256]),
+            recent: vec![RecentSamples::default(); SOURCES],
             clock: 0,
-            params: None,
-            memo: Vec::new(),
-            tick: 0,
-            hits: 0,
-            misses: 0,
         }
+    }
+}
+
+impl SourceChanges {
+    /// One observation's changes, at the next clock (the caller keeps it from wrapping).
+    fn record(&mut self, changed: Changed) {
+        self.clock += 1;
+        let clock = self.clock;
+        // A prediction that read "everything" is stale after any change.
+        let changed = changed.with(SOURCE_ALL);
+        if changed == Changed::ALL {
+            self.changed_at[..SOURCES]
+                .iter_mut()
+                .for_each(|c| *c = clock);
+            self.replaced_at[..SOURCES]
+                .iter_mut()
+                .for_each(|c| *c = clock);
+            return;
+        }
+        for s in changed.sources() {
+            let i = usize::from(s);
+            self.changed_at[i] = clock;
+            match changed.sample_length() {
+                Some(length) if !changed.replaces(s) => self.recent[i].push(clock, length),
+                _ => self.replaced_at[i] = clock,
+            }
+        }
+    }
+
+    /// Whether nothing `entry` read changed since it was stamped (the common case, checked
+    /// first and without a branch per source).
+    fn unchanged_since(&self, entry: &Entry) -> bool {
+        let [a, b] = entry.reads;
+        self.changed_at[usize::from(a)] <= entry.stamp
+            && self.changed_at[usize::from(b)] <= entry.stamp
+    }
+
+    /// Whether `entry` is still its request's prediction although something it read changed:
+    /// no source it read was replaced since it was stamped, and no sample since affects it
+    /// (its horizon `horizon`; see [`Changed`]).
+    fn spare(&self, entry: &Entry, horizon: u32) -> bool {
+        // An end of H + 1 is a request predicted to run on (see `remaining_from`).
+        let runs_on = u32::from(entry.end) == horizon + 1;
+        let spared = |s: Source| {
+            let i = usize::from(s);
+            self.changed_at[i] <= entry.stamp
+                || (self.replaced_at[i] <= entry.stamp
+                    && self.recent[i].spare(entry.stamp, entry.generated, runs_on, horizon))
+        };
+        let [a, b] = entry.reads;
+        spared(a) && spared(b)
+    }
+}
+
+/// One-sample changes a source keeps (the latest first overwritten); an entry stamped before
+/// the oldest kept one is re-predicted after a change, as if the source were replaced.
+/// Between two ticks a source changes about once per finish of its octave (at G = 64, about
+/// one a millisecond), and a tick re-stamps every entry it keeps.
+const RECENT_SAMPLES: usize = 8;
+
+/// A ring of a source's latest one-sample changes: (clock, length).
+#[derive(Debug, Clone, Copy, Default)]
+struct RecentSamples {
+    /// 0: an unused place (the clock is ≥ 1 at every change).
+    at: [u32; RECENT_SAMPLES],
+    length: [u32; RECENT_SAMPLES],
+    next: usize,
+    /// The clock of the latest change overwritten: an entry stamped before it may have missed
+    /// it.
+    dropped_at: u32,
+}
+
+impl RecentSamples {
+    fn push(&mut self, clock: u32, length: u32) {
+        // the oldest kept change (clocks only grow)
+        self.dropped_at = self.at[self.next];
+        self.at[self.next] = clock;
+        self.length[self.next] = length;
+        self.next = (self.next + 1) % RECENT_SAMPLES;
+    }
+
+    /// Whether a prediction made at `stamp` for a request that generated `generated` (and runs
+    /// on past the horizon `horizon`, or not) is unchanged by every sample since `stamp`; the
+    /// caller knows the source was not replaced since then.
+    #[inline]
+    fn spare(&self, stamp: u32, generated: u32, runs_on: bool, horizon: u32) -> bool {
+        if self.dropped_at > stamp {
+            return false;
+        }
+        // A sample changes the prediction when it is above the age and, for a request
+        // predicted to run on, within the horizon above it (`u32::MAX`: no such bound).
+        let edge = if runs_on {
+            generated.saturating_add(horizon)
+        } else {
+            u32::MAX
+        };
+        // branch-free over the ring (it is scanned for many requests per tick)
+        let mut harmful = false;
+        for (&at, &l) in self.at.iter().zip(&self.length) {
+            harmful |= (at > stamp) & (l > generated) & (l <= edge);
+        }
+        !harmful
     }
 }
 
@@ -351,29 +594,24 @@ impl PredictionCache {
         if changed == Changed::NOTHING {
             return;
         }
-        if self.clock == u32::MAX {
+        if self.changes.clock == u32::MAX {
             // The clock would wrap and make old stamps look new: start over.
             self.entries.iter_mut().for_each(|e| *e = Entry::EMPTY);
-            self.changed_at.iter_mut().for_each(|c| *c = 0);
-            self.clock = 0;
+            self.changes = SourceChanges::default();
         }
-        self.clock += 1;
-        // A prediction that read "everything" is stale after any change.
-        let changed = changed.with(SOURCE_ALL);
-        if changed == Changed::ALL {
-            self.changed_at[..SOURCES]
-                .iter_mut()
-                .for_each(|c| *c = self.clock);
-        } else {
-            for s in changed.sources() {
-                self.changed_at[s as usize] = self.clock;
-            }
-        }
+        self.changes.record(changed);
     }
 
-    /// (hits, misses) since it was made: how often a tick could skip the predictor.
+    /// (hits, misses) since it was made: how often a tick could skip the predictor (hits
+    /// include the [`CacheCounts::spared`]).
     pub fn hit_counts(&self) -> (u64, u64) {
-        (self.hits, self.misses)
+        let c = self.counts;
+        (c.reused + c.spared, c.made)
+    }
+
+    /// Its answers since it was made, by kind.
+    pub fn counts(&self) -> CacheCounts {
+        self.counts
     }
 
     /// Entries held (one per slot σ has had; σ's slots are reused, so this stays bounded).
@@ -389,6 +627,7 @@ impl PredictionCache {
         let p = (params.horizon, params.gate.to_bits());
         if self.params != Some(p) {
             self.params = Some(p);
+            self.horizon = params.horizon;
             self.entries.iter_mut().for_each(|e| *e = Entry::EMPTY);
         }
         // σ's slot count only shrinks when a new σ was installed: forget the slots it no
@@ -412,19 +651,23 @@ impl PredictionCache {
         compute: impl FnOnce() -> (usize, Reads),
     ) -> usize {
         let Some(entry) = self.entries.get_mut(slot) else {
-            self.misses += 1;
+            self.counts.made += 1;
             return compute().0;
         };
         let key = Entry::key_of(r);
-        let [a, b] = entry.reads;
-        if entry.same_request(&key)
-            && self.changed_at[usize::from(a)] <= entry.stamp
-            && self.changed_at[usize::from(b)] <= entry.stamp
-        {
-            self.hits += 1;
-            return usize::from(entry.end);
+        if entry.same_request(&key) {
+            if self.changes.unchanged_since(entry) {
+                self.counts.reused += 1;
+                return usize::from(entry.end);
+            }
+            if self.changes.spare(entry, self.horizon) {
+                // Current now: later checks need only the changes after this one.
+                entry.stamp = self.changes.clock;
+                self.counts.spared += 1;
+                return usize::from(entry.end);
+            }
         }
-        self.misses += 1;
+        self.counts.made += 1;
         let (end, reads) = match alike() {
             None => compute(),
             Some(k) => {
@@ -461,7 +704,7 @@ impl PredictionCache {
         match u16::try_from(end) {
             Ok(e) => {
                 *entry = Entry {
-                    stamp: self.clock,
+                    stamp: self.changes.clock,
                     end: e,
                     reads: reads.0,
                     ..key
@@ -726,15 +969,34 @@ impl Survival {
         (global, SOURCE_GLOBAL)
     }
 
-    /// What observing a request with this prompt changes: the global distribution and, with
-    /// buckets, the prompt's octave.
-    fn changed_by(&self, prompt_tokens: u32) -> Changed {
-        let c = Changed::NOTHING.with(SOURCE_GLOBAL);
-        if self.buckets.is_empty() {
-            c
+    /// Whether the global distribution and octave `b`'s have `min_samples` lengths.
+    fn usable(&self, b: usize) -> (bool, bool) {
+        let usable = |h: &LengthHistogram| h.total >= self.min_samples;
+        let octave = self.buckets.get(b).and_then(Option::as_ref);
+        (usable(&self.global), octave.is_some_and(usable))
+    }
+
+    /// Observes `f` and says what that changed: one sample in the global distribution and,
+    /// with buckets, in the prompt's octave (see [`Changed`]), unless it made a distribution
+    /// usable: the global one reaching `min_samples` (its predictions were "runs on" for lack
+    /// of data) or the octave reaching it (its requests move from the global distribution to
+    /// their octave's), which replaces the global source.
+    fn learn_sample(&mut self, f: &Finished) -> Changed {
+        let b = bucket_of(f.prompt_tokens);
+        let before = self.usable(b);
+        self.observe(f);
+        let after = self.usable(b);
+        // as the histograms count it
+        let length = f.output_tokens.clamp(1, self.global.max_len);
+        let mut changed = if before == after {
+            Changed::NOTHING.with_sample(SOURCE_GLOBAL, length)
         } else {
-            c.with(SOURCE_BUCKET0 + bucket_of(prompt_tokens) as Source)
+            Changed::NOTHING.with(SOURCE_GLOBAL)
+        };
+        if !self.buckets.is_empty() {
+            changed = changed.with_sample(SOURCE_BUCKET0 + b as Source, length);
         }
+        changed
     }
 
     /// The median output length of a request that has generated `generated` tokens and not
@@ -756,6 +1018,7 @@ impl Survival {
             hashes: 0,
             buckets: buckets.clone().count(),
             bytes: self.global.bytes() + buckets.map(LengthHistogram::bytes).sum::<usize>(),
+            cache: CacheCounts::default(),
         }
     }
 }
@@ -799,8 +1062,7 @@ impl Predictor for Survival {
     }
 
     fn learn(&mut self, f: &Finished) -> Changed {
-        self.observe(f);
-        self.changed_by(f.prompt_tokens)
+        self.learn_sample(f)
     }
 
     fn stats(&self) -> PredictorStats {
@@ -874,9 +1136,19 @@ impl ExactMatch {
         SOURCE_SHARD0 + (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as Source
     }
 
-    /// [`Predictor::observe`]; returns the hash evicted to make room, if one was.
-    fn observe_evicting(&mut self, f: &Finished) -> Option<u64> {
-        self.fallback.observe(f);
+    /// [`Predictor::learn`]: what the fallback's observation changed, the hash's shard, and
+    /// the shard of the hash evicted to make room, if one was.
+    fn learn_evicting(&mut self, f: &Finished) -> Changed {
+        let mut changed = self.fallback.learn_sample(f);
+        for h in f.prompt_hash.into_iter().chain(self.remember(f)) {
+            changed = changed.with(Self::shard(h));
+        }
+        changed
+    }
+
+    /// Remembers `f`'s length under its hash (the fallback has observed it); returns the hash
+    /// evicted to make room, if one was.
+    fn remember(&mut self, f: &Finished) -> Option<u64> {
         let h = f.prompt_hash?;
         self.clock += 1;
         let stamp = self.clock;
@@ -969,16 +1241,12 @@ impl Predictor for ExactMatch {
     }
 
     fn observe(&mut self, f: &Finished) {
-        self.observe_evicting(f);
+        self.fallback.observe(f);
+        self.remember(f);
     }
 
     fn learn(&mut self, f: &Finished) -> Changed {
-        let evicted = self.observe_evicting(f);
-        let mut changed = self.fallback.changed_by(f.prompt_tokens);
-        for h in f.prompt_hash.into_iter().chain(evicted) {
-            changed = changed.with(Self::shard(h));
-        }
-        changed
+        self.learn_evicting(f)
     }
 
     fn stats(&self) -> PredictorStats {
@@ -1221,5 +1489,85 @@ mod tests {
         assert_eq!(h.prefix(9_999), (5, 132 + 700 + 9_999));
         assert_eq!(h.prefix(u32::MAX), (6, 132 + 700 + 9_999 + 10_000));
         assert_eq!(h.conditional_median(64), Some(700));
+    }
+
+    /// One-sample changes are kept in a ring: an entry older than the oldest kept change is
+    /// re-predicted (it may have missed one that changed it), however harmless the kept ones.
+    #[test]
+    fn an_entry_older_than_the_kept_samples_is_stale() {
+        let horizon = 80;
+        let entry = |stamp, generated, end| Entry {
+            stamp,
+            generated,
+            end,
+            reads: [SOURCE_GLOBAL, NO_SOURCE],
+            ..Entry::EMPTY
+        };
+        let runs_on = (horizon + 1) as u16;
+        let mut changes = SourceChanges::default();
+        // clock 1: made the entries below
+        changes.record(Changed::NOTHING.with(SOURCE_GLOBAL));
+        let old = entry(1, 500, runs_on);
+        // One sample beyond its horizon at a time: each spares it.
+        for _ in 0..RECENT_SAMPLES {
+            changes.record(Changed::NOTHING.with_sample(SOURCE_GLOBAL, 1_000));
+            assert!(!changes.unchanged_since(&old));
+            assert!(changes.spare(&old, horizon));
+        }
+        // One more: the first is overwritten, so the entry could have missed it.
+        changes.record(Changed::NOTHING.with_sample(SOURCE_GLOBAL, 1_000));
+        assert!(!changes.spare(&old, horizon));
+        // One stamped after the overwritten change is still spared.
+        assert!(changes.spare(&entry(2, 500, runs_on), horizon));
+        // A sample inside its horizon, or above the age of one predicted to finish, is not.
+        let before = changes.clock;
+        changes.record(Changed::NOTHING.with_sample(SOURCE_GLOBAL, 560));
+        assert!(!changes.spare(&entry(before, 500, runs_on), horizon));
+        assert!(
+            changes.spare(&entry(before, 479, runs_on), horizon),
+            "beyond its horizon"
+        );
+        assert!(
+            !changes.spare(&entry(before, 480, runs_on), horizon),
+            "at its end"
+        );
+        assert!(
+            changes.spare(&entry(before, 560, 10), horizon),
+            "at its age"
+        );
+        assert!(!changes.spare(&entry(before, 559, 10), horizon));
+        // Replaced: nothing is spared.
+        changes.record(Changed::NOTHING.with(SOURCE_GLOBAL));
+        assert!(!changes.spare(&entry(changes.clock - 1, 600, runs_on), horizon));
+        // A source the entry did not read.
+        changes.record(Changed::NOTHING.with(SOURCE_BUCKET0));
+        assert!(changes.unchanged_since(&entry(changes.clock - 1, 600, runs_on)));
+    }
+
+    #[test]
+    fn changed_keeps_one_sample_length() {
+        let c = Changed::NOTHING
+            .with_sample(SOURCE_GLOBAL, 10)
+            .with_sample(SOURCE_BUCKET0, 10);
+        assert_eq!(c.sample_length(), Some(10));
+        assert!(c.contains(SOURCE_BUCKET0) && !c.replaces(SOURCE_BUCKET0));
+        // Another length in the same set: both replaced (a cache cannot hold two).
+        let d = c.with_sample(SOURCE_BUCKET0 + 1, 20);
+        assert!(d.replaces(SOURCE_GLOBAL) && d.replaces(SOURCE_BUCKET0));
+        assert!(!d.replaces(SOURCE_BUCKET0 + 1));
+        assert_eq!(d.sample_length(), Some(20));
+        let u = c.union(Changed::NOTHING.with_sample(SOURCE_BUCKET0 + 1, 20));
+        assert!(u.replaces(SOURCE_GLOBAL) && u.replaces(SOURCE_BUCKET0 + 1));
+        assert_eq!(u.sample_length(), None);
+        // Replacing wins over sampling, in either order.
+        let r = c.with(SOURCE_GLOBAL);
+        assert!(r.replaces(SOURCE_GLOBAL) && !r.replaces(SOURCE_BUCKET0));
+        assert!(r.with_sample(SOURCE_GLOBAL, 10).replaces(SOURCE_GLOBAL));
+        assert_eq!(c.union(Changed::ALL), Changed::ALL);
+        // Its sources, ascending, sampled and replaced alike.
+        let ids: Vec<Source> = c.with(SOURCE_SHARD0).sources().collect();
+        assert_eq!(ids, [SOURCE_GLOBAL, SOURCE_BUCKET0, SOURCE_SHARD0]);
+        assert_eq!(Changed::ALL.sources().count(), SOURCES);
+        assert_eq!(Changed::NOTHING.sources().count(), 0);
     }
 }

@@ -26,6 +26,18 @@ enum Event {
     Arrive { prompt: u32, hash: u64, output: u32 },
     /// A queued request starts running.
     Start { nth: usize },
+    /// The predictor learns a length (at least 1) near the `nth` request's age `j` for a
+    /// prompt like its: a finish elsewhere, aimed at the edges of what one sample changes.
+    Learn { nth: usize, at: Edge, offset: i32 },
+}
+
+/// Where a learned length is aimed, relative to a request that generated `j` tokens.
+#[derive(Debug, Clone, Copy)]
+enum Edge {
+    /// `j + offset`: below, at or just above its age.
+    Age,
+    /// `j + H + offset`: at the end of its horizon.
+    Horizon,
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -38,6 +50,12 @@ fn event() -> impl Strategy<Value = Event> {
             output
         }),
         (0usize..64).prop_map(|nth| Event::Start { nth }),
+        (
+            0usize..64,
+            prop_oneof![Just(Edge::Age), Just(Edge::Horizon)],
+            -2i32..3
+        )
+            .prop_map(|(nth, at, offset)| Event::Learn { nth, at, offset }),
     ]
 }
 
@@ -71,6 +89,7 @@ type Scenario = (
     PredictorConfig,
     u32,
     u32,
+    u32,
     Vec<Vec<Event>>,
     Vec<u32>,
 );
@@ -83,9 +102,12 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             Just(PredictorKind::Oracle)
         ],
         predictor_config(),
+        // BR-H's horizon: the defaults' order, or a few steps (so that lengths land on its edge)
+        prop_oneof![Just(40u32), 1u32..6],
         1u32..9,
         1u32..6,
-        prop::collection::vec(prop::collection::vec(event(), 0..12), 1..25),
+        // up to 24 events between ticks: more finishes of one octave than the cache keeps
+        prop::collection::vec(prop::collection::vec(event(), 0..24), 1..25),
         // lengths the predictor learned before the run (Survival needs 32 to say anything)
         prop::collection::vec(1u32..600, 0..80),
     )
@@ -96,9 +118,9 @@ proptest! {
 
     #[test]
     fn cached_and_uncached_brh_choose_the_same(
-        (kind, config, workers, capacity, rounds, warm) in scenario(),
+        (kind, config, horizon, workers, capacity, rounds, warm) in scenario(),
     ) {
-        let params = HorizonParams { horizon: 40, predictor: config, ..HorizonParams::default() };
+        let params = HorizonParams { horizon, predictor: config, ..HorizonParams::default() };
         let cfg = PolicyConfig {
             kind: PolicyKind::BrH(kind),
             dispatcher: DispatcherConfig::default(),
@@ -161,6 +183,25 @@ proptest! {
                         next_key += 1;
                         pool_a.push(entry.clone()).unwrap();
                         pool_b.push(entry).unwrap();
+                    }
+                    Event::Learn { nth, at, offset } => {
+                        let n = state.request_count();
+                        if n > 0 {
+                            let r = state.requests().nth(nth % n).unwrap();
+                            let f = Finished {
+                                prompt_tokens: r.prompt_tokens,
+                                prompt_hash: r.prompt_hash,
+                                output_tokens: match at {
+                                    Edge::Age => r.generated,
+                                    Edge::Horizon => r.generated + horizon,
+                                }
+                                .saturating_add_signed(offset)
+                                .max(1),
+                            };
+                            cached.observe_finished(&f);
+                            reference.observe(&f);
+                            long_lived.learned(tracked.learn(&f));
+                        }
                     }
                     Event::Start { nth } => {
                         let queued: Vec<u64> = state
@@ -275,11 +316,17 @@ fn cache_reuses_only_what_is_unchanged() {
     assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
 }
 
-/// A Survival finish re-predicts the requests of its prompt-length octave (and any predicted
-/// from the global prior), not the others.
+/// A Survival finish of length L re-predicts only what it can change: requests of its
+/// prompt-length octave (or predicted from the global prior) that generated fewer than L
+/// tokens and either are within the horizon H below L or were predicted to finish inside it.
 #[test]
-fn a_finish_re_predicts_only_its_octave() {
+fn a_finish_re_predicts_only_what_its_length_can_change() {
     let params = HorizonParams::default();
+    assert_eq!(
+        (params.horizon, params.gate),
+        (80, 0.5),
+        "the cases below assume these"
+    );
     let mut st = ClusterState::with_workers(&[64, 64]);
     for key in 1..=100u64 {
         st.reserve(RequestInfo {
@@ -301,20 +348,150 @@ fn a_finish_re_predicts_only_its_octave() {
         prompt_hash: None,
         output_tokens,
     };
+    let tick = |st: &ClusterState, survival: &Survival, cache: &mut PredictionCache| {
+        let m = Margins::horizon_cached(st, &params, survival, cache);
+        assert_eq!(m, Margins::horizon(st, &params, survival));
+        cache.hit_counts()
+    };
     for _ in 0..4 {
         cache.learned(survival.learn(&finish(100, 50)));
         cache.learned(survival.learn(&finish(5_000, 1_000)));
     }
-    let _ = Margins::horizon_cached(&st, &params, &survival, &mut cache);
-    assert_eq!(cache.hit_counts(), (0, 100));
+    assert_eq!(tick(&st, &survival, &mut cache), (0, 100));
+    // Octave 13 knows lengths of 1,000: its requests at 5 tokens run past the horizon (85), and
+    // a length of 900 is beyond it too. The other octave did not change.
     cache.learned(survival.learn(&finish(5_000, 900)));
-    let m = Margins::horizon_cached(&st, &params, &survival, &mut cache);
-    assert_eq!(cache.hit_counts(), (50, 150), "only the long prompts again");
-    assert_eq!(m, Margins::horizon(&st, &params, &survival));
+    assert_eq!(
+        tick(&st, &survival, &mut cache),
+        (100, 100),
+        "nothing again"
+    );
+    // Ten long prompts 50 below 900 (within the horizon), ten past it (950: predicted to end
+    // with the 1,000s, inside the horizon).
+    for key in 51..=60 {
+        st.set_generated(key, 850).unwrap();
+    }
+    for key in 61..=70 {
+        st.set_generated(key, 950).unwrap();
+    }
+    assert_eq!(
+        tick(&st, &survival, &mut cache),
+        (180, 120),
+        "the 20 that moved"
+    );
+    // 920 falls inside the horizon of those at 850; it is below the age of those at 950.
+    cache.learned(survival.learn(&finish(5_000, 920)));
+    assert_eq!(
+        tick(&st, &survival, &mut cache),
+        (270, 130),
+        "the 10 at 850"
+    );
+    // 1,200 is beyond the horizon of those at 850 (now predicted to run on: 2 of 7 lengths
+    // end inside it) and above the age of those at 950, which were predicted to finish: their
+    // probability changes.
+    cache.learned(survival.learn(&finish(5_000, 1_200)));
+    assert_eq!(
+        tick(&st, &survival, &mut cache),
+        (360, 140),
+        "the 10 at 950"
+    );
     // An octave no request is in: it changes the global prior, which no prediction reads
     // now that both octaves have their own distribution.
     cache.learned(survival.learn(&finish(20_000, 10)));
+    assert_eq!(tick(&st, &survival, &mut cache), (460, 140));
+    // Octave 7's requests are at 5 tokens and predicted to finish with the 50s: a length of 3
+    // is below their age, one of 60 changes their probability.
+    cache.learned(survival.learn(&finish(100, 3)));
+    assert_eq!(
+        tick(&st, &survival, &mut cache),
+        (560, 140),
+        "3 is below their age"
+    );
+    cache.learned(survival.learn(&finish(100, 60)));
+    assert_eq!(
+        tick(&st, &survival, &mut cache),
+        (610, 190),
+        "60 is above it"
+    );
+}
+
+/// An octave reaching `min_samples` moves its requests from the global prior to their own
+/// distribution: all of them are predicted again, whatever the length.
+#[test]
+fn an_octave_turning_usable_re_predicts_its_requests() {
+    let params = HorizonParams::default();
+    let mut st = ClusterState::with_workers(&[64]);
+    for key in 1..=10u64 {
+        st.reserve(RequestInfo {
+            key,
+            worker: 0,
+            prompt_tokens: 5_000,
+            generated: 500,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+        })
+        .unwrap();
+    }
+    let mut survival = Survival::with_buckets(4096, 4, true);
+    let mut cache = PredictionCache::new();
+    let finish = |prompt_tokens, output_tokens| Finished {
+        prompt_tokens,
+        prompt_hash: None,
+        output_tokens,
+    };
+    // The global prior: lengths just past their age (they are predicted to finish).
+    for _ in 0..4 {
+        cache.learned(survival.learn(&finish(100, 520)));
+    }
+    let _ = Margins::horizon_cached(&st, &params, &survival, &mut cache);
+    assert_eq!(cache.hit_counts(), (0, 10));
+    // Three lengths below their age in their own octave: spared (not yet its own distribution).
+    for _ in 0..3 {
+        cache.learned(survival.learn(&finish(5_000, 100)));
+    }
     let m = Margins::horizon_cached(&st, &params, &survival, &mut cache);
-    assert_eq!(cache.hit_counts(), (150, 150));
     assert_eq!(m, Margins::horizon(&st, &params, &survival));
+    assert_eq!(cache.hit_counts(), (10, 10));
+    // The fourth makes the octave theirs: predicted again although 100 is below their age.
+    cache.learned(survival.learn(&finish(5_000, 100)));
+    let m = Margins::horizon_cached(&st, &params, &survival, &mut cache);
+    assert_eq!(m, Margins::horizon(&st, &params, &survival));
+    assert_eq!(cache.hit_counts(), (10, 20));
+}
+
+/// A request spared at a tick is current again from then on: harmless finishes before every
+/// tick, many more than the cache keeps per source, never make it predict the request again.
+#[test]
+fn a_request_spared_at_every_tick_stays_cached() {
+    let params = HorizonParams::default();
+    let mut st = ClusterState::with_workers(&[64]);
+    st.reserve(RequestInfo {
+        key: 1,
+        worker: 0,
+        prompt_tokens: 5_000,
+        generated: 10,
+        phase: Phase::Running,
+        prompt_hash: None,
+        oracle_output: None,
+    })
+    .unwrap();
+    let mut survival = Survival::with_buckets(4096, 4, true);
+    let mut cache = PredictionCache::new();
+    let long = Finished {
+        prompt_tokens: 5_000,
+        prompt_hash: None,
+        output_tokens: 2_000,
+    };
+    for _ in 0..4 {
+        cache.learned(survival.learn(&long));
+    }
+    let _ = Margins::horizon_cached(&st, &params, &survival, &mut cache);
+    for tick in 1..=40u64 {
+        // 2,000 is far beyond the horizon of a request at 10 tokens that runs on
+        cache.learned(survival.learn(&long));
+        let m = Margins::horizon_cached(&st, &params, &survival, &mut cache);
+        assert_eq!(m, Margins::horizon(&st, &params, &survival));
+        assert_eq!(cache.hit_counts(), (tick, 1), "tick {tick}");
+    }
 }
