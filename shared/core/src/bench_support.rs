@@ -14,9 +14,13 @@ pub fn steady_state(workers: u32, slots: u32, waiting: usize, seed: u64) -> (Clu
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut st = ClusterState::with_workers(&vec![slots; workers as usize]);
     let mut key = 0u64;
-    for w in 0..workers {
-        let free = rng.random_range(0..=8u32).min(slots);
-        for _ in 0..slots - free {
+    let free: Vec<u32> = (0..workers)
+        .map(|_| rng.random_range(0..=8u32).min(slots))
+        .collect();
+    // Filled a request per worker at a time, as arrivals spread over the workers fill a live
+    // σ: each worker's requests sit apart in σ's slots, not side by side.
+    for i in 0..slots {
+        for w in (0..workers).filter(|&w| i < slots - free[w as usize]) {
             key += 1;
             let output = rng.random_range(1000..1500);
             let _ = st.reserve(RequestInfo {

@@ -318,42 +318,51 @@ impl Margins {
         let mut m = Self::empty(state, params);
         let steps = m.steps;
         let counted = m.counted();
-        let mut constant = vec![0.0f64; steps + 1];
-        let mut slope = vec![0.0f64; steps + 1];
+        // Per worker, one row of `steps + 1` differences. The requests are visited in slot
+        // order, the order σ and the prediction cache hold them in memory (by worker they
+        // would be visited in a scattered order); the sums are of whole tokens, exact in f64
+        // in any order.
+        let width = steps + 1;
+        let rows = state.workers().len() * width;
+        let mut constant = vec![0.0f64; rows];
+        let mut slope = vec![0.0f64; rows];
         // requests per step (the request term only): one from now until its predicted end
-        let mut present = vec![0.0f64; if counted { steps + 1 } else { 0 }];
-        for (w, info) in state.workers().iter().enumerate() {
-            if !info.alive {
+        let mut present = vec![0.0f64; if counted { rows } else { 0 }];
+        for (slot, r) in state.slotted_requests() {
+            let w = r.worker as usize;
+            if !m.alive.get(w).copied().unwrap_or(false) {
                 continue;
             }
-            constant.iter_mut().for_each(|x| *x = 0.0);
-            slope.iter_mut().for_each(|x| *x = 0.0);
-            present.iter_mut().for_each(|x| *x = 0.0);
-            for (slot, r) in state.slotted_requests_of(w as WorkerId) {
-                let end = end_of(slot, r);
-                let kv = r.kv_tokens() as f64;
-                constant[0] += kv;
-                constant[end] -= kv;
-                // A queued request starts writing once it runs; count growth for running ones.
-                if r.phase == Phase::Running {
-                    slope[0] += 1.0;
-                    slope[end] -= 1.0;
-                }
-                if counted {
-                    present[0] += 1.0;
-                    present[end] -= 1.0;
-                }
+            let end = end_of(slot, r);
+            let row = w * width;
+            let kv = r.kv_tokens() as f64;
+            constant[row] += kv;
+            constant[row + end] -= kv;
+            // A queued request starts writing once it runs; count growth for running ones.
+            if r.phase == Phase::Running {
+                slope[row] += 1.0;
+                slope[row + end] -= 1.0;
             }
+            if counted {
+                present[row] += 1.0;
+                present[row + end] -= 1.0;
+            }
+        }
+        for (w, &alive) in m.alive.iter().enumerate() {
+            if !alive {
+                continue;
+            }
+            let row = w * width;
             let (mut c, mut s) = (0.0, 0.0);
             for h in 0..steps {
-                c += constant[h];
-                s += slope[h];
+                c += constant[row + h];
+                s += slope[row + h];
                 m.loads[w * steps + h] = c + s * h as f64;
             }
             if counted {
                 let mut n = 0.0;
-                let row = &mut m.counts[w * steps..(w + 1) * steps];
-                for (count, delta) in row.iter_mut().zip(&present) {
+                let counts = &mut m.counts[w * steps..(w + 1) * steps];
+                for (count, delta) in counts.iter_mut().zip(&present[row..row + steps]) {
                     n += delta;
                     *count = n;
                 }
@@ -648,6 +657,78 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The projection is its definition summed request by request: a live worker's load
+        /// at step h is, over its requests still predicted to run then (h < ⌈ĉ_i⌉), w_i + h
+        /// for a running one and w_i for a queued one, and its request count is how many;
+        /// a fenced worker projects nothing. σ's slots hold the workers' requests interleaved
+        /// (in the order they came), as a live σ does.
+        #[test]
+        fn the_projection_is_its_definition(
+            requests in running(5),
+            queued in prop::collection::vec((0u32..5, 1u32..5_000, 1u32..120), 0..8),
+            fenced in prop::option::of(0u32..5),
+            horizon in 0u32..90,
+            request_cost_tokens in prop_oneof![Just(0.0), Just(1_250.0)],
+        ) {
+            let mut st = ClusterState::with_workers(&[64; 5]);
+            let mut key = 0;
+            for &(w, prompt, generated, out) in &requests {
+                key += 1;
+                let _ = st.reserve(RequestInfo {
+                    key,
+                    worker: w,
+                    prompt_tokens: prompt,
+                    generated,
+                    phase: Phase::Running,
+                    prompt_hash: None,
+                    oracle_output: Some(out),
+                });
+            }
+            for &(w, prompt, out) in &queued {
+                key += 1;
+                let _ = st.reserve(RequestInfo {
+                    key,
+                    worker: w,
+                    prompt_tokens: prompt,
+                    generated: 0,
+                    phase: Phase::Queued,
+                    prompt_hash: None,
+                    oracle_output: Some(out),
+                });
+            }
+            if let Some(w) = fenced {
+                st.fence_worker(w).unwrap();
+            }
+            let params = HorizonParams {
+                horizon,
+                request_cost_tokens,
+                ..HorizonParams::default()
+            };
+            let m = Margins::horizon(&st, &params, &Oracle);
+            let steps = horizon as usize + 1;
+            prop_assert_eq!(m.horizon_steps(), steps);
+            for (w, info) in st.workers().iter().enumerate() {
+                for h in 0..steps {
+                    let (mut load, mut count) = (0.0, 0.0);
+                    for r in st.requests_of(w as WorkerId) {
+                        let end = horizon_end(&Oracle, r, horizon, params.gate, steps);
+                        if h < end {
+                            let growth = if r.phase == Phase::Running { h as f64 } else { 0.0 };
+                            load += r.kv_tokens() as f64 + growth;
+                            count += 1.0;
+                        }
+                    }
+                    if !info.alive {
+                        prop_assert_eq!((load, count), (0.0, 0.0), "fenced: nothing left");
+                    }
+                    prop_assert_eq!(m.projected_load(w as WorkerId, h), load);
+                    if request_cost_tokens > 0.0 {
+                        prop_assert_eq!(m.counts[w * steps + h], count);
+                    }
+                }
+            }
+        }
 
         /// The kept minimum margins, and the scores that skip their penalty loop under them,
         /// are the ones computed afresh, to the bit, whichever workers were asked between

@@ -463,6 +463,15 @@ impl ClusterState {
             })
     }
 
+    /// Every request in σ with its slot, in slot order (the order they sit in memory: a pass
+    /// over all of them that needs no per-worker order is cheapest this way).
+    pub fn slotted_requests(&self) -> impl Iterator<Item = (usize, &RequestInfo)> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(s, slot)| slot.as_ref().map(|slot| (s, &slot.info)))
+    }
+
     /// Slots in use or free: every slot index is below this.
     pub fn slot_count(&self) -> usize {
         self.slots.len()
