@@ -95,10 +95,17 @@ pub struct Metrics {
     pub predictor_entries: IntGaugeVec,
     /// Approximate heap bytes BR-H's online predictor holds (its memory bound, measured).
     pub predictor_bytes: IntGaugeVec,
+    /// BR-H's per-request predictions at dispatcher ticks, by `answer`: `reused` (nothing it
+    /// is a function of changed), `spared` (what it read gained samples that cannot change
+    /// it), `made` (asked of the predictor). `made` is the tick's prediction cost.
+    pub predictions_total: IntCounterVec,
 }
 
 /// The `kind` labels of `balanceroute_decision_predictor_entries`.
 pub const PREDICTOR_KINDS: [&str; 3] = ["samples", "hashes", "buckets"];
+
+/// The `answer` labels of `balanceroute_decision_predictions_total`.
+pub const PREDICTION_ANSWERS: [&str; 3] = ["reused", "spared", "made"];
 
 fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
     // Names are constants and unique; a failure is a programming error caught by the tests.
@@ -136,6 +143,16 @@ impl Metrics {
                         "Approximate heap bytes BR-H's online predictor holds",
                     ),
                     &["group"],
+                )?,
+            ),
+            predictions_total: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "balanceroute_decision_predictions_total",
+                        "BR-H's per-request predictions at dispatcher ticks, by answer (reused, spared by a sample, made)",
+                    ),
+                    &["group", "answer"],
                 )?,
             ),
             assign_total: reg(
@@ -441,6 +458,9 @@ impl Metrics {
             self.predictor_entries.with_label_values(&[group, kind]);
         }
         self.predictor_bytes.with_label_values(&[group]);
+        for answer in PREDICTION_ANSWERS {
+            self.predictions_total.with_label_values(&[group, answer]);
+        }
     }
 
     /// A gauge handle per group, for the group task's hot path.
@@ -462,6 +482,8 @@ impl Metrics {
             predictor_entries: PREDICTOR_KINDS
                 .map(|k| self.predictor_entries.with_label_values(&[group, k])),
             predictor_bytes: self.predictor_bytes.with_label_values(&[group]),
+            predictions: PREDICTION_ANSWERS
+                .map(|a| self.predictions_total.with_label_values(&[group, a])),
             group: group.to_owned(),
             all: self.clone(),
         }
@@ -501,6 +523,8 @@ pub struct GroupMetrics {
     pub predictor_entries: [IntGauge; 3],
     /// [`Metrics::predictor_bytes`] of this group.
     pub predictor_bytes: IntGauge,
+    /// `predictions_total` by [`PREDICTION_ANSWERS`].
+    pub predictions: [prometheus::IntCounter; 3],
     /// The `group` label of the vectors this holds children of.
     group: String,
     /// The whole set, for the series labelled by more than the group (resets, failures).

@@ -145,6 +145,7 @@ impl GroupCore {
             self.view.with_closed(&self.closed, |cluster| {
                 policy.dispatch(pool, cluster, &mut out)
             });
+            self.count_predictions();
             for a in &out {
                 self.admit(a.key, a.worker, 0, now);
             }

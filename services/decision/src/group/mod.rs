@@ -169,6 +169,8 @@ pub struct GroupCore {
     /// With a rank split: the free time of each rank, and the ranks closed to this tick.
     split: Option<SplitTurns>,
     closed: Vec<br_core::WorkerId>,
+    /// BR-H's prediction-cache answers already added to `predictions_total`.
+    predictions_counted: br_core::predict::CacheCounts,
 }
 
 impl std::fmt::Debug for GroupCore {
@@ -204,6 +206,7 @@ impl GroupCore {
             scratch: Vec::new(),
             split,
             closed: Vec::new(),
+            predictions_counted: Default::default(),
         }
     }
 
@@ -335,6 +338,19 @@ impl GroupCore {
         hashes.set(clamp(st.hashes as u64));
         buckets.set(clamp(st.buckets as u64));
         self.metrics.predictor_bytes.set(clamp(st.bytes as u64));
+    }
+
+    /// Adds BR-H's prediction-cache answers since the last call to `predictions_total`
+    /// (after a tick: the cache answers at ticks only).
+    fn count_predictions(&mut self) {
+        let Some(now) = self.policy.predictor_stats().map(|st| st.cache) else {
+            return;
+        };
+        let last = std::mem::replace(&mut self.predictions_counted, now);
+        let [reused, spared, made] = &self.metrics.predictions;
+        reused.inc_by(now.reused.saturating_sub(last.reused));
+        spared.inc_by(now.spared.saturating_sub(last.spared));
+        made.inc_by(now.made.saturating_sub(last.made));
     }
 
     fn update_gauges(&self, now: Instant) {

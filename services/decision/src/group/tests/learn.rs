@@ -43,4 +43,32 @@ fn br0_has_no_predictor_and_leaves_the_gauges_at_zero() {
     fx.sigma_change(vec![change::request_finished("a", 20)]);
     assert_eq!(fx.core.policy.predictor_stats(), None);
     assert_eq!(fx.core.metrics.predictor_entries[0].get(), 0);
+    let _a = fx.assign("a", 100);
+    assert_eq!(fx.tick_and_commit(true), 1);
+    assert!(fx.core.metrics.predictions.iter().all(|c| c.get() == 0));
+}
+
+/// BR-H's ticks count how its prediction cache answered for each request: predicted at the
+/// first tick that sees it, reused while nothing it depends on changes, spared when a finish's
+/// length cannot change it.
+#[test]
+fn brh_counts_its_predictions_by_answer() {
+    let mut fx = Fx::new(PolicyKind::BrH(PredictorKind::Survival), &[500, 800], 64);
+    let counts = |fx: &Fx| fx.core.metrics.predictions.each_ref().map(|c| c.get());
+    let _a = fx.assign("a", 100);
+    assert_eq!(fx.tick_and_commit(true), 1);
+    assert_eq!(counts(&fx), [0, 0, 2], "bg0 and bg1, the first time");
+    let _b = fx.assign("b", 100);
+    assert_eq!(fx.tick_and_commit(true), 1);
+    assert_eq!(counts(&fx), [2, 0, 3], "bg0 and bg1 again, and a");
+    // a finishes after 5,000 tokens: beyond the horizon of every request still running (all
+    // at 0 tokens, predicted to run on), so no prediction changes.
+    fx.sigma_change(vec![change::request_finished("a", 5_000)]);
+    let _c = fx.assign("c", 100);
+    assert_eq!(fx.tick_and_commit(true), 1);
+    assert_eq!(
+        counts(&fx),
+        [2, 2, 4],
+        "bg0 and bg1 spared, b the first time"
+    );
 }
