@@ -593,8 +593,9 @@ mod tests {
         )
     }
 
-    /// BR-H margins over `requests` (the oracle predictor: each request's end is known).
-    fn horizon_margins(workers: u32, requests: &[Running], horizon: u32, gamma: f64) -> Margins {
+    /// σ of `workers` ranks of 64 slots holding `requests` (keys 1, 2, …, in the order
+    /// given: interleaved over the workers, as arrivals fill a live σ).
+    fn sigma_of(workers: u32, requests: &[Running]) -> ClusterState {
         let mut st = ClusterState::with_workers(&vec![64; workers as usize]);
         for (key, &(w, prompt, generated, out)) in requests.iter().enumerate() {
             let _ = st.reserve(RequestInfo {
@@ -607,6 +608,12 @@ mod tests {
                 oracle_output: Some(out),
             });
         }
+        st
+    }
+
+    /// BR-H margins over `requests` (the oracle predictor: each request's end is known).
+    fn horizon_margins(workers: u32, requests: &[Running], horizon: u32, gamma: f64) -> Margins {
+        let st = sigma_of(workers, requests);
         let params = HorizonParams {
             horizon,
             gamma,
@@ -671,22 +678,8 @@ mod tests {
             horizon in 0u32..90,
             request_cost_tokens in prop_oneof![Just(0.0), Just(1_250.0)],
         ) {
-            let mut st = ClusterState::with_workers(&[64; 5]);
-            let mut key = 0;
-            for &(w, prompt, generated, out) in &requests {
-                key += 1;
-                let _ = st.reserve(RequestInfo {
-                    key,
-                    worker: w,
-                    prompt_tokens: prompt,
-                    generated,
-                    phase: Phase::Running,
-                    prompt_hash: None,
-                    oracle_output: Some(out),
-                });
-            }
-            for &(w, prompt, out) in &queued {
-                key += 1;
+            let mut st = sigma_of(5, &requests);
+            for (key, &(w, prompt, out)) in (requests.len() as u64 + 1..).zip(&queued) {
                 let _ = st.reserve(RequestInfo {
                     key,
                     worker: w,

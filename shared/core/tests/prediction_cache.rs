@@ -316,6 +316,28 @@ fn cache_reuses_only_what_is_unchanged() {
     assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
 }
 
+/// A running request without a hash or an oracle length (what Survival predicts from).
+fn running(key: u64, worker: u32, prompt_tokens: u32, generated: u32) -> RequestInfo {
+    RequestInfo {
+        key,
+        worker,
+        prompt_tokens,
+        generated,
+        phase: Phase::Running,
+        prompt_hash: None,
+        oracle_output: None,
+    }
+}
+
+/// A finished request without a hash.
+fn finish(prompt_tokens: u32, output_tokens: u32) -> Finished {
+    Finished {
+        prompt_tokens,
+        prompt_hash: None,
+        output_tokens,
+    }
+}
+
 /// A Survival finish of length L re-predicts only what it can change: requests of its
 /// prompt-length octave (or predicted from the global prior) that generated fewer than L
 /// tokens and either are within the horizon H below L or were predicted to finish inside it.
@@ -329,25 +351,13 @@ fn a_finish_re_predicts_only_what_its_length_can_change() {
     );
     let mut st = ClusterState::with_workers(&[64, 64]);
     for key in 1..=100u64 {
-        st.reserve(RequestInfo {
-            key,
-            worker: (key % 2) as u32,
-            // octave 7 (64..127) and octave 13 (4,096..8,191)
-            prompt_tokens: if key <= 50 { 100 } else { 5_000 },
-            generated: 5,
-            phase: Phase::Running,
-            prompt_hash: None,
-            oracle_output: None,
-        })
-        .unwrap();
+        // octave 7 (64..127) and octave 13 (4,096..8,191)
+        let prompt = if key <= 50 { 100 } else { 5_000 };
+        st.reserve(running(key, (key % 2) as u32, prompt, 5))
+            .unwrap();
     }
     let mut survival = Survival::with_buckets(4096, 4, true);
     let mut cache = PredictionCache::new();
-    let finish = |prompt_tokens, output_tokens| Finished {
-        prompt_tokens,
-        prompt_hash: None,
-        output_tokens,
-    };
     let tick = |st: &ClusterState, survival: &Survival, cache: &mut PredictionCache| {
         let m = Margins::horizon_cached(st, &params, survival, cache);
         assert_eq!(m, Margins::horizon(st, &params, survival));
@@ -379,40 +389,38 @@ fn a_finish_re_predicts_only_what_its_length_can_change() {
         (180, 120),
         "the 20 that moved"
     );
-    // 920 falls inside the horizon of those at 850; it is below the age of those at 950.
-    cache.learned(survival.learn(&finish(5_000, 920)));
-    assert_eq!(
-        tick(&st, &survival, &mut cache),
-        (270, 130),
-        "the 10 at 850"
-    );
-    // 1,200 is beyond the horizon of those at 850 (now predicted to run on: 2 of 7 lengths
-    // end inside it) and above the age of those at 950, which were predicted to finish: their
-    // probability changes.
-    cache.learned(survival.learn(&finish(5_000, 1_200)));
-    assert_eq!(
-        tick(&st, &survival, &mut cache),
-        (360, 140),
-        "the 10 at 950"
-    );
-    // An octave no request is in: it changes the global prior, which no prediction reads
-    // now that both octaves have their own distribution.
-    cache.learned(survival.learn(&finish(20_000, 10)));
-    assert_eq!(tick(&st, &survival, &mut cache), (460, 140));
-    // Octave 7's requests are at 5 tokens and predicted to finish with the 50s: a length of 3
-    // is below their age, one of 60 changes their probability.
-    cache.learned(survival.learn(&finish(100, 3)));
-    assert_eq!(
-        tick(&st, &survival, &mut cache),
-        (560, 140),
-        "3 is below their age"
-    );
-    cache.learned(survival.learn(&finish(100, 60)));
-    assert_eq!(
-        tick(&st, &survival, &mut cache),
-        (610, 190),
-        "60 is above it"
-    );
+    // Each finish, and the (hits, misses) after the next tick.
+    let steps = [
+        (
+            5_000,
+            920,
+            (270, 130),
+            "the 10 at 850: 920 is inside their horizon, below 950",
+        ),
+        // 1,200 is beyond the horizon of those at 850 (now predicted to run on: 2 of 7
+        // lengths end inside it) and above the age of those at 950, which were predicted to
+        // finish: their probability changes.
+        (5_000, 1_200, (360, 140), "the 10 at 950"),
+        // An octave no request is in: it changes the global prior, which no prediction reads
+        // now that both octaves have their own distribution.
+        (20_000, 10, (460, 140), "none"),
+        // Octave 7's requests are at 5 tokens and predicted to finish with the 50s.
+        (100, 3, (560, 140), "none: 3 is below their age"),
+        (
+            100,
+            60,
+            (610, 190),
+            "octave 7's 50: 60 changes their probability",
+        ),
+    ];
+    for (prompt, length, counts, which) in steps {
+        cache.learned(survival.learn(&finish(prompt, length)));
+        assert_eq!(
+            tick(&st, &survival, &mut cache),
+            counts,
+            "re-predicted: {which}"
+        );
+    }
 }
 
 /// An octave reaching `min_samples` moves its requests from the global prior to their own
@@ -422,24 +430,10 @@ fn an_octave_turning_usable_re_predicts_its_requests() {
     let params = HorizonParams::default();
     let mut st = ClusterState::with_workers(&[64]);
     for key in 1..=10u64 {
-        st.reserve(RequestInfo {
-            key,
-            worker: 0,
-            prompt_tokens: 5_000,
-            generated: 500,
-            phase: Phase::Running,
-            prompt_hash: None,
-            oracle_output: None,
-        })
-        .unwrap();
+        st.reserve(running(key, 0, 5_000, 500)).unwrap();
     }
     let mut survival = Survival::with_buckets(4096, 4, true);
     let mut cache = PredictionCache::new();
-    let finish = |prompt_tokens, output_tokens| Finished {
-        prompt_tokens,
-        prompt_hash: None,
-        output_tokens,
-    };
     // The global prior: lengths just past their age (they are predicted to finish).
     for _ in 0..4 {
         cache.learned(survival.learn(&finish(100, 520)));
@@ -466,23 +460,10 @@ fn an_octave_turning_usable_re_predicts_its_requests() {
 fn a_request_spared_at_every_tick_stays_cached() {
     let params = HorizonParams::default();
     let mut st = ClusterState::with_workers(&[64]);
-    st.reserve(RequestInfo {
-        key: 1,
-        worker: 0,
-        prompt_tokens: 5_000,
-        generated: 10,
-        phase: Phase::Running,
-        prompt_hash: None,
-        oracle_output: None,
-    })
-    .unwrap();
+    st.reserve(running(1, 0, 5_000, 10)).unwrap();
     let mut survival = Survival::with_buckets(4096, 4, true);
     let mut cache = PredictionCache::new();
-    let long = Finished {
-        prompt_tokens: 5_000,
-        prompt_hash: None,
-        output_tokens: 2_000,
-    };
+    let long = finish(5_000, 2_000);
     for _ in 0..4 {
         cache.learned(survival.learn(&long));
     }
