@@ -63,6 +63,10 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn observe(&mut self, finished: &Finished);
     /// [`Predictor::observe`], and which parts of what it learned the observation changed (a
     /// [`PredictionCache`] re-predicts only the requests whose prediction read one of them).
+    /// A part reported as *sampled* ([`Changed::with_sample`]) is a promise that predictions
+    /// read it as an empirical conditional distribution that gained one length and nothing
+    /// else, so the cache also keeps the predictions that length cannot change; a predictor
+    /// that cannot promise it reports the part replaced ([`Changed::with`]).
     /// The default says "everything" when the predictor [`Predictor::learns`].
     fn learn(&mut self, finished: &Finished) -> Changed {
         self.observe(finished);
