@@ -75,6 +75,12 @@ for policy in $POLICIES; do
         --trace "$TRACE" --limit "$N" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} --label "$policy" \
         --json "$OUT/$policy.json" --arrivals-csv "$OUT/$policy-arrivals.csv"
     RUNS+=("$OUT/$policy.json")
+    if [[ $policy == brh* ]]; then
+        # How each tick got its per-request predictions: the share `made` is BR-H's tick cost.
+        say "$policy: BR-H's prediction cache over the run (decision's /metrics)"
+        admin_get "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/metrics" |
+            grep '^balanceroute_decision_predictions_total' || echo "(no predictions_total series)"
+    fi
     stop_decision
     stop_shims
 done

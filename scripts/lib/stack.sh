@@ -111,6 +111,12 @@ wait_http() { # wait_http URL WHAT: until URL answers 200 (at most 60 s)
     return 1
 }
 
+admin_get() { # admin_get URL: an admin route beyond the probes (under TLS, with the admin certificate)
+    local auth=()
+    [ "$STACK_TLS" = 1 ] && auth=(--cert "$CERTS/admin.pem" --key "$CERTS/admin-key.pem")
+    curl -fsS ${CURL_TLS[@]+"${CURL_TLS[@]}"} ${auth[@]+"${auth[@]}"} "$1"
+}
+
 start() { # start NAME CMD...: runs CMD in the background, logging to $OUT/NAME.log
     local name=$1
     shift
