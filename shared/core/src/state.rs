@@ -445,26 +445,10 @@ impl ClusterState {
             .filter_map(|&s| self.slots[s as usize].as_ref().map(|slot| &slot.info))
     }
 
-    /// [`Self::requests_of`] with each request's slot: a small index, stable while the request
-    /// stays and reused after it leaves (for per-request side tables such as BR-H's
-    /// prediction cache, which must check the key).
-    pub fn slotted_requests_of(
-        &self,
-        id: WorkerId,
-    ) -> impl Iterator<Item = (usize, &RequestInfo)> + '_ {
-        self.members
-            .get(id as usize)
-            .into_iter()
-            .flatten()
-            .filter_map(|&s| {
-                self.slots[s as usize]
-                    .as_ref()
-                    .map(|slot| (s as usize, &slot.info))
-            })
-    }
-
     /// Every request in σ with its slot, in slot order (the order they sit in memory: a pass
-    /// over all of them that needs no per-worker order is cheapest this way).
+    /// over all of them that needs no per-worker order is cheapest this way). A slot is a
+    /// small index, stable while the request stays and reused after it leaves (for
+    /// per-request side tables such as BR-H's prediction cache, which must check the key).
     pub fn slotted_requests(&self) -> impl Iterator<Item = (usize, &RequestInfo)> + '_ {
         self.slots
             .iter()
