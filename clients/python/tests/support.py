@@ -90,10 +90,29 @@ class DecisionProcess:
         self.proc.wait(timeout=30)
 
     def freeze(self):
+        """SIGSTOP, then waits until every thread of the process is stopped: the signal is
+        delivered asynchronously, and a thread still running could answer a call the test
+        sends next as if the process were not frozen."""
         self.proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: self._thread_states() <= {"T"}, 10, f"br-decision stopped ({self.dir})")
 
     def thaw(self):
         self.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: "T" not in self._thread_states(), 10, f"br-decision resumed ({self.dir})")
+
+    def _thread_states(self):
+        """The scheduler states (/proc/<pid>/task/<tid>/stat, field 3) of the process's threads;
+        'T' is stopped by a signal."""
+        states = set()
+        task_dir = f"/proc/{self.proc.pid}/task"
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    # The name (field 2) is in parentheses and may hold spaces.
+                    states.add(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass  # a thread that exited meanwhile
+        return states
 
     def stop(self):
         if self.proc.poll() is None:

@@ -273,10 +273,27 @@ class OwnDecision:
         wait_until(ready_ok, 30, "br-decision ready")
 
     def freeze(self):
+        """SIGSTOP, then waits until every thread is stopped (the signal is delivered
+        asynchronously: a thread still running could answer the next call)."""
         self.proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: self._thread_states() <= {"T"}, 10, "br-decision stopped")
 
     def thaw(self):
         self.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: "T" not in self._thread_states(), 10, "br-decision resumed")
+
+    def _thread_states(self):
+        """Scheduler states of the process's threads (/proc/<pid>/task/<tid>/stat, after the
+        parenthesised name); 'T' is stopped by a signal."""
+        states = set()
+        task_dir = f"/proc/{self.proc.pid}/task"
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    states.add(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass  # a thread that exited meanwhile
+        return states
 
     def stop(self):
         self.proc.send_signal(signal.SIGCONT)
