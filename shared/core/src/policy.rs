@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dispatch::{Admission, DispatcherConfig, dispatch_tick, route_bypass};
 use crate::pool::{Pool, PoolEntry};
-use crate::predict::{Finished, Oracle, PredictionCache, Predictor, PredictorStats};
+use crate::predict::{CacheCounts, Finished, Oracle, PredictionCache, Predictor, PredictorStats};
 use crate::score::{HorizonParams, Margins};
 use crate::state::{ClusterState, WorkerInfo};
 use crate::{CoreError, WorkerId};
@@ -42,6 +42,11 @@ pub trait Policy: Send + fmt::Debug {
     fn observe_finished(&mut self, _finished: &Finished) {}
     /// What BR-H's predictor has learned and holds; `None` for a policy without one.
     fn predictor_stats(&self) -> Option<PredictorStats> {
+        None
+    }
+    /// How BR-H's prediction cache answered over its life; `None` for a policy without a
+    /// predictor. Cheap enough to ask after every tick.
+    fn prediction_counts(&self) -> Option<CacheCounts> {
         None
     }
 }
@@ -432,9 +437,9 @@ impl Policy for BalanceRoute {
         }
     }
     fn predictor_stats(&self) -> Option<PredictorStats> {
-        self.predictor.as_ref().map(|p| PredictorStats {
-            cache: self.cache.counts(),
-            ..p.stats()
-        })
+        self.predictor.as_ref().map(|p| p.stats())
+    }
+    fn prediction_counts(&self) -> Option<CacheCounts> {
+        self.predictor.as_ref().map(|_| self.cache.counts())
     }
 }

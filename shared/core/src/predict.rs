@@ -290,8 +290,6 @@ pub struct PredictorStats {
     pub buckets: usize,
     /// Heap bytes held, approximately (the tables' capacities).
     pub bytes: usize,
-    /// How the policy's [`PredictionCache`] answered, over its life.
-    pub cache: CacheCounts,
 }
 
 /// How a [`PredictionCache`] answered for one request at one tick, counted over its life.
@@ -1022,7 +1020,6 @@ impl Survival {
             hashes: 0,
             buckets: buckets.clone().count(),
             bytes: self.global.bytes() + buckets.map(LengthHistogram::bytes).sum::<usize>(),
-            cache: CacheCounts::default(),
         }
     }
 }

@@ -343,7 +343,7 @@ impl GroupCore {
     /// Adds BR-H's prediction-cache answers since the last call to `predictions_total`
     /// (after a tick: the cache answers at ticks only).
     fn count_predictions(&mut self) {
-        let Some(now) = self.policy.predictor_stats().map(|st| st.cache) else {
+        let Some(now) = self.policy.prediction_counts() else {
             return;
         };
         let last = std::mem::replace(&mut self.predictions_counted, now);
