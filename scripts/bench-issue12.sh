@@ -10,6 +10,7 @@
 #   scripts/bench-issue12.sh telemetry [ARGS]                  shim report → decision's σ replica
 #                                                              (ARGS go to telemetry-latency, e.g.
 #                                                              --probe-via-reporter --flush-interval 2ms)
+#   scripts/bench-issue12.sh telemetry-all [ARGS]              the same through one br-all
 #   scripts/bench-issue12.sh groups                            64 groups × 8 ranks, 10k Assign/s, RSS
 #   scripts/bench-issue12.sh split-ab DIR_A DIR_B [ROUNDS]     the split deployment over 64 groups,
 #                                                              br-snapshot + br-decision from DIR_A and
@@ -110,6 +111,20 @@ telemetry)
         --messages-per-sec-per-stream 25 --probes-per-sec 50 --duration 15s --warmup 2s "${@:2}"
     echo "   load average after: $(load)"
     kill "$dp" "$ip" "$sp"; wait "$dp" "$ip" "$sp" 2>/dev/null
+    ;;
+telemetry-all)
+    # The same path through br-all: ingest, snapshot and decision in one process (Apply, Watch
+    # in-process), so the probe's report and the tool's Watch go to its one gRPC port, and the
+    # decision replica's σ version is read on its one admin port.
+    "$BIN/br-all" --listen 127.0.0.1:51060 --admin-listen 127.0.0.1:9160 --policy br0 \
+        >"$LOGS/all.log" 2>&1 & ap=$!
+    up 9160
+    echo "== telemetry-latency through br-all, load average $(load)"
+    "$BIN/telemetry-latency" --ingest-addr http://127.0.0.1:51060 --snapshot-addr http://127.0.0.1:51060 \
+        --decision-admin 127.0.0.1:9160 --streams 64 --updates-per-message 64 --requests 64 \
+        --messages-per-sec-per-stream 25 --probes-per-sec 50 --duration 15s --warmup 2s "${@:2}"
+    echo "   load average after: $(load)"
+    kill "$ap"; wait "$ap" 2>/dev/null
     ;;
 groups)
     # 64 groups × 8 ranks (issue 12's scale asks), release binaries, in four parts:
