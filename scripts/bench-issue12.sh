@@ -40,6 +40,13 @@ up() { # up ADMIN_PORT: wait (at most 10 s) until the admin port answers
     for _ in $(seq 1 100); do curl -fsS -o /dev/null "http://127.0.0.1:$1/livez" 2>/dev/null && return 0; sleep 0.1; done
     echo "admin port $1 never answered" >&2; return 1
 }
+# telemetry_latency INGEST_PORT SNAPSHOT_PORT DECISION_ADMIN_PORT [ARGS]: the tool at 100k
+# progress events/s (64 streams × 64 updates × 25/s) with 50 probes/s, split or all-in-one alike.
+telemetry_latency() {
+    "$BIN/telemetry-latency" --ingest-addr "http://127.0.0.1:$1" --snapshot-addr "http://127.0.0.1:$2" \
+        --decision-admin "127.0.0.1:$3" --streams 64 --updates-per-message 64 --requests 64 \
+        --messages-per-sec-per-stream 25 --probes-per-sec 50 --duration 15s --warmup 2s "${@:4}"
+}
 
 case "${1:-}" in
 ab)
@@ -106,9 +113,7 @@ telemetry)
     "$BIN/br-decision" "${DEC[@]}" >"$LOGS/decision.log" 2>&1 & dp=$!
     up 9161 && up 9162 && up 9163
     echo "== telemetry-latency, load average $(load)"
-    "$BIN/telemetry-latency" --ingest-addr http://127.0.0.1:51062 --snapshot-addr http://127.0.0.1:51061 \
-        --decision-admin 127.0.0.1:9163 --streams 64 --updates-per-message 64 --requests 64 \
-        --messages-per-sec-per-stream 25 --probes-per-sec 50 --duration 15s --warmup 2s "${@:2}"
+    telemetry_latency 51062 51061 9163 "${@:2}"
     echo "   load average after: $(load)"
     kill "$dp" "$ip" "$sp"; wait "$dp" "$ip" "$sp" 2>/dev/null
     ;;
@@ -120,9 +125,7 @@ telemetry-all)
         >"$LOGS/all.log" 2>&1 & ap=$!
     up 9160
     echo "== telemetry-latency through br-all, load average $(load)"
-    "$BIN/telemetry-latency" --ingest-addr http://127.0.0.1:51060 --snapshot-addr http://127.0.0.1:51060 \
-        --decision-admin 127.0.0.1:9160 --streams 64 --updates-per-message 64 --requests 64 \
-        --messages-per-sec-per-stream 25 --probes-per-sec 50 --duration 15s --warmup 2s "${@:2}"
+    telemetry_latency 51060 51060 9160 "${@:2}"
     echo "   load average after: $(load)"
     kill "$ap"; wait "$ap" 2>/dev/null
     ;;

@@ -94,11 +94,15 @@ class DecisionProcess:
         delivered asynchronously, and a thread still running could answer a call the test
         sends next as if the process were not frozen."""
         self.proc.send_signal(signal.SIGSTOP)
-        wait_until(lambda: self._thread_states() <= {"T"}, 10, f"br-decision stopped ({self.dir})")
+        wait_until(
+            lambda: self._thread_states() <= {"T"}, 10, f"br-decision stopped ({self.dir})"
+        )
 
     def thaw(self):
         self.proc.send_signal(signal.SIGCONT)
-        wait_until(lambda: "T" not in self._thread_states(), 10, f"br-decision resumed ({self.dir})")
+        wait_until(
+            lambda: "T" not in self._thread_states(), 10, f"br-decision resumed ({self.dir})"
+        )
 
     def _thread_states(self):
         """The scheduler states (/proc/<pid>/task/<tid>/stat, field 3) of the process's threads;

@@ -102,7 +102,9 @@ def test_failover_when_the_replica_is_killed_in_the_middle_of_a_call(
 
         t = threading.Thread(target=call)
         t.start()
-        wait_until(lambda: unread_bytes(port) > queued, 10, "the Assign to reach the frozen replica")
+        wait_until(
+            lambda: unread_bytes(port) > queued, 10, "the Assign to reach the frozen replica"
+        )
         # Killed with the call unread: its kernel resets the connection, the call fails over.
         first.kill9()
         t.join(timeout=40)
