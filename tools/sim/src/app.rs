@@ -266,18 +266,54 @@ pub fn load_window(outcomes: &[RunOutcome]) -> std::ops::Range<usize> {
     start..start + LOAD_WINDOW_STEPS
 }
 
+/// The share of the best baseline's steady gap to its fluid limit that row `i` of one seed's
+/// rows removes (by efficiency, steady / steady fluid: [`crate::report::gap_share`]), against
+/// the baseline with the highest steady throughput at the same G. `None` without a baseline at
+/// that G or when it has no gap.
+fn steady_gap(rows: &[Row], i: usize) -> Option<f64> {
+    let (r, rx) = &rows[i];
+    let best = rows
+        .iter()
+        .filter(|b| b.0.workers == r.workers && is_baseline(&b.0.policy))
+        .max_by(|x, y| {
+            x.0.steady_throughput_tok_s
+                .total_cmp(&y.0.steady_throughput_tok_s)
+        })?;
+    crate::report::gap_share(
+        r.steady_throughput_tok_s,
+        rx.fluid_tok_s,
+        best.0.steady_throughput_tok_s,
+        best.1.fluid_tok_s,
+    )
+}
+
+/// Mean and standard error of the mean (0 for one value).
+fn mean_sem(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    let v = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    (m, (v / n).sqrt())
+}
+
+/// Row `i`'s steady gap share in percent, paired by seed (each seed against its own best
+/// baseline), as mean and standard error over the seeds: the table's `s.gap%` and the
+/// scaling figure's third panel. `None` if any seed has no baseline gap at that G.
+pub fn steady_gap_spread(per_seed: &[Vec<Row>], i: usize) -> Option<(f64, f64)> {
+    let gaps: Option<Vec<f64>> = per_seed.iter().map(|rows| steady_gap(rows, i)).collect();
+    gaps.filter(|g| !g.is_empty()).map(|g| {
+        let (m, se) = mean_sem(&g);
+        (100.0 * m, 100.0 * se)
+    })
+}
+
 /// Standard error of the mean across seeds of the figures parameter choices are judged by.
 pub fn render_spread(per_seed: &[Vec<Row>]) -> String {
     use std::fmt::Write as _;
     let Some(first) = per_seed.first() else {
         return String::new();
     };
-    let k = per_seed.len() as f64;
     let sem = |i: usize, f: &dyn Fn(&Row) -> f64| {
-        let xs: Vec<f64> = per_seed.iter().map(|rows| f(&rows[i])).collect();
-        let m = xs.iter().sum::<f64>() / k;
-        let var = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (k - 1.0).max(1.0);
-        (m, (var / k).sqrt())
+        mean_sem(&per_seed.iter().map(|rows| f(&rows[i])).collect::<Vec<_>>())
     };
     let width = first
         .iter()
@@ -303,30 +339,6 @@ pub fn render_spread(per_seed: &[Vec<Row>]) -> String {
             0.0
         }
     };
-    // per seed: the share of that baseline's steady gap to its fluid limit the run removes,
-    // by efficiency (steady / steady fluid), as the table's s.gap% (report::gap_share)
-    let steady_gap = |rows: &Vec<Row>, i: usize| {
-        let (r, rx) = &rows[i];
-        let best = rows
-            .iter()
-            .filter(|b| b.0.workers == r.workers && is_baseline(&b.0.policy))
-            .max_by(|x, y| {
-                x.0.steady_throughput_tok_s
-                    .total_cmp(&y.0.steady_throughput_tok_s)
-            })?;
-        crate::report::gap_share(
-            r.steady_throughput_tok_s,
-            rx.fluid_tok_s,
-            best.0.steady_throughput_tok_s,
-            best.1.fluid_tok_s,
-        )
-    };
-    let mean_sem = |xs: &[f64]| {
-        let n = xs.len() as f64;
-        let m = xs.iter().sum::<f64>() / n;
-        let v = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-        (m, (v / n).sqrt())
-    };
     for (i, (r, _)) in first.iter().enumerate() {
         let (a, da) = sem(i, &|r| r.0.avg_imbalance);
         let (b, db) = sem(i, &|r| r.1.imbalance);
@@ -334,13 +346,9 @@ pub fn render_spread(per_seed: &[Vec<Row>]) -> String {
         let (d, dd) = sem(i, &|r| r.0.tpot_p95_ms);
         let gains: Vec<f64> = per_seed.iter().map(|rows| steady_gain(rows, i)).collect();
         let (gm, gse) = mean_sem(&gains);
-        let gaps: Option<Vec<f64>> = per_seed.iter().map(|rows| steady_gap(rows, i)).collect();
-        let gap = gaps.map_or_else(
+        let gap = steady_gap_spread(per_seed, i).map_or_else(
             || format!("{:>12}", "-"),
-            |g| {
-                let (m, se) = mean_sem(&g);
-                format!("{:>5.1} ±{:>5.1}", 100.0 * m, 100.0 * se)
-            },
+            |(m, se)| format!("{m:>5.1} ±{se:>5.1}"),
         );
         let _ = writeln!(
             s,
@@ -399,6 +407,7 @@ pub fn average_rows(per_seed: &[Vec<Row>]) -> Vec<Row> {
 }
 
 fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
+    args.validate()?;
     let seeds = sweep_seeds(args);
     let started = Instant::now();
     let mut per_seed = Vec::with_capacity(seeds.len());
@@ -407,7 +416,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         let mut run = args.run.clone();
         run.seed = seed;
         let rows = if let Some(param) = &args.param {
-            param_rows(&run, param)?
+            param_rows(&args.run_at(&run, run.workers), param)?
         } else {
             let (rows, pw) = g_rows(args, &run)?;
             per_worker = pw;
@@ -425,7 +434,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         println!("averaged over {} seeds: {:?}", seeds.len(), seeds);
         print!("{}", render_spread(&per_seed));
     }
-    let points = scaling_points(&rows);
+    let points = scaling_points(&rows, &per_seed);
     let (runs, steady): (Vec<RunReport>, Vec<SteadyExtra>) = rows.into_iter().unzip();
     print!("{}", render_table(&runs, &steady));
     let report = Report { runs };
@@ -448,8 +457,15 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
         let path = dir.join("scaling.svg");
         let run = &args.run;
         let name = run.trace.as_deref().unwrap_or("trace");
+        // the arrivals, as the runs resolved them (every G resolves `auto` alike)
+        let arrival = match (run.arrival, args.rate_per_worker, run.rate) {
+            (Arrival::Poisson, Some(r), _) => format!("Poisson at {r}/s per worker, "),
+            (Arrival::Poisson, None, Some(r)) => format!("Poisson at {r}/s, "),
+            (Arrival::Trace, _, _) => format!("trace timestamps x{}, ", run.rate_scale),
+            _ => String::new(),
+        };
         let title = format!(
-            "Scaling with G: {}{} (B = {}, {}{})",
+            "Scaling with G: {}{} (B = {}, {arrival}{}{})",
             name,
             if run.synthetic().is_some() {
                 " (synthetic)"
@@ -487,6 +503,7 @@ fn g_rows(args: &SweepArgs, run: &RunArgs) -> anyhow::Result<(Vec<Row>, Option<u
             (1..=1024).contains(&g),
             "--workers-list: G={g} is out of range"
         );
+        let run = &args.run_at(run, g);
         let w = run.workload_sized(per_worker.map(|n| n * g as usize))?;
         println!("{}", describe(&w, run, Some(g)));
         let cfg = engine_config(run, g, false);
@@ -525,8 +542,10 @@ fn param_rows(run: &RunArgs, param: &str) -> anyhow::Result<Vec<Row>> {
 }
 
 /// Gains of every policy over the best baseline (by whole-run throughput) at the same G,
-/// plus the imbalance; the best baseline itself is included (gain 0) for reference.
-pub fn scaling_points(rows: &[Row]) -> Vec<ScalingPoint> {
+/// plus the imbalance; the best baseline itself is included (gain 0) for reference. `rows` are
+/// the seeds' mean ([`average_rows`] of `per_seed`); the gap share is paired within each seed
+/// ([`steady_gap_spread`]), so it is taken from `per_seed`.
+pub fn scaling_points(rows: &[Row], per_seed: &[Vec<Row>]) -> Vec<ScalingPoint> {
     let runs: Vec<&RunReport> = rows.iter().map(|r| &r.0).collect();
     let mut out = Vec::new();
     for (i, r) in runs.iter().enumerate() {
@@ -561,6 +580,11 @@ pub fn scaling_points(rows: &[Row]) -> Vec<ScalingPoint> {
             steady_gain_pct: pct(r.steady_throughput_tok_s, best_steady),
             avg_imbalance: r.avg_imbalance,
             steady_imbalance: rows[i].1.imbalance,
+            steady_gap_pct: if is_baseline(&r.policy) {
+                None
+            } else {
+                steady_gap_spread(per_seed, i)
+            },
             baseline: best.policy.clone(),
         });
     }
@@ -613,14 +637,32 @@ mod tests {
     fn averaging_and_scaling_points() {
         let a = vec![row("jsq", 8, 100.0, 10.0), row("br0", 8, 110.0, 2.0)];
         let b = vec![row("jsq", 8, 200.0, 30.0), row("br0", 8, 210.0, 4.0)];
-        let avg = average_rows(&[a, b]);
+        let avg = average_rows(&[a.clone(), b.clone()]);
         assert_eq!(avg[0].0.throughput_tok_s, 150.0);
         assert_eq!(avg[1].0.avg_imbalance, 3.0);
         assert_eq!(avg[1].1.imbalance, 3.0);
-        let pts = scaling_points(&avg);
+        let pts = scaling_points(&avg, &[a.clone(), b.clone()]);
         assert_eq!(pts.len(), 2);
         assert_eq!(pts[0].policy, "best baseline");
         assert!((pts[1].gain_pct - 100.0 * (160.0 / 150.0 - 1.0)).abs() < 1e-9);
+        // the gap share is paired within each seed: the baseline runs at 100/110 of its fluid
+        // limit, br0 at 110/121 (the same efficiency): no share of the gap in either seed
+        assert_eq!(pts[0].steady_gap_pct, None, "not drawn for the baseline");
+        let (m, se) = pts[1].steady_gap_pct.expect("br0's share");
+        assert!(m.abs() < 1e-9 && se.abs() < 1e-9, "{m} ± {se}");
+        // seed a's br0 at its fluid limit (all of the gap), seed b's as efficient as the
+        // baseline (none of it): 50 ± 50%
+        let mut a_full = a.clone();
+        a_full[1].1.fluid_tok_s = a_full[1].0.steady_throughput_tok_s;
+        let (m, se) = steady_gap_spread(&[a_full, b.clone()], 1).expect("share");
+        assert!(
+            (m - 50.0).abs() < 1e-9 && (se - 50.0).abs() < 1e-9,
+            "{m} ± {se}"
+        );
+        assert_eq!(
+            steady_gap_spread(&[a, b], 0).map(|(m, _)| m.round()),
+            Some(0.0)
+        );
     }
 
     #[test]

@@ -176,6 +176,43 @@ pub struct SweepArgs {
     /// Poisson arrivals and randomised policies change with the seed). Default: `--seed`.
     #[arg(long, value_delimiter = ',', value_name = "S1,S2,...")]
     pub seeds: Vec<u64>,
+    /// Poisson arrivals at R·G requests per second at each G (with `--param`, at
+    /// `--workers`): the same offered load per rank at every G, as `--per-worker` keeps the
+    /// same requests per rank. Needs `--arrival poisson`, and replaces `--rate`.
+    #[arg(long, value_name = "R")]
+    pub rate_per_worker: Option<f64>,
+}
+
+impl SweepArgs {
+    /// Checks the sweep's own flags against the run flags.
+    pub fn validate(&self) -> Result<(), WorkloadError> {
+        let Some(r) = self.rate_per_worker else {
+            return Ok(());
+        };
+        let bad = |m: &str| Err(WorkloadError::Invalid(m.into()));
+        if !(r.is_finite() && r > 0.0) {
+            return Err(WorkloadError::Invalid(format!(
+                "--rate-per-worker must be > 0, got {r}"
+            )));
+        }
+        if self.run.arrival != Arrival::Poisson {
+            return bad("--rate-per-worker needs --arrival poisson");
+        }
+        if self.run.rate.is_some() {
+            return bad("--rate-per-worker replaces --rate: give one of them");
+        }
+        Ok(())
+    }
+
+    /// The run flags at G = `workers`: with `--rate-per-worker R`, Poisson arrivals at R·G
+    /// requests per second.
+    pub fn run_at(&self, run: &RunArgs, workers: u32) -> RunArgs {
+        let mut run = run.clone();
+        if let Some(r) = self.rate_per_worker {
+            run.rate = Some(r * f64::from(workers));
+        }
+        run
+    }
 }
 
 /// Flags of `calibrate`.
@@ -537,6 +574,50 @@ mod tests {
             panic!("expected sweep")
         };
         assert_eq!(s.workers_list, vec![4, 8, 16, 32, 64]);
+        assert!(s.validate().is_ok());
+
+        // --rate-per-worker: R·G per second at each G, Poisson only, instead of --rate
+        let sweep = |extra: &[&str]| {
+            let mut a = vec!["sweep", "--trace", "paper-prop", "--policies", "jsq"];
+            a.extend_from_slice(extra);
+            let Command::Sweep(s) = parse(&a).expect("parse") else {
+                panic!("expected sweep")
+            };
+            s
+        };
+        let s = sweep(&["--arrival", "poisson", "--rate-per-worker", "0.75"]);
+        s.validate().expect("valid");
+        assert_eq!(s.run_at(&s.run, 64).rate, Some(48.0));
+        s.run_at(&s.run, 8)
+            .validate()
+            .expect("a Poisson run with its rate");
+        for (extra, says) in [
+            (&["--rate-per-worker", "0.75"][..], "--arrival poisson"),
+            (
+                &[
+                    "--arrival",
+                    "poisson",
+                    "--rate",
+                    "6",
+                    "--rate-per-worker",
+                    "0.75",
+                ][..],
+                "replaces --rate",
+            ),
+            (
+                &["--arrival", "poisson", "--rate-per-worker", "0"][..],
+                "> 0",
+            ),
+            (
+                &["--arrival", "poisson", "--rate-per-worker", "NaN"][..],
+                "> 0",
+            ),
+        ] {
+            let e = sweep(extra).validate().expect_err("refused");
+            assert!(e.to_string().contains(says), "{extra:?}: {e}");
+        }
+        let s = sweep(&[]);
+        assert_eq!(s.run_at(&s.run, 64).rate, None, "no rate of its own");
         let Command::Calibrate(c) = parse(&["calibrate", "s.csv", "--strict"]).expect("parse")
         else {
             panic!("expected calibrate")

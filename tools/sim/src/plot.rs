@@ -2,8 +2,9 @@
 //!
 //! - [`plot_worker_loads`]: per-worker KV load over decode steps, one panel per policy side by
 //!   side on a shared y axis (the paper's Figure 3).
-//! - [`plot_scaling`]: throughput gain over the best baseline, and average imbalance, against G
-//!   (the paper's Figure 4).
+//! - [`plot_scaling`]: throughput gain over the best baseline, average imbalance, and the share
+//!   of the best baseline's steady gap to the fluid limit each policy removes, against G (the
+//!   paper's Figure 4, and the wide-EP share of issue 16).
 //!
 //! Both take plain data, so they do not depend on the simulation engine.
 
@@ -12,6 +13,10 @@ use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
+
+/// The share of the best baseline's gap the scaling figure marks with a dashed line: what
+/// BR-0 is asked to keep at every G (issue 16), so a reader sees at once where it holds.
+pub const GAP_SHARE_GUIDE: f64 = 90.0;
 
 /// Per-step per-worker loads of one run.
 #[derive(Debug, Clone, Default)]
@@ -46,6 +51,10 @@ pub struct ScalingPoint {
     pub avg_imbalance: f64,
     /// Average imbalance over the steady-state steps (while requests wait), KV tokens.
     pub steady_imbalance: f64,
+    /// Share of the best baseline's steady gap to its fluid limit the policy removes, percent,
+    /// paired by seed: mean and standard error over the seeds (`s.gap%`). `None` for the
+    /// baseline itself and where the baseline has no gap.
+    pub steady_gap_pct: Option<(f64, f64)>,
     /// The baseline the gains at this G are measured against (the best by whole-run
     /// throughput), so the figure can say which one "best baseline" was.
     pub baseline: String,
@@ -71,6 +80,25 @@ pub fn baseline_caption(points: &[ScalingPoint]) -> String {
             format!("best baseline ({})", each.join(", "))
         }
     }
+}
+
+/// The i-th policy's colour in the scaling figure: Tableau's ten, which stay apart on white
+/// and in print (Palette99's third is a yellow that thin lines lose on white).
+fn series_color(i: usize) -> RGBAColor {
+    const TABLEAU10: [(u8, u8, u8); 10] = [
+        (31, 119, 180),
+        (255, 127, 14),
+        (44, 160, 44),
+        (214, 39, 40),
+        (148, 103, 189),
+        (140, 86, 75),
+        (227, 119, 194),
+        (127, 127, 127),
+        (188, 189, 34),
+        (23, 190, 207),
+    ];
+    let (r, g, b) = TABLEAU10[i % TABLEAU10.len()];
+    RGBColor(r, g, b).to_rgba()
 }
 
 /// Mean of max − min load over the steps in `win` (the imbalance of the plotted window).
@@ -276,12 +304,21 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .max(1.0)
         * 1.1;
 
-    let root = SVGBackend::new(path, (1400, 560)).into_drawing_area();
+    // the share panel zooms in on where policies differ (a few points apart near 90%), and
+    // always shows the guide and 100%
+    let share_lo = points
+        .iter()
+        .filter_map(|p| p.steady_gap_pct.map(|(m, se)| m - se))
+        .fold(GAP_SHARE_GUIDE - 5.0, f64::min);
+    let share_lo = ((share_lo - 2.0) / 5.0).floor() * 5.0;
+
+    let root = SVGBackend::new(path, (2400, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(draw_err(path))?;
     let root = root
         .titled(title, ("sans-serif", 22))
         .map_err(draw_err(path))?;
-    let (left, right) = root.split_horizontally(700);
+    let panels = root.split_evenly((1, 3));
+    let (left, right, share_area) = (&panels[0], &panels[1], &panels[2]);
     let xfmt = |v: &f64| {
         if (v - v.round()).abs() < 1e-6 {
             format!("{:.0}", v.round().exp2())
@@ -290,10 +327,10 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         }
     };
 
-    let mut gain = ChartBuilder::on(&left)
+    let mut gain = ChartBuilder::on(left)
         .caption(
             format!("throughput gain over {}", baseline_caption(points)),
-            ("sans-serif", 18),
+            ("sans-serif", 15),
         )
         .margin(12)
         .x_label_area_size(35)
@@ -309,8 +346,8 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .draw()
         .map_err(draw_err(path))?;
 
-    let mut imb = ChartBuilder::on(&right)
-        .caption("average imbalance (max − min load)", ("sans-serif", 18))
+    let mut imb = ChartBuilder::on(right)
+        .caption("average imbalance (max − min load)", ("sans-serif", 15))
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(65)
@@ -325,8 +362,38 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .draw()
         .map_err(draw_err(path))?;
 
+    let mut share = ChartBuilder::on(share_area)
+        .caption(
+            "steady share of the gap between the best baseline and the fluid limit (± s.e.)",
+            ("sans-serif", 15),
+        )
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(55)
+        .build_cartesian_2d(xmin..xmax, share_lo..101.0)
+        .map_err(draw_err(path))?;
+    share
+        .configure_mesh()
+        .x_desc("G (workers)")
+        .y_desc("s.gap %")
+        .x_labels(xticks)
+        .x_label_formatter(&xfmt)
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .draw()
+        .map_err(draw_err(path))?;
+    share
+        .draw_series(DashedLineSeries::new(
+            [(xmin, GAP_SHARE_GUIDE), (xmax, GAP_SHARE_GUIDE)],
+            6,
+            4,
+            BLACK.mix(0.5).stroke_width(1),
+        ))
+        .map_err(draw_err(path))?
+        .label(format!("{GAP_SHARE_GUIDE:.0}% of the gap"))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK.mix(0.5)));
+
     for (i, pol) in policies.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+        let color = series_color(i);
         let mut pts: Vec<&ScalingPoint> = points.iter().filter(|p| p.policy == *pol).collect();
         pts.sort_by_key(|p| p.workers);
         let whole: Vec<(f64, f64)> = pts.iter().map(|p| (lg(p.workers), p.gain_pct)).collect();
@@ -384,6 +451,42 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
                 .map(|&p| Circle::new(p, 2, color.mix(0.6))),
         )
         .map_err(draw_err(path))?;
+        let shares: Vec<(f64, f64, f64)> = pts
+            .iter()
+            .filter_map(|p| p.steady_gap_pct.map(|(m, se)| (lg(p.workers), m, se)))
+            .collect();
+        if shares.is_empty() {
+            continue;
+        }
+        share
+            .draw_series(LineSeries::new(
+                shares.iter().map(|&(x, m, _)| (x, m)),
+                color.stroke_width(2),
+            ))
+            .map_err(draw_err(path))?
+            .label(pol.to_string())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        share
+            .draw_series(
+                shares
+                    .iter()
+                    .map(|&(x, m, _)| Circle::new((x, m), 3, color.filled())),
+            )
+            .map_err(draw_err(path))?;
+        // one standard error either side, with caps a tenth of an octave wide (none for one
+        // seed: no spread to show)
+        share
+            .draw_series(shares.iter().filter(|s| s.2 > 0.0).flat_map(|&(x, m, se)| {
+                let (lo, hi) = (m - se, m + se);
+                [
+                    PathElement::new(vec![(x, lo), (x, hi)], color.stroke_width(1)),
+                    PathElement::new(vec![(x - 0.05, lo), (x + 0.05, lo)], color.stroke_width(1)),
+                    PathElement::new(vec![(x - 0.05, hi), (x + 0.05, hi)], color.stroke_width(1)),
+                ]
+            }))
+            .map_err(draw_err(path))?;
     }
     gain.configure_series_labels()
         .background_style(WHITE.mix(0.85))
@@ -395,6 +498,13 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(draw_err(path))?;
+    share
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
         .draw()
         .map_err(draw_err(path))?;
     root.present().map_err(draw_err(path))?;
@@ -463,6 +573,8 @@ mod tests {
                     steady_gain_pct: f * 1.5 * (g as f64).sqrt(),
                     avg_imbalance: 1000.0 * g as f64 / (1.0 + 3.0 * f),
                     steady_imbalance: 800.0 * g as f64 / (1.0 + 3.0 * f),
+                    // br0 falls from 91 to 75% (± 1.5) as G grows; none for the baseline
+                    steady_gap_pct: (f > 0.0).then(|| (99.0 - 4.0 * (g as f64).log2(), 1.5)),
                     baseline: if g < 16 { "jsq" } else { "mintok" }.into(),
                 })
             })
@@ -485,6 +597,32 @@ mod tests {
             "best baseline (jsq at every G)"
         );
         assert!(svg.contains("\n64\n</text>"), "G tick labels");
+        assert!(
+            svg.contains(
+                "steady share of the gap between the best baseline and the fluid limit (± s.e.)"
+            ) && svg.contains("90% of the gap"),
+            "the share panel and its guide"
+        );
+        // the share axis reaches below br0's lowest point less its error (75 − 1.5)
+        assert!(svg.contains("\n70\n</text>"), "share axis down to 70%");
+        // an error bar and two caps per br0 point, none for the baseline: 15 more segments
+        // (`<line>` or `<polyline>`) than the same figure with no spread (one seed), whose
+        // axes are the same
+        let segments = |svg: &str| svg.matches("<line").count() + svg.matches("<polyline").count();
+        let with = segments(&svg);
+        plot_scaling(
+            &p,
+            "scaling test",
+            &pts.iter()
+                .map(|q| ScalingPoint {
+                    steady_gap_pct: q.steady_gap_pct.map(|(m, _)| (m, 0.0)),
+                    ..q.clone()
+                })
+                .collect::<Vec<_>>(),
+        )
+        .expect("plot without spread");
+        let without = segments(&std::fs::read_to_string(&p).expect("read"));
+        assert_eq!(with, without + 15, "error bars with a spread, none without");
         assert!(matches!(
             plot_scaling(&p, "x", &[]),
             Err(PlotError::Empty { .. })

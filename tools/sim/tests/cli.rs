@@ -89,6 +89,56 @@ fn sweep_writes_scaling_figure() {
     let stdout = text(&out.stdout);
     assert!(stdout.contains("G=4"), "{stdout}");
 
+    // the same offered load per rank at every G: R·G requests per second
+    let out = br_sim(&[
+        "sweep",
+        "--trace",
+        "paper-prop",
+        "--arrival",
+        "poisson",
+        "--rate-per-worker",
+        "1.5",
+        "--workers-list",
+        "2,4",
+        "--per-worker",
+        "40",
+        "--slots",
+        "16",
+        "--policies",
+        "rr,br0",
+        "--seeds",
+        "1,2",
+        "--plot",
+        dir.path().to_str().expect("utf8"),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("G=2 B=16 arrival=poisson 3/s")
+            && stdout.contains("G=4 B=16 arrival=poisson 6/s"),
+        "{stdout}"
+    );
+    let svg = std::fs::read_to_string(dir.path().join("scaling.svg")).expect("figure");
+    assert!(
+        svg.contains("Poisson at 1.5/s per worker"),
+        "the title names the arrivals"
+    );
+    let out = br_sim(&[
+        "sweep",
+        "--trace",
+        "paper-prop",
+        "--rate-per-worker",
+        "1.5",
+        "--policies",
+        "rr",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--rate-per-worker needs --arrival poisson"),
+        "{}",
+        text(&out.stderr)
+    );
+
     let out = br_sim(&[
         "sweep",
         "--trace",
