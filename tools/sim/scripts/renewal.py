@@ -43,12 +43,21 @@ def harmonic(n):
 
 
 def runs(path):
-    """(G, B, E[out], {policy: excess tokens}, {policy: s.gap%}) per G of one sweep file."""
+    """(G, B, E[out] at G, {policy: excess tokens}, {policy: s.gap%}) per G of one sweep file."""
     text = open(path).read()
     b = int(re.search(r"B=(\d+)", text).group(1))
     a = float(STEP.search(text).group(1))
-    outs = [float(x) for x in OUTPUT.findall(text)]
-    e_out = sum(outs) / len(outs)
+    # E[out] of each G's workloads (one `workload` line per seed, before its `G=` line): a
+    # sweep generates each G's requests afresh
+    outs, pending = {}, []
+    for line in text.splitlines():
+        m = OUTPUT.search(line)
+        if m and line.startswith("workload"):
+            pending.append(float(m.group(1)))
+        g_line = re.match(r"G=(\d+) B=", line)
+        if g_line:
+            outs.setdefault(int(g_line.group(1)), []).extend(pending)
+            pending = []
     gap = {}
     for m in means_rows(path):
         gap.setdefault(int(m[1]), {})[m[0]] = (float(m[10]), float(m[11]))
@@ -61,6 +70,7 @@ def runs(path):
             t_ms = g * b / steady * 1e3
             excess.setdefault(g, {})[policy] = (t_ms - t_fluid_ms) / a
     for g in sorted(excess):
+        e_out = sum(outs[g]) / len(outs[g])
         yield g, b, e_out, excess[g], gap.get(g, {})
 
 

@@ -116,9 +116,9 @@ for section in $SECTIONS; do
     # s.fluid / mean output of the saturated runs, about 0.62 req/s per rank at B = 64 and 0.83
     # (paper-azure) / 0.93 (paper-prop) at B = 256), so the pool grows under every policy;
     # `br0:stage1_shallow=false:stage2_hold=never` is the previous default (Stage 2 even when
-    # the pool holds no more requests than the free slots; no slot left empty). One run per G
-    # for Poisson: --rate differs with G. Figures: scaling.svg (gain against G) per saturated
-    # sweep; the gap share against G is W-gap.csv (tools/sim/README.md tabulates it).
+    # the pool holds no more requests than the free slots; no slot left empty). Figures:
+    # fig-gap-WORKLOAD-BN[-poisson]/scaling.svg, the gain, the imbalance and the gap share
+    # against G of each sweep; W-gap.csv has every row (tools/sim/README.md tabulates it).
     PREVGAP=br0:stage1_shallow=false:stage2_hold=never
     for B in 64 256; do
       for spec in "paper-azure 0.75 1.00" "paper-prop 0.77 1.15"; do
@@ -131,12 +131,10 @@ for section in $SECTIONS; do
         # 1,000 arrivals per rank to fill; 2,000 leave a long steady stretch after the ramp
         n=$(per_rank "$1" "$B")
         [ "$1-$B" = paper-prop-256 ] && n=2000
-        for G in 8 16 32 64 128; do
-          rate=$(awk -v g="$G" -v c="$coef" 'BEGIN { printf "%.2f", g * c }')
-          run "W-gap-$1-B$B-poisson-G$G" sweep --trace "$1" --arrival poisson --rate "$rate" \
-              --slots "$B" --workers-list "$G" --per-worker "$n" \
-              --policies "$BASE,$PREVGAP,br0" --seeds "$SEEDS"
-        done
+        # the same offered load per rank at every G: coef·G requests per second
+        run "W-gap-$1-B$B-poisson" sweep --trace "$1" --arrival poisson --rate-per-worker "$coef" \
+            --slots "$B" --workers-list 8,16,32,64,128 --per-worker "$n" \
+            --policies "$BASE,$PREVGAP,br0" --seeds "$SEEDS" --plot "$OUT/fig-gap-$1-B$B-poisson"
       done
     done
     python3 "$ROOT/tools/sim/scripts/gap_table.py" "$OUT" > "$OUT/W-gap.csv"
