@@ -6,9 +6,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
 TRACES="${BR_SIM_TRACES:-$ROOT/../shared/data/traces}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 cd "$ROOT"
 cargo build -q -p br-sim --release
-SIM="$ROOT/target/release/br-sim"
+SIM="$TARGET/release/br-sim"
 mkdir -p "$OUT"
 SEEDS=1,2,3,4,5
 ALL=random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-survival,brh-oracle
