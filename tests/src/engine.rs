@@ -114,7 +114,8 @@ impl EmuEngine {
         self.spawn(&ports);
     }
 
-    /// SIGSTOP now; SIGCONT when the returned sender sends or is dropped.
+    /// SIGSTOP, returning once the engine has stopped; SIGCONT when the returned sender sends or
+    /// is dropped.
     pub fn freeze(&self) -> std::sync::mpsc::Sender<()> {
         let child = self.child.as_ref().expect("the engine runs");
         let (thaw, at_thaw) = std::sync::mpsc::channel::<()>();

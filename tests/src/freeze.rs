@@ -13,11 +13,18 @@ pub enum Thaw {
     Gone,
 }
 
-/// SIGSTOPs `child` now and SIGCONTs it when `at_thaw` receives (or its sender is dropped),
-/// from a thread whose result says which happened. Both signals go through a pidfd opened
-/// while the caller holds `child` unreaped, so they reach exactly that process: a kill and
-/// restart during the pause (chaos does both) must not resume whatever process the kernel gave
-/// the old pid to since.
+/// How long [`freeze_child`] waits for the stop to take effect: a SIGSTOP acts when the target
+/// next runs, within milliseconds on a loaded machine; an uninterruptible sleep could hold it.
+const STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// SIGSTOPs `child`, returns once it has stopped (or exited), and SIGCONTs it when `at_thaw`
+/// receives (or its sender is dropped), from a thread whose result says which happened. Both
+/// signals go through a pidfd opened while the caller holds `child` unreaped, so they reach
+/// exactly that process: a kill and restart during the pause (chaos does both) must not resume
+/// whatever process the kernel gave the old pid to since.
+///
+/// Returning only once the process is stopped matters: a signal is acted on when its target
+/// next runs, so a caller that went on at once could still see the "frozen" process answer.
 pub fn freeze_child(
     child: &Child,
     at_thaw: std::sync::mpsc::Receiver<()>,
@@ -26,18 +33,41 @@ pub fn freeze_child(
     let pid = Pid::from_child(child);
     // The caller's `&Child` keeps the process unreaped (a zombie at worst), so `pid` is still
     // its own here; the pidfd stays bound to it after it is reaped and the pid reused.
-    let pidfd = pidfd_open(pid, PidfdFlags::empty())
-        .unwrap_or_else(|e| panic!("pidfd_open({pid:?}) failed: {e}"));
+    let pidfd = std::sync::Arc::new(
+        pidfd_open(pid, PidfdFlags::empty())
+            .unwrap_or_else(|e| panic!("pidfd_open({pid:?}) failed: {e}")),
+    );
     pidfd_send_signal(&pidfd, Signal::STOP)
         .unwrap_or_else(|e| panic!("SIGSTOP to {pid:?} failed: {e}"));
+    wait_stopped(&pidfd, pid);
     std::thread::spawn(move || {
         let _ = at_thaw.recv();
-        match pidfd_send_signal(&pidfd, Signal::CONT) {
+        match pidfd_send_signal(&*pidfd, Signal::CONT) {
             Ok(()) => Thaw::Resumed,
             // ESRCH: the process is gone (reaped); a stranger with its pid is left alone
             Err(_) => Thaw::Gone,
         }
     })
+}
+
+/// Blocks until the child behind `pidfd` has stopped or exited (waitid on the pidfd: the kernel
+/// wakes us, nothing polls), at most [`STOP_TIMEOUT`]. `NOWAIT` leaves the event in place, so an
+/// exit is still the caller's `Child::wait` to reap; a stop stays reportable only until SIGCONT.
+fn wait_stopped(pidfd: &std::sync::Arc<rustix::fd::OwnedFd>, pid: rustix::process::Pid) {
+    use rustix::fd::AsFd;
+    use rustix::process::{WaitId, WaitIdOptions, waitid};
+    let (done, stopped) = std::sync::mpsc::channel();
+    let fd = std::sync::Arc::clone(pidfd);
+    std::thread::spawn(move || {
+        let options = WaitIdOptions::STOPPED | WaitIdOptions::EXITED | WaitIdOptions::NOWAIT;
+        let _ = done.send(waitid(WaitId::PidFd(fd.as_fd()), options));
+    });
+    match stopped.recv_timeout(STOP_TIMEOUT) {
+        Ok(Ok(Some(_))) => {}
+        Ok(Ok(None)) => unreachable!("waitid without NOHANG reports a child"),
+        Ok(Err(e)) => panic!("waitid on {pid:?} failed: {e}"),
+        Err(_) => panic!("{pid:?} did not stop within {STOP_TIMEOUT:?} of SIGSTOP"),
+    }
 }
 
 #[cfg(test)]
@@ -85,12 +115,54 @@ mod tests {
         let pid = child.id();
         let (thaw, at_thaw) = std::sync::mpsc::channel();
         let done = freeze_child(&child, at_thaw);
-        wait_state(pid, 'T');
+        assert_eq!(state(pid), 'T', "stopped on return");
         thaw.send(()).expect("the thaw thread waits");
         assert_eq!(done.join().expect("thaw thread"), Thaw::Resumed);
         wait_state(pid, 'S');
         child.kill().expect("kill");
         child.wait().expect("reap");
+    }
+
+    /// The fault must be in place when `freeze_child` returns: a SIGSTOP acts only when its
+    /// target next runs, so a look at the process straight after the call raced it (and a test
+    /// that froze a service could still see it answer).
+    #[test]
+    fn freeze_child_returns_once_the_process_has_stopped() {
+        let mut child = idle();
+        let pid = child.id();
+        for round in 0..50 {
+            let (thaw, at_thaw) = std::sync::mpsc::channel();
+            let done = freeze_child(&child, at_thaw);
+            assert_eq!(state(pid), 'T', "round {round}: not stopped on return");
+            thaw.send(()).expect("the thaw thread waits");
+            assert_eq!(done.join().expect("thaw thread"), Thaw::Resumed);
+            wait_state(pid, 'S');
+        }
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+    }
+
+    /// A process that exits before it stops: `freeze_child` returns (the exit ends its wait)
+    /// and leaves the exit for the owner to reap.
+    #[test]
+    fn freeze_child_returns_for_a_process_that_already_exited() {
+        let mut child = Command::new("true").spawn().expect("true starts");
+        let pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_child(&child),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .expect("pidfd");
+        // the exit, seen without reaping it: the zombie is still the test's to wait for
+        rustix::process::waitid(
+            rustix::process::WaitId::PidFd(rustix::fd::AsFd::as_fd(&pidfd)),
+            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+        )
+        .expect("waitid");
+        let (thaw, at_thaw) = std::sync::mpsc::channel();
+        let done = freeze_child(&child, at_thaw);
+        assert!(child.wait().expect("still ours to reap").success());
+        drop(thaw);
+        assert_eq!(done.join().expect("thaw thread"), Thaw::Gone);
     }
 
     #[test]

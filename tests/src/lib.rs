@@ -305,8 +305,9 @@ impl Service {
     }
 
     /// Freezes the process for `pause` (SIGSTOP, then SIGCONT from a thread): a GC pause or a
-    /// throttled pod. Returns at once; the process is killed as usual if the handle drops
-    /// meanwhile, and a process that took its pid since is not resumed (see [`freeze::freeze_child`]).
+    /// throttled pod. Returns once the process has stopped; it is killed as usual if the handle
+    /// drops meanwhile, and a process that took its pid since is not resumed (see
+    /// [`freeze::freeze_child`]).
     pub fn freeze_for(&self, pause: Duration) {
         let Some(child) = self.child.as_ref() else {
             return;
