@@ -161,13 +161,10 @@ for section in $SECTIONS; do
       set -- $spec
       run "W-nf-$1-B64-saturated" sweep --trace "$1" --arrival saturated --slots 64 \
           --workers-list 8,16,32,64,128 --per-worker "$(per_rank "$1" 64)" \
-          --policies "$POLS" --seeds "$SEEDS"
-      for G in 8 16 32 64 128; do
-        rate=$(awk -v g="$G" -v c="$2" 'BEGIN { printf "%.2f", g * c }')
-        run "W-nf-$1-B64-poisson-G$G" sweep --trace "$1" --arrival poisson --rate "$rate" \
-            --slots 64 --workers-list "$G" --per-worker "$(per_rank "$1" 64)" \
-            --policies "$POLS" --seeds "$SEEDS"
-      done
+          --policies "$POLS" --seeds "$SEEDS" --plot "$OUT/fig-nf-$1-B64"
+      run "W-nf-$1-B64-poisson" sweep --trace "$1" --arrival poisson --rate-per-worker "$2" \
+          --slots 64 --workers-list 8,16,32,64,128 --per-worker "$(per_rank "$1" 64)" \
+          --policies "$POLS" --seeds "$SEEDS" --plot "$OUT/fig-nf-$1-B64-poisson"
     done
     # where BR-H earns its keep today (prompt-heavy, short outputs, 150% of capacity; the
     # H-mooncake tables of scripts/brh.sh), and moderate load (60%, G = 8, B = 256), paired
