@@ -69,47 +69,41 @@ fn run_writes_table_json_and_figure() {
 #[test]
 fn sweep_writes_scaling_figure() {
     let dir = tempfile::tempdir().expect("tmp");
-    let out = br_sim(&[
-        "sweep",
-        "--trace",
-        "paper-prop",
-        "--workers-list",
-        "2,4",
-        "--per-worker",
-        "40",
-        "--slots",
-        "16",
-        "--policies",
-        "rr,br0",
-        "--plot",
-        dir.path().to_str().expect("utf8"),
-    ]);
+    let plot = dir.path().to_str().expect("utf8");
+    // a small sweep at G = 2 and 4, the figure into `dir`, with `extra` flags
+    let sweep = |extra: &[&str]| {
+        let mut args = vec![
+            "sweep",
+            "--trace",
+            "paper-prop",
+            "--workers-list",
+            "2,4",
+            "--per-worker",
+            "40",
+            "--slots",
+            "16",
+            "--policies",
+            "rr,br0",
+            "--plot",
+            plot,
+        ];
+        args.extend_from_slice(extra);
+        br_sim(&args)
+    };
+    let out = sweep(&[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(dir.path().join("scaling.svg").is_file());
     let stdout = text(&out.stdout);
     assert!(stdout.contains("G=4"), "{stdout}");
 
     // the same offered load per rank at every G: R·G requests per second
-    let out = br_sim(&[
-        "sweep",
-        "--trace",
-        "paper-prop",
+    let out = sweep(&[
         "--arrival",
         "poisson",
         "--rate-per-worker",
         "1.5",
-        "--workers-list",
-        "2,4",
-        "--per-worker",
-        "40",
-        "--slots",
-        "16",
-        "--policies",
-        "rr,br0",
         "--seeds",
         "1,2",
-        "--plot",
-        dir.path().to_str().expect("utf8"),
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
