@@ -128,6 +128,56 @@ mod tests {
         child.wait().expect("reap");
     }
 
+    /// The services are multi-threaded, and a group stop completes only when every thread has
+    /// taken it: on return no thread of a process with six busy ones may still run.
+    #[test]
+    fn every_thread_is_stopped_on_return() {
+        // six threads spinning in Python (the project's test tools need python3 anyway)
+        let mut child = Command::new("python3")
+            .args([
+                "-c",
+                "import threading, time\n\
+                 def spin():\n    while True: pass\n\
+                 for _ in range(6): threading.Thread(target=spin, daemon=True).start()\n\
+                 print('up', flush=True)\n\
+                 time.sleep(60)",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 starts");
+        let mut up = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
+            &mut up,
+        )
+        .expect("python3 says it is up");
+        assert_eq!(up.trim(), "up");
+        let pid = child.id();
+        let tasks = || {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .expect("/proc/PID/task")
+                .map(|t| t.expect("task").file_name().into_string().expect("tid"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(tasks().len(), 7, "the main thread and six spinning");
+        for round in 0..20 {
+            let (thaw, at_thaw) = std::sync::mpsc::channel();
+            let done = freeze_child(&child, at_thaw);
+            for tid in tasks() {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
+                    .expect("task stat");
+                let after = &stat[stat.rfind(')').expect("comm ends") + 1..];
+                let state = after.trim_start().chars().next().expect("a state");
+                assert_eq!(state, 'T', "round {round}: thread {tid} still in {state}");
+            }
+            thaw.send(()).expect("the thaw thread waits");
+            assert_eq!(done.join().expect("thaw thread"), Thaw::Resumed);
+        }
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+    }
+
     /// A process that exits before it stops: `freeze_child` returns (the exit ends its wait)
     /// and leaves the exit for the owner to reap.
     #[test]
