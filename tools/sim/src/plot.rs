@@ -259,10 +259,26 @@ fn draw_load_panel(
     Ok(())
 }
 
+/// The top of the share panel's axis (just above 100%, so a point at 100% is whole).
+const SHARE_TOP: f64 = 101.0;
+
+/// How far to extend a panel's value range of `span` beyond its data so that a legend of
+/// `rows` rows fits in the added band, clear of the data. Estimated from the 2400×600 layout
+/// (a panel plots about 480 px high, a legend row takes about 14 px); at most 60% of the panel
+/// goes to the legend.
+fn legend_room(span: f64, rows: usize) -> f64 {
+    const ROW_PX: f64 = 14.0;
+    const PAD_PX: f64 = 16.0;
+    const PLOT_PX: f64 = 480.0;
+    let legend = ((rows as f64 * ROW_PX + PAD_PX) / PLOT_PX).min(0.6);
+    span * legend / (1.0 - legend)
+}
+
 /// Writes the scaling figure: left, throughput gain over the best baseline against G (solid:
-/// whole run, thin: steady state while requests wait); right, average imbalance against G
-/// (solid: whole run, thin: steady state).
-/// G is on a log2 axis.
+/// whole run, thin: steady state while requests wait); middle, average imbalance against G
+/// (solid: whole run, thin: steady state); right, each policy's steady share of the best
+/// baseline's gap to the fluid limit, ± its standard error, with the 90% guide. G is on a log2
+/// axis; every legend sits in a band of its panel that the data leaves clear.
 pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result<(), PlotError> {
     if points.is_empty() {
         return Err(PlotError::Empty {
@@ -296,21 +312,38 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .iter()
         .flat_map(|p| [p.gain_pct, p.steady_gain_pct])
         .fold(0.0f64, f64::max);
+    // the gain and imbalance panels list two series per policy (whole run, steady) in their
+    // upper-left legends: their ranges grow upwards to leave that band clear of the data
+    let rows = 2 * policies.len();
     let gpad = ((gmax - gmin) * 0.1).max(1.0);
+    let (g_lo, g_hi) = (gmin - gpad, gmax + gpad);
+    let g_hi = g_hi + legend_room(g_hi - g_lo, rows);
     let imax = points
         .iter()
         .flat_map(|p| [p.avg_imbalance, p.steady_imbalance])
         .fold(0.0f64, f64::max)
         .max(1.0)
         * 1.1;
+    let imax = imax + legend_room(imax, rows);
 
-    // the share panel zooms in on where policies differ (a few points apart near 90%), and
-    // always shows the guide and 100%
+    // the share panel zooms in on where policies differ (a few points apart near 90%), always
+    // shows the guide and 100%, and leaves a band below the data for its lower-right legend
+    // (one row per policy with a share, and the guide)
+    let share_rows = 1 + policies
+        .iter()
+        .filter(|pol| {
+            points
+                .iter()
+                .any(|p| p.policy == **pol && p.steady_gap_pct.is_some())
+        })
+        .count();
     let share_lo = points
         .iter()
         .filter_map(|p| p.steady_gap_pct.map(|(m, se)| m - se))
-        .fold(GAP_SHARE_GUIDE - 5.0, f64::min);
-    let share_lo = ((share_lo - 2.0) / 5.0).floor() * 5.0;
+        .fold(GAP_SHARE_GUIDE - 5.0, f64::min)
+        - 2.0;
+    let share_lo = share_lo - legend_room(SHARE_TOP - share_lo, share_rows);
+    let share_lo = (share_lo / 5.0).floor() * 5.0;
 
     let root = SVGBackend::new(path, (2400, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(draw_err(path))?;
@@ -335,7 +368,7 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(55)
-        .build_cartesian_2d(xmin..xmax, (gmin - gpad)..(gmax + gpad))
+        .build_cartesian_2d(xmin..xmax, g_lo..g_hi)
         .map_err(draw_err(path))?;
     gain.configure_mesh()
         .x_desc("G (workers)")
@@ -370,7 +403,7 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(55)
-        .build_cartesian_2d(xmin..xmax, share_lo..101.0)
+        .build_cartesian_2d(xmin..xmax, share_lo..SHARE_TOP)
         .map_err(draw_err(path))?;
     share
         .configure_mesh()
@@ -560,6 +593,21 @@ mod tests {
     }
 
     #[test]
+    fn legends_get_a_band_clear_of_the_data() {
+        // 12 rows (six policies, whole run and steady): 12·14 + 16 px of a 480 px panel go to
+        // the legend, the data keeps the rest of the range
+        let room = legend_room(10.0, 12);
+        assert!(
+            (room / (10.0 + room) - 184.0 / 480.0).abs() < 1e-9,
+            "{room}"
+        );
+        // never more than 60% of the panel, however many series
+        let room = legend_room(10.0, 100);
+        assert!((room / (10.0 + room) - 0.6).abs() < 1e-9, "{room}");
+        assert!(legend_room(10.0, 1) > 0.0);
+    }
+
+    #[test]
     fn scaling_figure_is_written() {
         let dir = tempfile::tempdir().expect("tmp");
         let p = dir.path().join("scaling.svg");
@@ -573,8 +621,8 @@ mod tests {
                     steady_gain_pct: f * 1.5 * (g as f64).sqrt(),
                     avg_imbalance: 1000.0 * g as f64 / (1.0 + 3.0 * f),
                     steady_imbalance: 800.0 * g as f64 / (1.0 + 3.0 * f),
-                    // br0 falls from 91 to 75% (± 1.5) as G grows; none for the baseline
-                    steady_gap_pct: (f > 0.0).then(|| (99.0 - 4.0 * (g as f64).log2(), 1.5)),
+                    // br0 falls from 89 to 73% (± 1.5) as G grows; none for the baseline
+                    steady_gap_pct: (f > 0.0).then(|| (97.0 - 4.0 * (g as f64).log2(), 1.5)),
                     baseline: if g < 16 { "jsq" } else { "mintok" }.into(),
                 })
             })
@@ -603,8 +651,9 @@ mod tests {
             ) && svg.contains("90% of the gap"),
             "the share panel and its guide"
         );
-        // the share axis reaches below br0's lowest point less its error (75 − 1.5)
-        assert!(svg.contains("\n70\n</text>"), "share axis down to 70%");
+        // the share axis reaches below br0's lowest point less its error (73 − 1.5), and below
+        // that leaves its legend's band (two rows: br0 and the guide)
+        assert!(svg.contains("\n65\n</text>"), "share axis down to 65%");
         // an error bar and two caps per br0 point, none for the baseline: 15 more segments
         // (`<line>` or `<polyline>`) than the same figure with no spread (one seed), whose
         // axes are the same
