@@ -14,6 +14,9 @@ import os
 import re
 import sys
 
+from gap_table import rows as spread_rows  # the mean ± standard error table, as gap_table reads it
+from simstats import is_baseline
+
 # the last table a sweep prints: the mean of its seeds, one row per policy and G
 HEADER = re.compile(r"^policy\s+G\s+imbalance\s+s\.imbal\s+barrier_idle")
 # the gains it prints after that table, against the best baseline of the same G
@@ -21,7 +24,6 @@ GAIN = re.compile(
     r"^G=(\d+)\s+(.+?)\s+gain\s+([+-][\d.]+)%\s+steady gain\s+([+-][\d.]+)%"
     r"\s+imbalance (\d+)\s+steady imbalance (\d+)\s*$"
 )
-BASELINES = ("random", "rr", "p2c", "jsq", "vllm-dp", "mintok")
 
 
 def mean_table(path):
@@ -102,10 +104,11 @@ def traces(d):
             continue
         rows = {r["policy"]: r for r in mean_table(path)}
         # the best baseline by steady throughput, as the gap shares are measured against
-        best = max((rows[p] for p in BASELINES if p in rows), key=lambda r: float(r["steady"]))
+        baselines = [r for p, r in rows.items() if is_baseline(p)]
+        best = max(baselines, key=lambda r: float(r["steady"]))
         # below capacity the baselines' throughputs tie (the arrival rate sets them), so TPOT
         # is compared against the baseline with the lowest TPOT p95, not the best baseline's
-        tpot = min(float(rows[p]["tpot95"]) for p in BASELINES if p in rows)
+        tpot = min(float(r["tpot95"]) for r in baselines)
         jsq, b0, bh = rows["jsq"], rows["br0"], rows["brh"]
         print(f"| {label} | {best['policy']} | {jsq['imbalance']} ({jsq['s.imbal']}) | "
               f"{b0['imbalance']} ({b0['s.imbal']}) | {b0['s.gain%']} | "
@@ -113,8 +116,6 @@ def traces(d):
               f"{tpot:.2f} / {b0['tpot95']} |")
 
 
-# the paired table a multi-seed sweep prints first: policy[param=value] G, then six (mean ± se)
-SPREAD = re.compile(r"^(\S+)\s+(\d+)" + r"\s+(-?[\d.+]+)\s+±\s+([\d.]+)" * 6 + r"\s*$")
 # (policy, parameter): the rows of the table, in reproduce.sh's order
 PARAMS = [
     ("br0", "s_greedy"), ("br0", "r_max"), ("br0", "stage1_worker"), ("br0", "cold_start"),
@@ -132,14 +133,13 @@ CASES = [("paperazure_arrival_poisson_rate_8", "azure 8/s"),
 
 
 def param_rows(path):
-    """value -> (s.gain% mean, its se, s.imbal mean, s.gap% mean) of the swept policy's rows."""
+    """value -> (s.gain% mean, its se, s.imbal mean, s.gap% mean) of the swept policy's rows
+    (`policy[param=value]`) in the sweep's mean ± standard error table."""
     out = {}
-    with open(path) as f:
-        for line in f:
-            m = SPREAD.match(line)
-            if m and "[" in m[1]:
-                value = m[1].split("=", 1)[1].rstrip("]")
-                out[value] = (float(m[9]), float(m[10]), float(m[5]), float(m[11]))
+    for m in spread_rows(path):
+        if "[" in m[0]:
+            value = m[0].split("=", 1)[1].rstrip("]")
+            out[value] = (float(m[8]), float(m[9]), float(m[4]), float(m[10]))
     return out
 
 
