@@ -87,7 +87,12 @@ mod tests {
 
     /// The state letter of /proc/PID/stat (`T` stopped, `S` sleeping, ...).
     fn state(pid: u32) -> char {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+        stat_state(&format!("/proc/{pid}/stat"))
+    }
+
+    /// The state letter of a stat file, a process's or one thread's (/proc/PID/task/TID/stat).
+    fn stat_state(path: &str) -> char {
+        let stat = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
         // "pid (comm) S ...": comm may hold spaces, the state follows its closing parenthesis
         let after = &stat[stat.rfind(')').expect("comm ends") + 1..];
         after.trim_start().chars().next().expect("a state")
@@ -165,10 +170,7 @@ mod tests {
             let (thaw, at_thaw) = std::sync::mpsc::channel();
             let done = freeze_child(&child, at_thaw);
             for tid in tasks() {
-                let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
-                    .expect("task stat");
-                let after = &stat[stat.rfind(')').expect("comm ends") + 1..];
-                let state = after.trim_start().chars().next().expect("a state");
+                let state = stat_state(&format!("/proc/{pid}/task/{tid}/stat"));
                 assert_eq!(state, 'T', "round {round}: thread {tid} still in {state}");
             }
             thaw.send(()).expect("the thaw thread waits");
