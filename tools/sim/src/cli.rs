@@ -189,17 +189,15 @@ impl SweepArgs {
         let Some(r) = self.rate_per_worker else {
             return Ok(());
         };
-        let bad = |m: &str| Err(WorkloadError::Invalid(m.into()));
+        let bad = |m: String| Err(WorkloadError::Invalid(m));
         if !(r.is_finite() && r > 0.0) {
-            return Err(WorkloadError::Invalid(format!(
-                "--rate-per-worker must be > 0, got {r}"
-            )));
+            return bad(format!("--rate-per-worker must be > 0, got {r}"));
         }
         if self.run.arrival != Arrival::Poisson {
-            return bad("--rate-per-worker needs --arrival poisson");
+            return bad("--rate-per-worker needs --arrival poisson".into());
         }
         if self.run.rate.is_some() {
-            return bad("--rate-per-worker replaces --rate: give one of them");
+            return bad("--rate-per-worker replaces --rate: give one of them".into());
         }
         Ok(())
     }

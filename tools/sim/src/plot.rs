@@ -521,25 +521,21 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
             }))
             .map_err(draw_err(path))?;
     }
-    gain.configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(draw_err(path))?;
-    imb.configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(draw_err(path))?;
-    share
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(draw_err(path))?;
+    // the bands `legend_room` left clear: above the data for gain and imbalance, below for the
+    // share
+    for (chart, corner) in [
+        (&mut gain, SeriesLabelPosition::UpperLeft),
+        (&mut imb, SeriesLabelPosition::UpperLeft),
+        (&mut share, SeriesLabelPosition::LowerRight),
+    ] {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(corner)
+            .draw()
+            .map_err(draw_err(path))?;
+    }
     root.present().map_err(draw_err(path))?;
     Ok(())
 }
