@@ -8,12 +8,14 @@ use br_runtime::admin::Readiness;
 use br_runtime::config::Validate as _;
 use br_runtime::http_serve::{HttpServing, serve_http};
 use br_runtime::serve::ServeOutcome;
+use br_runtime::skeleton::ServeError;
 use br_runtime::skeleton::{self, Http, StartError};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Args;
 use crate::health::{self, Health, HealthMetrics, ProbeConfig};
 use crate::metrics::Labelled;
+use crate::ranks::RankCheck;
 use crate::report::{NullSink, ProgressSink, ReporterSink};
 use crate::{Shim, ShimMetrics, topology};
 
@@ -104,6 +106,30 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         Some(health_metrics),
         probing,
     ));
+    let header = match &args.topology.dp_rank_header {
+        Some(h) => Some(
+            axum::http::HeaderName::from_bytes(h.as_bytes())
+                .map_err(|e| StartError::Config(format!("--dp-rank-header {h:?}: {e}")))?,
+        ),
+        None => None,
+    };
+    let pin = |rank| topology::Pin {
+        rank,
+        header: header.clone(),
+        field: args.topology.dp_rank_field.clone(),
+    };
+    let rank_check = if probing && args.topology.verify_ranks {
+        RankCheck::new(&args.upstream, ids.iter().map(|&id| pin(id)).collect()).map_err(|e| {
+            StartError::Upstream {
+                flag: "--upstream",
+                value: args.upstream.clone(),
+                reason: e.to_string(),
+            }
+        })?
+    } else {
+        None
+    };
+    let (refused_tx, refused_rx) = tokio::sync::oneshot::channel::<String>();
     let probe_url = format!(
         "{}{}",
         args.upstream.trim_end_matches('/'),
@@ -119,7 +145,9 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
                 health::DEFAULT_PROBE_INTERVAL
             },
             timeout: args.health.engine_probe_timeout,
+            rank_check,
         },
+        refused_tx,
         shutdown.clone(),
     )
     .map_err(|e| StartError::Upstream {
@@ -128,13 +156,6 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         reason: e.to_string(),
     })?;
 
-    let header = match &args.topology.dp_rank_header {
-        Some(h) => Some(
-            axum::http::HeaderName::from_bytes(h.as_bytes())
-                .map_err(|e| StartError::Config(format!("--dp-rank-header {h:?}: {e}")))?,
-        ),
-        None => None,
-    };
     let mut shims: std::collections::BTreeMap<u32, Arc<Shim>> = std::collections::BTreeMap::new();
     let mut first: Option<Arc<Shim>> = None;
     for ((&id, sink), metrics) in ids.iter().zip(&sinks).zip(&rank_metrics) {
@@ -158,11 +179,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         }
         .with_health(health.clone())
         .with_request_id_required(args.require_request_id)
-        .with_pin(topology::Pin {
-            rank: id,
-            header: header.clone(),
-            field: args.topology.dp_rank_field.clone(),
-        });
+        .with_pin(pin(id));
         let shim = Arc::new(shim);
         first.get_or_insert_with(|| shim.clone());
         shims.insert(id, shim);
@@ -219,8 +236,24 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
                 grace: None,
             };
             let server = serve_http(listener, app, how, serve_shutdown.clone());
+            // A rank the engine refuses ends the shim (exit 2) once it has drained.
+            let refused = async {
+                match refused_rx.await {
+                    Ok(msg) => {
+                        serve_shutdown.cancel();
+                        msg
+                    }
+                    Err(_) => std::future::pending().await,
+                }
+            };
+            let mut refusal = None;
+            tokio::pin!(server, refused);
             let outcome = tokio::select! {
-                o = server => o,
+                o = &mut server => o,
+                msg = &mut refused => {
+                    refusal = Some(msg);
+                    server.await
+                }
                 // Streams can be long: after the grace period, stop waiting for them.
                 () = async { serve_shutdown.cancelled().await; tokio::time::sleep(grace).await } => {
                     tracing::warn!("grace period over; closing open streams");
@@ -230,7 +263,10 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
             // each flushes and ends its stream; together, not one after another
             futures::future::join_all(reporters.iter().map(|r| r.shutdown())).await;
             skeleton::wait_admin(admin).await?;
-            Ok(outcome)
+            match refusal {
+                Some(msg) => Err(ServeError::Config(msg)),
+                None => Ok(outcome),
+            }
         },
     )
     // "br-shim serving" above is the one start-up line, not the skeleton's.

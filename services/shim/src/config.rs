@@ -111,6 +111,12 @@ pub struct TopologyArgs {
     /// --dp-rank-header or --dp-rank-field.
     #[arg(long, env = "BALANCEROUTE_WORKER_IDS")]
     pub worker_ids: Option<String>,
+    /// With --dp-rank-header or --dp-rank-field: before any rank's first Hello, send the
+    /// engine one-token completions, one unpinned and one pinned to each rank, and exit with 2
+    /// if it refuses a rank it accepts unpinned (a rank the server does not have). Needs
+    /// probing (--engine-probe-interval above 0).
+    #[arg(long, env = "BALANCEROUTE_VERIFY_RANKS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub verify_ranks: bool,
 }
 
 impl Args {

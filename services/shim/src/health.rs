@@ -6,7 +6,13 @@
 //!   `--engine-probe-timeout`; one failed probe (no connection, no answer in time, a status
 //!   other than 2xx) marks the engine down, one that passes marks it up again. A probe is the
 //!   engine's own statement about itself (vLLM's and SGLang's `/health` fail when the engine
-//!   core died), and an unanswered one is what a dead or frozen engine looks like.
+//!   core died), and an unanswered one is what a dead or frozen engine looks like — unless the
+//!   engine's streams are still moving: a probe that times out while a proxied stream received
+//!   engine bytes within the last probe interval + timeout is forgiven (counted, logged, the
+//!   worker stays in routing). A loaded vLLM answers `/health` and `/metrics` seconds late
+//!   while it decodes at full speed, and taking such a rank out of routing moves its share of
+//!   the load onto the others for nothing. A frozen engine sends no bytes, so it is still
+//!   taken out, one window later at most (3 s with the defaults).
 //! - **proxied requests**: `--engine-failure-threshold` upstream failures in a row (no
 //!   connection, a 5xx, a response body cut off) mark it down even while probes pass (an engine
 //!   whose health endpoint answers but whose generations fail). Then probes must pass for a hold
@@ -22,8 +28,13 @@
 //! or the contracts: the stream's end is already what makes a worker SUSPECT, and the fence
 //! after the grace is right for an engine that stays down (its requests died with it).
 //!
+//! An engine that went away (a probe found nothing listening) and answers again is a new
+//! process: every rank says its next Hello as a new incarnation, so σ drops what the old one
+//! held at once and operators see the restart (`brctl status`).
+//!
 //! The shim starts down ("no probe answered yet"): it says Hello only once its engine answers.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +43,7 @@ use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::ranks::{RankCheck, RankVerdict};
 use crate::report::ProgressSink;
 
 /// Default path probed: vLLM and SGLang serve `/health` (200 while the engine core is alive;
@@ -94,8 +106,9 @@ impl UpstreamError {
     }
 }
 
-/// Why a probe failed (the `reason` label of `balanceroute_shim_engine_probe_failures_total`).
-pub const PROBE_FAILURES: [&str; 3] = ["connection", "timeout", "status"];
+/// Why a probe failed (the `reason` label of `balanceroute_shim_engine_probe_failures_total`;
+/// `rank_check`: the engine answered, but whether it serves the pinned ranks is still open).
+pub const PROBE_FAILURES: [&str; 4] = ["connection", "timeout", "status", "rank_check"];
 
 /// The judgement: up, or down and why. Takes time as `now`; does no I/O.
 #[derive(Debug)]
@@ -181,6 +194,23 @@ impl Judge {
         }
     }
 
+    /// A probe timed out; `streamed` is when a proxied stream last received engine bytes.
+    /// Forgiven (`None`) while the engine is up and streamed within `window` of `now`: it is
+    /// working, only slow to answer its health endpoint.
+    pub fn probe_timed_out(
+        &mut self,
+        now: Instant,
+        why: String,
+        streamed: Option<Instant>,
+        window: Duration,
+    ) -> Option<Verdict> {
+        let moving = streamed.is_some_and(|t| now.saturating_duration_since(t) <= window);
+        if self.is_up() && moving {
+            return None;
+        }
+        Some(self.probe_failed(why))
+    }
+
     /// A proxied request got an answer from the engine that was not a 5xx.
     pub fn proxied_ok(&mut self) {
         self.run = 0;
@@ -249,6 +279,13 @@ impl HealthMetrics {
 /// The judge and what its verdicts act on; shared by the prober and the proxy.
 pub struct Health {
     judge: Mutex<Judge>,
+    /// When a proxied stream last received engine bytes: milliseconds after `epoch`, plus one
+    /// (0: never). An atomic, so the proxy's per-chunk update takes no lock.
+    streamed_ms: AtomicU64,
+    epoch: Instant,
+    /// A probe found nothing listening after the engine had been up: the process is gone, and
+    /// when it answers again it is a new one (a new incarnation of the worker).
+    gone: AtomicBool,
     sinks: Vec<Arc<dyn ProgressSink>>,
     readiness: Option<Readiness>,
     metrics: Option<HealthMetrics>,
@@ -286,6 +323,9 @@ impl Health {
         };
         let h = Health {
             judge: Mutex::new(judge),
+            streamed_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            gone: AtomicBool::new(false),
             sinks,
             readiness,
             metrics,
@@ -301,6 +341,9 @@ impl Health {
         judge.down = None;
         Health {
             judge: Mutex::new(judge),
+            streamed_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            gone: AtomicBool::new(false),
             sinks: Vec::new(),
             readiness: None,
             metrics: None,
@@ -343,7 +386,11 @@ impl Health {
             }
             Verdict::Down(_) => {}
         }
+        let restarted = up && self.gone.swap(false, Ordering::Relaxed);
         for s in &self.sinks {
+            if restarted {
+                s.renew_incarnation();
+            }
             s.set_serving(up);
         }
         if let Some(m) = &self.metrics {
@@ -354,6 +401,21 @@ impl Health {
                 None => r.set(true),
                 Some(why) => r.set_not_ready(format!("engine down: {why}")),
             }
+        }
+    }
+
+    /// A proxied stream received bytes from the engine.
+    pub fn engine_streamed(&self) {
+        let ms = Instant::now()
+            .saturating_duration_since(self.epoch)
+            .as_millis() as u64;
+        self.streamed_ms.store(ms + 1, Ordering::Relaxed);
+    }
+
+    fn last_streamed(&self) -> Option<Instant> {
+        match self.streamed_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(self.epoch + Duration::from_millis(ms - 1)),
         }
     }
 
@@ -370,14 +432,35 @@ impl Health {
         }
     }
 
-    fn probed(&self, outcome: Result<(), (&'static str, String)>) {
+    /// A probe's outcome; `window` is how recent engine bytes must be to forgive a timeout.
+    fn probed(&self, outcome: Result<(), (&'static str, String)>, window: Duration) {
         let v = match outcome {
             Ok(()) => self.judge().probe_ok(Instant::now()),
             Err((reason, why)) => {
                 if let Some(m) = &self.metrics {
                     m.probe_failures.with_label_values(&[reason]).inc();
                 }
-                self.judge().probe_failed(why)
+                if reason == "connection" && self.judge().up_since.is_some() {
+                    self.gone.store(true, Ordering::Relaxed);
+                }
+                if reason == "timeout" {
+                    let streamed = self.last_streamed();
+                    match self.judge().probe_timed_out(
+                        Instant::now(),
+                        why.clone(),
+                        streamed,
+                        window,
+                    ) {
+                        Some(v) => v,
+                        None => {
+                            tracing::info!(%why, "a probe timed out while the engine's streams \
+                                move; kept in routing");
+                            return;
+                        }
+                    }
+                } else {
+                    self.judge().probe_failed(why)
+                }
             }
         };
         self.act(&v);
@@ -392,13 +475,18 @@ pub struct ProbeConfig {
     pub url: Option<String>,
     pub interval: Duration,
     pub timeout: Duration,
+    /// Asked once the engine first answers, before the engine counts as up (so before any
+    /// rank's first Hello): whether it serves the ranks the shim pins (`crate::ranks`).
+    pub rank_check: Option<RankCheck>,
 }
 
 /// Probes the engine until `stop`: one probe at a time, the next `interval` after the last
-/// one's start (or at once after a probe that took longer).
+/// one's start (or at once after a probe that took longer). A rank check that the engine
+/// refuses is sent on `refused` (the message the shim exits with), and probing ends.
 pub fn spawn_prober(
     health: Arc<Health>,
     cfg: ProbeConfig,
+    refused: tokio::sync::oneshot::Sender<String>,
     stop: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, reqwest::Error> {
     let client = reqwest::Client::builder()
@@ -406,6 +494,11 @@ pub fn spawn_prober(
         .timeout(cfg.timeout)
         .tcp_nodelay(true)
         .build()?;
+    let mut rank_check = cfg.rank_check;
+    // A frozen engine stays in routing at most this long after its last streamed bytes.
+    let window = cfg.interval + cfg.timeout;
+    let mut open_checks = 0;
+    let mut refused = Some(refused);
     Ok(tokio::spawn(async move {
         let mut tick = tokio::time::interval(cfg.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -415,7 +508,7 @@ pub fn spawn_prober(
                 () = stop.cancelled() => return,
             }
             let Some(url) = &cfg.url else {
-                health.probed(Ok(()));
+                health.probed(Ok(()), window);
                 continue;
             };
             let outcome = tokio::select! {
@@ -430,7 +523,42 @@ pub fn spawn_prober(
                 },
                 () = stop.cancelled() => return,
             };
-            health.probed(outcome);
+            let outcome = match (&outcome, &rank_check) {
+                (Ok(()), Some(check)) => {
+                    let verdict = tokio::select! {
+                        v = check.run() => v,
+                        () = stop.cancelled() => return,
+                    };
+                    match verdict {
+                        RankVerdict::Served => {
+                            tracing::info!(ranks = ?check.ranks(), "the engine serves every pinned rank");
+                            rank_check = None;
+                            outcome
+                        }
+                        RankVerdict::Refused { rank, answer } => {
+                            let msg = crate::ranks::refused_message(rank, &answer, &check.ranks());
+                            tracing::error!(rank, "{msg}");
+                            if let Some(tx) = refused.take() {
+                                let _ = tx.send(msg);
+                            }
+                            return;
+                        }
+                        RankVerdict::Open(why) => {
+                            open_checks += 1;
+                            if open_checks >= crate::ranks::MAX_OPEN_CHECKS {
+                                tracing::warn!(%why, "could not check the pinned ranks {open_checks} \
+                                    times; serving unchecked");
+                                rank_check = None;
+                                outcome
+                            } else {
+                                Err(("rank_check", format!("checking the pinned ranks: {why}")))
+                            }
+                        }
+                    }
+                }
+                _ => outcome,
+            };
+            health.probed(outcome, window);
         }
     }))
 }
@@ -482,6 +610,93 @@ mod tests {
         );
         assert_eq!(j.probe_failed("refused".into()), Verdict::Same);
         assert_eq!(j.probe_ok(at(t, 1000)), Verdict::Up);
+    }
+
+    #[test]
+    fn a_timed_out_probe_is_forgiven_only_while_the_engine_streams() {
+        let t = Instant::now();
+        let w = Duration::from_millis(1500);
+        let mut j = Judge::new(3);
+        // down at the start: streams (from before) do not bring it up, only a probe does
+        assert_eq!(
+            j.probe_timed_out(at(t, 0), "slow".into(), Some(t), w),
+            Some(Verdict::Same)
+        );
+        assert!(!j.is_up());
+        j.probe_ok(at(t, 10));
+        // up, and bytes streamed 1.5 s ago or less: forgiven, still up
+        assert_eq!(
+            j.probe_timed_out(at(t, 1000), "slow".into(), Some(t), w),
+            None
+        );
+        assert_eq!(
+            j.probe_timed_out(at(t, 1500), "slow".into(), Some(t), w),
+            None
+        );
+        assert!(j.is_up());
+        // nothing streamed for longer than the window: a frozen engine, down
+        assert_eq!(
+            j.probe_timed_out(at(t, 1501), "slow".into(), Some(t), w),
+            Some(Verdict::Down("slow".into()))
+        );
+        j.probe_ok(at(t, 2000));
+        // never streamed: a timeout takes it down as before
+        assert_eq!(
+            j.probe_timed_out(at(t, 2100), "slow".into(), None, w),
+            Some(Verdict::Down("slow".into()))
+        );
+    }
+
+    #[test]
+    fn a_health_forgives_a_slow_probe_only_while_bytes_flow() {
+        let sink = crate::RecordingSink::default();
+        let h = Health::new(3, vec![Arc::new(sink.clone())], None, None, true);
+        let w = Duration::from_secs(60);
+        h.probed(Ok(()), w);
+        h.probed(Err(("timeout", "GET x did not answer".into())), w);
+        assert!(!h.is_up(), "no stream has moved: a timeout takes it down");
+        h.probed(Ok(()), w);
+        h.engine_streamed();
+        h.probed(Err(("timeout", "GET x did not answer".into())), w);
+        assert!(h.is_up(), "bytes streamed within the window");
+        h.probed(Err(("connection", "GET x: refused".into())), w);
+        assert!(!h.is_up(), "a refused connection is never forgiven");
+        h.probed(Ok(()), w);
+        h.probed(Err(("timeout", "late".into())), Duration::ZERO);
+        assert!(!h.is_up(), "outside the window");
+        assert_eq!(
+            sink.serving_changes(),
+            vec![false, true, false, true, false, true, false]
+        );
+    }
+
+    #[test]
+    fn an_engine_that_went_away_comes_back_as_a_new_incarnation() {
+        let sink = crate::RecordingSink::default();
+        let h = Health::new(3, vec![Arc::new(sink.clone())], None, None, true);
+        let w = Duration::from_secs(1);
+        // not listening yet at start-up: the first Hello is the process's own incarnation
+        h.probed(Err(("connection", "refused".into())), w);
+        h.probed(Ok(()), w);
+        assert_eq!(sink.incarnations_renewed(), 0);
+        // a frozen engine (timeouts) keeps its requests, and its incarnation
+        h.probed(Err(("timeout", "late".into())), w);
+        h.probed(Ok(()), w);
+        assert_eq!(sink.incarnations_renewed(), 0);
+        // nothing listening after it was up: the process is gone; back as a new one
+        h.probed(Err(("connection", "refused".into())), w);
+        h.probed(Err(("timeout", "loading".into())), w);
+        assert_eq!(
+            sink.incarnations_renewed(),
+            0,
+            "renewed only when it serves again"
+        );
+        h.probed(Ok(()), w);
+        assert_eq!(sink.incarnations_renewed(), 1);
+        assert_eq!(
+            sink.serving_changes(),
+            vec![false, true, false, true, false, true]
+        );
     }
 
     #[test]
@@ -571,14 +786,17 @@ mod tests {
         );
         assert!(!ready.is_ready(), "starts down");
         assert!(ready.why_not().contains("no probe"), "{}", ready.why_not());
-        h.probed(Ok(()));
+        h.probed(Ok(()), Duration::from_secs(1));
         assert!(ready.is_ready());
         h.proxied_failed(UpstreamError::Status5xx, "500");
         assert!(ready.is_ready());
         h.proxied_failed(UpstreamError::Status5xx, "502");
         assert!(!ready.is_ready());
         assert!(ready.why_not().contains("502"), "{}", ready.why_not());
-        h.probed(Err(("connection", "GET x: refused".into())));
+        h.probed(
+            Err(("connection", "GET x: refused".into())),
+            Duration::from_secs(1),
+        );
         assert!(ready.why_not().contains("refused"), "{}", ready.why_not());
         assert_eq!(sink.serving_changes(), vec![false, true, false]);
     }

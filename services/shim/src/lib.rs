@@ -22,6 +22,7 @@ pub mod app;
 pub mod config;
 pub mod health;
 pub mod metrics;
+pub mod ranks;
 pub mod report;
 pub mod sse;
 pub mod topology;
@@ -795,6 +796,7 @@ impl Stream for Tracked {
             match self.upstream.as_mut().poll_next(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(data))) => {
+                    self.track.shim.health.engine_streamed();
                     let out = self.process(data);
                     if out.is_empty() {
                         continue;

@@ -1,6 +1,7 @@
 //! Where the shim sends what it reads: a [`ProgressSink`]. In production the telemetry
 //! reporter of `br-client` (it buffers while ingest is away); in tests a [`RecordingSink`].
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Receives cumulative per-request progress. Must not block: it is called on the path of the
@@ -37,6 +38,10 @@ pub trait ProgressSink: Send + Sync + 'static {
     /// Whether the worker can take work (the shim's engine answers): `false` takes it out of
     /// routing (the reporter ends its stream: SUSPECT in σ), `true` brings it back.
     fn set_serving(&self, _serving: bool) {}
+
+    /// The engine restarted while the worker was out of routing: say the next Hello as a new
+    /// incarnation.
+    fn renew_incarnation(&self) {}
 }
 
 /// One call to [`ProgressSink::progress`].
@@ -53,6 +58,7 @@ pub struct Report {
 pub struct RecordingSink {
     reports: Arc<Mutex<Vec<Report>>>,
     serving: Arc<Mutex<Vec<bool>>>,
+    renewed: Arc<AtomicU32>,
 }
 
 impl RecordingSink {
@@ -70,6 +76,11 @@ impl RecordingSink {
             Ok(g) => g.clone(),
             Err(p) => p.into_inner().clone(),
         }
+    }
+
+    /// How many times [`ProgressSink::renew_incarnation`] was called.
+    pub fn incarnations_renewed(&self) -> u32 {
+        self.renewed.load(Ordering::Relaxed)
     }
 
     /// The reports about one request.
@@ -100,6 +111,10 @@ impl ProgressSink for RecordingSink {
             Ok(mut g) => g.push(serving),
             Err(p) => p.into_inner().push(serving),
         }
+    }
+
+    fn renew_incarnation(&self) {
+        self.renewed.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -154,5 +169,13 @@ impl ProgressSink for ReporterSink {
 
     fn set_serving(&self, serving: bool) {
         self.0.set_serving(serving);
+    }
+
+    fn renew_incarnation(&self) {
+        let new = self.0.renew_incarnation();
+        tracing::info!(
+            incarnation = %format!("{new:016x}"),
+            "the engine restarted: its next Hello is a new incarnation"
+        );
     }
 }

@@ -44,6 +44,9 @@ async fn per_rank(engine: &EngineServer) -> Vec<u64> {
 
 struct Stack {
     engine: EngineServer,
+    /// Requests each rank had run once the shim was ready: the shim's rank check (one
+    /// unpinned and one pinned request per rank) runs before its first Hello.
+    baseline: Vec<u64>,
     shim: br_shim::Running,
     ingest: FakeIngest,
     _served: br_testkit::Served,
@@ -77,7 +80,9 @@ async fn stack(flags: &[&str]) -> Stack {
     let args: br_shim::Args = br_runtime::config::parse_from(argv).unwrap();
     let shim = br_shim::start(&args, stop.clone()).await.unwrap();
     eventually(PATIENCE, "the shim ready", || async { shim.is_ready() }).await;
+    let baseline = per_rank(&engine).await;
     Stack {
+        baseline,
         engine,
         shim,
         ingest,
@@ -87,6 +92,12 @@ async fn stack(flags: &[&str]) -> Stack {
 }
 
 impl Stack {
+    /// Requests each rank ran since the shim was ready.
+    async fn ran(&self) -> Vec<u64> {
+        let now = per_rank(&self.engine).await;
+        now.iter().zip(&self.baseline).map(|(n, b)| n - b).collect()
+    }
+
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.shim.http_addr())
     }
@@ -156,7 +167,7 @@ async fn vllm_one_api_server_for_all_ranks_the_shim_sets_the_rank_header() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(per_rank(&s.engine).await, vec![0, 0, 2, 0]);
+    assert_eq!(s.ran().await, vec![0, 0, 2, 0]);
     assert_eq!(s.hellos()[0].0, 2);
     s.close().await;
 }
@@ -171,7 +182,7 @@ async fn sglang_the_shim_sets_routed_dp_rank_in_the_body() {
     body["stream"] = json!(false);
     let (status, answer) = s.post("/v1/completions", body).await;
     assert_eq!(status, 200, "{answer}");
-    assert_eq!(per_rank(&s.engine).await, vec![0, 0, 0, 2]);
+    assert_eq!(s.ran().await, vec![0, 0, 0, 2]);
     s.close().await;
 }
 
@@ -211,7 +222,7 @@ async fn one_shim_serves_several_ranks_each_with_its_stream_and_its_endpoint() {
             assert_eq!(status, 200, "{answer}");
         }
     }
-    assert_eq!(per_rank(&s.engine).await, vec![0, 2, 0, 1]);
+    assert_eq!(s.ran().await, vec![0, 2, 0, 1]);
     // and its telemetry is the rank's
     assert_eq!(s.requests_total("1").await, 2.0);
     assert_eq!(s.requests_total("3").await, 1.0);
@@ -234,7 +245,7 @@ async fn one_shim_serves_several_ranks_each_with_its_stream_and_its_endpoint() {
     let models = reqwest::get(s.url("/rank/2/v1/models")).await.unwrap();
     assert_eq!(models.status(), 200);
     assert_eq!(
-        per_rank(&s.engine).await,
+        s.ran().await,
         vec![0, 2, 0, 1],
         "nothing more ran"
     );
@@ -266,6 +277,59 @@ async fn one_shim_for_several_sglang_ranks_pins_by_the_body_field() {
             .await;
         assert_eq!(status, 200, "{answer}");
     }
-    assert_eq!(per_rank(&s.engine).await, vec![0, 1, 2, 0]);
+    assert_eq!(s.ran().await, vec![0, 1, 2, 0]);
     s.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_the_server_does_not_have_ends_the_shim_before_any_hello() {
+    let stop = CancellationToken::new();
+    let engine = engine(&stop).await;
+    let ingest = FakeIngest::default();
+    let served = ingest.start().await;
+    let upstream = format!("http://{}", engine.addrs.dp);
+    let ingest_url = format!("http://{}", served.addr);
+    let last = RANKS.to_string();
+    let ids = format!("2-{last}");
+    let argv = vec![
+        "br-shim",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &upstream,
+        "--ingest-addr",
+        &ingest_url,
+        "--group",
+        "topo",
+        "--worker-ids",
+        &ids,
+        "--dp-rank-header",
+        "X-data-parallel-rank",
+    ];
+    let args: br_shim::Args = br_runtime::config::parse_from(argv).unwrap();
+    let shim = br_shim::start(&args, stop.clone()).await.unwrap();
+    let err = tokio::time::timeout(PATIENCE, shim.wait())
+        .await
+        .expect("the shim went on serving a rank the engine refuses")
+        .expect_err("the shim stopped cleanly");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, br_runtime::skeleton::ServeError::Config(_)),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&format!("rank {last}")) && msg.contains("must be a rank in"),
+        "{msg}"
+    );
+    assert!(
+        ingest
+            .messages()
+            .iter()
+            .all(|m| !matches!(m.kind, Some(Kind::Hello(_)))),
+        "a rank said Hello before the check"
+    );
+    stop.cancel();
+    engine.shutdown().await;
 }

@@ -412,6 +412,16 @@ impl ReporterHandle {
         self.inner.shared.incarnation.load(Ordering::Relaxed)
     }
 
+    /// Takes a new incarnation, announced at the next Hello: for a worker whose engine
+    /// restarted while it was not serving (the old incarnation's requests died with the old
+    /// process, and σ should drop them at once, not reconcile them). Returns the new one.
+    pub fn renew_incarnation(&self) -> u64 {
+        let shared = &self.inner.shared;
+        let new = new_incarnation(shared.incarnation.load(Ordering::Relaxed));
+        shared.incarnation.store(new, Ordering::Relaxed);
+        new
+    }
+
     /// Whether the worker can take work. `false` ends the telemetry stream cleanly (after
     /// sending what changed), so ingest marks the worker SUSPECT at once and decision stops
     /// assigning to it, and keeps it closed while false; `true` reconnects at once with the

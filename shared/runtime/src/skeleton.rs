@@ -67,6 +67,10 @@ pub enum ServeError {
     /// A task of the service panicked.
     #[error("service task: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// What the service was told to serve turned out wrong once it could ask (a shim's engine
+    /// refusing a rank the shim pins); it exits as a refused configuration does, with 2.
+    #[error("invalid configuration: {0}")]
+    Config(String),
 }
 
 /// The flags [`main`] needs from a service's `Args`: the shared ones, and the service's own
@@ -601,8 +605,8 @@ fn temp_path(path: &Path) -> PathBuf {
 /// SIGTERM or SIGINT, starts the service, writes `--ready-file`, logs the bound addresses
 /// (unless the service logged its own start-up line: [`Running::announced`]) and waits. Exit
 /// code: 0 after a drain (even one cut short by the grace period), 2 if the service refused
-/// its configuration at start ([`StartError::Config`]), 1 if it could not start otherwise or
-/// failed while serving (the error is printed on stderr).
+/// its configuration at start ([`StartError::Config`]) or found it wrong later
+/// ([`ServeError::Config`]), 1 if it could not start otherwise or failed while serving (the error is printed on stderr).
 pub async fn main<A, P, X>(
     name: &'static str,
     start: impl AsyncFnOnce(&A, CancellationToken) -> Result<Running<P, X>, StartError>,
@@ -662,7 +666,10 @@ where
         Err(e) => {
             tracing::error!(error = %e, "{name} failed");
             eprintln!("error: {name}: {e}");
-            ExitCode::FAILURE
+            match e {
+                ServeError::Config(_) => ExitCode::from(config::EXIT_INVALID_CONFIG),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
