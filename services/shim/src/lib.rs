@@ -449,6 +449,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
             upstream: Box::pin(resp.bytes_stream()),
             splitter: sse::EventSplitter::default(),
             strip,
+            held: None,
             track,
             done: false,
         };
@@ -740,6 +741,12 @@ struct Tracked {
     upstream: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
     splitter: sse::EventSplitter,
     strip: Option<Strip>,
+    /// With `Strip::all_usage`: the events from the first terminal chunk on, held until the
+    /// usage-only chunk the shim drops. An engine asked for usage moves `system_fingerprint`
+    /// from each terminal chunk to that last chunk (vLLM does), so the shim puts it back
+    /// where the client, who did not ask for usage, would have found it. Each event is kept
+    /// with whether it is a terminal chunk.
+    held: Option<Vec<(Vec<u8>, bool)>>,
     track: Track,
     done: bool,
 }
@@ -758,30 +765,56 @@ impl Tracked {
         };
         let mut out = Vec::with_capacity(data.len());
         for ev in events {
-            let Some(d) = sse::event_data(&ev) else {
-                out.extend_from_slice(&ev);
-                continue;
-            };
-            self.track.observe(&d);
-            let Some(info) = sse::peek(&d) else {
-                out.extend_from_slice(&ev);
+            let info = sse::event_data(&ev).and_then(|d| {
+                self.track.observe(&d);
+                sse::peek(&d).map(|info| (d, info))
+            });
+            let Some((d, info)) = info else {
+                // not a chunk (a comment, `[DONE]`): after any held event, in order
+                match &mut self.held {
+                    Some(held) => held.push((ev.to_vec(), false)),
+                    None => out.extend_from_slice(&ev),
+                }
                 continue;
             };
             if info.choices == 0 {
                 if strip.all_usage && info.usage.is_some() {
-                    continue; // the usage-only chunk the client did not ask for
+                    // the usage-only chunk the client did not ask for
+                    let fingerprint = sse::member(&d, "system_fingerprint");
+                    self.release_held(&mut out, fingerprint);
+                    continue;
                 }
                 if !strip.all_usage {
                     out.extend_from_slice(&ev); // the final usage chunk the client asked for
                     continue;
                 }
             }
-            match sse::remove_member(&d, "usage") {
-                Some(trimmed) => out.extend_from_slice(&sse::replace_data(&ev, &trimmed)),
-                None => out.extend_from_slice(&ev),
+            let trimmed = match sse::remove_member(&d, "usage") {
+                Some(trimmed) => sse::replace_data(&ev, &trimmed),
+                None => ev.to_vec(),
+            };
+            if strip.all_usage && (info.finishing || self.held.is_some()) {
+                self.held
+                    .get_or_insert_with(Vec::new)
+                    .push((trimmed, info.finishing));
+                continue;
             }
+            out.extend_from_slice(&trimmed);
         }
         Bytes::from(out)
+    }
+
+    /// Appends the held events to `out`, each terminal chunk with `fingerprint` (raw JSON) as
+    /// its last member.
+    fn release_held(&mut self, out: &mut Vec<u8>, fingerprint: Option<&[u8]>) {
+        for (ev, terminal) in self.held.take().unwrap_or_default() {
+            let with = fingerprint.filter(|_| terminal).and_then(|fp| {
+                let d = sse::event_data(&ev)?;
+                let d = sse::append_member(&d, "system_fingerprint", fp)?;
+                Some(sse::replace_data(&ev, &d))
+            });
+            out.extend_from_slice(with.as_deref().unwrap_or(&ev));
+        }
     }
 }
 
@@ -815,11 +848,17 @@ impl Stream for Tracked {
                 Poll::Ready(None) => {
                     self.done = true;
                     self.track.finish();
+                    // held events whose usage chunk never came go on as they are
+                    let mut out = Vec::new();
+                    self.release_held(&mut out, None);
                     let rest = self.splitter.rest();
-                    if rest.is_empty() || self.strip.is_none() {
+                    if self.strip.is_some() {
+                        out.extend_from_slice(&rest);
+                    }
+                    if out.is_empty() {
                         return Poll::Ready(None);
                     }
-                    return Poll::Ready(Some(Ok(rest)));
+                    return Poll::Ready(Some(Ok(Bytes::from(out))));
                 }
             }
         }

@@ -75,6 +75,8 @@ pub struct ChunkInfo {
     pub id: Option<String>,
     /// Number of choices in the chunk (0 for the final usage-only chunk).
     pub choices: usize,
+    /// Whether a choice of the chunk has a `finish_reason` (its terminal chunk).
+    pub finishing: bool,
     pub usage: Option<UsageInfo>,
 }
 
@@ -91,20 +93,80 @@ struct Peek {
     #[serde(default)]
     id: Option<String>,
     #[serde(default)]
-    choices: Option<Vec<serde::de::IgnoredAny>>,
+    choices: Option<Vec<PeekChoice>>,
     #[serde(default)]
     usage: Option<UsageInfo>,
+}
+
+#[derive(Deserialize)]
+struct PeekChoice {
+    #[serde(default)]
+    finish_reason: Option<serde::de::IgnoredAny>,
 }
 
 /// Reads the fields the shim needs from a chunk's JSON; `None` if it is not a JSON object
 /// (e.g. `[DONE]`).
 pub fn peek(json: &[u8]) -> Option<ChunkInfo> {
     let p: Peek = serde_json::from_slice(json).ok()?;
+    let choices = p.choices.unwrap_or_default();
     Some(ChunkInfo {
         id: p.id,
-        choices: p.choices.map_or(0, |c| c.len()),
+        finishing: choices.iter().any(|c| c.finish_reason.is_some()),
+        choices: choices.len(),
         usage: p.usage,
     })
+}
+
+/// The raw text of the top-level member `key`'s value in a JSON object. `None` if the text is
+/// not an object or has no such member.
+pub fn member<'a>(json: &'a [u8], key: &str) -> Option<&'a [u8]> {
+    let mut s = Scanner { b: json, i: 0 };
+    s.ws();
+    s.expect(b'{')?;
+    loop {
+        s.ws();
+        if s.peek()? == b'}' {
+            return None;
+        }
+        let k = s.string()?;
+        s.ws();
+        s.expect(b':')?;
+        s.ws();
+        let start = s.i;
+        s.value()?;
+        if k == key.as_bytes() {
+            return Some(&json[start..s.i]);
+        }
+        s.ws();
+        match s.peek()? {
+            b',' => s.i += 1,
+            _ => return None,
+        }
+    }
+}
+
+/// A JSON object with `"key":value` added as its last member (`value` raw JSON text), every
+/// other byte as it was. `None` if the text does not end an object.
+pub fn append_member(json: &[u8], key: &str, value: &[u8]) -> Option<Vec<u8>> {
+    let close = json.iter().rposition(|c| !c.is_ascii_whitespace())?;
+    if json[close] != b'}' {
+        return None;
+    }
+    let inner = json[..close]
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())?;
+    let empty = json[inner] == b'{';
+    let mut out = Vec::with_capacity(json.len() + key.len() + value.len() + 4);
+    out.extend_from_slice(&json[..close]);
+    if !empty {
+        out.push(b',');
+    }
+    out.push(b'"');
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(value);
+    out.extend_from_slice(&json[close..]);
+    Some(out)
 }
 
 /// Removes the top-level member `key` from a JSON object, keeping every other byte as it
@@ -314,8 +376,37 @@ mod tests {
                 completion_tokens: 2
             })
         );
+        assert!(!c.finishing);
         assert!(peek(b"[DONE]").is_none());
         assert_eq!(peek(br#"{"choices":[],"usage":null}"#).unwrap().usage, None);
+        let two = br#"{"choices":[{"finish_reason":null},{"finish_reason":"length"}]}"#;
+        assert!(peek(two).unwrap().finishing);
+        assert!(
+            !peek(br#"{"choices":[{"finish_reason":null}]}"#)
+                .unwrap()
+                .finishing
+        );
+    }
+
+    #[test]
+    fn reads_and_appends_members_byte_exactly() {
+        let j = br#"{"id":"x","choices":[{"t":"}\"{,"}],"system_fingerprint":"fp-1" }"#;
+        assert_eq!(member(j, "system_fingerprint").unwrap(), br#""fp-1""#);
+        assert_eq!(member(j, "choices").unwrap(), br#"[{"t":"}\"{,"}]"#);
+        assert!(member(j, "usage").is_none());
+        assert!(member(br#"{"id":"system_fingerprint"}"#, "system_fingerprint").is_none());
+        assert!(member(b"[DONE]", "id").is_none());
+        assert_eq!(
+            append_member(
+                br#"{"id":"x","choices":[]}"#,
+                "system_fingerprint",
+                br#""fp""#
+            )
+            .unwrap(),
+            br#"{"id":"x","choices":[],"system_fingerprint":"fp"}"#
+        );
+        assert_eq!(append_member(b"{ }\n", "a", b"1").unwrap(), b"{ \"a\":1}\n");
+        assert!(append_member(b"[1]", "a", b"1").is_none());
     }
 
     #[test]
