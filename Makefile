@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -13,7 +13,7 @@ build: ## build every binary (release)
 run: ## the demo: the whole control plane on loopback, JSQ vs BR-0 on a paper-shaped workload
 	bash scripts/demo.sh
 
-test: fmt-check clippy unit python-tests flake-hunt-smoke ## everything CI checks: format, lints, all tests
+test: fmt-check clippy unit python-tests e2e-vllm flake-hunt-smoke ## everything CI checks: format, lints, all tests
 	@echo "make test: all checks passed"
 
 fmt: ## format the code
@@ -35,6 +35,9 @@ unit: ## Rust unit, property, integration and end-to-end tests (deploy validatio
 
 python-tests: ## third-party clients (openai, grpcio) against the real binaries
 	bash scripts/python-tests.sh
+
+e2e-vllm: ## end-to-end tests against a real vLLM (CPU build, data parallel; installed pinned into target/vllm)
+	bash scripts/e2e-vllm.sh
 
 deploy-tools: ## fetch kustomize, promtool and the Python validators into target/ (package registries)
 	bash deploy/validate.sh --install-only

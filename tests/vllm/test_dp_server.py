@@ -1,0 +1,314 @@
+"""One vLLM API server with `--data-parallel-size 2` behind one br-shim serving both ranks
+(`--worker-ids 0-1 --dp-rank-header X-data-parallel-rank`), br-all deciding, the gateway
+assigning every request before sending it."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import pytest
+
+from gateway import CHAT, COMPLETIONS
+from support import (br_shim, brctl, free_pair, free_port, per_engine, scrape, vllm_server,
+                     wait_until, wait_vllm, workers)
+import workload
+
+GROUP = "vllm-dp"
+RANKS = ["--worker-ids", "0-1", "--dp-rank-header", "X-data-parallel-rank"]
+
+
+@pytest.fixture(scope="module")
+def stack(make_stack):
+    s = make_stack(GROUP)
+    port = free_port()
+    s.vllm = vllm_server("vllm-dp2", port, dp=2, cores="0|1")
+    s.procs.append(s.vllm.start())
+    s.vllm_port = port
+    s.shim_port = free_pair()
+    s.shim = br_shim("shim-dp2", s.shim_port, s.shim_port + 1, port, s.grpc, GROUP, RANKS)
+    s.procs.append(s.shim.start())
+    wait_vllm(s.vllm, port)
+    s.wait_live([0, 1])
+    return s
+
+
+def vllm_metrics(s):
+    return scrape(f"http://127.0.0.1:{s.vllm_port}/metrics")
+
+
+def shim_tokens(s):
+    m = scrape(f"http://127.0.0.1:{s.shim_port + 1}/metrics")
+    out = {}
+    for (name, labels), v in m.items():
+        if name == "balanceroute_shim_tokens_total":
+            out[int(dict(labels)["worker"])] = v
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+
+
+def sigma_requests(s):
+    return brctl(s.grpc, "requests", s.group)
+
+
+def sigma_empty(s) -> bool:
+    return sigma_requests(s) == []
+
+
+def test_every_request_runs_on_the_rank_assign_chose(stack):
+    s = stack
+    m0, t0 = vllm_metrics(s), shim_tokens(s)
+    reqs = workload.mixed(24, seed=1)
+    with ThreadPoolExecutor(len(reqs)) as ex:
+        answers = list(ex.map(lambda r: s.gateway.send(*r), reqs))
+    assert [a.status for a in answers] == [200] * len(answers), [a.raw[:200] for a in answers]
+    want_gen = {r: sum(a.usage["completion_tokens"] for a in answers if a.worker_id == r) for r in (0, 1)}
+    want_prompt = {r: sum(a.usage["prompt_tokens"] for a in answers if a.worker_id == r) for r in (0, 1)}
+    # Each asked-for length was generated in full: usage is the engine's own count.
+    assert [a.usage["completion_tokens"] for a in answers] == [b["max_tokens"] for _, b in reqs]
+    assert all(want_gen[r] > 0 for r in (0, 1)), f"BR-0 left a rank idle: {want_gen}"
+
+    def engine_counts():
+        m = vllm_metrics(s)
+        gen = delta(per_engine(m, "vllm:generation_tokens_total"), per_engine(m0, "vllm:generation_tokens_total"))
+        prompt = delta(per_engine(m, "vllm:prompt_tokens_total"), per_engine(m0, "vllm:prompt_tokens_total"))
+        assert (gen, prompt) == (want_gen, want_prompt), f"generated {gen}, prompt {prompt}"
+        return gen, prompt
+
+    # vLLM's API server publishes each engine's counters a little late under load.
+    got = wait_until(engine_counts, 30, f"vLLM's per-engine token counters to reach {want_gen} / {want_prompt}")
+    assert got == (want_gen, want_prompt)
+    # The shim counted exactly the engine's tokens for each rank, and σ let every request go.
+    assert delta(shim_tokens(s), t0) == want_gen
+    wait_until(lambda: sigma_empty(s), 10, "σ to hold no request")
+
+
+def normalise(raw: bytes) -> bytes:
+    """The bytes with what differs between two runs of one request blanked: the response id
+    and its creation time."""
+    raw = re.sub(rb'"id":"(cmpl|chatcmpl)-[^"]*"', rb'"id":"X"', raw)
+    return re.sub(rb'"created":\d+', rb'"created":0', raw)
+
+
+def by_choice(raw: bytes) -> dict:
+    """The normalised events of a stream grouped by their choice's index (-1: no choice)."""
+    out: dict = {}
+    for ev in normalise(raw).split(b"\n\n"):
+        m = re.search(rb'"choices":\[\{"index":(\d+)', ev)
+        out.setdefault(int(m.group(1)) if m else -1, []).append(ev)
+    return out
+
+
+BYTE_CASES = [
+    ("completions", COMPLETIONS, dict(stream=True)),
+    ("completions-usage", COMPLETIONS, dict(stream=True, stream_options={"include_usage": True})),
+    ("completions-continuous-usage", COMPLETIONS,
+     dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})),
+    ("completions-logprobs", COMPLETIONS, dict(stream=True, logprobs=2)),
+    # n > 1 needs sampling (vLLM refuses it greedy); the seed makes it repeatable.
+    ("completions-n2", COMPLETIONS,
+     dict(stream=True, n=2, temperature=1, stream_options={"include_usage": True})),
+    ("chat-n2", CHAT, dict(stream=True, n=2, temperature=1)),
+    ("completions-unary", COMPLETIONS, dict(stream=False)),
+    ("chat", CHAT, dict(stream=True)),
+    ("chat-usage", CHAT, dict(stream=True, stream_options={"include_usage": True})),
+    ("chat-logprobs", CHAT, dict(stream=True, logprobs=True, top_logprobs=2)),
+    ("chat-unary", CHAT, dict(stream=False)),
+]
+
+
+@pytest.mark.parametrize("name,path,extra", BYTE_CASES, ids=[c[0] for c in BYTE_CASES])
+def test_the_stream_reaches_the_client_byte_for_byte(stack, name, path, extra):
+    """The same request through the gateway and the shim, and straight to vLLM pinned to the
+    rank Assign chose: the same bytes, and the shim counts the engine's tokens."""
+    import random
+
+    import httpx
+
+    s = stack
+    _, body = workload.request(random.Random(name), path, 24, words=10, **extra)
+    t0 = shim_tokens(s)
+    routed = s.gateway.send(path, body)
+    assert routed.status == 200, routed.raw[:300]
+    direct = httpx.post(f"http://127.0.0.1:{s.vllm_port}{path}", json={"model": "tiny", **body},
+                        headers={"X-data-parallel-rank": str(routed.worker_id)}, timeout=60)
+    assert direct.status_code == 200, direct.text[:300]
+    if body.get("n", 1) == 1:
+        assert normalise(routed.raw) == normalise(direct.content)
+    else:
+        # vLLM interleaves the choices' chunks in an order of its own from run to run: each
+        # choice's chunks, and every chunk without choices, are the same bytes in the same order.
+        assert by_choice(routed.raw) == by_choice(direct.content)
+    # σ's token count for the request is the engine's usage (the shim reports what it counted;
+    # `ignore_eos` makes every choice generate max_tokens).
+    want = body["max_tokens"] * body.get("n", 1)
+    if routed.usage:
+        assert routed.usage["completion_tokens"] == want, routed.usage
+    got = delta(shim_tokens(s), t0)
+    assert got.get(routed.worker_id) == want, (got, want)
+    wait_until(lambda: sigma_empty(s), 10, "σ to hold no request")
+
+
+def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
+    """Eight long streams on the two ranks; the engine is paused with its requests kept
+    (vLLM's `/pause?mode=keep`), so nothing moves while the two are compared: σ's running
+    requests per rank are vLLM's, and σ's KV load per rank is vLLM's KV use within its block
+    rounding. Then the engine resumes and every stream finishes. (While tokens flow the two
+    cannot be compared: the engine runs ahead of what its clients have read, and σ counts
+    what the shim has forwarded.)"""
+    import httpx
+
+    s = stack
+    base = f"http://127.0.0.1:{s.vllm_port}"
+    reqs = workload.mixed(8, seed=3, lengths=(6000,))
+    streams = [s.gateway.open_stream(p, b) for p, b in reqs]
+    placed = {r: sum(1 for st in streams if st.worker_id == r) for r in (0, 1)}
+    for st in streams:
+        st.read_events(2)
+    paused = False
+    try:
+        assert httpx.post(f"{base}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+        paused = True
+        with ThreadPoolExecutor(len(streams)) as ex:
+            done = [ex.submit(st.finish) for st in streams]
+            cfg = next(dict(l) for (n, l) in vllm_metrics(s) if n == "vllm:cache_config_info")
+            block, kv_size = int(cfg["block_size"]), int(cfg["kv_cache_size_tokens"])
+
+            def agree():
+                w = workers(s.grpc, s.group)
+                m = vllm_metrics(s)
+                running = per_engine(m, "vllm:num_requests_running")
+                waiting = per_engine(m, "vllm:num_requests_waiting")
+                kv = per_engine(m, "vllm:kv_cache_usage_perc")
+                rows = {r: (w[r]["running"] + w[r]["reserved"], running.get(r, 0) + waiting.get(r, 0),
+                            w[r]["load_tokens"], round(kv.get(r, 0) * kv_size)) for r in (0, 1)}
+                # A request may finish before the pause lands; the others are still running.
+                ok = sum(rows[r][0] for r in (0, 1)) > 0 and all(
+                    rows[r][0] == rows[r][1] <= placed[r]
+                    # vLLM holds whole blocks: each request's last block is partly filled.
+                    and rows[r][3] - block * rows[r][0] < rows[r][2] <= rows[r][3]
+                    for r in (0, 1)
+                )
+                assert ok, f"per rank (σ running, vLLM running+waiting, σ KV, vLLM KV): {rows}"
+                return rows
+
+            rows = wait_until(agree, 30, f"σ and vLLM to agree per rank ({placed} placed)",
+                              every=0.25)
+            print(f"quiet point, per rank (σ running, vLLM running+waiting, σ KV tokens, "
+                  f"vLLM KV tokens): {rows}")
+            assert httpx.post(f"{base}/resume", timeout=60).status_code == 200
+            paused = False
+            for f in done:
+                f.result(timeout=300)
+    finally:
+        if paused:
+            httpx.post(f"{base}/resume", timeout=60)
+    wait_until(lambda: sigma_empty(s), 10, "σ to hold no request once every stream ended")
+
+
+def test_a_client_that_goes_away_aborts_the_request_and_sigma_lets_it_go(stack):
+    s = stack
+    m0 = vllm_metrics(s)
+    path, body = workload.mixed(1, seed=4, lengths=(1800,))[0]
+    st = s.gateway.open_stream(path, body)
+    st.read_events(3)
+    rank = st.worker_id
+    assert any(r["request_id"] == st.request_id for r in sigma_requests(s))
+    st.close()
+    wait_until(lambda: sigma_empty(s), 10, "σ to release the abandoned request")
+
+    def aborted():
+        m = vllm_metrics(s)
+        running = per_engine(m, "vllm:num_requests_running").get(rank, 0)
+        return running == 0 and m
+
+    m = wait_until(aborted, 30, "vLLM to abort the abandoned request")
+    gen = delta(per_engine(m, "vllm:generation_tokens_total"),
+                per_engine(m0, "vllm:generation_tokens_total"))
+    assert gen.get(rank, 0) < 1800, f"the engine generated the whole request: {gen}"
+
+
+def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
+    """A second shim in front of the same two ranks (its own group) whose probes may take only
+    10 ms: vLLM's /health answers in a few ms when idle and far later while it decodes on
+    both cores. While its streams move, the ranks stay in routing: every timed-out probe is
+    forgiven. Once the streams end, the next slow probe would count again."""
+    s = stack
+    group = "vllm-dp-slow-probe"
+    port = free_pair()
+    shim = br_shim("shim-dp2-slow-probe", port, port + 1, s.vllm_port, s.grpc, group, RANKS,
+                   ["--engine-probe-timeout", "10ms"])
+    s.procs.append(shim.start())
+    wait_until(lambda: workers(s.grpc, group) and all(
+        w["liveness"] == "live" for w in workers(s.grpc, group).values()) and len(workers(s.grpc, group)) == 2,
+        60, "the second shim's ranks to be live")
+
+    def timeouts():
+        m = scrape(f"http://127.0.0.1:{port + 1}/metrics")
+        return sum(v for (n, l), v in m.items()
+                   if n == "balanceroute_shim_engine_probe_failures_total" and dict(l)["reason"] == "timeout")
+
+    t0 = timeouts()
+    reqs = workload.mixed(12, seed=9, lengths=(700,))
+    import httpx
+
+    def run(i_req):
+        i, (path, body) = i_req
+        rank = i % 2
+        r = httpx.post(f"http://127.0.0.1:{port}/rank/{rank}{path}", json={"model": "tiny", **body},
+                       headers={"X-Request-Id": f"slow-probe-{i}"}, timeout=300)
+        return r.status_code
+
+    out_of_routing = []
+    with ThreadPoolExecutor(len(reqs) + 1) as ex:
+        done = ex.submit(lambda: list(ex.map(run, enumerate(reqs))))
+        # σ's view of the group, sampled until every stream has ended
+        while not wait([done], timeout=0.2).done:
+            down = [i for i, x in workers(s.grpc, group).items() if x["liveness"] != "live"]
+            if down:
+                out_of_routing.append((time.monotonic(), down))
+        results = done.result()
+    forgiven = timeouts() - t0
+    print(f"probe timeouts forgiven while streaming: {forgiven}")
+    assert results == [200] * len(reqs)
+    assert out_of_routing == [], f"ranks left routing while streaming: {out_of_routing[:5]}"
+    assert forgiven > 0, ("vLLM answered every 10 ms probe in time under load: the test did not "
+                          "exercise a slow probe")
+    shim.stop()
+
+
+def test_a_rank_mapping_the_server_does_not_have_is_refused_at_start_up(stack):
+    """A shim told to serve ranks 0-2 of a DP = 2 server exits with a typed error naming rank 2,
+    and the group never routes to it."""
+    s = stack
+    port = free_pair()
+    bad = br_shim("shim-dp2-bad-ranks", port, port + 1, s.vllm_port, s.grpc, "vllm-dp-bad",
+                  ["--worker-ids", "0-2", "--dp-rank-header", "X-data-parallel-rank"])
+    s.procs.append(bad.start())
+    code = wait_until(lambda: bad.exit_code(), 120, "the shim to refuse rank 2 and exit", every=0.25)
+    log = bad.tail(20)
+    assert code == 2, log
+    assert "rank 2" in log and "out of range" in log, log
+
+
+def test_kill_9_of_the_dp_server_takes_both_ranks_out_until_it_returns(stack):
+    import balanceroute
+
+    s = stack
+    before = workers(s.grpc, s.group)
+    s.vllm.kill9()
+    wait_until(lambda: not s.live(), 10, "both ranks to leave routing")
+    with pytest.raises(balanceroute.BalanceRouteError):
+        s.gateway.assign(*workload.mixed(1, seed=5)[0], timeout=2)
+    s.vllm.start()
+    wait_vllm(s.vllm, s.vllm_port)
+    s.wait_live([0, 1])
+    after = workers(s.grpc, s.group)
+    for r in (0, 1):
+        assert after[r]["incarnation"] != before[r]["incarnation"], (before[r], after[r])
+    answers = [s.gateway.send(*r) for r in workload.mixed(4, seed=6)]
+    assert [a.status for a in answers] == [200] * 4
