@@ -14,7 +14,7 @@ ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
 shift || true
 SECTIONS="${*:-paired knobs}"
-TRACES="${BR_SIM_TRACES:-$ROOT/../shared/data/traces}"
+TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 cd "$ROOT"
 cargo build -q -p br-sim --release
