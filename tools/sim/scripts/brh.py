@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""BR-H against BR-0, paired by seed (issue 16: does the horizon earn its keep?).
+"""BR-H against BR-0, paired by seed (does the horizon earn its keep?).
 
 For one workload, G and arrival, runs `br-sim run` once per seed with the baselines, br0 and
 the BR-H variants, and prints for every BR policy the mean over seeds and the mean paired

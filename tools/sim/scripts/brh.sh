@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Does BR-H earn its keep (issue 16)? BR-H with predictors learned online as the twin runs
+# Does BR-H earn its keep? BR-H with predictors learned online as the twin runs
 # (ExactMatch by prompt hash, Survival by prompt-length octave; `brh`, `brh-survival`, and
 # `brh:prompt_buckets=false` for Survival without buckets) against BR-H with the oracle and
 # against BR-0, paired by seed (scripts/brh.py), B = 64, G = 8 and 32, above capacity and at

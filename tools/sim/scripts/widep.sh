@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Routing at wide-EP scale (issue 16): BR-0's share of the best baseline's gap to the fluid
+# Routing at wide-EP scale: BR-0's share of the best baseline's gap to the fluid
 # limit against G = 8..128, and what moves it. Every table of tools/sim/README.md's "Wide-EP
 # scale" section comes from here (raw outputs in results/W-*.txt).
 # Usage: tools/sim/scripts/widep.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
 # Sections: scale (the G sweeps), knobs (what moves the share at G = 128), moderate (40/60/85%
 # of capacity, seed spread), paired (the same, paired by seed with paired.py), lag, gap (the
-# issue's 90% target: saturated and Poisson at 1.2x the fluid capacity, G = 8..128, B = 64 and
+# 90% target: saturated and Poisson at 1.2x the fluid capacity, G = 8..128, B = 64 and
 # 256, BR-0 against the previous default; the figures' CSV), nextfinish (BR-H with Stage 2's
 # mean fill measured at each rank's next predicted finish, B = 64, G = 8..128), turns (two
 # deciders admitting in turn, G = 64, B = 64).
@@ -46,7 +46,7 @@ per_rank() { # workload B
 
 for section in $SECTIONS; do
   case "$section" in
-  scale) # the issue's table: saturated, steady state, G = 8..128, B = 64 and 256
+  scale) # the scale table: saturated, steady state, G = 8..128, B = 64 and 256
     for wl in paper-azure paper-prop; do
       # BR-H (ExactMatch, learned online) where it is affordable to simulate
       run "W-scale-$wl-B64" sweep --trace "$wl" --arrival saturated --slots 64 \
@@ -56,7 +56,7 @@ for section in $SECTIONS; do
           --workers-list 8,16,32,64,128 --per-worker "$(per_rank "$wl" 256)" \
           --policies "$BASE,$BR" --seeds "$SEEDS"
     done ;;
-  knobs) # what moves the share at G = 128, B = 64 (the issue's list), paper-azure and paper-prop
+  knobs) # what moves the share at G = 128, B = 64, paper-azure and paper-prop
     # (a G sweep of one G, so the workload is sized per rank; policies carry their parameter)
     for wl in paper-azure paper-prop; do
       for v in oldest:max tick-head:mean; do
