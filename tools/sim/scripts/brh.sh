@@ -5,7 +5,7 @@
 # against BR-0, paired by seed (scripts/brh.py), B = 64, G = 8 and 32, above capacity and at
 # 85% of it, on the workloads whose output length is predictable: the two paper shapes
 # (synthetic: 30% of requests repeat a template with correlated outputs) and the mooncake
-# conversation trace (prompt-heavy; 1% repeated prompts). Every table of tools/sim/README.md's
+# conversation trace (prompt-heavy; 1% repeated prompts). Every table of tools/sim/RESULTS.md's
 # "BR-H" section comes from here (raw outputs in results/H-*.txt). A few seconds per table.
 # Usage: tools/sim/scripts/brh.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
 # Sections: paired (the matrix), knobs (the oracle's (beta, gamma, H) at G = 8, paper shapes).

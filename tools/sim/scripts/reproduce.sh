@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces every table and figure in tools/sim/README.md.
+# Reproduces every table and figure in tools/sim/RESULTS.md.
 # Usage: tools/sim/scripts/reproduce.sh [OUT_DIR]   (default: tools/sim/results)
 # Section C reads the public traces in data/traces (BR_SIM_TRACES names another directory).
 set -euo pipefail

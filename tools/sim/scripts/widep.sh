@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Routing at wide-EP scale: BR-0's share of the best baseline's gap to the fluid
-# limit against G = 8..128, and what moves it. Every table of tools/sim/README.md's "Wide-EP
+# limit against G = 8..128, and what moves it. Every table of tools/sim/RESULTS.md's "Wide-EP
 # scale" section comes from here (raw outputs in results/W-*.txt).
 # Usage: tools/sim/scripts/widep.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
 # Sections: scale (the G sweeps), knobs (what moves the share at G = 128), moderate (40/60/85%
@@ -71,7 +71,7 @@ for section in $SECTIONS; do
       done
     done ;;
   moderate) # 40 / 60 / 85 % of capacity: TPOT and throughput beside imbalance, G = 8 and 64
-    # capacity = the best baseline's steady throughput / mean output (README, "Moderate load")
+    # capacity = the best baseline's steady throughput / mean output (RESULTS.md, "Moderate load")
     for spec in "paper-azure 6.4" "paper-prop 7.1"; do
       set -- $spec
       for pct in 40 60 85; do
@@ -118,7 +118,7 @@ for section in $SECTIONS; do
     # `br0:stage1_shallow=false:stage2_hold=never` is the previous default (Stage 2 even when
     # the pool holds no more requests than the free slots; no slot left empty). Figures:
     # fig-gap-WORKLOAD-BN[-poisson]/scaling.svg, the gain, the imbalance and the gap share
-    # against G of each sweep; W-gap.csv has every row (tools/sim/README.md tabulates it).
+    # against G of each sweep; W-gap.csv has every row (tools/sim/RESULTS.md tabulates it).
     PREVGAP=br0:stage1_shallow=false:stage2_hold=never
     for B in 64 256; do
       for spec in "paper-azure 0.75 1.00" "paper-prop 0.77 1.15"; do
