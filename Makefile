@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -71,6 +71,12 @@ chaos: ## seeded chaos (kill -9, frozen connections under load) for MINUTES (def
 bench: ## benchmarks (results are recorded in docs/benchmarks.md)
 	$(CARGO) bench -p br-core --bench dispatcher
 	$(CARGO) run --release -p br-core --example tick_percentiles
+
+config-reference: ## regenerate docs/configuration.md from the release binaries' --help (make build first)
+	bash scripts/config-reference.sh
+
+config-reference-check: ## fail if docs/configuration.md differs from the release binaries' --help
+	bash scripts/config-reference.sh --check
 
 sim: ## the digital twin on the paper-shaped Azure workload, G = 8
 	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idle connections against a descriptor limit (issue 14; docs/benchmarks.md, "bounds"): starts
+# Idle connections against a descriptor limit (docs/benchmarks.md, "bounds"): starts
 # br-snapshot, then br-ingest under `ulimit -n NOFILE` (default 128), opens IDLE (default 300)
 # TCP connections to ingest's gRPC port that never send a byte, and prints ingest's CPU use
 # over 10 s, whether /livez answers, whether a new HTTP/2 client gets the server's SETTINGS,

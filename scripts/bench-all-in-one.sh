@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Assign latency, all-in-one vs split, side by side in one run (issue 12): `assign-load` at
+# Assign latency, all-in-one vs split, side by side in one run: `assign-load` at
 # BENCH_RATE Assign/s while it plays 8 workers on the snapshot service's Apply stream with
 # BENCH_EVENTS progress events/s (what ingest sends after coalescing), against
 #   split  br-snapshot + br-decision (decision -> snapshot Watch/Reserve over loopback gRPC)
@@ -13,8 +13,8 @@
 # BENCH_SKIP_BUILD=1. Results are recorded in docs/benchmarks.md ("all-in-one vs split").
 #
 # Before/after in one run: BENCH_A=DIR BENCH_B=DIR, each a directory holding br-all,
-# br-snapshot and br-decision (e.g. main's release binaries copied aside, and this branch's
-# target/release). Every round then runs split and all-in-one with A's and with B's binaries,
+# br-snapshot and br-decision (e.g. a baseline's release binaries copied aside, and the
+# candidate's target/release). Every round then runs split and all-in-one with A's and with B's binaries,
 # A first in odd rounds and B first in even ones (so a drift of the machine's load does not
 # favour one side); assign-load is always $BIN's. BENCH_NICE=N runs the servers and the load
 # tool under `nice -n N` (default: not niced).

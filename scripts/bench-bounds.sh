@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a peer can make br-snapshot hold (issue 14; docs/benchmarks.md, "bounds"): starts one
+# What a peer can make br-snapshot hold (docs/benchmarks.md, "bounds"): starts one
 # br-snapshot per case with the given extra flags, runs snapshot-load against it, and prints the
 # server's peak RSS (VmHWM), RSS at the end, CPU seconds used and the `/metrics` size.
 #

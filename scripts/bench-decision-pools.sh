@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What two decision pools cost the routing, live (issue 13, item 5): the emulated demo's stack
+# What two decision pools cost the routing, live: the emulated demo's stack
 # (br-snapshot, br-ingest, G br-shims in front of `br-emu engine`) replays one paper-shaped
 # workload with BR-0 three times, side by side in one run:
 #   1x          one br-decision replica (one pool)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What one large request body costs br-shim (issue 14; docs/benchmarks.md, "bounds"): starts a
+# What one large request body costs br-shim (docs/benchmarks.md, "bounds"): starts a
 # stand-in engine (scripts/lib/echo_upstream.py: reads the body, answers a small streamed
 # completion) and one br-shim in front of it (no ingest), then sends one body of each shape and
 # prints the shim's peak RSS (VmHWM) above its idle RSS, as a multiple of the body's size. Each

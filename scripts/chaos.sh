@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The chaos run, minutes long (issue 13): the seeded e2e test tests/tests/chaos.rs (one
+# The chaos run, minutes long: the seeded e2e test tests/tests/chaos.rs (one
 # br-snapshot, two br-ingest and two br-decision replicas, workers spread over the ingest
 # replicas; kill -9 and restart of any service, frozen connections and SIGSTOPped processes
 # under Assign load; checks no Assign lost before its deadline, no request id on two ranks, no

@@ -6,7 +6,7 @@
 # for the same workload. The twin replays each live run's arrivals as the decision service saw
 # them (`br-emu load --arrivals-csv`): a "saturated" burst reaches the decision over a fraction
 # of a second, and the first wave is placed as it arrives, which the twin's idealised burst (all
-# in the pool at time 0) does not see (docs/benchmarks.md, "A larger live run"). Every process it
+# in the pool at time 0) does not see (docs/design/0008-twin-replays-with-jitter.md). Every process it
 # starts is stopped on exit.
 #
 # Knobs (environment): DEMO_TRACE (paper-azure), DEMO_REQUESTS (requests per policy), DEMO_G

@@ -2,9 +2,9 @@
 # The flake hunt (`make flake-hunt`): every test binary of the workspace, run ROUNDS times,
 # PARALLEL at once (two binaries side by side load the machine as CI's `cargo test` does), each
 # from its crate's directory as `cargo test` runs it. A test that fails once in a hundred runs
-# passes most CI runs and fails one in a few: this is how session 28 found three of its four
-# (a shutdown check read once per batch, a test reading a gauge before it was set, a test
-# writer outrunning the watcher it checks; the fourth, a Reserve fallback race, by chance).
+# passes most CI runs and fails one in a few; this loop finds such tests (for example a
+# shutdown check read once per batch, a test reading a gauge before it was set, a test writer
+# outrunning the watcher it checks).
 #
 # Knobs (environment): FLAKE_ROUNDS (10), FLAKE_PARALLEL (2), FLAKE_FILTER (a grep -E pattern
 # on binary names; default every binary), FLAKE_TIMEOUT (900 s per run), FLAKE_OUT

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# libFuzzer over every decoder and validator a peer reaches (issue 14), for FUZZ_SECONDS (60):
+# libFuzzer over every decoder and validator a peer reaches, for FUZZ_SECONDS (60):
 # installs cargo-fuzz into target/tools on first use (crates.io), seeds the corpus with valid
 # messages of every kind, and runs fuzz/'s `decode` target. The stable toolchain is enough:
 # RUSTC_BOOTSTRAP lets cargo-fuzz pass its -Z instrumentation flags. Findings land in

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several lockstep groups through one control plane, live, against the twin (issue 12): one
+# Several lockstep groups through one control plane, live, against the twin: one
 # br-snapshot, one br-ingest and one br-decision serving LIVE_GROUPS groups at once, each group
 # its own `br-emu engine` (G ranks, B slots) behind G br-shims, each replayed by its own
 # `br-emu load` at the same time, first with JSQ and then with BR-0 (decision and shims

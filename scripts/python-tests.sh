@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Tests with real third-party clients (issue 5): Python's `openai` package streams through
+# Tests with real third-party clients: Python's `openai` package streams through
 # br-shim to `br-emu engine`, and grpcio stubs generated from proto/ call Decision.Assign and the
 # standard gRPC health check; and grpcio with client certificates calls a second stack of
 # br-snapshot, br-ingest and br-decision started with mutual TLS (certificates from br-certs). Creates a venv under target/py-venv with the pinned packages of
 # tests/python/requirements.txt, builds the binaries, starts the stack on free loopback ports,
-# runs pytest and stops everything it started. Then (issue 11) the `balanceroute` package is
+# runs pytest and stops everything it started. Then the `balanceroute` package is
 # installed from clients/python into a virtualenv made afresh (target/py-client-venv) and its
 # tests run against the same stacks (they start, kill -9 and freeze br-decisions of their own),
 # and the PD proxy example (examples/pd-proxy) runs in front of a prefill engine and the stack's
@@ -89,7 +89,7 @@ BR_TLS_DECISION_ADDR="127.0.0.1:$TLS_DECISION" BR_TLS_SNAPSHOT_ADDR="127.0.0.1:$
 BR_TLS_INGEST_ADDR="127.0.0.1:$TLS_INGEST" \
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/python
 
-# The balanceroute package (clients/python, issue 11) from a virtualenv made afresh every run,
+# The balanceroute package (clients/python) from a virtualenv made afresh every run,
 # as a user gets it: `pip install ./clients/python` builds it, generating its stubs from proto/.
 CLIENT_VENV="$ROOT/target/py-client-venv"
 say "fresh virtualenv ($CLIENT_VENV): pip install ./clients/python"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The soak (issue 14; `make soak`): the whole control plane for SOAK_MINUTES under steady load,
+# The soak (`make soak`): the whole control plane for SOAK_MINUTES under steady load,
 # with real processes: br-snapshot, br-ingest, br-decision (BR-0), G br-shims in front of
 # `br-emu engine` with G ranks, and `br-emu load` sending Poisson arrivals of a paper-shaped
 # workload at SOAK_RATE requests per wall second through decision (Assign) and the shims.

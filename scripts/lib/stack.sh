@@ -210,7 +210,7 @@ stop_shims() {
 # --arrivals-csv`), with the stack's G, B and step model. The client that timed the arrivals does
 # not know the order of calls that reached the decision within a millisecond of each other, and
 # routing on arrival is sensitive to it (JSQ's imbalance moves by about ±15% with a ±1 ms jitter;
-# docs/benchmarks.md), so the twin runs TWIN_REPLAYS times (default 8) with seeded
+# docs/design/0008-twin-replays-with-jitter.md), so the twin runs TWIN_REPLAYS times (default 8) with seeded
 # `--arrival-jitter-ms` TWIN_JITTER_MS (default 1) and `br-emu report` shows their mean and spread.
 # Sets SIMS to the `--sim FILE` arguments; a policy whose twin fails is reported and left out.
 sim_replay() {

@@ -1,4 +1,4 @@
-"""grpcio over mutual TLS with client certificates written by br-certs (issue 10): a stack of
+"""grpcio over mutual TLS with client certificates written by br-certs: a stack of
 br-snapshot, br-ingest and br-decision started with --tls-cert/--tls-key/--tls-ca by
 scripts/python-tests.sh. Environment (the tests skip without it):
 

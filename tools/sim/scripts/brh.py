@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""BR-H against BR-0, paired by seed (issue 16: does the horizon earn its keep?).
+"""BR-H against BR-0, paired by seed (does the horizon earn its keep?).
 
 For one workload, G and arrival, runs `br-sim run` once per seed with the baselines, br0 and
 the BR-H variants, and prints for every BR policy the mean over seeds and the mean paired
@@ -15,7 +15,7 @@ of it growth alone adds per step (every running request writes a token; zero whe
 runs the same number of requests), the part a horizon projection of growth could act on.
 
 `--capacity` first runs the workload saturated (seed 1) and sets `--rate` to PCT% of the best
-baseline's steady throughput over the mean output (the README's definition of capacity).
+baseline's steady throughput over the mean output (RESULTS.md's definition of capacity).
 
 Usage: brh.py BR_SIM SEEDS [--capacity PCT] -- <br-sim run arguments without --seed>
 """

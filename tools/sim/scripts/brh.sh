@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Does BR-H earn its keep (issue 16)? BR-H with predictors learned online as the twin runs
+# Does BR-H earn its keep? BR-H with predictors learned online as the twin runs
 # (ExactMatch by prompt hash, Survival by prompt-length octave; `brh`, `brh-survival`, and
 # `brh:prompt_buckets=false` for Survival without buckets) against BR-H with the oracle and
 # against BR-0, paired by seed (scripts/brh.py), B = 64, G = 8 and 32, above capacity and at
 # 85% of it, on the workloads whose output length is predictable: the two paper shapes
 # (synthetic: 30% of requests repeat a template with correlated outputs) and the mooncake
-# conversation trace (prompt-heavy; 1% repeated prompts). Every table of tools/sim/README.md's
+# conversation trace (prompt-heavy; 1% repeated prompts). Every table of tools/sim/RESULTS.md's
 # "BR-H" section comes from here (raw outputs in results/H-*.txt). A few seconds per table.
 # Usage: tools/sim/scripts/brh.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
 # Sections: paired (the matrix), knobs (the oracle's (beta, gamma, H) at G = 8, paper shapes).
@@ -14,7 +14,7 @@ ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
 shift || true
 SECTIONS="${*:-paired knobs}"
-TRACES="${BR_SIM_TRACES:-$ROOT/../shared/data/traces}"
+TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 cd "$ROOT"
 cargo build -q -p br-sim --release

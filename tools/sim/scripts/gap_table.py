@@ -4,7 +4,7 @@ arrival, G and policy, the steady gain and gap share (mean and standard error ov
 paired against the best baseline of the same seed and G), as `br-sim sweep` printed them.
 
 Usage: gap_table.py RESULTS_DIR > W-gap.csv
-       gap_table.py --markdown RESULTS_DIR   (the README's tables: s.gap% and s.gain% against G
+       gap_table.py --markdown RESULTS_DIR   (RESULTS.md's tables: s.gap% and s.gain% against G
                                               of `br0`, the previous default in parentheses)
        gap_table.py --prefix W-nf --by-policy RESULTS_DIR
                                              (widep.sh's `nextfinish` section, W-nf-*.txt: one

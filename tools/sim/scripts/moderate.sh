@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Moderate load (issue 16): BR-0 against the best baseline at 40 / 60 / 85% of capacity on every
+# Moderate load: BR-0 against the best baseline at 40 / 60 / 85% of capacity on every
 # public trace and both paper shapes, paired by seed (scripts/paired.py), and the saturated check
-# that the fix keeps the heavy-load results. Every table of tools/sim/README.md's "Moderate load"
+# that the fix keeps the heavy-load results. Every table of tools/sim/RESULTS.md's "Moderate load"
 # section comes from here (raw outputs in results/M-*.txt).
 # Usage: tools/sim/scripts/moderate.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
 # Sections:
@@ -20,7 +20,7 @@ ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
 shift || true
 SECTIONS="${*:-capacity paired hypotheses saturated drain}"
-TRACES="${BR_SIM_TRACES:-$ROOT/../shared/data/traces}"
+TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 cd "$ROOT"
 cargo build -q -p br-sim --release

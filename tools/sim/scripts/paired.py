@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Paired seed-by-seed comparison of BR policies against the best baseline (issue 16, moderate load).
+"""Paired seed-by-seed comparison of BR policies against the best baseline (moderate load).
 
 Runs `br-sim run ... --seed S --json` once per seed and prints, for every BalanceRoute policy
 (names starting with `br`), the mean over seeds of (policy - baseline) and its standard error,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The renewal model of what is left at B = 64 (issue 16; tools/sim/README.md, "What bounds
+"""The renewal model of what is left at B = 64 (tools/sim/RESULTS.md, "What bounds
 the B = 64 targets"), set against widep.sh's `gap` runs (results/W-gap-*.txt).
 
 A full rank's load moves only at its own finishes, and between them it climbs one token per

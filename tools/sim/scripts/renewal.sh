@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The renewal model's test (issue 16; tools/sim/README.md, "A model of what is left"): it
+# The renewal model's test (tools/sim/RESULTS.md, "A model of what is left"): it
 # predicts BR-0's steady max − mean as E[out]·(H_G − 1) tokens, so scaling every output length
 # by k should scale it by k (the baselines' excess grows far less). One workload, paper-azure's
 # shape (prompts uniform 700..8,000; outputs 55% exactly 1,024, the rest uniform 1,001..1,500,

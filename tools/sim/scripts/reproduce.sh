@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Reproduces every table and figure in tools/sim/README.md.
+# Reproduces every table and figure in tools/sim/RESULTS.md.
 # Usage: tools/sim/scripts/reproduce.sh [OUT_DIR]   (default: tools/sim/results)
-# Needs the public traces in ../shared/data/traces (relative to the repo root) for section C.
+# Section C reads the public traces in data/traces (BR_SIM_TRACES names another directory).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
-TRACES="${BR_SIM_TRACES:-$ROOT/../shared/data/traces}"
+TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 cd "$ROOT"
 cargo build -q -p br-sim --release

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Renders the README's tables from reproduce.sh's outputs (results/A-*, B-*, C-*), so a rerun
+"""Renders RESULTS.md's tables from reproduce.sh's outputs (results/A-*, B-*, C-*), so a rerun
 against a new core is a copy, not a retyping.
 
 Usage: results_tables.py heavy FILE          one A-*.txt as the "Heavy load" table (the mean of

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What changes when the step pays per running request (issue 16): T = a·max L + c·max n + b.
+"""What changes when the step pays per running request: T = a·max L + c·max n + b.
 
 For each workload, G and c, runs `br-sim sweep --workers-list G --per-worker N --seed S` once
 per seed (saturated, B = 64) with the baselines, BR-0, and BR-0 with the F-score's request term

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Routing at wide-EP scale (issue 16): BR-0's share of the best baseline's gap to the fluid
-# limit against G = 8..128, and what moves it. Every table of tools/sim/README.md's "Wide-EP
+# Routing at wide-EP scale: BR-0's share of the best baseline's gap to the fluid
+# limit against G = 8..128, and what moves it. Every table of tools/sim/RESULTS.md's "Wide-EP
 # scale" section comes from here (raw outputs in results/W-*.txt).
 # Usage: tools/sim/scripts/widep.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
 # Sections: scale (the G sweeps), knobs (what moves the share at G = 128), moderate (40/60/85%
 # of capacity, seed spread), paired (the same, paired by seed with paired.py), lag, gap (the
-# issue's 90% target: saturated and Poisson at 1.2x the fluid capacity, G = 8..128, B = 64 and
+# 90% target: saturated and Poisson at 1.2x the fluid capacity, G = 8..128, B = 64 and
 # 256, BR-0 against the previous default; the figures' CSV), nextfinish (BR-H with Stage 2's
 # mean fill measured at each rank's next predicted finish, B = 64, G = 8..128), turns (two
 # deciders admitting in turn, G = 64, B = 64).
@@ -16,7 +16,7 @@ ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
 shift || true
 SECTIONS="${*:-scale knobs moderate paired lag gap}"
-TRACES="${BR_SIM_TRACES:-$ROOT/../shared/data/traces}"
+TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 cd "$ROOT"
 cargo build -q -p br-sim --release
@@ -46,7 +46,7 @@ per_rank() { # workload B
 
 for section in $SECTIONS; do
   case "$section" in
-  scale) # the issue's table: saturated, steady state, G = 8..128, B = 64 and 256
+  scale) # the scale table: saturated, steady state, G = 8..128, B = 64 and 256
     for wl in paper-azure paper-prop; do
       # BR-H (ExactMatch, learned online) where it is affordable to simulate
       run "W-scale-$wl-B64" sweep --trace "$wl" --arrival saturated --slots 64 \
@@ -56,7 +56,7 @@ for section in $SECTIONS; do
           --workers-list 8,16,32,64,128 --per-worker "$(per_rank "$wl" 256)" \
           --policies "$BASE,$BR" --seeds "$SEEDS"
     done ;;
-  knobs) # what moves the share at G = 128, B = 64 (the issue's list), paper-azure and paper-prop
+  knobs) # what moves the share at G = 128, B = 64, paper-azure and paper-prop
     # (a G sweep of one G, so the workload is sized per rank; policies carry their parameter)
     for wl in paper-azure paper-prop; do
       for v in oldest:max tick-head:mean; do
@@ -71,7 +71,7 @@ for section in $SECTIONS; do
       done
     done ;;
   moderate) # 40 / 60 / 85 % of capacity: TPOT and throughput beside imbalance, G = 8 and 64
-    # capacity = the best baseline's steady throughput / mean output (README, "Moderate load")
+    # capacity = the best baseline's steady throughput / mean output (RESULTS.md, "Moderate load")
     for spec in "paper-azure 6.4" "paper-prop 7.1"; do
       set -- $spec
       for pct in 40 60 85; do
@@ -118,7 +118,7 @@ for section in $SECTIONS; do
     # `br0:stage1_shallow=false:stage2_hold=never` is the previous default (Stage 2 even when
     # the pool holds no more requests than the free slots; no slot left empty). Figures:
     # fig-gap-WORKLOAD-BN[-poisson]/scaling.svg, the gain, the imbalance and the gap share
-    # against G of each sweep; W-gap.csv has every row (tools/sim/README.md tabulates it).
+    # against G of each sweep; W-gap.csv has every row (tools/sim/RESULTS.md tabulates it).
     PREVGAP=br0:stage1_shallow=false:stage2_hold=never
     for B in 64 256; do
       for spec in "paper-azure 0.75 1.00" "paper-prop 0.77 1.15"; do

@@ -1,33 +1,34 @@
 #!/usr/bin/env bash
-# Issue 12, part 2 (docs/benchmarks.md, "issue 12, part 2"): the runs behind its tables.
+# Latency and scale against the targets (docs/benchmarks.md): Assign added latency, telemetry
+# delivery, and 64 groups × 8 ranks, split and all-in-one; the runs behind those tables.
 #
 #   cargo build --release -p br-decision --bins -p br-snapshot --bin br-snapshot -p br-ingest --bin br-ingest
-#   scripts/bench-issue12.sh ab DECISION_A DECISION_B [ROUNDS]   Assign added latency, 5k/s + 100k events/s,
+#   scripts/bench-latency-targets.sh ab DECISION_A DECISION_B [ROUNDS]   Assign added latency, 5k/s + 100k events/s,
 #                                                              two br-decision binaries alternated, with
 #                                                              the CPU seconds each server spent
 #   (br-all and both sides of the split deployment before/after: scripts/bench-all-in-one.sh
 #    with BENCH_A/BENCH_B)
-#   scripts/bench-issue12.sh telemetry [ARGS]                  shim report → decision's σ replica
+#   scripts/bench-latency-targets.sh telemetry [ARGS]                  shim report → decision's σ replica
 #                                                              (ARGS go to telemetry-latency, e.g.
 #                                                              --probe-via-reporter --flush-interval 2ms)
-#   scripts/bench-issue12.sh telemetry-all [ARGS]              the same through one br-all
-#   scripts/bench-issue12.sh groups                            64 groups × 8 ranks, 10k Assign/s, RSS
-#   scripts/bench-issue12.sh split-ab DIR_A DIR_B [ROUNDS]     the split deployment over 64 groups,
+#   scripts/bench-latency-targets.sh telemetry-all [ARGS]              the same through one br-all
+#   scripts/bench-latency-targets.sh groups                            64 groups × 8 ranks, 10k Assign/s, RSS
+#   scripts/bench-latency-targets.sh split-ab DIR_A DIR_B [ROUNDS]     the split deployment over 64 groups,
 #                                                              br-snapshot + br-decision from DIR_A and
 #                                                              DIR_B alternated (A first in odd rounds),
 #                                                              with per-Assign costs: CPU, context
 #                                                              switches, socket syscalls, Watch deltas
 #                                                              (σ versions) and the delta messages
-#                                                              that carried them (merged, session 25)
+#                                                              that carried them (queued deltas merged)
 #                                                              (SPLIT_RATE, default 2000/s; SPLIT_EVENTS,
 #                                                              default 20000/s; SPLIT_DURATION 10s)
 #
-# Output on stdout; the servers' logs in target/bench-issue12/. Ports 51061-51063, 9161-9163
+# Output on stdout; the servers' logs in target/bench-latency-targets/. Ports 51061-51063, 9161-9163
 # (below the ephemeral range). Each run kills only the processes it started.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN="${BENCH_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
-LOGS="$ROOT/target/bench-issue12"
+LOGS="$ROOT/target/bench-latency-targets"
 mkdir -p "$LOGS"
 SNAP=(--listen 127.0.0.1:51061 --admin-listen 127.0.0.1:9161)
 DEC=(--listen 127.0.0.1:51063 --admin-listen 127.0.0.1:9163 --snapshot-addr http://127.0.0.1:51061 --policy br0)
@@ -74,7 +75,7 @@ split-ab)
     # switches and syscalls (the socket reads and writes that carry the gRPC frames), by
     # `perf stat -p` (root, or kernel.perf_event_paranoid <= -1 for the syscall tracepoint).
     deltas() { curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_version/{s+=$2} END{printf "%d", s}'; }
-    # Delta messages sent to watchers (session 25 merges queued deltas; "-" on a br-snapshot
+    # Delta messages sent to watchers (queued deltas are merged; "-" on a br-snapshot
     # without the counter, where each version is one message per watcher).
     messages() { curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_watch_delta_messages_total/{s+=$2; n=1} END{if (n) printf "%d", s; else printf "-"}'; }
     counted() { # counted NAME FILE: task-clock ms, context switches, syscalls from a perf stat file
@@ -130,7 +131,7 @@ telemetry-all)
     kill "$ap"; wait "$ap" 2>/dev/null
     ;;
 groups)
-    # 64 groups × 8 ranks (issue 12's scale asks), release binaries, in four parts:
+    # 64 groups × 8 ranks (the scale target), release binaries, in four parts:
     #  1. idle RSS per group: fresh br-snapshot + br-decision for 1, 16 and 64 groups whose 8
     #     workers said Hello (one Assign each), no requests held;
     #  2. σ per 1,000 requests: 64 groups, requests held (never finished) while RSS and σ's
