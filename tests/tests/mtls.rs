@@ -1,6 +1,6 @@
 //! The control plane with mutual TLS on, as real processes: certificates from br-certs, each
 //! service with its own role, a worker with its own worker certificate, a gateway. Then the
-//! attacks an unauthenticated network allowed before (issue 10), each of which must now fail
+//! attacks an unauthenticated network allowed before, each of which must now fail
 //! with a typed status and leave σ untouched.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -258,7 +258,7 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
 
     let before = sigma(admin_snap.clone()).await.unwrap();
 
-    // -- the attacks of issue 10, each with a valid certificate of the wrong role --
+    // -- the attacks mutual TLS must stop, each with a valid certificate of the wrong role --
     // a worker certificate claiming another worker
     let (stolen, _tx) = say_hello(w0.clone(), 1).await;
     denied(stolen, "worker 0's certificate says Hello as worker 1");

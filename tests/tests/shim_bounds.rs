@@ -1,4 +1,4 @@
-//! br-shim's request bounds as a real process (issue 14): `--max-body-bytes` (413),
+//! br-shim's request bounds as a real process: `--max-body-bytes` (413),
 //! `--max-concurrent-requests` (503 `concurrency`), `--max-buffered-body-bytes` (503
 //! `body_budget`) and `--body-timeout` (408), each a typed JSON error counted in the process's
 //! own `/metrics`. `services/shim/tests/proxy.rs` checks the same rules against the library in

@@ -119,7 +119,7 @@ impl Clone for ClusterState {
     /// Copies `source` into the allocations `self` already has. The decision service rebuilds
     /// its view from σ's state on every tick after σ moved (`view.clone_from(σ)`); the derived
     /// `clone_from` is `*self = source.clone()`, a fresh allocation of every table per tick and
-    /// the old ones freed (2% of br-all's CPU under load, docs/benchmarks.md "Session 26").
+    /// the old ones freed (2% of br-all's CPU under load, see docs/benchmarks.md).
     fn clone_from(&mut self, source: &Self) {
         // Destructured, so that a field added to the struct fails to compile here instead of
         // being left stale in the view.

@@ -618,7 +618,7 @@ mod tests {
         );
 
         // Reflection (v1 and v1alpha) lists what this port serves, and nothing served elsewhere
-        // (issue 15: every port used to list all three services).
+        // (every port used to list all three services).
         let mut want = vec![
             "balanceroute.v1.Decision",
             "grpc.health.v1.Health",
