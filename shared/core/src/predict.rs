@@ -625,11 +625,14 @@ impl PredictionCache {
         self.len() == 0
     }
 
-    pub(crate) fn begin_tick(&mut self, params: &crate::score::HorizonParams, slots: usize) {
-        let p = (params.horizon, params.gate.to_bits());
+    /// Starts a tick scored with `horizon` steps and confidence `gate` (the two parameters of
+    /// the score a cached end depends on; taken by value so the cache needs nothing of
+    /// `score`, which builds on it).
+    pub(crate) fn begin_tick(&mut self, horizon: u32, gate: f64, slots: usize) {
+        let p = (horizon, gate.to_bits());
         if self.params != Some(p) {
             self.params = Some(p);
-            self.horizon = params.horizon;
+            self.horizon = horizon;
             self.entries.iter_mut().for_each(|e| *e = Entry::EMPTY);
         }
         // σ's slot count only shrinks when a new σ was installed: forget the slots it no

@@ -17,9 +17,9 @@ use rustc_hash::FxHashMap;
 use crate::tree::LoadTree;
 use crate::{CoreError, RequestKey, WorkerId};
 
-/// The architecture bounds one lockstep group at 64 ranks; we accept ids up to 1023 so sparse
-/// rank numbering still works, and refuse anything larger (it would be a client bug).
-pub const MAX_WORKERS: u32 = 1024;
+// Defined beside `WorkerId` at the crate root (the error type names it too); here is where
+// callers have always found it.
+pub use crate::MAX_WORKERS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
