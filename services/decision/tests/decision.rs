@@ -31,7 +31,8 @@ struct Snapshot {
 }
 
 async fn start_snapshot(listen: &str) -> Snapshot {
-    let (running, stop) = br_testkit::snapshot::start(listen, &["--shutdown-grace", "300ms"]).await;
+    let (running, stop) =
+        br_snapshot::test_util::start(listen, &["--shutdown-grace", "300ms"]).await;
     let addr = running.grpc_addr();
     Snapshot {
         running,

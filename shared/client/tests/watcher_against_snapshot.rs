@@ -28,8 +28,8 @@ struct Server {
 impl Server {
     async fn start(listen: &str) -> Server {
         let (running, shutdown) =
-            br_testkit::snapshot::start(listen, &["--shutdown-grace", "5s"]).await;
-        let url = br_testkit::snapshot::url(&running);
+            br_snapshot::test_util::start(listen, &["--shutdown-grace", "5s"]).await;
+        let url = br_snapshot::test_util::url(&running);
         let client = SnapshotClient::connect(url.clone()).await.unwrap();
         Server {
             running,
