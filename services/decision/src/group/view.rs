@@ -93,14 +93,6 @@ impl SigmaView {
         self.sigma.is_some() && (!self.connected || self.broken)
     }
 
-    /// The position the Watch follower resubscribes from.
-    pub(super) fn position(&self) -> (u64, u64) {
-        match &self.sigma {
-            Some(s) if !self.broken => (s.epoch(), s.version()),
-            _ => (0, 0),
-        }
-    }
-
     /// How long σ has been unconfirmed (zero while it is current).
     pub(super) fn staleness(&self, now: Instant) -> Duration {
         match (self.is_stale(), self.last_confirmed) {

@@ -41,15 +41,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
-use crate::service::{DecisionService, parse_grpc_timeout};
-
-/// The Assign route (also its metrics label).
-pub const ROUTE_ASSIGN: &str = "/v1/assign";
-/// The Cancel route (also its metrics label).
-pub const ROUTE_CANCEL: &str = "/v1/cancel";
-/// The metrics label of every other path (bounded cardinality).
-const ROUTE_OTHER: &str = "other";
+use crate::edge::grpc::{DecisionService, parse_grpc_timeout};
+use crate::metrics::{Metrics, ROUTE_ASSIGN, ROUTE_CANCEL, ROUTE_OTHER};
 
 /// The largest request body taken: an AssignRequest at every field's limit is under 1 KiB,
 /// so this leaves room for any formatting and still bounds what a peer makes us buffer

@@ -61,9 +61,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::edge::grpc::{Caller, DecisionService};
 use crate::error::DecisionError;
 use crate::metrics::Metrics;
-use crate::service::{Caller, DecisionService};
 
 /// The gRPC service this port serves.
 pub const SERVICE_NAME: &str = br_trust::policy::EXT_PROC;
