@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12, part 2 (docs/benchmarks.md, "issue 12, part 2"): the runs behind its tables.
 #
-#   cargo build --release -p br-decision --bins -p br-snapshot --bin br-snapshot -p br-ingest --bin br-ingest
+#   cargo build --release -p br-bench --bins -p br-decision --bin br-decision -p br-snapshot --bin br-snapshot -p br-ingest --bin br-ingest
 #   scripts/bench-issue12.sh ab DECISION_A DECISION_B [ROUNDS]   Assign added latency, 5k/s + 100k events/s,
 #                                                              two br-decision binaries alternated, with
 #                                                              the CPU seconds each server spent
