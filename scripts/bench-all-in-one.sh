@@ -55,7 +55,7 @@ source "$ROOT/scripts/lib/stack.sh"
 if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
     flag=()
     [ "$PROFILE" = release ] && flag=(--release)
-    cargo build ${flag[@]+"${flag[@]}"} -q -p br-all -p br-snapshot -p br-decision --bins
+    cargo build ${flag[@]+"${flag[@]}"} -q -p br-all -p br-snapshot -p br-decision -p br-bench --bins
 fi
 
 TCK=$(getconf CLK_TCK)

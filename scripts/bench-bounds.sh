@@ -3,7 +3,7 @@
 # br-snapshot per case with the given extra flags, runs snapshot-load against it, and prints the
 # server's peak RSS (VmHWM), RSS at the end, CPU seconds used and the `/metrics` size.
 #
-#   cargo build -p br-snapshot --bins          (or --release, with PROFILE=release)
+#   cargo build -p br-snapshot -p br-bench --bins         (or --release, with PROFILE=release)
 #   scripts/bench-bounds.sh groups   [SNAPSHOT FLAGS...]   # 100k group names
 #   scripts/bench-bounds.sh watchers [SNAPSHOT FLAGS...]   # 2,000 watchers never reading, 40 s
 #

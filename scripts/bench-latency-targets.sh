@@ -2,7 +2,7 @@
 # Latency and scale against the targets (docs/benchmarks.md): Assign added latency, telemetry
 # delivery, and 64 groups × 8 ranks, split and all-in-one; the runs behind those tables.
 #
-#   cargo build --release -p br-decision --bins -p br-snapshot --bin br-snapshot -p br-ingest --bin br-ingest
+#   cargo build --release -p br-bench --bins -p br-decision --bin br-decision -p br-snapshot --bin br-snapshot -p br-ingest --bin br-ingest
 #   scripts/bench-latency-targets.sh ab DECISION_A DECISION_B [ROUNDS]   Assign added latency, 5k/s + 100k events/s,
 #                                                              two br-decision binaries alternated, with
 #                                                              the CPU seconds each server spent

@@ -3,7 +3,7 @@
 # latency (assign-load at the decision section's loads) and ingest's maximum progress events/s
 # (ingest-load 16 × 64), each plaintext and TLS alternated ROUNDS times.
 #
-#   cargo build --release -p br-snapshot -p br-decision -p br-ingest -p br-certs --bins
+#   cargo build --release -p br-snapshot -p br-decision -p br-ingest -p br-certs -p br-bench --bins
 #   scripts/bench-tls.sh [ROUNDS]        (logs in target/bench-tls/)
 #
 # The servers run at `nice -n -10` when allowed (as in the decision section), the load tools at

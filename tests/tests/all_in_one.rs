@@ -1,4 +1,4 @@
-//! br-all, the all-in-one (issue 12): ingest, snapshot and decision in one process, one gRPC
+//! br-all, the all-in-one: ingest, snapshot and decision in one process, one gRPC
 //! port and one admin port, talking in-process. The real binary with fake workers:
 //!
 //! * it starts with no flags but its ports (the harness's port 0 and ready file), serves

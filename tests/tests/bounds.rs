@@ -1,4 +1,4 @@
-//! Issue 14's bounds with real processes: what a peer can make a service hold before it says
+//! Bounds with real processes: what a peer can make a service hold before it says
 //! anything. Measured before the fix (docs/benchmarks.md, "bounds"): br-ingest under
 //! `ulimit -n 128` with 300 idle TCP connections spun at 64% of a core retrying `accept`
 //! (EMFILE), and neither its gRPC port nor its admin port answered. Now the connections it

@@ -1,4 +1,4 @@
-//! brctl against the real services (issue 15): `status` lists groups and ranks, `cordon` takes
+//! brctl against the real services: `status` lists groups and ranks, `cordon` takes
 //! a rank out of routing while its requests go on, the cordon survives the rank's shim
 //! restarting, `drain` waits for the rank's requests and exits 3 when they outlast its
 //! timeout, `uncordon` brings the rank back, and bad input gets a clear error and exit 1.

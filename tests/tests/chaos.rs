@@ -1,4 +1,4 @@
-//! A short seeded chaos run for CI (issue 13, "Also"): the replicated stack (one br-snapshot,
+//! A short seeded chaos run for CI: the replicated stack (one br-snapshot,
 //! two br-ingest replicas, two br-decision replicas reached through `FaultProxy`s by
 //! br-client's `AssignClient`, four workers spread over the ingest replicas), steady `Assign`
 //! load, and one fault at a time from a seeded schedule:

@@ -1,4 +1,4 @@
-//! Two br-decision replicas of one group, both taking Assigns (issue 16): with the rank split
+//! Two br-decision replicas of one group, both taking Assigns: with the rank split
 //! (`--deciders 2 --decider-index i`) they no longer collide on free slots, and a replica
 //! killed with SIGKILL leaves the other serving every Assign, its ranks included (the
 //! takeover). Through a SIGKILL and restart of the snapshot service each replica answers

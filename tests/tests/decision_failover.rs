@@ -1,4 +1,4 @@
-//! Decision has no single point of failure (issue 13, item 5): two br-decision replicas for one
+//! Decision has no single point of failure: two br-decision replicas for one
 //! group behind br-client's `AssignClient`, steady `Assign` load from a gateway loop, fake
 //! workers running what they are given; one replica is killed with SIGKILL mid-load.
 //!

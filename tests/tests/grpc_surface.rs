@@ -1,4 +1,4 @@
-//! What each real binary's gRPC port says about itself (issue 15): reflection v1 and v1alpha
+//! What each real binary's gRPC port says about itself: reflection v1 and v1alpha
 //! both answer, each port lists only its own service (plus health and reflection), and a call
 //! of a service served on another port answers UNIMPLEMENTED naming that service and the
 //! binary that serves it.
@@ -144,7 +144,7 @@ async fn each_port_lists_only_its_own_service_and_points_elsewhere_for_the_rest(
     served_elsewhere(report(dec).await, telemetry_svc, "br-ingest", "br-decision");
 }
 
-/// The br-snapshot binary serves ReserveStream beside Reserve (issue 12: one stream instead of
+/// The br-snapshot binary serves ReserveStream beside Reserve (one stream instead of
 /// a unary call per tick): a call is answered by its id with what Reserve answers, and a bad
 /// one with its error while the stream goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! br-decision's HTTP/JSON port (`--http-listen`, issue 11) as a gateway without gRPC uses it:
+//! br-decision's HTTP/JSON port (`--http-listen`) as a gateway without gRPC uses it:
 //! the real binaries, called with curl (a process, as nginx or a shell script would). The
 //! same answers as the gRPC methods (idempotent retries, cancel, every error class as its
 //! grpc-gateway HTTP status with a `{"code", "message"}` body), and with mutual TLS the same

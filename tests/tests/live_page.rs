@@ -1,4 +1,4 @@
-//! br-decision's live page (issue 15) in headless Chromium, against the real br-snapshot,
+//! br-decision's live page in headless Chromium, against the real br-snapshot,
 //! br-ingest and br-decision processes with fake workers under Assign traffic.
 //!
 //! The page is loaded by Debian's `chromium` (installed by `scripts/install-browser.sh`) as a

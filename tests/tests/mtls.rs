@@ -1,6 +1,6 @@
 //! The control plane with mutual TLS on, as real processes: certificates from br-certs, each
 //! service with its own role, a worker with its own worker certificate, a gateway. Then the
-//! attacks an unauthenticated network allowed before (issue 10), each of which must now fail
+//! attacks an unauthenticated network allowed before, each of which must now fail
 //! with a typed status and leave σ untouched.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -13,6 +13,7 @@ use br_proto::v1::decision_client::DecisionClient;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_proto::v1::telemetry_client::TelemetryClient;
 use br_proto::v1::{self, worker_report};
+use br_testkit::eventually_some;
 use br_trust::{Role, TlsFiles, TlsMaterial};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -153,25 +154,6 @@ fn assign_req(id: &str) -> v1::AssignRequest {
     }
 }
 
-/// Polls `check` until it gives a value, or panics naming `what` after `within`.
-async fn until<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not within {within:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn arg(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -224,7 +206,7 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
     // a worker with its own certificate joins through ingest, which reaches the snapshot
     // service over mutual TLS as the ingest role
     let w0 = channel(&ingest.grpc_url(), pki.worker(0), Some(Role::Ingest)).await;
-    let keep = until(START, "worker 0's Hello is acknowledged", || {
+    let keep = eventually_some(START, "worker 0's Hello is acknowledged", || {
         let w0 = w0.clone();
         async move {
             let (ack, tx) = say_hello(w0, 0).await;
@@ -232,7 +214,7 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
         }
     })
     .await;
-    until(START, "σ shows worker 0 live", || {
+    eventually_some(START, "σ shows worker 0 live", || {
         let c = admin_snap.clone();
         async move {
             let s = sigma(c).await.ok()?;
@@ -242,7 +224,7 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
     .await;
 
     // the gateway is answered by decision, which watched σ over mutual TLS
-    let answer = until(START, "the gateway's Assign is answered", || {
+    let answer = eventually_some(START, "the gateway's Assign is answered", || {
         let g = gateway.clone();
         async move {
             let mut c = DecisionClient::new(g);
@@ -258,7 +240,7 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
 
     let before = sigma(admin_snap.clone()).await.unwrap();
 
-    // -- the attacks of issue 10, each with a valid certificate of the wrong role --
+    // -- the attacks mutual TLS must stop, each with a valid certificate of the wrong role --
     // a worker certificate claiming another worker
     let (stolen, _tx) = say_hello(w0.clone(), 1).await;
     denied(stolen, "worker 0's certificate says Hello as worker 1");

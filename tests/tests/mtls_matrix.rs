@@ -1,4 +1,4 @@
-//! Issue 10's whole method × role matrix against the real services with mutual TLS on
+//! The whole method × role matrix against the real services with mutual TLS on
 //! (br-snapshot, br-ingest and br-decision as processes, each with its own certificate): every
 //! method of every service, health and reflection on every port, and the admin HTTP endpoints,
 //! called by every role (a worker, a worker of another id, a worker of another group, ingest,
@@ -40,7 +40,7 @@ const START: Duration = Duration::from_secs(60);
 /// The longest one call of the matrix may take (a hang fails the test; not a timing).
 const CALL: Duration = Duration::from_secs(20);
 
-/// Who calls: the roles of issue 10, and workers whose certificate is for another slot.
+/// Who calls: the roles of the authorisation table, and workers whose certificate is for another slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Caller {
     /// `spiffe://…/br/worker/e2e/2`: the slot every Report claims.
@@ -217,7 +217,7 @@ impl Method {
     }
 }
 
-/// Issue 10, "What to build", authorisation per method, as written there:
+/// Authorisation per method, as the services enforce it:
 /// `Telemetry.Report`: worker, and only for its own group and worker id; `Snapshot.Apply`:
 /// ingest; `Snapshot.Reserve/Release`: decision (and `ReserveStream`, Reserve over a stream, as
 /// Reserve); `Snapshot.Watch/Get`: decision and admin;
@@ -279,7 +279,7 @@ async fn call(m: Method, ch: Channel, aim: &Aim, n: usize) -> Result<(), Status>
                     .ok_or_else(|| Status::unknown("the Report stream ended without an answer"))
             }
             Method::Apply => {
-                // the attack of issue 10: a WorkerHello with a new incarnation fences the worker
+                // the fencing attack: a WorkerHello with a new incarnation fences the worker
                 let (tx, rx) = mpsc::channel(4);
                 let change = v1::TelemetryChange {
                     kind: Some(tc::Kind::WorkerHello(tc::WorkerHello {
@@ -623,7 +623,7 @@ async fn every_method_on_every_port_admits_exactly_the_roles_issue_10_names() {
         let got = call(m, channels[&(p, c)].clone(), &aim, i).await;
         let what = format!("{c:?} calling {m:?} on {p:?}");
         let status = match got {
-            Ok(()) => panic!("{what} was answered; issue 10 denies it"),
+            Ok(()) => panic!("{what} was answered; the authorisation table denies it"),
             Err(s) => s,
         };
         assert_eq!(status.code(), Code::PermissionDenied, "{what}: {status:?}");
@@ -701,7 +701,7 @@ async fn every_method_on_every_port_admits_exactly_the_roles_issue_10_names() {
             let what = format!("{c:?} calling {m:?} on {p:?}");
             assert!(
                 !matches!(s.code(), Code::PermissionDenied | Code::Unauthenticated),
-                "{what} is allowed by issue 10 but was refused: {s:?}"
+                "{what} is allowed by the authorisation table but was refused: {s:?}"
             );
         }
     }

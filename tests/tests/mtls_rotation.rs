@@ -1,4 +1,4 @@
-//! Rotating every service's certificate under load (issue 10): br-snapshot, br-ingest and
+//! Rotating every service's certificate under load: br-snapshot, br-ingest and
 //! br-decision run with mutual TLS while a gateway keeps calling Assign and two workers keep
 //! streaming telemetry for what they were given. Each service's certificate and key files are
 //! rewritten in place (a new certificate of the same CA, another serial and expiry), as

@@ -1,4 +1,4 @@
-//! Issue 14: a request above a server's decoding limit is answered RESOURCE_EXHAUSTED, as
+//! A request above a server's decoding limit is answered RESOURCE_EXHAUSTED, as
 //! gRPC's status codes say, not tonic's OUT_OF_RANGE, keeping tonic's message; checked against
 //! the real binaries for a unary call (Decision.Assign, tonic's default 4 MiB limit), a
 //! server-streaming one (Snapshot.Watch, 16 MiB) and a client-streaming one (Snapshot.Apply,

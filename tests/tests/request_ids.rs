@@ -1,4 +1,4 @@
-//! The request-id rule (issue 11) through a real br-shim: a decode request that reaches the
+//! The request-id rule through a real br-shim: a decode request that reaches the
 //! shim without `X-Request-Id` is reported by the engine's response id, which no reservation
 //! names. Before the rule σ counted its load twice (the RESERVED reservation and the ACTIVE
 //! request) until the reservation TTL; now it takes over the worker's oldest reservation and

@@ -1,4 +1,4 @@
-//! Issue 14: "seq u64::MAX wedges a stream". Against the real br-ingest (and br-snapshot): a
+//! "seq u64::MAX wedges a stream". Against the real br-ingest (and br-snapshot): a
 //! Report stream that sends seq u64::MAX used to have every later message answered STALE_SEQ
 //! for as long as it lived, its worker LIVE in σ on a state that no longer moved. Now that
 //! message ends the stream OUT_OF_RANGE, unapplied and counted, and the worker's next stream

@@ -1,4 +1,4 @@
-//! br-shim's request bounds as a real process (issue 14): `--max-body-bytes` (413),
+//! br-shim's request bounds as a real process: `--max-body-bytes` (413),
 //! `--max-concurrent-requests` (503 `concurrency`), `--max-buffered-body-bytes` (503
 //! `body_budget`) and `--body-timeout` (408), each a typed JSON error counted in the process's
 //! own `/metrics`. `services/shim/tests/proxy.rs` checks the same rules against the library in
@@ -12,17 +12,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use br_e2e::Service;
 use br_e2e::engine::EmuEngine;
 use br_proto::v1::GetRequest;
 use br_proto::v1::snapshot_client::SnapshotClient;
+use br_testkit::http::stalled_post;
 use br_testkit::{eventually, eventually_some, within};
 use futures::StreamExt as _;
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncReadExt as _;
 
 const GROUP: &str = "shim-bounds";
 const START: Duration = Duration::from_secs(60);
@@ -136,23 +136,6 @@ async fn assert_in_routing(shim: &Service) {
     assert_eq!(status, 200, "{}", r.text().await.unwrap_or_default());
 }
 
-/// A raw client that declares a `declared`-byte completion body, sends `sent` bytes of it and
-/// stalls.
-async fn stall(addr: SocketAddr, declared: usize, sent: usize) -> tokio::net::TcpStream {
-    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-    c.write_all(
-        format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
-             x-request-id: stalled\r\ncontent-length: {declared}\r\n\r\n{}",
-            " ".repeat(sent)
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    c
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shim_process_refuses_oversize_bodies_and_one_request_too_many_typed_and_counted() {
     let s = Stack::start().await;
@@ -248,7 +231,7 @@ async fn a_shim_process_bounds_the_bodies_it_holds_and_times_out_a_slow_one() {
     let base_budget = base(&budget);
     let large = json!({"model": "br-emu", "prompt": "x".repeat(3950), "max_tokens": 1});
     let small = json!({"model": "br-emu", "prompt": "x", "max_tokens": 1});
-    let stalled = tokio::sync::Mutex::new(stall(budget.grpc_addr(), 4000, 3000).await);
+    let stalled = tokio::sync::Mutex::new(stalled_post(budget.grpc_addr(), 4000, 3000).await);
     let body = eventually_some(LONG, "a large body over the budget is refused", || async {
         let (status, b) = post(&base_budget, "large", &large).await;
         assert!(
@@ -264,7 +247,7 @@ async fn a_shim_process_bounds_the_bodies_it_holds_and_times_out_a_slow_one() {
         let mut held = stalled.lock().await;
         let mut buf = [0u8; 512];
         if matches!(held.try_read(&mut buf), Ok(n) if n > 0) {
-            *held = stall(budget.grpc_addr(), 4000, 3000).await;
+            *held = stalled_post(budget.grpc_addr(), 4000, 3000).await;
         }
         None
     })
@@ -296,7 +279,7 @@ async fn a_shim_process_bounds_the_bodies_it_holds_and_times_out_a_slow_one() {
             ],
         )
         .await;
-    let mut c = stall(slow.grpc_addr(), 4000, 3000).await;
+    let mut c = stalled_post(slow.grpc_addr(), 4000, 3000).await;
     let mut answer = Vec::new();
     within(LONG, "the shim answers the stalled body", async {
         let mut buf = [0u8; 4096];

@@ -1,5 +1,5 @@
 //! A shim whose engine dies or freezes takes its worker out of routing, and brings it back when
-//! the engine answers again (issue 11). Real processes: br-snapshot, br-ingest, br-decision
+//! the engine answers again. Real processes: br-snapshot, br-ingest, br-decision
 //! (JSQ), two `br-emu engine`s with a br-shim each; the first engine is killed with SIGKILL and
 //! restarted, or frozen with SIGSTOP and thawed. A gateway loop (Assign, then the completion
 //! through the chosen worker's shim) runs across the fault.

@@ -1,4 +1,4 @@
-//! Issue 14, requests per worker, with real processes: "four workers declaring capacity 1 put
+//! Requests per worker, with real processes: "four workers declaring capacity 1 put
 //! 262,144 requests in σ (68 MB); a restarted decision then never became ready (the snapshot
 //! is above its 64 MiB watch limit, logged only at DEBUG)". A direct `Snapshot.Apply` against
 //! the real br-snapshot reports 65,536 requests on each of four capacity-1 workers: σ now keeps

@@ -1,4 +1,4 @@
-//! A snapshot-service outage under steady load (issue 13, item 3): br-snapshot, br-ingest and
+//! A snapshot-service outage under steady load: br-snapshot, br-ingest and
 //! br-decision as real processes, four fake workers driven as one lockstep engine (every
 //! request decodes one token per step, finishes at its own output length, and queues at its
 //! rank while the rank is full), and a gateway loop calling `Assign` at a steady rate, each

@@ -1,4 +1,4 @@
-//! br-ingest ends telemetry streams that stay silent (issue 13, "dead peers are found"), seen by
+//! br-ingest ends telemetry streams that stay silent (dead peers are found), seen by
 //! a raw HTTP/2 client (the `h2` crate over a plain TCP socket, no gRPC library) against the
 //! real br-ingest and br-snapshot processes:
 //! * a stream that never says Hello is ended with DEADLINE_EXCEEDED once `--hello-timeout`

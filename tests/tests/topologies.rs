@@ -1,4 +1,4 @@
-//! The engine topologies of the README's Integrating section, end to end (issue 11): real
+//! The engine topologies of the README's Integrating section, end to end: real
 //! br-snapshot, br-ingest, br-decision (JSQ) and br-shim processes in front of a `br-emu
 //! engine` process emulating each topology, one group per topology:
 //! - `per-rank`: vLLM with one API server per rank (one shim per rank, each rank's own port);

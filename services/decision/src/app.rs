@@ -19,12 +19,13 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::Ex
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Args;
-use crate::ext_proc::{self, ExtProcService, ExtProcSettings};
+use crate::edge::ext_proc::{self, ExtProcService, ExtProcSettings};
+use crate::edge::grpc::DecisionService;
+use crate::group::Placing;
 use crate::group::{GroupCore, GroupStats};
 use crate::live::Live;
 use crate::metrics::Metrics;
-use crate::service::DecisionService;
-use crate::task::{Feed, GroupHandle, OnPlacing, Placing, spawn_group};
+use crate::task::{Feed, GroupHandle, OnPlacing, spawn_group};
 use crate::upstream::{GrpcSnapshot, SnapshotOps, snapshot_channel};
 
 /// A running decision service (see [`br_runtime::skeleton::Running`]); its extra is
@@ -273,11 +274,11 @@ async fn start_with(
     let http = match cfg.http_listen {
         None => None,
         Some(addr) => {
-            let listener = crate::http::bind(&args.common, &edge, addr).await?;
-            let router = crate::http::router(
+            let listener = crate::edge::http::bind(&args.common, &edge, addr).await?;
+            let router = crate::edge::http::router(
                 svc.clone(),
                 metrics.clone(),
-                crate::http::Authz::of(&edge),
+                crate::edge::http::Authz::of(&edge),
                 cfg.max_wait,
             );
             Some((listener, router))
@@ -301,7 +302,7 @@ async fn start_with(
     // A request's head has as long as a new connection's first byte (--first-byte-timeout).
     let header_timeout = args.common.first_byte_timeout;
     let http_task = http.map(|(listener, router)| {
-        tokio::spawn(crate::http::serve(
+        tokio::spawn(crate::edge::http::serve(
             listener,
             router,
             shutdown.clone(),

@@ -234,7 +234,7 @@ pub struct Args {
     /// The request-body bytes all ext_proc streams together may buffer (each also at most
     /// 16 MiB). A body message that does not fit is refused at once with a 503
     /// ImmediateResponse and counted in `balanceroute_decision_ext_proc_budget_refusals_total`.
-    #[arg(long, env = "BALANCEROUTE_EXT_PROC_MAX_BUFFERED_BYTES", default_value_t = crate::ext_proc::DEFAULT_MAX_BUFFERED_BYTES)]
+    #[arg(long, env = "BALANCEROUTE_EXT_PROC_MAX_BUFFERED_BYTES", default_value_t = crate::edge::ext_proc::DEFAULT_MAX_BUFFERED_BYTES)]
     pub ext_proc_max_buffered_bytes: usize,
 
     /// Also serve Assign and Cancel as HTTP/JSON (`POST /v1/assign`, `POST /v1/cancel`) on

@@ -16,24 +16,22 @@
 //!   request": every group has a complete σ and one has a live worker; it stays true through a
 //!   snapshot outage (the last σ counts), so the replica keeps answering.
 //!
-//! Modules: [`config`] (flags), [`app`] (wiring), [`service`] (handlers), [`http`] (the same
-//! handlers as HTTP/JSON, `--http-listen`), [`task`] and [`group`] (the per-group state),
-//! [`upstream`] (Reserve/Release client), [`cancel_ack`] (Cancel's RELEASED waits for the
-//! acknowledged Release), [`ext_proc`] (the Envoy endpoint picker on
-//! `--ext-proc-listen`), [`live`] (the live page on the admin port, `/live`), [`metrics`],
-//! [`error`].
+//! Modules: [`config`] (flags), [`app`] (wiring), `edge` (the front ends: gRPC handlers,
+//! the same handlers as HTTP/JSON on `--http-listen`, the Envoy endpoint picker on
+//! `--ext-proc-listen`), `task` and `group` (the per-group state), [`upstream`]
+//! (Reserve/Release client), `cancel_ack` (Cancel's RELEASED waits for the acknowledged
+//! Release), `live` (the live page on the admin port, `/live`), `metrics`, [`error`]. Only
+//! what br-all embeds is public.
 
 pub mod app;
-pub mod cancel_ack;
+pub(crate) mod cancel_ack;
 pub mod config;
+pub(crate) mod edge;
 pub mod error;
-pub mod ext_proc;
-pub mod group;
-pub mod http;
-pub mod live;
-pub mod metrics;
-pub mod service;
-pub mod task;
+pub(crate) mod group;
+pub(crate) mod live;
+pub(crate) mod metrics;
+pub(crate) mod task;
 pub mod upstream;
 
 pub use app::{Groups, Running, start};

@@ -20,6 +20,14 @@ const TICK_BUCKETS: &[f64] = &[
     1e-6, 5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
 ];
 
+/// The HTTP/JSON port's Assign route, also its metrics label. The routes live here, where
+/// their series are made, so that the metrics need nothing of the HTTP edge that serves them.
+pub const ROUTE_ASSIGN: &str = "/v1/assign";
+/// The HTTP/JSON port's Cancel route (also its metrics label).
+pub const ROUTE_CANCEL: &str = "/v1/cancel";
+/// The metrics label of every other path on that port (bounded cardinality).
+pub const ROUTE_OTHER: &str = "other";
+
 /// Every metric of the service. Cheap to clone (the collectors are shared handles).
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -424,7 +432,7 @@ impl Metrics {
         }
         // Exported from the start (at 0), so rate() and the contract test see them even
         // before (or without) an HTTP/JSON request.
-        for route in [crate::http::ROUTE_ASSIGN, crate::http::ROUTE_CANCEL] {
+        for route in [ROUTE_ASSIGN, ROUTE_CANCEL] {
             m.http_requests_total.with_label_values(&[route, "200"]);
             let _ = m.http_request_duration.with_label_values(&[route]);
         }

@@ -34,8 +34,7 @@ use tracing::Instrument as _;
 
 use crate::cancel_ack::{CancelReply, ReleaseWaiters, release_then_answer};
 use crate::error::DecisionError;
-use crate::group::{GroupCore, GroupStats, Reply, wire};
-use crate::live::LiveNow;
+use crate::group::{GroupCore, GroupStats, LiveNow, Placing, Reply, wire};
 use crate::metrics::GroupMetrics;
 use crate::upstream::SnapshotOps;
 use br_client::watch::{Update, WatchHandle, WatchStatus};
@@ -179,17 +178,6 @@ impl Feed {
             resubscribes_seen: 0,
         }
     }
-}
-
-/// Whether a group can place an Assign now (what readiness is made of).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Placing {
-    /// No complete σ has arrived yet.
-    NoSigma,
-    /// σ is there, but no worker in it is live and accepting: every Assign is UNAVAILABLE.
-    NoLiveWorker,
-    /// An Assign can be placed (from the last σ, also while the snapshot service is away).
-    Ready,
 }
 
 /// Called with the group's [`Placing`] when a σ update changes it (it starts as

@@ -458,8 +458,8 @@ mod tests {
     /// gets the answer a unary Reserve gets (here: no such worker in σ), errors included.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reserves_of_many_groups_share_one_stream_and_answer_like_unary_reserve() {
-        let (running, shutdown) = br_testkit::snapshot::start("127.0.0.1:0", &[]).await;
-        let url = br_testkit::snapshot::url(&running);
+        let (running, shutdown) = br_snapshot::test_util::start("127.0.0.1:0", &[]).await;
+        let url = br_snapshot::test_util::url(&running);
         let ops = GrpcSnapshot::new(lazy(url.clone()), PATIENCE);
 
         let calls = (0..16).map(|g| ops.reserve(reserve(&format!("g{g}"), &format!("r{g}"))));

@@ -31,7 +31,8 @@ struct Snapshot {
 }
 
 async fn start_snapshot(listen: &str) -> Snapshot {
-    let (running, stop) = br_testkit::snapshot::start(listen, &["--shutdown-grace", "300ms"]).await;
+    let (running, stop) =
+        br_snapshot::test_util::start(listen, &["--shutdown-grace", "300ms"]).await;
     let addr = running.grpc_addr();
     Snapshot {
         running,
@@ -646,7 +647,7 @@ async fn a_caller_that_goes_away_leaves_the_pool() {
     snap.kill().await;
 }
 
-/// Ready means it can place a request (issue 15): with σ but no worker it is not ready and
+/// Ready means it can place a request: with σ but no worker it is not ready and
 /// `/readyz` says why (it was "ready" and answered every Assign UNAVAILABLE); a Hello makes it
 /// ready; its last worker gone makes it not ready again, and health follows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -722,7 +723,7 @@ fn loads_by_worker(list: &serde_json::Value) -> BTreeMap<u64, u64> {
         .collect()
 }
 
-/// The live page's JSON API without a browser (issue 15): a group with no σ says so; once σ
+/// The live page's JSON API without a browser: a group with no σ says so; once σ
 /// arrives each rank's load and the imbalance are σ's (recomputed here from the requests
 /// σ holds); Assign traffic shows as a rate and a latency; `since` reads only newer samples;
 /// the history never holds more than `--live-history / --live-sample-interval` samples; the

@@ -1,4 +1,4 @@
-//! A half-open connection between a shim and ingest (issue 13, fault 1): a TCP proxy stops
+//! A half-open connection between a shim and ingest: a TCP proxy stops
 //! forwarding an established connection in both directions but keeps both sockets open (no
 //! FIN, no RST), as a partition, a dead node or a dropped conntrack entry would. Only HTTP/2
 //! keepalive can find it. Before keepalive, the worker's new stream got ALREADY_EXISTS forever
@@ -97,7 +97,7 @@ async fn a_half_open_worker_connection_is_found_and_the_workers_new_stream_accep
 }
 
 /// The same with every timeout at its default (keepalive 5 s + 3 s, idle timeout 10 s); it
-/// prints how long the new stream took to be accepted (issue 13 asks for under 10 s). Ignored
+/// prints how long the new stream took to be accepted (the target is under 10 s). Ignored
 /// in CI for its length: `cargo test -p br-ingest --test half_open -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "takes the default keepalive's ~8 s; run by hand to measure"]

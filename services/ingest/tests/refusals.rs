@@ -1,4 +1,4 @@
-//! Ingest never acknowledges OK what the snapshot service refused (issue 13, item 2): when an
+//! Ingest never acknowledges OK what the snapshot service refused: when an
 //! ApplyAck refuses a live worker's change, ingest ends that worker's stream with a typed
 //! status naming why, and br-client's reporter (what br-shim runs) says Hello again. Before,
 //! the worker kept getting ACK_OK while every change it sent was dropped (401 changes, worker

@@ -14,19 +14,7 @@ use common::*;
 use tokio_util::sync::CancellationToken;
 
 async fn start_snapshot(listen: &str) -> (br_snapshot::Running, CancellationToken) {
-    let args: br_snapshot::Args = br_runtime::config::parse_from([
-        "br-snapshot",
-        "--listen",
-        listen,
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--shutdown-grace",
-        "1s",
-    ])
-    .unwrap();
-    let stop = CancellationToken::new();
-    let running = br_snapshot::start(&args, stop.clone()).await.unwrap();
-    (running, stop)
+    br_snapshot::test_util::start(listen, &["--shutdown-grace", "1s"]).await
 }
 
 async fn get(addr: SocketAddr, group: &str) -> Option<v1::ClusterSnapshot> {

@@ -871,18 +871,7 @@ async fn bodies_held_at_once_are_bounded_by_the_budget_and_refused_typed() {
 
 /// A client that declares a 4,000-byte completion body, sends `sent` bytes of it and stalls.
 async fn stall(addr: SocketAddr, sent: usize) -> tokio::net::TcpStream {
-    use tokio::io::AsyncWriteExt as _;
-    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-    c.write_all(
-        format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 4000\r\n\r\n{}",
-            " ".repeat(sent)
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    c
+    br_testkit::http::stalled_post(addr, 4000, sent).await
 }
 
 /// A body that does not arrive within `--body-timeout` is answered 408, typed, and its share

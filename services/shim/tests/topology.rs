@@ -1,4 +1,4 @@
-//! Engine topologies (issue 11), each against br-emu emulating it: one server for every DP
+//! Engine topologies, each against br-emu emulating it: one server for every DP
 //! rank that honours vLLM's `X-data-parallel-rank` header or SGLang's `routed_dp_rank` body
 //! field, with one shim per rank or one shim for several ranks. The engine counts the requests
 //! each rank ran (`/stats`), so every test proves where its requests ran; the fake ingest shows

@@ -195,6 +195,28 @@ impl ServiceArgs for Args {
     }
 }
 
+/// The flags' defaults, for a group made in code (tests, the all-in-one's defaults). Here,
+/// beside the flags they repeat, so that the group needs nothing of how it is configured.
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            history: DEFAULT_HISTORY,
+            reservation_ttl: Duration::from_secs(10),
+            worker_grace: Duration::from_secs(5),
+            carrier_grace: Duration::from_secs(3),
+            progress_interval: Duration::from_millis(250),
+            watcher_queue: DEFAULT_WATCHER_QUEUE,
+            watcher_queue_bytes: DEFAULT_WATCHER_QUEUE_BYTES,
+            max_groups: DEFAULT_MAX_GROUPS,
+            group_idle_grace: Duration::from_secs(60),
+            requests: RequestBound {
+                over_capacity: DEFAULT_WORKER_REQUEST_MARGIN,
+                per_group: br_sigma::DEFAULT_MAX_GROUP_REQUESTS,
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests may panic on purpose
 mod tests {

@@ -16,6 +16,8 @@ pub mod error;
 pub mod group;
 pub mod metrics;
 pub mod service;
+#[cfg(feature = "test-util")]
+pub mod test_util;
 mod wire;
 pub mod writer;
 

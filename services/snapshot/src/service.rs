@@ -245,7 +245,7 @@ impl SnapshotService {
     /// does, under the server span a ReserveStream call gets (a child of the caller's Reserve
     /// span; disabled, and free, when traces are not exported) instead of the unary handler's
     /// always-on `#[instrument]` span. That span cost 1.5% of br-all's CPU under load
-    /// (docs/benchmarks.md, "Session 26"), and the split deployment's Reserve (a ReserveStream
+    /// (docs/benchmarks.md), and the split deployment's Reserve (a ReserveStream
     /// call) never paid it. Made synchronously, so the span's parent is the caller's current one.
     pub fn reserve_in_process(
         &self,

@@ -1064,7 +1064,7 @@ async fn a_watcher_that_never_reads_is_ended_resource_exhausted_and_the_others_f
     server.stop().await;
 }
 
-/// Watch streams held at once are bounded over every group (issue 14: 2,000 watchers that
+/// Watch streams held at once are bounded over every group (2,000 watchers that
 /// never read held ~490 MB of stream buffers): with `--max-watchers 2`, a third Watch is refused
 /// RESOURCE_EXHAUSTED (typed, counted), and once a watcher goes away its place is free again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

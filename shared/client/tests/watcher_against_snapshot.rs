@@ -28,8 +28,8 @@ struct Server {
 impl Server {
     async fn start(listen: &str) -> Server {
         let (running, shutdown) =
-            br_testkit::snapshot::start(listen, &["--shutdown-grace", "5s"]).await;
-        let url = br_testkit::snapshot::url(&running);
+            br_snapshot::test_util::start(listen, &["--shutdown-grace", "5s"]).await;
+        let url = br_snapshot::test_util::url(&running);
         let client = SnapshotClient::connect(url.clone()).await.unwrap();
         Server {
             running,
@@ -160,7 +160,7 @@ async fn the_watcher_resyncs_across_a_snapshot_service_restart() {
     second.stop().await;
 }
 
-/// Issue 14: four workers of capacity 1 once put 262,144 requests (68 MB) in σ, above the
+/// Four workers of capacity 1 once put 262,144 requests (68 MB) in σ, above the
 /// 64 MiB a watcher decodes, and a restarted decision never became ready. The snapshot
 /// service now bounds a group's requests so that its largest snapshot fits; this builds the
 /// largest group it allows, every field at its contract limit (1,024 workers with the longest
@@ -250,7 +250,7 @@ async fn the_largest_group_the_snapshot_service_allows_reaches_a_watcher() {
 }
 
 /// A snapshot above the watcher's decoding limit leaves its consumer (decision) unready until
-/// an operator acts, so the watcher says so at WARN, not only at DEBUG (issue 14).
+/// an operator acts, so the watcher says so at WARN, not only at DEBUG.
 #[tokio::test(flavor = "current_thread")]
 async fn a_snapshot_above_the_watchers_limit_is_logged_at_warn() {
     use std::sync::{Arc, Mutex};

@@ -1,6 +1,6 @@
 //! Dispatcher tick cost: one batch admission in steady state (a few free slots per worker, a
 //! full pool), at the paper's setting (G = 8, R_max = 4, 256 waiting), at G = 64 with 4,096
-//! waiting, and at wide-EP scale (G = 128, 8,192 waiting; issue 16's budget is 1 ms at p99,
+//! waiting, and at wide-EP scale (G = 128, 8,192 waiting; the tick budget is 1 ms at p99,
 //! measured by `examples/tick_percentiles.rs`). Run: `cargo bench -p br-core --bench dispatcher`.
 //!
 //! `br0-request-term` is BR-0 with the F-score's request term (κ = 1,250 tokens per request).

@@ -5,7 +5,7 @@
 //!
 //! BR-0 is measured with the default Stage 2 (the tick's head, filled to the mean) and with
 //! the paper's (`br0-paper-s2`: the R_max oldest, filled to the max), the previous default, to
-//! show what the wide-EP Stage 2 costs; G = 128 with 8,192 waiting is issue 16's budget (1 ms
+//! show what the wide-EP Stage 2 costs; G = 128 with 8,192 waiting is the tick budget's case (1 ms
 //! at p99). `br0-request-term` is BR-0 with the F-score's request term (κ = 1,250 tokens per
 //! request: a step model with c = 0.25 ms per request at a = 2e-4 ms per token).
 //!

@@ -7,16 +7,16 @@
 //! best subset of `R_max` candidates; when no subset scores above zero it still gets the single
 //! best one (the starvation guard), and is then done for this tick. The paper's candidates are
 //! the `R_max` oldest waiting requests and its subsets fill a worker up to the max; at wide-EP
-//! scale (G = 64..128) both lose half the gain (issue 16), so by default the candidates come
+//! scale (G = 64..128) both lose half the gain, so by default the candidates come
 //! from the tick's head ([`Stage2Window::TickHead`]) and fill to the mean ([`Stage2Fill::Mean`]).
 //!
 //! At moderate load (free slots everywhere, a few arrivals per tick) Stage 1 places every
 //! request, and nearly every placement fits under the max: the F-score ties at `s_i` on most
 //! ranks and the tie-break alone decides. Filling ranks up to the max raises them towards it,
 //! so by default Stage 1 fills only to halfway between the group's mean and its max
-//! ([`DispatcherConfig::stage1_level`]; issue 16, moderate load).
+//! ([`DispatcherConfig::stage1_level`]; moderate load).
 //!
-//! Two more choices narrow what is left of the gap at B = 64 (issue 16): a pool that holds no
+//! Two more choices narrow what is left of the gap at B = 64: a pool that holds no
 //! more requests than the tick's free slots is placed whole by Stage 1 (nothing is left to
 //! choose but where each goes; [`DispatcherConfig::stage1_shallow`]), and Stage 2 leaves a slot
 //! empty on a worker above the mean rather than raise it further ([`Stage2Hold::AboveMean`]).
@@ -160,7 +160,7 @@ pub struct DispatcherConfig {
 /// by its running count every step. What an admission decides is where the rank stands until
 /// its *next* finish (the refill of that slot corrects it again), so under a long-output
 /// workload the rank that becomes the max is the one refilled longest before its next finish
-/// (issue 16: on paper-azure the max rank had been refilled 49 steps before under Poisson).
+/// (on paper-azure the max rank had been refilled 49 steps before under Poisson).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Stage2Target {
@@ -187,7 +187,7 @@ pub enum Stage2Target {
 /// When Stage 2 (with the mean fill) leaves a worker's free slots empty for this tick rather
 /// than admit. A worker's load changes only when it admits or one of its own requests ends, so
 /// a request admitted to a worker already above the mean stays above it until that worker's
-/// next finish; at B = 64 that is what put the max rank where it was (issue 16: 88–94% of the
+/// next finish; at B = 64 that is what put the max rank where it was (88–94% of the
 /// steady steps the max rank had been left above the mean by its last admission).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

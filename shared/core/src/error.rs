@@ -17,7 +17,7 @@ pub enum CoreError {
         owner: WorkerId,
         claimed: WorkerId,
     },
-    #[error("worker id {0} is above the group limit of {max}", max = crate::state::MAX_WORKERS - 1)]
+    #[error("worker id {0} is above the group limit of {max}", max = crate::MAX_WORKERS - 1)]
     WorkerIdTooLarge(WorkerId),
     #[error("invalid policy configuration: {0}")]
     InvalidConfig(String),

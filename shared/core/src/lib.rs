@@ -39,3 +39,7 @@ pub use step::{StepFit, StepModel};
 pub type WorkerId = u32;
 /// A request, as the core knows it. Services intern their string ids into these.
 pub type RequestKey = u64;
+
+/// The architecture bounds one lockstep group at 64 ranks; we accept ids up to 1023 so sparse
+/// rank numbering still works, and refuse anything larger (it would be a client bug).
+pub const MAX_WORKERS: u32 = 1024;

@@ -293,7 +293,7 @@ impl Margins {
         cache: &mut PredictionCache,
     ) -> Self {
         let steps = params.horizon as usize + 1;
-        cache.begin_tick(params, state.slot_count());
+        cache.begin_tick(params.horizon, params.gate, state.slot_count());
         Self::project(state, params, |slot, r| {
             cache.end(
                 slot,

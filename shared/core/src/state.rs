@@ -17,9 +17,9 @@ use rustc_hash::FxHashMap;
 use crate::tree::LoadTree;
 use crate::{CoreError, RequestKey, WorkerId};
 
-/// The architecture bounds one lockstep group at 64 ranks; we accept ids up to 1023 so sparse
-/// rank numbering still works, and refuse anything larger (it would be a client bug).
-pub const MAX_WORKERS: u32 = 1024;
+// Defined beside `WorkerId` at the crate root (the error type names it too); here is where
+// callers have always found it.
+pub use crate::MAX_WORKERS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
@@ -119,7 +119,7 @@ impl Clone for ClusterState {
     /// Copies `source` into the allocations `self` already has. The decision service rebuilds
     /// its view from σ's state on every tick after σ moved (`view.clone_from(σ)`); the derived
     /// `clone_from` is `*self = source.clone()`, a fresh allocation of every table per tick and
-    /// the old ones freed (2% of br-all's CPU under load, docs/benchmarks.md "Session 26").
+    /// the old ones freed (2% of br-all's CPU under load, see docs/benchmarks.md).
     fn clone_from(&mut self, source: &Self) {
         // Destructured, so that a field added to the struct fails to compile here instead of
         // being left stale in the view.

@@ -858,7 +858,7 @@ proptest! {
 
 #[test]
 fn stage1_level_keeps_a_request_off_a_rank_near_the_max() {
-    // The moderate-load failure of the paper's rule (issue 16): worker 0 is near the max with
+    // The moderate-load failure of the paper's rule: worker 0 is near the max with
     // few, large requests, worker 1 is the max, worker 2 far below it with more requests. A
     // 5,000-token request fits under the max on 0 and 2 (F = 5,000 on both), and fewest-requests
     // sends it to 0, which then stands 1,000 below the max. Filling only to halfway between

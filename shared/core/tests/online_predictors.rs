@@ -1,6 +1,6 @@
 //! The online predictors against independent answers: brute-force conditional distributions
 //! over the same finished requests, a reference LRU for ExactMatch's memory bound, and
-//! convergence to a known stationary distribution (issue 16, BR-H).
+//! convergence to a known stationary distribution (BR-H).
 
 use std::collections::VecDeque;
 

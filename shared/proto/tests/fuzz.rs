@@ -1,4 +1,4 @@
-//! Message fuzzing that CI runs (issue 14): every decoder and validator a peer reaches, fed
+//! Message fuzzing that CI runs: every decoder and validator a peer reaches, fed
 //! arbitrary bytes and mutations of valid messages, through br-proto's fuzz harness (the same
 //! entry the cargo-fuzz targets in `fuzz/` use). Nothing may panic, and a message that
 //! validates must still validate after a re-encode (the harness asserts it).

@@ -110,7 +110,7 @@ pub struct CommonArgs {
 
     /// Most connections open at once on `--listen`; further ones wait in the listen backlog
     /// until one closes. Lowered at start, if need be, to the descriptor limit (`ulimit -n`)
-    /// minus 64, so idle connections can never take the last descriptors (issue 14).
+    /// minus 64, so idle connections can never take the last descriptors.
     #[arg(long, env = "BALANCEROUTE_MAX_CONNECTIONS", default_value_t = br_trust::accept::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
 

@@ -59,6 +59,7 @@ pub mod error;
 pub mod http_serve;
 pub mod observability;
 pub mod oversize;
+pub mod readiness;
 pub mod serve;
 pub mod skeleton;
 

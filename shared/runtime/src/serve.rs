@@ -116,7 +116,7 @@ pub struct GrpcServer {
     grace: Duration,
     keepalive: Option<(Duration, Duration)>,
     tls: Option<TlsServing>,
-    health_follows: Option<crate::admin::Readiness>,
+    health_follows: Option<crate::readiness::Readiness>,
     /// The served names whose health follows `health_follows`; `None`: all of them.
     follow_only: Option<Vec<String>>,
     accept_limits: br_trust::accept::AcceptLimits,
@@ -201,7 +201,7 @@ impl GrpcServer {
     /// The health of the served names follows `readiness` (NOT_SERVING until it is ready, see
     /// [`follow_readiness`]) instead of turning SERVING when the server starts: for a service
     /// that is bound before it can do its job (decision before it can place a request).
-    pub fn with_health_following(mut self, readiness: crate::admin::Readiness) -> Self {
+    pub fn with_health_following(mut self, readiness: crate::readiness::Readiness) -> Self {
         self.health_follows = Some(readiness);
         self
     }
@@ -212,7 +212,7 @@ impl GrpcServer {
     /// beside Snapshot and Telemetry, which can work at once).
     pub fn with_health_following_only(
         mut self,
-        readiness: crate::admin::Readiness,
+        readiness: crate::readiness::Readiness,
         names: &[&str],
     ) -> Self {
         self.health_follows = Some(readiness);
@@ -480,7 +480,7 @@ fn reflection(advertised: &[&str]) -> tonic_reflection::server::Builder<'static>
 /// `service_names = &[]` so [`GrpcServer::serve`] leaves those names alone, and spawn this.
 pub async fn follow_readiness(
     health: HealthReporter,
-    readiness: crate::admin::Readiness,
+    readiness: crate::readiness::Readiness,
     names: Vec<String>,
     shutdown: CancellationToken,
 ) {
@@ -618,7 +618,7 @@ mod tests {
         );
 
         // Reflection (v1 and v1alpha) lists what this port serves, and nothing served elsewhere
-        // (issue 15: every port used to list all three services).
+        // (every port used to list all three services).
         let mut want = vec![
             "balanceroute.v1.Decision",
             "grpc.health.v1.Health",
@@ -742,7 +742,7 @@ mod tests {
             .unwrap()
             .with_grace(WAIT);
         let addr = server.local_addr().unwrap();
-        let ready = crate::admin::Readiness::default();
+        let ready = crate::readiness::Readiness::default();
         let server = server.with_health_following(ready.clone());
         let shutdown = CancellationToken::new();
         let routes = Routes::new(v1::decision_server::DecisionServer::new(Gate::default()));
@@ -905,7 +905,7 @@ mod tests {
     #[tokio::test]
     async fn health_follows_readiness_until_shutdown() {
         let health = HealthReporter::new();
-        let ready = crate::admin::Readiness::default();
+        let ready = crate::readiness::Readiness::default();
         let shutdown = CancellationToken::new();
         let name = "balanceroute.v1.Decision";
         // Registered (so it can be watched) as SERVING: the first NOT_SERVING below is the

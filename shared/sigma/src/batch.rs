@@ -5,6 +5,19 @@ use br_proto::v1;
 use crate::store::Sigma;
 use crate::types::{Delta, SigmaError};
 
+// Made by σ, defined here with the type it makes so that the store needs nothing of batches.
+impl Sigma {
+    /// Starts a batch of changes for the writer: the changes are applied at once, and
+    /// [`Batch::commit`] turns those that changed σ into the next version's delta.
+    #[must_use = "a batch's changes are applied at once; commit it to move the version"]
+    pub fn batch(&mut self) -> Batch<'_> {
+        Batch {
+            sigma: self,
+            changes: Vec::new(),
+        }
+    }
+}
+
 /// The writer's side: changes applied to σ at once, collected into the next version's delta.
 /// Read σ through [`Batch::sigma`] while deciding what to apply next.
 #[derive(Debug)]

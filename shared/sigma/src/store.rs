@@ -8,7 +8,6 @@ use br_proto::v1::change::Kind;
 use br_proto::valid::{RequestId, limits};
 use rustc_hash::FxHashMap;
 
-use crate::batch::Batch;
 use crate::types::{Delta, Liveness, Request, RequestBound, SigmaError, Worker};
 use crate::{MAX_CARRIER_BYTES, MAX_REQUEST_TOKENS, MAX_WORKER_ID};
 
@@ -238,7 +237,7 @@ impl Sigma {
     /// Applies one change exactly as `types.proto` specifies it. Returns whether σ changed (a
     /// change that restates σ, or a Suspect/Fenced of an incarnation σ does not hold, changes
     /// nothing). On error σ is untouched. Does not move the version: the writer commits a
-    /// [`Batch`], a replica applies whole deltas.
+    /// [`crate::Batch`], a replica applies whole deltas.
     pub fn apply_change(&mut self, c: &v1::Change) -> Result<bool, SigmaError> {
         let Some(kind) = &c.kind else {
             return Err(SigmaError::Invalid("Change.kind is missing".into()));
@@ -259,16 +258,6 @@ impl Sigma {
             Kind::RequestExpired(e) => self.remove_request(&e.request_id, true).map(|_| true),
             Kind::RequestReleased(r) => self.remove_request(&r.request_id, true).map(|_| true),
             Kind::WorkerCordon(c) => self.worker_cordon(c.worker_id, c.cordoned),
-        }
-    }
-
-    /// Starts a batch of changes for the writer: the changes are applied at once, and
-    /// [`Batch::commit`] turns those that changed σ into the next version's delta.
-    #[must_use = "a batch's changes are applied at once; commit it to move the version"]
-    pub fn batch(&mut self) -> Batch<'_> {
-        Batch {
-            sigma: self,
-            changes: Vec::new(),
         }
     }
 

@@ -1,4 +1,5 @@
-//! HTTP GET for admin endpoints (`/metrics`, `/livez`, `/readyz`), on reqwest.
+//! HTTP GET for admin endpoints (`/metrics`, `/livez`, `/readyz`), on reqwest, and a raw
+//! client that stalls mid-body (for a server's body bounds and timeouts).
 
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -47,4 +48,23 @@ pub async fn metrics_url(url: &str) -> Metrics {
     let (status, body) = get_url(url).await;
     assert_eq!(status, 200, "GET {url}: {body}");
     Metrics::parse(&body).unwrap_or_else(|e| panic!("GET {url}: not Prometheus text: {e}\n{body}"))
+}
+
+/// A raw HTTP/1.1 client that POSTs a completion declaring a `declared`-byte body, sends
+/// `sent` bytes of it and stalls (the connection is returned open). It names a request id, so
+/// a server that requires one still gets as far as reading the body.
+pub async fn stalled_post(addr: SocketAddr, declared: usize, sent: usize) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt as _;
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+             x-request-id: stalled\r\ncontent-length: {declared}\r\n\r\n{}",
+            " ".repeat(sent)
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    c
 }

@@ -14,7 +14,9 @@
 //!   parses names, labels and values, with the metric contract (`deploy/metrics-contract.txt`).
 //! - [`proxy::FaultProxy`]: a TCP proxy that freezes (half-open) or cuts the connections
 //!   through it, for connection faults between real processes.
-//! - `snapshot` (feature `snapshot`): the real br-snapshot started in-process.
+//!
+//! It stands on no service: a service's own test support (br-snapshot's `test_util`, feature
+//! `test-util`) starts the real thing.
 //!
 //! A dev-dependency only (`publish = false`): panicking is how it reports.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -28,8 +30,6 @@ pub mod http;
 pub mod net;
 pub mod prom;
 pub mod proxy;
-#[cfg(feature = "snapshot")]
-pub mod snapshot;
 pub mod wait;
 
 pub use fake_ingest::FakeIngest;

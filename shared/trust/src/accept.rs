@@ -10,7 +10,7 @@
 //!   connections cannot pin the connection slots.
 //! - An accept error (EMFILE/ENFILE when descriptors run out anyway, ENOBUFS) backs off,
 //!   5 ms doubling to 1 s (br-backoff's rule), instead of retrying at once: tonic's own loop
-//!   retries immediately, which was measured spinning a core at 99.8% (issue 14).
+//!   retries immediately, which was measured spinning a core at 99.8%.
 //!
 //! The stream yields [`Held`] connections: each carries its slot and gives it back when the
 //! connection is dropped.

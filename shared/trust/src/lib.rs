@@ -21,6 +21,7 @@ pub mod admin;
 pub mod args;
 pub mod identity;
 pub mod policy;
+mod role;
 pub mod rolemap;
 pub mod tls;
 

@@ -25,7 +25,7 @@ use std::str::FromStr;
 
 use br_proto::valid::{GroupId, limits};
 
-use crate::identity::Role;
+use crate::role::Role;
 
 /// The SPIFFE id csi-driver-spiffe gives a pod of `namespace` running as `service_account`.
 pub fn service_account_id(trust_domain: &str, namespace: &str, service_account: &str) -> String {

@@ -171,7 +171,7 @@ pub struct RunOutcome {
     /// Pooled admissions refused because another decider filled the worker first (always 0
     /// with one decider).
     pub refused_reservations: u64,
-    /// Where the steady state's barrier idle comes from (BR-H's question, issue 16).
+    /// Where the steady state's barrier idle comes from (BR-H's question).
     pub idle_flow: IdleFlow,
 }
 

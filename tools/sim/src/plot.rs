@@ -4,7 +4,7 @@
 //!   side on a shared y axis (the paper's Figure 3).
 //! - [`plot_scaling`]: throughput gain over the best baseline, average imbalance, and the share
 //!   of the best baseline's steady gap to the fluid limit each policy removes, against G (the
-//!   paper's Figure 4, and the wide-EP share of issue 16).
+//!   paper's Figure 4, and the wide-EP share).
 //!
 //! Both take plain data, so they do not depend on the simulation engine.
 
@@ -15,7 +15,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 /// The share of the best baseline's gap the scaling figure marks with a dashed line: what
-/// BR-0 is asked to keep at every G (issue 16), so a reader sees at once where it holds.
+/// BR-0 is asked to keep at every G, so a reader sees at once where it holds.
 pub const GAP_SHARE_GUIDE: f64 = 90.0;
 
 /// Per-step per-worker loads of one run.

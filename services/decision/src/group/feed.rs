@@ -72,7 +72,7 @@ impl GroupCore {
     /// answered one kept for retries (some 300k at 5k Assign/s with `--answered-ttl 60s`):
     /// looking each report's id up there, and then in σ, cost a cold string comparison or
     /// two per progress event: 3% of br-all's samples under 100k events/s
-    /// (docs/benchmarks.md, "Session 23").
+    /// (docs/benchmarks.md).
     fn waiting_placed_by(&self, d: &Delta) -> Vec<RequestKey> {
         let in_delta = wire::placed_requests(d).count();
         if self.requests.pool_len() > in_delta {

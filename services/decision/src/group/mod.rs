@@ -60,13 +60,13 @@ use std::time::{Duration, Instant};
 use br_core::dispatch::Admission;
 use br_core::{Mode, Policy, RequestKey};
 use br_proto::valid::GroupId;
-use br_sigma::Sigma;
+use br_sigma::{GroupSummary, Sigma};
 
 use crate::metrics::GroupMetrics;
 
 pub use requests::{Assignment, Reply};
-pub use reservations::{RejectReason, Rejection, Reservation, ReserveJob, ReserveOutcome};
-pub use split::{RankSplit, SplitError};
+pub use reservations::{Rejection, Reservation, ReserveJob, ReserveOutcome};
+pub use split::RankSplit;
 
 use requests::Requests;
 use reservations::Reservations;
@@ -131,6 +131,29 @@ impl CancelOutcome {
             CancelOutcome::NotFound => "not_found",
         }
     }
+}
+
+/// Whether a group can place an Assign now (what readiness is made of).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placing {
+    /// No complete σ has arrived yet.
+    NoSigma,
+    /// σ is there, but no worker in it is live and accepting: every Assign is UNAVAILABLE.
+    NoLiveWorker,
+    /// An Assign can be placed (from the last σ, also while the snapshot service is away).
+    Ready,
+}
+
+/// What the group's task says about it at one instant (see `GroupCore::live_now`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LiveNow {
+    /// σ as the replica holds it; `None` before the first complete σ.
+    pub summary: Option<GroupSummary>,
+    /// Requests waiting in the pool.
+    pub pool: usize,
+    /// σ not confirmed current (the snapshot service unreachable).
+    pub stale: bool,
+    pub placing: Placing,
 }
 
 /// Numbers for tests and logs.
@@ -214,10 +237,6 @@ impl GroupCore {
         &self.group
     }
 
-    pub fn mode(&self) -> Mode {
-        self.mode
-    }
-
     /// True once a complete σ was received (it stays true through outages: the service keeps
     /// answering from its last σ).
     pub fn has_sigma(&self) -> bool {
@@ -226,8 +245,7 @@ impl GroupCore {
 
     /// Whether an Assign can be placed now: a complete σ with a live, accepting worker (the
     /// last σ counts while the snapshot service is away: the service keeps answering).
-    pub fn placing(&self) -> crate::task::Placing {
-        use crate::task::Placing;
+    pub fn placing(&self) -> Placing {
         // σ itself, not the view (rebuilt lazily, at the next tick or Assign): liveness comes
         // from σ either way, and this runs after every event of the group's task.
         match self.view.sigma() {
@@ -242,11 +260,6 @@ impl GroupCore {
         self.view.is_stale()
     }
 
-    /// The position the Watch follower resubscribes from.
-    pub fn position(&self) -> (u64, u64) {
-        self.view.position()
-    }
-
     pub fn sigma(&self) -> Option<&Sigma> {
         self.view.sigma()
     }
@@ -254,10 +267,6 @@ impl GroupCore {
     /// Whether a tick should run soon (arrivals or returned requests since the last one).
     pub fn tick_wanted(&self) -> bool {
         self.tick_wanted
-    }
-
-    pub fn pool_len(&self) -> usize {
-        self.requests.pool_len()
     }
 
     pub fn stats(&self) -> GroupStats {
@@ -279,8 +288,8 @@ impl GroupCore {
 
     /// What the live page samples: σ's summary as the replica holds it (O(ranks)), the pool
     /// and whether σ is stale.
-    pub fn live_now(&self) -> crate::live::LiveNow {
-        crate::live::LiveNow {
+    pub fn live_now(&self) -> LiveNow {
+        LiveNow {
             summary: self.view.sigma().map(Sigma::summary),
             pool: self.requests.pool_len(),
             stale: self.is_stale(),

@@ -25,7 +25,14 @@ use br_proto::valid::RequestId;
 use br_sigma::{Liveness, Sigma};
 use rustc_hash::FxHashMap;
 
-use super::view::Placed;
+/// Where σ places a request (what the view reads from σ, and what a reservation lost to
+/// another replica is answered with): worker, incarnation, and σ's version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Placed {
+    pub(super) worker: u32,
+    pub(super) incarnation: u64,
+    pub(super) sigma_version: u64,
+}
 
 /// One reservation to make at the snapshot service.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,8 +16,8 @@ use br_core::{Mode, RequestKey};
 
 use super::GroupCore;
 use super::requests::State;
+use super::reservations::Placed;
 use super::reservations::{Recommit, RejectReason, ReserveJob, ReserveOutcome, worker_refused};
-use super::view::Placed;
 use crate::error::DecisionError;
 
 /// On-arrival requests whose reservation is rejected are routed again at most this often.

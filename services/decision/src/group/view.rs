@@ -32,7 +32,7 @@ use rustc_hash::FxHashMap;
 
 use super::LOCAL_KEY_BASE;
 use super::estimate::{Advanced, Estimator};
-use super::reservations::Reservations;
+use super::reservations::{Placed, Reservations};
 
 /// Requests of σ's key space carried over from the estimate into a view built on a new σ get
 /// keys from here (between σ's interned keys and the local ones), so they never collide.
@@ -47,14 +47,6 @@ struct Adopting {
     /// The σ of the previous epoch: the incarnations and endpoints of workers not back yet.
     previous: Sigma,
     until: Instant,
-}
-
-/// Where σ places a request: worker, incarnation, and σ's version.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Placed {
-    pub(super) worker: u32,
-    pub(super) incarnation: u64,
-    pub(super) sigma_version: u64,
 }
 
 /// σ and the view of one group. See the module docs.
@@ -99,14 +91,6 @@ impl SigmaView {
     /// True while σ is not confirmed current by the snapshot service.
     pub(super) fn is_stale(&self) -> bool {
         self.sigma.is_some() && (!self.connected || self.broken)
-    }
-
-    /// The position the Watch follower resubscribes from.
-    pub(super) fn position(&self) -> (u64, u64) {
-        match &self.sigma {
-            Some(s) if !self.broken => (s.epoch(), s.version()),
-            _ => (0, 0),
-        }
     }
 
     /// How long σ has been unconfirmed (zero while it is current).

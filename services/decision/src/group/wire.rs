@@ -1,6 +1,6 @@
 //! The edge between a group's domain types and the protobuf messages: every `v1` message the
 //! group state produces or consumes is built or parsed here, and `tonic::Status` goes no
-//! further in. [`crate::task`] and [`crate::service`] call these; the state machine never
+//! further in. [`crate::task`] and [`crate::edge::grpc`] call these; the state machine never
 //! sees a message.
 
 use br_proto::v1;

@@ -16,8 +16,8 @@ use axum::routing::get;
 use br_sigma::GroupSummary;
 use serde::{Deserialize, Serialize};
 
-use super::{Live, LiveNow, Sample};
-use crate::task::Placing;
+use super::{Live, Sample};
+use crate::group::{LiveNow, Placing};
 
 const INDEX_HTML: &str = include_str!("assets/index.html");
 const LIVE_JS: &str = include_str!("assets/live.js");

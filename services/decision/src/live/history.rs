@@ -13,27 +13,14 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use br_sigma::GroupSummary;
 use serde::{Serialize, Serializer};
 
-use crate::task::Placing;
+use crate::group::LiveNow;
 
 /// How far back the Assign rate and latency percentiles of a sample look (or one sample
 /// interval, when that is longer): short enough to follow a burst, long enough to hold
 /// more than a handful of calls at modest rates.
 pub const RATE_WINDOW: Duration = Duration::from_secs(5);
-
-/// What the group's task says about it at one instant (see `GroupCore::live_now`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LiveNow {
-    /// σ as the replica holds it; `None` before the first complete σ.
-    pub summary: Option<GroupSummary>,
-    /// Requests waiting in the pool.
-    pub pool: usize,
-    /// σ not confirmed current (the snapshot service unreachable).
-    pub stale: bool,
-    pub placing: Placing,
-}
 
 /// The group's cumulative Assign counters at one instant, read off its metrics
 /// (`balanceroute_decision_assign_total` and `..._assign_latency_seconds`).
@@ -221,15 +208,13 @@ impl GroupHistory {
         self.samples.front().map(|s| s.seq)
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.samples.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.samples.is_empty()
-    }
-
-    pub fn capacity(&self) -> usize {
+    #[cfg(test)]
+    fn capacity(&self) -> usize {
         self.capacity
     }
 }
@@ -239,6 +224,9 @@ impl GroupHistory {
 mod tests {
     use super::*;
     use br_proto::v1;
+    use br_sigma::GroupSummary;
+
+    use crate::group::Placing;
 
     const BOUNDS: [f64; 3] = [0.001, 0.01, 0.1];
 

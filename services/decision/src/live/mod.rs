@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::Metrics;
 use crate::task::GroupHandle;
 
-pub use history::{Counters, GroupHistory, LiveNow, RankLoad, Sample};
+pub use history::{Counters, GroupHistory, Sample};
 
 /// Most samples one group keeps (`--live-history / --live-sample-interval` above it is refused
 /// at start): with the contract's largest group that is ~120 MB, so nobody gets there by

@@ -18,6 +18,7 @@
 //! them into messages.
 
 mod apply;
+mod event;
 mod queue;
 mod reserve;
 mod watchers;
@@ -37,10 +38,10 @@ use tokio::time::Instant;
 
 use crate::metrics::{GroupMetrics, Metrics};
 use apply::{Arrival, Presence};
+pub use event::{Event, MERGE_MAX_CHANGES, event_bytes};
 pub use queue::{MERGE_MAX_BYTES, Merging as MergedWatchQueue, Overflow, Receiver as WatchQueue};
 use reserve::Reservations;
 use watchers::Watchers;
-pub use watchers::{Event, MERGE_MAX_CHANGES, event_bytes};
 
 /// Identifies one Apply stream (per process).
 pub type StreamId = u64;
@@ -70,26 +71,6 @@ pub struct Settings {
     pub group_idle_grace: Duration,
     /// Requests a worker may hold above its capacity, and a group in all (WORKER_FULL beyond).
     pub requests: RequestBound,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            history: crate::config::DEFAULT_HISTORY,
-            reservation_ttl: Duration::from_secs(10),
-            worker_grace: Duration::from_secs(5),
-            carrier_grace: Duration::from_secs(3),
-            progress_interval: Duration::from_millis(250),
-            watcher_queue: crate::config::DEFAULT_WATCHER_QUEUE,
-            watcher_queue_bytes: crate::config::DEFAULT_WATCHER_QUEUE_BYTES,
-            max_groups: crate::config::DEFAULT_MAX_GROUPS,
-            group_idle_grace: Duration::from_secs(60),
-            requests: RequestBound {
-                over_capacity: crate::config::DEFAULT_WORKER_REQUEST_MARGIN,
-                per_group: br_sigma::DEFAULT_MAX_GROUP_REQUESTS,
-            },
-        }
-    }
 }
 
 /// Why a change or reservation was not applied.

@@ -25,7 +25,7 @@ use std::task::{Context, Poll, Waker};
 
 use futures::Stream;
 
-use super::watchers::{Event, MERGE_MAX_CHANGES, merge};
+use super::event::{Event, MERGE_MAX_CHANGES, merge};
 
 /// What [`Sender::try_send`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -114,7 +114,7 @@ fn an_id_sigma_already_places_is_answered_from_sigma() {
     assert_eq!(fx.core.stats().pool, 0);
 }
 
-/// The chaos run of seed 2 (issue 13): a gateway's calls wait in replica A's pool, A's
+/// The chaos run of seed 2: a gateway's calls wait in replica A's pool, A's
 /// connection to the gateway freezes, and the gateway retries the same ids here, where they
 /// wait too. A, still running, reserves them in σ and answers into the frozen connection. Its
 /// reservations fill the workers, so the waiting copies here never get a slot: they must be

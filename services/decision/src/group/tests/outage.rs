@@ -1,4 +1,4 @@
-//! A long outage of the snapshot service (issue 13): the view moves on by the estimated
+//! A long outage of the snapshot service: the view moves on by the estimated
 //! progress of the ranks (finished requests free their slots), answers say stale, a new and
 //! still-empty σ after a restart is not taken as the truth, and stale reservations the
 //! workers' reports no longer list are not brought back into σ.

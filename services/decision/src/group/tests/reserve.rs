@@ -42,7 +42,7 @@ fn duplicate_rejection_answers_with_sigmas_placement() {
     assert_eq!((a.worker, a.incarnation), (1, 101));
 }
 
-/// Failover (issue 13): replica A reserved "r" and died before answering; the gateway
+/// Failover: replica A reserved "r" and died before answering; the gateway
 /// retries "r" here. The snapshot service refuses the reservation as a duplicate before this
 /// replica's σ shows A's placement (its Watch lags the Reserve round trip). The call must end
 /// with a status the client retries (the same id, here or elsewhere, is then answered from σ),
@@ -120,7 +120,7 @@ fn at_most_the_limit_of_reserve_calls_is_in_flight() {
     answer(&mut b);
 }
 
-/// Failover (issue 13): the gateway retried "r" here after another replica had reserved it;
+/// Failover: the gateway retried "r" here after another replica had reserved it;
 /// this replica admitted it, and before its next `Reserve` call σ showed the other replica's
 /// placement (so the own, unsent reservation was dropped) and then no longer did (that
 /// replica's caller went away and it released "r"). The answer is the placement σ showed, not

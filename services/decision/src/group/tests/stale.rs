@@ -26,7 +26,7 @@ fn while_stale_answers_from_the_view_and_reserves_when_back() {
     // Back: what was decided while away is the workers' to report. One σ shows (its worker
     // runs it) is σ's; one σ still does not show once the workers' reports had time to
     // arrive is not reserved again: the worker finished it (or never got it), and a
-    // re-commit would hold its slot until σ's reservation TTL (issue 13).
+    // re-commit would hold its slot until σ's reservation TTL.
     fx.advance(Duration::from_secs(1));
     fx.core.on_connected(fx.now);
     let inc = 100 + u64::from(ra.worker);

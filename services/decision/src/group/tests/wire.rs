@@ -1,7 +1,8 @@
 //! The messages: what the group's answers, `Reserve` and `Release` calls look like on the wire,
 //! and how `Reserve` results are read.
 
-use super::super::{CancelOutcome, RejectReason, Rejection, ReserveOutcome, wire};
+use super::super::reservations::RejectReason;
+use super::super::{CancelOutcome, Rejection, ReserveOutcome, wire};
 use super::*;
 
 #[test]

@@ -1,5 +1,5 @@
 //! What a peer can make σ hold: requests per worker (capacity plus the margin), requests per
-//! group, tokens per request, generated tokens against max_tokens (issue 14).
+//! group, tokens per request, generated tokens against max_tokens.
 use super::*;
 
 fn bounded(over_capacity: u32, per_group: usize) -> (Group, Instant) {

@@ -242,11 +242,6 @@ impl DecisionService {
             .inc();
         result
     }
-
-    /// The groups this service decides for.
-    pub fn serves(&self, group: &str) -> bool {
-        self.groups.contains_key(group)
-    }
 }
 
 /// Withdraws a waiting call from its group when the handler stops waiting for any reason.

@@ -1,4 +1,4 @@
-//! snapshot-load: what a peer can make br-snapshot hold (issue 14), against a running service.
+//! snapshot-load: what a peer can make br-snapshot hold, against a running service.
 //!
 //! * `groups --count N`: one short Watch for each of N distinct group names (each stream is
 //!   closed after its first event, so every group is left without watchers). Prints how many

@@ -1,0 +1,178 @@
+use super::*;
+
+#[test]
+fn several_twin_runs_of_a_policy_are_shown_as_their_mean_and_spread() {
+    let twin = |policy: &str, imbalance: f64, tok_s: f64| br_sim::report::RunReport {
+        policy: policy.into(),
+        workers: 8,
+        avg_imbalance: imbalance,
+        avg_barrier_idle: 0.0,
+        throughput_tok_s: tok_s,
+        steady_throughput_tok_s: tok_s,
+        fluid_throughput_tok_s: tok_s,
+        tpot_p50_ms: 48.0,
+        tpot_p95_ms: 50.0,
+        mean_queue_ms: 0.0,
+        steps: 10,
+        requests: 10,
+    };
+    let rep = br_sim::report::Report {
+        runs: vec![
+            twin("jsq", 20_000.0, 2_400.0),
+            twin("br0", 9_000.0, 2_450.0),
+            twin("jsq", 24_000.0, 2_300.0),
+        ],
+    };
+    let live = |label: &str, imbalance: f64| Summary {
+        label: label.into(),
+        imbalance_tokens: Some(imbalance),
+        throughput_tok_s: 2_350.0,
+        ..Default::default()
+    };
+    let jsq: Vec<_> = rep.runs.iter().filter(|r| r.policy == "jsq").collect();
+    let band = TwinBand::of(&jsq).expect("two runs");
+    assert_eq!(band.n, 2);
+    assert_eq!(band.imbalance.mean, 22_000.0);
+    // sample standard deviation of {20000, 24000}: 2000·√2
+    assert!((band.imbalance.sd - 2_000.0 * 2f64.sqrt()).abs() < 1e-6);
+    assert_eq!(band.tpot_p50.sd, 0.0);
+    assert!(TwinBand::of(&[]).is_none());
+
+    let text = table(&[live("jsq", 22_000.0), live("br0", 9_900.0)], Some(&rep));
+    let lines: Vec<&str> = text.lines().collect();
+    // jsq: its two twin runs' mean, "n=2", a spread line, and the live run at +0%
+    let jsq_sim = lines
+        .iter()
+        .position(|l| l.contains("br-sim"))
+        .expect("sim row");
+    assert!(
+        lines[jsq_sim].contains("22000") && lines[jsq_sim].contains("n=2"),
+        "{text}"
+    );
+    assert!(
+        lines[jsq_sim + 1].contains("sim sd") && lines[jsq_sim + 1].contains("±12.9%"),
+        "{text}"
+    );
+    assert!(
+        lines[jsq_sim + 2].contains("emu/sim") && lines[jsq_sim + 2].contains("+0%"),
+        "{text}"
+    );
+    // br0: one twin run, no spread line, live 10% above it
+    let br0_sim = lines
+        .iter()
+        .rposition(|l| l.contains("br-sim"))
+        .expect("sim row");
+    assert!(!lines[br0_sim].contains("n="), "{text}");
+    assert!(
+        lines[br0_sim + 1].contains("emu/sim") && lines[br0_sim + 1].contains("+10%"),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_arrivals_csv_is_a_trace_br_sim_reads_back_in_arrival_order() {
+    let r =
+        |id: &str, arrival: Option<f64>, prompt: u32, out: u32, hash: Option<u64>| RequestResult {
+            request_id: id.into(),
+            prompt_tokens: prompt,
+            output_tokens: out,
+            arrival_ms: arrival,
+            prompt_hash: hash,
+            ..RequestResult::default()
+        };
+    // out of order, one never assigned, one with a prompt hash
+    let results = vec![
+        r("b", Some(250.5), 200, 20, None),
+        r("never", None, 999, 9, None),
+        r("a", Some(0.25), 100, 10, Some(42)),
+        r("c", Some(1_000.0), 300, 30, None),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("arrivals.csv");
+    std::fs::write(&path, arrivals_csv(&results)).unwrap();
+    let t = trace::load(&path, &Filter::default()).unwrap();
+    let got: Vec<(Option<f64>, u32, u32, Option<u64>)> = t
+        .requests
+        .iter()
+        .map(|q| {
+            (
+                q.arrival_ms,
+                q.prompt_tokens,
+                q.output_tokens,
+                q.prompt_hash,
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (Some(0.25), 100, 10, Some(42)),
+            (Some(250.5), 200, 20, None),
+            (Some(1_000.0), 300, 30, None),
+        ]
+    );
+}
+
+/// The `data` of every event parsed from `body` cut into chunks at `cuts`.
+fn parse(body: &[u8], cuts: &[usize]) -> Vec<String> {
+    let mut chunks = Vec::new();
+    let mut at = 0;
+    for &c in cuts.iter().chain([&body.len()]) {
+        chunks.push(Ok::<_, std::convert::Infallible>(Bytes::copy_from_slice(
+            &body[at..c],
+        )));
+        at = c;
+    }
+    futures::executor::block_on(
+        sse_events(futures::stream::iter(chunks))
+            .map(|e| e.map(|e| e.data).unwrap_or_else(|e| format!("error: {e}")))
+            .collect(),
+    )
+}
+
+#[test]
+fn sse_parses_lf_crlf_and_cr_framing_split_anywhere() {
+    let want = vec![
+        r#"{"choices":[{"text":"a"}]}"#.to_string(),
+        r#"{"choices":[],"usage":{"completion_tokens":1}}"#.to_string(),
+        "[DONE]".to_string(),
+    ];
+    for eol in ["\n", "\r\n", "\r"] {
+        let body: String = want
+            .iter()
+            .map(|d| format!("data: {d}{eol}{eol}"))
+            .collect();
+        let body = body.as_bytes();
+        assert_eq!(parse(body, &[]), want, "{eol:?} in one chunk");
+        // Every cut, including between the CR and the LF of a CRLF.
+        for cut in 1..body.len() {
+            assert_eq!(parse(body, &[cut]), want, "{eol:?} cut at {cut}");
+        }
+        let bytewise: Vec<usize> = (1..body.len()).collect();
+        assert_eq!(parse(body, &bytewise), want, "{eol:?} byte by byte");
+    }
+    // The old splitter only knew "\n\n" and a "data: " at the very start of an event:
+    // comments, other fields and multi-line data are SSE too.
+    let body = b": keep-alive\r\nevent: message\r\ndata: x\r\ndata: y\r\n\r\n";
+    assert_eq!(parse(body, &[]), vec!["x\ny".to_string()]);
+}
+
+#[test]
+fn the_progress_line_counts_and_rates() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = ProgressCounts::default();
+    c.done.store(30, Relaxed);
+    c.failed.store(2, Relaxed);
+    c.tokens.store(5000, Relaxed);
+    assert_eq!(
+        c.line(100, Duration::from_secs(10)),
+        "10s: 30/100 done, 2 failed, 70 to go, 500 tokens/s"
+    );
+}
+
+#[test]
+fn percentiles() {
+    let p = Pct::of((1..=100).map(f64::from).collect());
+    assert_eq!((p.p50, p.p95), (50.0, 95.0));
+    assert_eq!(Pct::of(vec![]), Pct::default());
+}
