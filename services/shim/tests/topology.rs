@@ -244,11 +244,7 @@ async fn one_shim_serves_several_ranks_each_with_its_stream_and_its_endpoint() {
     assert_eq!(models.status(), 200);
     let models = reqwest::get(s.url("/rank/2/v1/models")).await.unwrap();
     assert_eq!(models.status(), 200);
-    assert_eq!(
-        s.ran().await,
-        vec![0, 2, 0, 1],
-        "nothing more ran"
-    );
+    assert_eq!(s.ran().await, vec![0, 2, 0, 1], "nothing more ran");
     let m = br_testkit::http::metrics(s.shim.admin_addr()).await;
     assert_eq!(
         m.value(
