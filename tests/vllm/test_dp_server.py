@@ -190,7 +190,7 @@ def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
                 ok = sum(rows[r][0] for r in (0, 1)) > 0 and all(
                     rows[r][0] == rows[r][1] <= placed[r]
                     # vLLM holds whole blocks: each request's last block is partly filled.
-                    and rows[r][3] - block * rows[r][0] < rows[r][2] <= rows[r][3]
+                    and rows[r][3] - block * rows[r][0] <= rows[r][2] <= rows[r][3]
                     for r in (0, 1)
                 )
                 assert ok, f"per rank (σ running, vLLM running+waiting, σ KV, vLLM KV): {rows}"
