@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm config-reference config-reference-check
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm import-cycles config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -13,7 +13,7 @@ build: ## build every binary (release)
 run: ## the demo: the whole control plane on loopback, JSQ vs BR-0 on a paper-shaped workload
 	bash scripts/demo.sh
 
-test: fmt-check clippy unit python-tests e2e-vllm flake-hunt-smoke ## everything CI checks: format, lints, all tests
+test: fmt-check clippy import-cycles unit python-tests e2e-vllm flake-hunt-smoke ## everything CI checks: format, lints, all tests
 	@echo "make test: all checks passed"
 
 fmt: ## format the code
@@ -22,10 +22,14 @@ fmt: ## format the code
 fmt-check:
 	$(CARGO) fmt --all -- --check
 
+import-cycles: ## no crate's modules import each other in a cycle (tools/dev/import-cycles.py)
+	mkdir -p target && python3 tools/dev/import-cycles.py > target/import-cycles.log \
+		|| { grep -v 'no cycles' target/import-cycles.log; exit 1; }
+
 clippy: ## lints, warnings denied
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-lint: fmt-check clippy ## format check + clippy
+lint: fmt-check clippy import-cycles ## format check + clippy + no module import cycles
 
 # Property tests draw their cases from a fixed seed here (PROPTEST_RNG_SEED; set it to draw
 # others), so CI's result depends on the commit alone: a generator edge found by chance fails

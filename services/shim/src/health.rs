@@ -519,7 +519,7 @@ pub fn spawn_prober(
                         "timeout",
                         format!("GET {url} did not answer within {:?}", cfg.timeout),
                     )),
-                    Err(e) => Err(("connection", format!("GET {url}: {}", error_chain(&e)))),
+                    Err(e) => Err(("connection", format!("GET {url}: {}", crate::error_chain(&e)))),
                 },
                 () = stop.cancelled() => return,
             };
@@ -561,18 +561,6 @@ pub fn spawn_prober(
             health.probed(outcome, window);
         }
     }))
-}
-
-/// An error and its sources ("error sending request: ... Connection refused").
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

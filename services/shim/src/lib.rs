@@ -194,7 +194,7 @@ impl Shim {
 
     /// A call to the engine failed before a response: counted, judged, answered 502.
     fn unreachable(&self, what: &str, e: &reqwest::Error) -> Response {
-        let detail = health::error_chain(e);
+        let detail = error_chain(e);
         self.upstream_failed(health::UpstreamError::of(e), &detail);
         bad_gateway(format!("{what}: {detail}"))
     }
@@ -236,6 +236,18 @@ impl Shim {
     pub fn sink(&self) -> &Arc<dyn ProgressSink> {
         &self.sink
     }
+}
+
+/// An error and its sources ("error sending request: ... Connection refused").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
 }
 
 /// The proxy's routes: everything goes through [`proxy`].
@@ -462,7 +474,7 @@ pub async fn proxy(State(shim): State<Arc<Shim>>, req: Request) -> Response {
     let bytes = match resp.bytes().await {
         Ok(b) => b,
         Err(e) => {
-            let detail = health::error_chain(&e);
+            let detail = error_chain(&e);
             shim.upstream_failed(health::UpstreamError::Body, &detail);
             return bad_gateway(format!("upstream body: {detail}"));
         }
@@ -841,7 +853,7 @@ impl Stream for Tracked {
                     tracing::warn!(request_id = ?self.track.id, error = %e, "engine stream failed");
                     self.track
                         .shim
-                        .upstream_failed(health::UpstreamError::Body, &health::error_chain(&e));
+                        .upstream_failed(health::UpstreamError::Body, &error_chain(&e));
                     self.track.finish();
                     return Poll::Ready(Some(Err(std::io::Error::other(e))));
                 }

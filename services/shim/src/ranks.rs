@@ -108,14 +108,14 @@ impl RankCheck {
             .get(&url)
             .send()
             .await
-            .map_err(|e| format!("GET {url}: {}", crate::health::error_chain(&e)))?;
+            .map_err(|e| format!("GET {url}: {}", crate::error_chain(&e)))?;
         if !resp.status().is_success() {
             return Err(format!("GET {url} answered {}", resp.status()));
         }
         let v: Value = resp
             .json()
             .await
-            .map_err(|e| format!("GET {url}: {}", crate::health::error_chain(&e)))?;
+            .map_err(|e| format!("GET {url}: {}", crate::error_chain(&e)))?;
         v["data"][0]["id"]
             .as_str()
             .map(str::to_owned)
@@ -132,7 +132,7 @@ impl RankCheck {
             .body(body)
             .send()
             .await
-            .map_err(|e| Answer::Failed(crate::health::error_chain(&e)))?;
+            .map_err(|e| Answer::Failed(crate::error_chain(&e)))?;
         let status = resp.status();
         if status.is_success() {
             return Ok(());
