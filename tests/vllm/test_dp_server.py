@@ -213,7 +213,9 @@ def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
 def test_a_client_that_goes_away_aborts_the_request_and_sigma_lets_it_go(stack):
     s = stack
     m0 = vllm_metrics(s)
-    path, body = workload.mixed(1, seed=4, lengths=(1800,))[0]
+    # Long enough that the engine cannot finish it while the disconnect travels through the
+    # shim (vLLM decodes the tiny model at a few thousand tokens a second).
+    path, body = workload.mixed(1, seed=4, lengths=(7000,))[0]
     st = s.gateway.open_stream(path, body)
     st.read_events(3)
     rank = st.worker_id
@@ -224,12 +226,13 @@ def test_a_client_that_goes_away_aborts_the_request_and_sigma_lets_it_go(stack):
     def aborted():
         m = vllm_metrics(s)
         running = per_engine(m, "vllm:num_requests_running").get(rank, 0)
-        return running == 0 and m
+        assert running == 0, f"running {running}"
+        return m
 
-    m = wait_until(aborted, 30, "vLLM to abort the abandoned request")
+    m = wait_until(aborted, 30, f"vLLM's engine {rank} to abort the abandoned request")
     gen = delta(per_engine(m, "vllm:generation_tokens_total"),
                 per_engine(m0, "vllm:generation_tokens_total"))
-    assert gen.get(rank, 0) < 1800, f"the engine generated the whole request: {gen}"
+    assert gen.get(rank, 0) < 7000, f"the engine generated the whole request: {gen}"
 
 
 def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
