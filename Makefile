@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci import-cycles config-reference config-reference-check
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci vllm-step-model import-cycles config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -49,6 +49,9 @@ e2e-vllm: ## end-to-end tests against a real vLLM (CPU build, data parallel; ins
 e2e-vllm-ci:
 	PYTEST_ARGS="--deselect tests/vllm/test_dp_server.py::test_sigma_agrees_with_vllm_at_a_quiet_point" \
 		bash scripts/e2e-vllm.sh
+
+vllm-step-model: ## fit br-sim's step model to a real vLLM rank's measured step times (scripts/vllm/step-model.sh)
+	bash scripts/vllm/step-model.sh
 
 deploy-tools: ## fetch kustomize, promtool and the Python validators into target/ (package registries)
 	bash deploy/validate.sh --install-only
