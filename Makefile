@@ -5,7 +5,7 @@ CARGO ?= cargo
 .PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci vllm-step-model import-cycles config-reference config-reference-check
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 build: ## build every binary (release)
 	$(CARGO) build --release --workspace --bins
