@@ -53,8 +53,17 @@ struct Stack {
     stop: CancellationToken,
 }
 
-/// br-emu's port serving every rank, and a shim in front of it with `flags`.
+/// br-emu's port serving every rank, and a shim in front of it with `flags`, once ready.
 async fn stack(flags: &[&str]) -> Stack {
+    let mut s = started(flags).await;
+    let shim = &s.shim;
+    eventually(PATIENCE, "the shim ready", || async { shim.is_ready() }).await;
+    s.baseline = per_rank(&s.engine).await;
+    s
+}
+
+/// The same, just started: the shim may still be checking its ranks, or have refused them.
+async fn started(flags: &[&str]) -> Stack {
     let stop = CancellationToken::new();
     let engine = engine(&stop).await;
     let ingest = FakeIngest::default();
@@ -79,10 +88,8 @@ async fn stack(flags: &[&str]) -> Stack {
     argv.extend_from_slice(flags);
     let args: br_shim::Args = br_runtime::config::parse_from(argv).unwrap();
     let shim = br_shim::start(&args, stop.clone()).await.unwrap();
-    eventually(PATIENCE, "the shim ready", || async { shim.is_ready() }).await;
-    let baseline = per_rank(&engine).await;
     Stack {
-        baseline,
+        baseline: Vec::new(),
         engine,
         shim,
         ingest,
@@ -279,34 +286,16 @@ async fn one_shim_for_several_sglang_ranks_pins_by_the_body_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_the_server_does_not_have_ends_the_shim_before_any_hello() {
-    let stop = CancellationToken::new();
-    let engine = engine(&stop).await;
-    let ingest = FakeIngest::default();
-    let served = ingest.start().await;
-    let upstream = format!("http://{}", engine.addrs.dp);
-    let ingest_url = format!("http://{}", served.addr);
     let last = RANKS.to_string();
     let ids = format!("2-{last}");
-    let argv = vec![
-        "br-shim",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &upstream,
-        "--ingest-addr",
-        &ingest_url,
-        "--group",
-        "topo",
+    let s = started(&[
         "--worker-ids",
         &ids,
         "--dp-rank-header",
         "X-data-parallel-rank",
-    ];
-    let args: br_shim::Args = br_runtime::config::parse_from(argv).unwrap();
-    let shim = br_shim::start(&args, stop.clone()).await.unwrap();
-    let err = tokio::time::timeout(PATIENCE, shim.wait())
+    ])
+    .await;
+    let err = tokio::time::timeout(PATIENCE, s.shim.wait())
         .await
         .expect("the shim went on serving a rank the engine refuses")
         .expect_err("the shim stopped cleanly");
@@ -320,12 +309,12 @@ async fn a_rank_the_server_does_not_have_ends_the_shim_before_any_hello() {
         "{msg}"
     );
     assert!(
-        ingest
+        s.ingest
             .messages()
             .iter()
             .all(|m| !matches!(m.kind, Some(Kind::Hello(_)))),
         "a rank said Hello before the check"
     );
-    stop.cancel();
-    engine.shutdown().await;
+    s.stop.cancel();
+    s.engine.shutdown().await;
 }
