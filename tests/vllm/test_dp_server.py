@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
-from gateway import CHAT, COMPLETIONS
+from gateway import CHAT, COMPLETIONS, sse_events
 from support import (br_shim, brctl, free_pair, free_port, per_engine, scrape, vllm_server,
                      wait_until, wait_vllm, workers)
 import workload
@@ -84,7 +84,7 @@ def test_every_request_runs_on_the_rank_assign_chose(stack):
     assert got == (want_gen, want_prompt)
     # The shim counted exactly the engine's tokens for each rank, and σ let every request go.
     assert delta(shim_tokens(s), t0) == want_gen
-    wait_until(lambda: sigma_empty(s), 10, "σ to hold no request")
+    wait_until(lambda: sigma_empty(s), 30, "σ to hold no request")
 
 
 def normalise(raw: bytes) -> bytes:
@@ -100,6 +100,20 @@ def by_choice(raw: bytes) -> dict:
     for ev in normalise(raw).split(b"\n\n"):
         m = re.search(rb'"choices":\[\{"index":(\d+)', ev)
         out.setdefault(int(m.group(1)) if m else -1, []).append(ev)
+    return out
+
+
+# Runs of a pair (routed, direct) before a byte-for-byte case gives up on vLLM's chunking.
+BYTE_ATTEMPTS = 4
+
+
+def generated(raw: bytes) -> dict:
+    """Each choice's generated text in a stream, however vLLM cut it into events."""
+    out: dict = {}
+    for ev in sse_events(raw):
+        for c in ev.get("choices") or []:
+            piece = c["text"] if "text" in c else (c.get("delta") or {}).get("content") or ""
+            out[c["index"]] = out.get(c["index"], "") + piece
     return out
 
 
@@ -131,18 +145,27 @@ def test_the_stream_reaches_the_client_byte_for_byte(stack, name, path, extra):
 
     s = stack
     _, body = workload.request(random.Random(name), path, 24, words=10, **extra)
-    t0 = shim_tokens(s)
-    routed = s.gateway.send(path, body)
-    assert routed.status == 200, routed.raw[:300]
-    direct = httpx.post(f"http://127.0.0.1:{s.vllm_port}{path}", json={"model": "tiny", **body},
-                        headers={"X-data-parallel-rank": str(routed.worker_id)}, timeout=60)
-    assert direct.status_code == 200, direct.text[:300]
-    if body.get("n", 1) == 1:
-        assert normalise(routed.raw) == normalise(direct.content)
+    same = (lambda a, b: normalise(a) == normalise(b)) if body.get("n", 1) == 1 else \
+        (lambda a, b: by_choice(a) == by_choice(b))
+    for attempt in range(1, BYTE_ATTEMPTS + 1):
+        t0 = shim_tokens(s)
+        routed = s.gateway.send(path, body)
+        assert routed.status == 200, routed.raw[:300]
+        direct = httpx.post(f"http://127.0.0.1:{s.vllm_port}{path}", json={"model": "tiny", **body},
+                            headers={"X-data-parallel-rank": str(routed.worker_id)}, timeout=60)
+        assert direct.status_code == 200, direct.text[:300]
+        if same(routed.raw, direct.content):
+            break
+        # vLLM merges the pending deltas of a stream whose reader fell behind into one chunk,
+        # so on busy cores one run may cut the same tokens into fewer events. That is the
+        # engine's timing, not a change on the way: anything else that differs fails at once.
+        assert body.get("stream") and generated(routed.raw) == generated(direct.content) and \
+            len(sse_events(routed.raw)) != len(sse_events(direct.content)), \
+            f"routed and direct differ beyond vLLM's chunking:\n{routed.raw!r}\n{direct.content!r}"
+        print(f"attempt {attempt}: vLLM cut the same text into {len(sse_events(routed.raw))} "
+              f"events routed, {len(sse_events(direct.content))} direct; sending both again")
     else:
-        # vLLM interleaves the choices' chunks in an order of its own from run to run: each
-        # choice's chunks, and every chunk without choices, are the same bytes in the same order.
-        assert by_choice(routed.raw) == by_choice(direct.content)
+        raise AssertionError(f"{BYTE_ATTEMPTS} runs each cut differently by vLLM under load")
     # σ's token count for the request is the engine's usage (the shim reports what it counted;
     # `ignore_eos` makes every choice generate max_tokens).
     want = body["max_tokens"] * body.get("n", 1)
@@ -150,7 +173,7 @@ def test_the_stream_reaches_the_client_byte_for_byte(stack, name, path, extra):
         assert routed.usage["completion_tokens"] == want, routed.usage
     got = delta(shim_tokens(s), t0)
     assert got.get(routed.worker_id) == want, (got, want)
-    wait_until(lambda: sigma_empty(s), 10, "σ to hold no request")
+    wait_until(lambda: sigma_empty(s), 30, "σ to hold no request")
 
 
 def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
@@ -207,7 +230,7 @@ def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
     finally:
         if paused:
             httpx.post(f"{base}/resume", timeout=60)
-    wait_until(lambda: sigma_empty(s), 10, "σ to hold no request once every stream ended")
+    wait_until(lambda: sigma_empty(s), 30, "σ to hold no request once every stream ended")
 
 
 def test_a_client_that_goes_away_aborts_the_request_and_sigma_lets_it_go(stack):
@@ -221,7 +244,7 @@ def test_a_client_that_goes_away_aborts_the_request_and_sigma_lets_it_go(stack):
     rank = st.worker_id
     assert any(r["request_id"] == st.request_id for r in sigma_requests(s))
     st.close()
-    wait_until(lambda: sigma_empty(s), 10, "σ to release the abandoned request")
+    wait_until(lambda: sigma_empty(s), 30, "σ to release the abandoned request")
 
     def aborted():
         m = vllm_metrics(s)
