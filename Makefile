@@ -13,7 +13,7 @@ build: ## build every binary (release)
 run: ## the demo: the whole control plane on loopback, JSQ vs BR-0 on a paper-shaped workload
 	bash scripts/demo.sh
 
-test: fmt-check clippy import-cycles unit python-tests e2e-vllm-ci flake-hunt-smoke ## everything CI checks: format, lints, all tests
+test: fmt-check clippy import-cycles unit config-reference-check python-tests e2e-vllm-ci flake-hunt-smoke ## everything CI checks: format, lints, all tests
 	@echo "make test: all checks passed"
 
 fmt: ## format the code
@@ -29,7 +29,7 @@ import-cycles: ## no crate's modules import each other in a cycle (tools/dev/imp
 clippy: ## lints, warnings denied
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-lint: fmt-check clippy import-cycles ## format check + clippy + no module import cycles
+lint: fmt-check clippy import-cycles config-reference-check ## format check + clippy + no module import cycles + docs/configuration.md current
 
 # Property tests draw their cases from a fixed seed here (PROPTEST_RNG_SEED; set it to draw
 # others), so CI's result depends on the commit alone: a generator edge found by chance fails
@@ -86,11 +86,18 @@ bench: ## benchmarks (results are recorded in docs/benchmarks.md)
 	$(CARGO) bench -p br-core --bench dispatcher
 	$(CARGO) run --release -p br-core --example tick_percentiles
 
-config-reference: ## regenerate docs/configuration.md from the release binaries' --help (make build first)
-	bash scripts/config-reference.sh
+# The reference is what the binaries' --help prints, which is the same in every profile: the dev
+# build (incremental, and the one `make unit` has just made) serves, so no release build is needed.
+CONFIG_REFERENCE_PACKAGES := -p br-all -p br-snapshot -p br-ingest -p br-decision -p br-shim -p brctl -p br-sim -p br-emu -p br-certs
+CONFIG_REFERENCE_BIN = $${CARGO_TARGET_DIR:-target}/debug
 
-config-reference-check: ## fail if docs/configuration.md differs from the release binaries' --help
-	bash scripts/config-reference.sh --check
+config-reference: ## regenerate docs/configuration.md from the binaries' --help (dev build)
+	$(CARGO) build -q --locked --bins $(CONFIG_REFERENCE_PACKAGES)
+	BR_BIN="$(CONFIG_REFERENCE_BIN)" bash scripts/config-reference.sh
+
+config-reference-check: ## fail if docs/configuration.md differs from the binaries' --help (dev build)
+	$(CARGO) build -q --locked --bins $(CONFIG_REFERENCE_PACKAGES)
+	BR_BIN="$(CONFIG_REFERENCE_BIN)" bash scripts/config-reference.sh --check
 
 sim: ## the digital twin on the paper-shaped Azure workload, G = 8
 	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated

@@ -7,10 +7,11 @@
 #   scripts/config-reference.sh --check    exit 1 (with a diff) if the committed file differs
 #                                          from what the binaries print now
 #
-# Needs release binaries (`make build`); BR_BIN names another directory holding them
-# (default: $CARGO_TARGET_DIR/release, else target/release). The binaries run with an empty
-# environment and a fixed width, so neither BR_* variables set in the caller's shell nor the
-# terminal's width change the output.
+# Needs the binaries built; any profile prints the same help, so `make config-reference` and
+# `make config-reference-check` build the dev profile and pass BR_BIN=target/debug. BR_BIN names
+# the directory holding them (default: $CARGO_TARGET_DIR/release, else target/release). The
+# binaries run with an empty environment and a fixed width, so neither BR_* variables set in the
+# caller's shell nor the terminal's width change the output.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN="${BR_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
@@ -25,7 +26,7 @@ case "${1:-}" in
 esac
 
 for b in "${BINARIES[@]}"; do
-  [ -x "$BIN/$b" ] || { echo "$BIN/$b not found: build the release binaries first (make build) or set BR_BIN" >&2; exit 2; }
+  [ -x "$BIN/$b" ] || { echo "$BIN/$b not found: build the binaries first (make config-reference builds them) or set BR_BIN" >&2; exit 2; }
 done
 
 help() { env -i PATH=/usr/bin:/bin COLUMNS=100 "$@" --help; }

@@ -18,8 +18,10 @@ closed (the shim sees its client go and reports the request finished) and the re
 cancelled (`Cancel`), so a reservation that would never be used is released at once rather
 than expiring after the reservation TTL. A decode call that fails is cancelled the same way.
 
-Run it: `python pd_proxy.py --prefill http://P:8000 --decision 127.0.0.1:50063 --group g8`
-(see README.md beside this file for vLLM and SGLang).
+Run it: `python pd_proxy.py --prefill http://P:8000` asks br-all on its default port for the
+group "default" (as br-shim reports to by default); `--decision` (else the balanceroute client's
+own default: $BALANCEROUTE_DECISION_ADDR, then 127.0.0.1:50060) and `--group` name others. See
+README.md beside this file for vLLM and SGLang.
 """
 
 import argparse
@@ -61,9 +63,11 @@ FORWARDED_HEADERS = ("authorization",)
 @dataclass
 class Config:
     prefill: List[str]
-    # host:port of each decision replica, a list or one string separated by commas.
-    decision: Union[str, List[str]]
-    group: str
+    # host:port of each decision replica, a list or one string separated by commas; None: the
+    # balanceroute client's default (BALANCEROUTE_DECISION_ADDR, else br-all's port).
+    decision: Union[str, List[str], None] = None
+    # The decode ranks' group: by default the one br-shim and br-decision default to.
+    group: str = "default"
     tls: Optional[balanceroute.TLSConfig] = None
     assign_timeout: float = 10.0
     # One URL for every rank (vLLM with all DP ranks behind one API server, SGLang's DP
@@ -402,10 +406,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--decision",
-        required=True,
-        help="decision replicas, host:port separated by commas (ordered failover)",
+        help="decision replicas, host:port separated by commas (ordered failover); default: "
+        f"${balanceroute.ADDRESS_ENV}, else br-all on {balanceroute.DEFAULT_ADDRESS}",
     )
-    p.add_argument("--group", required=True, help="the decode ranks' lockstep group")
+    p.add_argument(
+        "--group", default="default", help="the decode ranks' lockstep group (default: default)"
+    )
     p.add_argument("--assign-timeout", type=float, default=10.0, help="seconds an Assign may take")
     p.add_argument(
         "--decode-url",

@@ -29,6 +29,22 @@ def test_assign_then_cancel(decision_addr, group, ranks):
     run(main())
 
 
+def test_no_addresses_reads_the_variable_and_otherwise_is_br_all(
+    decision_addr, group, monkeypatch
+):
+    monkeypatch.setenv(balanceroute.ADDRESS_ENV, decision_addr)
+
+    async def main():
+        async with AsyncClient() as c:
+            r = rid("aio-env")
+            assert (await c.assign(group, r, 32, timeout=10)).replica == decision_addr
+            assert await c.cancel(group, r) == CancelOutcome.RELEASED
+
+    run(main())
+    monkeypatch.delenv(balanceroute.ADDRESS_ENV)
+    assert AsyncClient().replicas() == [(balanceroute.DEFAULT_ADDRESS, False)]
+
+
 def test_many_concurrent_assigns_share_the_client(decision_addr, group):
     async def main():
         async with AsyncClient(decision_addr) as c:

@@ -31,6 +31,21 @@ def test_assign_then_cancel(decision_addr, group, ranks):
         assert c.cancel(group, r) == CancelOutcome.NOT_FOUND
 
 
+def test_no_addresses_reads_the_variable_and_otherwise_is_br_all(
+    decision_addr, group, monkeypatch
+):
+    monkeypatch.setenv(balanceroute.ADDRESS_ENV, f"http://{decision_addr}")
+    with Client() as c:
+        assert c.replicas() == [(decision_addr, False)]
+        r = rid("env")
+        assert c.assign(group, r, 32, timeout=10).replica == decision_addr
+        assert c.cancel(group, r) == CancelOutcome.RELEASED
+    # Without the variable: br-all's default port (not dialled here; nothing is called).
+    monkeypatch.delenv(balanceroute.ADDRESS_ENV)
+    with Client() as c:
+        assert c.replicas() == [(balanceroute.DEFAULT_ADDRESS, False)]
+
+
 def test_a_lost_answer_is_retried_with_the_same_id_and_gets_the_original(decision_addr, group):
     proxy = LosingProxy(decision_addr)
     try:

@@ -255,3 +255,16 @@ def test_addresses():
     for bad in ("", "host", "host:0", "host:x", "http://h:1/path"):
         with pytest.raises(ValueError):
             _core.parse_address(bad, False)
+
+
+def test_no_addresses_means_the_variable_else_br_all(monkeypatch):
+    monkeypatch.delenv(_core.ADDRESS_ENV, raising=False)
+    assert _core.default_addresses() == [_core.DEFAULT_ADDRESS] == ["127.0.0.1:50060"]
+    monkeypatch.setenv(_core.ADDRESS_ENV, "  ")
+    assert _core.default_addresses() == ["127.0.0.1:50060"]
+    # As deploy/split.env and the Rust binaries spell it: URLs whose scheme does not choose TLS.
+    monkeypatch.setenv(_core.ADDRESS_ENV, "http://127.0.0.1:50063, https://b:2,c:3")
+    assert _core.default_addresses() == ["127.0.0.1:50063", "b:2", "c:3"]
+    for a in _core.default_addresses():
+        _core.parse_address(a, False)
+        _core.parse_address(a, True)

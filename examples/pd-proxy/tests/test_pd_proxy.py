@@ -388,3 +388,19 @@ def test_a_client_that_leaves_while_assign_waits_is_cancelled_and_never_decoded(
         if proxy is not None:
             proxy.stop()
         decision.stop()
+
+
+def test_given_only_its_prefill_engine_it_asks_br_all_for_the_default_group(monkeypatch):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import balanceroute
+    import pd_proxy
+
+    args = pd_proxy.parse_args(["--prefill", "http://127.0.0.1:8000"])
+    assert args.decision is None
+    # The group br-shim reports in and br-decision serves when neither is told otherwise.
+    assert args.group == "default"
+    monkeypatch.delenv(balanceroute.ADDRESS_ENV, raising=False)
+    client = balanceroute.AsyncClient(args.decision)
+    assert client.replicas() == [(balanceroute.DEFAULT_ADDRESS, False)]
+    monkeypatch.setenv(balanceroute.ADDRESS_ENV, "http://127.0.0.1:50063")
+    assert balanceroute.AsyncClient(args.decision).replicas() == [("127.0.0.1:50063", False)]

@@ -19,9 +19,9 @@ use br_runtime::skeleton::ServiceArgs;
 use clap::{Arg, ArgMatches, Args as _, Command, CommandFactory, FromArgMatches, Parser};
 
 /// br-all's default gRPC port: one port for Telemetry, Snapshot and Decision.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:50060";
+pub const DEFAULT_LISTEN: &str = br_proto::defaults::ALL_LISTEN;
 /// br-all's default admin port.
-pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9060";
+pub const DEFAULT_ADMIN_LISTEN: &str = br_proto::defaults::ALL_ADMIN_LISTEN;
 
 /// The flags two services both define (see the module docs for which definition wins).
 pub const SHARED_SERVICE_FLAGS: [&str; 2] = ["groups", "snapshot_addr"];

@@ -19,9 +19,11 @@ use crate::group::{GroupConfig, RankSplit};
 use crate::live::{LiveConfig, MAX_SAMPLES};
 use crate::task::TickConfig;
 
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:50063";
-pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9063";
-pub const DEFAULT_SNAPSHOT_ADDR: &str = "http://127.0.0.1:50061";
+pub const DEFAULT_LISTEN: &str = br_proto::defaults::DECISION_LISTEN;
+pub const DEFAULT_ADMIN_LISTEN: &str = br_proto::defaults::DECISION_ADMIN_LISTEN;
+/// Where the snapshot service is by default: br-all's port, like every client's default (the
+/// split deployment names br-snapshot with `BALANCEROUTE_SNAPSHOT_ADDR`, deploy/split.env).
+pub const DEFAULT_SNAPSHOT_ADDR: &str = br_proto::defaults::SNAPSHOT_ADDR;
 pub const DEFAULT_POLICY: &str = "br0";
 pub const DEFAULT_GROUPS: &str = "default";
 pub const DEFAULT_TICK_INTERVAL: &str = "20ms";
@@ -56,7 +58,7 @@ pub struct Args {
     pub common: CommonArgs,
 
     /// The snapshot service (Watch, Reserve, Release).
-    #[arg(long, env = "BALANCEROUTE_SNAPSHOT_ADDR", default_value = DEFAULT_SNAPSHOT_ADDR)]
+    #[arg(long, env = br_proto::defaults::env::SNAPSHOT_ADDR, default_value = DEFAULT_SNAPSHOT_ADDR)]
     pub snapshot_addr: String,
 
     /// Routing policy: random, rr, p2c, jsq, vllm-dp, mintok, br0-bypass (answer at once);

@@ -7,9 +7,11 @@ use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:50062";
-pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9062";
-pub const DEFAULT_SNAPSHOT_ADDR: &str = "http://127.0.0.1:50061";
+pub const DEFAULT_LISTEN: &str = br_proto::defaults::INGEST_LISTEN;
+pub const DEFAULT_ADMIN_LISTEN: &str = br_proto::defaults::INGEST_ADMIN_LISTEN;
+/// Where the snapshot service is by default: br-all's port, like every client's default (the
+/// split deployment names br-snapshot with `BALANCEROUTE_SNAPSHOT_ADDR`, deploy/split.env).
+pub const DEFAULT_SNAPSHOT_ADDR: &str = br_proto::defaults::SNAPSHOT_ADDR;
 pub const DEFAULT_BATCH_INTERVAL: &str = "2ms";
 pub const DEFAULT_MAX_BUFFERED: usize = 65_536;
 pub const DEFAULT_MAX_UPDATES_PER_MESSAGE: usize = limits::MAX_UPDATES_PER_PROGRESS;
@@ -34,7 +36,7 @@ pub struct Args {
     pub common: CommonArgs,
 
     /// The snapshot service's URL.
-    #[arg(long, env = "BALANCEROUTE_SNAPSHOT_ADDR", default_value = DEFAULT_SNAPSHOT_ADDR)]
+    #[arg(long, env = br_proto::defaults::env::SNAPSHOT_ADDR, default_value = DEFAULT_SNAPSHOT_ADDR)]
     pub snapshot_addr: String,
 
     /// How long changes are coalesced before one batch per group is sent (e.g. 2ms).

@@ -6,10 +6,12 @@ use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 use clap::Parser;
 
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:8100";
-pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9064";
+pub const DEFAULT_LISTEN: &str = br_proto::defaults::SHIM_LISTEN;
+pub const DEFAULT_ADMIN_LISTEN: &str = br_proto::defaults::SHIM_ADMIN_LISTEN;
 pub const DEFAULT_UPSTREAM: &str = "http://127.0.0.1:8000";
-pub const DEFAULT_INGEST_ADDR: &str = "http://127.0.0.1:50062";
+/// Where the shim reports by default: br-all's port (the split deployment names br-ingest with
+/// `BALANCEROUTE_INGEST_ADDR`, deploy/split.env).
+pub const DEFAULT_INGEST_ADDR: &str = br_proto::defaults::INGEST_ADDR;
 /// Default largest request body (a 128k-token prompt as token ids is ~1 MB of JSON).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 /// Default requests proxied at once (a rank runs at most `--capacity`, 256 by default; the
@@ -38,7 +40,7 @@ pub struct Args {
     /// Ingest's gRPC URL, or several replicas' URLs separated by commas (the reporter uses one
     /// at a time and moves to the next, with backoff, when its stream is lost); one DNS name
     /// resolving to several replicas works too. Empty to forward without reporting.
-    #[arg(long, env = "BALANCEROUTE_INGEST_ADDR", default_value = DEFAULT_INGEST_ADDR)]
+    #[arg(long, env = br_proto::defaults::env::INGEST_ADDR, default_value = DEFAULT_INGEST_ADDR)]
     pub ingest_addr: String,
     /// The lockstep group the rank belongs to.
     #[arg(long, env = "BALANCEROUTE_GROUP", default_value = "default")]

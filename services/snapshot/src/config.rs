@@ -9,6 +9,9 @@ use br_sigma::{MAX_SNAPSHOT_MESSAGE_BYTES, RequestBound, max_snapshot_bytes};
 
 use crate::group::Settings;
 
+/// br-snapshot's default `--listen` and `--admin-listen` (the split deployment's ports).
+pub const DEFAULT_LISTEN: &str = br_proto::defaults::SNAPSHOT_LISTEN;
+pub const DEFAULT_ADMIN_LISTEN: &str = br_proto::defaults::SNAPSHOT_ADMIN_LISTEN;
 /// Default number of deltas kept per group for resumption.
 pub const DEFAULT_HISTORY: usize = 4096;
 /// Default reservation TTL.
@@ -43,8 +46,8 @@ pub const DEFAULT_GROUP_IDLE_GRACE: &str = "60s";
 /// Release).
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "br-snapshot", version)]
-#[command(mut_arg("listen", |a| a.default_value("127.0.0.1:50061")))]
-#[command(mut_arg("admin_listen", |a| a.default_value("127.0.0.1:9061")))]
+#[command(mut_arg("listen", |a| a.default_value(DEFAULT_LISTEN)))]
+#[command(mut_arg("admin_listen", |a| a.default_value(DEFAULT_ADMIN_LISTEN)))]
 pub struct Args {
     #[command(flatten)]
     pub common: CommonArgs,

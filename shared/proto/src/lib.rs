@@ -6,7 +6,10 @@
 //! - [`valid`]: `TryFrom` conversions from the prost messages that arrive at a service into
 //!   types whose invariants hold, with one [`ValidationError`] enum that maps to
 //!   `tonic::Status::invalid_argument`. Wire types stay at the edge.
+//! - [`defaults`]: the default addresses every binary listens on and dials, and the
+//!   environment variables that change where it dials.
 
+pub mod defaults;
 pub mod fuzz;
 pub mod valid;
 

@@ -18,14 +18,15 @@
 //!
 //! /// br-example: what it does.
 //! #[derive(Debug, Parser)]
-//! // Per-service defaults of the common flags (see docs/conventions.md).
-//! #[command(mut_arg("listen", |a| a.default_value("127.0.0.1:50063")))]
-//! #[command(mut_arg("admin_listen", |a| a.default_value("127.0.0.1:9063")))]
+//! // Per-service defaults of the common flags (`br_proto::defaults`, docs/conventions.md).
+//! #[command(mut_arg("listen", |a| a.default_value(br_proto::defaults::DECISION_LISTEN)))]
+//! #[command(mut_arg("admin_listen", |a| a.default_value(br_proto::defaults::DECISION_ADMIN_LISTEN)))]
 //! struct Args {
 //!     #[command(flatten)]
 //!     common: CommonArgs,
-//!     /// Where the snapshot service is.
-//!     #[arg(long, env = "BALANCEROUTE_SNAPSHOT_ADDR", default_value = "http://127.0.0.1:50061")]
+//!     /// Where the snapshot service is. Addresses a binary dials default to br-all's port and
+//!     /// read the same variable in every binary (`br_proto::defaults`).
+//!     #[arg(long, env = br_proto::defaults::env::SNAPSHOT_ADDR, default_value = br_proto::defaults::SNAPSHOT_ADDR)]
 //!     snapshot_addr: String,
 //! }
 //!

@@ -426,17 +426,17 @@ const SERVED_BY: [(&str, &str, &str); 3] = [
     (
         br_proto::service_names::SNAPSHOT,
         "br-snapshot",
-        "127.0.0.1:50061",
+        br_proto::defaults::SNAPSHOT_LISTEN,
     ),
     (
         br_proto::service_names::TELEMETRY,
         "br-ingest",
-        "127.0.0.1:50062",
+        br_proto::defaults::INGEST_LISTEN,
     ),
     (
         br_proto::service_names::DECISION,
         "br-decision",
-        "127.0.0.1:50063",
+        br_proto::defaults::DECISION_LISTEN,
     ),
 ];
 

@@ -42,11 +42,11 @@ pub const EXIT_DRAIN_TIMEOUT: i32 = 3;
         --tls-ca ca.pem status               under mutual TLS (a certificate of role admin)"
 )]
 pub struct Cli {
-    /// The snapshot service's gRPC address.
+    /// The snapshot service's gRPC address (by default br-all's port).
     #[arg(
         long,
-        env = "BALANCEROUTE_SNAPSHOT_ADDR",
-        default_value = "http://127.0.0.1:50061",
+        env = br_proto::defaults::env::SNAPSHOT_ADDR,
+        default_value = br_proto::defaults::SNAPSHOT_ADDR,
         global = true
     )]
     pub snapshot_addr: String,

@@ -80,9 +80,9 @@ struct LoadArgs {
     /// with the same request id.
     #[arg(
         long,
-        env = "BALANCEROUTE_DECISION_ADDR",
+        env = br_proto::defaults::env::DECISION_ADDR,
         value_delimiter = ',',
-        default_value = "http://127.0.0.1:50063"
+        default_value = br_proto::defaults::DECISION_ADDR
     )]
     decision_addr: Vec<String>,
     /// Which replica an Assign goes to: ordered (the first healthy one: one pool decides) or
@@ -352,4 +352,33 @@ fn report(a: ReportArgs) -> anyhow::Result<()> {
     }
     print!("{}", load::table(&runs, sim.as_ref()));
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use super::*;
+    use br_proto::defaults::{self, env};
+    use clap::{CommandFactory as _, FromArgMatches as _};
+
+    /// `br-emu load` with no flags (and no variables: clap reads them at parse time, and a shell
+    /// that sourced deploy/split.env must not change the defaults) calls Assign on br-all's
+    /// default port, as every other client does.
+    #[test]
+    fn load_with_no_flags_calls_br_all() {
+        let cmd = Cli::command().mut_subcommands(|s| s.mut_args(|a| a.env(None::<&'static str>)));
+        let cli =
+            Cli::from_arg_matches(&cmd.try_get_matches_from(["br-emu", "load"]).unwrap()).unwrap();
+        let Command::Load(load) = cli.command else {
+            panic!("parsed as {:?}", cli.command);
+        };
+        assert_eq!(load.decision_addr, [defaults::DECISION_ADDR]);
+        let load_cmd = Cli::command().find_subcommand("load").unwrap().clone();
+        let var = load_cmd
+            .get_arguments()
+            .find(|a| a.get_id() == "decision_addr")
+            .and_then(|a| a.get_env())
+            .unwrap();
+        assert_eq!(var, env::DECISION_ADDR);
+    }
 }

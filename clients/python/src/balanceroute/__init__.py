@@ -8,10 +8,14 @@ goes to once its prefill is done, and withdraw the request if the client goes aw
     # send the decode request to a.endpoint (or rank a.worker_id) with X-Request-Id: req-42
     client.cancel("g8", "req-42")  # if the client went away before it was sent
 
-`AsyncClient` is the same on asyncio. Errors are typed per gRPC status (`balanceroute.errors`).
+`Client()` with no addresses connects where `$BALANCEROUTE_DECISION_ADDR` says, else to br-all on
+its default port, 127.0.0.1:50060. `AsyncClient` is the same on asyncio. Errors are typed per
+gRPC status (`balanceroute.errors`).
 """
 
 from ._core import (
+    ADDRESS_ENV,
+    DEFAULT_ADDRESS,
     DEFAULT_ASSIGN_TIMEOUT,
     DEFAULT_CANCEL_TIMEOUT,
     Assignment,
@@ -38,6 +42,7 @@ from .errors import (
 )
 
 __all__ = [
+    "ADDRESS_ENV",
     "AsyncClient",
     "Assignment",
     "BalanceRouteError",
@@ -45,6 +50,7 @@ __all__ = [
     "Cancelled",
     "Client",
     "ClientOptions",
+    "DEFAULT_ADDRESS",
     "DEFAULT_ASSIGN_TIMEOUT",
     "DEFAULT_CANCEL_TIMEOUT",
     "DeadlineExceeded",

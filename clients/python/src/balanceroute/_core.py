@@ -8,6 +8,7 @@ client, `br_client::assign` (shared/client/src/assign.rs), rule for rule and nam
 """
 
 import enum
+import os
 import random
 import threading
 import time
@@ -18,6 +19,12 @@ import grpc
 
 from . import errors
 
+#: Where a client given no addresses connects (unless ADDRESS_ENV is set): br-all's one gRPC
+#: port on loopback, where every BalanceRoute binary looks by default (br_proto::defaults).
+DEFAULT_ADDRESS = "127.0.0.1:50060"
+#: The variable naming the decision service when a client is given no addresses: the one
+#: br-emu load and the bench drivers read, and deploy/split.env sets for the split deployment.
+ADDRESS_ENV = "BALANCEROUTE_DECISION_ADDR"
 #: How long `cancel` tries (retries included) when no timeout is given.
 DEFAULT_CANCEL_TIMEOUT = 2.0
 #: How long `assign` may take (pool wait, retries and failovers included) when no timeout is
@@ -198,6 +205,27 @@ def parse_address(addr: str, tls: bool) -> str:
             f"decision address {addr!r}: want host:port (http:// or https:// optional)"
         )
     return a
+
+
+def default_addresses() -> List[str]:
+    """The addresses of a client given none: ADDRESS_ENV's (comma-separated) when it is set and
+    not empty, else DEFAULT_ADDRESS.
+
+    The variable is read as the Rust binaries read it: its URLs say where, and the client's
+    certificates (`tls`), not the scheme, say whether the connection uses TLS (the services'
+    addresses stay `http://` under mutual TLS). So a scheme there is dropped, where an explicit
+    address's scheme must agree with `tls`."""
+    value = os.environ.get(ADDRESS_ENV, "").strip()
+    if not value:
+        return [DEFAULT_ADDRESS]
+    out = []
+    for a in split_addresses(value):
+        for scheme in ("http://", "https://"):
+            if a.startswith(scheme):
+                a = a[len(scheme) :]
+                break
+        out.append(a)
+    return out
 
 
 def split_addresses(addresses: Union[str, Iterable[str]]) -> List[str]:

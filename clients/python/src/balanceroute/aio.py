@@ -32,7 +32,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        addresses: Union[str, Iterable[str]],
+        addresses: Union[str, Iterable[str], None] = None,
         *,
         tls: Optional[TLSConfig] = None,
         options: ClientOptions = ClientOptions(),
@@ -44,6 +44,8 @@ class AsyncClient:
         self._tls = tls
         # Checked now, so a bad address or certificate path fails at construction.
         self._creds = tls.credentials() if tls is not None else None
+        if addresses is None:
+            addresses = _core.default_addresses()
         self._targets = [
             (a, _core.parse_address(a, tls is not None)) for a in _core.split_addresses(addresses)
         ]

@@ -41,7 +41,9 @@ class Client:
     """The gateway's Decision client over one or several replicas.
 
     addresses: `host:port` (or `http://` / `https://host:port`), a list of them or one string
-        separated by commas, in the order the default `Selection.ORDERED` tries them.
+        separated by commas, in the order the default `Selection.ORDERED` tries them. None:
+        `$BALANCEROUTE_DECISION_ADDR` if set, else br-all's default port, 127.0.0.1:50060
+        (`_core.default_addresses`).
     tls: `TLSConfig` for mutual TLS (the gateway's certificate); plaintext when None.
     options, retry: see `ClientOptions` and `RetryPolicy`.
 
@@ -51,7 +53,7 @@ class Client:
 
     def __init__(
         self,
-        addresses: Union[str, Iterable[str]],
+        addresses: Union[str, Iterable[str], None] = None,
         *,
         tls: Optional[TLSConfig] = None,
         options: ClientOptions = ClientOptions(),
@@ -62,6 +64,8 @@ class Client:
         self._retry = retry
         creds = tls.credentials() if tls is not None else None
         args = _channel_args(tls, options)
+        if addresses is None:
+            addresses = _core.default_addresses()
         replicas = []
         for addr in _core.split_addresses(addresses):
             target = _core.parse_address(addr, tls is not None)

@@ -59,7 +59,12 @@ use tokio_stream::wrappers::ReceiverStream;
 struct Opts {
     /// The decision service: one address or several replicas, comma-separated (a DNS name
     /// stands for every address it resolves to; see br_client::assign).
-    #[arg(long, value_delimiter = ',', default_value = "http://127.0.0.1:50063")]
+    #[arg(
+        long,
+        env = br_proto::defaults::env::DECISION_ADDR,
+        value_delimiter = ',',
+        default_value = br_proto::defaults::DECISION_ADDR
+    )]
     decision_addr: Vec<String>,
     /// Which replica a call goes to: ordered (the first healthy one) or round-robin.
     #[arg(long, default_value = "ordered")]
@@ -69,7 +74,11 @@ struct Opts {
     #[arg(long, default_value_t = 1)]
     max_attempts: u32,
     /// The snapshot service (for the telemetry side, see --workers).
-    #[arg(long, default_value = "http://127.0.0.1:50061")]
+    #[arg(
+        long,
+        env = br_proto::defaults::env::SNAPSHOT_ADDR,
+        default_value = br_proto::defaults::SNAPSHOT_ADDR
+    )]
     snapshot_addr: String,
     #[arg(long, default_value = "default")]
     group: String,
@@ -590,5 +599,32 @@ async fn telemetry(
                 anyhow::bail!("the Apply stream closed");
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[path = "common/cli.rs"]
+mod cli;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use br_proto::defaults::{self, env};
+
+    /// With no flags (and no variables) the driver loads br-all on its default port, as every
+    /// other client does.
+    #[test]
+    fn with_no_flags_it_loads_br_all() {
+        let o: Opts = cli::bare(&["assign-load"]);
+        assert_eq!(o.decision_addr, [defaults::DECISION_ADDR]);
+        assert_eq!(o.snapshot_addr, defaults::SNAPSHOT_ADDR);
+        assert_eq!(
+            cli::env_of::<Opts>("decision_addr").as_deref(),
+            Some(env::DECISION_ADDR)
+        );
+        assert_eq!(
+            cli::env_of::<Opts>("snapshot_addr").as_deref(),
+            Some(env::SNAPSHOT_ADDR)
+        );
     }
 }

@@ -32,7 +32,11 @@ use tonic::transport::Channel;
 #[command(name = "snapshot-load")]
 struct Args {
     /// The snapshot service.
-    #[arg(long, default_value = "http://127.0.0.1:50061")]
+    #[arg(
+        long,
+        env = br_proto::defaults::env::SNAPSHOT_ADDR,
+        default_value = br_proto::defaults::SNAPSHOT_ADDR
+    )]
     addr: String,
     /// Watch streams per HTTP/2 connection.
     #[arg(long, default_value_t = 100)]
@@ -250,4 +254,26 @@ async fn watchers(
         .await;
     println!("watchers after {duration:?}: {outcomes:?}");
     Ok(())
+}
+
+#[cfg(test)]
+#[path = "common/cli.rs"]
+mod cli;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use br_proto::defaults::{self, env};
+
+    /// With no flags (and no variables) the driver loads br-all on its default port, as every
+    /// other client does.
+    #[test]
+    fn with_no_flags_it_loads_br_all() {
+        let a: Args = cli::bare(&["snapshot-load", "groups"]);
+        assert_eq!(a.addr, defaults::SNAPSHOT_ADDR);
+        assert_eq!(
+            cli::env_of::<Args>("addr").as_deref(),
+            Some(env::SNAPSHOT_ADDR)
+        );
+    }
 }

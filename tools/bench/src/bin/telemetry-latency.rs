@@ -49,13 +49,22 @@ use tokio_util::sync::CancellationToken;
 #[command(name = "telemetry-latency", version)]
 struct Opts {
     /// br-ingest's gRPC address (where shims report).
-    #[arg(long, default_value = "http://127.0.0.1:50062")]
+    #[arg(
+        long,
+        env = br_proto::defaults::env::INGEST_ADDR,
+        default_value = br_proto::defaults::INGEST_ADDR
+    )]
     ingest_addr: String,
     /// br-snapshot's gRPC address (this tool's own Watch).
-    #[arg(long, default_value = "http://127.0.0.1:50061")]
+    #[arg(
+        long,
+        env = br_proto::defaults::env::SNAPSHOT_ADDR,
+        default_value = br_proto::defaults::SNAPSHOT_ADDR
+    )]
     snapshot_addr: String,
-    /// br-decision's admin address (host:port) whose /metrics is polled.
-    #[arg(long, default_value = "127.0.0.1:9063")]
+    /// br-decision's admin address (host:port) whose /metrics is polled; by default br-all's,
+    /// the same process as the two addresses above.
+    #[arg(long, default_value = br_proto::defaults::ALL_ADMIN_LISTEN)]
     decision_admin: String,
     #[arg(long, default_value = "default")]
     group: String,
@@ -454,4 +463,33 @@ async fn decision_sigma_version(addr: &str, group: &str) -> anyhow::Result<u64> 
         .and_then(|v| v.trim().parse::<f64>().ok())
         .map(|v| v as u64)
         .with_context(|| format!("no {prefix}in {addr}/metrics"))
+}
+
+#[cfg(test)]
+#[path = "common/cli.rs"]
+mod cli;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use br_proto::defaults::{self, env};
+
+    /// With no flags (and no variables) the driver loads br-all on its default port, as every
+    /// other client does.
+    #[test]
+    fn with_no_flags_it_loads_br_all() {
+        let o: Opts = cli::bare(&["telemetry-latency"]);
+        assert_eq!(o.ingest_addr, defaults::INGEST_ADDR);
+        assert_eq!(o.snapshot_addr, defaults::SNAPSHOT_ADDR);
+        // The decision replica polled is the one in the same process: br-all's admin port.
+        assert_eq!(o.decision_admin, defaults::ALL_ADMIN_LISTEN);
+        assert_eq!(
+            cli::env_of::<Opts>("ingest_addr").as_deref(),
+            Some(env::INGEST_ADDR)
+        );
+        assert_eq!(
+            cli::env_of::<Opts>("snapshot_addr").as_deref(),
+            Some(env::SNAPSHOT_ADDR)
+        );
+    }
 }
