@@ -784,13 +784,18 @@ async fn the_live_api_serves_a_bounded_history_of_sigma() {
     }
     let max = *want.values().max().unwrap();
     let imbalance = want.len() as u64 * max - want.values().sum::<u64>();
+    // 64-bit numbers as decimal strings: a JSON number would lose the epoch's low bits
+    let version = sigma.version.to_string();
     let j = eventually_some(WAIT, "the page's σ is the snapshot service's", || async {
         let (_, j) = live_json(&d, &path).await;
-        (j["now"]["sigma"]["version"].as_u64() == Some(sigma.version)).then_some(j)
+        (j["now"]["sigma"]["version"].as_str() == Some(version.as_str())).then_some(j)
     })
     .await;
     let now = &j["now"];
     assert_eq!(now["placing"], "ready", "{now}");
+    assert_eq!(now["sigma"]["epoch"], sigma.epoch.to_string(), "{now}");
+    let last = j["samples"].as_array().unwrap().last().unwrap();
+    assert_eq!(last["sigma_version"], version, "{last}");
     assert_eq!(loads_by_worker(&now["sigma"]["workers"]), want);
     assert_eq!(now["sigma"]["imbalance_tokens"].as_u64(), Some(imbalance));
     let last = j["samples"].as_array().unwrap().last().unwrap().clone();

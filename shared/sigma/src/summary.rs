@@ -7,7 +7,7 @@
 //! test of this crate checks it after every batch).
 
 use br_proto::v1;
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use crate::types::Liveness;
 use crate::{Sigma, Worker};
@@ -31,11 +31,31 @@ pub struct WorkerSummary {
     pub carrier: String,
 }
 
+/// A 64-bit integer as a decimal string in JSON. A browser reads JSON numbers as doubles,
+/// which hold 53 bits: σ's epoch (a random 64-bit number) lost its low bits on the live page.
+/// br-decision's HTTP API answers 64-bit integers the same way (proto3's JSON mapping), and
+/// brctl prints them in decimal, so every viewer shows the same digits.
+pub fn decimal<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+/// [`decimal`], `null` for `None`.
+pub fn decimal_opt<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.collect_str(v),
+        None => s.serialize_none(),
+    }
+}
+
 /// One group as `brctl status GROUP` and the live page show it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GroupSummary {
     pub group: String,
+    /// A decimal string in JSON ([`decimal`]).
+    #[serde(serialize_with = "decimal")]
     pub epoch: u64,
+    /// A decimal string in JSON ([`decimal`]).
+    #[serde(serialize_with = "decimal")]
     pub version: u64,
     /// Sorted by worker id.
     pub workers: Vec<WorkerSummary>,

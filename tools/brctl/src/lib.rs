@@ -369,8 +369,10 @@ fn groups_json(groups: &[v1::GroupSummary]) -> serde_json::Value {
             .map(|g| {
                 serde_json::json!({
                     "group": g.group,
-                    "epoch": g.epoch,
-                    "version": g.version,
+                    // decimal strings, as in `status GROUP` and every JSON the services
+                    // answer: a JSON number loses a 64-bit epoch's low bits in most readers
+                    "epoch": g.epoch.to_string(),
+                    "version": g.version.to_string(),
                     "workers": g.workers,
                     "live_workers": g.live_workers,
                     "cordoned_workers": g.cordoned_workers,

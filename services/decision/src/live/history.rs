@@ -50,7 +50,9 @@ pub struct Sample {
     pub seq: u64,
     /// Wall-clock time of the sample, milliseconds since the Unix epoch.
     pub unix_ms: u64,
-    /// The σ version the replica held; `None` before the first complete σ.
+    /// The σ version the replica held; `None` before the first complete σ. A decimal string
+    /// in JSON, as every 64-bit integer the page reads.
+    #[serde(serialize_with = "br_sigma::summary::decimal_opt")]
     pub sigma_version: Option<u64>,
     pub stale: bool,
     /// Every rank σ lists, by worker id (fenced ones at 0).

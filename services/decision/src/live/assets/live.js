@@ -158,8 +158,10 @@ function renderHeader() {
   $("policy").textContent = state.policy ? `policy ${state.policy}` : "";
   const sigma = state.now && state.now.sigma;
   const v = $("sigma-version");
-  v.textContent = sigma ? `σ epoch ${sigma.epoch.toString(16)} version ${sigma.version}` : "no σ";
-  v.dataset.version = sigma ? String(sigma.version) : "";
+  // 64-bit numbers arrive as decimal strings (a JSON number would lose their low bits) and
+  // are shown as they came, the digits brctl prints
+  v.textContent = sigma ? `σ epoch ${sigma.epoch} version ${sigma.version}` : "no σ";
+  v.dataset.version = sigma ? sigma.version : "";
   const last = state.samples[state.samples.length - 1];
   $("updated").textContent = last ? `sampled ${new Date(last.unix_ms).toLocaleTimeString()}` : "";
   $("interval").textContent = fmtDuration(state.intervalMs);
