@@ -92,5 +92,6 @@ sim_replay "" $POLICIES
 say "results: $TRACE, $N requests, G=$G, B=$B; model time (wall / $SCALE)"
 "$BIN/br-emu" report "${RUNS[@]}" ${SIMS[@]+"${SIMS[@]}"}
 echo
-echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric)"
+echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric);"
+echo "br-sim, brctl and the live page use the same name, and call G*max L - sum L the barrier idle"
 echo "run took $(( $(date +%s) - T0 )) s after the build; JSON and logs in $OUT"
