@@ -3,11 +3,13 @@
 # br-ingest, br-decision, G br-shims and `br-emu engine` on loopback (free ports), replays a
 # paper-shaped workload through them first with JSQ and then with BR-0 (decision restarted with
 # --policy), and prints the measured imbalance, TPOT and throughput side by side with br-sim's
-# for the same workload. The twin replays each live run's arrivals as the decision service saw
-# them (`br-emu load --arrivals-csv`): a "saturated" burst reaches the decision over a fraction
-# of a second, and the first wave is placed as it arrives, which the twin's idealised burst (all
-# in the pool at time 0) does not see (docs/design/0008-twin-replays-with-jitter.md). Every process it
-# starts is stopped on exit.
+# for the same workload, and how many ranks each run lost from routing at any time (a shim that
+# judged its engine down): runs that did not keep the same ranks in routing are not compared
+# fairly, and the summary says so. The twin replays each live run's arrivals as the decision
+# service saw them (`br-emu load --arrivals-csv`): a "saturated" burst reaches the decision over
+# a fraction of a second, and the first wave is placed as it arrives, which the twin's idealised
+# burst (all in the pool at time 0) does not see (docs/design/0008-twin-replays-with-jitter.md).
+# Every process it starts is stopped on exit.
 #
 # Knobs (environment): DEMO_TRACE (paper-azure), DEMO_REQUESTS (requests per policy), DEMO_G
 # (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
@@ -44,6 +46,8 @@ rm -f "$OUT"/*.log "$OUT"/*.json "$OUT"/*.csv
 OUT_LOGS="$OUT"
 # shellcheck source=scripts/lib/stack.sh
 source "$ROOT/scripts/lib/stack.sh"
+# shellcheck source=scripts/lib/routing.sh
+source "$ROOT/scripts/lib/routing.sh"
 
 # --- build ------------------------------------------------------------------------------------
 if [ "${DEMO_SKIP_BUILD:-0}" != 1 ]; then
@@ -60,6 +64,9 @@ start_stack
 
 # --- the runs ---------------------------------------------------------------------------------
 RUNS=()
+# Per run, POLICY=the ranks a shim took out of routing at some time (ranks_out_of_routing): the
+# runs compare only if they had the same ranks in routing.
+OUT_OF_ROUTING=()
 for policy in $POLICIES; do
     # Every shim announces the engine's real capacity B. BalanceRoute's pooled policies admit a
     # request only into a free slot; the baselines route on arrival, as vLLM's or a gateway's
@@ -81,6 +88,14 @@ for policy in $POLICIES; do
         admin_get "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/metrics" |
             grep '^balanceroute_decision_predictions_total' || echo "(no predictions_total series)"
     fi
+    # read before the shims stop (their counters go with them); the shims' logs are kept per
+    # run for the ranks that left routing, since the next run's shims write the same files
+    out=$(ranks_out_of_routing)
+    OUT_OF_ROUTING+=("$policy=$out")
+    for g in $out; do
+        g=${g%\?}
+        cp "$OUT/shim-$GROUP-$g-cap$cap.log" "$OUT/$policy-shim-$g.log" 2>/dev/null || true
+    done
     stop_decision
     stop_shims
 done
@@ -92,5 +107,8 @@ sim_replay "" $POLICIES
 say "results: $TRACE, $N requests, G=$G, B=$B; model time (wall / $SCALE)"
 "$BIN/br-emu" report "${RUNS[@]}" ${SIMS[@]+"${SIMS[@]}"}
 echo
-echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric)"
+routing_verdict "$G" "${OUT_OF_ROUTING[@]}"
+echo
+echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric);"
+echo "br-sim, brctl and the live page use the same name, and call G*max L - sum L the barrier idle"
 echo "run took $(( $(date +%s) - T0 )) s after the build; JSON and logs in $OUT"

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use br_certs::{Ca, Issued, Validity};
-use br_trust::{Identity, IdentityReader, Role, TlsFiles, TlsMaterial};
+use br_trust::{Identity, IdentityReader, Role, TlsFiles, TlsMaterial, WorkerIds};
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -71,6 +71,20 @@ impl Pki {
         let names = br_certs::worker_files(group, id);
         if !self.path(&names.0).exists() {
             let issued = self.ca.issue_worker(TD, group, id).expect("a worker cert");
+            br_certs::write(self.dir(), &names, &issued).expect("writing a worker cert");
+        }
+        self.with_ca(names)
+    }
+
+    /// The files of a shim serving the ranks `workers` of `group` (one certificate naming
+    /// them all), issued on first use.
+    pub fn workers(&self, group: &str, workers: WorkerIds) -> TlsFiles {
+        let names = br_certs::workers_files(group, workers);
+        if !self.path(&names.0).exists() {
+            let issued = self
+                .ca
+                .issue_workers(TD, group, workers)
+                .expect("a multi-rank worker cert");
             br_certs::write(self.dir(), &names, &issued).expect("writing a worker cert");
         }
         self.with_ca(names)

@@ -783,18 +783,34 @@ async fn the_live_api_serves_a_bounded_history_of_sigma() {
             u64::from(r.prompt_tokens) + u64::from(r.generated_tokens);
     }
     let max = *want.values().max().unwrap();
-    let imbalance = want.len() as u64 * max - want.values().sum::<u64>();
+    let imbalance = max - *want.values().min().unwrap();
+    let barrier_idle = want.len() as u64 * max - want.values().sum::<u64>();
+    assert_ne!(imbalance, barrier_idle, "three ranks tell the two apart");
+    // 64-bit numbers as decimal strings: a JSON number would lose the epoch's low bits
+    let version = sigma.version.to_string();
     let j = eventually_some(WAIT, "the page's σ is the snapshot service's", || async {
         let (_, j) = live_json(&d, &path).await;
-        (j["now"]["sigma"]["version"].as_u64() == Some(sigma.version)).then_some(j)
+        (j["now"]["sigma"]["version"].as_str() == Some(version.as_str())).then_some(j)
     })
     .await;
     let now = &j["now"];
     assert_eq!(now["placing"], "ready", "{now}");
+    assert_eq!(now["sigma"]["epoch"], sigma.epoch.to_string(), "{now}");
+    let last = j["samples"].as_array().unwrap().last().unwrap();
+    assert_eq!(last["sigma_version"], version, "{last}");
     assert_eq!(loads_by_worker(&now["sigma"]["workers"]), want);
     assert_eq!(now["sigma"]["imbalance_tokens"].as_u64(), Some(imbalance));
+    assert_eq!(
+        now["sigma"]["barrier_idle_tokens"].as_u64(),
+        Some(barrier_idle)
+    );
     let last = j["samples"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["imbalance_tokens"].as_u64(), Some(imbalance), "{last}");
+    assert_eq!(
+        last["barrier_idle_tokens"].as_u64(),
+        Some(barrier_idle),
+        "{last}"
+    );
     assert_eq!(
         loads_by_worker(&last["loads"]),
         want,

@@ -28,8 +28,9 @@ pub enum StreamError {
     )]
     NotYourWorker {
         certified: String,
-        /// The slot the certificate does give (`group "g0" worker 3`, or any worker of a
-        /// group for an unproven service-account mapping), or why it gives none.
+        /// The slot the certificate does give (`group "g0" worker 3`, `group "g0" workers
+        /// 0-3` for a shim serving several ranks, or any worker of a group for an unproven
+        /// service-account mapping), or why it gives none.
         own: String,
         group: String,
         worker_id: u32,

@@ -51,6 +51,11 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     // The proxy port carries the engine's own (plaintext HTTP) traffic, as the engine's port
     // does; TLS and the loopback default apply to the admin port and to the ingest stream.
     let edge = skeleton::Edge::load(&args.common, "shim", &process_registry, &shutdown)?;
+    if let Some(tls) = edge.tls()
+        && !args.ingest_addr.is_empty()
+    {
+        certificate_covers(tls, &args.group, &ids).map_err(StartError::Config)?;
+    }
     let probing = !args.health.engine_probe_interval.is_zero();
     let (listener, http_addr) = skeleton::bind_listen(&args.common, &edge).await?;
     let endpoint = args
@@ -271,4 +276,57 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
     )
     // "br-shim serving" above is the one start-up line, not the skeleton's.
     .announced())
+}
+
+/// Under mutual TLS ingest admits a rank's Hello only if the shim's certificate names that
+/// rank. A certificate that misses one of the ranks this shim serves would get that rank's
+/// stream refused again at every retry while the others report, a half-working shim; it is
+/// refused here instead, saying which certificate the ranks need.
+fn certificate_covers(tls: &br_trust::TlsMaterial, group: &str, ids: &[u32]) -> Result<(), String> {
+    // An identity this process cannot read (a service-account id that its own
+    // --spiffe-role-map does not name) is left for ingest, whose map decides.
+    let Ok(own) = tls.own_identity() else {
+        return Ok(());
+    };
+    let admits = |id: u32| own.worker.as_ref().is_some_and(|s| s.admits(group, id));
+    let missing: Vec<String> = ids
+        .iter()
+        .filter(|&&id| !admits(id))
+        .map(ToString::to_string)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let is_for = own
+        .worker
+        .as_ref()
+        .map_or_else(|| format!("role {}", own.role), ToString::to_string);
+    let wanted = match (ids.first(), ids.last()) {
+        (Some(first), Some(last)) if first != last => format!(
+            "a certificate for all of them, spiffe://{}/br/worker/{group}/{first}-{last} \
+             (br-certs --worker-range {first}-{last})",
+            tls.trust_domain()
+        ),
+        _ => format!(
+            "a certificate for spiffe://{}/br/worker/{group}/{}",
+            tls.trust_domain(),
+            ids.first().copied().unwrap_or_default()
+        ),
+    };
+    Err(format!(
+        "--tls-cert: the certificate ({own}) is for {is_for}, so ingest would refuse the Hello \
+         of group {group:?} worker {}: this shim serves {} and needs {wanted}",
+        missing.join(", "),
+        if ids.len() == 1 {
+            format!("worker {}", ids[0])
+        } else {
+            format!(
+                "workers {}",
+                ids.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    ))
 }

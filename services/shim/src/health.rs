@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use br_runtime::admin::Readiness;
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -246,6 +246,10 @@ impl Judge {
 pub struct HealthMetrics {
     /// 1 while the engine is judged up.
     pub engine_up: IntGauge,
+    /// Times the engine was judged down after it had been up: each took every rank of the
+    /// shim out of routing. The gauge shows only the present; a run that compares policies
+    /// needs to know whether its ranks left routing at any time (scripts/demo.sh reads it).
+    pub engine_down: IntCounter,
     /// Probes that failed, by reason.
     pub probe_failures: IntCounterVec,
 }
@@ -257,6 +261,12 @@ impl HealthMetrics {
                 "balanceroute_shim_engine_up",
                 "1 while the shim judges its engine up (probes pass, no run of failed requests); \
                  0 takes the worker out of routing.",
+            ))?,
+            engine_down: IntCounter::with_opts(Opts::new(
+                "balanceroute_shim_engine_down_total",
+                "Times the shim judged its engine down after it had been up, each taking its \
+                 ranks out of routing until the engine answers again (not the start, before the \
+                 first probe answers).",
             ))?,
             probe_failures: IntCounterVec::new(
                 Opts::new(
@@ -271,6 +281,7 @@ impl HealthMetrics {
             m.probe_failures.with_label_values(&[r]);
         }
         registry.register(Box::new(m.engine_up.clone()))?;
+        registry.register(Box::new(m.engine_down.clone()))?;
         registry.register(Box::new(m.probe_failures.clone()))?;
         Ok(m)
     }
@@ -383,6 +394,9 @@ impl Health {
             Verdict::Up => tracing::info!("the engine answers; in routing"),
             Verdict::Down(w) if !w.is_empty() => {
                 tracing::warn!(why = %w, "the engine is down; out of routing until it answers");
+                if let Some(m) = &self.metrics {
+                    m.engine_down.inc();
+                }
             }
             Verdict::Down(_) => {}
         }

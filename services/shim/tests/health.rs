@@ -184,6 +184,14 @@ async fn a_run_of_5xx_takes_the_worker_out_of_routing_until_the_engine_serves_ag
         ),
         0.0
     );
+    // once out of routing (the start, before the first probe answered, is not counted)
+    assert_eq!(
+        m.value(
+            "balanceroute_shim_engine_down_total",
+            &[("group", "hg"), ("worker", "4")]
+        ),
+        1.0
+    );
 
     // The engine serves again: after the hold, the passing probes bring the worker back as
     // the same incarnation.
@@ -224,6 +232,13 @@ async fn a_failing_health_endpoint_takes_the_worker_out_and_its_recovery_brings_
             &[("group", "hg"), ("worker", "4"), ("reason", "status")]
         ) >= 1.0
     );
+    let down = |m: &br_testkit::prom::Metrics| {
+        m.value(
+            "balanceroute_shim_engine_down_total",
+            &[("group", "hg"), ("worker", "4")],
+        )
+    };
+    assert_eq!(down(&m), 1.0, "out of routing once");
     // No Hello while the engine is down.
     assert_eq!(s.ingest.hellos().len(), 1);
     s.engine.health.store(200, Ordering::SeqCst);
@@ -234,6 +249,14 @@ async fn a_failing_health_endpoint_takes_the_worker_out_and_its_recovery_brings_
         readyz(&s.shim).await.0 == 200
     })
     .await;
+    // and out again: each time counts
+    s.engine.health.store(503, Ordering::SeqCst);
+    s.ingest
+        .wait_for("the worker ended its second stream", |_| {
+            s.ingest.streams_ended_by_worker() == 2
+        })
+        .await;
+    assert_eq!(down(&metrics(&s.shim).await), 2.0);
     s.stop.cancel();
     s.shim.wait().await.unwrap();
 }
@@ -275,6 +298,14 @@ async fn no_hello_and_not_ready_before_the_engine_answers() {
     );
     // Two probes failed after start, so a Hello would have been sent by now had it been let.
     assert!(ingest.hellos().is_empty(), "{:?}", ingest.hellos());
+    // never up, so never taken out of routing
+    assert_eq!(
+        m.value(
+            "balanceroute_shim_engine_down_total",
+            &[("group", "default"), ("worker", "0")]
+        ),
+        0.0
+    );
     let (status, body) = readyz(&shim).await;
     assert_eq!(status, 503);
     assert!(

@@ -580,7 +580,7 @@ mod wiring {
         // Every name under `# shim`, as the binary exports them (its own and the skeleton's).
         let m = br_testkit::http::metrics(shim.admin_addr()).await;
         let names = m.assert_contract("shim");
-        assert_eq!(names.len(), 11, "{names:?}");
+        assert_eq!(names.len(), 12, "{names:?}");
 
         // It proxies: the same bytes with and without it.
         let body = json!({"model": "br-emu", "prompt": "x", "max_tokens": 3, "stream": true});

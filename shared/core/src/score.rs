@@ -1,4 +1,5 @@
-//! The F-score: the change in imbalance `−ΔI` if a candidate subset `Q` is admitted to worker g.
+//! The F-score: the change in barrier idle `−ΔI` (`I = G·M − ΣL`, the paper's I) if a
+//! candidate subset `Q` is admitted to worker g.
 //!
 //! BR-0: `F_g(Q) = Δs(Q) − G·(Δs(Q) − m_g)+` with `m_g = M − L_g`.
 //! BR-H: `F_g(Q) = α·(1ᵀd)·Δs(Q) − β·(Δs(Q)·1 − m_g)+ᵀ d` over projected margins

@@ -477,8 +477,9 @@ impl ClusterState {
         self.workers.iter().map(WorkerInfo::free_slots).sum()
     }
 
-    /// The paper's imbalance `I = G·M − Σ L` over live workers, of `load()`.
-    pub fn imbalance(&self) -> u64 {
+    /// The barrier idle `I = G·M − Σ L` over live workers, of `load()` (the paper's I, the
+    /// quantity the F-score lowers; "imbalance" is max − min everywhere it is reported).
+    pub fn barrier_idle(&self) -> u64 {
         let sum: u64 = self
             .workers
             .iter()
@@ -523,7 +524,7 @@ mod tests {
         st.advance_step();
         assert_eq!(st.worker(0).unwrap().running_load, 106);
         assert_eq!(st.worker(1).unwrap().running_load, 51);
-        assert_eq!(st.imbalance(), 2 * 106 - 106 - 51);
+        assert_eq!(st.barrier_idle(), 2 * 106 - 106 - 51);
         let info = st.remove(1).unwrap();
         assert_eq!(info.generated, 6);
         assert_eq!(st.max_load(), 51);

@@ -27,8 +27,8 @@ fn state(loads: &[u32]) -> ClusterState {
     st
 }
 
-/// `I = G·M − Σ L` computed from scratch.
-fn imbalance(loads: &[u64]) -> i128 {
+/// The barrier idle `I = G·M − Σ L` computed from scratch.
+fn barrier_idle(loads: &[u64]) -> i128 {
     let g = loads.len() as i128;
     let max = *loads.iter().max().unwrap() as i128;
     g * max - loads.iter().map(|&l| l as i128).sum::<i128>()
@@ -36,14 +36,14 @@ fn imbalance(loads: &[u64]) -> i128 {
 
 proptest! {
     #[test]
-    fn f_is_minus_delta_imbalance(loads in prop::collection::vec(0u32..200_000, 1..64), pick in any::<prop::sample::Index>(), ds in 0u64..400_000) {
+    fn f_is_minus_delta_barrier_idle(loads in prop::collection::vec(0u32..200_000, 1..64), pick in any::<prop::sample::Index>(), ds in 0u64..400_000) {
         let g = pick.index(loads.len());
         let before: Vec<u64> = loads.iter().map(|&l| l as u64).collect();
         let mut after = before.clone();
         after[g] += ds;
         let margin = before.iter().max().unwrap() - before[g];
         let f = br0_score(ds, margin, loads.len() as u32);
-        prop_assert_eq!(f, imbalance(&before) - imbalance(&after));
+        prop_assert_eq!(f, barrier_idle(&before) - barrier_idle(&after));
         // the working form used inside a tick gives the same number
         let st = state(&loads);
         let m = Margins::br0(&st);

@@ -1,13 +1,15 @@
 //! What an operator sees of one group's σ: per rank its state, KV load and request counts,
-//! and the group's barrier numbers (M, the paper's imbalance I = G·M − ΣL, and the barrier's
-//! idle share). One computation for every viewer: brctl builds it from the `ClusterSnapshot`
+//! and the group's barrier numbers: M, the imbalance max − min L, the barrier idle
+//! I = G·M − ΣL (the paper's I) and its share of the barrier's work. The names are the ones
+//! br-sim, br-emu, the demo and the snapshot service's metrics use (`imbalance_tokens`,
+//! `barrier_idle_tokens`). One computation for every viewer: brctl builds it from the `ClusterSnapshot`
 //! that `Snapshot.Get` answers ([`GroupSummary::of_snapshot`]), br-decision's live page from
 //! its replica ([`Sigma::summary`], O(ranks): the loads come from the routing core's
 //! per-worker sums, not from a walk over the requests). The two agree on every σ (the property
 //! test of this crate checks it after every batch).
 
 use br_proto::v1;
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use crate::types::Liveness;
 use crate::{Sigma, Worker};
@@ -31,19 +33,42 @@ pub struct WorkerSummary {
     pub carrier: String,
 }
 
+/// A 64-bit integer as a decimal string in JSON. A browser reads JSON numbers as doubles,
+/// which hold 53 bits: σ's epoch (a random 64-bit number) lost its low bits on the live page.
+/// br-decision's HTTP API answers 64-bit integers the same way (proto3's JSON mapping), and
+/// brctl prints them in decimal, so every viewer shows the same digits.
+pub fn decimal<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+/// [`decimal`], `null` for `None`.
+pub fn decimal_opt<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.collect_str(v),
+        None => s.serialize_none(),
+    }
+}
+
 /// One group as `brctl status GROUP` and the live page show it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GroupSummary {
     pub group: String,
+    /// A decimal string in JSON ([`decimal`]).
+    #[serde(serialize_with = "decimal")]
     pub epoch: u64,
+    /// A decimal string in JSON ([`decimal`]).
+    #[serde(serialize_with = "decimal")]
     pub version: u64,
     /// Sorted by worker id.
     pub workers: Vec<WorkerSummary>,
     pub requests: usize,
     /// M: the largest load over ranks that are not fenced (the lockstep barrier waits for it).
     pub max_load_tokens: u64,
-    /// The paper's imbalance I = G·M − Σ L over ranks that are not fenced.
+    /// The imbalance max − min L over ranks that are not fenced.
     pub imbalance_tokens: u64,
+    /// The barrier idle I = G·M − Σ L over ranks that are not fenced: the KV-token slots idle
+    /// waiting on the slowest rank (the paper's I).
+    pub barrier_idle_tokens: u64,
     /// I / (G·M): the share of the barrier's KV work that is idle waiting on the slowest rank
     /// (0 when all ranks are equal, or when there is no load).
     pub barrier_idle_share: f64,
@@ -134,9 +159,10 @@ impl GroupSummary {
     ) -> GroupSummary {
         let alive = || workers.iter().filter(|w| w.liveness != "fenced");
         let max = alive().map(|w| w.load_tokens).max().unwrap_or(0);
+        let min = alive().map(|w| w.load_tokens).min().unwrap_or(0);
         let sum: u64 = alive().map(|w| w.load_tokens).sum();
         let barrier = alive().count() as u64 * max;
-        let imbalance = barrier - sum;
+        let idle = barrier - sum;
         GroupSummary {
             group: group.to_owned(),
             epoch,
@@ -144,11 +170,12 @@ impl GroupSummary {
             workers,
             requests,
             max_load_tokens: max,
-            imbalance_tokens: imbalance,
+            imbalance_tokens: max - min,
+            barrier_idle_tokens: idle,
             barrier_idle_share: if barrier == 0 {
                 0.0
             } else {
-                imbalance as f64 / barrier as f64
+                idle as f64 / barrier as f64
             },
         }
     }
@@ -205,9 +232,29 @@ mod tests {
             (v.workers[1].liveness, v.workers[2].liveness),
             ("suspect", "fenced")
         );
-        // the fenced rank is out of the barrier: G = 2, M = 150, Σ = 200
-        assert_eq!((v.max_load_tokens, v.imbalance_tokens), (150, 100));
+        // the fenced rank is out of the barrier: G = 2, M = 150, min 50, Σ = 200
+        assert_eq!(
+            (v.max_load_tokens, v.imbalance_tokens, v.barrier_idle_tokens),
+            (150, 100, 100)
+        );
         assert!((v.barrier_idle_share - 100.0 / 300.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn imbalance_is_max_minus_min_and_barrier_idle_is_g_max_minus_sum() {
+        use crate::fixtures::{request, worker};
+        // three live ranks at 0, 10 and 30 tokens: the two figures differ once G > 2
+        let snap = v1::ClusterSnapshot {
+            group: "g".into(),
+            workers: (0..3).map(|id| worker(id, v1::Liveness::Live)).collect(),
+            requests: vec![request("a", 1, 10, 0, false), request("b", 2, 30, 0, false)],
+            ..Default::default()
+        };
+        let v = GroupSummary::of_snapshot(&snap);
+        assert_eq!(v.max_load_tokens, 30);
+        assert_eq!(v.imbalance_tokens, 30);
+        assert_eq!(v.barrier_idle_tokens, 3 * 30 - 40);
+        assert!((v.barrier_idle_share - 50.0 / 90.0).abs() < 1e-12);
     }
 
     #[test]
@@ -216,7 +263,14 @@ mod tests {
             group: "g".into(),
             ..Default::default()
         });
-        assert_eq!((v.imbalance_tokens, v.barrier_idle_share), (0, 0.0));
+        assert_eq!(
+            (
+                v.imbalance_tokens,
+                v.barrier_idle_tokens,
+                v.barrier_idle_share
+            ),
+            (0, 0, 0.0)
+        );
         assert_eq!(Sigma::new("g").summary(), v);
     }
 

@@ -435,7 +435,9 @@ fn check_mirror(s: &Sigma) {
     assert_eq!(core.max_load(), max);
     // The O(ranks) summary (the live page's) is the one brctl computes from the snapshot.
     assert_eq!(s.summary(), GroupSummary::of_snapshot(&s.to_snapshot()));
-    assert_eq!(s.summary().imbalance_tokens, core.imbalance());
+    let summary = s.summary();
+    assert_eq!(summary.barrier_idle_tokens, core.barrier_idle());
+    assert_eq!(summary.imbalance_tokens, core.max_load() - core.min_load());
 }
 
 proptest! {

@@ -34,11 +34,12 @@ pub struct TlsArgs {
     /// Roles for Kubernetes service-account ids (`spiffe://<trust-domain>/ns/<namespace>/sa/<name>`,
     /// what cert-manager's csi-driver-spiffe issues): `<namespace>/<service account>=<role>`,
     /// repeated or comma-separated (a TOML list). Role: ingest, decision, snapshot, gateway,
-    /// admin, `worker/<group>/<id>` (an account only that rank runs as) or `worker/<group>/*`
-    /// (an account the group's ranks share: the worker id is then NOT proven, see
-    /// deploy/README.md; logged at WARN at every start). Unmapped accounts have no identity;
-    /// `br/<role>` ids need no entry. Give every binary the same map: clients check servers'
-    /// roles with it too.
+    /// admin, `worker/<group>/<id>` (an account only that rank runs as),
+    /// `worker/<group>/<first>-<last>` (an account only the pod whose shim serves those ranks
+    /// runs as) or `worker/<group>/*` (an account the group's ranks share: the worker id is
+    /// then NOT proven, see deploy/README.md; logged at WARN at every start). Unmapped
+    /// accounts have no identity; `br/<role>` ids need no entry. Give every binary the same
+    /// map: clients check servers' roles with it too.
     #[arg(
         long,
         env = "BALANCEROUTE_SPIFFE_ROLE_MAP",

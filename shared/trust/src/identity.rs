@@ -2,7 +2,11 @@
 //!
 //! `spiffe://<trust-domain>/br/<role>` for the services, gateways and operators, and
 //! `spiffe://<trust-domain>/br/worker/<group>/<worker_id>` for a decode worker's shim, so that
-//! certificates issued by SPIRE or cert-manager work as they are. Kubernetes service-account ids
+//! certificates issued by SPIRE or cert-manager work as they are. A shim that serves several
+//! ranks of one engine server (`br-shim --worker-ids 0-7`) presents one certificate for all of
+//! them: `.../br/worker/<group>/<first>-<last>`, a contiguous range (a SPIFFE path segment
+//! allows digits and `-` but not `,`, and a SPIFFE certificate carries exactly one URI SAN, so
+//! a range in one id is how one certificate names several ranks). Kubernetes service-account ids
 //! (`spiffe://<trust-domain>/ns/<namespace>/sa/<name>`, what csi-driver-spiffe issues) get a
 //! role only through `--spiffe-role-map` ([`IdentityReader`], [`crate::rolemap`]). A
 //! certificate with no URI SAN of our trust domain, or with more than one, has no identity (a
@@ -10,38 +14,40 @@
 
 use std::fmt;
 
-use br_proto::valid::{GroupId, limits};
+use br_proto::valid::GroupId;
 
 use crate::rolemap::{Grant, RoleMap};
 
 /// The default trust domain (`--trust-domain`).
 pub const DEFAULT_TRUST_DOMAIN: &str = "balanceroute.local";
 
-// The role has its own module, shared with the role map that grants one; here is where the
-// crate's users have always found it.
+// The role and the worker ids have their own modules, shared with the role map that grants
+// them; here is where the crate's users find them.
 pub use crate::role::Role;
+pub use crate::worker_ids::{WorkerIds, WorkerIdsError};
 
-/// A worker's place: the (group, worker id) its certificate lets it report for.
+/// A worker's place: the group and the worker ids its certificate lets it report for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct WorkerSlot {
     pub group: String,
     /// `None`: any worker of the group. Only a service-account id mapped by a
     /// `worker/<group>/*` entry of `--spiffe-role-map` reads so (the id is unproven); a
-    /// `br/worker/<group>/<id>` certificate always names its worker.
-    pub worker_id: Option<u32>,
+    /// `br/worker/<group>/<ids>` certificate always names its workers.
+    pub workers: Option<WorkerIds>,
 }
 
 impl WorkerSlot {
     /// Whether a Hello for `worker_id` of `group` is this slot's to say.
     pub fn admits(&self, group: &str, worker_id: u32) -> bool {
-        self.group == group && self.worker_id.is_none_or(|id| id == worker_id)
+        self.group == group && self.workers.is_none_or(|ids| ids.contains(worker_id))
     }
 }
 
 impl fmt::Display for WorkerSlot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.worker_id {
-            Some(id) => write!(f, "group {:?} worker {id}", self.group),
+        match self.workers {
+            Some(ids) if ids.is_one() => write!(f, "group {:?} worker {ids}", self.group),
+            Some(ids) => write!(f, "group {:?} workers {ids}", self.group),
             None => write!(f, "any worker of group {:?}", self.group),
         }
     }
@@ -98,6 +104,12 @@ impl Identity {
         format!("spiffe://{trust_domain}/br/worker/{group}/{worker_id}")
     }
 
+    /// The SPIFFE id for the shim of several workers (or of one: then the same as
+    /// [`Identity::uri_for_worker`]).
+    pub fn uri_for_workers(trust_domain: &str, group: &str, workers: WorkerIds) -> String {
+        format!("spiffe://{trust_domain}/br/worker/{group}/{workers}")
+    }
+
     /// Reads one URI; `Ok(None)` when it is not of `trust_domain` at all (another SAN the
     /// certificate may carry), an error when it is ours but malformed.
     pub fn from_uri(uri: &str, trust_domain: &str) -> Result<Option<Identity>, IdentityError> {
@@ -111,28 +123,20 @@ impl Identity {
         };
         let parts: Vec<&str> = path.split('/').collect();
         let (role, worker) = match parts.as_slice() {
-            ["br", "worker", group, id] => {
+            ["br", "worker", group, ids] => {
                 let group = GroupId::new(group).map_err(|e| malformed(&e.to_string()))?;
-                // digits only: no sign, no spaces, no leading '+'
-                if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
-                    return Err(malformed("the worker id is not a number"));
-                }
-                let worker_id: u32 = id
-                    .parse()
-                    .map_err(|_| malformed("the worker id is too large"))?;
-                if worker_id > limits::MAX_WORKER_ID {
-                    return Err(malformed(&format!(
-                        "the worker id is above {}",
-                        limits::MAX_WORKER_ID
-                    )));
-                }
+                let workers: WorkerIds = ids.parse().map_err(|e| malformed(&format!("{e}")))?;
                 let slot = WorkerSlot {
                     group: group.as_str().to_owned(),
-                    worker_id: Some(worker_id),
+                    workers: Some(workers),
                 };
                 (Role::Worker, Some(slot))
             }
-            ["br", "worker", ..] => return Err(malformed("a worker is br/worker/<group>/<id>")),
+            ["br", "worker", ..] => {
+                return Err(malformed(
+                    "a worker is br/worker/<group>/<id> or br/worker/<group>/<first>-<last>",
+                ));
+            }
             ["br", role] => match Role::parse(role) {
                 Some(r) => (r, None),
                 None => return Err(malformed("unknown role")),
@@ -217,11 +221,11 @@ impl IdentityReader {
         };
         let (role, worker) = match grant {
             Grant::Role(r) => (*r, None),
-            Grant::Worker { group, worker_id } => (
+            Grant::Worker { group, workers } => (
                 Role::Worker,
                 Some(WorkerSlot {
                     group: group.clone(),
-                    worker_id: *worker_id,
+                    workers: *workers,
                 }),
             ),
         };
@@ -280,9 +284,50 @@ mod tests {
         assert_eq!(id.role, Role::Worker);
         let slot = WorkerSlot {
             group: "g0".into(),
-            worker_id: Some(7),
+            workers: Some(WorkerIds::one(7).unwrap()),
         };
         assert_eq!(id.worker, Some(slot));
+    }
+
+    #[test]
+    fn a_worker_range_names_each_of_its_ranks_and_no_other() {
+        let ids = WorkerIds::range(0, 1).unwrap();
+        let uri = Identity::uri_for_workers(TD, "g0", ids);
+        assert_eq!(uri, "spiffe://balanceroute.local/br/worker/g0/0-1");
+        let id = Identity::from_uri(&uri, TD).unwrap().unwrap();
+        assert_eq!(id.role, Role::Worker);
+        let slot = id.worker.unwrap();
+        assert!(slot.admits("g0", 0) && slot.admits("g0", 1));
+        assert!(!slot.admits("g0", 2) && !slot.admits("g1", 0));
+        assert_eq!(slot.to_string(), "group \"g0\" workers 0-1");
+        // one worker reads the same whichever constructor wrote it
+        let one = WorkerIds::one(5).unwrap();
+        assert_eq!(
+            Identity::uri_for_workers(TD, "g0", one),
+            Identity::uri_for_worker(TD, "g0", 5)
+        );
+        assert_eq!("5".parse::<WorkerIds>().unwrap(), one);
+        assert_eq!("3-1023".parse::<WorkerIds>().unwrap().to_string(), "3-1023");
+
+        for (bad, why) in [
+            ("1-1", "FIRST below LAST"),
+            ("2-1", "FIRST below LAST"),
+            ("0-1024", "above 1023"),
+            ("0-99999999999", "above 1023"),
+            ("0-", "not a worker id"),
+            ("-1", "not a worker id"),
+            ("0--1", "not a worker id"),
+            ("0-1-2", "not a worker id"),
+            ("0,1", "not a worker id"),
+            ("+0-1", "not a worker id"),
+            (" 0-1", "not a worker id"),
+        ] {
+            let e = bad.parse::<WorkerIds>().unwrap_err();
+            assert!(e.to_string().contains(why), "{bad}: {e}");
+            let uri = format!("spiffe://balanceroute.local/br/worker/g0/{bad}");
+            let e = Identity::from_uri(&uri, TD).unwrap_err();
+            assert!(matches!(e, IdentityError::Malformed { .. }), "{bad}: {e}");
+        }
     }
 
     fn mapped() -> IdentityReader {
@@ -309,7 +354,7 @@ mod tests {
         let any = r.read_uri(&sa("br-g0", "decode")).unwrap().unwrap();
         assert_eq!(any.role, Role::Worker);
         let slot = any.worker.unwrap();
-        assert_eq!(slot.worker_id, None);
+        assert_eq!(slot.workers, None);
         assert!(slot.admits("g0", 0) && slot.admits("g0", 7));
         assert!(!slot.admits("g1", 0), "the group is still proven");
         assert_eq!(slot.to_string(), "any worker of group \"g0\"");

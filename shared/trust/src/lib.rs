@@ -2,7 +2,8 @@
 //! identities, and the one method × role authorisation table.
 //!
 //! * [`identity`]: reading `spiffe://<trust-domain>/br/<role>` (and
-//!   `.../br/worker/<group>/<worker_id>`) from a certificate's URI SAN.
+//!   `.../br/worker/<group>/<worker_id>`, `.../br/worker/<group>/<first>-<last>`) from a
+//!   certificate's URI SAN.
 //! * [`rolemap`]: `--spiffe-role-map`, roles for Kubernetes service-account ids
 //!   (`spiffe://<trust-domain>/ns/<namespace>/sa/<name>`, what csi-driver-spiffe issues).
 //! * [`policy`]: which roles may call which gRPC method, and the tower layer that enforces it
@@ -24,9 +25,10 @@ pub mod policy;
 mod role;
 pub mod rolemap;
 pub mod tls;
+mod worker_ids;
 
 pub use args::TlsArgs;
-pub use identity::{Identity, IdentityReader, Role, WorkerSlot};
+pub use identity::{Identity, IdentityReader, Role, WorkerIds, WorkerIdsError, WorkerSlot};
 pub use policy::{AuthzLayer, DenyReason};
 pub use rolemap::{RoleMap, RoleMapEntry};
 pub use tls::{TlsFiles, TlsMaterial};

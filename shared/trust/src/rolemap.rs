@@ -9,6 +9,8 @@
 //! * `ingest`, `decision`, `snapshot`, `gateway`, `admin`: that role;
 //! * `worker/<group>/<id>`: exactly that decode worker. As strong as a `br/worker/...` id only
 //!   when no other pod runs as that service account (one account per rank);
+//! * `worker/<group>/<first>-<last>`: exactly those workers, for a pod whose shim serves
+//!   several ranks of one engine server (`br-shim --worker-ids <first>-<last>`);
 //! * `worker/<group>/*`: any worker of that group, the weaker opt-in for a StatefulSet whose
 //!   ranks share one account. The certificate then proves the group but not the worker id: any
 //!   pod holding that account can say Hello as any rank of the group (ingest still refuses a
@@ -23,9 +25,10 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
-use br_proto::valid::{GroupId, limits};
+use br_proto::valid::GroupId;
 
 use crate::role::Role;
+use crate::worker_ids::WorkerIds;
 
 /// The SPIFFE id csi-driver-spiffe gives a pod of `namespace` running as `service_account`.
 pub fn service_account_id(trust_domain: &str, namespace: &str, service_account: &str) -> String {
@@ -37,11 +40,11 @@ pub fn service_account_id(trust_domain: &str, namespace: &str, service_account: 
 pub enum Grant {
     /// A role other than worker.
     Role(Role),
-    /// A decode worker of `group`: worker `worker_id`, or any worker of the group when `None`
-    /// (the id is then unproven).
+    /// Decode workers of `group`: the worker (or range of workers) `workers` names, or any
+    /// worker of the group when `None` (the id is then unproven).
     Worker {
         group: String,
-        worker_id: Option<u32>,
+        workers: Option<WorkerIds>,
     },
 }
 
@@ -51,11 +54,11 @@ impl fmt::Display for Grant {
             Grant::Role(r) => write!(f, "{r}"),
             Grant::Worker {
                 group,
-                worker_id: Some(id),
-            } => write!(f, "worker/{group}/{id}"),
+                workers: Some(ids),
+            } => write!(f, "worker/{group}/{ids}"),
             Grant::Worker {
                 group,
-                worker_id: None,
+                workers: None,
             } => write!(f, "worker/{group}/*"),
         }
     }
@@ -105,34 +108,27 @@ fn parse_grant(s: &str) -> Result<Grant, String> {
                 .map_err(|e| format!("worker group {group:?}: {e}"))?
                 .as_str()
                 .to_owned();
-            let worker_id = if *id == "*" {
+            let workers = if *id == "*" {
                 None
             } else {
-                if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
-                    return Err(format!(
-                        "worker id {id:?} is neither a number nor * (any worker of the group)"
-                    ));
-                }
-                let n: u32 = id
+                let ids: WorkerIds = id
                     .parse()
-                    .map_err(|_| format!("worker id {id:?} is too large"))?;
-                if n > limits::MAX_WORKER_ID {
-                    return Err(format!("worker id {n} is above {}", limits::MAX_WORKER_ID));
-                }
-                Some(n)
+                    .map_err(|e| format!("worker {id:?}: {e}, or * (any worker of the group)"))?;
+                Some(ids)
             };
-            Ok(Grant::Worker { group, worker_id })
+            Ok(Grant::Worker { group, workers })
         }
         ["worker", ..] => Err(
-            "a worker is worker/<group>/<id> (one service account per rank) or worker/<group>/* \
-             (a service account shared by the group's ranks: the worker id is then unproven); \
-             a service account is never a worker of every group"
+            "a worker is worker/<group>/<id> (one service account per rank), \
+             worker/<group>/<first>-<last> (a pod whose shim serves those ranks) or \
+             worker/<group>/* (a service account shared by the group's ranks: the worker id is \
+             then unproven); a service account is never a worker of every group"
                 .to_owned(),
         ),
         [role] => match Role::ALL.into_iter().find(|r| r.as_str() == *role) {
             Some(r) => Ok(Grant::Role(r)),
             None => Err(format!(
-                "unknown role {role:?} (ingest, decision, snapshot, gateway, admin, all, worker/<group>/<id>, worker/<group>/*)"
+                "unknown role {role:?} (ingest, decision, snapshot, gateway, admin, all, worker/<group>/<id>, worker/<group>/<first>-<last>, worker/<group>/*)"
             )),
         },
         _ => Err(format!("{s:?} is not a role")),
@@ -166,11 +162,13 @@ pub enum RoleMapError {
     #[error(
         "{namespace}/{service_account} is given twice ({first} and {second}); a service account has one role"
     )]
+    /// The grants are boxed: a worker grant's id range made the error, which every start-up
+    /// path carries in its `Result`, larger than a small error should be.
     Duplicate {
         namespace: String,
         service_account: String,
-        first: Grant,
-        second: Grant,
+        first: Box<Grant>,
+        second: Box<Grant>,
     },
 }
 
@@ -191,8 +189,8 @@ impl RoleMap {
                 return Err(RoleMapError::Duplicate {
                     namespace: key.0,
                     service_account: key.1,
-                    first: Grant::clone(first),
-                    second: e.grant,
+                    first: Box::new(Grant::clone(first)),
+                    second: Box::new(e.grant),
                 });
             }
             by_account.insert(key, e.grant);
@@ -214,9 +212,7 @@ impl RoleMap {
     /// every start.
     pub fn unproven_workers(&self) -> impl Iterator<Item = RoleMapEntry> + '_ {
         self.by_account.iter().filter_map(|((ns, sa), g)| match g {
-            Grant::Worker {
-                worker_id: None, ..
-            } => Some(RoleMapEntry {
+            Grant::Worker { workers: None, .. } => Some(RoleMapEntry {
                 namespace: ns.clone(),
                 service_account: sa.clone(),
                 grant: g.clone(),
@@ -256,13 +252,20 @@ mod tests {
         let exact = entry(" br-g8/decode-3 = worker/g8/3 ");
         let want = Grant::Worker {
             group: "g8".into(),
-            worker_id: Some(3),
+            workers: Some(WorkerIds::one(3).unwrap()),
         };
         assert_eq!(exact.grant, want);
+        let range = entry("br-g8/decode-0=worker/g8/0-3");
+        let want = Grant::Worker {
+            group: "g8".into(),
+            workers: Some(WorkerIds::range(0, 3).unwrap()),
+        };
+        assert_eq!(range.grant, want);
+        assert_eq!(range.to_string(), "br-g8/decode-0=worker/g8/0-3");
         let any = entry("br-g8/decode=worker/g8/*");
         let want = Grant::Worker {
             group: "g8".into(),
-            worker_id: None,
+            workers: None,
         };
         assert_eq!(any.grant, want);
         assert_eq!(any.to_string(), "br-g8/decode=worker/g8/*");
@@ -279,6 +282,10 @@ mod tests {
             "ns/sa=worker/g8/1024",
             "ns/sa=worker/g8/99999999999",
             "ns/sa=worker/g8/1/2",
+            "ns/sa=worker/g8/3-3",
+            "ns/sa=worker/g8/3-1",
+            "ns/sa=worker/g8/0-1024",
+            "ns/sa=worker/g8/0,1",
             "ns/sa=root",
             "ns/sa=",
             "ns/sa",

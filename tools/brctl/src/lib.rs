@@ -2,7 +2,8 @@
 //! (`Snapshot.ListGroups`, `Snapshot.Get`) and changes only one thing, the cordon of a rank
 //! (`Snapshot.SetCordon`); under mutual TLS it needs a certificate of role `admin`.
 //!
-//! * [`model`]: what is shown, computed from σ alone (per-rank load, imbalance, requests).
+//! * [`model`]: what is shown, computed from σ alone (per-rank load, imbalance, barrier idle,
+//!   requests).
 //! * [`render`]: tables and JSON.
 //! * [`tui`]: `brctl watch`, a live terminal view.
 
@@ -31,7 +32,7 @@ pub const EXIT_DRAIN_TIMEOUT: i32 = 3;
     about = "BalanceRoute's operator command line: see groups, ranks, loads and requests; cordon, uncordon and drain ranks",
     after_help = "Examples:
   brctl status                               every group the snapshot service holds
-  brctl status prod-g0                       per rank: state, KV load, requests, capacity; imbalance
+  brctl status prod-g0                       per rank: state, KV load, requests, capacity; imbalance, barrier idle
   brctl status prod-g0 --output json         the same as JSON
   brctl requests prod-g0 3                   the requests σ holds on rank 3
   brctl watch prod-g0                        a live view (q to quit)
@@ -81,7 +82,8 @@ pub enum Output {
 pub enum Command {
     /// Every group, or one group's ranks: state (live, suspect, fenced; cordoned), incarnation,
     /// KV load as a bar and in tokens, running and reserved requests, capacity; the group's
-    /// version, imbalance and barrier idle share.
+    /// version, max load, imbalance (max − min load), barrier idle (G·M − ΣL, the KV-token slots
+    /// idle at the lockstep barrier) and its share of G·M, over the ranks that are not fenced.
     Status {
         /// Show this group's ranks (without: list the groups).
         group: Option<String>,
@@ -369,8 +371,10 @@ fn groups_json(groups: &[v1::GroupSummary]) -> serde_json::Value {
             .map(|g| {
                 serde_json::json!({
                     "group": g.group,
-                    "epoch": g.epoch,
-                    "version": g.version,
+                    // decimal strings, as in `status GROUP` and every JSON the services
+                    // answer: a JSON number loses a 64-bit epoch's low bits in most readers
+                    "epoch": g.epoch.to_string(),
+                    "version": g.version.to_string(),
                     "workers": g.workers,
                     "live_workers": g.live_workers,
                     "cordoned_workers": g.cordoned_workers,

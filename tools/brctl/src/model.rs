@@ -1,6 +1,6 @@
 //! What brctl shows, computed from σ alone (pure, so it is unit-tested without a server):
 //! the request list, and each decision replica's row read off its `/metrics`. The per-rank
-//! load, counts and liveness and the group's imbalance and barrier idle share are
+//! load, counts and liveness and the group's imbalance, barrier idle and its share are
 //! [`GroupSummary`], br-sigma's, which br-decision's live page shows as well.
 
 use br_proto::v1;

@@ -49,16 +49,19 @@ pub fn groups_table(groups: &[v1::GroupSummary]) -> String {
     t.to_string()
 }
 
-/// The one-line summary above a group's table.
+/// The one-line summary above a group's table (it must fit `brctl watch`'s frame). The names
+/// are the ones br-sim, the demo and the snapshot service's metrics use: imbalance = max − min
+/// load, barrier idle = G·M − ΣL (`brctl status --help` says so).
 pub fn group_header(v: &GroupSummary) -> String {
     format!(
-        "group {}  epoch {}  version {}  requests {}  max load {} tokens  imbalance {} tokens  barrier idle {:.1}%",
+        "group {}  epoch {}  version {}  requests {}  tokens: max {}  imbalance {}  barrier idle {} ({:.1}%)",
         v.group,
         v.epoch,
         v.version,
         v.requests,
         v.max_load_tokens,
         v.imbalance_tokens,
+        v.barrier_idle_tokens,
         v.barrier_idle_share * 100.0
     )
 }
@@ -179,5 +182,15 @@ mod tests {
         // a small non-zero load still shows
         assert_eq!(bar(1, 1000, 4), "█···");
         assert_eq!(bar(2000, 1000, 4), "████", "never wider than the bar");
+    }
+
+    #[test]
+    fn the_header_shows_max_imbalance_and_barrier_idle() {
+        let v = GroupSummary::of_snapshot(&br_sigma::fixtures::snapshot());
+        let h = group_header(&v);
+        assert!(
+            h.contains("tokens: max 150  imbalance 100  barrier idle 100 (33.3%)"),
+            "{h}"
+        );
     }
 }

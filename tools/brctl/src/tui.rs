@@ -220,7 +220,9 @@ mod tests {
         assert!(text.contains("group g0"), "{text}");
         assert!(text.contains("4321"), "{text}");
         assert!(text.contains("live,cordoned"), "{text}");
-        assert!(text.contains("barrier idle 66.7%"), "{text}");
+        // three live ranks at 0, 4321 and 0: the two figures differ
+        assert!(text.contains("imbalance 4321"), "{text}");
+        assert!(text.contains("barrier idle 8642 (66.7%)"), "{text}");
         // rank 1 carries the only load: a full bar on its line only
         let rank_line = |id: &str| {
             text.lines()

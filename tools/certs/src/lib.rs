@@ -1,5 +1,5 @@
-//! Development certificates for BalanceRoute: one CA, one certificate per role and one per
-//! worker, each carrying its SPIFFE id as a URI SAN (what SPIRE or cert-manager's
+//! Development certificates for BalanceRoute: one CA, one certificate per role, one per
+//! worker and one per shim serving several ranks, each carrying its SPIFFE id as a URI SAN (what SPIRE or cert-manager's
 //! csi-driver-spiffe would issue in production). Also used by tests to make certificates from
 //! other CAs, expired ones, and rotations.
 
@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::Path;
 use std::time::Duration;
 
-use br_trust::{Identity, Role};
+use br_trust::{Identity, Role, WorkerIds};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
@@ -152,6 +152,19 @@ impl Ca {
         let uri = Identity::uri_for_worker(trust_domain, group, id);
         self.issue(&uri, Validity::For(DEFAULT_VALIDITY))
     }
+
+    /// The certificate of a shim serving the ranks `workers` of `group` (`br-shim --worker-ids
+    /// <first>-<last>`): one SPIFFE id, `.../br/worker/<group>/<first>-<last>`, with which
+    /// ingest admits a Hello for each of those ranks and for no other.
+    pub fn issue_workers(
+        &self,
+        trust_domain: &str,
+        group: &str,
+        workers: WorkerIds,
+    ) -> Result<Issued, Error> {
+        let uri = Identity::uri_for_workers(trust_domain, group, workers);
+        self.issue(&uri, Validity::For(DEFAULT_VALIDITY))
+    }
 }
 
 /// How long development certificates are valid.
@@ -167,6 +180,15 @@ pub fn worker_files(group: &str, id: u32) -> (String, String) {
     (
         format!("worker-{group}-{id}.pem"),
         format!("worker-{group}-{id}-key.pem"),
+    )
+}
+
+/// The file names for a shim serving several ranks: `worker-<group>-<first>-<last>.pem` and
+/// `…-key.pem` (for one rank, [`worker_files`]'s).
+pub fn workers_files(group: &str, workers: WorkerIds) -> (String, String) {
+    (
+        format!("worker-{group}-{workers}.pem"),
+        format!("worker-{group}-{workers}-key.pem"),
     )
 }
 

@@ -9,7 +9,7 @@ use crate::calibrate;
 use crate::cli::{Arrival, CalibrateArgs, Command, RunArgs, SweepArgs, Workload};
 use crate::engine::{ControlPlane, EngineConfig, RunOutcome, simulate_deciders};
 use crate::plot::{LoadSeries, ScalingPoint, plot_scaling, plot_worker_loads};
-use crate::report::{Report, RunReport, SteadyExtra, is_baseline, render_table};
+use crate::report::{Report, RunReport, SteadyExtra, TABLE_LEGEND, is_baseline, render_table};
 use crate::spec::{PolicySpec, parse_spec, parse_sweep_param, set_param};
 use crate::synth::SynthKind;
 use crate::trace::summarize;
@@ -213,6 +213,7 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
     };
     let steady: Vec<SteadyExtra> = outcomes.iter().map(RunOutcome::steady_extra).collect();
     print!("{}", render_table(&report.runs, &steady));
+    println!("{TABLE_LEGEND}");
     if let Some(path) = &args.json {
         report
             .write_json(path)
@@ -437,6 +438,7 @@ fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
     let points = scaling_points(&rows, &per_seed);
     let (runs, steady): (Vec<RunReport>, Vec<SteadyExtra>) = rows.into_iter().unzip();
     print!("{}", render_table(&runs, &steady));
+    println!("{TABLE_LEGEND}");
     let report = Report { runs };
     if let Some(path) = &args.run.json {
         report

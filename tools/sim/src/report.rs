@@ -64,6 +64,14 @@ pub fn is_baseline(policy: &str) -> bool {
     !policy.starts_with("br")
 }
 
+/// The line printed under the table: what each column is (tools/sim/README.md, "Columns",
+/// says it at length). One line, so the scripts that read the table stop at it.
+pub const TABLE_LEGEND: &str = "columns: G: ranks; imbalance, s.imbal: mean max - min KV load over all / steady steps (tokens); \
+barrier_idle: mean G*max - sum of loads (token slots idle at the barrier); tok/s, fluid: output tokens/s and its limit with every step balanced; \
+gain%: tok/s against the best baseline at this G; gap%: share of that baseline's gap to its own fluid limit the run removes (100 = balanced); \
+steady, s.fluid, s.gain%, s.gap%: the same over the steady steps (requests waiting); \
+tpot50, tpot95: ms per output token; queue_ms: mean wait before the first step; steps: decode steps; reqs: requests finished";
+
 /// Renders the table: one row per run. Besides the report's fields it shows, against the best
 /// baseline at the same G (by the same measure): the throughput gain (`gain%`) and the share of
 /// the baseline's gap to the fluid limit the run captures (`gap%`, see [`gap_captured`]), for
@@ -273,6 +281,16 @@ mod tests {
         assert!(t.contains("+18.8"), "{t}");
         assert!(t.contains(" 75"), "{t}");
         assert!(render_table(&runs, &[]).lines().count() == 3);
+        // the legend names every column of the header
+        let header = t.lines().next().expect("a header");
+        for col in header.split_whitespace().skip(1) {
+            assert!(
+                TABLE_LEGEND.contains(&format!(" {col}:"))
+                    || TABLE_LEGEND.contains(&format!(" {col},")),
+                "{col} has no legend: {TABLE_LEGEND}"
+            );
+        }
+        assert_eq!(TABLE_LEGEND.lines().count(), 1);
         let g = gap_captured(&runs[1], &runs[0]).expect("gap");
         assert!((g - 0.75).abs() < 1e-12, "{g}");
     }

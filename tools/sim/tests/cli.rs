@@ -39,6 +39,24 @@ fn run_writes_table_json_and_figure() {
     let stdout = text(&out.stdout);
     assert!(stdout.contains("paper-azure (synthetic)"), "{stdout}");
     assert!(stdout.lines().any(|l| l.starts_with("br0 ")), "{stdout}");
+    // the line after the table's last row says what each column is
+    let lines: Vec<&str> = stdout.lines().collect();
+    let last_row = lines
+        .iter()
+        .rposition(|l| l.starts_with("br0 ") || l.starts_with("jsq "))
+        .expect("table rows");
+    let legend = lines.get(last_row + 1).copied().unwrap_or_default();
+    assert!(legend.starts_with("columns: "), "{stdout}");
+    for col in [
+        "imbalance",
+        "barrier_idle",
+        "gain%",
+        "gap%",
+        "s.gap%",
+        "queue_ms",
+    ] {
+        assert!(legend.contains(col), "{col}: {legend}");
+    }
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("parse");
     let runs = v["runs"].as_array().expect("runs");

@@ -229,3 +229,35 @@ async fn group(
     drop(h);
     fresh(StatusCode::OK, body)
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use br_proto::v1;
+    use br_sigma::GroupSummary;
+
+    use super::*;
+
+    /// σ's epoch is a random 64-bit number: as a JSON number a browser keeps its top 53 bits
+    /// only (this one showed as 3527672881757361664). The page reads it as a string, in the
+    /// decimal brctl prints.
+    #[test]
+    fn sixty_four_bit_numbers_reach_the_page_as_decimal_strings() {
+        let epoch = 3_527_672_881_757_361_811_u64;
+        let snap = v1::ClusterSnapshot {
+            group: "g".into(),
+            epoch,
+            version: u64::MAX,
+            ..Default::default()
+        };
+        let now = LiveNow {
+            summary: Some(GroupSummary::of_snapshot(&snap)),
+            pool: 0,
+            stale: false,
+            placing: Placing::Ready,
+        };
+        let json = serde_json::to_value(NowJson::from(&now)).unwrap();
+        assert_eq!(json["sigma"]["epoch"], "3527672881757361811", "{json}");
+        assert_eq!(json["sigma"]["version"], u64::MAX.to_string(), "{json}");
+    }
+}

@@ -50,13 +50,17 @@ pub struct Sample {
     pub seq: u64,
     /// Wall-clock time of the sample, milliseconds since the Unix epoch.
     pub unix_ms: u64,
-    /// The σ version the replica held; `None` before the first complete σ.
+    /// The σ version the replica held; `None` before the first complete σ. A decimal string
+    /// in JSON, as every 64-bit integer the page reads.
+    #[serde(serialize_with = "br_sigma::summary::decimal_opt")]
     pub sigma_version: Option<u64>,
     pub stale: bool,
     /// Every rank σ lists, by worker id (fenced ones at 0).
     pub loads: Vec<RankLoad>,
-    /// I = G·M − ΣL over ranks that are not fenced.
+    /// The imbalance max − min L over ranks that are not fenced.
     pub imbalance_tokens: u64,
+    /// The barrier idle I = G·M − ΣL over ranks that are not fenced.
+    pub barrier_idle_tokens: u64,
     /// I / (G·M).
     pub barrier_idle_share: f64,
     pub pool: u64,
@@ -166,6 +170,7 @@ impl GroupHistory {
                     .collect()
             }),
             imbalance_tokens: summary.map_or(0, |s| s.imbalance_tokens),
+            barrier_idle_tokens: summary.map_or(0, |s| s.barrier_idle_tokens),
             barrier_idle_share: summary.map_or(0.0, |s| s.barrier_idle_share),
             pool: now.pool as u64,
             assign_rate: rate,
@@ -313,8 +318,8 @@ mod tests {
                 }
             ]
         );
-        // G = 2, M = 30, Σ = 40: I = 20, idle share 20/60
-        assert_eq!(last.imbalance_tokens, 20);
+        // G = 2, M = 30, min 10, Σ = 40: imbalance 20, barrier idle 20, idle share 20/60
+        assert_eq!((last.imbalance_tokens, last.barrier_idle_tokens), (20, 20));
         assert!((last.barrier_idle_share - 1.0 / 3.0).abs() < 1e-12);
         assert_eq!(last.sigma_version, Some(7));
     }

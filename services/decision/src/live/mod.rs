@@ -1,6 +1,7 @@
 //! The live page on the admin port (`/live`): per group, the KV load of every rank over the
-//! last minutes (the paper's Figure 3, live), the imbalance I = G·M − ΣL and the barrier's
-//! idle share, the Assign rate and latency, the pool length and the table of worker states.
+//! last minutes (the paper's Figure 3, live), the barrier idle I = G·M − ΣL beside the
+//! imbalance max − min, the barrier's idle share, the Assign rate and latency, the pool length
+//! and the table of worker states.
 //!
 //! This module owns the page's data: one [`GroupHistory`] ring per served group, filled by one
 //! sampler task every `--live-sample-interval` from the group's task (σ's summary, the pool,

@@ -158,8 +158,10 @@ function renderHeader() {
   $("policy").textContent = state.policy ? `policy ${state.policy}` : "";
   const sigma = state.now && state.now.sigma;
   const v = $("sigma-version");
-  v.textContent = sigma ? `σ epoch ${sigma.epoch.toString(16)} version ${sigma.version}` : "no σ";
-  v.dataset.version = sigma ? String(sigma.version) : "";
+  // 64-bit numbers arrive as decimal strings (a JSON number would lose their low bits) and
+  // are shown as they came, the digits brctl prints
+  v.textContent = sigma ? `σ epoch ${sigma.epoch} version ${sigma.version}` : "no σ";
+  v.dataset.version = sigma ? sigma.version : "";
   const last = state.samples[state.samples.length - 1];
   $("updated").textContent = last ? `sampled ${new Date(last.unix_ms).toLocaleTimeString()}` : "";
   $("interval").textContent = fmtDuration(state.intervalMs);
@@ -191,7 +193,14 @@ function renderCharts() {
   drawLegend($("legend-load"), loadSeries);
   const one = (f) => [{ name: "", color: COLORS[0], points: S.map((s) => [s.unix_ms, f(s)]) }];
   const withSigma = (f) => (s) => (s.sigma_version === null ? null : f(s));
-  drawChart($("chart-imbalance"), one(withSigma((s) => s.imbalance_tokens)), { fmt: fmtInt, minMax: 4, empty: noSigma });
+  // the barrier idle is what the step time pays (br-sim's barrier_idle); the imbalance,
+  // max − min, is what the results tables, br-sim and the demo call imbalance
+  const barrier = [
+    { name: "barrier idle G·M − ΣL", color: COLORS[0], points: S.map((s) => [s.unix_ms, withSigma((x) => x.barrier_idle_tokens)(s)]) },
+    { name: "imbalance max − min", color: COLORS[1], points: S.map((s) => [s.unix_ms, withSigma((x) => x.imbalance_tokens)(s)]) },
+  ];
+  drawChart($("chart-imbalance"), barrier, { fmt: fmtInt, minMax: 4, empty: noSigma });
+  drawLegend($("legend-imbalance"), barrier);
   drawChart($("chart-idle"), one(withSigma((s) => s.barrier_idle_share)), { fmt: fmtShare, yMax: 1, empty: noSigma });
   const rate = [
     { name: "answered", color: COLORS[0], points: S.map((s) => [s.unix_ms, s.assign_rate]) },
@@ -210,7 +219,9 @@ function renderCharts() {
 
   const sigma = state.now && state.now.sigma;
   $("load-now").textContent = sigma ? `M = ${fmtInt(sigma.max_load_tokens)}` : "";
-  $("imbalance-now").textContent = sigma ? fmtInt(sigma.imbalance_tokens) : "";
+  $("imbalance-now").textContent = sigma
+    ? `idle ${fmtInt(sigma.barrier_idle_tokens)} · imbalance ${fmtInt(sigma.imbalance_tokens)}`
+    : "";
   $("idle-now").textContent = sigma ? fmtShare(sigma.barrier_idle_share) : "";
   $("rate-now").textContent = last ? `${last.assign_rate.toFixed(1)}/s` : "";
   $("latency-now").textContent = last ? `p50 ${fmtMs(last.latency_p50_ms)} · p99 ${fmtMs(last.latency_p99_ms)}` : "";
