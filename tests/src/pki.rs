@@ -144,16 +144,7 @@ impl Pki {
 
     /// `--tls-cert F --tls-key F --tls-ca F` for a service with `role`'s certificate.
     pub fn flags(&self, role: Role) -> Vec<String> {
-        let f = self.role(role);
-        let s = |p: &Path| p.to_string_lossy().into_owned();
-        vec![
-            "--tls-cert".into(),
-            s(&f.cert),
-            "--tls-key".into(),
-            s(&f.key),
-            "--tls-ca".into(),
-            s(&f.ca),
-        ]
+        tls_flags(&self.role(role))
     }
 }
 
@@ -320,4 +311,17 @@ pub async fn plaintext_get(addr: SocketAddr, path: &str) -> Result<u16, String> 
             .ok_or_else(|| format!("a broken status line: {text:?}")),
         None => Err(format!("no HTTP answer ({} bytes)", out.len())),
     }
+}
+
+/// `--tls-cert F --tls-key F --tls-ca F` for a process given `files`.
+pub fn tls_flags(files: &TlsFiles) -> Vec<String> {
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    vec![
+        "--tls-cert".into(),
+        s(&files.cert),
+        "--tls-key".into(),
+        s(&files.key),
+        "--tls-ca".into(),
+        s(&files.ca),
+    ]
 }

@@ -31,18 +31,6 @@ const START: Duration = Duration::from_secs(60);
 /// A hang guard for one call, not a timing assertion.
 const CALL: Duration = Duration::from_secs(20);
 
-fn tls_flags(files: &TlsFiles) -> Vec<String> {
-    let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
-    vec![
-        "--tls-cert".into(),
-        s(&files.cert),
-        "--tls-key".into(),
-        s(&files.key),
-        "--tls-ca".into(),
-        s(&files.ca),
-    ]
-}
-
 fn start(bin: &'static str, args: Vec<String>) -> Service {
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     Service::start(bin, &a)
@@ -50,7 +38,7 @@ fn start(bin: &'static str, args: Vec<String>) -> Service {
 
 /// The flags of a shim serving ranks 0 and 1 of `engine` for `ingest`, presenting `files`.
 fn shim_args(files: &TlsFiles, engine: &EmuEngine, ingest: &str) -> Vec<String> {
-    let mut args = tls_flags(files);
+    let mut args = pki::tls_flags(files);
     args.extend(
         [
             "--upstream",

@@ -54,18 +54,6 @@ fn reader() -> IdentityReader {
     IdentityReader::new(TD).with_role_map(map)
 }
 
-fn tls_flags(files: &TlsFiles) -> Vec<String> {
-    let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
-    vec![
-        "--tls-cert".into(),
-        s(&files.cert),
-        "--tls-key".into(),
-        s(&files.key),
-        "--tls-ca".into(),
-        s(&files.ca),
-    ]
-}
-
 /// The map as one `--spiffe-role-map` per entry.
 fn repeated_map_flags() -> Vec<String> {
     MAP.iter()
@@ -168,7 +156,7 @@ async fn service_account_ids_get_the_roles_the_map_gives_and_no_more() {
     let id = |ns: &str, name: &str| br_trust::rolemap::service_account_id(TD, ns, name);
 
     // snapshot: the map as repeated flags
-    let mut args = tls_flags(&sa(NS, "br-snapshot"));
+    let mut args = pki::tls_flags(&sa(NS, "br-snapshot"));
     args.extend(repeated_map_flags());
     args.extend(["--worker-grace".into(), "60s".into()]);
     let snapshot = start("br-snapshot", args);
@@ -184,7 +172,7 @@ async fn service_account_ids_get_the_roles_the_map_gives_and_no_more() {
     );
     let config = pki.path("ingest.toml");
     std::fs::write(&config, toml).unwrap();
-    let mut args = tls_flags(&sa(NS, "br-ingest"));
+    let mut args = pki::tls_flags(&sa(NS, "br-ingest"));
     args.extend([
         "--config".into(),
         config.to_string_lossy().into_owned(),
@@ -195,7 +183,7 @@ async fn service_account_ids_get_the_roles_the_map_gives_and_no_more() {
     let ingest_url = ingest.grpc_url();
 
     // decision: the map as one comma-separated flag
-    let mut args = tls_flags(&sa(NS, "br-decision"));
+    let mut args = pki::tls_flags(&sa(NS, "br-decision"));
     args.extend(joined_map_flag());
     args.extend(
         [
@@ -211,7 +199,7 @@ async fn service_account_ids_get_the_roles_the_map_gives_and_no_more() {
     let decision = start("br-decision", args);
 
     // a real shim, rank 1 of the StatefulSet whose pods share the account br-g0/decode
-    let mut args = tls_flags(&sa(WORKERS_NS, "decode"));
+    let mut args = pki::tls_flags(&sa(WORKERS_NS, "decode"));
     args.extend(repeated_map_flags());
     args.extend(
         [
