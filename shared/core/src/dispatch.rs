@@ -43,7 +43,9 @@ pub use config::{
     ColdStart, DispatcherConfig, MAX_R_MAX, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Hold,
     Stage2Target, Stage2Window, TieBreak,
 };
-use select::*;
+use select::{
+    Head, all_margins_zero, best_single, best_worker, climbs, stage1_worker, stage2_worker,
+};
 pub use select::{best_subset, best_subset_counted};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
