@@ -1,5 +1,6 @@
 #![allow(clippy::unwrap_used)]
 
+use super::body::plan;
 use super::*;
 
 fn plan_of(body: &str) -> (String, bool, Option<bool>) {

@@ -1,3 +1,5 @@
+use super::cache::{Entry, RECENT_SAMPLES, SourceChanges};
+use super::histogram::{INITIAL_HISTOGRAM, LengthHistogram};
 use super::*;
 use crate::Phase;
 

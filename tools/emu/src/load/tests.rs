@@ -1,3 +1,5 @@
+use super::progress::ProgressCounts;
+use super::request::sse_events;
 use super::*;
 
 #[test]

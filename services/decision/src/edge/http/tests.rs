@@ -1,3 +1,4 @@
+use super::error::{code_name, http_status};
 use super::*;
 
 fn parse(json: &str) -> Result<v1::AssignRequest, String> {

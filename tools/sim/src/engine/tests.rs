@@ -1,0 +1,524 @@
+use super::*;
+use crate::spec::parse_spec;
+
+fn req(t: f64, s: u32, o: u32) -> TraceRequest {
+    TraceRequest {
+        arrival_ms: Some(t),
+        prompt_tokens: s,
+        output_tokens: o,
+        prompt_hash: None,
+    }
+}
+
+fn cfg(workers: u32, slots: u32, a: f64, b: f64) -> EngineConfig {
+    EngineConfig {
+        workers,
+        slots,
+        step_a: a,
+        step_b: b,
+        step_c: 0.0,
+        record_loads: true,
+        control: ControlPlane::IDEAL,
+    }
+}
+
+fn sim(reqs: &[TraceRequest], policy: &str, c: &EngineConfig) -> RunOutcome {
+    let spec = parse_spec(policy, 1).expect("spec");
+    let mut p = br_core::build_policy(&spec.config).expect("build");
+    simulate(reqs, p.as_mut(), policy, c).expect("simulate")
+}
+
+fn sim_plane(reqs: &[TraceRequest], policy: &str, c: &EngineConfig) -> RunOutcome {
+    let spec = parse_spec(policy, 1).expect("spec");
+    let mut ps: Vec<_> = (0..c.control.deciders)
+        .map(|_| br_core::build_policy(&spec.config).expect("build"))
+        .collect();
+    let mut refs: Vec<&mut dyn Policy> = ps.iter_mut().map(|p| p.as_mut() as _).collect();
+    simulate_deciders(reqs, &mut refs, policy, c).expect("simulate")
+}
+
+fn saturated(n: u32) -> Vec<TraceRequest> {
+    (0..n)
+        .map(|i| req(0.0, 100 + (i * 7919) % 3000, 1 + (i * 104_729) % 200))
+        .collect()
+}
+
+#[test]
+fn idle_flow_counts_growth_by_hand() {
+    // rr over G = 2: requests 0 and 2 on rank 0, 1 on rank 1; all run 5 steps together.
+    // Rank 0 (the max) grows 2 tokens a step, rank 1 one: growth adds
+    // G·(max + 2) − (Σ + 3) − (G·max − Σ) = 1 token of idle per step, spread 1.
+    let reqs = vec![req(0.0, 10, 5); 3];
+    let out = sim(&reqs, "rr", &cfg(2, 2, 2e-4, 30.0));
+    assert_eq!(out.report.steps, 5);
+    let f = out.idle_flow;
+    assert_eq!((f.run_growth, f.run_running_spread), (1.0, 1.0));
+    assert_eq!(f.steady_steps, 0, "nothing waited");
+    // idle = G·max − Σ = 2·(2·(10 + j)) − 3·(10 + j) = 10 + j for j = 0..5 (a token is
+    // counted once written): mean 12 over the run
+    assert_eq!(out.report.avg_barrier_idle, 12.0);
+    // Saturated BR-0 offering every free slot (stage2_hold = never, the paper's Stage 2): while
+    // requests wait a freed slot is refilled in the same step, so the ranks run (all but a
+    // few steps) the same number of requests and growth adds next to nothing; on-arrival
+    // queues (rr) leave unequal counts and growth adds more. (The default holds a slot
+    // empty on a rank above the mean now and then, so there growth is not ~0.)
+    let c = cfg(4, 4, 2e-4, 30.0);
+    let (br0, rr) = (
+        sim(&saturated(400), "br0:stage2_hold=never", &c),
+        sim(&saturated(400), "rr", &c),
+    );
+    assert!(br0.idle_flow.steady_steps > 100 && rr.idle_flow.steady_steps > 100);
+    assert!(
+        br0.idle_flow.mean_growth.abs() < 0.01,
+        "{:?}",
+        br0.idle_flow
+    );
+    assert!(
+        br0.idle_flow.mean_running_spread < 0.01,
+        "{:?}",
+        br0.idle_flow
+    );
+    assert!(
+        rr.idle_flow.mean_growth > 10.0 * br0.idle_flow.mean_growth.abs(),
+        "{:?}",
+        rr.idle_flow
+    );
+}
+
+#[test]
+fn two_deciders_collide_on_free_slots_and_the_refused_rejoin_their_pool() {
+    let reqs = saturated(400);
+    let mut c = cfg(4, 4, 2e-4, 30.0);
+    c.control = ControlPlane {
+        telemetry_lag_steps: 0,
+        deciders: 2,
+        turns: false,
+        rank_split: None,
+    };
+    for policy in ["br0", "brh", "jsq"] {
+        let out = sim_plane(&reqs, policy, &c);
+        // nothing lost, nothing run twice: every request finished exactly once
+        assert_eq!(out.report.requests, 400, "{policy}");
+        if policy.starts_with("br") {
+            // both pools see the same free slots at each step: some reservations collide
+            assert!(out.refused_reservations > 0, "{policy}");
+        } else {
+            assert_eq!(
+                out.refused_reservations, 0,
+                "on-arrival queues at the worker"
+            );
+        }
+    }
+}
+
+#[test]
+fn deciders_taking_turns_never_collide_and_lose_nothing() {
+    let reqs = saturated(400);
+    let mut c = cfg(4, 4, 2e-4, 30.0);
+    c.control = ControlPlane {
+        telemetry_lag_steps: 0,
+        deciders: 2,
+        turns: true,
+        rank_split: None,
+    };
+    let mut together = c;
+    together.control.turns = false;
+    for policy in ["br0", "brh"] {
+        let out = sim_plane(&reqs, policy, &c);
+        assert_eq!(out.report.requests, 400, "{policy}");
+        // one decider admits per round and sees every earlier admission: no collision
+        assert_eq!(out.refused_reservations, 0, "{policy}");
+        // and the turns change what is decided (else the flag is not modelled)
+        assert_ne!(
+            out.report,
+            sim_plane(&reqs, policy, &together).report,
+            "{policy}"
+        );
+    }
+}
+
+#[test]
+fn deciders_splitting_ranks_never_collide_on_their_own_ranks_and_lose_nothing() {
+    let reqs = saturated(400);
+    let mut c = cfg(4, 4, 2e-4, 30.0);
+    c.control = ControlPlane {
+        telemetry_lag_steps: 0,
+        deciders: 2,
+        turns: false,
+        // no takeover within the run: each decider places only on its own ranks
+        rank_split: Some(1000),
+    };
+    let mut together = c;
+    together.control.rank_split = None;
+    for policy in ["br0", "brh"] {
+        let out = sim_plane(&reqs, policy, &c);
+        assert_eq!(out.report.requests, 400, "{policy}");
+        assert_eq!(out.refused_reservations, 0, "{policy}");
+        let apart = sim_plane(&reqs, policy, &together);
+        assert!(apart.refused_reservations > 0, "{policy}");
+        assert_ne!(out.report, apart.report, "{policy}");
+    }
+}
+
+#[test]
+fn a_decider_without_ranks_of_its_own_places_by_takeover() {
+    // G = 1, K = 2: decider 1 owns no rank, so only the takeover rule serves its half of
+    // the arrivals (what keeps a group served when the owner of some ranks is dead)
+    let reqs = saturated(60);
+    let mut c = cfg(1, 4, 2e-4, 30.0);
+    c.control = ControlPlane {
+        telemetry_lag_steps: 0,
+        deciders: 2,
+        turns: false,
+        rank_split: Some(2),
+    };
+    for policy in ["br0", "brh"] {
+        let out = sim_plane(&reqs, policy, &c);
+        assert_eq!(out.report.requests, 60, "{policy}");
+    }
+}
+
+#[test]
+fn telemetry_lag_loses_nothing_and_one_ideal_decider_is_the_plain_engine() {
+    let reqs = saturated(300);
+    let ideal = cfg(4, 8, 2e-4, 30.0);
+    for policy in ["br0", "brh", "jsq", "mintok"] {
+        let plain = sim(&reqs, policy, &ideal);
+        let via_planes = sim_plane(&reqs, policy, &ideal);
+        assert_eq!(plain.report, via_planes.report, "{policy}");
+        let mut lagged = ideal;
+        lagged.control.telemetry_lag_steps = 5;
+        let out = sim_plane(&reqs, policy, &lagged);
+        assert_eq!(out.report.requests, 300, "{policy}");
+        assert_eq!(
+            out.refused_reservations, 0,
+            "{policy}: a stale view only under-counts slots"
+        );
+        if policy == "br0" {
+            // a lagged view sees finishes and progress late: the same policy must decide
+            // differently somewhere (else the lag is not modelled at all)
+            assert_ne!(out.report, plain.report, "{policy}");
+        }
+    }
+}
+
+#[test]
+fn a_lagged_view_is_the_truth_of_lag_steps_ago_plus_every_reservation_since() {
+    let info = |key: u64, worker: u32| RequestInfo {
+        key,
+        worker,
+        prompt_tokens: 100,
+        generated: 0,
+        phase: Phase::Queued,
+        prompt_hash: None,
+        oracle_output: None,
+    };
+    let mut truth = ClusterState::with_workers(&[4, 4]);
+    let mut views = Views::new(2, 2);
+    // step 0: request 1 is running on worker 0
+    truth.reserve(info(1, 0)).unwrap();
+    truth.activate(1).unwrap();
+    views.begin_step(0, &truth);
+    views.admitted(0, 0, &info(2, 1));
+    truth.reserve(info(2, 1)).unwrap();
+    assert!(
+        views.view(0).contains(2),
+        "a decider sees its own reservation at once"
+    );
+    assert!(
+        !views.view(1).contains(2),
+        "the other decider sees it only next step"
+    );
+    truth.advance_step();
+    // step 1: request 1 has written one token, request 3 is reserved by decider 1
+    views.begin_step(1, &truth);
+    assert!(
+        views.view(1).contains(2),
+        "one step later every decider sees it"
+    );
+    views.admitted(1, 1, &info(3, 0));
+    truth.reserve(info(3, 0)).unwrap();
+    truth.advance_step();
+    truth.remove(1).unwrap(); // request 1 finishes
+    // step 2: with a lag of 2 the view is the truth of step 0 plus reservations 2 and 3
+    views.begin_step(2, &truth);
+    let v = views.view(0);
+    assert_eq!(v.get(1).map(|r| r.generated), Some(0), "progress lags");
+    assert!(v.contains(1), "the finish is not seen yet");
+    assert!(v.contains(2) && v.contains(3));
+    // step 4: the finish of step 1 is visible, reservations older than the lag come from
+    // the lagged truth itself
+    truth.advance_step();
+    views.begin_step(3, &truth);
+    truth.advance_step();
+    views.begin_step(4, &truth);
+    let v = views.view(1);
+    assert!(!v.contains(1));
+    assert!(v.contains(2) && v.contains(3));
+}
+
+#[test]
+fn one_request_step_model() {
+    // loads 100, 101, 102 at its three steps; T = load ms
+    let out = sim(&[req(0.0, 100, 3)], "jsq", &cfg(1, 4, 1.0, 0.0));
+    let r = &out.report;
+    assert_eq!((r.steps, r.requests), (3, 1));
+    assert!(
+        (r.tpot_p50_ms - (101.0 + 102.0) / 2.0).abs() < 1e-9,
+        "{r:?}"
+    );
+    assert!((r.throughput_tok_s - 3.0 / 0.303).abs() < 1e-9, "{r:?}");
+    assert_eq!(r.avg_imbalance, 0.0);
+    assert_eq!(r.mean_queue_ms, 0.0);
+    assert_eq!(out.loads.expect("loads").loads, vec![100, 101, 102]);
+}
+
+#[test]
+fn slots_queue_fifo_and_idle_gaps_are_skipped() {
+    // one worker, one slot: the second request waits for the first (2 steps of 10 ms)
+    let reqs = [req(0.0, 10, 2), req(0.0, 10, 2), req(1_000_000.0, 10, 1)];
+    let out = sim(&reqs, "rr", &cfg(1, 1, 0.0, 10.0));
+    let r = &out.report;
+    assert_eq!((r.steps, r.requests), (5, 3));
+    assert!((r.mean_queue_ms - 20.0 / 3.0).abs() < 1e-9, "{r:?}");
+    // 5 tokens in 50 ms of steps; the idle gap before the third arrival is not counted
+    assert!((r.throughput_tok_s - 100.0).abs() < 1e-9, "{r:?}");
+    assert_eq!(out.waiting_steps, 0..2);
+    assert!((r.tpot_p95_ms - 10.0).abs() < 1e-9);
+}
+
+#[test]
+fn imbalance_and_barrier_idle() {
+    // rr puts 1000 on worker 0 and 100 on worker 1; one step each
+    let reqs = [req(0.0, 1000, 1), req(0.0, 100, 1)];
+    let out = sim(&reqs, "rr", &cfg(2, 4, 1e-3, 1.0));
+    let r = &out.report;
+    assert_eq!(r.steps, 1);
+    assert_eq!(r.avg_imbalance, 900.0);
+    assert_eq!(r.avg_barrier_idle, 900.0);
+    // actual step 2 ms, fluid 1.55 ms
+    assert!((r.throughput_tok_s - 1000.0).abs() < 1e-9);
+    assert!((r.fluid_throughput_tok_s - 2.0 / 1.55e-3).abs() < 1e-6);
+}
+
+#[test]
+fn every_policy_completes_every_request_within_capacity() {
+    let reqs: Vec<TraceRequest> = (0..300u32)
+        .map(|i| {
+            req(
+                f64::from(i) * 7.0,
+                100 + (i * 7919) % 3000,
+                1 + (i * 104_729) % 200,
+            )
+        })
+        .collect();
+    let total: u64 = reqs.iter().map(|r| u64::from(r.output_tokens)).sum();
+    for name in br_core::PolicyKind::names() {
+        for arrival_scale in [0.0, 1.0] {
+            let rs: Vec<TraceRequest> = reqs
+                .iter()
+                .map(|r| TraceRequest {
+                    arrival_ms: r.arrival_ms.map(|t| t * arrival_scale),
+                    ..*r
+                })
+                .collect();
+            let out = sim(&rs, name, &cfg(4, 16, 2e-4, 30.0));
+            let r = &out.report;
+            assert_eq!(r.requests, 300, "{name}");
+            let loads = out.loads.expect("loads");
+            assert_eq!(loads.steps() as u64, r.steps);
+            // every step emits at most G·B tokens, and all tokens are emitted
+            let max_tokens = r.steps * 4 * 16;
+            assert!(total <= max_tokens, "{name}");
+            let busy_s = total as f64 / r.throughput_tok_s;
+            let fluid_s = total as f64 / r.fluid_throughput_tok_s;
+            assert!(fluid_s <= busy_s + 1e-9, "{name}: fluid is a lower bound");
+            assert!(r.tpot_p50_ms <= r.tpot_p95_ms);
+        }
+    }
+}
+
+/// An independent, deliberately naive model of the same semantics for round-robin
+/// (request k in arrival order goes to worker k mod G), written without br-core; `c` is the
+/// step's ms per running request on the busiest rank.
+fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64, c: f64) -> RunReport {
+    let mut order: Vec<usize> = (0..reqs.len()).collect();
+    let t = |i: usize| reqs[i].arrival_ms.unwrap_or(0.0);
+    order.sort_by(|&x, &y| t(x).total_cmp(&t(y)));
+    let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); g];
+    // active: (request, generated, first token time)
+    let mut active: Vec<Vec<(usize, u32, f64)>> = vec![Vec::new(); g];
+    let (mut now, mut next, mut steps) = (0.0f64, 0usize, 0u64);
+    let (mut busy, mut fluid, mut tokens, mut steady_ms, mut steady_tok) =
+        (0.0, 0.0, 0u64, 0.0, 0u64);
+    let (mut imb, mut idle, mut queue_sum) = (0.0, 0.0, 0.0);
+    let mut tpots = Vec::new();
+    let mut routed = 0usize;
+    loop {
+        while next < order.len() && t(order[next]) <= now {
+            queues[routed % g].push_back(order[next]);
+            routed += 1;
+            next += 1;
+        }
+        for w in 0..g {
+            while active[w].len() < b {
+                let Some(i) = queues[w].pop_front() else {
+                    break;
+                };
+                queue_sum += now - t(i);
+                active[w].push((i, 0, f64::NAN));
+            }
+        }
+        let waiting = queues.iter().any(|q| !q.is_empty());
+        if active.iter().all(Vec::is_empty) {
+            if next < order.len() {
+                now = t(order[next]);
+                continue;
+            }
+            break;
+        }
+        let loads: Vec<f64> = active
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .map(|&(i, j, _)| f64::from(reqs[i].prompt_tokens + j))
+                    .sum()
+            })
+            .collect();
+        let max = loads.iter().cloned().fold(0.0, f64::max);
+        let min = loads.iter().cloned().fold(f64::INFINITY, f64::min);
+        let sum: f64 = loads.iter().sum();
+        let n: u64 = active.iter().map(|v| v.len() as u64).sum();
+        let max_n = active.iter().map(Vec::len).max().unwrap_or(0) as f64;
+        let step = a * max + c * max_n + b0;
+        busy += step;
+        fluid += a * sum / g as f64 + c * n as f64 / g as f64 + b0;
+        tokens += n;
+        imb += max - min;
+        idle += g as f64 * max - sum;
+        if waiting {
+            steady_ms += step;
+            steady_tok += n;
+        }
+        now += step;
+        for v in active.iter_mut() {
+            for e in v.iter_mut() {
+                e.1 += 1;
+                if e.1 == 1 {
+                    e.2 = now;
+                }
+            }
+            v.retain(|&(i, j, first)| {
+                let o = reqs[i].output_tokens;
+                if j < o {
+                    return true;
+                }
+                if o > 1 {
+                    tpots.push((now - first) / f64::from(o - 1));
+                }
+                false
+            });
+        }
+        steps += 1;
+    }
+    // Nearest rank (br_core::stats's definition), computed independently on purpose.
+    tpots.sort_by(f64::total_cmp);
+    let q = |p: f64| tpots[((p * tpots.len() as f64).ceil() as usize).max(1) - 1];
+    RunReport {
+        policy: "rr".into(),
+        workers: g,
+        avg_imbalance: imb / steps as f64,
+        avg_barrier_idle: idle / steps as f64,
+        throughput_tok_s: tokens as f64 / (busy / 1000.0),
+        steady_throughput_tok_s: steady_tok as f64 / (steady_ms / 1000.0),
+        fluid_throughput_tok_s: tokens as f64 / (fluid / 1000.0),
+        tpot_p50_ms: q(0.5),
+        tpot_p95_ms: q(0.95),
+        mean_queue_ms: queue_sum / reqs.len() as f64,
+        steps,
+        requests: reqs.len() as u64,
+    }
+}
+
+#[test]
+fn engine_matches_an_independent_model() {
+    // timed arrivals that overload 3 workers x 4 slots part of the time
+    let reqs: Vec<TraceRequest> = (0..400u32)
+        .map(|i| {
+            req(
+                f64::from(i) * 37.0 + f64::from((i * 7919) % 50),
+                50 + (i * 7919) % 2500,
+                1 + (i * 104_729) % 90,
+            )
+        })
+        .collect();
+    let got = sim(&reqs, "rr", &cfg(3, 4, 1e-3, 5.0)).report;
+    let want = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.0);
+    assert_close(&got, &want);
+    // with a request term: the step pays c per request on the busiest rank, the fluid
+    // limit c per request of the mean
+    let mut with_c = cfg(3, 4, 1e-3, 5.0);
+    with_c.step_c = 0.7;
+    let got_c = sim(&reqs, "rr", &with_c).report;
+    let want_c = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.7);
+    assert_close(&got_c, &want_c);
+    assert!(got_c.throughput_tok_s < got.throughput_tok_s);
+    assert!(want.steady_throughput_tok_s > 0.0 && want.mean_queue_ms > 0.0);
+}
+
+fn assert_close(got: &RunReport, want: &RunReport) {
+    assert_eq!(got.steps, want.steps);
+    assert_eq!(got.requests, want.requests);
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y.abs().max(1.0);
+    for (name, x, y) in [
+        ("imbalance", got.avg_imbalance, want.avg_imbalance),
+        ("idle", got.avg_barrier_idle, want.avg_barrier_idle),
+        ("tput", got.throughput_tok_s, want.throughput_tok_s),
+        (
+            "steady",
+            got.steady_throughput_tok_s,
+            want.steady_throughput_tok_s,
+        ),
+        (
+            "fluid",
+            got.fluid_throughput_tok_s,
+            want.fluid_throughput_tok_s,
+        ),
+        ("tpot50", got.tpot_p50_ms, want.tpot_p50_ms),
+        ("tpot95", got.tpot_p95_ms, want.tpot_p95_ms),
+        ("queue", got.mean_queue_ms, want.mean_queue_ms),
+    ] {
+        assert!(close(x, y), "{name}: engine {x} vs reference {y}");
+    }
+}
+
+#[test]
+fn a_saturated_group_pays_c_times_b_on_every_full_step() {
+    // every rank full for the whole run (equal requests, a multiple of G·B): max n = B at
+    // every step, so c adds exactly c·B per step and nothing else changes
+    let reqs: Vec<TraceRequest> = (0..64).map(|_| req(0.0, 500, 20)).collect();
+    let plain = sim(&reqs, "rr", &cfg(4, 16, 2e-4, 30.0)).report;
+    let mut c = cfg(4, 16, 2e-4, 30.0);
+    c.step_c = 0.5;
+    let with_c = sim(&reqs, "rr", &c).report;
+    assert_eq!(
+        (with_c.steps, with_c.requests),
+        (plain.steps, plain.requests)
+    );
+    assert_eq!(with_c.avg_imbalance, plain.avg_imbalance);
+    let per_step = |r: &RunReport| r.steps as f64 * 4.0 * 16.0 / r.throughput_tok_s * 1e3;
+    let extra = per_step(&with_c) / with_c.steps as f64 - per_step(&plain) / plain.steps as f64;
+    assert!((extra - 0.5 * 16.0).abs() < 1e-9, "{extra}");
+}
+
+#[test]
+fn deterministic() {
+    let reqs: Vec<TraceRequest> = (0..200u32)
+        .map(|i| req(0.0, 500 + (i * 31) % 4000, 50 + (i * 17) % 300))
+        .collect();
+    for name in ["random", "p2c", "br0", "brh"] {
+        let a = sim(&reqs, name, &cfg(4, 8, 2e-4, 30.0)).report;
+        let b = sim(&reqs, name, &cfg(4, 8, 2e-4, 30.0)).report;
+        assert_eq!(a, b, "{name}");
+    }
+}
