@@ -128,3 +128,38 @@ fn a_restart_and_the_owners_reports_still_apply() {
     assert_eq!(reasons(&ack), vec![(0, R::NotOwner)]);
     assert_eq!(held(&g, "a"), Some((1, Phase::Running, 3)));
 }
+
+#[test]
+fn only_the_worker_whose_reservation_was_taken_hands_its_place_on() {
+    // Worker 1's unkeyed request takes its oldest reservation ("a"); worker 0 then names "a"
+    // by its id. Handing "a"'s place on would release "b", worker 1's other reservation: it
+    // stays, and "a" is worker 0's own new request.
+    let unkeyed = |w: u32, inc: u64, id: &str| {
+        tc(tc::Kind::RequestProgress(tc::RequestProgress {
+            worker_id: w,
+            incarnation: inc,
+            request_id: id.into(),
+            prompt_tokens: 30,
+            generated_tokens: 1,
+            finished: false,
+            unkeyed: true,
+        }))
+    };
+    let (mut g, now) = group();
+    g.apply_msgs(1, vec![hello(0, 10, 8), hello(1, 11, 8)], S1, now, 0);
+    g.reserve_msgs(vec![res("a", 1, 11, 30)], now);
+    g.reserve_msgs(vec![res("b", 1, 11, 40)], now);
+    g.apply_msgs(2, vec![unkeyed(1, 11, "u")], S1, now, 0);
+    assert_eq!(held(&g, "a"), None, "u took a's reservation");
+    let ack = g.apply_msgs(3, vec![prog(0, 10, "a", 30, 2, false)], S1, now, 0);
+    assert!(ack.rejected.is_empty(), "{ack:?}");
+    assert_eq!(
+        held(&g, "b"),
+        Some((1, Phase::Queued, 0)),
+        "b stays reserved"
+    );
+    assert_eq!(held(&g, "a"), Some((0, Phase::Running, 2)));
+    // worker 1 naming "a" itself would have handed the place on; it is worker 0's now
+    let ack = g.apply_msgs(4, vec![prog(1, 11, "a", 30, 2, false)], S1, now, 0);
+    assert_eq!(reasons(&ack), vec![(0, R::NotOwner)]);
+}
