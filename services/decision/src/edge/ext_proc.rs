@@ -35,7 +35,15 @@
 //!   routing answer but before any response phase (`response_header_mode: SEND`) had its
 //!   request never answered by the rank: its reservation is released through the Cancel path
 //!   ([`DecisionService::cancel_call`]), as a gateway that gives up would. A stream that ends
-//!   while its Assign waits withdraws it (the same drop guard as a gRPC caller that leaves).
+//!   while its Assign waits withdraws it (the same drop guard as a gRPC caller that leaves);
+//! * a request id is one live stream's: a stream claims its (group, id) with its headers and
+//!   gives it back when it ends, and another stream with a held id is answered 409, so no
+//!   stream can take over, or release, another's reservation ([`claims`]);
+//! * a stream whose request body has not arrived `--ext-proc-body-timeout` after its headers
+//!   is answered 408 and ended, giving back its buffered bytes and its id.
+//!
+//! Beside this file: request bodies and their budget (`body`), what the headers say
+//! (`head`), the answers to Envoy (`wire`), the id claims (`claims`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
