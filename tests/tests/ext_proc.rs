@@ -1204,3 +1204,166 @@ async fn many_streams_share_one_body_budget() {
     })
     .await;
 }
+
+/// A request id belongs to the live stream that brought it first: a second stream with the
+/// same `x-request-id` (Envoy keeps a client's own) is refused 409 and counted, and when it
+/// then goes away it releases nothing, so the first stream's reservation stays. Once the
+/// first stream has ended, the id may come again (a client's retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_stream_with_a_live_request_id_is_refused_and_releases_nothing() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let ask = || {
+        headers(
+            &[
+                ("x-request-id", "shared-1"),
+                ("x-balanceroute-prompt-tokens", "300"),
+            ],
+            true,
+        )
+    };
+    let mut first = Envoy::open(&mut client).await;
+    let (endpoint, _) = routed_at_headers(&first.exchange(ask()).await);
+    placed_on_answered_worker(&stack, "shared-1", &endpoint).await;
+
+    // Another stream (another client choosing the same id) while the first one lives.
+    let mut second = Envoy::open(&mut client).await;
+    let resp = second.exchange(ask()).await;
+    let refusal = immediate(&resp);
+    assert_eq!(
+        refusal.status.as_ref().map(|s| s.code),
+        Some(409),
+        "{refusal:?}"
+    );
+    let body = String::from_utf8_lossy(&refusal.body);
+    assert!(
+        body.contains("already_exists") && body.contains("shared-1"),
+        "{body}"
+    );
+    // it goes away before any response phase, as an abandoning client does
+    drop(second);
+    eventually(
+        Duration::from_secs(10),
+        "the second stream counted as refused",
+        || async {
+            stack
+                .metric(
+                    "balanceroute_decision_ext_proc_streams_total",
+                    ("outcome", "refused"),
+                )
+                .await
+                == 1.0
+        },
+    )
+    .await;
+    let m = br_testkit::http::metrics_url(&stack.decision.admin_url("/metrics")).await;
+    assert_eq!(
+        m.value(
+            "balanceroute_decision_ext_proc_request_id_conflicts_total",
+            &[]
+        ),
+        1.0
+    );
+    placed_on_answered_worker(&stack, "shared-1", &endpoint).await;
+    assert_eq!(
+        stack
+            .metric(
+                "balanceroute_decision_cancel_total",
+                ("outcome", "released")
+            )
+            .await,
+        0.0,
+        "nothing was released"
+    );
+
+    // The first stream's rank answers; once its stream has ended the id is free again.
+    first.exchange(response_headers()).await;
+    first.close().await;
+    let mut retry = Envoy::open(&mut client).await;
+    let (again, _) = routed_at_headers(&retry.exchange(ask()).await);
+    assert_eq!(again, endpoint, "Assign is idempotent by request id");
+    retry.exchange(response_headers()).await;
+    retry.close().await;
+    assert!(stack.request("shared-1").await.is_some());
+}
+
+/// A stream whose request body does not arrive within `--ext-proc-body-timeout` is answered
+/// 408 and ended by the server, counted, and gives back what it held: its buffered bytes
+/// and its request id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_waiting_for_its_body_times_out_and_releases_what_it_held() {
+    let stack = Stack::start_with(&["--ext-proc-body-timeout", "500ms"]).await;
+    let mut client = stack.client().await;
+    let metrics =
+        || async { br_testkit::http::metrics_url(&stack.decision.admin_url("/metrics")).await };
+    let mut s = Envoy::open(&mut client).await;
+    let resp = s
+        .exchange(headers(&[("x-request-id", "slow-1")], false))
+        .await;
+    assert!(
+        matches!(resp.response, Some(Out::RequestHeaders(_))),
+        "{resp:?}"
+    );
+    // part of the body, then nothing more (a client that stalls mid-body)
+    let resp = s.exchange(chunk(br#"{"model":"m","prompt":"#, false)).await;
+    assert!(
+        matches!(resp.response, Some(Out::RequestBody(_))),
+        "{resp:?}"
+    );
+    let held = metrics()
+        .await
+        .value("balanceroute_decision_ext_proc_buffered_bytes", &[]);
+    assert!(held > 0.0, "the stream holds its bytes: {held}");
+
+    // The server answers 408 on its own, then ends the stream.
+    let resp = within(ANSWER, "the body timeout's answer", s.rx.message())
+        .await
+        .expect("an answer, not an error status")
+        .expect("an answer, not the end");
+    let refusal = immediate(&resp);
+    assert_eq!(
+        refusal.status.as_ref().map(|s| s.code),
+        Some(408),
+        "{refusal:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&refusal.body).contains("--ext-proc-body-timeout"),
+        "{refusal:?}"
+    );
+    let end = within(ANSWER, "the stream's end", s.rx.message()).await;
+    assert!(
+        matches!(end, Ok(None)),
+        "the server ends the stream: {end:?}"
+    );
+
+    let m = metrics().await;
+    assert_eq!(
+        m.value("balanceroute_decision_ext_proc_body_timeouts_total", &[]),
+        1.0
+    );
+    assert_eq!(
+        m.value(
+            "balanceroute_decision_ext_proc_streams_total",
+            &[("outcome", "body_timeout")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m.value("balanceroute_decision_ext_proc_buffered_bytes", &[]),
+        0.0
+    );
+    // the id is free: a new stream with it routes
+    let mut again = Envoy::open(&mut client).await;
+    let resp = again
+        .exchange(headers(
+            &[
+                ("x-request-id", "slow-1"),
+                ("x-balanceroute-prompt-tokens", "10"),
+            ],
+            true,
+        ))
+        .await;
+    routed_at_headers(&resp);
+    again.exchange(response_headers()).await;
+    again.close().await;
+}

@@ -254,6 +254,7 @@ async fn start_with(
                     default_group: ext.default_group.clone(),
                     timeout: ext.timeout,
                     max_buffered_bytes: ext.max_buffered_bytes,
+                    body_timeout: ext.body_timeout,
                 },
                 metrics.clone(),
             );

@@ -37,6 +37,9 @@ pub const DEFAULT_ADOPT_GRACE: &str = "10s";
 pub const DEFAULT_RECOMMIT_SETTLE: &str = "500ms";
 pub const DEFAULT_WATCH_BACKOFF_MAX: &str = "250ms";
 pub const DEFAULT_EXT_PROC_TIMEOUT: &str = "10s";
+/// The default of `--ext-proc-body-timeout`: br-shim's `--body-timeout`, the same wait for
+/// the same body one hop earlier.
+pub const DEFAULT_EXT_PROC_BODY_TIMEOUT: &str = "30s";
 pub const DEFAULT_LIVE_SAMPLE_INTERVAL: &str = "500ms";
 pub const DEFAULT_LIVE_HISTORY: &str = "5m";
 pub const DEFAULT_DECIDER_TAKEOVER: &str = "100ms";
@@ -239,6 +242,14 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_EXT_PROC_MAX_BUFFERED_BYTES", default_value_t = crate::edge::ext_proc::DEFAULT_MAX_BUFFERED_BYTES)]
     pub ext_proc_max_buffered_bytes: usize,
 
+    /// Longest an ext_proc stream waits for its request body once its headers arrived. Past
+    /// it the request is refused with a 408 ImmediateResponse, the stream ends, what it held
+    /// (its buffered bytes, its request id) is released, and it is counted in
+    /// `balanceroute_decision_ext_proc_body_timeouts_total`. Envoy ends a stream it gave up
+    /// on by itself; this bounds one whose client stops sending and whose Envoy keeps waiting.
+    #[arg(long, env = "BALANCEROUTE_EXT_PROC_BODY_TIMEOUT", value_parser = humantime::parse_duration, default_value = DEFAULT_EXT_PROC_BODY_TIMEOUT)]
+    pub ext_proc_body_timeout: Duration,
+
     /// Also serve Assign and Cancel as HTTP/JSON (`POST /v1/assign`, `POST /v1/cancel`) on
     /// this address, for gateways without gRPC. Off when unset. Same rules as `--listen`:
     /// plaintext only on loopback, mutual TLS with the same roles when `--tls-*` are given,
@@ -337,6 +348,8 @@ pub struct ExtProcConfig {
     pub timeout: Duration,
     /// The request-body bytes every stream together may buffer.
     pub max_buffered_bytes: usize,
+    /// How long a stream waits for its request body.
+    pub body_timeout: Duration,
 }
 
 impl Args {
@@ -421,6 +434,7 @@ impl Args {
             None => None,
             Some(listen) => {
                 positive("ext-proc-timeout", self.ext_proc_timeout)?;
+                positive("ext-proc-body-timeout", self.ext_proc_body_timeout)?;
                 let max = self.ext_proc_max_buffered_bytes;
                 if !(1024..=tokio::sync::Semaphore::MAX_PERMITS).contains(&max) {
                     return Err(format!(
@@ -447,6 +461,7 @@ impl Args {
                     default_group,
                     timeout: self.ext_proc_timeout.min(self.max_wait),
                     max_buffered_bytes: self.ext_proc_max_buffered_bytes,
+                    body_timeout: self.ext_proc_body_timeout,
                 })
             }
         };

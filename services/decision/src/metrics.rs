@@ -87,12 +87,17 @@ pub struct Metrics {
     /// and dashboards show beside the pool.
     pub policy_info: IntGaugeVec,
     /// ext_proc streams (one per HTTP request) by how they ended: `answered`, `released`,
-    /// `refused`, `abandoned` (see `ext_proc`).
+    /// `refused`, `abandoned`, `body_timeout` (see `ext_proc`).
     pub ext_proc_streams_total: IntCounterVec,
     /// ext_proc requests answered with an `ImmediateResponse`, by HTTP status.
     pub ext_proc_immediate_responses_total: IntCounterVec,
     /// ext_proc requests by where their prompt tokens came from (`header`, `estimate`).
     pub ext_proc_prompt_tokens_source_total: IntCounterVec,
+    /// ext_proc streams ended because their request body did not arrive within
+    /// `--ext-proc-body-timeout`.
+    pub ext_proc_body_timeouts_total: IntCounter,
+    /// ext_proc requests refused 409 because a live stream already holds their request id.
+    pub ext_proc_request_id_conflicts_total: IntCounter,
     /// HTTP/JSON requests (`--http-listen`) by route and HTTP status.
     pub http_requests_total: IntCounterVec,
     /// HTTP/JSON request duration by route (from the request's head to its answer).
@@ -356,7 +361,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "balanceroute_decision_ext_proc_streams_total",
-                        "Envoy ext_proc streams (one per HTTP request) by how they ended: answered (routed, the rank answered), released (routed, ended before a response: reservation released), refused (ImmediateResponse), abandoned (ended before a routing answer)",
+                        "Envoy ext_proc streams (one per HTTP request) by how they ended: answered (routed, the rank answered), released (routed, ended before a response: reservation released), refused (ImmediateResponse), abandoned (ended before a routing answer), body_timeout (no request body within --ext-proc-body-timeout)",
                     ),
                     &["outcome"],
                 )?,
@@ -395,6 +400,20 @@ impl Metrics {
                     &["source"],
                 )?,
             ),
+            ext_proc_body_timeouts_total: reg(
+                &r,
+                IntCounter::new(
+                    "balanceroute_decision_ext_proc_body_timeouts_total",
+                    "Envoy ext_proc streams ended (408) because their request body did not arrive within --ext-proc-body-timeout",
+                )?,
+            ),
+            ext_proc_request_id_conflicts_total: reg(
+                &r,
+                IntCounter::new(
+                    "balanceroute_decision_ext_proc_request_id_conflicts_total",
+                    "Envoy ext_proc requests refused 409 because another live stream holds their x-request-id in their group",
+                )?,
+            ),
             http_requests_total: reg(
                 &r,
                 IntCounterVec::new(
@@ -419,14 +438,20 @@ impl Metrics {
             registry: r,
         };
         // exported at 0 from the start, so rate() and alerts see the first one
-        for outcome in ["answered", "released", "refused", "abandoned"] {
+        for outcome in [
+            "answered",
+            "released",
+            "refused",
+            "abandoned",
+            "body_timeout",
+        ] {
             m.ext_proc_streams_total.with_label_values(&[outcome]);
         }
         for source in ["header", "estimate"] {
             m.ext_proc_prompt_tokens_source_total
                 .with_label_values(&[source]);
         }
-        for status in ["400", "429", "503"] {
+        for status in ["400", "408", "409", "429", "503"] {
             m.ext_proc_immediate_responses_total
                 .with_label_values(&[status]);
         }

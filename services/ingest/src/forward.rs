@@ -578,7 +578,7 @@ async fn one_link(
                     metrics.snapshot_rejected.inc_by(ack.rejected.len() as u64);
                     tracing::debug!(batch = ack.batch_seq, rejected = ?ack.rejected, "snapshot rejected changes");
                     if let Some((_, group, workers)) = about {
-                        relay_refusals(registry, &group, &workers, &ack.rejected);
+                        relay_refusals(registry, metrics, &group, &workers, &ack.rejected);
                     }
                 }
                 if epoch != 0
@@ -629,9 +629,17 @@ fn refuses_the_worker(reason: v1::RejectReason) -> bool {
     )
 }
 
-/// Ends the stream of every live worker whose change the snapshot service refused.
+/// Ends the stream of every live worker whose change the snapshot service refused, and
+/// counts and logs, under the reporting worker's name, its reports of requests σ holds under
+/// another worker.
+///
+/// Those stay per change: the stream's acks went out before σ judged (they acknowledge
+/// what ingest accepted and forwards), and an honest worker reports such a request too when
+/// a gateway sends it to another rank than the one Assign reserved; ending its stream would
+/// take it out of routing over one misrouted request, again at each full state.
 fn relay_refusals(
     registry: &Registry,
+    metrics: &Metrics,
     group: &str,
     workers: &[Option<(u32, u64)>],
     rejected: &[v1::ChangeRejection],
@@ -639,14 +647,24 @@ fn relay_refusals(
     let Ok(group) = GroupId::new(group) else {
         return;
     };
+    // (one line per ack, naming the first and counting the rest: a worker that names many
+    // is not a line each)
+    let mut not_owner: Option<(&v1::ChangeRejection, Option<(u32, u64)>)> = None;
+    let mut not_owner_count: u64 = 0;
     for r in rejected {
         let reason = v1::RejectReason::try_from(r.reason).unwrap_or(v1::RejectReason::Unspecified);
-        if !refuses_the_worker(reason) {
-            continue;
-        }
         let about = usize::try_from(r.index)
             .ok()
             .and_then(|i| workers.get(i).copied().flatten());
+        if reason == v1::RejectReason::NotOwner {
+            metrics.reject(reason.label());
+            not_owner.get_or_insert((r, about));
+            not_owner_count += 1;
+            continue;
+        }
+        if !refuses_the_worker(reason) {
+            continue;
+        }
         let Some((worker_id, incarnation)) = about else {
             continue;
         };
@@ -658,5 +676,11 @@ fn relay_refusals(
             tracing::warn!(group = %group, worker = worker_id, incarnation, reason = reason.label(),
                 detail = %r.detail, "the snapshot service refused a live worker's change; ending its stream");
         }
+    }
+    if let Some((first, about)) = not_owner {
+        let (worker, incarnation) = about.unzip();
+        tracing::warn!(group = %group, worker, incarnation, refused = not_owner_count,
+            first = %first.detail,
+            "the snapshot service refused reports of requests σ holds under another worker");
     }
 }

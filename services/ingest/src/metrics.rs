@@ -32,6 +32,8 @@ pub const REJECT_REASONS: &[&str] = &[
     "rate_limited",
     "stale_seq",
     "overloaded",
+    // per change, from the snapshot service's ApplyAck (the stream goes on)
+    "not_owner",
 ];
 
 /// Every `reason` label value of `balanceroute_ingest_stream_timeouts_total` (see

@@ -157,3 +157,58 @@ async fn a_hello_live_elsewhere_ends_the_stream_with_already_exists() {
     );
     ingest.stop().await;
 }
+
+/// A change the snapshot service refuses because σ holds the request under another worker
+/// (NOT_OWNER) is about that request, not the worker: counted under the reporter's stream,
+/// and the stream goes on (an honest worker reports such a request when a gateway misroutes
+/// it). Its other changes are applied as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_of_another_workers_request_is_counted_and_the_stream_goes_on() {
+    let fake = FakeSnapshot::new();
+    let served = fake.start().await;
+    let ingest = TestIngest::start(served.addr, &[]).await;
+    ingest.connected().await;
+    fake.reject_changes(|k| match k {
+        TcKind::RequestProgress(p) if p.request_id == "theirs" => Some((
+            v1::RejectReason::NotOwner,
+            "request \"theirs\" belongs to worker 1, not to worker 0".into(),
+        )),
+        _ => None,
+    });
+    let mut w = ingest.worker().await;
+    assert_eq!(status(&w.hello(GROUP, 0, 7).await), v1::AckStatus::Ok);
+    let ack = w
+        .call(progress(
+            1,
+            false,
+            &[("theirs", 10, 3, false), ("mine", 5, 1, false)],
+        ))
+        .await;
+    assert_eq!(status(&ack), v1::AckStatus::Ok, "acked before σ judges");
+    eventually(WAIT, "ingest counted the refusal", || async {
+        ingest
+            .metric(
+                "balanceroute_ingest_rejected_total",
+                &[("reason", "not_owner")],
+            )
+            .await
+            == 1.0
+    })
+    .await;
+    fake.wait_for("the worker's own progress", |f| {
+        !f.progress_of("mine").is_empty()
+    })
+    .await;
+    // the stream lives on, and ended nothing
+    assert_eq!(status(&w.call(heartbeat(2)).await), v1::AckStatus::Ok);
+    assert_eq!(
+        ingest
+            .metric(
+                "balanceroute_ingest_rejected_total",
+                &[("reason", "refused_by_snapshot")]
+            )
+            .await,
+        0.0
+    );
+    ingest.stop().await;
+}

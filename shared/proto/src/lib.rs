@@ -27,7 +27,7 @@ pub mod v1 {
 impl v1::RejectReason {
     /// Every value, in wire order (for pre-creating counter series; a test checks it is
     /// complete).
-    pub const ALL: [v1::RejectReason; 10] = [
+    pub const ALL: [v1::RejectReason; 11] = [
         v1::RejectReason::Unspecified,
         v1::RejectReason::UnknownWorker,
         v1::RejectReason::WorkerFenced,
@@ -38,6 +38,7 @@ impl v1::RejectReason {
         v1::RejectReason::Invalid,
         v1::RejectReason::ConnectedElsewhere,
         v1::RejectReason::WorkerCordoned,
+        v1::RejectReason::NotOwner,
     ];
 
     /// The metric label: the proto name without its `REJECT_REASON_` prefix, in lower case.
@@ -56,6 +57,7 @@ impl v1::RejectReason {
             v1::RejectReason::Invalid => "invalid",
             v1::RejectReason::ConnectedElsewhere => "connected_elsewhere",
             v1::RejectReason::WorkerCordoned => "worker_cordoned",
+            v1::RejectReason::NotOwner => "not_owner",
         }
     }
 }

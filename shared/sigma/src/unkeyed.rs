@@ -113,6 +113,11 @@ impl Adoptions {
         Ok(Adopted::Matched(old))
     }
 
+    /// The worker whose reservation `id` was, if an unkeyed request took it.
+    pub fn taken_on(&self, id: &str) -> Option<WorkerId> {
+        self.taken.get(id).copied()
+    }
+
     /// Request `id`, which σ does not hold, is named by its own id (a keyed report of it, or
     /// a Release): if an unkeyed request took its reservation, the oldest reservation left on
     /// that worker is released in its place (and remembered as taken). Returns the

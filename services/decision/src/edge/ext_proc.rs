@@ -35,7 +35,15 @@
 //!   routing answer but before any response phase (`response_header_mode: SEND`) had its
 //!   request never answered by the rank: its reservation is released through the Cancel path
 //!   ([`DecisionService::cancel_call`]), as a gateway that gives up would. A stream that ends
-//!   while its Assign waits withdraws it (the same drop guard as a gRPC caller that leaves).
+//!   while its Assign waits withdraws it (the same drop guard as a gRPC caller that leaves);
+//! * a request id is one live stream's: a stream claims its (group, id) with its headers and
+//!   gives it back when it ends, and another stream with a held id is answered 409, so no
+//!   stream can take over, or release, another's reservation ([`claims`]);
+//! * a stream whose request body has not arrived `--ext-proc-body-timeout` after its headers
+//!   is answered 408 and ended, giving back its buffered bytes and its id.
+//!
+//! Beside this file: request bodies and their budget (`body`), what the headers say
+//! (`head`), the answers to Envoy (`wire`), the id claims (`claims`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -43,27 +51,32 @@ use std::time::Duration;
 
 use br_proto::v1;
 use br_proto::valid::GroupId;
-use br_runtime::error::{ServiceError as _, code_label};
-use envoy_types::pb::envoy::config::core::v3::{
-    HeaderMap, HeaderValue, HeaderValueOption, Metadata, header_value_option::HeaderAppendAction,
-};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
-    ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
-    TrailersResponse, body_mutation, processing_request, processing_response,
+    HttpHeaders, ProcessingRequest, ProcessingResponse, TrailersResponse, processing_request,
+    processing_response,
 };
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use prometheus::IntGauge;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::edge::grpc::{Caller, DecisionService};
 use crate::error::DecisionError;
 use crate::metrics::Metrics;
+
+mod body;
+mod claims;
+mod head;
+mod wire;
+
+use body::{BodyBudget, BodyHold};
+use claims::{Claim, Claims};
+use head::Head;
+use wire::{
+    Phase, Refusal, continue_with, host_port, immediate, routing_answer, streamed_body, subset_hint,
+};
 
 /// The gRPC service this port serves.
 pub const SERVICE_NAME: &str = br_trust::policy::EXT_PROC;
@@ -101,69 +114,9 @@ pub struct ExtProcSettings {
     pub timeout: Duration,
     /// The request-body bytes every stream together may buffer (`--ext-proc-max-buffered-bytes`).
     pub max_buffered_bytes: usize,
-}
-
-/// The request-body bytes all streams of the picker hold, bounded process-wide: each stream
-/// bounds its own body ([`MAX_BODY_BYTES`]) but many streams could together exhaust memory.
-/// A stream takes one permit per byte as each body message arrives and gives them back when
-/// the body is dropped (parsed, or sent back to Envoy in full-duplex mode) or the stream ends;
-/// a message that does not fit is refused 503 at once (nothing waits for room: Envoy retries
-/// or fails over, and a waiting stream would hold what it has).
-#[derive(Debug, Clone)]
-struct BodyBudget {
-    permits: Arc<Semaphore>,
-    /// The bytes held now (`balanceroute_decision_ext_proc_buffered_bytes`).
-    held: IntGauge,
-    max: usize,
-}
-
-/// One stream's share of the [`BodyBudget`]; given back on drop.
-#[derive(Debug)]
-struct BodyHold {
-    permit: OwnedSemaphorePermit,
-    held: IntGauge,
-}
-
-impl BodyBudget {
-    fn new(max: usize, held: IntGauge) -> BodyBudget {
-        let max = max.min(Semaphore::MAX_PERMITS);
-        BodyBudget {
-            permits: Arc::new(Semaphore::new(max)),
-            held,
-            max,
-        }
-    }
-
-    /// Takes `n` more bytes into `hold`; `false` (nothing taken) when they do not fit.
-    fn take(&self, hold: &mut Option<BodyHold>, n: usize) -> bool {
-        if n == 0 {
-            return true;
-        }
-        let Ok(n32) = u32::try_from(n) else {
-            return false;
-        };
-        let Ok(permit) = Arc::clone(&self.permits).try_acquire_many_owned(n32) else {
-            return false;
-        };
-        self.held.add(i64::from(n32));
-        match hold {
-            Some(h) => h.permit.merge(permit),
-            None => {
-                *hold = Some(BodyHold {
-                    permit,
-                    held: self.held.clone(),
-                });
-            }
-        }
-        true
-    }
-}
-
-impl Drop for BodyHold {
-    fn drop(&mut self) {
-        self.held
-            .sub(i64::try_from(self.permit.num_permits()).unwrap_or(i64::MAX));
-    }
+    /// How long a stream waits for its request body once its headers arrived
+    /// (`--ext-proc-body-timeout`).
+    pub body_timeout: Duration,
 }
 
 /// `envoy.service.ext_proc.v3.ExternalProcessor` over a [`DecisionService`].
@@ -173,6 +126,8 @@ pub struct ExtProcService {
     settings: Arc<ExtProcSettings>,
     metrics: Metrics,
     budget: BodyBudget,
+    /// The request ids live streams hold.
+    claims: Claims,
 }
 
 impl ExtProcService {
@@ -186,6 +141,7 @@ impl ExtProcService {
             settings: Arc::new(settings),
             metrics,
             budget,
+            claims: Claims::default(),
         }
     }
 }
@@ -215,88 +171,12 @@ impl ExternalProcessor for ExtProcService {
             request_buffered: false,
             subset: None,
             caller,
+            claim: None,
+            body_deadline: None,
         };
         tokio::spawn(stream.run());
         Ok(Response::new(ReceiverStream::new(rx)))
     }
-}
-
-/// Why a request is refused with an `ImmediateResponse`.
-#[derive(Debug)]
-enum Refusal {
-    /// Bad input found here (a header, the body): 400, or 413 for a body over the bound.
-    Input { status: u16, message: String },
-    /// The Assign failed: the status its gRPC code maps to.
-    Assign(DecisionError),
-    /// No endpoint the gateway allows could be chosen: 503.
-    Unavailable(String),
-    /// The process-wide body budget is in use (`--ext-proc-max-buffered-bytes`): 503.
-    Busy(String),
-}
-
-impl Refusal {
-    fn bad(message: impl Into<String>) -> Refusal {
-        Refusal::Input {
-            status: 400,
-            message: message.into(),
-        }
-    }
-
-    fn status(&self) -> u16 {
-        match self {
-            Refusal::Input { status, .. } => *status,
-            Refusal::Assign(e) => http_status(e.grpc_code()),
-            Refusal::Unavailable(_) | Refusal::Busy(_) => 503,
-        }
-    }
-
-    /// The `type` of the JSON error body: the gRPC code's label, or `invalid_request`.
-    fn kind(&self) -> &'static str {
-        match self {
-            Refusal::Input { .. } => "invalid_request",
-            Refusal::Assign(e) => code_label(e.grpc_code()),
-            Refusal::Unavailable(_) => "unavailable",
-            Refusal::Busy(_) => "resource_exhausted",
-        }
-    }
-
-    fn message(&self) -> String {
-        match self {
-            Refusal::Input { message, .. } => message.clone(),
-            Refusal::Assign(e) => e.to_string(),
-            Refusal::Unavailable(m) | Refusal::Busy(m) => m.clone(),
-        }
-    }
-}
-
-/// The HTTP status an Assign failure is answered with: the endpoint-picker protocol's 503
-/// (nothing can place, including not before the deadline) and 429 (a full pool: shed), and
-/// google.rpc's mapping for the rest (400 bad input, 404 an unserved group, 499 cancelled).
-pub fn http_status(code: tonic::Code) -> u16 {
-    use tonic::Code;
-    match code {
-        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => 400,
-        Code::NotFound => 404,
-        Code::ResourceExhausted => 429,
-        Code::Cancelled => 499,
-        Code::Unavailable | Code::DeadlineExceeded => 503,
-        Code::PermissionDenied => 403,
-        Code::Unauthenticated => 401,
-        _ => 500,
-    }
-}
-
-/// What the request's headers said.
-#[derive(Debug, Clone)]
-struct Head {
-    group: String,
-    request_id: String,
-    /// The request had no `x-request-id`: this one was made here and is added to it.
-    generated_id: bool,
-    prompt_tokens: Option<u32>,
-    /// The request's W3C trace context (`traceparent`, `tracestate`), when traces are
-    /// exported: its Assign continues the client's trace.
-    trace: br_trace::W3c,
 }
 
 /// Where a stream is.
@@ -326,6 +206,8 @@ enum Outcome {
     Refused,
     /// Ended before a routing answer (the client or Envoy went away first).
     Abandoned,
+    /// Its request body did not arrive within `--ext-proc-body-timeout` (answered 408).
+    BodyTimeout,
 }
 
 impl Outcome {
@@ -335,6 +217,7 @@ impl Outcome {
             Outcome::Released => "released",
             Outcome::Refused => "refused",
             Outcome::Abandoned => "abandoned",
+            Outcome::BodyTimeout => "body_timeout",
         }
     }
 }
@@ -364,6 +247,20 @@ struct Stream {
     subset: Option<Vec<String>>,
     /// Who opened the stream: its Assign is bound to it, and its release is its Cancel.
     caller: Caller,
+    /// The stream's hold on its request id, from its headers to its end (after its release).
+    claim: Option<Claim>,
+    /// When a stream waiting for its request body is answered 408 and ended.
+    body_deadline: Option<Instant>,
+}
+
+/// What a stream waits for next.
+enum Next {
+    /// (boxed: a message is large, and the other outcomes are nothing)
+    Message(Box<ProcessingRequest>),
+    /// The stream ended (Envoy closed or reset it, or stopped reading our answers).
+    Ended,
+    /// The request body did not arrive in time.
+    BodyTimeout,
 }
 
 /// The stream has ended (Envoy closed or reset it, or stopped reading).
@@ -375,8 +272,12 @@ impl Stream {
             let msg = match self.pending.pop_front() {
                 Some(m) => m,
                 None => match self.next().await {
-                    Some(m) => m,
-                    None => break,
+                    Next::Message(m) => *m,
+                    Next::Ended => break,
+                    Next::BodyTimeout => {
+                        self.body_timed_out().await;
+                        break;
+                    }
                 },
             };
             if self.handle(msg).await.is_err() {
@@ -386,20 +287,46 @@ impl Stream {
         self.finish().await;
     }
 
-    /// The next message from Envoy; `None` when the stream ended (closed, reset, or our
-    /// answers are no longer read).
-    async fn next(&mut self) -> Option<ProcessingRequest> {
+    /// The next message from Envoy, the stream's end (closed, reset, or our answers are no
+    /// longer read), or, while the stream waits for its request body, the body's deadline.
+    async fn next(&mut self) -> Next {
+        // (no deadline but while waiting for the body: the branch is then never polled)
+        let deadline = self
+            .body_deadline
+            .filter(|_| matches!(self.state, State::AwaitBody(_)));
         tokio::select! {
             m = self.inbound.message() => match m {
-                Ok(Some(m)) => Some(m),
-                Ok(None) => None,
+                Ok(Some(m)) => Next::Message(Box::new(m)),
+                Ok(None) => Next::Ended,
                 Err(status) => {
                     tracing::debug!(%status, "ext_proc stream ended by an error");
-                    None
+                    Next::Ended
                 }
             },
-            () = self.tx.closed() => None,
+            () = self.tx.closed() => Next::Ended,
+            () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
+                Next::BodyTimeout
+            }
         }
+    }
+
+    /// The request body did not arrive within `--ext-proc-body-timeout`: Envoy keeps a stream
+    /// open for as long as its client trickles (or stalls) the body, and the stream holds its
+    /// buffered bytes and its request id meanwhile. Both go back now; the request is answered
+    /// 408 and the stream ends (nothing was assigned yet: the Assign waits for the body).
+    async fn body_timed_out(&mut self) {
+        let waited = self.ext.settings.body_timeout;
+        self.ext.metrics.ext_proc_body_timeouts_total.inc();
+        self.body = Vec::new();
+        self.body_hold = None;
+        self.claim = None;
+        let message = format!(
+            "the request body did not arrive within --ext-proc-body-timeout ({})",
+            humantime::format_duration(waited)
+        );
+        tracing::debug!(%message, "ext_proc stream ended");
+        let _ = self.refuse(Refusal::BodyTimeout(message)).await;
+        self.state = State::Done(Outcome::BodyTimeout);
     }
 
     async fn send(&self, resp: ProcessingResponse) -> Result<(), Gone> {
@@ -430,68 +357,7 @@ impl Stream {
         }
         match msg.request {
             Some(In::RequestHeaders(h)) => self.on_request_headers(h, body_mode).await,
-            Some(In::RequestBody(b)) => {
-                let State::AwaitBody(head) = &self.state else {
-                    if self.request_duplex {
-                        // refused already: Envoy stops; nothing to answer chunk by chunk
-                        return Ok(());
-                    }
-                    return self.send(continue_with(Out::RequestBody)).await;
-                };
-                if self.body.len() + b.body.len() > MAX_BODY_BYTES {
-                    let refusal = Refusal::Input {
-                        status: 413,
-                        message: format!("request body over {MAX_BODY_BYTES} bytes"),
-                    };
-                    return self.refuse(refusal).await;
-                }
-                if !self.ext.budget.take(&mut self.body_hold, b.body.len()) {
-                    self.ext.metrics.ext_proc_budget_refusals_total.inc();
-                    let message = format!(
-                        "the endpoint picker holds its --ext-proc-max-buffered-bytes ({} bytes) \
-                         of request bodies; retry",
-                        self.ext.budget.max
-                    );
-                    tracing::warn!(%message, "ext_proc request body refused");
-                    self.body = Vec::new();
-                    self.body_hold = None;
-                    return self.refuse(Refusal::Busy(message)).await;
-                }
-                self.body.extend_from_slice(&b.body);
-                if !b.end_of_stream && !self.request_buffered {
-                    if self.request_duplex {
-                        // full duplex: the answers come once the body is whole
-                        return Ok(());
-                    }
-                    // A streamed chunk: Envoy waits for this answer before the next one.
-                    return self.send(continue_with(Out::RequestBody)).await;
-                }
-                let head = head.clone();
-                let body = std::mem::take(&mut self.body);
-                match parse_body(&body, head.prompt_tokens.is_none()) {
-                    Ok((estimated, max_tokens)) => {
-                        let tokens = match head.prompt_tokens {
-                            Some(t) => t,
-                            None => {
-                                self.count_source("estimate");
-                                estimated.unwrap_or(1)
-                            }
-                        };
-                        let phase = if self.request_duplex {
-                            Phase::DuplexBody(body)
-                        } else {
-                            // parsed: the bytes go back to the budget before the Assign waits
-                            drop(body);
-                            self.body_hold = None;
-                            Phase::Body
-                        };
-                        let routed = self.route(head, tokens, max_tokens, phase).await;
-                        self.body_hold = None;
-                        routed
-                    }
-                    Err(refusal) => self.refuse(refusal).await,
-                }
-            }
+            Some(In::RequestBody(b)) => self.on_request_body(b).await,
             Some(In::RequestTrailers(_)) => {
                 self.send(ProcessingResponse {
                     response: Some(Out::RequestTrailers(TrailersResponse::default())),
@@ -544,11 +410,26 @@ impl Stream {
             Ok(head) => head,
             Err(refusal) => return self.refuse(refusal).await,
         };
+        match self.ext.claims.claim(&head.group, &head.request_id) {
+            Some(claim) => self.claim = Some(claim),
+            None => {
+                self.ext.metrics.ext_proc_request_id_conflicts_total.inc();
+                let message = format!(
+                    "another request with {REQUEST_ID_HEADER} {:?} is in flight in group {:?}; \
+                     request ids must be unique while their requests run",
+                    head.request_id, head.group
+                );
+                tracing::warn!(group = %head.group, request_id = %head.request_id,
+                    "ext_proc request refused: its request id is held by another stream");
+                return self.refuse(Refusal::Conflict(message)).await;
+            }
+        }
         // Envoy sends no body when the request has none, or when its body mode is NONE (it
         // says so in the first message's protocol_config, from Envoy 1.33).
         let no_body = h.end_of_stream || body_mode == Some(BodySendMode::None as i32);
         if !no_body {
             self.state = State::AwaitBody(head);
+            self.body_deadline = Some(Instant::now() + self.ext.settings.body_timeout);
             if self.request_duplex {
                 // the headers' answer carries the endpoint, so it waits for the body
                 return Ok(());
@@ -566,59 +447,6 @@ impl Stream {
                 .await;
         };
         self.route(head, tokens, None, Phase::Headers).await
-    }
-
-    fn read_head(&self, headers: Option<&HeaderMap>) -> Result<Head, Refusal> {
-        let get = |name: &str| headers.and_then(|h| header(h, name));
-        let group = match get(GROUP_HEADER) {
-            Some(g) => g,
-            None => match &self.ext.settings.default_group {
-                Some(g) => g.to_string(),
-                None => {
-                    return Err(Refusal::bad(format!(
-                        "no {GROUP_HEADER} header and no --ext-proc-default-group"
-                    )));
-                }
-            },
-        };
-        let (request_id, generated_id) = match get(REQUEST_ID_HEADER) {
-            Some(id) if !id.is_empty() => (id, false),
-            _ => (fresh_request_id(), true),
-        };
-        let prompt_tokens = match get(PROMPT_TOKENS_HEADER) {
-            None => None,
-            Some(v) => Some(v.trim().parse::<u32>().map_err(|_| {
-                Refusal::bad(format!(
-                    "{PROMPT_TOKENS_HEADER}: {v:?} is not a token count"
-                ))
-            })?),
-        };
-        if prompt_tokens.is_some() {
-            self.count_source("header");
-        }
-        let trace = if br_trace::enabled() {
-            br_trace::W3c {
-                traceparent: get(br_trace::TRACEPARENT).unwrap_or_default(),
-                tracestate: get(br_trace::TRACESTATE).unwrap_or_default(),
-            }
-        } else {
-            br_trace::W3c::default()
-        };
-        Ok(Head {
-            group,
-            request_id,
-            generated_id,
-            prompt_tokens,
-            trace,
-        })
-    }
-
-    fn count_source(&self, source: &str) {
-        self.ext
-            .metrics
-            .ext_proc_prompt_tokens_source_total
-            .with_label_values(&[source])
-            .inc();
     }
 
     /// Assigns the request (the gRPC method's path) and answers with its endpoint. While the
@@ -702,60 +530,13 @@ impl Stream {
             self.release().await;
             return self.refuse(Refusal::Unavailable(why)).await;
         }
-        let mut set = vec![set_header(DESTINATION_ENDPOINT, &endpoint)];
-        if head.generated_id {
-            set.push(set_header(REQUEST_ID_HEADER, &head.request_id));
-        }
-        let common = CommonResponse {
-            header_mutation: Some(HeaderMutation {
-                set_headers: set,
-                remove_headers: Vec::new(),
-            }),
-            // The route may depend on the new header (a cluster per endpoint, say).
-            clear_route_cache: true,
-            ..Default::default()
-        };
         tracing::debug!(group = %head.group, request_id = %head.request_id, %endpoint,
             worker = resp.worker_id, "ext_proc routed");
-        let (response, then) = match phase {
-            Phase::Headers => (
-                processing_response::Response::RequestHeaders(HeadersResponse {
-                    response: Some(common),
-                }),
-                None,
-            ),
-            Phase::Body => (
-                processing_response::Response::RequestBody(BodyResponse {
-                    response: Some(common),
-                }),
-                None,
-            ),
-            // the held headers' answer, then the body (unchanged) in one streamed response
-            Phase::DuplexBody(body) => (
-                processing_response::Response::RequestHeaders(HeadersResponse {
-                    response: Some(common),
-                }),
-                Some(processing_response::Response::RequestBody(streamed_body(
-                    body, true,
-                ))),
-            ),
-        };
-        self.send(ProcessingResponse {
-            response: Some(response),
-            dynamic_metadata: Some(destination_metadata(&endpoint)),
-            ..Default::default()
-        })
-        .await?;
-        match then {
-            None => Ok(()),
-            Some(r) => {
-                self.send(ProcessingResponse {
-                    response: Some(r),
-                    ..Default::default()
-                })
-                .await
-            }
+        let set_id = head.generated_id.then_some(head.request_id.as_str());
+        for answer in routing_answer(&endpoint, set_id, phase) {
+            self.send(answer).await?;
         }
+        Ok(())
     }
 
     async fn refuse(&mut self, refusal: Refusal) -> Result<(), Gone> {
@@ -804,289 +585,11 @@ impl Stream {
             .ext_proc_streams_total
             .with_label_values(&[outcome.label()])
             .inc();
+        // The id goes back after the release above and before Envoy sees the stream end
+        // (the answers' channel closes when `self` drops), so a client's retry after the
+        // end finds it free.
+        self.claim = None;
     }
-}
-
-/// Which request phase the routing answer goes to.
-#[derive(Debug)]
-enum Phase {
-    Headers,
-    Body,
-    /// FULL_DUPLEX_STREAMED: the held headers' answer, then this body back to Envoy.
-    DuplexBody(Vec<u8>),
-}
-
-/// A body answer in FULL_DUPLEX_STREAMED mode: the chunk Envoy forwards (unchanged here).
-fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
-    BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..Default::default()
-                    },
-                )),
-            }),
-            ..Default::default()
-        }),
-    }
-}
-
-/// An answer that changes nothing.
-fn continue_with<T: Default>(
-    f: impl FnOnce(T) -> processing_response::Response,
-) -> ProcessingResponse {
-    ProcessingResponse {
-        response: Some(f(T::default())),
-        ..Default::default()
-    }
-}
-
-/// A header value from Envoy's map (lower-case names; the value in `raw_value` since Envoy
-/// 1.27, in `value` before).
-pub fn header(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers
-        .headers
-        .iter()
-        .find(|h| h.key.eq_ignore_ascii_case(name))
-        .map(|h| {
-            if h.raw_value.is_empty() {
-                h.value.clone()
-            } else {
-                String::from_utf8_lossy(&h.raw_value).into_owned()
-            }
-        })
-}
-
-/// Sets (overwriting) one request header: a client's own `x-gateway-destination-endpoint`
-/// must not survive, or it could pick the rank itself.
-fn set_header(key: &str, value: &str) -> HeaderValueOption {
-    HeaderValueOption {
-        header: Some(HeaderValue {
-            key: key.to_owned(),
-            raw_value: value.as_bytes().to_vec(),
-            ..Default::default()
-        }),
-        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-        ..Default::default()
-    }
-}
-
-/// `{"envoy.lb": {"x-gateway-destination-endpoint": "<ip:port>"}}`.
-fn destination_metadata(endpoint: &str) -> Struct {
-    let inner = Struct {
-        fields: [(
-            DESTINATION_ENDPOINT.to_owned(),
-            Value {
-                kind: Some(Kind::StringValue(endpoint.to_owned())),
-            },
-        )]
-        .into_iter()
-        .collect(),
-    };
-    Struct {
-        fields: [(
-            DESTINATION_NAMESPACE.to_owned(),
-            Value {
-                kind: Some(Kind::StructValue(inner)),
-            },
-        )]
-        .into_iter()
-        .collect(),
-    }
-}
-
-/// The `ImmediateResponse` of a refusal: its status and an OpenAI-shaped JSON error (as
-/// br-shim's own refusals), so clients of an OpenAI API read it as they read the engine's.
-fn immediate(refusal: &Refusal) -> ProcessingResponse {
-    let status = refusal.status();
-    let body = serde_json::json!({
-        "error": {
-            "message": refusal.message(),
-            "type": refusal.kind(),
-            "code": status,
-        }
-    });
-    ProcessingResponse {
-        response: Some(processing_response::Response::ImmediateResponse(
-            ImmediateResponse {
-                status: Some(HttpStatus {
-                    code: i32::from(status),
-                }),
-                headers: Some(HeaderMutation {
-                    set_headers: vec![set_header("content-type", "application/json")],
-                    remove_headers: Vec::new(),
-                }),
-                body: body.to_string().into(),
-                details: format!("balanceroute_{}", refusal.kind()),
-                ..Default::default()
-            },
-        )),
-        ..Default::default()
-    }
-}
-
-/// The protocol's subset hint from the request's filter metadata: a list of `ip:port` (a
-/// comma-separated string is read too). `None` when the gateway sent none.
-pub fn subset_hint(md: &Metadata) -> Option<Vec<String>> {
-    let value = md
-        .filter_metadata
-        .get(SUBSET_NAMESPACE)?
-        .fields
-        .get(SUBSET_KEY)?;
-    let split = |s: &str| -> Vec<String> {
-        s.split(',')
-            .map(str::trim)
-            .filter(|e| !e.is_empty())
-            .map(str::to_owned)
-            .collect()
-    };
-    Some(match &value.kind {
-        Some(Kind::ListValue(list)) => list
-            .values
-            .iter()
-            .filter_map(|v| match &v.kind {
-                Some(Kind::StringValue(s)) => Some(split(s)),
-                _ => None,
-            })
-            .flatten()
-            .collect(),
-        Some(Kind::StringValue(s)) => split(s),
-        _ => Vec::new(),
-    })
-}
-
-/// A request id for a request that came without one: 128 random bits in hex.
-fn fresh_request_id() -> String {
-    format!("br-{:032x}", rand::random::<u128>())
-}
-
-/// The `host:port` the endpoint-picker protocol wants, from the endpoint a shim announced
-/// (`http://10.0.0.5:8100`, maybe with a path). `None` when it announced none. A URL without
-/// a port gets its scheme's.
-pub fn host_port(endpoint: &str) -> Option<String> {
-    let e = endpoint.trim();
-    let (rest, default_port) = if let Some(r) = e.strip_prefix("http://") {
-        (r, 80)
-    } else if let Some(r) = e.strip_prefix("https://") {
-        (r, 443)
-    } else {
-        (e, 80)
-    };
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    // userinfo has no place in an endpoint; drop it rather than hand it to Envoy
-    let authority = authority.rsplit('@').next().unwrap_or("");
-    if authority.is_empty() {
-        return None;
-    }
-    let has_port = match authority.rfind(']') {
-        // [v6]:port
-        Some(close) => authority[close..].contains(':'),
-        None => authority.contains(':'),
-    };
-    Some(if has_port {
-        authority.to_owned()
-    } else {
-        format!("{authority}:{default_port}")
-    })
-}
-
-/// What the body gives: the estimated prompt tokens (when `want_estimate`) and `max_tokens`.
-fn parse_body(body: &[u8], want_estimate: bool) -> Result<(Option<u32>, Option<u32>), Refusal> {
-    let v: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| Refusal::bad(format!("the request body is not JSON: {e}")))?;
-    let max_tokens = max_tokens(&v)?;
-    let estimated = if want_estimate {
-        Some(estimate(&v).ok_or_else(|| {
-            Refusal::bad(format!(
-                "the body has neither `messages` nor `prompt` to estimate the prompt's tokens \
-                 from; set {PROMPT_TOKENS_HEADER}"
-            ))
-        })?)
-    } else {
-        None
-    };
-    Ok((estimated, max_tokens))
-}
-
-/// `max_completion_tokens` (the chat API's current name) or `max_tokens`; absent or null:
-/// unknown. Anything but a positive integer is bad input (the engine would refuse it too).
-fn max_tokens(v: &serde_json::Value) -> Result<Option<u32>, Refusal> {
-    for key in ["max_completion_tokens", "max_tokens"] {
-        match v.get(key) {
-            None | Some(serde_json::Value::Null) => continue,
-            Some(n) => {
-                return n
-                    .as_u64()
-                    .filter(|n| *n > 0)
-                    .map(|n| Some(u32::try_from(n).unwrap_or(u32::MAX)))
-                    .ok_or_else(|| Refusal::bad(format!("{key}: {n} is not a positive integer")));
-            }
-        }
-    }
-    Ok(None)
-}
-
-/// Tokens added per chat message for its role and the chat template's markers (OpenAI's
-/// counting guide uses 3-4).
-const TOKENS_PER_MESSAGE: u64 = 4;
-/// UTF-8 bytes per token of text: the usual "a token is about 4 characters of English" rule,
-/// applied to bytes so that text in scripts of 3-byte characters (CJK, about one token each)
-/// is underestimated by less.
-const BYTES_PER_TOKEN: u64 = 4;
-
-/// Estimates a request's prompt tokens from an OpenAI-style body, without a tokenizer:
-/// text bytes / 4 (rounded up) for `prompt` strings and chat `messages` (`content` strings or
-/// `text` parts), plus 4 per message; token-id prompts count exactly. `None` without either
-/// field. At least 1, at most u32::MAX (Assign refuses more than its 10,000,000 limit).
-///
-/// Why an estimate is good enough: it only weighs the reservation until the rank's shim
-/// reports the request, with the engine's own prompt count, which then replaces it in σ.
-/// Gateways that tokenize (or run prefill first) should send [`PROMPT_TOKENS_HEADER`].
-pub fn estimate(v: &serde_json::Value) -> Option<u32> {
-    use serde_json::Value as J;
-    let text_tokens = |bytes: u64| bytes.div_ceil(BYTES_PER_TOKEN);
-    let mut tokens: u64 = 0;
-    let mut found = false;
-    if let Some(J::Array(messages)) = v.get("messages") {
-        found = true;
-        for m in messages {
-            tokens += TOKENS_PER_MESSAGE;
-            match m.get("content") {
-                Some(J::String(s)) => tokens += text_tokens(s.len() as u64),
-                Some(J::Array(parts)) => {
-                    for p in parts {
-                        if let Some(J::String(s)) = p.get("text") {
-                            tokens += text_tokens(s.len() as u64);
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    match v.get("prompt") {
-        Some(J::String(s)) => {
-            found = true;
-            tokens += text_tokens(s.len() as u64);
-        }
-        Some(J::Array(items)) => {
-            found = true;
-            for item in items {
-                match item {
-                    J::String(s) => tokens += text_tokens(s.len() as u64),
-                    // a prompt of token ids: exact
-                    J::Number(_) => tokens += 1,
-                    J::Array(ids) => tokens += ids.len() as u64,
-                    _ => {}
-                }
-            }
-        }
-        _ => {}
-    }
-    found.then(|| u32::try_from(tokens.max(1)).unwrap_or(u32::MAX))
 }
 
 #[cfg(test)]

@@ -314,6 +314,30 @@ fn progress(
         ));
     }
     let id = p.request_id.as_str();
+    let held = |b: &Batch<'_>| {
+        b.sigma()
+            .request(id)
+            .map(|r| (r.worker, r.prompt_tokens, r.generated_tokens))
+    };
+    // One lookup for the common report (a request σ holds); the rule below may change σ.
+    let mut held_now = held(b);
+    // The stream's identity is the worker's: ingest forwards a worker's report only under the
+    // worker id its stream said Hello as (and mutual TLS admitted). So a report of a request
+    // σ holds under another worker is that worker's request named by someone else (a peer
+    // that lies, or an ingest replica that forwards what its streams were not entitled to),
+    // or a request the gateway sent to another rank than the one it was reserved on. Either
+    // way it stays where it is: a reservation belongs to the worker it was reserved on until
+    // it is released or expires, and a running request to the worker that reported it first
+    // (docs/design/0013-request-ownership.md). Checked here, where every Apply batch comes
+    // in, so no path into σ skips it.
+    if let Some((owner, _, _)) = held_now
+        && owner != worker_id
+    {
+        return Err(Reject::new(
+            v1::RejectReason::NotOwner,
+            format!("request {id:?} belongs to worker {owner}, not to worker {worker_id}"),
+        ));
+    }
     // Only changes that pass count: a rejected one does not make a later one a duplicate.
     if !seen.insert(p.request_id.clone()) {
         return Err(Reject::new(
@@ -325,13 +349,6 @@ fn progress(
     // hold takes over a reservation if it came without the gateway's id, or hands a taken
     // reservation's place on if it is one; a finished one only leaves.
     let mut adopted_prompt = None;
-    let held = |b: &Batch<'_>| {
-        b.sigma()
-            .request(id)
-            .map(|r| (r.prompt_tokens, r.generated_tokens))
-    };
-    // One lookup for the common report (a request σ holds); the rule below may change σ.
-    let mut held_now = held(b);
     if held_now.is_none() && !p.finished {
         if p.unkeyed {
             match ids.adoptions.adopt(b, id, worker_id, incarnation)? {
@@ -341,12 +358,16 @@ fn progress(
                 }
                 Adopted::Unmatched => ids.counts.unmatched += 1,
             }
-        } else if ids.adoptions.named(b, id)?.is_some() {
+        } else if ids.adoptions.taken_on(id) == Some(worker_id)
+            && ids.adoptions.named(b, id)?.is_some()
+        {
+            // (only on the worker whose reservation was taken: another worker naming it would
+            // release one of that worker's reservations)
             ids.counts.handed_on += 1;
         }
         held_now = held(b);
     }
-    let held = held_now;
+    let held = held_now.map(|(_, prompt, generated)| (prompt, generated));
     if p.finished {
         if let Some((_, generated)) = held {
             b.apply(change::request_finished(

@@ -342,11 +342,28 @@ impl Group {
         self.metrics.unkeyed_unmatched.inc_by(counts.unmatched);
         self.metrics.unkeyed_handed_on.inc_by(counts.handed_on);
         self.count_carriers();
+        self.log_not_owner(carrier, &rejected);
         Applied {
             epoch: self.sigma.epoch(),
             version: self.sigma.version(),
             rejected,
         }
+    }
+
+    /// Logs the batch's reports of another worker's requests, once per batch (a peer that
+    /// names many is one line, not one per request): a worker that lies about its requests,
+    /// an ingest replica forwarding what its streams were not entitled to, or a gateway that
+    /// sent a request to another rank than the one it reserved.
+    fn log_not_owner(&self, carrier: &str, rejected: &[(usize, Reject)]) {
+        let mut refused = rejected
+            .iter()
+            .filter(|(_, r)| r.reason == v1::RejectReason::NotOwner);
+        let Some((_, first)) = refused.next() else {
+            return;
+        };
+        tracing::warn!(group = %self.sigma.group(), ingest = carrier,
+            refused = 1 + refused.count(), first = %first.detail,
+            "refused reports of requests σ holds under another worker; σ keeps them where they are");
     }
 
     /// An Apply stream ended: every LIVE worker whose current Hello came on it stays routable

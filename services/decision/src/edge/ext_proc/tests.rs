@@ -1,4 +1,8 @@
+use super::body::{estimate, max_tokens, parse_body};
+use super::wire::{destination_metadata, fresh_request_id, header, http_status};
 use super::*;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use serde_json::json;
 
 #[test]
@@ -173,4 +177,20 @@ fn fresh_ids_are_distinct_and_valid_request_ids() {
     let a = fresh_request_id();
     assert_ne!(a, fresh_request_id());
     assert!(a.len() <= 256 && !a.chars().any(char::is_control));
+}
+
+#[test]
+fn a_request_id_is_held_by_one_stream_at_a_time() {
+    let claims = claims::Claims::default();
+    let first = claims.claim("g", "r-1").expect("a free id");
+    assert!(claims.claim("g", "r-1").is_none(), "held by the first");
+    let other_group = claims.claim("h", "r-1").expect("ids are per group");
+    let other_id = claims.claim("g", "r-2").expect("another id");
+    assert_eq!(claims.len(), 3);
+    drop(first);
+    let again = claims
+        .claim("g", "r-1")
+        .expect("free once the first let go");
+    drop((again, other_group, other_id));
+    assert_eq!(claims.len(), 0);
 }

@@ -44,9 +44,11 @@ fn a_worker_holds_at_most_its_capacity_plus_the_margin_and_the_rest_of_the_batch
     // Progress of a request already held is not a new one: still accepted at the bound.
     let ack = g.apply_msgs(3, vec![prog(0, 10, "r0", 10, 5, false)], S1, now, 0);
     assert!(ack.rejected.is_empty());
-    // Moving a request onto the full worker is refused too.
+    // Another worker's request does not move onto it (nor onto any worker: it is worker 1's,
+    // docs/design/0013-request-ownership.md).
     let ack = g.apply_msgs(4, vec![prog(0, 10, "other", 10, 2, false)], S1, now, 0);
-    assert_eq!(reasons(&ack), vec![(0, R::WorkerFull)]);
+    assert_eq!(reasons(&ack), vec![(0, R::NotOwner)]);
+    assert_eq!(requests_on(&g, 1), 1);
     // On-arrival reservations queue past the capacity, up to the same bound.
     let queued = |id: &str| ValidReservation {
         queue_if_full: true,

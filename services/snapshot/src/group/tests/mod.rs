@@ -6,6 +6,7 @@
 mod apply;
 mod bounds;
 mod merging;
+mod ownership;
 mod props;
 mod reserve;
 mod watchers;
