@@ -10,8 +10,12 @@ the middle of that window: N · (P + G/2); N is the running requests.
 Writes `max_kv_tokens,max_running,step_ms` rows (the three-term format of br-sim calibrate)
 to standard output.
 
+With `--header X-data-parallel-rank:0` every stream is pinned to one rank of a data-parallel
+server: in a mixture-of-experts server the other ranks step with it in lockstep (idle ones run
+dummy steps), so the samples are the group's step time with the load on one rank.
+
 Usage: python step_samples.py BASE_URL [--prompts 16,256,1024] [--running 1,2,4,8,16]
-       [--generate 96] [--repeats 2]
+       [--generate 96] [--repeats 2] [--header NAME:VALUE]
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import httpx
 WORD = " rank"  # one token of the tiny model's tokenizer per word
 
 
+HEADERS: dict = {}
+
+
 def stream_gaps(base: str, prompt_words: int, generate: int) -> list:
     body = {
         "model": "tiny", "prompt": WORD * prompt_words, "max_tokens": generate,
@@ -36,7 +43,7 @@ def stream_gaps(base: str, prompt_words: int, generate: int) -> list:
     }
     stamps = []
     prompt_tokens = None
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=HEADERS, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -65,7 +72,13 @@ def main() -> None:
     ap.add_argument("--running", default="1,2,4,8,16")
     ap.add_argument("--generate", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--header", action="append", default=[], help="NAME:VALUE sent with every request")
     a = ap.parse_args()
+    for h in a.header:
+        name, sep, value = h.partition(":")
+        if not sep or not name:
+            ap.error(f"--header {h!r}: expected NAME:VALUE")
+        HEADERS[name.strip()] = value.strip()
     # warm-up: the first requests of a fresh server pay one-off costs
     point(a.base, 2, 16, 16)
     print("max_kv_tokens,max_running,step_ms")
