@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci vllm-step-model import-cycles config-reference config-reference-check
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -52,6 +52,9 @@ e2e-vllm-ci:
 
 vllm-step-model: ## fit br-sim's step model to a real vLLM rank's measured step times (scripts/vllm/step-model.sh)
 	bash scripts/vllm/step-model.sh
+
+vllm-moe-live: ## JSQ vs BR-0 live on a real MoE vLLM (tiny Mixtral, DP = 2 in lockstep) and the twin on the same arrivals
+	bash scripts/vllm/moe-live.sh
 
 deploy-tools: ## fetch kustomize, promtool and the Python validators into target/ (package registries)
 	bash deploy/validate.sh --install-only
