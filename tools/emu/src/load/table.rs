@@ -6,7 +6,6 @@
 
 use super::*;
 
-/// A side-by-side table of runs (and br-sim's prediction for each policy, if given).
 /// Mean and standard deviation of one figure over a policy's twin runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Moments {
@@ -65,6 +64,18 @@ impl TwinBand {
     }
 }
 
+/// A figure the engine did not report (a real engine has no σ-side imbalance or step time of
+/// its own in the load tool's view) prints as "-", never as NaN.
+fn or_dash(v: Option<f64>, width: usize, decimals: usize) -> String {
+    match v {
+        Some(x) if x.is_finite() => format!("{x:>width$.decimals$}"),
+        _ => format!("{:>width$}", "-"),
+    }
+}
+
+/// A side-by-side table of runs (and br-sim's prediction for each policy, if given). "live" is
+/// what the load measured against the running deployment (emulated or real engine), "br-sim"
+/// the twin on the same arrivals.
 pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -76,14 +87,14 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
     for s in runs {
         let _ = writeln!(
             out,
-            "{:<10} {:>9} {:>14.0} {:>12.1} {:>12.1} {:>12.0} {:>11.1} {:>9}",
+            "{:<10} {:>9} {} {:>12.1} {:>12.1} {:>12.0} {} {:>9}",
             s.label,
-            "emulated",
-            s.imbalance_tokens.unwrap_or(f64::NAN),
+            "live",
+            or_dash(s.imbalance_tokens, 14, 0),
             s.tpot_ms.p50,
             s.tpot_ms.p95,
             s.throughput_tok_s,
-            s.mean_step_ms.unwrap_or(f64::NAN),
+            or_dash(s.mean_step_ms, 11, 1),
             s.failed,
         );
         let twins: Vec<&br_sim::report::RunReport> = sim
@@ -120,7 +131,7 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
                 );
             }
             let rel = |a: f64, b: f64| {
-                if b.abs() > 0.0 {
+                if b.abs() > 0.0 && a.is_finite() {
                     format!("{:+.0}%", (a / b - 1.0) * 100.0)
                 } else {
                     "-".into()
@@ -130,7 +141,7 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
                 out,
                 "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12}",
                 "",
-                "emu/sim",
+                "live/sim",
                 rel(s.imbalance_tokens.unwrap_or(f64::NAN), t.imbalance.mean),
                 rel(s.tpot_ms.p50, t.tpot_p50.mean),
                 rel(s.tpot_ms.p95, t.tpot_p95.mean),
@@ -141,15 +152,16 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
     if runs.len() == 2 {
         let (a, b) = (&runs[0], &runs[1]);
         let gain = |x: f64, y: f64| (y / x - 1.0) * 100.0;
+        let imbalance = match (a.imbalance_tokens, b.imbalance_tokens) {
+            (Some(x), Some(y)) if x > 0.0 => format!("{:+.0}%", gain(x, y)),
+            _ => "-".into(),
+        };
         let _ = writeln!(
             out,
-            "\n{} vs {}: imbalance {:+.0}%, TPOT p95 {:+.1}%, throughput {:+.1}%",
+            "\n{} vs {}: imbalance {}, TPOT p95 {:+.1}%, throughput {:+.1}%",
             b.label,
             a.label,
-            gain(
-                a.imbalance_tokens.unwrap_or(f64::NAN),
-                b.imbalance_tokens.unwrap_or(f64::NAN)
-            ),
+            imbalance,
             gain(a.tpot_ms.p95, b.tpot_ms.p95),
             gain(a.throughput_tok_s, b.throughput_tok_s),
         );

@@ -56,7 +56,7 @@ fn several_twin_runs_of_a_policy_are_shown_as_their_mean_and_spread() {
         "{text}"
     );
     assert!(
-        lines[jsq_sim + 2].contains("emu/sim") && lines[jsq_sim + 2].contains("+0%"),
+        lines[jsq_sim + 2].contains("live/sim") && lines[jsq_sim + 2].contains("+0%"),
         "{text}"
     );
     // br0: one twin run, no spread line, live 10% above it
@@ -66,7 +66,35 @@ fn several_twin_runs_of_a_policy_are_shown_as_their_mean_and_spread() {
         .expect("sim row");
     assert!(!lines[br0_sim].contains("n="), "{text}");
     assert!(
-        lines[br0_sim + 1].contains("emu/sim") && lines[br0_sim + 1].contains("+10%"),
+        lines[br0_sim + 1].contains("live/sim") && lines[br0_sim + 1].contains("+10%"),
+        "{text}"
+    );
+}
+
+#[test]
+fn figures_a_real_engine_does_not_report_print_as_a_dash_never_nan() {
+    // A load against a real engine has no σ-side imbalance or step time in the load tool's view.
+    let live = |label: &str, p95: f64| Summary {
+        label: label.into(),
+        imbalance_tokens: None,
+        mean_step_ms: None,
+        throughput_tok_s: 1_000.0,
+        tpot_ms: Pct {
+            p50: 20.0,
+            p95,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let text = table(&[live("jsq", 20.0), live("br0", 22.0)], None);
+    assert!(!text.contains("NaN"), "{text}");
+    let jsq = text
+        .lines()
+        .find(|l| l.starts_with("jsq"))
+        .expect("jsq row");
+    assert_eq!(jsq.split_whitespace().nth(2), Some("-"), "{text}");
+    assert!(
+        text.contains("br0 vs jsq: imbalance -, TPOT p95 +10.0%"),
         "{text}"
     );
 }
