@@ -21,7 +21,8 @@
 # Environment: N (requests per policy, 100), RATE (Poisson requests/s, 1.2: near what the server
 # decodes on 2 cores), TRACE (paper-azure),
 # B (running requests per rank: vLLM --max-num-seqs and the shim's capacity, 16), POLICIES
-# ("jsq br0"), SEED (42), BR_PROFILE (release | debug, release), STEP_ARGS (extra
+# ("jsq br0"; run it again in the other order to see the spread), WARMUP (1: replay the workload
+# once, unmeasured, before the policies), SEED (42), BR_PROFILE (release | debug, release), STEP_ARGS (extra
 # step_samples.py flags), BR_VLLM_HOME. Output in target/vllm/moe-live/.
 set -euo pipefail
 
@@ -36,6 +37,7 @@ TRACE="${TRACE:-paper-azure}"
 B="${B:-16}"
 POLICIES="${POLICIES:-jsq br0}"
 SEED="${SEED:-42}"
+WARMUP="${WARMUP:-1}"
 PROFILE="${BR_PROFILE:-release}"
 # Above every prompt + output of the paper-shaped traces: vLLM ends a stream silently (finish
 # reason "length") when prompt + generated tokens reach the model length, whatever max_tokens.
@@ -82,28 +84,40 @@ for r in 0 1; do
         "http://127.0.0.1:$VLLM/v1/completions"
 done
 
-RUNS=()
-for policy in $POLICIES; do
-    say "br-all --policy $policy; br-shim for ranks 0-1 (capacity $B); $N requests of $TRACE, Poisson $RATE/s"
-    start "all-$policy" "$BIN/br-all" --listen "127.0.0.1:$ALL" --admin-listen "127.0.0.1:$((ALL + 1))" \
+# One live run: br-all with POLICY and a shim over both ranks, the workload replayed once, saved
+# as OUT/LABEL.json (and its arrivals for the twin).
+live_run() {
+    local policy=$1 label=$2
+    say "br-all --policy $policy; br-shim for ranks 0-1 (capacity $B); $N requests of $TRACE, Poisson $RATE/s ($label)"
+    start "all-$label" "$BIN/br-all" --listen "127.0.0.1:$ALL" --admin-listen "127.0.0.1:$((ALL + 1))" \
         --groups "$GROUP" --policy "$policy" --max-wait 600s
-    all_pid=$LAST_PID
+    local all_pid=$LAST_PID
     wait_http "http://127.0.0.1:$((ALL + 1))/livez" br-all
-    start "shim-$policy" "$BIN/br-shim" --listen "127.0.0.1:$SHIM" --admin-listen "127.0.0.1:$((SHIM + 1))" \
+    start "shim-$label" "$BIN/br-shim" --listen "127.0.0.1:$SHIM" --admin-listen "127.0.0.1:$((SHIM + 1))" \
         --upstream "http://127.0.0.1:$VLLM" --ingest-addr "http://127.0.0.1:$ALL" --group "$GROUP" \
         --worker-ids 0-1 --dp-rank-header X-data-parallel-rank --capacity "$B"
-    shim_pid=$LAST_PID
+    local shim_pid=$LAST_PID
     wait_http "http://127.0.0.1:$((SHIM + 1))/readyz" br-shim
     wait_http "http://127.0.0.1:$((ALL + 1))/readyz" "br-all ($policy)"
     "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$ALL" --group "$GROUP" --model tiny \
         --rank-urls "http://127.0.0.1:$SHIM/rank/0,http://127.0.0.1:$SHIM/rank/1" \
-        --trace "$TRACE" --limit "$N" --arrival poisson --rate "$RATE" --seed "$SEED" --label "$policy" \
-        --json "$OUT/$policy.json" --arrivals-csv "$OUT/$policy-arrivals.csv"
-    RUNS+=("$OUT/$policy.json")
+        --trace "$TRACE" --limit "$N" --arrival poisson --rate "$RATE" --seed "$SEED" --label "$label" \
+        --json "$OUT/$label.json" --arrivals-csv "$OUT/$label-arrivals.csv"
     curl -fsS "http://127.0.0.1:$VLLM/metrics" | grep -E '^vllm:(generation_tokens_total|prompt_tokens_total)' \
-        >"$OUT/$policy-vllm-counters.txt" || true
+        >"$OUT/$label-vllm-counters.txt" || true
     kill -TERM "$shim_pid" "$all_pid" 2>/dev/null || true
     wait "$shim_pid" "$all_pid" 2>/dev/null || true
+}
+
+# A freshly started server was slower through its first pass over the workload: without this
+# pass, whichever policy ran first came out 14-35% worse on TPOT p95 (two runs, both orders).
+if [ "$WARMUP" = 1 ]; then
+    live_run jsq warmup
+fi
+RUNS=()
+for policy in $POLICIES; do
+    live_run "$policy" "$policy"
+    RUNS+=("$OUT/$policy.json")
 done
 
 say "step model: streams pinned to rank 0 (rank 1 steps with it), step_samples.py ${STEP_ARGS:-}"
