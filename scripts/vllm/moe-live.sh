@@ -14,15 +14,16 @@
 # vLLM 0.32.0's CPU build cannot run a MoE model with DP > 1 as shipped: its all-gather and
 # reduce-scatter MoE dispatcher calls collectives the CPU communicator lacks
 # (vllm-project/vllm#57837). scripts/vllm/cpu_moe_dp/sitecustomize.py adds them for this run.
-# With --enable-expert-parallel the server still stops at the first step (a worker process dies
-# without a Python error), so experts are sharded by tensor parallelism across the two ranks
-# instead (vLLM's default for DP without EP); the lockstep is the same.
+# With --enable-expert-parallel the CPU experts ignore the expert map and the worker segfaults in
+# cpu_fused_moe at the first step; the same file maps the ids to local experts, after which EP = 2
+# serves (EP=1 below). Without EP the experts are sharded by tensor parallelism across the two
+# ranks; the lockstep is the same either way.
 #
 # Environment: N (requests per policy, 100), RATE (Poisson requests/s, 1.2: near what the server
 # decodes on 2 cores), TRACE (paper-azure),
 # B (running requests per rank: vLLM --max-num-seqs and the shim's capacity, 16), POLICIES
 # ("jsq br0"; run it again in the other order to see the spread), WARMUP (1: replay the workload
-# once, unmeasured, before the policies), SEED (42), BR_PROFILE (release | debug, release), STEP_ARGS (extra
+# once, unmeasured, before the policies), EP (1: --enable-expert-parallel, 0), SEED (42), BR_PROFILE (release | debug, release), STEP_ARGS (extra
 # step_samples.py flags), BR_VLLM_HOME. Output in target/vllm/moe-live/.
 set -euo pipefail
 
@@ -38,6 +39,7 @@ B="${B:-16}"
 POLICIES="${POLICIES:-jsq br0}"
 SEED="${SEED:-42}"
 WARMUP="${WARMUP:-1}"
+EP="${EP:-0}"
 PROFILE="${BR_PROFILE:-release}"
 # Above every prompt + output of the paper-shaped traces: vLLM ends a stream silently (finish
 # reason "length") when prompt + generated tokens reach the model length, whatever max_tokens.
@@ -70,7 +72,7 @@ VLLM_CPU_OMP_THREADS_BIND='0|1' HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 \
 start vllm "$VLLM_PY" -m vllm.entrypoints.cli.main serve "$MODEL" --served-model-name tiny \
     --host 127.0.0.1 --port "$VLLM" --max-model-len "$MAX_LEN" --dtype bfloat16 --enforce-eager \
-    --data-parallel-size 2 --max-num-seqs "$B"
+    --data-parallel-size 2 --max-num-seqs "$B" $([ "$EP" = 1 ] && echo --enable-expert-parallel)
 for _ in $(seq 1 1200); do
     curl -fsS -o /dev/null "http://127.0.0.1:$VLLM/v1/models" 2>/dev/null && break
     kill -0 "$LAST_PID" 2>/dev/null || { echo "vLLM exited; see $OUT/vllm.log" >&2; exit 1; }

@@ -9,6 +9,13 @@ torch.distributed (gloo), the transport the CPU communicator already uses for it
 collectives: gather pads each rank's rows to the largest and trims after; reduce-scatter reduces
 the whole tensor and keeps this rank's rows. Correct, not fast; the tiny model does not care.
 
+With --enable-expert-parallel each rank holds only its share of the experts, but the CPU
+experts' `apply` ignores the `expert_map` it is given and hands the kernel global expert ids:
+`cpu_fused_moe` then reads past its local weights and the worker dies with a segmentation fault
+in csrc/cpu/cpu_fused_moe.cpp (fused_moe_impl) at the first step. This module maps the ids to
+local ones first; an expert another rank holds gets weight 0 (and a valid local id), so each
+rank computes its experts' share and the dispatcher's reduce-scatter adds the shares up.
+
 It is loaded only by scripts that put this directory on PYTHONPATH (scripts/vllm/moe-live.sh),
 in every process vLLM starts, and patches the class when vLLM imports it.
 """
@@ -17,10 +24,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-_TARGET = "vllm.distributed.device_communicators.cpu_communicator"
-
-
-def _patch(module) -> None:
+def _patch_communicator(module) -> None:
     import torch
     import torch.distributed as dist
 
@@ -57,9 +61,36 @@ def _patch(module) -> None:
     cls._balanceroute_gatherv = True
 
 
+def _patch_experts(module) -> None:
+    cls = module.CPUUnquantizedExperts
+    if getattr(cls, "_balanceroute_expert_map", False):
+        return
+    apply = cls.apply
+
+    def apply_local(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                    global_num_experts, expert_map, *rest, **kw):
+        if expert_map is not None:
+            local = expert_map[topk_ids.long()]
+            remote = local < 0
+            topk_weights = topk_weights.masked_fill(remote, 0).contiguous()
+            topk_ids = local.clamp(min=0).to(topk_ids.dtype).contiguous()
+        return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                     global_num_experts, expert_map, *rest, **kw)
+
+    cls.apply = apply_local
+    cls._balanceroute_expert_map = True
+
+
+_TARGETS = {
+    "vllm.distributed.device_communicators.cpu_communicator": _patch_communicator,
+    "vllm.model_executor.layers.fused_moe.experts.cpu_moe": _patch_experts,
+}
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        patch = _TARGETS.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -72,7 +103,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module):
                 inner.exec_module(module)
-                _patch(module)
+                patch(module)
 
         spec.loader = _Loader()
         return spec
