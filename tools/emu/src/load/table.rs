@@ -6,7 +6,6 @@
 
 use super::*;
 
-/// A side-by-side table of runs (and br-sim's prediction for each policy, if given).
 /// Mean and standard deviation of one figure over a policy's twin runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Moments {
@@ -65,6 +64,7 @@ impl TwinBand {
     }
 }
 
+/// A side-by-side table of runs (and br-sim's prediction for each policy, if given).
 pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
