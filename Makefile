@@ -23,7 +23,9 @@ fmt-check:
 	$(CARGO) fmt --all -- --check
 
 import-cycles: ## no crate's modules import each other in a cycle (tools/dev/import-cycles.py)
-	mkdir -p target && python3 tools/dev/import-cycles.py > target/import-cycles.log \
+	mkdir -p target && python3 tools/dev/test_import_cycles.py 2> target/import-cycles-test.log \
+		|| { cat target/import-cycles-test.log; exit 1; }
+	python3 tools/dev/import-cycles.py > target/import-cycles.log \
 		|| { grep -v 'no cycles' target/import-cycles.log; exit 1; }
 
 clippy: ## lints, warnings denied

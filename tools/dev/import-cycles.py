@@ -7,7 +7,16 @@ crate root, `src/a/b.rs` and `src/a/b/mod.rs` are the module `a::b`; inline modu
 path into B: `crate::b...`, `super::...`, `self::...`, or a child module of A by its bare name,
 in a `use` item (brace groups expanded) or in an expression or type. A path is charged to the
 longest module prefix it names, so `crate::group::view::View` is an edge to `group::view`.
-`src/bin/*` and `main.rs` beside a lib.rs are crates of their own and are skipped.
+
+A glob import (`use super::*`, `use crate::x::*`) is an edge to the module it imports from,
+and it brings that module's names: where the importing file then says one of them, it depends
+on the module behind the name. `use super::*` in `a/b.rs` that brings `a`'s `use c::Cell` is
+an edge from `b` to its sibling `c` wherever `b` says `Cell`, as `use super::c::Cell` would be.
+A name counts as said where it stands as a word outside comments and strings and is not a
+field (`.cell`, `cell: ...`); a module's name only as the head of a path (`c::Cell`).
+
+`main.rs` beside a lib.rs is a crate of its own and is skipped; a binary in a directory,
+`src/bin/NAME/main.rs`, is a crate of its own and is checked as one.
 
 A module naming one of its own ancestors (`use super::Core` in `group/view.rs`) is no edge: a
 child module is part of its parent's implementation (it sees the parent's private items), so
@@ -78,8 +87,14 @@ def strip_comments_and_strings(text):
 
 def expand_use_tree(tree):
     """`a::{b, c::{d, e}}` -> [[a, b], [a, c, d], [a, c, e]] (globs and renames dropped)."""
+    return [segs for segs, _ in expand_use_bindings(tree)]
+
+
+def expand_use_bindings(tree):
+    """`a::{b as x, c::*}` -> [([a, b], "x"), ([a, c], "*")]: each path with the name it binds,
+    `*` for a glob (whose path is the module it imports from)."""
+    tree = re.sub(r"\s+as\s+(" + IDENT + r")", r"=\1", tree)  # `x as y` -> `x=y`
     tree = re.sub(r"\s+", "", tree)
-    tree = re.sub(r"\bas" + IDENT, "", tree)  # after whitespace removal `x as y` is `xasy`
 
     def parse(s, prefix):
         paths = []
@@ -100,11 +115,19 @@ def expand_use_tree(tree):
             if brace >= 0:
                 head = [p for p in item[:brace].split("::") if p]
                 paths.extend(parse(item[brace + 1:item.rfind("}")], prefix + head))
-            else:
-                segs = [p for p in item.split("::") if p and p != "*"]
-                if segs == ["self"]:
-                    segs = []
-                paths.append(prefix + segs)
+                continue
+            item, _, rename = item.partition("=")
+            segs = [p for p in item.split("::") if p]
+            if segs[-1:] == ["*"]:
+                paths.append((prefix + segs[:-1], "*"))
+                continue
+            if segs == ["self"]:
+                segs = []
+            full = prefix + segs
+            bound = rename or (full[-1] if full else None)
+            if bound == "self":
+                bound = full[-2] if len(full) > 1 else None
+            paths.append(([p for p in full if p != "self"] if full[-1:] == ["self"] else full, bound))
         return paths
 
     return parse(tree, [])
@@ -156,13 +179,18 @@ def reexports(path, modules):
     return names
 
 
-def module_edges(mod, path, modules, aliases):
+def scan_module(mod, path, modules, aliases):
+    """What one file names: the modules its paths lead to, the names its top-level `use` items
+    bind (name -> (module, is pub)), the modules it glob-imports (with the inline module the
+    glob sits in), and every bare identifier it mentions."""
     text = strip_comments_and_strings(open(path, encoding="utf-8").read())
     children = {m[-1] for m in modules if len(m) == len(mod) + 1 and m[:len(mod)] == mod}
     # Inline modules shift what `super` and `self` mean: track them by brace depth.
     inline = []  # (name, depth at which its body opened)
     depth = 0
     targets = set()
+    bindings = {}
+    globs = set()
 
     def resolve(segs):
         here = mod + tuple(name for name, _ in inline)
@@ -189,21 +217,28 @@ def module_edges(mod, path, modules, aliases):
         return None
 
     tokens = re.finditer(
-        r"\buse\s+([^;]*);|\bmod\s+(" + IDENT + r")\s*\{|[{}]|\b((?:" + IDENT + r"::)+" + IDENT + ")",
+        r"\b(pub(?:\([^)]*\))?\s+)?use\s+([^;]*);|\bmod\s+(" + IDENT + r")\s*\{|[{}]|\b((?:"
+        + IDENT + r"::)+" + IDENT + ")",
         text,
     )
     for t in tokens:
-        if t.group(1) is not None:
-            tree = t.group(1)
+        if t.group(2) is not None:
+            tree = t.group(2)
             if tree.startswith("::"):
                 continue
-            for segs in expand_use_tree(tree):
+            for segs, bound in expand_use_bindings(tree):
                 target = resolve(segs)
-                if target is not None:
-                    targets.add(target)
-        elif t.group(2) is not None:
+                if target is None:
+                    continue
+                targets.add(target)
+                if bound == "*":
+                    globs.add((target, mod + tuple(name for name, _ in inline)))
+                elif bound and not inline:
+                    names_module = target[-1:] == (segs[-1],) if segs[-1:] != ["self"] else True
+                    bindings[bound] = (target, t.group(1) is not None, names_module)
+        elif t.group(3) is not None:
             depth += 1
-            inline.append((t.group(2), depth))
+            inline.append((t.group(3), depth))
         elif t.group(0) == "{":
             depth += 1
         elif t.group(0) == "}":
@@ -211,11 +246,52 @@ def module_edges(mod, path, modules, aliases):
                 inline.pop()
             depth -= 1
         else:
-            start = t.start(3)
+            start = t.start(4)
             if start >= 2 and text[start - 2:start] == "::":
                 continue
-            target = resolve(t.group(3).split("::"))
+            target = resolve(t.group(4).split("::"))
             if target is not None:
+                targets.add(target)
+    for name in children:
+        bindings.setdefault(name, (mod + (name,), False, True))
+    # A module's name is only a use of it as the head of a path (`stream::Tracked`); alone it
+    # is as likely a local variable (`let stream = ...`). A field (`.name`, `name: value`) is
+    # no use of the function or constant of that name.
+    words = set(re.findall(r"(?<![:\w.])" + IDENT + r"(?!\w)(?!\s*:(?!:))", text))
+    heads = set(re.findall(r"(?<![:\w])(" + IDENT + r")\s*::", text))
+    return {"targets": targets, "bindings": bindings, "globs": globs, "words": words, "heads": heads}
+
+
+def glob_names(source, importer, scans, seen=()):
+    """{name: module} that `use source::*` brings into `importer`: the names `source`'s own
+    `use` items bind (all of them when `source` is `importer` or one of its ancestors, whose
+    private items a descendant sees; only the `pub` ones otherwise), its child modules, and
+    what its own glob imports bring, followed through."""
+    if source not in scans or source in seen:
+        return {}
+    scan = scans[source]
+    private_visible = importer[:len(source)] == source
+    names = {}
+    for glob_source, glob_here in scan["globs"]:
+        if glob_here == source:
+            names.update(glob_names(glob_source, importer, scans, seen + (source,)))
+    for name, (target, public, names_module) in scan["bindings"].items():
+        if public or private_visible:
+            names[name] = (target, names_module)
+    return names
+
+
+def module_edges(mod, scans):
+    """The modules `mod` imports. A glob import makes `mod` depend on the module it imports
+    from, and on the module behind each name the glob brings that `mod` mentions: `use
+    super::*` in `a/b.rs` that brings `a`'s `use c::Cell` makes `b` depend on its sibling `c`
+    where `b` says `Cell`, just as `use super::c::Cell` would."""
+    scan = scans[mod]
+    targets = set(scan["targets"])
+    for source, here in scan["globs"]:
+        for name, (target, names_module) in glob_names(source, here, scans).items():
+            used = scan["heads"] if names_module else scan["words"]
+            if name in used and name not in scan["bindings"]:
                 targets.add(target)
     return {t for t in targets if mod[:len(t)] != t}
 
@@ -281,13 +357,22 @@ def main(argv):
     workspace = os.path.dirname(os.path.dirname(here))
     dirs = argv[1:] or crate_dirs(workspace)
     any_cycle = False
+    roots = []
     for d in dirs:
         src = os.path.join(d, "src")
+        roots.append((d, src))
+        bins = os.path.join(src, "bin")
+        if os.path.isdir(bins):
+            for b in sorted(os.listdir(bins)):
+                if os.path.exists(os.path.join(bins, b, "main.rs")):
+                    roots.append((os.path.join(bins, b), os.path.join(bins, b)))
+    for d, src in roots:
         modules = crate_modules(src)
         if () not in modules:
             continue
         aliases = reexports(modules[()], modules)
-        graph = {m: module_edges(m, p, modules, aliases) for m, p in modules.items()}
+        scans = {m: scan_module(m, p, modules, aliases) for m, p in modules.items()}
+        graph = {m: module_edges(m, scans) for m in modules}
         cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
         label = os.path.relpath(d, workspace)
         if not cycles:

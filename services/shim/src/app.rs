@@ -222,7 +222,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         "br-shim serving (ready once the engine answers a probe)");
     let app = match first {
         Some(only) if !several => crate::router(only),
-        _ => topology::rank_router(shims),
+        _ => crate::rank_router::rank_router(shims),
     };
     let grace = args.common.shutdown_grace;
     let header_timeout = args.header_read_timeout;

@@ -30,6 +30,7 @@ pub mod topology;
 mod body;
 mod builder;
 mod proxy;
+mod rank_router;
 mod stream;
 mod track;
 

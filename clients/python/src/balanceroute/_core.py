@@ -4,7 +4,9 @@ the replicas' health, and the retry and failover rules themselves.
 The rules are written once, as generators that do no I/O (`assign_plan`, `cancel_plan`): they
 yield what to do next (`Call` one replica, `CallAll` for a cancel, `Sleep`) and are sent what
 happened; each client drives them with its own blocking or awaiting calls. They mirror the Rust
-client, `br_client::assign` (shared/client/src/assign.rs), rule for rule and name for name.
+client, `br_client::assign`, rule for rule and name for name: its call loop in
+shared/client/src/assign.rs, the retry rule in assign/error.rs, the backoff and replica order in
+assign/options.rs and the replicas' health in assign/replicas.rs (under shared/client/src/).
 """
 
 import enum

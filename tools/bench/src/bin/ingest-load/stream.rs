@@ -5,7 +5,6 @@
 
 use super::*;
 
-/// One worker: Hello, then Progress messages as fast as the window allows.
 /// What one stream sends.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Shape {
@@ -15,6 +14,7 @@ pub(super) struct Shape {
     pub(super) rate: f64,
 }
 
+/// One worker: Hello, then Progress messages as fast as the window allows.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn stream(
     url: String,
