@@ -125,6 +125,17 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_MAX_STREAMS_PER_CONNECTION", default_value_t = crate::serve::DEFAULT_MAX_STREAMS_PER_CONNECTION)]
     pub max_streams_per_connection: u32,
 
+    /// Most bytes of unfinished request messages (sent in part, their last byte still to come)
+    /// the process holds across its gRPC ports; a call whose message would pass it is refused
+    /// RESOURCE_EXHAUSTED. A message that arrives whole in one read (every small call) is not
+    /// counted, so it is served however full the budget is.
+    #[arg(long, env = "BALANCEROUTE_MAX_IN_FLIGHT_MESSAGE_BYTES", default_value_t = crate::in_flight::DEFAULT_PROCESS_BYTES)]
+    pub max_in_flight_message_bytes: usize,
+
+    /// Most bytes of unfinished request messages one connection may make the process hold.
+    #[arg(long, env = "BALANCEROUTE_MAX_IN_FLIGHT_MESSAGE_BYTES_PER_CONNECTION", default_value_t = crate::in_flight::DEFAULT_CONNECTION_BYTES)]
+    pub max_in_flight_message_bytes_per_connection: usize,
+
     /// Mutual TLS and the plaintext-on-loopback default (see br-trust).
     #[command(flatten)]
     pub tls: br_trust::TlsArgs,
@@ -163,6 +174,18 @@ impl Validate for CommonArgs {
         }
         if !(1..=1_000_000).contains(&self.max_connections) {
             return Err("--max-connections must be in 1..=1000000".into());
+        }
+        if self.max_in_flight_message_bytes < 64 << 10 {
+            return Err("--max-in-flight-message-bytes must be at least 65536".into());
+        }
+        if !(64 << 10..=self.max_in_flight_message_bytes)
+            .contains(&self.max_in_flight_message_bytes_per_connection)
+        {
+            return Err(
+                "--max-in-flight-message-bytes-per-connection must be at least 65536 \
+                        and at most --max-in-flight-message-bytes"
+                    .into(),
+            );
         }
         if !(1..=65_536).contains(&self.max_streams_per_connection) {
             return Err("--max-streams-per-connection must be in 1..=65536".into());

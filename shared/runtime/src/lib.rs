@@ -7,6 +7,8 @@
 //! - [`serve`]: a tonic server with health, reflection and a graceful, bounded drain on
 //!   SIGTERM/SIGINT.
 //! - [`http_serve`]: the plain HTTP ports' accept loop (header-read timeout, graceful drain).
+//! - [`in_flight`]: a budget of partially received request messages per process and per
+//!   connection, and request size limits per method, on every gRPC port.
 //! - [`oversize`]: a request above the decoding limit answered RESOURCE_EXHAUSTED, not
 //!   tonic's OUT_OF_RANGE.
 //! - [`error`]: one mapping from a service's error enum to a gRPC status.
@@ -57,6 +59,7 @@ pub mod admin;
 pub mod config;
 pub mod error;
 pub mod http_serve;
+pub mod in_flight;
 pub mod observability;
 pub mod oversize;
 pub mod readiness;

@@ -125,6 +125,9 @@ pub struct GrpcServer {
     on_oversize: Option<crate::oversize::OversizeHook>,
     /// HTTP/2 streams one connection may have open at once (`--max-streams-per-connection`).
     max_streams: u32,
+    /// The process's budget of unfinished request messages; `None`: one of the defaults for
+    /// this server alone.
+    in_flight: Option<std::sync::Arc<crate::in_flight::InFlightBudget>>,
 }
 
 /// Default streams one connection may have open at once. tonic otherwise tells hyper "no
@@ -175,6 +178,7 @@ impl GrpcServer {
             on_accept: None,
             on_oversize: None,
             max_streams: DEFAULT_MAX_STREAMS_PER_CONNECTION,
+            in_flight: None,
         }
     }
 
@@ -234,6 +238,16 @@ impl GrpcServer {
         self
     }
 
+    /// Reads every request body through the process's budget of unfinished messages (one
+    /// budget for all the process's ports; see [`crate::in_flight`]).
+    pub fn with_in_flight_budget(
+        mut self,
+        budget: Option<std::sync::Arc<crate::in_flight::InFlightBudget>>,
+    ) -> Self {
+        self.in_flight = budget;
+        self
+    }
+
     /// Serve mutual TLS, with every call authorised by br-trust's method × role table.
     pub fn with_tls(mut self, tls: Option<TlsServing>) -> Self {
         self.tls = tls;
@@ -283,6 +297,7 @@ impl GrpcServer {
             on_accept,
             on_oversize,
             max_streams,
+            in_flight,
         } = self;
         let addr = listener.local_addr().ok();
 
@@ -355,7 +370,16 @@ impl GrpcServer {
             .max_concurrent_streams(max_streams)
             // Outermost: a call refused by the layers below is still in its caller's trace.
             .layer(br_trace::ServerLayer)
-            .layer(crate::oversize::OversizeLayer::new(on_oversize));
+            .layer(crate::oversize::OversizeLayer::new(on_oversize))
+            .layer(crate::in_flight::InFlightLayer::new(
+                in_flight.unwrap_or_else(|| {
+                    std::sync::Arc::new(crate::in_flight::InFlightBudget::new(
+                        crate::in_flight::DEFAULT_PROCESS_BYTES,
+                        crate::in_flight::DEFAULT_CONNECTION_BYTES,
+                    ))
+                }),
+                crate::in_flight::MessageLimits::every_port(),
+            ));
         let tls_on = tls.is_some();
         let accepted = br_trust::accept::accept(listener, accept_limits, on_accept);
         let mut server: std::pin::Pin<

@@ -39,7 +39,8 @@ pub async fn bind_grpc_on(
         .with_max_streams_per_connection(common.max_streams_per_connection)
         .with_tls(edge.serving())
         .with_accept_limits(common.accept_limits(descriptor_limit()), edge.accept_hook())
-        .with_oversize_hook(edge.oversize_hook());
+        .with_oversize_hook(edge.oversize_hook())
+        .with_in_flight_budget(edge.in_flight_budget());
     let addr = server.local_addr().map_err(bind_err)?;
     Ok((server, addr))
 }

@@ -22,6 +22,66 @@ pub struct Edge {
     /// when the first gRPC port is bound, so a service without one (br-shim) does not export a
     /// counter that can never move.
     oversize_calls: Option<Arc<OversizeCounter>>,
+    /// The process's budget of unfinished request messages, shared by every gRPC port, with
+    /// its counters; made when the first gRPC port is bound (as the oversize counter).
+    in_flight: Option<Arc<InFlightCell>>,
+}
+
+/// The in-flight budget's settings and registry, and the budget once a gRPC port asked for it.
+struct InFlightCell {
+    service: String,
+    process_bytes: usize,
+    connection_bytes: usize,
+    registry: prometheus::Registry,
+    budget: std::sync::OnceLock<Arc<crate::in_flight::InFlightBudget>>,
+}
+
+impl InFlightCell {
+    fn get(&self) -> Arc<crate::in_flight::InFlightBudget> {
+        self.budget
+            .get_or_init(|| {
+                let budget = crate::in_flight::InFlightBudget::new(
+                    self.process_bytes,
+                    self.connection_bytes,
+                );
+                let refusals = prometheus::IntCounterVec::new(
+                    prometheus::Opts::new(
+                        format!("balanceroute_{}_in_flight_refusals_total", self.service),
+                        "Calls refused RESOURCE_EXHAUSTED because the unfinished request \
+                         messages held would pass the budget, by scope: process \
+                         (--max-in-flight-message-bytes) or connection \
+                         (--max-in-flight-message-bytes-per-connection)",
+                    ),
+                    &["scope"],
+                );
+                let held = prometheus::IntGauge::new(
+                    format!("balanceroute_{}_in_flight_message_bytes", self.service),
+                    "Bytes of unfinished request messages the process holds (declared \
+                     lengths), across its gRPC ports",
+                );
+                let (Ok(refusals), Ok(held)) = (refusals, held) else {
+                    return Arc::new(budget);
+                };
+                // registered once per process, so a second registration cannot collide
+                let _ = self.registry.register(Box::new(refusals.clone()));
+                let _ = self.registry.register(Box::new(held.clone()));
+                for scope in [
+                    crate::in_flight::Scope::Process,
+                    crate::in_flight::Scope::Connection,
+                ] {
+                    refusals.with_label_values(&[scope.as_str()]);
+                }
+                Arc::new(budget.with_hooks(
+                    Some(Arc::new(move |scope: crate::in_flight::Scope| {
+                        refusals.with_label_values(&[scope.as_str()]).inc();
+                    })),
+                    Some(Arc::new(move |bytes: usize| {
+                        held.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+                    })),
+                ))
+            })
+            .clone()
+    }
 }
 
 /// The oversize counter's name and registry, and the counter once a gRPC port asked for it.
@@ -96,10 +156,18 @@ impl Edge {
             registry: registry.clone(),
             counter: std::sync::OnceLock::new(),
         });
+        let in_flight = Arc::new(InFlightCell {
+            service: service.to_owned(),
+            process_bytes: common.max_in_flight_message_bytes,
+            connection_bytes: common.max_in_flight_message_bytes_per_connection,
+            registry: registry.clone(),
+            budget: std::sync::OnceLock::new(),
+        });
         let Some(material) = tls else {
             return Ok(Edge {
                 accept_failures: Some(accept_failures),
                 oversize_calls: Some(oversize_calls),
+                in_flight: Some(in_flight),
                 ..Edge::default()
             });
         };
@@ -126,7 +194,14 @@ impl Edge {
             handshake_failures: Some(failures),
             accept_failures: Some(accept_failures),
             oversize_calls: Some(oversize_calls),
+            in_flight: Some(in_flight),
         })
+    }
+
+    /// The process's budget of unfinished request messages (see [`crate::in_flight`]), the
+    /// same for every gRPC port; `None` for an edge not made by [`Edge::load`].
+    pub fn in_flight_budget(&self) -> Option<Arc<crate::in_flight::InFlightBudget>> {
+        Some(self.in_flight.as_ref()?.get())
     }
 
     /// Counts the gRPC ports' oversize refusals (see [`crate::oversize`]).
