@@ -234,7 +234,7 @@ mod tests {
         for _ in 0..200 {
             if let Err(e) = std::fs::write(NS_LAST_PID, (pid - 1).to_string()) {
                 // A skip says so on the real stderr (past the harness's capture), and fails
-                // where the environment promises it can run (CI runs as root).
+                // where the environment promises it can run (CI, which must run it as root).
                 let why = format!("cannot choose the next pid ({NS_LAST_PID}: {e}); run as root");
                 assert!(
                     std::env::var("BR_REQUIRE_PID_REUSE").as_deref() != Ok("1"),
