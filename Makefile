@@ -108,4 +108,4 @@ sim: ## the digital twin on the paper-shaped Azure workload, G = 8
 	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated
 
 ci: deploy-tools browser ## what .ci/run calls: the deploy tools and the browser, then the tests (which must use them)
-	BR_REQUIRE_DEPLOY_TOOLS=1 BR_REQUIRE_BROWSER=1 $(MAKE) test
+	BR_REQUIRE_DEPLOY_TOOLS=1 BR_REQUIRE_BROWSER=1 BR_REQUIRE_PID_REUSE=1 $(MAKE) test

@@ -368,6 +368,27 @@ impl Service {
         self.spawn(self.grpc_port, self.admin_port);
     }
 
+    /// Starts a killed process again on the ports it had, once they are free (a crashed pod
+    /// coming back: its clients hold those addresses). Returns when its ready file is written;
+    /// panics if the ports stay taken for [`BIND_WAIT`] (another process got them meanwhile).
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "{} is still running", self.name);
+        let ports = [self.grpc_port, self.admin_port];
+        let deadline = Instant::now() + BIND_WAIT;
+        while !ports
+            .iter()
+            .all(|&p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{}'s ports {ports:?} still taken after {BIND_WAIT:?}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.spawn(self.grpc_port, self.admin_port);
+    }
+
     /// Polls an admin path until it answers 200, or panics after `within`.
     pub async fn wait_for(&self, path: &str, within: Duration) {
         let url = self.admin_url(path);

@@ -146,27 +146,55 @@ impl ReplicatedStack {
 
     /// σ of the group, as the snapshot service answers `Get` (None while it is down).
     pub async fn sigma(&self) -> Option<v1::ClusterSnapshot> {
-        let mut c = SnapshotClient::connect(self.snapshot.grpc_url())
-            .await
-            .ok()?;
-        c.get(GetRequest {
-            group: self.group.into(),
-        })
-        .await
-        .ok()
-        .map(|r| r.into_inner())
+        sigma_at(&self.snapshot.grpc_url(), self.group).await
     }
 
-    /// Waits (at most `within`) until every worker holds nothing and σ agrees: no request,
-    /// no load on any rank.
-    pub async fn wait_quiet(&self, workers: &[FakeWorker], within: Duration) {
-        eventually(within, "σ empty like the workers", || async {
-            workers.iter().all(|w| w.running.lock().unwrap().is_empty())
-                && self.sigma().await.is_some_and(|s| {
-                    s.requests.is_empty() && s.workers.iter().all(|w| w.load_tokens == 0)
-                })
-        })
-        .await;
+    /// [`wait_quiet`] on this stack's snapshot service.
+    pub async fn wait_quiet(&self, workers: &mut [FakeWorker], within: Duration) {
+        wait_quiet(&self.snapshot.grpc_url(), self.group, workers, within).await;
+    }
+}
+
+/// σ of `group` as the snapshot service at `url` answers `Get` (None while it is down).
+pub async fn sigma_at(url: &str, group: &str) -> Option<v1::ClusterSnapshot> {
+    let mut c = SnapshotClient::connect(url.to_owned()).await.ok()?;
+    c.get(GetRequest {
+        group: group.into(),
+    })
+    .await
+    .ok()
+    .map(|r| r.into_inner())
+}
+
+/// Waits (at most `within`) until every worker holds nothing and σ agrees: every worker
+/// LIVE as its current incarnation (a fenced one would hold no load whatever it ran), no
+/// request, no load on any rank. The workers heartbeat meanwhile, as idle shims do.
+pub async fn wait_quiet(url: &str, group: &str, workers: &mut [FakeWorker], within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        for w in workers.iter_mut() {
+            w.heartbeat().await;
+        }
+        let sigma = sigma_at(url, group).await;
+        let quiet = workers.iter().all(|w| w.running.lock().unwrap().is_empty())
+            && sigma.as_ref().is_some_and(|s| {
+                let live = workers.iter().all(|w| {
+                    s.workers.iter().any(|x| {
+                        x.worker_id == w.worker_id
+                            && x.incarnation == w.incarnation
+                            && x.liveness == v1::Liveness::Live as i32
+                    })
+                });
+                live && s.requests.is_empty() && s.workers.iter().all(|w| w.load_tokens == 0)
+            });
+        if quiet {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "σ not empty like the workers, or a worker not LIVE, within {within:?}: {sigma:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -257,7 +285,8 @@ pub enum WorkerEvent {
 const RECONNECT_PATIENCE: Duration = Duration::from_secs(60);
 
 /// The workers' side: starts every answered request (id, rank, prompt tokens) on its rank,
-/// steps every running request each tick and finishes it after `hold_ticks`, records which
+/// steps every running request each tick (an idle worker sends a heartbeat instead) and
+/// finishes it after `hold_ticks`, records which
 /// rank ran which id in `ran`, and applies `events` as they come. Returns the workers once
 /// `answers` is closed and nothing runs any more.
 pub async fn drive_workers(
@@ -292,6 +321,8 @@ pub async fn drive_workers(
                 for w in workers.iter_mut() {
                     let list = running.entry(w.worker_id).or_default();
                     if list.is_empty() {
+                        // An idle rank stays LIVE, as a shim's heartbeats keep it.
+                        w.heartbeat().await;
                         continue;
                     }
                     w.step(5).await;

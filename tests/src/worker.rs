@@ -186,6 +186,18 @@ impl FakeWorker {
         }
     }
 
+    /// Says it is alive while it has nothing to report, as a shim's reporter does: a
+    /// worker silent for `--worker-grace` is fenced.
+    pub async fn heartbeat(&mut self) {
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
+        let _ = self
+            .tx
+            .send(v1::WorkerReport {
+                kind: Some(worker_report::Kind::Heartbeat(v1::Heartbeat { seq })),
+            })
+            .await;
+    }
+
     /// Sends the full state (everything it holds).
     pub async fn full_state(&mut self) {
         let updates = snapshot_updates(&self.running);

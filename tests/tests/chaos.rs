@@ -228,7 +228,7 @@ async fn seeded_faults_under_load_keep_the_invariants() {
         outcomes.push(o.unwrap());
     }
     drop(events);
-    let workers = within(LONG, "the workers finish everything", driver)
+    let mut workers = within(LONG, "the workers finish everything", driver)
         .await
         .unwrap();
 
@@ -253,7 +253,9 @@ async fn seeded_faults_under_load_keep_the_invariants() {
     for g in &stack.ingests {
         g.wait_for("/readyz", START).await;
     }
-    stack.wait_quiet(&workers, Duration::from_secs(30)).await;
+    stack
+        .wait_quiet(&mut workers, Duration::from_secs(30))
+        .await;
     assert_eq!(
         metric_sum(
             &stack.snapshot,

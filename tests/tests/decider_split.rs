@@ -219,12 +219,12 @@ async fn two_replicas_splitting_ranks_do_not_collide_and_one_serves_all_after_a_
     );
     outcomes.extend(after);
     drop(run.answers);
-    let workers = within(LONG, "the workers finish everything", run.driver)
+    let mut workers = within(LONG, "the workers finish everything", run.driver)
         .await
         .unwrap();
     assert_each_request_ran_once(&outcomes, &run.ran, BOTH_ALIVE + AFTER_KILL, "rank split");
     run.stack
-        .wait_quiet(&workers, Duration::from_secs(30))
+        .wait_quiet(&mut workers, Duration::from_secs(30))
         .await;
 }
 
@@ -308,11 +308,11 @@ async fn split_replicas_keep_to_their_ranks_through_a_restart_of_the_snapshot_se
         "{conflicts} refusals on a replica's own ranks"
     );
     drop(run.answers);
-    let workers = within(LONG, "the workers finish everything", run.driver)
+    let mut workers = within(LONG, "the workers finish everything", run.driver)
         .await
         .unwrap();
     assert_each_request_ran_once(&outcomes, &run.ran, total, "snapshot restart");
     run.stack
-        .wait_quiet(&workers, Duration::from_secs(30))
+        .wait_quiet(&mut workers, Duration::from_secs(30))
         .await;
 }

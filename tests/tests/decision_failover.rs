@@ -88,7 +88,7 @@ async fn killing_a_decision_replica_under_load_loses_no_request() {
     while let Some(o) = within(LONG, "every Assign ends", calls.join_next()).await {
         outcomes.push(o.unwrap());
     }
-    let workers = within(LONG, "the workers finish everything", driver)
+    let mut workers = within(LONG, "the workers finish everything", driver)
         .await
         .unwrap();
     let kill_at = kill_at.expect("d0 was killed");
@@ -140,7 +140,9 @@ async fn killing_a_decision_replica_under_load_loses_no_request() {
 
     // Quiet: σ equals the ground truth (nothing running, nothing reserved), and no
     // reservation expired (an id placed on one rank but run on another would have).
-    stack.wait_quiet(&workers, Duration::from_secs(30)).await;
+    stack
+        .wait_quiet(&mut workers, Duration::from_secs(30))
+        .await;
     assert_eq!(
         metric_sum(
             &stack.snapshot,

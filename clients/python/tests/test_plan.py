@@ -114,7 +114,7 @@ def test_final_errors_are_not_retried_and_are_typed(code, cls):
 
 def test_every_replica_down_backs_off_with_equal_jitter_until_the_deadline():
     clock = Clock()
-    retry = RetryPolicy(initial_backoff=0.01, max_backoff=0.08, max_attempts=1000)
+    retry = RetryPolicy(initial_backoff=0.01, max_backoff=0.08)
     plan = _core.assign_plan(replicas(2), ClientOptions(), retry, clock() + 2, clock)
     e, steps = drive(plan, lambda s: fail(C.UNAVAILABLE, "down"), clock)
     assert isinstance(e, errors.Unavailable) and e.retryable
@@ -125,6 +125,42 @@ def test_every_replica_down_backs_off_with_equal_jitter_until_the_deadline():
     calls = [s for s in steps if isinstance(s, Call)]
     assert len(calls) == e.attempts == 2 * (len(sleeps) + 1)
     assert clock() <= 1000 + 2
+
+
+def test_by_default_retries_run_until_the_deadline_not_a_count():
+    # A restart of the decision service: refused, then "no σ yet", for more calls than any
+    # fixed default would allow, all well within the deadline: the call is answered.
+    clock = Clock()
+    retry = RetryPolicy(initial_backoff=0.001, max_backoff=0.001)
+    plan = _core.assign_plan(replicas(1), ClientOptions(), retry, clock() + 10, clock)
+    calls = []
+
+    def answer(step):
+        calls.append(step)
+        return Outcome(response=Resp(2)) if len(calls) > 200 else fail(C.UNAVAILABLE, "down")
+
+    a, steps = drive(plan, answer, clock)
+    assert isinstance(a, _core.Assignment) and a.attempts == 201 and a.worker_id == 2
+
+
+def test_a_restart_is_ridden_out_with_the_default_policy():
+    # br-all killed and started again: 5.1 s without an answer, then answers; a call with a
+    # 10 s deadline made as it died is answered, with pauses of at most max_backoff.
+    clock = Clock()
+    start = clock()
+    plan = _core.assign_plan(replicas(1), ClientOptions(), RetryPolicy(), start + 10, clock)
+
+    def answer(step):
+        if clock() - start < 5.1:
+            return fail(C.UNAVAILABLE, "connection refused")
+        return Outcome(response=Resp(1))
+
+    a, steps = drive(plan, answer, clock)
+    assert isinstance(a, _core.Assignment), a
+    sleeps = [s.seconds for s in steps if isinstance(s, Sleep)]
+    assert max(sleeps) <= RetryPolicy().max_backoff
+    # Answered within one longest pause of the service's return.
+    assert clock() - start <= 5.1 + RetryPolicy().max_backoff
 
 
 def test_max_attempts_bounds_the_calls():

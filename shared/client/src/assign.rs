@@ -32,7 +32,10 @@
 //!   [`ClientOptions::attempt_timeout`] passing) marks that replica down for a while (250 ms,
 //!   doubling to 5 s while it keeps failing) and the call is retried **at once on another
 //!   replica with the same request id**; only when every replica failed in this call does it
-//!   back off ([`RetryPolicy`]) before the next round. All of it within the caller's deadline;
+//!   back off ([`RetryPolicy`]: jittered, doubling up to 250 ms) before the next round. All of
+//!   it within the caller's deadline, which alone ends the retries unless
+//!   [`RetryPolicy::max_attempts`] is set: a restarted decision service (seconds of refused
+//!   connections, then "no σ yet") is ridden out by any call whose deadline outlasts it;
 //! * a replica that is down is skipped until its time is up; then one call probes it (the
 //!   others keep skipping it), and a success makes it healthy again;
 //! * HTTP/2 keepalive (1 s interval, 1 s timeout by default) finds a frozen replica or a
@@ -360,7 +363,7 @@ impl AssignClient {
                 return Err(AssignError::DeadlineExceeded);
             }
             let attempt_ran_out = timed_out;
-            if !(retryable(&status) || attempt_ran_out) || attempts >= self.retry.max_attempts {
+            if !(retryable(&status) || attempt_ran_out) || self.retry.exhausted(attempts) {
                 return Err(AssignError::from_status(status, attempts));
             }
             replica.failed(Instant::now());
@@ -474,7 +477,7 @@ async fn cancel_one(
         };
         let pause = retry.backoff(attempts);
         if !retryable(&status)
-            || attempts >= retry.max_attempts
+            || retry.exhausted(attempts)
             || pause >= deadline.saturating_duration_since(Instant::now())
         {
             return Err(AssignError::from_status(status, attempts));

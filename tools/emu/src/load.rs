@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use br_client::assign::{AssignClient, AssignParams, RetryPolicy};
+use br_client::assign::{AssignClient, AssignParams};
 use br_core::stats::quantile;
 use br_sim::cli::{Arrival, resolve_arrival, stamp_arrivals};
 use br_sim::synth::{self, SynthConfig, SynthKind};
@@ -252,16 +252,12 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
             .error_for_status()?;
     }
     // UNAVAILABLE (e.g. an on-arrival policy while σ shows every worker full) is retried
-    // with the same request id until the deadline, not a fixed number of times.
+    // with the same request id until the deadline (the default retry policy).
     let options = br_client::assign::ClientOptions {
         selection: cfg.selection,
         ..Default::default()
     };
-    let assign = AssignClient::with_options(cfg.decision_addrs.clone(), cfg.tls.as_ref(), options)?
-        .with_retry(RetryPolicy {
-            max_attempts: u32::MAX,
-            ..RetryPolicy::default()
-        });
+    let assign = AssignClient::with_options(cfg.decision_addrs.clone(), cfg.tls.as_ref(), options)?;
     let ctx = Arc::new(Ctx {
         cfg: cfg.clone(),
         assign,

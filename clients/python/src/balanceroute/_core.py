@@ -56,16 +56,25 @@ def _equal_jitter(ceiling: float) -> float:
 class RetryPolicy:
     """Backoff between rounds of retries (a round: every replica tried once and failed):
     `initial_backoff` seconds, doubling up to `max_backoff`, each drawn with equal jitter, and
-    never past the deadline. `max_attempts` bounds the calls of one `assign` (the deadline
-    usually ends the retries first)."""
+    never past the deadline.
+
+    By default a call is retried until the caller's deadline, however many attempts that
+    takes: a restart of the decision service (refused connections, then "no σ yet" until the
+    workers have reconnected) lasts seconds, and a fixed count of quick retries gave up long
+    before it was over while the deadline still allowed waiting. `max_attempts`, when set,
+    bounds the calls of one `assign` (the first included) as well."""
 
     initial_backoff: float = 0.005
     max_backoff: float = 0.25
-    max_attempts: int = 64
+    max_attempts: Optional[int] = None
 
     def backoff(self, round_: int) -> float:
         """The pause after the `round_`-th round of failed calls (1-based)."""
         return _equal_jitter(_ceiling(self.initial_backoff, self.max_backoff, max(round_ - 1, 0)))
+
+    def exhausted(self, attempts: int) -> bool:
+        """Whether `attempts` calls used up an explicit `max_attempts`."""
+        return self.max_attempts is not None and attempts >= self.max_attempts
 
 
 class Selection(enum.Enum):
@@ -482,7 +491,7 @@ def assign_plan(
                 details or "not assigned before the deadline",
                 attempts,
             )
-        if not (retryable(code, details) or timed_out) or attempts >= retry.max_attempts:
+        if not (retryable(code, details) or timed_out) or retry.exhausted(attempts):
             raise errors.from_status(code, details, attempts)
         replica.failed(clock())
         if timed_out:
@@ -531,7 +540,7 @@ def cancel_plan(
                     else _cancel_outcome(o.response)
                 )
                 continue
-            if retryable(o.code, o.details) and rounds < retry.max_attempts:
+            if retryable(o.code, o.details) and not retry.exhausted(rounds):
                 again.append(replica)
             e = errors.from_status(o.code, f"{replica.addr}: {o.details}", rounds)
             # The first final error is the most telling (e.g. PERMISSION_DENIED).

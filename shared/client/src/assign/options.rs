@@ -8,12 +8,20 @@ use super::*;
 /// Backoff between rounds of retries (a round: every replica tried once and failed):
 /// `initial`, doubling up to `max`, each drawn with br-backoff's equal jitter (in [d/2, d], so
 /// never above `max`), and never past the deadline.
+///
+/// By default a call is retried until the caller's deadline, however many attempts that
+/// takes: a restart of the decision service (refused connections, then "no σ yet" until the
+/// workers have reconnected) lasts seconds, and a fixed count of quick retries gave up long
+/// before it was over while the deadline still allowed waiting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     pub initial_backoff: Duration,
+    /// The longest pause: with equal jitter, a replica that is down is tried again every
+    /// `max_backoff / 2` to `max_backoff` by each waiting call.
     pub max_backoff: Duration,
-    /// Most calls per `assign` (including the first); the deadline usually ends retries first.
-    pub max_attempts: u32,
+    /// Most calls per `assign` (including the first) when set; `None` (the default): as many
+    /// as fit before the deadline.
+    pub max_attempts: Option<u32>,
 }
 
 impl Default for RetryPolicy {
@@ -21,12 +29,17 @@ impl Default for RetryPolicy {
         RetryPolicy {
             initial_backoff: Duration::from_millis(5),
             max_backoff: Duration::from_millis(250),
-            max_attempts: 64,
+            max_attempts: None,
         }
     }
 }
 
 impl RetryPolicy {
+    /// Whether `attempts` calls used up an explicit attempt limit.
+    pub(super) fn exhausted(&self, attempts: u32) -> bool {
+        self.max_attempts.is_some_and(|max| attempts >= max)
+    }
+
     /// The pause after the `round`-th round of failed calls (1-based).
     pub(super) fn backoff(&self, round: u32) -> Duration {
         br_backoff::delay(

@@ -463,3 +463,50 @@ fn backoff_starts_at_initial_and_never_exceeds_max() {
     }
     assert!(p.backoff(20) >= p.max_backoff / 2);
 }
+
+#[tokio::test]
+async fn by_default_retries_run_until_the_deadline_not_a_count() {
+    // A replica that stays unavailable for more calls than any fixed default would allow (a
+    // restart: refused, then "no σ yet"), with a backoff short enough that those calls fit
+    // well within the deadline: the call must still be answered, with the same request id.
+    let svc = flaky(200, Code::Unavailable);
+    let (addr, stop) = serve(svc.clone()).await;
+    let client = AssignClient::connect_lazy(addr)
+        .unwrap()
+        .with_retry(RetryPolicy {
+            initial_backoff: Duration::from_micros(100),
+            max_backoff: Duration::from_micros(100),
+            ..RetryPolicy::default()
+        });
+    let a = client
+        .assign_within(&AssignParams::new("g", "r", 5), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(a.attempts, 201);
+    let ids = svc.ids.lock().unwrap().clone();
+    assert!(ids.iter().all(|id| id == "r"), "same id on every attempt");
+    let _ = stop.send(());
+}
+
+#[tokio::test]
+async fn an_explicit_attempt_limit_still_ends_the_retries() {
+    let svc = flaky(10, Code::Unavailable);
+    let (addr, stop) = serve(svc.clone()).await;
+    let client = AssignClient::connect_lazy(addr)
+        .unwrap()
+        .with_retry(RetryPolicy {
+            initial_backoff: Duration::from_micros(100),
+            max_backoff: Duration::from_micros(100),
+            max_attempts: Some(3),
+        });
+    let e = client
+        .assign_within(&AssignParams::new("g", "r", 5), Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, AssignError::Unavailable { attempts: 3, .. }),
+        "{e:?}"
+    );
+    assert_eq!(svc.calls.load(Ordering::SeqCst), 3);
+    let _ = stop.send(());
+}

@@ -212,7 +212,7 @@ async fn main() -> anyhow::Result<()> {
                 .context("--decision-addr")
                 .map(|c| {
                     c.with_retry(RetryPolicy {
-                        max_attempts: o.max_attempts,
+                        max_attempts: Some(o.max_attempts),
                         ..RetryPolicy::default()
                     })
                 })
