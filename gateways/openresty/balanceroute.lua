@@ -247,6 +247,8 @@ function M.access(conf)
     ngx.var.balanceroute_upstream = base
     ngx.var.balanceroute_uri = prefix .. ngx.var.request_uri
     ngx.header["X-BalanceRoute-Worker"] = tostring(a.worker_id)
+    -- The id the rank saw (made here when the client sent none), to find the request in σ.
+    ngx.header["X-Request-Id"] = id
 end
 
 local function cancel_later(premature, conf, group, id)

@@ -429,12 +429,29 @@ pub async fn send_raw(gw: SocketAddr, id: Option<&str>, body: &str, until: &str)
 /// decoding on the rank the gateway says it chose: the request reached that rank's shim with
 /// its id. Returns the open stream.
 pub async fn open_long_stream(stack: &Stack, gw: SocketAddr, id: &str) -> OpenStream {
-    let open = send_raw(gw, Some(id), &completion(1_000_000), "data:").await;
+    open_stream(stack, gw, Some(id)).await.0
+}
+
+/// [`open_long_stream`] without an `X-Request-Id`: the gateway makes one, says it in the
+/// answer's `X-Request-Id`, and σ shows the request decoding under it. Returns the stream and
+/// the id.
+pub async fn open_anonymous_stream(stack: &Stack, gw: SocketAddr) -> (OpenStream, String) {
+    open_stream(stack, gw, None).await
+}
+
+async fn open_stream(stack: &Stack, gw: SocketAddr, id: Option<&str>) -> (OpenStream, String) {
+    let open = send_raw(gw, id, &completion(1_000_000), "data:").await;
     assert!(
         open.received.starts_with("HTTP/1.1 200"),
         "{}",
         open.received
     );
+    let answered = header(&open.received, "x-request-id").unwrap_or_default();
+    if let Some(id) = id {
+        assert_eq!(answered, id, "{}", open.received);
+    }
+    assert!(!answered.is_empty(), "{}", open.received);
+    let id = answered.as_str();
     let worker = open.worker().expect("X-BalanceRoute-Worker in the answer");
     eventually_some(
         LONG,
@@ -448,7 +465,7 @@ pub async fn open_long_stream(stack: &Stack, gw: SocketAddr, id: &str) -> OpenSt
         },
     )
     .await;
-    open
+    (open, answered)
 }
 
 /// Waits until σ no longer holds `id`.

@@ -18,7 +18,7 @@
 
 use br_e2e::gateway::{
     self, GROUP, Gateway, Kind, Stack, complete_through, open_long_stream,
-    refused_while_decision_is_down, send_raw, wait_released,
+    refused_while_decision_is_down, wait_released,
 };
 
 const NAME: &str = "haproxy_routes_and_streams_through_balanceroute";
@@ -45,13 +45,10 @@ async fn haproxy_routes_and_streams_through_balanceroute() {
     drop(open);
     wait_released(&stack, "haproxy-leaves").await;
 
-    // No X-Request-Id: HAProxy makes one and the shim reports under it.
-    let anonymous = send_raw(gw.addr, None, &gateway::completion(4), "data: [DONE]").await;
-    assert!(
-        anonymous.received.starts_with("HTTP/1.1 200"),
-        "{}",
-        anonymous.received
-    );
+    // No X-Request-Id: HAProxy makes one, says it in the answer, and the shim reports under it.
+    let (anonymous, made) = gateway::open_anonymous_stream(&stack, gw.addr).await;
+    drop(anonymous);
+    wait_released(&stack, &made).await;
 
     // br-all down: the typed error; up again on the same ports: HAProxy routes again.
     stack.all.kill();

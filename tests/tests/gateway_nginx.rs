@@ -18,7 +18,7 @@
 
 use br_e2e::gateway::{
     self, GROUP, Gateway, Kind, LONG, Stack, complete_through, open_long_stream,
-    refused_while_decision_is_down, send_raw, wait_released,
+    refused_while_decision_is_down, wait_released,
 };
 use br_testkit::eventually;
 
@@ -65,13 +65,10 @@ async fn nginx_routes_streams_and_cancels_through_balanceroute() {
     )
     .await;
 
-    // No X-Request-Id: nginx makes one ($request_id) and the shim reports under it.
-    let anonymous = send_raw(gw.addr, None, &gateway::completion(4), "data: [DONE]").await;
-    assert!(
-        anonymous.received.starts_with("HTTP/1.1 200"),
-        "{}",
-        anonymous.received
-    );
+    // No X-Request-Id: nginx makes one, says it in the answer, and the shim reports under it.
+    let (anonymous, made) = gateway::open_anonymous_stream(&stack, gw.addr).await;
+    drop(anonymous);
+    wait_released(&stack, &made).await;
 
     // Both ranks full; a third client's Assign waits in decision's pool; the client leaves;
     // nginx cancels it: the pool empties while both ranks are still full.
