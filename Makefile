@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser gateways deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ deploy-tools: ## fetch kustomize, promtool and the Python validators into target
 browser: ## install headless Chromium (Debian's package) for the live page's test
 	bash scripts/install-browser.sh
 
+gateways: ## install nginx with its Lua module and HAProxy (Debian's packages) for the Lua gateways' tests
+	bash scripts/install-gateways.sh
+
 deploy-check: deploy-tools ## render and validate the Kubernetes manifests, dashboard and alerts
 	bash deploy/validate.sh --no-install
 
@@ -107,5 +110,5 @@ config-reference-check: ## fail if docs/configuration.md differs from the binari
 sim: ## the digital twin on the paper-shaped Azure workload, G = 8
 	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated
 
-ci: deploy-tools browser ## what .ci/run calls: the deploy tools and the browser, then the tests (which must use them)
-	BR_REQUIRE_DEPLOY_TOOLS=1 BR_REQUIRE_BROWSER=1 BR_REQUIRE_PID_REUSE=1 $(MAKE) test
+ci: deploy-tools browser gateways ## what .ci/run calls: the deploy tools, the browser and the gateways, then the tests (which must use them)
+	BR_REQUIRE_DEPLOY_TOOLS=1 BR_REQUIRE_BROWSER=1 BR_REQUIRE_GATEWAYS=1 BR_REQUIRE_PID_REUSE=1 $(MAKE) test

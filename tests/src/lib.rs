@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 pub mod engine;
 pub mod freeze;
+pub mod gateway;
 pub mod otlp;
 pub mod pki;
 pub mod reflection;

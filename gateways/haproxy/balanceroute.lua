@@ -1,0 +1,122 @@
+-- BalanceRoute for HAProxy (2.6+, Lua 5.3 with core.httpclient): an `http-request` action that
+-- asks br-decision (or br-all) which rank serves the request over the HTTP/JSON API
+-- (`POST /v1/assign`), passes the request id in `X-Request-Id`, and routes to the rank's shim:
+-- it sets txn.balanceroute_ip / txn.balanceroute_port for `set-dst` / `set-dst-port` on a
+-- `server ... 0.0.0.0:0` and prefixes the path with the endpoint's (`/rank/N`).
+--
+--   lua-load /usr/local/share/balanceroute/gateways/haproxy/balanceroute.lua
+--   http-request lua.balanceroute_assign 127.0.0.1:8063 default 2s
+--
+-- Arguments: br-decision's --http-listen address (an IP address: core.httpclient resolves no
+-- names), the group when the request has no X-BalanceRoute-Group header, and the deadline
+-- Assign may wait for a place (X-Request-Timeout; "2s", "500ms").
+--
+-- When Assign fails the client gets its error at once: the status br-decision answered (503 no
+-- rank can take it, 504 deadline, 429 pool full) or 503 DECISION_UNREACHABLE, with
+-- X-BalanceRoute-Error naming the code and a {"code", "message"} body. There is no fallback to
+-- a random rank.
+--
+-- Cancel: HAProxy calls no action when a client goes away (an `http-request` action runs once,
+-- before the request leaves), so this action cannot send Cancel.
+-- A client that leaves mid-stream makes HAProxy close the connection to the shim, which ends the
+-- request and releases it in σ; one that leaves while Assign is waiting keeps its reservation
+-- until br-decision's --reservation-ttl (see README.md beside this file).
+local cjson = require("cjson.safe")
+
+-- "2s", "500ms", "1m" as milliseconds; nil otherwise.
+local function duration_ms(s)
+    local n, unit = tostring(s):match("^(%d+)%s*(%a+)$")
+    local scale = ({ ms = 1, s = 1000, m = 60000 })[unit]
+    if not n or not scale then
+        return nil
+    end
+    return tonumber(n) * scale
+end
+
+local function reject(txn, status, code, message)
+    core.Warning("balanceroute: " .. message)
+    local reply = txn:reply({
+        status = status,
+        headers = {
+            ["content-type"] = { "application/json" },
+            ["x-balanceroute-error"] = { code },
+        },
+        body = cjson.encode({ code = code, message = "balanceroute: " .. message }),
+    })
+    txn:done(reply)
+end
+
+local function first_header(hdrs, name)
+    local h = hdrs[name]
+    return h and h[0]
+end
+
+-- The prompt's token count: X-BalanceRoute-Prompt-Tokens, else a rough estimate from the body's
+-- length (4 bytes a token); the shim replaces it with the engine's count once it knows it.
+local function prompt_tokens(hdrs)
+    local n = tonumber(first_header(hdrs, "x-balanceroute-prompt-tokens") or "")
+    if n and n >= 1 then
+        return math.floor(n)
+    end
+    local len = tonumber(first_header(hdrs, "content-length") or "") or 0
+    return math.max(1, math.floor(len / 4))
+end
+
+local function assign(txn, decision, default_group, timeout)
+    local hdrs = txn.http:req_get_headers()
+    local group = first_header(hdrs, "x-balanceroute-group") or default_group
+    local id = first_header(hdrs, "x-request-id")
+    if not id or id == "" then
+        -- HAProxy's own unique id (unique-id-format), else one from the stream's counters.
+        id = txn.f:unique_id()
+        if not id or id == "" then
+            id = string.format("hap-%x-%x", txn.f:date(), math.random(0, 0x7fffffff))
+        end
+    end
+    local wait_ms = (duration_ms(timeout) or 2000) + 1000
+    local res = core.httpclient():post({
+        url = "http://" .. decision .. "/v1/assign",
+        headers = {
+            ["content-type"] = { "application/json" },
+            ["x-request-timeout"] = { timeout },
+        },
+        body = cjson.encode({ group = group, request_id = id, prompt_tokens = prompt_tokens(hdrs) }),
+        timeout = wait_ms,
+    })
+    local status = res and tonumber(res.status) or 0
+    if status == 0 then
+        return reject(txn, 503, "DECISION_UNREACHABLE",
+            "decision at " .. decision .. " is unreachable or did not answer within "
+            .. wait_ms .. " ms")
+    end
+    local answer = cjson.decode(res.body or "")
+    if status ~= 200 and not (type(answer) == "table" and answer.code) then
+        -- Not br-decision's answer: the httpclient's own 503/504 page when it could not connect
+        -- or the answer did not come in time.
+        return reject(txn, 503, "DECISION_UNREACHABLE",
+            "decision at " .. decision .. " is unreachable (HTTP client status " .. status .. ")")
+    end
+    if status ~= 200 then
+        return reject(txn, status, answer.code, "/v1/assign: " .. tostring(answer.message))
+    end
+    local endpoint = type(answer) == "table" and answer.endpoint or nil
+    local ip, port, prefix = tostring(endpoint):match("^http://([%d%.]+):(%d+)(.*)$")
+    if not ip then
+        return reject(txn, 502, "BAD_ANSWER",
+            "Assign's endpoint is not http://<IPv4>:<port>[/path]: " .. tostring(endpoint))
+    end
+    prefix = prefix:gsub("/$", "")
+    txn:set_var("txn.balanceroute_ip", ip)
+    txn:set_var("txn.balanceroute_port", port)
+    -- cjson decodes every JSON number as a float in Lua 5.3: 0 would print as "0.0".
+    txn:set_var("txn.balanceroute_worker", string.format("%d", math.tointeger(answer.worker_id) or -1))
+    txn:set_var("txn.balanceroute_request_id", id)
+    txn.http:req_set_header("X-Request-Id", id)
+    if prefix ~= "" then
+        txn.http:req_set_path(prefix .. txn.f:path())
+    end
+end
+
+core.register_action("balanceroute_assign", { "http-req" }, function(txn, decision, group, timeout)
+    assign(txn, decision, group or "default", timeout or "2s")
+end, 3)

@@ -1,0 +1,59 @@
+//! HAProxy 2.6 with its Lua action (`gateways/haproxy/`) in front of br-all, one br-shim
+//! serving both ranks of a `br-emu engine`, all real processes: the example haproxy.cfg,
+//! rendered with this test's ports and paths.
+//!
+//! * streaming completions through HAProxy run on the rank Assign chose, as server-sent events
+//!   (set-dst/set-dst-port on a 0.0.0.0:0 server, the `/rank/<n>` path prefix);
+//! * the request id reaches the shim (σ shows the request decoding under the client's id on
+//!   that rank), and a request without one gets an id HAProxy made;
+//! * a client that leaves mid-stream: HAProxy closes the shim's connection and σ lets the
+//!   request go (no action runs then, so HAProxy sends no Cancel: see the module);
+//! * br-all down: 503 DECISION_UNREACHABLE at once, the engine runs nothing; br-all started
+//!   again on the same ports: HAProxy routes again, untouched.
+//!
+//! Every wait polls a signal (σ, the stream) with a bound. Without haproxy the test prints
+//! SKIPPED, unless BR_REQUIRE_GATEWAYS=1.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use br_e2e::gateway::{
+    self, GROUP, Gateway, Kind, Stack, complete_through, open_long_stream,
+    refused_while_decision_is_down, wait_released,
+};
+
+const NAME: &str = "haproxy_routes_and_streams_through_balanceroute";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn haproxy_routes_and_streams_through_balanceroute() {
+    let Some(haproxy) = gateway::find(Kind::Haproxy, NAME) else {
+        return;
+    };
+    let mut stack = Stack::start(1).await;
+    let gw = Gateway::start(
+        Kind::Haproxy,
+        &haproxy,
+        stack.decision_http,
+        &[(" default 2s", &format!(" {GROUP} 1m"))],
+    )
+    .await;
+
+    // Streaming completions land on the rank Assign chose.
+    complete_through(&stack, gw.addr, "haproxy-whole", 4).await;
+
+    // The client's id reaches the shim; leaving mid-stream releases the request.
+    let open = open_long_stream(&stack, gw.addr, "haproxy-leaves").await;
+    drop(open);
+    wait_released(&stack, "haproxy-leaves").await;
+
+    // No X-Request-Id: HAProxy makes one, says it in the answer, and the shim reports under it.
+    let (anonymous, made) = gateway::open_anonymous_stream(&stack, gw.addr).await;
+    drop(anonymous);
+    wait_released(&stack, &made).await;
+
+    // br-all down: the typed error; up again on the same ports: HAProxy routes again.
+    stack.all.kill();
+    refused_while_decision_is_down(&stack, gw.addr).await;
+    stack.all.restart();
+    stack.wait_ready().await;
+    complete_through(&stack, gw.addr, "haproxy-after-restart", 2).await;
+}
