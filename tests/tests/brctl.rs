@@ -432,7 +432,27 @@ async fn under_mutual_tls_brctl_needs_the_admin_role() {
     let out = brctl_at(&snap, &gateway, &["cordon", GROUP, "0"]).await;
     assert_eq!(out.code, 1);
     assert!(out.stderr.contains("PermissionDenied"), "{}", out.stderr);
-    // no certificate: the server refuses the handshake
+    // no certificate: the server refuses the handshake, and brctl says which flags to pass
     let out = brctl_at(&snap, &[], &["status"]).await;
     assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(
+        out.stderr.contains("is the server using TLS") && out.stderr.contains("--tls-cert"),
+        "{}",
+        out.stderr
+    );
+
+    // an https:// address: the TLS comes from the certificate, so it works as http:// does ...
+    let https_snap = snap.replacen("http://", "https://", 1);
+    let out = brctl_at(&https_snap, &admin, &["status", GROUP, "--output", "json"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let s: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(s["group"], GROUP, "{s}");
+    // ... and without one it is refused before dialling, saying what is missing
+    let out = brctl_at(&https_snap, &[], &["status"]).await;
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(
+        out.stderr.contains("asks for TLS") && out.stderr.contains("--tls-cert"),
+        "{}",
+        out.stderr
+    );
 }

@@ -13,11 +13,13 @@
 //!   tonic channels.
 //! * [`accept`]: the accept loop of every port: a bound on open connections, silent ones
 //!   closed, accept errors backed off.
+//! * [`address`]: the address a client dials, `http://` or `https://` alike under TLS.
 //! * [`admin`]: the admin HTTP port over TLS: probes open, everything else for the admin role.
 //! * [`args`]: the `--tls-*` flags every binary takes, and the loopback-only default without
 //!   them.
 
 pub mod accept;
+pub mod address;
 pub mod admin;
 pub mod args;
 pub mod identity;

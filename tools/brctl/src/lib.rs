@@ -39,8 +39,9 @@ pub const EXIT_DRAIN_TIMEOUT: i32 = 3;
   brctl cordon prod-g0 3                     rank 3 takes no new requests; its running ones finish
   brctl drain prod-g0 3 --timeout 10m        cordon, then wait until rank 3 holds no request
   brctl uncordon prod-g0 3                   back in routing
-  brctl --snapshot-addr https://snapshot:50061 --tls-cert admin.pem --tls-key admin-key.pem \\
-        --tls-ca ca.pem status               under mutual TLS (a certificate of role admin)"
+  brctl --snapshot-addr http://snapshot:50061 --tls-cert admin.pem --tls-key admin-key.pem \\
+        --tls-ca ca.pem status               under mutual TLS (a certificate of role admin; the
+                                             TLS comes from the flags, https:// works too)"
 )]
 pub struct Cli {
     /// The snapshot service's gRPC address (by default br-all's port).
@@ -124,6 +125,8 @@ pub enum Command {
 pub struct Ctl {
     client: SnapshotClient<Channel>,
     timeout: Duration,
+    /// Whether brctl dials with a certificate (what a failed connection's hint suggests).
+    tls: bool,
 }
 
 impl Ctl {
@@ -134,7 +137,9 @@ impl Ctl {
         tls: Option<&Arc<TlsMaterial>>,
         timeout: Duration,
     ) -> anyhow::Result<Ctl> {
-        let endpoint = Endpoint::from_shared(addr.to_owned())
+        let url =
+            br_trust::address::dial_address(addr, tls.is_some()).context("--snapshot-addr")?;
+        let endpoint = Endpoint::from_shared(url)
             .with_context(|| format!("--snapshot-addr {addr:?} is not a URL"))?
             .connect_timeout(timeout);
         let channel = br_trust::tls::connect_lazy(endpoint, tls, Some(Role::Snapshot));
@@ -142,6 +147,7 @@ impl Ctl {
             client: SnapshotClient::new(channel)
                 .max_decoding_message_size(br_sigma::MAX_SNAPSHOT_MESSAGE_BYTES),
             timeout,
+            tls: tls.is_some(),
         })
     }
 
@@ -157,7 +163,7 @@ impl Ctl {
             .clone()
             .list_groups(self.request(v1::ListGroupsRequest {}))
             .await
-            .map_err(status_error)?;
+            .map_err(|e| status_error(e, self.tls))?;
         Ok(resp.into_inner().groups)
     }
 
@@ -169,7 +175,7 @@ impl Ctl {
                 group: group.to_owned(),
             }))
             .await
-            .map_err(status_error)?;
+            .map_err(|e| status_error(e, self.tls))?;
         Ok(resp.into_inner())
     }
 
@@ -188,22 +194,47 @@ impl Ctl {
                 cordoned,
             }))
             .await
-            .map_err(status_error)?;
+            .map_err(|e| status_error(e, self.tls))?;
         Ok(resp.into_inner())
     }
 }
 
 /// A failed call, said plainly: the code and the server's message.
-fn status_error(s: tonic::Status) -> anyhow::Error {
+fn status_error(s: tonic::Status, tls: bool) -> anyhow::Error {
     let msg = s.message();
-    let hint = match s.code() {
-        tonic::Code::Unavailable => " (is the snapshot service running at --snapshot-addr?)",
-        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
-            " (brctl needs a certificate of role admin)"
+    // A connection that failed below gRPC. The usual cause is TLS on one side only: a
+    // plaintext client reads the server's handshake as broken HTTP/2 ("h2 protocol error", or
+    // a bare "transport error"); a TLS client gets no handshake from a plaintext server
+    // ("corrupt message of type InvalidContentType").
+    let below_grpc = msg.contains("h2 protocol error") || msg == "transport error";
+    let hint = if below_grpc && !tls {
+        " (is the server using TLS? then pass --tls-cert, --tls-key and --tls-ca with a \
+         certificate of role admin)"
+    } else if tls && (msg.contains("InvalidContentType") || msg == "transport error") {
+        " (is the server plaintext? then drop --tls-cert, --tls-key and --tls-ca)"
+    } else {
+        match s.code() {
+            tonic::Code::Unavailable => " (is the snapshot service running at --snapshot-addr?)",
+            tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
+                " (brctl needs a certificate of role admin)"
+            }
+            _ => "",
         }
-        _ => "",
     };
-    anyhow::anyhow!("{:?}: {msg}{hint}", s.code())
+    // What the transport said beneath a bare "transport error" (an h2 or TLS error): each
+    // cause once, as tonic's wrappers repeat one another's words.
+    let mut said = msg.to_owned();
+    if s.code() == tonic::Code::Unknown {
+        let mut source = std::error::Error::source(&s);
+        while let Some(e) = source {
+            let e_said = e.to_string();
+            if !said.contains(&e_said) {
+                said = format!("{said}: {e_said}");
+            }
+            source = e.source();
+        }
+    }
+    anyhow::anyhow!("{:?}: {said}{hint}", s.code())
 }
 
 fn json<T: serde::Serialize>(v: &T) -> anyhow::Result<String> {
