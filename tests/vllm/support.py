@@ -181,15 +181,21 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 
 # --- vLLM ------------------------------------------------------------------------------------
 
+# The tiny model's own context (max_position_embeddings).
+MODEL_CONTEXT = 8192
+
+
 def vllm_server(name: str, port: int, dp: int = 1, cores: str = "0", model: str = MODEL,
-                extra: Optional[List[str]] = None) -> Proc:
+                extra: Optional[List[str]] = None, max_model_len: int = MODEL_CONTEXT) -> Proc:
     """`vllm serve` of the tiny model on `port`: `dp` ranks bound to `cores` (vLLM's
-    `VLLM_CPU_OMP_THREADS_BIND`, one entry per rank separated by `|`)."""
+    `VLLM_CPU_OMP_THREADS_BIND`, one entry per rank separated by `|`). A `max_model_len`
+    above the model's context lets a request run longer than that (its random weights make
+    any position as good as another)."""
     argv = [
         VLLM_PYTHON, "-m", "vllm.entrypoints.cli.main", "serve", model,
         "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "8192", "--dtype", "bfloat16", "--enforce-eager",
+        "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--enforce-eager",
         "--max-num-seqs", "16",
     ]
     if dp > 1:
@@ -209,6 +215,8 @@ def vllm_server(name: str, port: int, dp: int = 1, cores: str = "0", model: str 
         "VLLM_SERVER_DEV_MODE": "1",
         "DO_NOT_TRACK": "1",
     }
+    if max_model_len > MODEL_CONTEXT:
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     return Proc(name, argv, env)
 
 
