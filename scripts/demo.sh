@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The one-command demo (`make run`): builds the release binaries, starts br-snapshot,
-# br-ingest, br-decision, G br-shims and `br-emu engine` on loopback (free ports), replays a
-# paper-shaped workload through them first with JSQ and then with BR-0 (decision restarted with
-# --policy), and prints the measured imbalance, TPOT and throughput side by side with br-sim's
+# The one-command demo (`make run`): builds the release binaries, starts br-all (the embedded
+# default: ingest, snapshot and decision in one process), G br-shims and `br-emu engine` on
+# loopback (free ports), replays a paper-shaped workload through them first with JSQ and then
+# with BR-0 (br-all and the shims restarted with --policy, so each run starts on an empty σ),
+# and prints the measured imbalance, TPOT and throughput side by side with br-sim's
 # for the same workload, and how many ranks each run lost from routing at any time (a shim that
 # judged its engine down): runs that did not keep the same ranks in routing are not compared
 # fairly, and the summary says so. The twin replays each live run's arrivals as the decision
@@ -15,7 +16,8 @@
 # (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
 # DEMO_TIME_SCALE (wall = model × this), DEMO_POLICIES ("jsq br0"), DEMO_ARRIVAL (saturated |
 # poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
-# DEMO_SKIP_BUILD=1, DEMO_TLS (1: mutual TLS on every connection of the control plane, with
+# DEMO_SKIP_BUILD=1, DEMO_DEPLOY (all: br-all; split: br-snapshot, br-ingest and br-decision as
+# three processes, decision restarted per policy), DEMO_TLS (1: mutual TLS on every connection of the control plane, with
 # development certificates from br-certs; 0: plaintext on loopback), TWIN_REPLAYS (8) and
 # TWIN_JITTER_MS (1): the twin's replays per policy over seeds of `--arrival-jitter-ms` (see
 # scripts/lib/stack.sh's sim_replay).
@@ -38,6 +40,7 @@ RATE_FLAGS=()
 OUT="${DEMO_OUT:-$ROOT/target/demo}"
 GROUP="demo"
 STACK_TLS="${DEMO_TLS:-1}"
+STACK_DEPLOY="${DEMO_DEPLOY:-all}"
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 
 mkdir -p "$OUT"
@@ -49,12 +52,15 @@ source "$ROOT/scripts/lib/stack.sh"
 # shellcheck source=scripts/lib/routing.sh
 source "$ROOT/scripts/lib/routing.sh"
 
+SERVICES=(br-all)
+[ "$STACK_DEPLOY" = all ] || SERVICES=(br-snapshot br-ingest br-decision)
+
 # --- build ------------------------------------------------------------------------------------
 if [ "${DEMO_SKIP_BUILD:-0}" != 1 ]; then
-    say "building (release): br-snapshot br-ingest br-decision br-shim br-emu br-sim br-certs"
-    cargo build --release -q --bin br-snapshot --bin br-ingest --bin br-decision --bin br-shim --bin br-emu --bin br-sim --bin br-certs
+    say "building (release): ${SERVICES[*]} br-shim br-emu br-sim br-certs"
+    cargo build --release -q "${SERVICES[@]/#/--bin=}" --bin br-shim --bin br-emu --bin br-sim --bin br-certs
 fi
-for b in br-snapshot br-ingest br-decision br-shim br-emu br-sim br-certs; do
+for b in "${SERVICES[@]}" br-shim br-emu br-sim br-certs; do
     [ -x "$BIN/$b" ] || { echo "missing $BIN/$b" >&2; exit 1; }
 done
 
@@ -73,7 +79,8 @@ for policy in $POLICIES; do
     # JSQ does, and their reservations are accepted past capacity (queue_if_full): the request
     # waits in the rank's local FIFO, as in br-sim's model.
     cap=$B
-    say "br-decision --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)"
+    say "br-$DECISION_COMPONENT --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)"
+    start_all "$policy"
     start_shims "$cap"
     start_decision "$policy"
     tls_for gateway
@@ -84,7 +91,7 @@ for policy in $POLICIES; do
     RUNS+=("$OUT/$policy.json")
     if [[ $policy == brh* ]]; then
         # How each tick got its per-request predictions: the share `made` is BR-H's tick cost.
-        say "$policy: BR-H's prediction cache over the run (decision's /metrics)"
+        say "$policy: BR-H's prediction cache over the run (br-$DECISION_COMPONENT's /metrics)"
         admin_get "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/metrics" |
             grep '^balanceroute_decision_predictions_total' || echo "(no predictions_total series)"
     fi
@@ -112,3 +119,7 @@ echo
 echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric);"
 echo "br-sim, brctl and the live page use the same name, and call G*max L - sum L the barrier idle"
 echo "run took $(( $(date +%s) - T0 )) s after the build; JSON and logs in $OUT"
+# Beside every figure: the machine and how busy it was (the emulated engine's steps are wall
+# time, so a loaded machine stretches them; compare runs from the same machine).
+echo "machine: $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) CPUs;" \
+    "load average $(cut -d' ' -f1-3 /proc/loadavg); commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -126,50 +126,89 @@ start() { # start NAME CMD...: runs CMD in the background, logging to $OUT/NAME.
 }
 
 
-# start_stack: br-snapshot, br-ingest and `br-emu engine` on free loopback ports, and ports for
-# G br-shims (start_shims). Uses BIN, G, B, STEP_A, STEP_B, SCALE, GROUP; sets SNAP, INGEST, DECISION,
-# ENGINE (rank g on ENGINE+g, the X-data-parallel-rank port on ENGINE+G), SHIMS (shim g on
-# SHIMS+2g, its admin port next) and RANK_URLS (the shims, comma-separated).
+# STACK_DEPLOY: how the control plane runs. split (the default here): br-snapshot and br-ingest
+# start with the stack and live through every run, and br-decision starts and stops per run
+# (start_decision, stop_decision). all: br-all, the three in one process, starts before the
+# shims of each run (start_all) and stops with it (stop_decision), so each run begins on an
+# empty σ; SNAP, INGEST and DECISION are then all its one port.
+STACK_DEPLOY="${STACK_DEPLOY:-split}"
+case "$STACK_DEPLOY" in
+    split | all) ;;
+    *) echo "STACK_DEPLOY must be split or all, not '$STACK_DEPLOY'" >&2; exit 2 ;;
+esac
+
+# start_stack: `br-emu engine` on free loopback ports, ports for G br-shims (start_shims), and
+# (split) br-snapshot and br-ingest, or (all) ports for br-all. Uses BIN, G, B, STEP_A, STEP_B,
+# SCALE, GROUP; sets SNAP, INGEST, DECISION, ENGINE (rank g on ENGINE+g, the
+# X-data-parallel-rank port on ENGINE+G), SHIMS (shim g on SHIMS+2g, its admin port next) and
+# RANK_URLS (the shims, comma-separated).
 start_stack() {
-    free_ports 2 SNAP
-    free_ports 2 INGEST
-    free_ports 2 DECISION
+    if [ "$STACK_DEPLOY" = all ]; then
+        free_ports 2 SNAP
+        INGEST=$SNAP
+        DECISION=$SNAP
+    else
+        free_ports 2 SNAP
+        free_ports 2 INGEST
+        free_ports 2 DECISION
+    fi
     free_ports $((G + 1)) ENGINE
     free_ports $((2 * G)) SHIMS
 
-    say "starting br-snapshot :$SNAP, br-ingest :$INGEST, br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, T=($STEP_A·max L + $STEP_B) ms × $SCALE), $G br-shims :$SHIMS.."
     tls_init
-    tls_for snapshot
-    start snapshot "$BIN/br-snapshot" --listen "127.0.0.1:$SNAP" --admin-listen "127.0.0.1:$((SNAP + 1))" \
-        --reservation-ttl 60s ${TLS_F[@]+"${TLS_F[@]}"}
-    tls_for ingest
-    start ingest "$BIN/br-ingest" --listen "127.0.0.1:$INGEST" --admin-listen "127.0.0.1:$((INGEST + 1))" \
-        --snapshot-addr "http://127.0.0.1:$SNAP" ${TLS_F[@]+"${TLS_F[@]}"}
+    if [ "$STACK_DEPLOY" = all ]; then
+        say "br-all will listen on :$SNAP (one per run); starting br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, T=($STEP_A·max L + $STEP_B) ms × $SCALE), $G br-shims :$SHIMS.."
+    else
+        say "starting br-snapshot :$SNAP, br-ingest :$INGEST, br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, T=($STEP_A·max L + $STEP_B) ms × $SCALE), $G br-shims :$SHIMS.."
+        tls_for snapshot
+        start snapshot "$BIN/br-snapshot" --listen "127.0.0.1:$SNAP" --admin-listen "127.0.0.1:$((SNAP + 1))" \
+            --reservation-ttl 60s ${TLS_F[@]+"${TLS_F[@]}"}
+        tls_for ingest
+        start ingest "$BIN/br-ingest" --listen "127.0.0.1:$INGEST" --admin-listen "127.0.0.1:$((INGEST + 1))" \
+            --snapshot-addr "http://127.0.0.1:$SNAP" ${TLS_F[@]+"${TLS_F[@]}"}
+    fi
     start engine "$BIN/br-emu" engine --ranks "$G" --slots "$B" --step-a "$STEP_A" --step-b "$STEP_B" \
         --time-scale "$SCALE" --base-port "$ENGINE" --dp-port "$((ENGINE + G))"
-    wait_http "$ADMIN_SCHEME://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
-    wait_http "$ADMIN_SCHEME://127.0.0.1:$((INGEST + 1))/readyz" br-ingest
+    if [ "$STACK_DEPLOY" = split ]; then
+        wait_http "$ADMIN_SCHEME://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
+        wait_http "$ADMIN_SCHEME://127.0.0.1:$((INGEST + 1))/readyz" br-ingest
+        prom_add "127.0.0.1:$((SNAP + 1))" snapshot
+        prom_add "127.0.0.1:$((INGEST + 1))" ingest
+    fi
     wait_http "http://127.0.0.1:$ENGINE/health" "br-emu engine"
-    prom_add "127.0.0.1:$((SNAP + 1))" snapshot
-    prom_add "127.0.0.1:$((INGEST + 1))" ingest
-
 }
 
-# start_decision POLICY: br-decision for GROUP on DECISION with --policy POLICY; waits until
-# it is ready (it can place: σ with a live worker, so start the shims first). stop_decision:
-# SIGTERM and wait.
-DECISION_PID=""
-start_decision() {
-    tls_for decision
-    start "decision-$1" "$BIN/br-decision" --listen "127.0.0.1:$DECISION" \
-        --admin-listen "127.0.0.1:$((DECISION + 1))" --snapshot-addr "http://127.0.0.1:$SNAP" \
-        --groups "$GROUP" --policy "$1" --max-wait 600s ${TLS_F[@]+"${TLS_F[@]}"}
+# start_all POLICY (STACK_DEPLOY=all): br-all for GROUP on SNAP with --policy POLICY, until it is
+# live; start the shims next (they report to it), then start_decision waits until it can place.
+# Does nothing under split.
+start_all() {
+    [ "$STACK_DEPLOY" = all ] || return 0
+    tls_for all
+    start "all-$1" "$BIN/br-all" --listen "127.0.0.1:$SNAP" --admin-listen "127.0.0.1:$((SNAP + 1))" \
+        --groups "$GROUP" --policy "$1" --max-wait 600s --reservation-ttl 60s ${TLS_F[@]+"${TLS_F[@]}"}
     DECISION_PID=$LAST_PID
-    wait_http "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/readyz" "br-decision ($1)"
-    prom_add "127.0.0.1:$((DECISION + 1))" decision
+    wait_http "$ADMIN_SCHEME://127.0.0.1:$((SNAP + 1))/livez" "br-all ($1)"
+}
+
+# start_decision POLICY: (split) br-decision for GROUP on DECISION with --policy POLICY; (all)
+# the br-all start_all started. Waits until it is ready (it can place: σ with a live worker, so
+# start the shims first). stop_decision: SIGTERM and wait (under all, the whole control plane).
+DECISION_PID=""
+DECISION_COMPONENT=decision
+[ "$STACK_DEPLOY" = split ] || DECISION_COMPONENT=all
+start_decision() {
+    if [ "$STACK_DEPLOY" = split ]; then
+        tls_for decision
+        start "decision-$1" "$BIN/br-decision" --listen "127.0.0.1:$DECISION" \
+            --admin-listen "127.0.0.1:$((DECISION + 1))" --snapshot-addr "http://127.0.0.1:$SNAP" \
+            --groups "$GROUP" --policy "$1" --max-wait 600s ${TLS_F[@]+"${TLS_F[@]}"}
+        DECISION_PID=$LAST_PID
+    fi
+    wait_http "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/readyz" "br-$DECISION_COMPONENT ($1)"
+    prom_add "127.0.0.1:$((DECISION + 1))" "$DECISION_COMPONENT"
 }
 stop_decision() {
-    prom_remove decision
+    prom_remove "$DECISION_COMPONENT"
     kill -TERM "$DECISION_PID" 2>/dev/null || true
     wait "$DECISION_PID" 2>/dev/null || true
 }
