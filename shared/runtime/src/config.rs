@@ -109,6 +109,20 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_KEEPALIVE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "3s")]
     pub keepalive_timeout: Duration,
 
+    /// A connection to `--listen` older than this is asked to go away (HTTP/2 GOAWAY), so its
+    /// client connects again: to a rotated certificate's identity, and to whatever replica a
+    /// load balancer now picks. Calls already running on it keep going for
+    /// `--max-connection-age-grace`; then it is closed, and a telemetry or Watch stream is
+    /// opened again by its client (a shim's worker is SUSPECT in σ until its Hello, a moment).
+    /// 0 (the default) keeps connections for as long as they live.
+    #[arg(long, env = "BALANCEROUTE_MAX_CONNECTION_AGE", value_parser = humantime::parse_duration, default_value = "0s")]
+    pub max_connection_age: Duration,
+
+    /// How long calls on a connection past `--max-connection-age` may still run before it is
+    /// closed. Above `--max-wait` lets every Assign long poll finish on the old connection.
+    #[arg(long, env = "BALANCEROUTE_MAX_CONNECTION_AGE_GRACE", value_parser = humantime::parse_duration, default_value = "1m")]
+    pub max_connection_age_grace: Duration,
+
     /// Most connections open at once on `--listen`; further ones wait in the listen backlog
     /// until one closes. Lowered at start, if need be, to the descriptor limit (`ulimit -n`)
     /// minus 64, so idle connections can never take the last descriptors.
@@ -152,6 +166,12 @@ impl CommonArgs {
             ),
             first_byte_timeout: self.first_byte_timeout,
         }
+    }
+
+    /// The maximum connection age and its grace, `None` when turned off.
+    pub fn max_connection_age(&self) -> Option<(Duration, Duration)> {
+        (!self.max_connection_age.is_zero())
+            .then_some((self.max_connection_age, self.max_connection_age_grace))
     }
 
     /// The keepalive interval, `None` when turned off.

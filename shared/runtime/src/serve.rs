@@ -115,6 +115,8 @@ pub struct GrpcServer {
     health: HealthReporter,
     grace: Duration,
     keepalive: Option<(Duration, Duration)>,
+    /// (age, grace): connections older than age get a GOAWAY and are closed after grace.
+    max_connection_age: Option<(Duration, Duration)>,
     tls: Option<TlsServing>,
     health_follows: Option<crate::readiness::Readiness>,
     /// The served names whose health follows `health_follows`; `None`: all of them.
@@ -171,6 +173,7 @@ impl GrpcServer {
             health: HealthReporter::new(),
             grace: Duration::from_secs(10),
             keepalive: None,
+            max_connection_age: None,
             tls: None,
             health_follows: None,
             follow_only: None,
@@ -228,6 +231,14 @@ impl GrpcServer {
     /// connections are closed and their streams end.
     pub fn with_keepalive(mut self, keepalive: Option<(Duration, Duration)>) -> Self {
         self.keepalive = keepalive;
+        self
+    }
+
+    /// Connections older than `age` are asked to go away (GOAWAY) and closed `grace` later,
+    /// so long-lived clients reconnect: rotated certificates and a rebalanced Service reach
+    /// them. `None`: connections live as long as they are used.
+    pub fn with_max_connection_age(mut self, age: Option<(Duration, Duration)>) -> Self {
+        self.max_connection_age = age;
         self
     }
 
@@ -290,6 +301,7 @@ impl GrpcServer {
             health,
             grace,
             keepalive,
+            max_connection_age,
             tls,
             health_follows,
             follow_only,
@@ -367,7 +379,15 @@ impl GrpcServer {
         let mut builder = tonic::transport::Server::builder()
             .http2_keepalive_interval(keepalive.map(|(i, _)| i))
             .http2_keepalive_timeout(keepalive.map(|(_, t)| t))
-            .max_concurrent_streams(max_streams)
+            .max_concurrent_streams(max_streams);
+        if let Some((age, grace)) = max_connection_age {
+            // The grace is what ends a connection whose streams never finish (Watch, Report):
+            // a GOAWAY alone leaves them open.
+            builder = builder
+                .max_connection_age(age)
+                .max_connection_age_grace(grace);
+        }
+        let mut builder = builder
             // Outermost: a call refused by the layers below is still in its caller's trace.
             .layer(br_trace::ServerLayer)
             .layer(crate::oversize::OversizeLayer::new(on_oversize))

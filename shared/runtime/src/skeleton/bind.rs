@@ -36,6 +36,7 @@ pub async fn bind_grpc_on(
         .map_err(bind_err)?
         .with_grace(common.shutdown_grace)
         .with_keepalive(common.keepalive())
+        .with_max_connection_age(common.max_connection_age())
         .with_max_streams_per_connection(common.max_streams_per_connection)
         .with_tls(edge.serving())
         .with_accept_limits(common.accept_limits(descriptor_limit()), edge.accept_hook())
