@@ -1,13 +1,14 @@
 //! `br-snapshot`'s flags. Each is also `BALANCEROUTE_<FLAG>` and may be set in the `--config`
 //! TOML file (precedence: defaults < file < environment < flags).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use br_runtime::config::CommonArgs;
 use br_runtime::skeleton::ServiceArgs;
 use br_sigma::{MAX_SNAPSHOT_MESSAGE_BYTES, RequestBound, max_snapshot_bytes};
 
-use crate::group::Settings;
+use crate::group::{Settings, WatcherBudget};
 
 /// br-snapshot's default `--listen` and `--admin-listen` (the split deployment's ports).
 pub const DEFAULT_LISTEN: &str = br_proto::defaults::SNAPSHOT_LISTEN;
@@ -22,6 +23,10 @@ pub const DEFAULT_WORKER_GRACE: &str = "5s";
 pub const DEFAULT_CARRIER_GRACE: &str = "3s";
 /// Default idle period before a progress mark.
 pub const DEFAULT_PROGRESS_INTERVAL: &str = "250ms";
+/// Default encoded bytes of the deltas kept per group for resumption: at most 4096 deltas and
+/// at most this, so a heavy writer (large batches, long request ids) does not make the
+/// history the process's largest holding.
+pub const DEFAULT_HISTORY_BYTES: usize = 32 * 1024 * 1024;
 /// Default events queued per watcher before it counts as slow.
 pub const DEFAULT_WATCHER_QUEUE: usize = 1024;
 /// Default bytes queued per watcher before it is ended: decision's largest Watch message
@@ -31,6 +36,10 @@ pub const DEFAULT_WATCHER_QUEUE_BYTES: usize = 64 * 1024 * 1024;
 /// (a few per group) and operators' tools; each open stream costs its HTTP/2 buffers (2,000
 /// that never read held ~490 MB, docs/benchmarks.md "bounds").
 pub const DEFAULT_MAX_WATCHERS: usize = 512;
+/// Default bytes every watcher queue of the process may hold together: each open watcher may
+/// hold its share (this over the watchers open), at most `--watcher-queue-bytes`. 512
+/// watchers that never read, each allowed 64 MiB alone, could hold 32 GiB between them.
+pub const DEFAULT_WATCHER_BUDGET_BYTES: usize = 64 * 1024 * 1024;
 /// Default number of groups held at once (a deployment has a handful; each costs ~10 KB and
 /// 20 metric series).
 pub const DEFAULT_MAX_GROUPS: usize = 1024;
@@ -55,6 +64,11 @@ pub struct Args {
     /// Deltas kept per group so a watcher can resume without a snapshot.
     #[arg(long, env = "BALANCEROUTE_HISTORY", default_value_t = DEFAULT_HISTORY)]
     pub history: usize,
+
+    /// Encoded bytes of the deltas kept per group for resumption (with --history, whichever
+    /// is reached first); a watcher resuming from before them gets a snapshot.
+    #[arg(long, env = "BALANCEROUTE_HISTORY_BYTES", default_value_t = DEFAULT_HISTORY_BYTES)]
+    pub history_bytes: usize,
 
     /// A reservation with no telemetry for this long expires (RequestExpired).
     #[arg(long, env = "BALANCEROUTE_RESERVATION_TTL", value_parser = humantime::parse_duration, default_value = DEFAULT_RESERVATION_TTL)]
@@ -82,6 +96,12 @@ pub struct Args {
     /// is ended with RESOURCE_EXHAUSTED (it re-syncs from a snapshot when it comes back).
     #[arg(long, env = "BALANCEROUTE_WATCHER_QUEUE_BYTES", default_value_t = DEFAULT_WATCHER_QUEUE_BYTES)]
     pub watcher_queue_bytes: usize,
+
+    /// Bytes all watchers' queues may hold together: each open watcher's queue is bounded by
+    /// its share (this over the open watchers) when that is below --watcher-queue-bytes, and
+    /// a watcher past it is ended the same way (RESOURCE_EXHAUSTED).
+    #[arg(long, env = "BALANCEROUTE_WATCHER_BUDGET_BYTES", default_value_t = DEFAULT_WATCHER_BUDGET_BYTES)]
+    pub watcher_budget_bytes: usize,
 
     /// Watch streams held at once, over every group; one more is refused with
     /// RESOURCE_EXHAUSTED until one ends.
@@ -120,12 +140,14 @@ impl Args {
     pub fn settings(&self) -> Settings {
         Settings {
             history: self.history,
+            history_bytes: self.history_bytes,
             reservation_ttl: self.reservation_ttl,
             worker_grace: self.worker_grace,
             carrier_grace: self.carrier_grace,
             progress_interval: self.progress_interval,
             watcher_queue: self.watcher_queue,
             watcher_queue_bytes: self.watcher_queue_bytes,
+            watcher_budget: Arc::new(WatcherBudget::new(self.watcher_budget_bytes)),
             max_groups: self.max_groups,
             group_idle_grace: self.group_idle_grace,
             requests: RequestBound {
@@ -162,6 +184,12 @@ impl ServiceArgs for Args {
         }
         if !(1024..=1 << 40).contains(&self.watcher_queue_bytes) {
             return Err("--watcher-queue-bytes must be in 1024..=2^40".into());
+        }
+        if !(1024..=1 << 40).contains(&self.watcher_budget_bytes) {
+            return Err("--watcher-budget-bytes must be in 1024..=2^40".into());
+        }
+        if !(1024..=1 << 40).contains(&self.history_bytes) {
+            return Err("--history-bytes must be in 1024..=2^40".into());
         }
         if !(1..=1_000_000).contains(&self.max_watchers) {
             return Err("--max-watchers must be in 1..=1000000".into());
@@ -204,12 +232,14 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             history: DEFAULT_HISTORY,
+            history_bytes: DEFAULT_HISTORY_BYTES,
             reservation_ttl: Duration::from_secs(10),
             worker_grace: Duration::from_secs(5),
             carrier_grace: Duration::from_secs(3),
             progress_interval: Duration::from_millis(250),
             watcher_queue: DEFAULT_WATCHER_QUEUE,
             watcher_queue_bytes: DEFAULT_WATCHER_QUEUE_BYTES,
+            watcher_budget: Arc::new(WatcherBudget::new(DEFAULT_WATCHER_BUDGET_BYTES)),
             max_groups: DEFAULT_MAX_GROUPS,
             group_idle_grace: Duration::from_secs(60),
             requests: RequestBound {
@@ -242,6 +272,8 @@ mod tests {
         assert_eq!(a.progress_interval, Duration::from_millis(250));
         assert_eq!(a.watcher_queue, 1024);
         assert_eq!(a.watcher_queue_bytes, 64 << 20);
+        assert_eq!(a.watcher_budget_bytes, 64 << 20);
+        assert_eq!(a.history_bytes, 32 << 20);
         assert_eq!(a.max_watchers, 512);
         assert_eq!(a.max_groups, 1024);
         assert_eq!(a.group_idle_grace, Duration::from_secs(60));

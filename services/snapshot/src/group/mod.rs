@@ -39,7 +39,10 @@ use tokio::time::Instant;
 use crate::metrics::{GroupMetrics, Metrics};
 use apply::{Arrival, Presence};
 pub use event::{Event, MERGE_MAX_CHANGES, event_bytes};
-pub use queue::{MERGE_MAX_BYTES, Merging as MergedWatchQueue, Overflow, Receiver as WatchQueue};
+pub use queue::{
+    Budget as WatcherBudget, MERGE_MAX_BYTES, Merging as MergedWatchQueue, Overflow,
+    Receiver as WatchQueue,
+};
 use reserve::Reservations;
 use watchers::Watchers;
 
@@ -51,6 +54,8 @@ pub type StreamId = u64;
 pub struct Settings {
     /// Deltas kept for resumption.
     pub history: usize,
+    /// Encoded bytes of the deltas kept for resumption (the oldest go first past it).
+    pub history_bytes: usize,
     /// A RESERVED request without telemetry for this long expires.
     pub reservation_ttl: Duration,
     /// A SUSPECT worker without a Hello for this long is fenced.
@@ -64,6 +69,9 @@ pub struct Settings {
     pub watcher_queue: usize,
     /// Bytes queued per watcher before it is ended (RESOURCE_EXHAUSTED).
     pub watcher_queue_bytes: usize,
+    /// What every watcher queue of the process may hold together (each open one its share);
+    /// one budget for every group of the writer.
+    pub watcher_budget: Arc<WatcherBudget>,
     /// Groups held at once; a new one beyond is refused (RESOURCE_EXHAUSTED).
     pub max_groups: usize,
     /// An idle group (no live worker, request, watcher or pending fence) is forgotten after

@@ -14,12 +14,19 @@
 //! watcher, so this is what the watcher would be sent, an upper bound of what it holds alone).
 //! The lock is held only to push or pop, never across an await.
 //!
+//! Every queue of the process also shares one [`Budget`]: a queue's bound is the smaller of
+//! its own `max_bytes` and its share of the budget (the budget over the queues open now), so
+//! the queues of the process together hold at most the budget plus one event each, however
+//! many watchers there are. Hundreds of watchers that never read, each allowed its own 64 MiB,
+//! could otherwise hold tens of gigabytes between them.
+//!
 //! The Watch stream reads it through [`Receiver::merging`]: each read also takes the deltas
 //! queued right behind a delta and sends them as one (see [`Merging`]), so a watcher that fell
 //! a few versions behind gets one message, never waiting for more to come.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -39,11 +46,41 @@ pub enum Push {
     Closed,
 }
 
+/// The bytes every watcher queue of the process may hold together: each open queue may hold
+/// `max / open` (and its own `max_bytes`), so a queue's share shrinks as watchers come and
+/// grows as they go. Shared by the groups (through `Settings`).
+#[derive(Debug)]
+pub struct Budget {
+    max: usize,
+    /// Queues counted in the shares: open, not ended, their stream not gone.
+    open: AtomicUsize,
+}
+
+impl Budget {
+    pub fn new(max: usize) -> Budget {
+        Budget {
+            max,
+            open: AtomicUsize::new(0),
+        }
+    }
+
+    /// The bytes the process's watcher queues may hold together.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// One open queue's share.
+    fn share(&self) -> usize {
+        self.max / self.open.load(Ordering::Relaxed).max(1)
+    }
+}
+
 /// Why the stream was ended by the service (its last item).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Overflow {
     /// Bytes the queue held with the event that did not fit.
     pub bytes: usize,
+    /// The queue's bound then: its own, or its share of the process's budget if smaller.
     pub max_bytes: usize,
 }
 
@@ -59,6 +96,23 @@ struct State {
     sender_gone: bool,
     receiver_gone: bool,
     waker: Option<Waker>,
+    budget: Arc<Budget>,
+    /// Counted in the budget's open queues (until it is ended or its stream goes).
+    in_budget: bool,
+}
+
+impl State {
+    /// The bytes this queue may hold now.
+    fn limit(&self) -> usize {
+        self.max_bytes.min(self.budget.share())
+    }
+
+    /// No longer counted in the budget's shares (ended, or its stream gone); once.
+    fn leave_budget(&mut self) {
+        if std::mem::take(&mut self.in_budget) {
+            self.budget.open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 type Shared = Arc<Mutex<State>>;
@@ -68,8 +122,10 @@ fn lock(s: &Shared) -> MutexGuard<'_, State> {
     s.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// A new queue holding at most `max_events` events and `max_bytes` bytes plus one event.
-pub fn channel(max_events: usize, max_bytes: usize) -> (Sender, Receiver) {
+/// A new queue holding at most `max_events` events and `max_bytes` bytes (or its share of
+/// `budget`, if smaller) plus one event.
+pub fn channel(max_events: usize, max_bytes: usize, budget: &Arc<Budget>) -> (Sender, Receiver) {
+    budget.open.fetch_add(1, Ordering::Relaxed);
     let shared = Arc::new(Mutex::new(State {
         events: VecDeque::new(),
         bytes: 0,
@@ -80,6 +136,8 @@ pub fn channel(max_events: usize, max_bytes: usize) -> (Sender, Receiver) {
         sender_gone: false,
         receiver_gone: false,
         waker: None,
+        budget: Arc::clone(budget),
+        in_budget: true,
     }));
     (
         Sender {
@@ -104,14 +162,16 @@ impl Sender {
         if s.events.len() >= s.max_events {
             return Push::Full;
         }
-        if !s.events.is_empty() && s.bytes >= s.max_bytes {
+        let limit = s.limit();
+        if !s.events.is_empty() && s.bytes >= limit {
             s.overflow = Some(Overflow {
                 bytes: s.bytes.saturating_add(bytes),
-                max_bytes: s.max_bytes,
+                max_bytes: limit,
             });
             s.events.clear();
             s.events.shrink_to_fit();
             s.bytes = 0;
+            s.leave_budget();
             wake(&mut s);
             return Push::Ended;
         }
@@ -207,11 +267,18 @@ impl Receiver {
     }
 }
 
-/// A merged message's bound in encoded bytes: 1 MiB, far below what a watcher decodes
+/// A merged message's bound in encoded bytes: 64 KiB, far below what a watcher decodes
 /// (`br_client::watch::DEFAULT_MAX_MESSAGE_BYTES`, 64 MiB), so merging never makes a message a
 /// watcher refuses, and one message does not hold an HTTP/2 connection long. A single delta
 /// above it still goes out, alone, as it would unmerged.
-pub const MERGE_MAX_BYTES: usize = 1 << 20;
+///
+/// It is also what each Watch stream holds encoded while its peer does not read: tonic's
+/// encoder keeps a buffer as large as the largest chunk it yielded, and HTTP/2 takes the
+/// whole chunk once the stream has any window and holds what is beyond the window. At 1 MiB,
+/// 512 watchers that never read held about a gigabyte that way (measured in
+/// docs/design/0017-slow-watchers.md); the same bytes in more, smaller messages cost the
+/// watchers that read nothing that matters.
+pub const MERGE_MAX_BYTES: usize = 64 << 10;
 
 /// `first` (a delta, already popped) and the deltas queued right behind it that continue its
 /// version chain, while the run stays within [`MERGE_MAX_BYTES`] and [`MERGE_MAX_CHANGES`].
@@ -287,7 +354,9 @@ impl Drop for Receiver {
         let mut s = lock(&self.shared);
         s.receiver_gone = true;
         s.events.clear();
+        s.events.shrink_to_fit();
         s.bytes = 0;
+        s.leave_budget();
     }
 }
 

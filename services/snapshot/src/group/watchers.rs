@@ -29,13 +29,19 @@ struct WatcherSlot {
 
 /// The watchers of one group and the deltas kept for them.
 pub(super) struct Watchers {
-    /// Deltas kept for resumption (at most `history_len`), oldest first.
+    /// Deltas kept for resumption (at most `history_len` and `history_max_bytes`, see
+    /// [`Watchers::keep`]), oldest first.
     pub(super) history: VecDeque<Event>,
     history_len: usize,
+    history_max_bytes: usize,
+    /// The encoded bytes of `history`.
+    history_bytes: usize,
     /// Events queued per watcher before it lags.
     queue: usize,
     /// Bytes queued per watcher before it is ended.
     queue_bytes: usize,
+    /// What every watcher queue of the process may hold together.
+    budget: Arc<queue::Budget>,
     progress_interval: Duration,
     /// The snapshot event of the current version, built once for every watcher that needs it.
     snapshot: Option<Event>,
@@ -49,8 +55,11 @@ impl Watchers {
         Watchers {
             history: VecDeque::new(),
             history_len: settings.history,
+            history_max_bytes: settings.history_bytes,
+            history_bytes: 0,
             queue: settings.watcher_queue,
             queue_bytes: settings.watcher_queue_bytes,
+            budget: Arc::clone(&settings.watcher_budget),
             progress_interval: settings.progress_interval,
             snapshot: None,
             slots: Vec::new(),
@@ -111,7 +120,11 @@ impl Watchers {
         if epoch == 0 || reset.is_some() {
             initial.push(self.snapshot_event(sigma));
         }
-        let (tx, rx) = queue::channel(self.queue.max(2) + initial.len(), self.queue_bytes);
+        let (tx, rx) = queue::channel(
+            self.queue.max(2) + initial.len(),
+            self.queue_bytes,
+            &self.budget,
+        );
         for ev in initial {
             // Cannot fail: the queue was sized for it and nobody reads yet.
             let bytes = event_bytes(&ev);
@@ -132,12 +145,7 @@ impl Watchers {
     ) {
         let ev = Event::Delta(Arc::new(d));
         self.snapshot = None;
-        if self.history_len > 0 {
-            if self.history.len() >= self.history_len {
-                self.history.pop_front();
-            }
-            self.history.push_back(ev.clone());
-        }
+        self.keep(&ev);
         // Lagging watchers skip this delta; then those with room get a snapshot that already
         // contains it (in the other order they would get the snapshot and then this delta).
         self.broadcast(&ev, metrics);
@@ -159,6 +167,27 @@ impl Watchers {
         }
         self.slots.retain(|w| !w.tx.is_closed());
         metrics.watchers.set(self.slots.len() as i64);
+    }
+
+    /// Keeps `ev` (a delta) in the history, dropping the oldest past `history_len` deltas or
+    /// `history_max_bytes`. The bytes bound matters under a heavy writer: 4096 deltas of 256
+    /// progress changes with 200-byte request ids are about 240 MB, more than the whole process
+    /// should hold; a watcher resuming from before what is kept gets a snapshot instead. The
+    /// newest delta is kept even if it alone is over the bytes.
+    fn keep(&mut self, ev: &Event) {
+        if self.history_len == 0 {
+            return;
+        }
+        self.history_bytes += event_bytes(ev);
+        self.history.push_back(ev.clone());
+        while self.history.len() > self.history_len
+            || (self.history.len() > 1 && self.history_bytes > self.history_max_bytes)
+        {
+            match self.history.pop_front() {
+                Some(old) => self.history_bytes -= event_bytes(&old),
+                None => break,
+            }
+        }
     }
 
     /// Every watcher is ended or gone, so the group may be idle.

@@ -26,7 +26,7 @@ fn op() -> impl Strategy<Value = Op> {
     // Enough changes that a few deltas pass MERGE_MAX_CHANGES.
     let many = (1000usize..1500).prop_map(|n| vec![1; n]);
     // Big enough that four pass MERGE_MAX_BYTES.
-    let big = (300_000usize..400_000).prop_map(|n| vec![n]);
+    let big = (20_000usize..25_000).prop_map(|n| vec![n]);
     prop_oneof![
         12 => small.prop_map(Op::Delta),
         1 => many.prop_map(Op::Delta),
@@ -135,7 +135,7 @@ proptest! {
     fn merged_reads_carry_every_change_in_order_within_the_bounds(
         ops in proptest::collection::vec(op(), 1..80)
     ) {
-        let (tx, rx) = queue::channel(1 << 20, usize::MAX / 2);
+        let (tx, rx) = queue::channel(1 << 20, usize::MAX / 2, &Arc::new(WatcherBudget::new(usize::MAX)));
         let mut rx = rx.merging();
         let (mut epoch, mut version, mut next_id) = (1u64, 0u64, 0usize);
         let mut sent: Vec<Event> = Vec::new();
@@ -184,7 +184,7 @@ proptest! {
 
 #[test]
 fn a_lone_delta_comes_at_once_and_queued_ones_in_one_message() {
-    let (tx, rx) = queue::channel(64, 1 << 20);
+    let (tx, rx) = queue::channel(64, 1 << 20, &Arc::new(WatcherBudget::new(usize::MAX)));
     let mut rx = rx.merging();
     let delta = |v: u64| {
         Event::Delta(Arc::new(Delta {

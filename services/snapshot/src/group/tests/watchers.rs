@@ -267,3 +267,71 @@ fn a_group_is_idle_only_with_no_live_worker_request_watcher_or_fence() {
     assert!(g.is_idle());
     assert_eq!(g.idle_for(now + ms(400)), ms(100));
 }
+
+#[test]
+fn watchers_that_do_not_read_share_the_process_budget_and_are_ended_past_their_share() {
+    // Each queue alone may hold a million events and 64 MiB; the budget of all is 8 KiB.
+    let budget = 8192;
+    let (mut g, now) = group_with(Settings {
+        watcher_queue: 1_000_000,
+        watcher_budget: Arc::new(WatcherBudget::new(budget)),
+        ..settings()
+    });
+    let m = g.metrics.family().clone();
+    let mut slow: Vec<_> = (0..4).map(|_| g.subscribe(0, 0)).collect();
+    let mut reader = g.subscribe(0, 0);
+    g.apply_msgs(1, vec![hello(0, 10, 4096)], S1, now, 0);
+    let mut replica = None;
+    follow(&mut replica, &drain(&mut reader));
+    for i in 0..200u64 {
+        let changes = (0..8)
+            .map(|r| prog(0, 10, &format!("r{i}-{r}"), 10, 1, false))
+            .collect();
+        g.apply_msgs(i + 2, changes, S1, now, 0);
+        follow(&mut replica, &drain(&mut reader));
+    }
+    // The reader, whose queue is empty after each read, was never affected.
+    assert_eq!(replica.unwrap().to_snapshot(), g.snapshot());
+    assert_eq!(g.watcher_count(), 1);
+    // Each slow one was ended at its share: the budget over the watchers open then (five
+    // for the first, fewer after), never its own 64 MiB.
+    for rx in &mut slow {
+        let (n, overflow) = drain_to_end(rx);
+        let o = overflow.expect("ended by its share of the budget");
+        assert!(
+            (budget / 5..=budget / 2).contains(&o.max_bytes),
+            "ended at {o:?}"
+        );
+        assert_eq!(n, 0, "its queue was freed when it was ended");
+    }
+    assert_eq!(m.refused_count("watcher_queue_bytes"), 4);
+}
+
+#[test]
+fn the_history_is_bounded_in_bytes_and_a_watcher_from_before_it_gets_a_snapshot() {
+    let (mut g, now) = group_with(Settings {
+        history: 1000,
+        history_bytes: 4096,
+        ..settings()
+    });
+    g.apply_msgs(1, vec![hello(0, 10, 4096)], S1, now, 0);
+    let first = g.sigma().version();
+    for i in 0..200u64 {
+        let changes = (0..8)
+            .map(|r| prog(0, 10, &format!("r{i}-{r}"), 10, 1, false))
+            .collect();
+        g.apply_msgs(i + 2, changes, S1, now, 0);
+    }
+    let held: usize = g.watchers.history.iter().map(event_bytes).sum();
+    let kept = g.watchers.history.len();
+    assert!(held <= 4096, "{held} bytes of history");
+    assert!(kept > 1 && kept < 200, "{kept} deltas kept");
+    // From a version still held: deltas; from before them: a reset and a snapshot.
+    let recent = g.sigma().version() - 1;
+    let mut w = g.subscribe(g.sigma().epoch(), recent);
+    assert!(matches!(drain(&mut w)[0].kind, Some(Ev::Delta(_))));
+    let mut w = g.subscribe(g.sigma().epoch(), first);
+    let evs = drain(&mut w);
+    assert!(matches!(evs[0].kind, Some(Ev::Reset(_))), "{evs:?}");
+    assert!(matches!(evs[1].kind, Some(Ev::Snapshot(_))), "{evs:?}");
+}
