@@ -11,7 +11,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use br_e2e::{FakeWorker, Service};
+use br_e2e::{FakeWorker, Service, rss_bytes};
 use br_proto::v1::{self, AssignRequest, GetRequest};
 use br_testkit::eventually;
 use bytes::Bytes;
@@ -29,18 +29,6 @@ const DECLARED: usize = 4_089_446; // 3.9 MiB
 const SENT: usize = 3_984_588; // 3.8 MiB
 /// The bound asked of the process while it is attacked.
 const RSS_LIMIT_BYTES: u64 = 150 << 20;
-
-/// The process's resident set (VmRSS in /proc/<pid>/status), in bytes.
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS in /proc/<pid>/status");
-    kib << 10
-}
 
 /// How one attacking stream ended up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Watchers that never read cost a bounded amount of memory, with a real br-snapshot process.
 //!
-//! What an outside reviewer measured (docs/design/0017-slow-watchers.md): 2,000
+//! What was measured before the bound (docs/design/0017-slow-watchers.md): 2,000
 //! `Snapshot.Watch` streams on 20 connections that never read, while a writer applied about
 //! 100 batches/s of 256 progress changes with 200-byte request ids, took br-snapshot to
 //! 0.77-1.9 GB RSS, and 0.74-1.88 GB was still held after the watchers closed.
@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use br_e2e::Service;
+use br_e2e::{Service, rss_bytes};
 use br_proto::v1;
 use br_testkit::apply::{ApplyStream, hello, progress};
 use br_testkit::eventually;
@@ -53,18 +53,6 @@ const RSS_LIMIT_BYTES: u64 = 250_000_000;
 /// What the process may hold after the watchers left above what it held under the same
 /// writer load before they came.
 const AFTER_MARGIN_BYTES: u64 = 48 << 20;
-
-/// The process's resident set (VmRSS in /proc/<pid>/status), in bytes.
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS in /proc/<pid>/status");
-    kib << 10
-}
 
 /// Batch `step`'s changes: the same `CHANGES` requests on worker 0, each one more token
 /// along, so every batch changes all of them.
