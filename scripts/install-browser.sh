@@ -15,32 +15,9 @@ PACKAGES=(chromium fonts-dejavu-core)
 
 log() { echo "[browser] $*"; }
 
-installed() {
-    dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"
-}
-
-missing=()
-for p in "${PACKAGES[@]}"; do
-    installed "$p" || missing+=("$p")
-done
-
-if ((${#missing[@]} == 0)); then
-    log "already installed: ${PACKAGES[*]} (nothing to do)"
-else
-    SUDO=()
-    if [[ $(id -u) -ne 0 ]]; then
-        command -v sudo >/dev/null || {
-            echo "[browser] not root and no sudo: install ${missing[*]} with apt-get" >&2
-            exit 1
-        }
-        SUDO=(sudo)
-    fi
-    log "installing from Debian's packages: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    "${SUDO[@]}" apt-get update -qq
-    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    log "installed: ${missing[*]}"
-fi
+# shellcheck source=scripts/lib/apt.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/apt.sh"
+apt_install browser "${PACKAGES[@]}"
 
 for bin in chromium; do
     path="$(command -v "$bin" || true)"

@@ -19,34 +19,9 @@ PACKAGES=(nginx libnginx-mod-http-lua lua-resty-core lua-cjson haproxy)
 
 log() { echo "[gateways] $*"; }
 
-installed() {
-    dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"
-}
-
-missing=()
-for p in "${PACKAGES[@]}"; do
-    installed "$p" || missing+=("$p")
-done
-
-if ((${#missing[@]} == 0)); then
-    log "already installed: ${PACKAGES[*]} (nothing to do)"
-else
-    SUDO=()
-    if [[ $(id -u) -ne 0 ]]; then
-        command -v sudo >/dev/null || {
-            echo "[gateways] not root and no sudo: install ${missing[*]} with apt-get" >&2
-            exit 1
-        }
-        SUDO=(sudo)
-    fi
-    log "installing from Debian's packages: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    # policy-rc.d would be the usual way to keep the packages' services from starting; where
-    # there is no init system (containers) invoke-rc.d starts nothing anyway.
-    "${SUDO[@]}" apt-get update -qq
-    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    log "installed: ${missing[*]}"
-fi
+# shellcheck source=scripts/lib/apt.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/apt.sh"
+apt_install gateways "${PACKAGES[@]}"
 
 for bin in nginx haproxy; do
     path="$(command -v "$bin" || true)"
