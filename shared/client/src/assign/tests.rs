@@ -464,6 +464,15 @@ fn backoff_starts_at_initial_and_never_exceeds_max() {
     assert!(p.backoff(20) >= p.max_backoff / 2);
 }
 
+/// Retries 100 µs apart, so many of them fit well within a test's deadline.
+fn quick_retries(max_attempts: Option<u32>) -> RetryPolicy {
+    RetryPolicy {
+        initial_backoff: Duration::from_micros(100),
+        max_backoff: Duration::from_micros(100),
+        max_attempts,
+    }
+}
+
 #[tokio::test]
 async fn by_default_retries_run_until_the_deadline_not_a_count() {
     // A replica that stays unavailable for more calls than any fixed default would allow (a
@@ -473,11 +482,7 @@ async fn by_default_retries_run_until_the_deadline_not_a_count() {
     let (addr, stop) = serve(svc.clone()).await;
     let client = AssignClient::connect_lazy(addr)
         .unwrap()
-        .with_retry(RetryPolicy {
-            initial_backoff: Duration::from_micros(100),
-            max_backoff: Duration::from_micros(100),
-            ..RetryPolicy::default()
-        });
+        .with_retry(quick_retries(None));
     let a = client
         .assign_within(&AssignParams::new("g", "r", 5), Duration::from_secs(60))
         .await
@@ -494,11 +499,7 @@ async fn an_explicit_attempt_limit_still_ends_the_retries() {
     let (addr, stop) = serve(svc.clone()).await;
     let client = AssignClient::connect_lazy(addr)
         .unwrap()
-        .with_retry(RetryPolicy {
-            initial_backoff: Duration::from_micros(100),
-            max_backoff: Duration::from_micros(100),
-            max_attempts: Some(3),
-        });
+        .with_retry(quick_retries(Some(3)));
     let e = client
         .assign_within(&AssignParams::new("g", "r", 5), Duration::from_secs(60))
         .await
