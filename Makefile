@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser gateways deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke e2e-vllm e2e-vllm-ci vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser gateways deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke bench-cost bench-cost-smoke e2e-vllm e2e-vllm-ci vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -13,7 +13,7 @@ build: ## build every binary (release)
 run: ## the demo: the whole control plane on loopback, JSQ vs BR-0 on a paper-shaped workload
 	bash scripts/demo.sh
 
-test: fmt-check clippy import-cycles unit config-reference-check python-tests e2e-vllm-ci flake-hunt-smoke ## everything CI checks: format, lints, all tests
+test: fmt-check clippy import-cycles unit config-reference-check python-tests e2e-vllm-ci flake-hunt-smoke bench-cost-smoke ## everything CI checks: format, lints, all tests
 	@echo "make test: all checks passed"
 
 fmt: ## format the code
@@ -106,6 +106,23 @@ config-reference: ## regenerate docs/configuration.md from the binaries' --help 
 config-reference-check: ## fail if docs/configuration.md differs from the binaries' --help (dev build)
 	$(CARGO) build -q --locked --bins $(CONFIG_REFERENCE_PACKAGES)
 	BR_BIN="$(CONFIG_REFERENCE_BIN)" bash scripts/config-reference.sh --check
+
+# RATE, EVENTS and GROUPS: the offered load (Assign/s, progress events/s, groups). GROUPS is a
+# make variable here only: bash keeps a read-only GROUPS of its own, hence BENCH_GROUPS below.
+bench-cost: ## CPU per Assign and per progress event, and added p99, of br-all and the split deployment against a do-nothing floor server, side by side (scripts/bench-cost.sh)
+	BENCH_RATE=$(or $(RATE),5000) BENCH_EVENTS=$(or $(EVENTS),100000) BENCH_GROUPS=$(or $(GROUPS),1) \
+		bash scripts/bench-cost.sh
+
+# CI's short form: one round of 2 s phases on the dev build `make unit` made, so the script's
+# path from start-up to its last line keeps working; the figures of a debug build under CI's
+# load mean nothing and are not read.
+bench-cost-smoke:
+	$(CARGO) build -q --locked -p br-all -p br-snapshot -p br-decision -p br-bench --bins
+	BENCH_SKIP_BUILD=1 BENCH_PROFILE=debug BENCH_RATE=200 BENCH_EVENTS=2000 BENCH_GROUPS=2 \
+		BENCH_DURATION=2s BENCH_ROUNDS=1 BENCH_OUT=target/bench-cost-smoke \
+		bash scripts/bench-cost.sh > target/bench-cost-smoke.log 2>&1 \
+		&& tail -n 1 target/bench-cost-smoke.log | grep -Eq '^cost ratio: br-all CPU [0-9]+\.[0-9]{2}x p99 [0-9]+\.[0-9]{2}x, split CPU [0-9]+\.[0-9]{2}x p99 [0-9]+\.[0-9]{2}x$$' \
+		|| { cat target/bench-cost-smoke.log; exit 1; }
 
 sim: ## the digital twin on the paper-shaped Azure workload, G = 8
 	$(CARGO) run --release -p br-sim -- --trace paper-azure --workers 8 --slots 256 --policies random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle --arrival saturated

@@ -6,7 +6,7 @@
 #   scripts/bench-latency-targets.sh ab DECISION_A DECISION_B [ROUNDS]   Assign added latency, 5k/s + 100k events/s,
 #                                                              two br-decision binaries alternated, with
 #                                                              the CPU seconds each server spent
-#   (br-all and both sides of the split deployment before/after: scripts/bench-all-in-one.sh
+#   (br-all and both sides of the split deployment before/after: scripts/bench-cost.sh
 #    with BENCH_A/BENCH_B)
 #   scripts/bench-latency-targets.sh telemetry [ARGS]                  shim report → decision's σ replica
 #                                                              (ARGS go to telemetry-latency, e.g.
