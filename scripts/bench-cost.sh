@@ -19,7 +19,9 @@
 #   groups the calls are spread over, BENCH_DURATION (10s) per phase after a 2 s warm-up,
 #   BENCH_ROUNDS (2), BENCH_SETUPS ("floor all split"), BENCH_PHASES ("calls load"),
 #   BENCH_PROFILE (release), BENCH_OUT (target/bench-cost), BENCH_SKIP_BUILD=1,
-#   BENCH_NICE=N (servers and load tool under `nice -n N`).
+#   BENCH_NICE=N (servers and load tool under `nice -n N`); for many groups, BENCH_CONNECTIONS
+#   (1) HTTP/2 connections the load tool spreads its calls over and BENCH_BATCH_INTERVAL (1ms)
+#   how often it sends each group's telemetry batch (ingest coalesces every 2 ms).
 #
 # Before/after in one run: BENCH_A=DIR BENCH_B=DIR, each a directory holding br-all,
 # br-snapshot and br-decision (a baseline's release binaries copied aside, and the candidate's
@@ -31,7 +33,8 @@
 # and after; assign-load's answered calls, errors and added latency p50/p99/p99.9 (client
 # latency minus the answer's pool_wait_us); the CPU seconds (utime + stime from /proc/PID/stat)
 # and context switches (voluntary + involuntary, every thread) of every server process during
-# the load, per call sent; the events the load tool sent; the load tool's own CPU. Then the
+# the load, per call sent; their resident memory at its end; the events the load tool sent;
+# the load tool's own CPU. Then the
 # summary: per set-up the median over rounds, and the ratios to the floor. Its last line reads
 #   cost ratio: br-all CPU X.XXx p99 X.XXx, split CPU X.XXx p99 X.XXx
 # (the `load` phase's CPU per call and added p99, each over the floor's) for a script to read.
@@ -44,6 +47,8 @@ RATE="${BENCH_RATE:-5000}"
 EVENTS="${BENCH_EVENTS:-100000}"
 NGROUPS="${BENCH_GROUPS:-1}"
 WORKERS="${BENCH_WORKERS:-8}"
+CONNECTIONS="${BENCH_CONNECTIONS:-1}"
+BATCH_INTERVAL="${BENCH_BATCH_INTERVAL:-1ms}"
 DURATION="${BENCH_DURATION:-10s}"
 ROUNDS="${BENCH_ROUNDS:-2}"
 PROFILE="${BENCH_PROFILE:-release}"
@@ -72,7 +77,7 @@ GROUP_LIST=$GROUP
 mkdir -p "$OUT"
 OUT_LOGS="$OUT"
 SUMMARY="$OUT/summary.tsv"
-printf 'setup\tside\tphase\tround\tload_before\tload_after\tp50_us\tp99_us\tp999_us\tanswered\terrors\tcalls_sent\tevents_sent\tcpu_s\tcpu_us_per_call\tcsw_per_call\tgenerator_cpu_s\n' >"$SUMMARY"
+printf 'setup\tside\tphase\tround\tload_before\tload_after\tp50_us\tp99_us\tp999_us\tanswered\tskipped\terrors\tcalls_sent\tevents_sent\tcpu_s\tcpu_us_per_call\tcsw_per_call\tgenerator_cpu_s\trss_mib\n' >"$SUMMARY"
 # shellcheck source=scripts/lib/stack.sh
 source "$ROOT/scripts/lib/stack.sh"
 
@@ -87,12 +92,14 @@ ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # Context switches (voluntary + involuntary) of every thread of process $1.
 switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ {n += $2} END {print n + 0}'; }
 load1() { cut -d' ' -f1 /proc/loadavg; }
+# Resident memory of process $1 in KiB.
+rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 
 CPU_MODEL=$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)
 COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 git -C "$ROOT" diff --quiet HEAD 2>/dev/null || COMMIT="$COMMIT (with uncommitted changes)"
 echo "bench-cost: $(date -u +%Y-%m-%dT%H:%MZ), commit $COMMIT, $CPU_MODEL ($(nproc) CPUs), $(uptime | sed 's/.*load average/load average/')"
-echo "offered: $RATE Assign/s over $NGROUPS group(s) of $WORKERS workers, $EVENTS progress events/s (load phase), $DURATION per phase, $ROUNDS round(s), $PROFILE build"
+echo "offered: $RATE Assign/s over $NGROUPS group(s) of $WORKERS workers on $CONNECTIONS connection(s), $EVENTS progress events/s (load phase) in $BATCH_INTERVAL batches, $DURATION per phase, $ROUNDS round(s), $PROFILE build"
 
 # run SETUP SIDE PHASE ROUND DECISION_URL SNAPSHOT_URL NAME=PID...: one assign-load run
 # against running servers, with the CPU and context switches each named server spent during it.
@@ -110,10 +117,11 @@ run() {
     echo "--- $setup $side $phase (round $round): $(uptime | sed 's/.*load average/load average/')"
     report=$("${NICE[@]}" "$BIN/assign-load" --decision-addr "$decision" --snapshot-addr "$snapshot" \
         --group "$GROUP" --groups "$NGROUPS" --rate "$RATE" --duration "$DURATION" --warmup 2s \
-        --workers "$WORKERS" --capacity 512 --progress-events "$events" --hold 300ms)
+        --workers "$WORKERS" --capacity 512 --progress-events "$events" --hold 300ms \
+        --connections "$CONNECTIONS" --batch-interval "$BATCH_INTERVAL")
     echo "$report"
     la=$(load1)
-    local cpu="" ticks_total=0 csw_total=0
+    local cpu="" ticks_total=0 csw_total=0 rss_total=0
     for i in "${!procs[@]}"; do
         p=${procs[$i]}
         local secs now_ticks now_csw
@@ -122,16 +130,18 @@ run() {
         secs=$(awk -v a="${before[$i]}" -v b="$now_ticks" -v t="$TCK" 'BEGIN{printf "%.2f", (b - a) / t}')
         cpu="$cpu${cpu:+ }${p%%=*} ${secs}s"
         ticks_total=$((ticks_total + now_ticks - before[i]))
+        rss_total=$((rss_total + $(rss_kib "${p#*=}")))
         csw_total=$((csw_total + now_csw - csw_before[i]))
     done
     echo "--- $setup $side $phase done: $(uptime | sed 's/.*load average/load average/'); CPU during the load: $cpu; context switches: $csw_total"
-    local line p50 p99 p999 n errors sent ev gen
+    local line p50 p99 p999 n skipped errors sent ev gen
     line=$(echo "$report" | grep '^added latency') || line=""
     p50=$(echo "$line" | sed -n 's/.* p50 \([0-9]*\) µs.*/\1/p')
     p99=$(echo "$line" | sed -n 's/.* p99 \([0-9]*\) µs.*/\1/p')
     p999=$(echo "$line" | sed -n 's/.* p99.9 \([0-9]*\) µs.*/\1/p')
     n=$(echo "$line" | sed -n 's/.*(n = \([0-9]*\)).*/\1/p')
     errors=$(echo "$report" | sed -n 's/^sent .*, errors {\(.*\)}$/\1/p' | tr -d ' ')
+    skipped=$(echo "$report" | sed -n 's/^sent .*, skipped \([0-9]*\) (in-flight limit).*/\1/p')
     # The CPU and switches are read around the whole load, warm-up included, so they are
     # divided by every call sent (assign-load's n counts only the answers after the warm-up).
     sent=$(echo "$report" | sed -n 's/^sent \([0-9]*\) calls in.*/\1/p')
@@ -140,10 +150,10 @@ run() {
     local per_cpu per_csw
     per_cpu=$(awk -v t="$ticks_total" -v hz="$TCK" -v n="${sent:-0}" 'BEGIN{if (n > 0) printf "%.1f", t / hz * 1e6 / n}')
     per_csw=$(awk -v c="$csw_total" -v n="${sent:-0}" 'BEGIN{if (n > 0) printf "%.2f", c / n}')
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$setup" "$side" "$phase" \
-        "$round" "$lb" "$la" "${p50:--}" "${p99:--}" "${p999:--}" "${n:-0}" "${errors:--}" "${sent:-0}" \
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$setup" "$side" "$phase" \
+        "$round" "$lb" "$la" "${p50:--}" "${p99:--}" "${p999:--}" "${n:-0}" "${skipped:-0}" "${errors:--}" "${sent:-0}" \
         "${ev:-0}" "$(awk -v t="$ticks_total" -v hz="$TCK" 'BEGIN{printf "%.2f", t / hz}')" \
-        "${per_cpu:--}" "${per_csw:--}" "${gen:--}" >>"$SUMMARY"
+        "${per_cpu:--}" "${per_csw:--}" "${gen:--}" "$((rss_total / 1024))" >>"$SUMMARY"
 }
 
 stop_all() {

@@ -12,6 +12,10 @@
 #                                                              (ARGS go to telemetry-latency, e.g.
 #                                                              --probe-via-reporter --flush-interval 2ms)
 #   scripts/bench-latency-targets.sh telemetry-all [ARGS]              the same through one br-all
+#   scripts/bench-latency-targets.sh telemetry-floor [ARGS]            the same load against floor-server
+#                                                              (tools/bench), each probe timed to its
+#                                                              ack: the transport alone, the floor the
+#                                                              two above are read against
 #   scripts/bench-latency-targets.sh groups                            64 groups × 8 ranks, 10k Assign/s, RSS
 #   scripts/bench-latency-targets.sh split-ab DIR_A DIR_B [ROUNDS]     the split deployment over 64 groups,
 #                                                              br-snapshot + br-decision from DIR_A and
@@ -23,7 +27,7 @@
 #                                                              (SPLIT_RATE, default 2000/s; SPLIT_EVENTS,
 #                                                              default 20000/s; SPLIT_DURATION 10s)
 #
-# Output on stdout; the servers' logs in target/bench-latency-targets/. Ports 51061-51063, 9161-9163
+# Output on stdout; the servers' logs in target/bench-latency-targets/. Ports 51060-51064, 9160-9164
 # (below the ephemeral range). Each run kills only the processes it started.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -129,6 +133,15 @@ telemetry-all)
     telemetry_latency 51060 51060 9160 "${@:2}"
     echo "   load average after: $(load)"
     kill "$ap"; wait "$ap" 2>/dev/null
+    ;;
+telemetry-floor)
+    "$BIN/floor-server" --listen 127.0.0.1:51064 --admin-listen 127.0.0.1:9164 \
+        >"$LOGS/floor.log" 2>&1 & fp=$!
+    up 9164
+    echo "== telemetry-latency against the floor, load average $(load)"
+    telemetry_latency 51064 51064 9164 --floor "${@:2}"
+    echo "   load average after: $(load)"
+    kill "$fp"; wait "$fp" 2>/dev/null
     ;;
 groups)
     # 64 groups × 8 ranks (the scale target), release binaries, in four parts:

@@ -46,6 +46,11 @@ def main(path):
     for r in silent:
         print(f"{r['setup']} {r['side']} {r['phase']} round {r['round']}: no call answered "
               f"(errors: {r['errors']}); see its log", file=sys.stderr)
+    for r in rows:
+        if (num(r.get("skipped")) or 0) > 0:
+            print(f"note: {r['setup']} {r['side']} {r['phase']} round {r['round']}: the load tool "
+                  f"skipped {r['skipped']} calls at its in-flight limit (the set-up did not keep "
+                  f"up with the offered rate)", file=sys.stderr)
     failing = [r for r in rows if r["errors"] not in ("", "-")]
     for r in failing:
         print(f"note: {r['setup']} {r['side']} {r['phase']} round {r['round']} had errors: "
@@ -70,7 +75,7 @@ def main(path):
             ec = num(c["events_sent"]) / max(num(c["calls_sent"]) or 1, 1)
             if None not in (cl, cc) and el > ec:
                 per_event.append((cl - cc) / (el - ec))
-        col = lambda rows_, key: median(num(r[key]) for r in rows_.values())  # noqa: E731
+        col = lambda rows_, key: median(num(r.get(key)) for r in rows_.values())  # noqa: E731
         return {
             "assign_cpu": col(calls, "cpu_us_per_call") if calls else None,
             "event_cpu": median(per_event),
@@ -80,13 +85,14 @@ def main(path):
             "p99": col(load, "p99_us") if load else None,
             "p999": col(load, "p999_us") if load else None,
             "gen": col(load, "generator_cpu_s") if load else None,
+            "rss": col(load, "rss_mib") if load else None,
             "rounds": len(load),
         }
 
     print("median over rounds; CPU and context switches are of every server process, per call "
           "sent; latency is the load phase's added latency")
     header = ["set-up", "side", "CPU µs/Assign (calls)", "CPU µs/event", "CPU µs/call (load)",
-              "csw/call", "added p50 µs", "p99 µs", "p99.9 µs", "load-tool CPU s",
+              "csw/call", "added p50 µs", "p99 µs", "p99.9 µs", "RSS MiB", "load-tool CPU s",
               "CPU ratio", "p99 ratio"]
     table = [header]
     ratio_lines = []
@@ -107,7 +113,7 @@ def main(path):
             table.append([setup, "-" if setup == "floor" else side, fmt(m["assign_cpu"]),
                           fmt(m["event_cpu"], ".2f"), fmt(m["cpu"]), fmt(m["csw"], ".2f"),
                           fmt(m["p50"], ".0f"), fmt(m["p99"], ".0f"), fmt(m["p999"], ".0f"),
-                          fmt(m["gen"], ".2f"), fmt(cpu_ratio, ".2f"), fmt(p99_ratio, ".2f")])
+                          fmt(m["rss"], ".0f"), fmt(m["gen"], ".2f"), fmt(cpu_ratio, ".2f"), fmt(p99_ratio, ".2f")])
             if setup in TARGETS:
                 parts.append(f"{setup} CPU {fmt(cpu_ratio, '.2f')}x p99 {fmt(p99_ratio, '.2f')}x")
         if parts:

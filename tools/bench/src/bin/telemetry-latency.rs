@@ -27,6 +27,12 @@
 //!   task has applied a delta) is polled on its admin port while a probe is in flight; the
 //!   first poll answered with a version ≥ V ends the probe. That is an upper bound, late by
 //!   at most one poll (the poll's round trip is reported beside it).
+//!
+//! The floor: with `--floor`, `--ingest-addr` is a `floor-server` (tools/bench), which decodes
+//! each report, drops it and acknowledges it. The same load runs, and a probe ends when its
+//! message's `ReportAck` comes back: one hop there and one back through the same gRPC server,
+//! with no work behind it. `report → decision` over that floor, measured in the same run, is
+//! what the telemetry path costs beyond the transport.
 
 #[path = "common/latency.rs"]
 mod latency;
@@ -91,6 +97,10 @@ struct Opts {
     /// The probe reporter's flush interval (with --probe-via-reporter).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5ms")]
     flush_interval: Duration,
+    /// `--ingest-addr` is a floor-server: time each probe to its acknowledgement (no Watch,
+    /// no decision poll).
+    #[arg(long, conflicts_with = "probe_via_reporter")]
+    floor: bool,
 }
 
 /// One probe's times.
@@ -104,6 +114,8 @@ struct Probe {
     /// trip.
     at_decision: Option<Instant>,
     poll_rtt: Option<Duration>,
+    /// With --floor: when the floor's ack of the probe's message came back.
+    at_ack: Option<Instant>,
 }
 
 type Probes = Arc<Mutex<BTreeMap<u32, Probe>>>;
@@ -118,6 +130,9 @@ async fn main() -> anyhow::Result<()> {
     let stop = CancellationToken::new();
     let probes: Probes = Arc::default();
     let pending = Arc::new(Notify::new());
+    if o.floor {
+        return floor(&o, probes, stop).await;
+    }
 
     // This tool's own σ replica: which version carried each probe.
     let (watch, mut updates) = Watcher::connect_lazy(&o.snapshot_addr, WatchConfig::new(&o.group))
@@ -304,6 +319,61 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--floor`: the load shims and the probe against a floor-server; each probe ends at its ack.
+async fn floor(o: &Opts, probes: Probes, stop: CancellationToken) -> anyhow::Result<()> {
+    let mut load = Vec::new();
+    for w in 0..o.streams {
+        load.push(tokio::spawn(shim(
+            o.ingest_addr.clone(),
+            o.group.clone(),
+            w,
+            o.requests.max(1),
+            o.updates_per_message.max(1),
+            o.messages_per_sec_per_stream,
+            None,
+            stop.clone(),
+        )));
+    }
+    let probe = tokio::spawn(shim(
+        o.ingest_addr.clone(),
+        o.group.clone(),
+        o.streams,
+        1,
+        1,
+        o.probes_per_sec,
+        Some(("probe".into(), Arc::clone(&probes), Arc::new(Notify::new()))),
+        stop.clone(),
+    ));
+    let started = Instant::now();
+    tokio::time::sleep(o.warmup + o.duration).await;
+    // Let the last acks arrive.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    for t in load {
+        t.await??;
+    }
+    probe.await??;
+    let counted_from = started + o.warmup;
+    let mut to_ack = latency_histogram()?;
+    let (mut sent, mut lost) = (0u64, 0u64);
+    for p in probes.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        let Some(t0) = p.sent.filter(|t| *t >= counted_from) else {
+            continue;
+        };
+        sent += 1;
+        match p.at_ack {
+            Some(a) => to_ack.saturating_record(us(a.saturating_duration_since(t0))),
+            None => lost += 1,
+        }
+    }
+    println!(
+        "floor: {} load shims × {} updates × {}/s; {sent} probes counted after a {:?} warm-up, {lost} not acknowledged",
+        o.streams, o.updates_per_message, o.messages_per_sec_per_stream, o.warmup
+    );
+    report("report → floor's ack (one hop there, one back)", &to_ack);
+    Ok(())
+}
+
 /// One shim's `Telemetry.Report` stream: Hello, then paced Progress messages. The probe shim
 /// reports one request whose generated tokens count up, and stamps each message.
 #[allow(clippy::too_many_arguments)]
@@ -336,7 +406,21 @@ async fn shim(
     })
     .await?;
     let mut acks = client.report(ReceiverStream::new(rx)).await?.into_inner();
-    tokio::spawn(async move { while let Ok(Some(_)) = acks.message().await {} });
+    // The probe's acks are timed (what --floor reads; against ingest they say when ingest
+    // took the message, not when σ did).
+    let timed = probe.as_ref().map(|(_, probes, _)| Arc::clone(probes));
+    tokio::spawn(async move {
+        while let Ok(Some(ack)) = acks.message().await {
+            let Some(probes) = &timed else { continue };
+            let now = Instant::now();
+            let mut map = probes.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = map.get_mut(&u32::try_from(ack.seq).unwrap_or(u32::MAX))
+                && p.at_ack.is_none()
+            {
+                p.at_ack = Some(now);
+            }
+        }
+    });
     let ids: Vec<String> = (0..requests).map(|i| format!("w{worker}-r{i}")).collect();
     let mut generated = vec![0u32; ids.len()];
     let period = Duration::from_secs_f64(1.0 / rate);
