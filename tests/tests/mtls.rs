@@ -315,3 +315,77 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
     drop(keep);
     drop((snapshot, ingest, decision));
 }
+
+/// Every client dials an `https://` address under mutual TLS as it dials `http://` (the TLS
+/// comes from the certificate, not the scheme): ingest's and decision's links to the snapshot
+/// service, a shim's reporter and a gateway's Assign client. Without a certificate the Assign
+/// client refuses such an address at once, saying what is missing, instead of failing on
+/// every call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_client_dials_an_https_address_under_tls() {
+    let pki = Pki::new();
+    let flags = |role| pki.flags(role);
+    let https = |url: String| url.replacen("http://", "https://", 1);
+
+    let snapshot = Service::start("br-snapshot", &arg(&flags(Role::Snapshot)));
+    let snap_url = https(snapshot.grpc_url());
+    let ingest_flags = [
+        flags(Role::Ingest),
+        vec!["--snapshot-addr".into(), snap_url.clone()],
+    ]
+    .concat();
+    let ingest = Service::start("br-ingest", &arg(&ingest_flags));
+    let decision_flags = [
+        flags(Role::Decision),
+        vec![
+            "--snapshot-addr".into(),
+            snap_url,
+            "--policy".into(),
+            "jsq".into(),
+            "--groups".into(),
+            GROUP.into(),
+        ],
+    ]
+    .concat();
+    let decision = Service::start("br-decision", &arg(&decision_flags));
+
+    let mut config =
+        br_client::reporter::ReporterConfig::new(https(ingest.grpc_url()), GROUP, 1, 8);
+    config.endpoint = "http://127.0.0.1:18001".into();
+    config.tls = Some(TlsMaterial::load(pki.worker(1), TD).unwrap());
+    let reporter = br_client::reporter::Reporter::spawn(config).unwrap();
+
+    let gateway = TlsMaterial::load(pki.role(Role::Gateway), TD).unwrap();
+    let client = br_client::assign::AssignClient::connect_lazy_many(
+        [https(decision.grpc_url())],
+        Some(&gateway),
+    )
+    .unwrap();
+    let answer = eventually_some(
+        START,
+        "Assign over https:// is answered on worker 1",
+        || {
+            let client = client.clone();
+            async move {
+                let params = br_client::assign::AssignParams::new(GROUP, "https-r1", 100);
+                client
+                    .assign_within(&params, Duration::from_secs(5))
+                    .await
+                    .ok()
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        answer.worker_id, 1,
+        "the only worker, reported over https://"
+    );
+    assert!(reporter.is_connected());
+
+    let refused =
+        br_client::assign::AssignClient::connect_lazy_many([https(decision.grpc_url())], None)
+            .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused}");
+    assert!(refused.to_string().contains("--tls-cert"), "{refused}");
+    reporter.shutdown().await;
+}

@@ -12,7 +12,7 @@ use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// `Snapshot.Reserve` and `Snapshot.Release`, as the group task needs them.
 pub trait SnapshotOps: Send + Sync + 'static {
@@ -31,8 +31,8 @@ pub trait SnapshotOps: Send + Sync + 'static {
 pub fn snapshot_channel(
     addr: &str,
     tls: Option<&std::sync::Arc<br_trust::TlsMaterial>>,
-) -> Result<Channel, tonic::transport::Error> {
-    let endpoint = Endpoint::from_shared(addr.to_owned())?
+) -> Result<Channel, br_trust::address::EndpointError> {
+    let endpoint = br_trust::address::endpoint(addr, tls.is_some())?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(1))
         .http2_keep_alive_interval(Duration::from_secs(5))
@@ -451,7 +451,9 @@ mod tests {
     }
 
     fn lazy(url: String) -> Channel {
-        Endpoint::from_shared(url).unwrap().connect_lazy()
+        tonic::transport::Endpoint::from_shared(url)
+            .unwrap()
+            .connect_lazy()
     }
 
     /// Against the real snapshot service, every group's Reserve goes over the one stream and

@@ -142,8 +142,8 @@ impl GrpcApply {
     pub fn new(
         snapshot_addr: &str,
         tls: Option<Arc<br_trust::TlsMaterial>>,
-    ) -> Result<GrpcApply, tonic::transport::Error> {
-        let endpoint = tonic::transport::Endpoint::from_shared(snapshot_addr.to_owned())?
+    ) -> Result<GrpcApply, br_trust::address::EndpointError> {
+        let endpoint = br_trust::address::endpoint(snapshot_addr, tls.is_some())?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             // the same keepalive as the servers' defaults: a half-open link to the snapshot

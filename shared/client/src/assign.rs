@@ -122,7 +122,7 @@ impl AssignClient {
     /// Connects to `addr` (e.g. `http://127.0.0.1:50063`); fails if it cannot connect now.
     pub async fn connect(addr: impl Into<String>) -> Result<Self, AssignError> {
         let addr = addr.into();
-        let ep = endpoint(&addr, &ClientOptions::default())?;
+        let ep = endpoint(&addr, &ClientOptions::default(), false)?;
         let channel = ep.connect().await.map_err(|e| AssignError::Unavailable {
             message: format!("connecting to {addr}: {e}"),
             attempts: 1,
@@ -172,6 +172,14 @@ impl AssignClient {
         for addr in addrs {
             let addr: String = addr.into();
             let addr = addr.trim().to_owned();
+            // The scheme is checked here for every address, names resolved later included:
+            // `https://` needs a certificate (the TLS is made from it, not from the scheme).
+            br_trust::address::dial_address(&addr, tls.is_some()).map_err(|e| {
+                AssignError::BadAddress {
+                    addr: addr.clone(),
+                    detail: e.to_string(),
+                }
+            })?;
             let uri: Uri = addr
                 .parse()
                 .map_err(

@@ -269,8 +269,8 @@ impl Reporter {
         let endpoints = addrs
             .iter()
             .map(|a| {
-                Ok(tonic::transport::Endpoint::from_shared((*a).to_owned())
-                    .map_err(|e| ReporterError::Config(format!("ingest_addr {a:?}: {e}")))?
+                Ok(br_trust::address::endpoint(a, config.tls.is_some())
+                    .map_err(|e| ReporterError::Config(format!("ingest_addr: {e}")))?
                     .connect_timeout(tuning.connect_timeout)
                     .tcp_nodelay(true)
                     // the same keepalive as the servers' defaults: a half-open connection is

@@ -33,7 +33,7 @@
 //! σ: it is stale, not wrong, and the decision service keeps answering from it.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), tonic::transport::Error> {
+//! # async fn demo() -> Result<(), br_trust::address::EndpointError> {
 //! use br_sigma::Sigma;
 //! use br_client::watch::{Update, WatchConfig, Watcher};
 //! let (handle, mut updates) = Watcher::connect_lazy("http://127.0.0.1:50061", WatchConfig::new("g0"))?;
@@ -64,7 +64,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt as _};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use br_sigma::{Delta, Sigma};
 
@@ -283,13 +283,14 @@ impl Watcher {
         )
     }
 
-    /// [`spawn`](Self::spawn) on a lazily connected channel to `url` (e.g.
-    /// `http://127.0.0.1:50061`).
+    /// [`spawn`](Self::spawn) on a lazily connected plaintext channel to `url` (e.g.
+    /// `http://127.0.0.1:50061`; `https://` is refused with advice: over mutual TLS, make the
+    /// channel with [`br_trust::tls::connect_lazy`] and call `spawn`).
     pub fn connect_lazy(
         url: &str,
         config: WatchConfig,
-    ) -> Result<(WatchHandle, mpsc::Receiver<Update>), tonic::transport::Error> {
-        let channel = Endpoint::from_shared(url.to_owned())?
+    ) -> Result<(WatchHandle, mpsc::Receiver<Update>), br_trust::address::EndpointError> {
+        let channel = br_trust::address::endpoint(url, false)?
             .tcp_nodelay(true)
             .connect_lazy();
         Ok(Watcher::spawn(channel, config))

@@ -4,7 +4,9 @@
 //! be handed `http://`: its own connector refuses `https://` when it is built without its TLS
 //! feature ("Connecting to HTTPS without TLS enabled"), which told an operator nothing. Users
 //! write either; [`dial_address`] turns `https://` into what tonic needs when a certificate is
-//! given, and refuses it with advice when none is.
+//! given, and refuses it with advice when none is. [`endpoint`] does that and parses the result:
+//! what every client of the services dials with (the shim's reporter, the Assign client,
+//! decision's and ingest's links to the snapshot service, brctl, the watcher).
 
 /// An address a client cannot dial as written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -39,6 +41,30 @@ pub fn dial_address(addr: &str, tls: bool) -> Result<String, AddressError> {
     }
 }
 
+/// An address a client cannot make an endpoint of.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    /// The scheme is wrong, or `https://` came without a certificate.
+    #[error(transparent)]
+    Address(#[from] AddressError),
+    /// Not a URI tonic can dial.
+    #[error("{addr:?} is not a URL: {source}")]
+    Uri {
+        addr: String,
+        source: tonic::transport::Error,
+    },
+}
+
+/// The tonic endpoint for `addr` as the user wrote it, `http://` or `https://` ([`dial_address`];
+/// `tls`: the connection's TLS comes from a certificate, see [`crate::tls::connect_lazy`]).
+pub fn endpoint(addr: &str, tls: bool) -> Result<tonic::transport::Endpoint, EndpointError> {
+    let url = dial_address(addr, tls)?;
+    tonic::transport::Endpoint::from_shared(url).map_err(|source| EndpointError::Uri {
+        addr: addr.to_owned(),
+        source,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,6 +89,23 @@ mod tests {
                 Ok("127.0.0.1:50060")
             );
         }
+    }
+
+    #[test]
+    fn an_endpoint_is_made_of_either_scheme_under_tls_and_refused_with_advice_otherwise() {
+        let e = endpoint("https://snapshot:50061", true).expect("https under TLS");
+        assert_eq!(e.uri().to_string(), "http://snapshot:50061/");
+        let e = endpoint("http://snapshot:50061", true).expect("http under TLS");
+        assert_eq!(e.uri().to_string(), "http://snapshot:50061/");
+        let e = endpoint("https://snapshot:50061", false).unwrap_err();
+        assert!(matches!(
+            e,
+            EndpointError::Address(AddressError::HttpsWithoutTls { .. })
+        ));
+        assert!(e.to_string().contains("--tls-cert"), "{e}");
+        let e = endpoint("http://snap shot:50061", false).unwrap_err();
+        assert!(matches!(e, EndpointError::Uri { .. }), "{e}");
+        assert!(e.to_string().contains("snap shot"), "{e}");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
 use br_trust::{Role, TlsArgs, TlsMaterial};
 use clap::{Parser, Subcommand, ValueEnum};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// Exit code of `brctl drain` when the rank still holds requests at `--timeout` (its cordon
 /// stays). 1 is any other failure, 2 a usage error.
@@ -137,10 +137,8 @@ impl Ctl {
         tls: Option<&Arc<TlsMaterial>>,
         timeout: Duration,
     ) -> anyhow::Result<Ctl> {
-        let url =
-            br_trust::address::dial_address(addr, tls.is_some()).context("--snapshot-addr")?;
-        let endpoint = Endpoint::from_shared(url)
-            .with_context(|| format!("--snapshot-addr {addr:?} is not a URL"))?
+        let endpoint = br_trust::address::endpoint(addr, tls.is_some())
+            .context("--snapshot-addr")?
             .connect_timeout(timeout);
         let channel = br_trust::tls::connect_lazy(endpoint, tls, Some(Role::Snapshot));
         Ok(Ctl {

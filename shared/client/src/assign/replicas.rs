@@ -232,10 +232,15 @@ impl Replicas {
 }
 
 /// The endpoint for one replica address, with the failover-minded connection settings.
-pub(super) fn endpoint(addr: &str, o: &ClientOptions) -> Result<Endpoint, AssignError> {
-    let ep = Endpoint::from_shared(addr.to_owned()).map_err(|e| AssignError::BadAddress {
+/// `https://` is dialled as `http://` when `tls` makes the connection's TLS, and refused with
+/// advice when it does not (see [`br_trust::address`]).
+pub(super) fn endpoint(addr: &str, o: &ClientOptions, tls: bool) -> Result<Endpoint, AssignError> {
+    let ep = br_trust::address::endpoint(addr, tls).map_err(|e| AssignError::BadAddress {
         addr: addr.to_owned(),
-        detail: e.to_string(),
+        detail: match e {
+            br_trust::address::EndpointError::Uri { source, .. } => source.to_string(),
+            e => e.to_string(),
+        },
     })?;
     Ok(ep
         .tcp_nodelay(true)
@@ -252,7 +257,7 @@ pub(super) fn channel(
     o: &ClientOptions,
     tls: Option<&Arc<br_trust::TlsMaterial>>,
 ) -> Result<Channel, AssignError> {
-    let ep = endpoint(addr, o)?;
+    let ep = endpoint(addr, o, tls.is_some())?;
     Ok(br_trust::tls::connect_lazy(
         ep,
         tls,
