@@ -20,6 +20,10 @@
 //!   outputs about 13 requests finish per 30 ms step, so a 1 ms tick sees one every other
 //!   tick; this is the cache's steady state in a live group.
 //!
+//! The last line is BR-H's (`brh`, ExactMatch) p99 over BR-0's at G = 64 with 4,096 waiting,
+//! from this run's rows: `cached+learn` over `br0 step+finish`, `cached` over `br0` (the same
+//! σ and pool for both policies: the scenarios' seeds are the rows').
+//!
 //! The predictors are warmed with 20,000 finished requests whose prompts span the scenarios'
 //! (700..8,000 tokens: four prompt-length octaves) and whose hashes are the scenarios' 5,000.
 //! Each row is 40 scenarios × 50 ticks. The first tick of each scenario (which fills a cached
@@ -43,6 +47,8 @@ enum Form {
     PaperStage2,
     /// BR-0 with the request term.
     RequestTerm,
+    /// BR-0 with `CachedLearn`'s tokens and finishes between ticks.
+    StepFinish,
     Uncached,
     CachedStep,
     CachedLearn,
@@ -74,6 +80,8 @@ fn main() {
         "admitted"
     );
     // the paper's Stage 2, the previous default
+    // p99 (µs) of the rows the ratio line is made of, by name, at G = 64 with 4,096 waiting
+    let mut at64: Vec<(String, f64)> = Vec::new();
     let mut paper = PolicyConfig::new(PolicyKind::Br0);
     paper.dispatcher.stage2_window = Stage2Window::Oldest;
     paper.dispatcher.stage2_fill = Stage2Fill::Max;
@@ -82,6 +90,7 @@ fn main() {
             (PolicyKind::Br0, Form::Policy),
             (PolicyKind::Br0, Form::PaperStage2),
             (PolicyKind::Br0, Form::RequestTerm),
+            (PolicyKind::Br0, Form::StepFinish),
         ];
         let brh = [
             PredictorKind::Survival,
@@ -102,6 +111,7 @@ fn main() {
             let name = match (kind, form) {
                 (_, Form::PaperStage2) => format!("{}-paper-s2", kind.name()),
                 (_, Form::RequestTerm) => format!("{}-request-term", kind.name()),
+                (_, Form::StepFinish) => format!("{} step+finish", kind.name()),
                 (PolicyKind::Br0, _) => kind.name().to_owned(),
                 (_, Form::Uncached) => format!("{} uncached", kind.name()),
                 (_, Form::Policy) => format!("{} cached", kind.name()),
@@ -148,10 +158,13 @@ fn main() {
                 }
                 let mut out = Vec::with_capacity(1024);
                 for round in 0..50u64 {
-                    if matches!(form, Form::CachedStep | Form::CachedLearn) {
+                    if matches!(
+                        form,
+                        Form::CachedStep | Form::CachedLearn | Form::StepFinish
+                    ) {
                         step_some(&mut state, round);
                     }
-                    if form == Form::CachedLearn {
+                    if matches!(form, Form::CachedLearn | Form::StepFinish) {
                         finish_one(&mut state, policy.as_mut(), round);
                     }
                     let mut p = pool.clone();
@@ -178,6 +191,9 @@ fn main() {
             }
             let us = |ns: u64| ns as f64 / 1e3;
             let q = |p: f64| us(samples.value_at_quantile(p));
+            if (workers, waiting) == (64, 4096) {
+                at64.push((name.clone(), q(0.99)));
+            }
 
             println!(
                 "{:<26} {:>4} {:>8} {:>9.1} {:>9.1} {:>12.1} {:>9.1} {:>12.1} {:>9}",
@@ -193,6 +209,16 @@ fn main() {
             );
         }
     }
+    let p99 = |name: &str| at64.iter().find(|(n, _)| n == name).map(|r| r.1);
+    let ratio = |brh: &str, br0: &str| match (p99(brh), p99(br0)) {
+        (Some(h), Some(z)) => format!("{:.2}x", h / z),
+        _ => "-".to_owned(),
+    };
+    println!(
+        "brh/br0 tick p99 ratio at G = 64: {} (cached+learn), {} (cached)",
+        ratio("brh cached+learn", "br0 step+finish"),
+        ratio("brh cached", "br0")
+    );
 }
 
 /// One in 30 running requests (a different thirtieth each round) generates a token.
