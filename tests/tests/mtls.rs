@@ -154,6 +154,44 @@ fn assign_req(id: &str) -> v1::AssignRequest {
     }
 }
 
+/// br-snapshot (with `snapshot_extra` flags), br-ingest and br-decision (policy jsq, group
+/// GROUP), each with its own role's certificate; ingest and decision dial the snapshot service
+/// at `dial(its URL)`.
+fn control_plane(
+    pki: &Pki,
+    snapshot_extra: &[&str],
+    dial: impl Fn(String) -> String,
+) -> (Service, Service, Service) {
+    let flags = |role| pki.flags(role);
+    let snap_flags = [
+        flags(Role::Snapshot),
+        snapshot_extra.iter().map(|f| (*f).to_owned()).collect(),
+    ]
+    .concat();
+    let snapshot = Service::start("br-snapshot", &arg(&snap_flags));
+    let snap_url = dial(snapshot.grpc_url());
+    let ingest_flags = [
+        flags(Role::Ingest),
+        vec!["--snapshot-addr".into(), snap_url.clone()],
+    ]
+    .concat();
+    let ingest = Service::start("br-ingest", &arg(&ingest_flags));
+    let decision_flags = [
+        flags(Role::Decision),
+        vec![
+            "--snapshot-addr".into(),
+            snap_url,
+            "--policy".into(),
+            "jsq".into(),
+            "--groups".into(),
+            GROUP.into(),
+        ],
+    ]
+    .concat();
+    let decision = Service::start("br-decision", &arg(&decision_flags));
+    (snapshot, ingest, decision)
+}
+
 fn arg(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -166,34 +204,8 @@ fn denied<T: std::fmt::Debug>(r: Result<T, tonic::Status>, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
     let pki = Pki::new();
-    let flags = |role| pki.flags(role);
-
-    let snap_flags = [
-        flags(Role::Snapshot),
-        vec!["--worker-grace".into(), "30s".into()],
-    ]
-    .concat();
-    let snapshot = Service::start("br-snapshot", &arg(&snap_flags));
+    let (snapshot, ingest, decision) = control_plane(&pki, &["--worker-grace", "30s"], |u| u);
     let snap_url = snapshot.grpc_url();
-    let ingest_flags = [
-        flags(Role::Ingest),
-        vec!["--snapshot-addr".into(), snap_url.clone()],
-    ]
-    .concat();
-    let ingest = Service::start("br-ingest", &arg(&ingest_flags));
-    let decision_flags = [
-        flags(Role::Decision),
-        vec![
-            "--snapshot-addr".into(),
-            snap_url.clone(),
-            "--policy".into(),
-            "jsq".into(),
-            "--groups".into(),
-            GROUP.into(),
-        ],
-    ]
-    .concat();
-    let decision = Service::start("br-decision", &arg(&decision_flags));
 
     let admin_snap = channel(&snap_url, pki.role(Role::Admin), Some(Role::Snapshot)).await;
     let gateway = channel(
@@ -324,30 +336,8 @@ async fn every_call_is_authenticated_and_each_role_does_only_its_job() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_client_dials_an_https_address_under_tls() {
     let pki = Pki::new();
-    let flags = |role| pki.flags(role);
     let https = |url: String| url.replacen("http://", "https://", 1);
-
-    let snapshot = Service::start("br-snapshot", &arg(&flags(Role::Snapshot)));
-    let snap_url = https(snapshot.grpc_url());
-    let ingest_flags = [
-        flags(Role::Ingest),
-        vec!["--snapshot-addr".into(), snap_url.clone()],
-    ]
-    .concat();
-    let ingest = Service::start("br-ingest", &arg(&ingest_flags));
-    let decision_flags = [
-        flags(Role::Decision),
-        vec![
-            "--snapshot-addr".into(),
-            snap_url,
-            "--policy".into(),
-            "jsq".into(),
-            "--groups".into(),
-            GROUP.into(),
-        ],
-    ]
-    .concat();
-    let decision = Service::start("br-decision", &arg(&decision_flags));
+    let (_snapshot, ingest, decision) = control_plane(&pki, &[], https);
 
     let mut config =
         br_client::reporter::ReporterConfig::new(https(ingest.grpc_url()), GROUP, 1, 8);

@@ -231,20 +231,7 @@ async fn main() -> anyhow::Result<()> {
         })
     };
 
-    // Load shims.
-    let mut load = Vec::new();
-    for w in 0..o.streams {
-        load.push(tokio::spawn(shim(
-            o.ingest_addr.clone(),
-            o.group.clone(),
-            w,
-            o.requests.max(1),
-            o.updates_per_message.max(1),
-            o.messages_per_sec_per_stream,
-            None,
-            stop.clone(),
-        )));
-    }
+    let load = load_shims(&o, &stop);
     // Let σ show the workers before probing.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let probe = if o.probe_via_reporter {
@@ -267,15 +254,7 @@ async fn main() -> anyhow::Result<()> {
             stop.clone(),
         ))
     };
-    let started = Instant::now();
-    tokio::time::sleep(o.warmup + o.duration).await;
-    // Let the last probes arrive.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.cancel();
-    for t in load {
-        t.await??;
-    }
-    probe.await??;
+    let started = run(&o, &stop, load, probe).await?;
     let (polls, rtt) = poller.await??;
     watch.stop().await;
     watcher.abort();
@@ -319,21 +298,48 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The load shims (workers 0..`--streams`), each on its own Report stream until `stop`.
+fn load_shims(o: &Opts, stop: &CancellationToken) -> Vec<Task> {
+    (0..o.streams)
+        .map(|w| {
+            tokio::spawn(shim(
+                o.ingest_addr.clone(),
+                o.group.clone(),
+                w,
+                o.requests.max(1),
+                o.updates_per_message.max(1),
+                o.messages_per_sec_per_stream,
+                None,
+                stop.clone(),
+            ))
+        })
+        .collect()
+}
+
+type Task = tokio::task::JoinHandle<anyhow::Result<()>>;
+
+/// Lets the load and the probe run for the warm-up and the duration (and half a second more,
+/// for the last probes to arrive), then stops them; returns when it started.
+async fn run(
+    o: &Opts,
+    stop: &CancellationToken,
+    load: Vec<Task>,
+    probe: Task,
+) -> anyhow::Result<Instant> {
+    let started = Instant::now();
+    tokio::time::sleep(o.warmup + o.duration).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    for t in load {
+        t.await??;
+    }
+    probe.await??;
+    Ok(started)
+}
+
 /// `--floor`: the load shims and the probe against a floor-server; each probe ends at its ack.
 async fn floor(o: &Opts, probes: Probes, stop: CancellationToken) -> anyhow::Result<()> {
-    let mut load = Vec::new();
-    for w in 0..o.streams {
-        load.push(tokio::spawn(shim(
-            o.ingest_addr.clone(),
-            o.group.clone(),
-            w,
-            o.requests.max(1),
-            o.updates_per_message.max(1),
-            o.messages_per_sec_per_stream,
-            None,
-            stop.clone(),
-        )));
-    }
+    let load = load_shims(o, &stop);
     let probe = tokio::spawn(shim(
         o.ingest_addr.clone(),
         o.group.clone(),
@@ -344,15 +350,7 @@ async fn floor(o: &Opts, probes: Probes, stop: CancellationToken) -> anyhow::Res
         Some(("probe".into(), Arc::clone(&probes), Arc::new(Notify::new()))),
         stop.clone(),
     ));
-    let started = Instant::now();
-    tokio::time::sleep(o.warmup + o.duration).await;
-    // Let the last acks arrive.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.cancel();
-    for t in load {
-        t.await??;
-    }
-    probe.await??;
+    let started = run(o, &stop, load, probe).await?;
     let counted_from = started + o.warmup;
     let mut to_ack = latency_histogram()?;
     let (mut sent, mut lost) = (0u64, 0u64);
