@@ -81,9 +81,18 @@ done
 curl -fsS -o /dev/null "http://127.0.0.1:$VLLM/v1/models"
 # A step through both ranks proves the MoE collectives work before anything is measured.
 for r in 0 1; do
-    curl -fsS -o /dev/null -H "X-data-parallel-rank: $r" -H 'content-type: application/json' \
+    if ! curl -fsS -o /dev/null -H "X-data-parallel-rank: $r" -H 'content-type: application/json' \
         -d '{"model":"tiny","prompt":"rank token step","max_tokens":8,"ignore_eos":true}' \
-        "http://127.0.0.1:$VLLM/v1/completions"
+        "http://127.0.0.1:$VLLM/v1/completions"; then
+        if grep -q 'died unexpectedly' "$OUT/vllm.log"; then
+            echo "vLLM's first step through rank $r killed a worker (seen on an Intel Xeon with AMX, with" \
+                "and without EP, where the AMD EPYC machines serve; docs/benchmarks.md);" \
+                "see $OUT/vllm.log" >&2
+        else
+            echo "vLLM refused a step through rank $r; see $OUT/vllm.log" >&2
+        fi
+        exit 1
+    fi
 done
 
 # One live run: br-all with POLICY and a shim over both ranks, the workload replayed once, saved
