@@ -29,6 +29,11 @@ const ACK_QUEUE: usize = 64;
 /// never for long.
 const FORWARD_TIMEOUT: Duration = Duration::from_millis(100);
 
+/// How late the idle timer may fire before the lateness is taken for a pause of this process
+/// rather than the peer's silence (a loaded process wakes its timers milliseconds late; a
+/// host that stops the VM, seconds).
+const PAUSE_TOLERANCE: Duration = Duration::from_secs(1);
+
 /// How long a stream may stay silent (`--hello-timeout`, `--stream-idle-timeout`).
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
@@ -394,6 +399,15 @@ async fn serve_session(
                 return;
             }
             () = &mut silence, if idle.is_some() => {
+                // Fired well after its deadline: this process was not running when the limit
+                // passed (a host that stopped the VM for seconds, a debugger), and a peer on
+                // the same host was most likely stopped with it. Its silence is not proven:
+                // the window starts again now that this process runs.
+                let late = tokio::time::Instant::now().saturating_duration_since(silence.deadline());
+                if late > PAUSE_TOLERANCE {
+                    tracing::info!(late = ?late, "the stream's idle limit passed while this process was not running; a new window");
+                    continue;
+                }
                 // Ended like a dropped stream: the caller unregisters the worker and tells
                 // the snapshot service it disconnected (its grace and fencing follow).
                 let after = idle.unwrap_or_default();

@@ -74,3 +74,30 @@ async fn a_silent_stream_is_ended_and_its_worker_disconnected() {
     drop((w, again));
     ing.stop().await;
 }
+
+/// A pause of this whole process (a busy host stopped the VM for seconds) is not the peer's
+/// silence: the worker, stopped with it, speaks as soon as both run again, and keeps its
+/// stream. A real silence afterwards still ends it. One thread runs ingest and the worker
+/// here, so blocking it stops both, as the host does.
+#[tokio::test(flavor = "current_thread")]
+async fn a_pause_of_this_process_is_not_the_peers_silence() {
+    let snap = FakeSnapshot::default();
+    let srv = snap.start().await;
+    let ing = TestIngest::start(srv.addr, &["--stream-idle-timeout", "500ms"]).await;
+    ing.connected().await;
+
+    let mut w = ing.worker().await;
+    assert_eq!(status(&w.hello("g0", 5, 42).await), v1::AckStatus::Ok);
+    assert_eq!(w.call(heartbeat(1)).await.seq, 1);
+    // Everything stops for 2 s: the idle limit passes 1.5 s before ingest runs again.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let ack = w.call(heartbeat(2)).await;
+    assert_eq!(ack.seq, 2, "the stream outlived the pause");
+    assert_eq!(timeouts(&ing, "idle").await, 0.0);
+    // Then a silence while ingest runs.
+    let end = w.next().await.expect_err("the silent stream is ended");
+    assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
+    assert_eq!(timeouts(&ing, "idle").await, 1.0);
+    drop(w);
+    ing.stop().await;
+}
