@@ -122,7 +122,8 @@ def main(path):
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    print("targets (ratio to the floor): br-all CPU <= 1.5x, p99 <= 2x; split CPU <= 2x, p99 <= 3x")
+    print("targets (ratio to the floor): " + "; ".join(
+        f"{setup} CPU <= {cpu:g}x, p99 <= {p99:g}x" for setup, (cpu, p99) in TARGETS.items()))
     if not ratio_lines or floor["cpu"] is None:
         print("cost ratio: not measured (needs the floor set-up and the load phase)")
     else:
