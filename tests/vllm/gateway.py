@@ -9,6 +9,7 @@ every byte.
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,16 @@ class Stream:
     def finish(self) -> bytes:
         for c in self._chunks:
             self.raw += c
+        self.close()
+        return self.raw
+
+    def read_until(self, stop: threading.Event) -> bytes:
+        """Reads what arrives until the stream ends or `stop` is set, then goes away (the
+        connection is closed by the thread that reads it)."""
+        for c in self._chunks:
+            self.raw += c
+            if stop.is_set():
+                break
         self.close()
         return self.raw
 

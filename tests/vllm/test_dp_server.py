@@ -23,6 +23,10 @@ RANKS = ["--worker-ids", "0-1", "--dp-rank-header", "X-data-parallel-rank"]
 # server was seen to hand the shim a stream's first events 9-14 s after the engine had started
 # generating, by which time 7,000 tokens were done.
 ABANDONED_TOKENS = 30000
+# Tokens each stream of the quiet-point test asks for: 8 of them take the two ranks 100 s or
+# more, so the pause lands while every one still runs even when the machine stalls for the
+# 10-27 s seen while vLLM runs data parallel on two cores.
+QUIET_POINT_TOKENS = 20000
 
 
 @pytest.fixture(scope="module")
@@ -188,24 +192,36 @@ def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
     """Eight long streams on the two ranks; the engine is paused with its requests kept
     (vLLM's `/pause?mode=keep`), so nothing moves while the two are compared: σ's running
     requests per rank are vLLM's, and σ's KV load per rank is vLLM's KV use within its block
-    rounding. Then the engine resumes and every stream finishes. (While tokens flow the two
-    cannot be compared: the engine runs ahead of what its clients have read, and σ counts
-    what the shim has forwarded.)"""
+    rounding. Then the engine resumes and the clients go away, which vLLM aborts and σ
+    releases. (While tokens flow the two cannot be compared: the engine runs ahead of what its
+    clients have read, and σ counts what the shim has forwarded.)"""
+    import threading
+
     import httpx
 
     s = stack
     base = f"http://127.0.0.1:{s.vllm_port}"
-    reqs = workload.mixed(8, seed=3, lengths=(6000,))
-    streams = [s.gateway.open_stream(p, b) for p, b in reqs]
-    placed = {r: sum(1 for st in streams if st.worker_id == r) for r in (0, 1)}
-    for st in streams:
+    reqs = workload.mixed(8, seed=3, lengths=(QUIET_POINT_TOKENS,))
+
+    def opened(req):
+        st = s.gateway.open_stream(*req)
         st.read_events(2)
+        return st
+
+    stop = threading.Event()
     paused = False
-    try:
-        assert httpx.post(f"{base}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
-        paused = True
-        with ThreadPoolExecutor(len(streams)) as ex:
-            done = [ex.submit(st.finish) for st in streams]
+    with ThreadPoolExecutor(len(reqs)) as ex:
+        # Opened side by side: vLLM's API server, short of CPU beside two busy engines, was
+        # seen to take 10-70 s to start each stream, so streams opened one after another
+        # start minutes apart.
+        streams = list(ex.map(opened, reqs))
+        placed = {r: sum(1 for st in streams if st.worker_id == r) for r in (0, 1)}
+        try:
+            assert httpx.post(f"{base}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+            paused = True
+            # The clients keep reading, so every token the engine made before the pause
+            # reaches the shim and σ.
+            reading = [ex.submit(st.read_until, stop) for st in streams]
             cfg = next(dict(l) for (n, l) in vllm_metrics(s) if n == "vllm:cache_config_info")
             block, kv_size = int(cfg["block_size"]), int(cfg["kv_cache_size_tokens"])
 
@@ -217,9 +233,9 @@ def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
                 kv = per_engine(m, "vllm:kv_cache_usage_perc")
                 rows = {r: (w[r]["running"] + w[r]["reserved"], running.get(r, 0) + waiting.get(r, 0),
                             w[r]["load_tokens"], round(kv.get(r, 0) * kv_size)) for r in (0, 1)}
-                # A request may finish before the pause lands; the others are still running.
-                ok = sum(rows[r][0] for r in (0, 1)) > 0 and all(
-                    rows[r][0] == rows[r][1] <= placed[r]
+                # Every request is still running: none can finish before the pause lands.
+                ok = all(
+                    rows[r][0] == rows[r][1] == placed[r]
                     # vLLM holds whole blocks: each request's last block is partly filled.
                     and rows[r][3] - block * rows[r][0] <= rows[r][2] <= rows[r][3]
                     for r in (0, 1)
@@ -231,14 +247,15 @@ def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
                               every=0.25)
             print(f"quiet point, per rank (σ running, vLLM running+waiting, σ KV tokens, "
                   f"vLLM KV tokens): {rows}")
-            assert httpx.post(f"{base}/resume", timeout=60).status_code == 200
-            paused = False
-            for f in done:
-                f.result(timeout=300)
-    finally:
-        if paused:
-            httpx.post(f"{base}/resume", timeout=60)
-    wait_until(lambda: sigma_empty(s), 30, "σ to hold no request once every stream ended")
+        finally:
+            stop.set()
+            if paused:
+                assert httpx.post(f"{base}/resume", timeout=60).status_code == 200
+        for f in reading:
+            f.result(timeout=120)
+    assert all(not st.raw.endswith(b"data: [DONE]\n\n") for st in streams), \
+        "a stream finished: it was too short to be held by the pause"
+    wait_until(lambda: sigma_empty(s), 60, "σ to hold no request once every client went away")
 
 
 def test_a_client_that_goes_away_aborts_the_request_and_sigma_lets_it_go(stack):
