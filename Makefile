@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser gateways deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke bench-cost bench-cost-smoke e2e-vllm vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser gateways deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke soak-smoke bench-cost bench-cost-smoke e2e-vllm vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -13,7 +13,7 @@ build: ## build every binary (release)
 run: ## the demo: the whole control plane on loopback, JSQ vs BR-0 on a paper-shaped workload
 	bash scripts/demo.sh
 
-test: fmt-check clippy import-cycles unit config-reference-check python-tests e2e-vllm flake-hunt-smoke bench-cost-smoke ## everything CI checks: format, lints, all tests
+test: fmt-check clippy import-cycles unit config-reference-check python-tests e2e-vllm flake-hunt-smoke soak-smoke bench-cost-smoke ## everything CI checks: format, lints, all tests
 	@echo "make test: all checks passed"
 
 fmt: ## format the code
@@ -66,8 +66,18 @@ deploy-check: deploy-tools ## render and validate the Kubernetes manifests, dash
 fuzz: ## libFuzzer over every decoder and validator for FUZZ_SECONDS (default 60): scripts/fuzz.sh
 	scripts/fuzz.sh
 
-soak: ## the whole control plane under steady load for SOAK_MINUTES (default 10): RSS flat, p99 steady (scripts/soak.sh)
+soak: ## the whole control plane for SOAK_MINUTES (default 30) at a rate sized to the machine: RSS, descriptors, σ and p99 flat per request (scripts/soak.sh)
 	scripts/soak.sh
+
+# CI's two-minute form of the soak (debug build, the rate measured as in the full run), after
+# the verdict's own tests.
+soak-smoke:
+	mkdir -p target && python3 scripts/lib/test_soak_verdict.py 2> target/soak-verdict-test.log \
+		|| { cat target/soak-verdict-test.log; exit 1; }
+	SOAK_MINUTES=2 SOAK_PROFILE=debug SOAK_WARMUP=30 SOAK_INTERVAL=5 SOAK_PROBE_SECONDS=10 \
+		SOAK_OUT=target/soak-smoke bash scripts/soak.sh > target/soak-smoke.log 2>&1 \
+		|| { cat target/soak-smoke.log; exit 1; }
+	grep -E '^(==> probe|==> soak|  |verdict)' target/soak-smoke.log
 
 flake-hunt: ## every test binary FLAKE_ROUNDS times (default 10), two at once: the rare failures CI meets now and then (scripts/flake-hunt.sh)
 	bash scripts/flake-hunt.sh

@@ -1,11 +1,15 @@
-"""Samples a running stack for scripts/soak.sh: every INTERVAL seconds until the load process
-ends, each named process's RSS and CPU share (from /proc) and decision's Assign latency over
-the window (p50/p99 from the deltas of balanceroute_decision_assign_latency_seconds,
-interpolated inside buckets), written
-to a CSV; then a verdict: RSS flat (the last third of the samples after warm-up against the
-first third) and p99 steady.
+"""Samples a running stack for scripts/soak.sh and gives the soak's verdict.
 
-Usage: soak_sample.py OUT.csv INTERVAL WARMUP_S LOAD_PID DECISION_METRICS_URL NAME=PID[,PID...]...
+Every INTERVAL seconds until the load process ends: each named process's RSS, open file
+descriptors and CPU share (from /proc), the requests decision has answered so far and its
+Assign p50/p99 over the window (from the deltas of
+balanceroute_decision_assign_latency_seconds, interpolated inside buckets), and the requests σ
+holds (balanceroute_snapshot_requests), written to a CSV. Then the verdict over the samples
+after the warm-up (scripts/lib/soak_verdict.py): RSS, descriptors, σ's requests and p99, each
+fitted against the requests answered, must not rise beyond their noise.
+
+Usage: soak_sample.py OUT.csv INTERVAL WARMUP_S LOAD_PID DECISION_METRICS_URL SNAPSHOT_METRICS_URL
+       NAME=PID[,PID...]...
 A NAME ending in `*` is sampled but left out of the verdict (the emulated engine keeps a record of
 every step for its report, so it grows by design).
 """
@@ -15,8 +19,11 @@ import sys
 import time
 import urllib.request
 
+from soak_verdict import fd_series, p99_series, rss_series, sigma_series, verdict
+
 HZ = os.sysconf("SC_CLK_TCK")
-METRIC = "balanceroute_decision_assign_latency_seconds_bucket"
+LATENCY = "balanceroute_decision_assign_latency_seconds_bucket"
+SIGMA = "balanceroute_snapshot_requests"
 
 
 def rss_mb(pid):
@@ -30,6 +37,13 @@ def rss_mb(pid):
     return 0.0
 
 
+def fds(pid):
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
 def cpu_s(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -39,18 +53,27 @@ def cpu_s(pid):
         return 0.0
 
 
-def buckets(url):
+def scrape(url):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode().splitlines()
+
+
+def buckets(lines):
     """Cumulative counts by upper bound, summed over groups."""
     out = {}
-    with urllib.request.urlopen(url, timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if not line.startswith(METRIC + "{"):
-                continue
-            labels, value = line.rsplit(" ", 1)
-            le = labels.split('le="', 1)[1].split('"', 1)[0]
-            le = float("inf") if le == "+Inf" else float(le)
-            out[le] = out.get(le, 0.0) + float(value)
+    for line in lines:
+        if not line.startswith(LATENCY + "{"):
+            continue
+        labels, value = line.rsplit(" ", 1)
+        le = labels.split('le="', 1)[1].split('"', 1)[0]
+        le = float("inf") if le == "+Inf" else float(le)
+        out[le] = out.get(le, 0.0) + float(value)
     return out
+
+
+def gauge_sum(lines, name):
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lines
+               if l.startswith(name + "{") or l.startswith(name + " "))
 
 
 def quantile(delta, q):
@@ -86,70 +109,72 @@ def alive(pid):
 
 
 def main():
-    out, interval, warmup, load_pid, url = sys.argv[1:6]
+    out, interval, warmup, load_pid, decision_url, snapshot_url = sys.argv[1:7]
     interval, warmup, load_pid = float(interval), float(warmup), int(load_pid)
     procs = []
-    for spec in sys.argv[6:]:
+    for spec in sys.argv[7:]:
         name, pids = spec.split("=", 1)
         procs.append((name, [int(p) for p in pids.split(",") if p]))
     names = [n for n, _ in procs]
     start = time.time()
     last_cpu = {n: sum(cpu_s(p) for p in ps) for n, ps in procs}
-    last_b = buckets(url)
+    last_b = buckets(scrape(decision_url))
     rows = []
+    ms = lambda v: "" if v is None else ("inf" if v == float("inf") else f"{v * 1000:.2f}")
     with open(out, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["t_s", "assigns", "p50_ms", "p99_ms"]
-                   + [f"{n}_rss_mb" for n in names] + [f"{n}_cpu_pct" for n in names])
+        w.writerow(["t_s", "answered", "window_assigns", "p50_ms", "p99_ms", "sigma_requests"]
+                   + [f"{n}_rss_mb" for n in names] + [f"{n}_fds" for n in names]
+                   + [f"{n}_cpu_pct" for n in names])
         while alive(load_pid):
             time.sleep(interval)
             t = time.time() - start
-            b = buckets(url)
+            b = buckets(scrape(decision_url))
+            sigma = gauge_sum(scrape(snapshot_url), SIGMA)
             delta = {le: b.get(le, 0.0) - last_b.get(le, 0.0) for le in b}
             last_b = b
-            p50, p99 = quantile(delta, 0.50), quantile(delta, 0.99)
-            row = {"t": t, "n": delta.get(float("inf"), 0.0), "p50": p50, "p99": p99, "rss": {}, "cpu": {}}
+            row = {"t": t, "answered": b.get(float("inf"), 0.0), "n": delta.get(float("inf"), 0.0),
+                   "p50": quantile(delta, 0.50), "p99": quantile(delta, 0.99), "sigma": sigma,
+                   "rss": {}, "fds": {}, "cpu": {}}
             for n, ps in procs:
                 row["rss"][n] = sum(rss_mb(p) for p in ps)
+                row["fds"][n] = sum(fds(p) for p in ps)
                 c = sum(cpu_s(p) for p in ps)
                 row["cpu"][n] = 100 * (c - last_cpu[n]) / interval
                 last_cpu[n] = c
             rows.append(row)
-            ms = lambda v: "" if v is None else ("inf" if v == float("inf") else f"{v * 1000:.2f}")
-            w.writerow([f"{t:.0f}", f"{row['n']:.0f}", ms(p50), ms(p99)]
+            w.writerow([f"{t:.0f}", f"{row['answered']:.0f}", f"{row['n']:.0f}", ms(row["p50"]),
+                        ms(row["p99"]), f"{sigma:.0f}"]
                        + [f"{row['rss'][n]:.1f}" for n in names]
+                       + [str(row["fds"][n]) for n in names]
                        + [f"{row['cpu'][n]:.0f}" for n in names])
             f.flush()
-            print(f"t={t:5.0f}s assigns={row['n']:6.0f} p50={ms(p50):>6} ms p99={ms(p99):>6} ms  "
-                  + "  ".join(f"{n} {row['rss'][n]:.0f} MB {row['cpu'][n]:.0f}%" for n in names),
+            print(f"t={t:5.0f}s answered={row['answered']:8.0f} p50={ms(row['p50']):>6} ms "
+                  f"p99={ms(row['p99']):>6} ms σ={sigma:5.0f}  "
+                  + "  ".join(f"{n} {row['rss'][n]:.0f} MB {row['fds'][n]} fds {row['cpu'][n]:.0f}%"
+                              for n in names),
                   flush=True)
     steady = [r for r in rows if r["t"] >= warmup and r["n"] > 0]
-    if len(steady) < 3:
+    xs = [r["answered"] for r in steady]
+    series = []
+    for n in names:
+        if not n.endswith("*"):
+            series.append(rss_series(n, xs, [r["rss"][n] for r in steady]))
+            series.append(fd_series(n, xs, [r["fds"][n] for r in steady]))
+    series.append(sigma_series(xs, [r["sigma"] for r in steady]))
+    timed = [r for r in steady if r["p99"] is not None and r["p99"] != float("inf")]
+    series.append(p99_series([r["answered"] for r in timed], [r["p99"] * 1000 for r in timed]))
+    judged = verdict(series)
+    if judged is None:
         print(f"verdict: too few samples after the {warmup:.0f} s warm-up ({len(steady)})")
         return 1
-    third = max(1, len(steady) // 3)
-    first, last = steady[:third], steady[-third:]
-    ok = True
-    print(f"verdict over {len(steady)} samples after {warmup:.0f} s (first third vs last third):")
-    for n in names:
-        a = sum(r["rss"][n] for r in first) / len(first)
-        z = sum(r["rss"][n] for r in last) / len(last)
-        growth = (z - a) / a if a else 0.0
-        flat = growth <= 0.10
-        judged = not n.endswith("*")
-        ok &= flat or not judged
-        state = ("flat" if flat else "GROWING") if judged else "(not judged)"
-        print(f"  {n:9} RSS {a:8.1f} MB -> {z:8.1f} MB ({growth:+.1%}) {state}")
-    p = lambda rs: sorted(r["p99"] for r in rs if r["p99"] is not None)
-    a, z = p(first), p(last)
-    if a and z:
-        med = lambda xs: xs[len(xs) // 2]
-        ratio = med(z) / med(a) if med(a) > 0 else float("inf")
-        steady_p99 = ratio <= 1.5
-        ok &= steady_p99
-        print(f"  Assign p99 (median of windows) {med(a) * 1000:.2f} ms -> {med(z) * 1000:.2f} ms "
-              f"(x{ratio:.2f}) {'steady' if steady_p99 else 'RISING'}")
-    print("verdict:", "RSS flat and p99 steady" if ok else "NOT steady")
+    span = (xs[-1] - xs[0]) if xs else 0
+    print(f"verdict over {len(steady)} samples after {warmup:.0f} s, {span:.0f} requests answered "
+          f"(each series fitted against requests answered; rise = the fit's rise over them):")
+    for j in judged:
+        print(j.line())
+    ok = all(j.flat for j in judged)
+    print("verdict:", "flat within noise" if ok else "NOT flat")
     return 0 if ok else 1
 
 
