@@ -112,3 +112,63 @@ async fn idle_connections_beyond_the_descriptor_limit_cannot_stop_ingest() {
     );
     drop(idle);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holding_its_share_of_connections_leaves_room_for_the_others() {
+    // Idle connections are kept for the whole test (a long first-byte timeout), so only the
+    // per-address limit stands between them and every slot.
+    let snapshot = Service::start(
+        "br-snapshot",
+        &[
+            "--max-connections-per-peer",
+            "4",
+            "--first-byte-timeout",
+            "10m",
+        ],
+    );
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(TcpStream::connect(snapshot.grpc_addr()).await.unwrap());
+    }
+    let health = |from: [u8; 4]| {
+        let channel = Endpoint::from_shared(snapshot.grpc_url())
+            .unwrap()
+            .local_address(Some(std::net::IpAddr::from(from)))
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(Duration::from_secs(5))
+            .connect_lazy();
+        async move {
+            HealthClient::new(channel)
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+        }
+    };
+    // Another address is served ...
+    eventually(
+        PATIENCE,
+        "br-snapshot's health answers a client from 127.0.0.2",
+        || async { health([127, 0, 0, 2]).await.is_ok() },
+    )
+    .await;
+    // ... while the address that holds its four is turned away at the door, and counted.
+    let refused = health([127, 0, 0, 1]).await;
+    assert!(
+        refused.is_err(),
+        "a fifth connection from 127.0.0.1 was served: {refused:?}"
+    );
+    let metrics = within(PATIENCE, "br-snapshot's /metrics", snapshot.metrics()).await;
+    assert!(
+        accept_failures(&metrics, "peer_limit") > 0,
+        "no connection was refused for its address:\n{metrics}"
+    );
+    // Once the idle ones go, the first address is served again.
+    drop(idle);
+    eventually(
+        PATIENCE,
+        "br-snapshot's health answers 127.0.0.1 once its idle connections closed",
+        || async { health([127, 0, 0, 1]).await.is_ok() },
+    )
+    .await;
+}

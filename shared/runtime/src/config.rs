@@ -129,6 +129,12 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_MAX_CONNECTIONS", default_value_t = br_trust::accept::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
 
+    /// Most connections open at once on `--listen` from one IP address; a further one from it
+    /// is closed when accepted and counted (`accept_failures_total{reason="peer_limit"}`), so
+    /// one client cannot take every connection from the others.
+    #[arg(long, env = "BALANCEROUTE_MAX_CONNECTIONS_PER_PEER", default_value_t = br_trust::accept::DEFAULT_MAX_CONNECTIONS_PER_PEER)]
+    pub max_connections_per_peer: usize,
+
     /// A new connection on `--listen` that sends nothing for this long is closed (clients send
     /// their HTTP/2 preface or TLS hello at once).
     #[arg(long, env = "BALANCEROUTE_FIRST_BYTE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
@@ -164,6 +170,7 @@ impl CommonArgs {
                 self.max_connections,
                 descriptor_limit,
             ),
+            max_connections_per_peer: self.max_connections_per_peer,
             first_byte_timeout: self.first_byte_timeout,
         }
     }
@@ -194,6 +201,9 @@ impl Validate for CommonArgs {
         }
         if !(1..=1_000_000).contains(&self.max_connections) {
             return Err("--max-connections must be in 1..=1000000".into());
+        }
+        if !(1..=1_000_000).contains(&self.max_connections_per_peer) {
+            return Err("--max-connections-per-peer must be in 1..=1000000".into());
         }
         if self.max_in_flight_message_bytes < 64 << 10 {
             return Err("--max-in-flight-message-bytes must be at least 65536".into());

@@ -5,6 +5,9 @@
 //!   wait in the kernel's listen backlog until one closes. Without it a peer opening idle
 //!   connections exhausts the process's file descriptors, and then nothing (not even health or
 //!   `/metrics`) can be accepted.
+//! - At most [`AcceptLimits::max_connections_per_peer`] of them come from one IP address; a
+//!   further one from that address is closed as soon as it is accepted (its address is known
+//!   only then), so one client, misbehaving or hostile, cannot take every slot from the others.
 //! - A connection that sends no byte within [`AcceptLimits::first_byte_timeout`] is closed
 //!   (an HTTP/2 client sends its preface, a TLS client its ClientHello, at once): idle
 //!   connections cannot pin the connection slots.
@@ -15,7 +18,9 @@
 //! The stream yields [`Held`] connections: each carries its slot and gives it back when the
 //! connection is dropped.
 
+use std::collections::HashMap;
 use std::io;
+use std::net::IpAddr;
 use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,6 +35,9 @@ use tokio_stream::wrappers::ReceiverStream;
 /// The default for `--max-connections`: far above what a group's shims, gateways and decision
 /// replicas open, far below a typical descriptor limit.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// The default for `--max-connections-per-peer`: a quarter of the whole, so one address cannot
+/// hold more than that; far above what one gateway node, shim pod or decision replica opens.
+pub const DEFAULT_MAX_CONNECTIONS_PER_PEER: usize = 1024;
 /// The default for `--first-byte-timeout`.
 pub const DEFAULT_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Descriptors kept free below the soft `RLIMIT_NOFILE` for everything that is not an accepted
@@ -44,6 +52,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 pub struct AcceptLimits {
     /// Connections open at once (at least 1).
     pub max_connections: usize,
+    /// Connections open at once from one IP address (at least 1).
+    pub max_connections_per_peer: usize,
     /// How long a new connection may stay silent before it is closed.
     pub first_byte_timeout: Duration,
 }
@@ -52,13 +62,15 @@ impl Default for AcceptLimits {
     fn default() -> Self {
         AcceptLimits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_peer: DEFAULT_MAX_CONNECTIONS_PER_PEER,
             first_byte_timeout: DEFAULT_FIRST_BYTE_TIMEOUT,
         }
     }
 }
 
-/// What happened at the door, for counters: `"accept_error"` (EMFILE …, backing off) or
-/// `"silent"` (closed: no first byte in time).
+/// What happened at the door, for counters: `"accept_error"` (EMFILE …, backing off),
+/// `"silent"` (closed: no first byte in time) or `"peer_limit"` (closed: its address already
+/// holds `max_connections_per_peer`).
 pub type AcceptHook = Arc<dyn Fn(&'static str) + Send + Sync>;
 
 /// An accepted connection holding one of its port's connection slots until it is dropped.
@@ -68,6 +80,55 @@ pub type AcceptHook = Arc<dyn Fn(&'static str) + Send + Sync>;
 pub struct Held<IO> {
     io: IO,
     _slot: OwnedSemaphorePermit,
+    _peer: PeerSlot,
+}
+
+/// The connections open per IP address; an address leaves the map with its last connection,
+/// so the map holds at most as many entries as there are connections.
+#[derive(Debug, Default)]
+struct PeerCounts(std::sync::Mutex<HashMap<IpAddr, usize>>);
+
+impl PeerCounts {
+    /// One more connection from `ip`, or `None` when it already holds `limit`.
+    fn take(self: &Arc<Self>, ip: IpAddr, limit: usize) -> Option<PeerSlot> {
+        let ip = ip.to_canonical();
+        let mut counts = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = counts.entry(ip).or_insert(0);
+        if *n >= limit {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot {
+            counts: Arc::clone(self),
+            ip,
+        })
+    }
+}
+
+/// One connection's place in its address's count, given back when dropped.
+#[derive(Debug)]
+struct PeerSlot {
+    counts: Arc<PeerCounts>,
+    ip: IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut counts = self
+            .counts
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = counts.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.ip);
+            }
+        }
+    }
 }
 
 impl<IO> Deref for Held<IO> {
@@ -130,6 +191,7 @@ pub fn accept(
 ) -> ReceiverStream<io::Result<Held<TcpStream>>> {
     let (tx, rx) = mpsc::channel(64);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let peers = Arc::new(PeerCounts::default());
     tokio::spawn(async move {
         let mut backoff = br_backoff::Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
         loop {
@@ -141,12 +203,12 @@ pub fn accept(
                     Err(_) => return, // never closed
                 },
             };
-            let tcp = tokio::select! {
+            let (tcp, peer) = tokio::select! {
                 () = tx.closed() => return,
                 r = listener.accept() => match r {
-                    Ok((tcp, _)) => {
+                    Ok((tcp, from)) => {
                         backoff.reset();
-                        tcp
+                        (tcp, from)
                     }
                     Err(e) => {
                         let pause = backoff.next_delay();
@@ -162,6 +224,16 @@ pub fn accept(
                     }
                 },
             };
+            let Some(peer_slot) = peers.take(peer.ip(), limits.max_connections_per_peer.max(1))
+            else {
+                // closed at once (dropped with its global slot): a client that retries meets
+                // the same answer until one of its connections ends
+                tracing::debug!(%peer, "connection over the per-address limit; closed");
+                if let Some(f) = &on_event {
+                    f("peer_limit");
+                }
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let tx = tx.clone();
             let on_event = on_event.clone();
@@ -175,6 +247,7 @@ pub fn accept(
                         let held = Held {
                             io: tcp,
                             _slot: slot,
+                            _peer: peer_slot,
                         };
                         let _ = tx.send(Ok(held)).await;
                     }
@@ -277,6 +350,7 @@ mod tests {
         let limits = AcceptLimits {
             max_connections: 2,
             first_byte_timeout: PATIENCE,
+            ..AcceptLimits::default()
         };
         let mut s = accept(l, limits, None);
         let mut clients = Vec::new();
@@ -311,6 +385,7 @@ mod tests {
         let limits = AcceptLimits {
             max_connections: 1,
             first_byte_timeout: Duration::from_millis(50),
+            ..AcceptLimits::default()
         };
         let (ev_tx, mut ev_rx) = tokio::sync::mpsc::unbounded_channel();
         let hook: AcceptHook = Arc::new(move |e| {
@@ -331,6 +406,76 @@ mod tests {
         let mut talking = TcpStream::connect(addr).await.unwrap();
         talking.write_all(b"x").await.unwrap();
         let _held = next(&mut s).await;
+    }
+
+    /// A client connection from `local` (any 127.0.0.0/8 address is this host's) that has
+    /// sent one byte.
+    async fn client_from(local: [u8; 4], to: std::net::SocketAddr, byte: u8) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind((local, 0).into()).unwrap();
+        let mut c = socket.connect(to).await.unwrap();
+        c.write_all(&[byte]).await.unwrap();
+        c
+    }
+
+    #[tokio::test]
+    async fn one_address_gets_no_more_than_its_share_and_the_others_still_get_in() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let limits = AcceptLimits {
+            max_connections: 8,
+            max_connections_per_peer: 2,
+            first_byte_timeout: PATIENCE,
+        };
+        let (ev_tx, mut ev_rx) = tokio::sync::mpsc::unbounded_channel();
+        let hook: AcceptHook = Arc::new(move |e| {
+            let _ = ev_tx.send(e);
+        });
+        let mut s = accept(l, limits, Some(hook));
+        let _a = client_from([127, 0, 0, 1], addr, 1).await;
+        let _b = client_from([127, 0, 0, 1], addr, 2).await;
+        let first = next(&mut s).await;
+        let _second = next(&mut s).await;
+        // a third from the same address is closed at once and counted ...
+        let mut over = client_from([127, 0, 0, 1], addr, 3).await;
+        let ev = tokio::time::timeout(PATIENCE, ev_rx.recv()).await.unwrap();
+        assert_eq!(ev, Some("peer_limit"));
+        let mut buf = [0u8; 1];
+        let n = tokio::time::timeout(PATIENCE, over.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        assert_eq!(n, 0, "the connection over the limit was not closed");
+        // ... while another address gets in, bytes intact
+        let _c = client_from([127, 0, 0, 2], addr, 4).await;
+        let mut other = next(&mut s).await;
+        assert_eq!(
+            other.peer_addr().unwrap().ip(),
+            IpAddr::from([127, 0, 0, 2])
+        );
+        other.io.read_exact(&mut buf).await.unwrap();
+        assert_eq!(buf, [4]);
+        // once one of the first address's connections ends, it may open another
+        drop(first);
+        let _d = client_from([127, 0, 0, 1], addr, 5).await;
+        let mut again = next(&mut s).await;
+        again.io.read_exact(&mut buf).await.unwrap();
+        assert_eq!(buf, [5]);
+    }
+
+    #[test]
+    fn an_address_leaves_the_count_with_its_last_connection() {
+        let peers = Arc::new(PeerCounts::default());
+        let ip = IpAddr::from([10, 0, 0, 1]);
+        let a = peers.take(ip, 2).unwrap();
+        let b = peers.take(ip, 2).unwrap();
+        assert!(peers.take(ip, 2).is_none());
+        // an IPv4 address seen through an IPv6 socket is the same peer
+        assert!(peers.take("::ffff:10.0.0.1".parse().unwrap(), 2).is_none());
+        drop(a);
+        let c = peers.take(ip, 2).unwrap();
+        drop((b, c));
+        assert!(peers.0.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -142,13 +142,14 @@ impl Edge {
             prometheus::Opts::new(
                 format!("balanceroute_{service}_accept_failures_total"),
                 "Connections the gRPC port's accept loop failed or closed before any request, by \
-                 reason: accept_error (EMFILE ...; backing off), silent (no first byte in time)",
+                 reason: accept_error (EMFILE ...; backing off), silent (no first byte in time), \
+                 peer_limit (closed: its address held --max-connections-per-peer)",
             ),
             &["reason"],
         )?;
         registry.register(Box::new(accept_failures.clone()))?;
         // exported at 0 from the start, so rate() and alerts see the first one
-        for reason in ["accept_error", "silent"] {
+        for reason in ["accept_error", "silent", "peer_limit"] {
             accept_failures.with_label_values(&[reason]);
         }
         let oversize_calls = Arc::new(OversizeCounter {
