@@ -25,15 +25,27 @@ class Verdict(unittest.TestCase):
         self.assertFalse(j.flat, j.line())
         self.assertAlmostEqual(j.slope_per_100k, 100_000 / 1024, delta=5)
 
-    def test_a_small_steady_leak_fails_though_the_level_moved_little(self):
-        # 50 bytes per request: +5.7 MB on 100 MB (+6%), with little noise
-        ys = [y + 50 * x / 2**20 for x, y in zip(XS, noisy(100, 0.2))]
+    def test_a_steady_leak_of_100_bytes_per_request_fails(self):
+        # +5.6 MB on 100 MB over the judged half, with little noise
+        ys = [y + 100 * x / 2**20 for x, y in zip(XS, noisy(100, 0.2))]
         self.assertFalse(judge(rss_series("snapshot", XS, ys)).flat)
 
     def test_a_step_that_settles_within_the_allowance_passes(self):
         # a map's capacity doubles once early in the run: +3% on 40 MB, then flat
         ys = [40.0 if i < 10 else 41.2 for i in range(len(XS))]
         self.assertTrue(judge(rss_series("ingest", XS, ys)).flat)
+
+    def test_a_larger_step_in_the_first_half_passes_once_settled(self):
+        # +7% at a third of the run, then flat under a little wobble
+        ys = [y + (0 if i < 20 else 2.1) for i, y in enumerate(noisy(29.5, 0.3))]
+        j = judge(rss_series("snapshot", XS, ys))
+        self.assertTrue(j.flat, j.line())
+        self.assertGreater(j.whole_slope_per_100k, 1.0)
+
+    def test_a_leak_that_starts_late_fails(self):
+        ys = [y + max(0, x - 60_000) / 4096 for x, y in zip(XS, noisy(50, 1))]
+        j = judge(rss_series("decision", XS, ys))
+        self.assertFalse(j.flat, j.line())
 
     def test_memory_given_back_passes(self):
         ys = [200 - i for i in range(len(XS))]
@@ -52,7 +64,7 @@ class Verdict(unittest.TestCase):
         self.assertTrue(judge(p99_series(XS, noisy(2, 0.4))).flat)
 
     def test_too_few_samples_give_no_verdict(self):
-        self.assertIsNone(verdict([rss_series("x", XS[:2], [1.0, 2.0])]))
+        self.assertIsNone(verdict([rss_series("x", XS[:5], [1.0, 2.0, 3.0, 4.0, 5.0])]))
 
 
 if __name__ == "__main__":
