@@ -27,6 +27,11 @@ pub const DEFAULT_PROGRESS_INTERVAL: &str = "250ms";
 /// at most this, so a heavy writer (large batches, long request ids) does not make the
 /// history the process's largest holding.
 pub const DEFAULT_HISTORY_BYTES: usize = 32 * 1024 * 1024;
+/// Default age past which a delta leaves the history: far longer than a watcher's reconnect
+/// after a dropped connection or a replica's restart (seconds), short enough that the history
+/// of a load that ended is gone half a minute later.
+pub const DEFAULT_HISTORY_AGE: &str = "30s";
+const DEFAULT_HISTORY_AGE_DURATION: Duration = Duration::from_secs(30);
 /// Default events queued per watcher before it counts as slow.
 pub const DEFAULT_WATCHER_QUEUE: usize = 1024;
 /// Default bytes queued per watcher before it is ended: decision's largest Watch message
@@ -69,6 +74,12 @@ pub struct Args {
     /// is reached first); a watcher resuming from before them gets a snapshot.
     #[arg(long, env = "BALANCEROUTE_HISTORY_BYTES", default_value_t = DEFAULT_HISTORY_BYTES)]
     pub history_bytes: usize,
+
+    /// Deltas kept for resumption are dropped this long after they were applied (0 keeps them
+    /// until --history or --history-bytes): a watcher away for longer resumes from a snapshot,
+    /// and the memory a burst of writes took in the history comes back once it is over.
+    #[arg(long, env = "BALANCEROUTE_HISTORY_AGE", value_parser = humantime::parse_duration, default_value = DEFAULT_HISTORY_AGE)]
+    pub history_age: Duration,
 
     /// A reservation with no telemetry for this long expires (RequestExpired).
     #[arg(long, env = "BALANCEROUTE_RESERVATION_TTL", value_parser = humantime::parse_duration, default_value = DEFAULT_RESERVATION_TTL)]
@@ -141,6 +152,7 @@ impl Args {
         Settings {
             history: self.history,
             history_bytes: self.history_bytes,
+            history_age: self.history_age,
             reservation_ttl: self.reservation_ttl,
             worker_grace: self.worker_grace,
             carrier_grace: self.carrier_grace,
@@ -233,6 +245,7 @@ impl Default for Settings {
         Settings {
             history: DEFAULT_HISTORY,
             history_bytes: DEFAULT_HISTORY_BYTES,
+            history_age: DEFAULT_HISTORY_AGE_DURATION,
             reservation_ttl: Duration::from_secs(10),
             worker_grace: Duration::from_secs(5),
             carrier_grace: Duration::from_secs(3),

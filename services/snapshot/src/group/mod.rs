@@ -56,6 +56,9 @@ pub struct Settings {
     pub history: usize,
     /// Encoded bytes of the deltas kept for resumption (the oldest go first past it).
     pub history_bytes: usize,
+    /// Deltas older than this are dropped from the history (zero: kept until the bounds
+    /// above), so the memory a burst of writes took comes back once it is over.
+    pub history_age: Duration,
     /// A RESERVED request without telemetry for this long expires.
     pub reservation_ttl: Duration,
     /// A SUSPECT worker without a Hello for this long is fenced.

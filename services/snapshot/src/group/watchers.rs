@@ -32,7 +32,10 @@ pub(super) struct Watchers {
     /// Deltas kept for resumption (at most `history_len` and `history_max_bytes`, see
     /// [`Watchers::keep`]), oldest first.
     pub(super) history: VecDeque<Event>,
+    /// When each delta of `history` was kept, in the same order.
+    history_at: VecDeque<Instant>,
     history_len: usize,
+    history_age: Duration,
     history_max_bytes: usize,
     /// The encoded bytes of `history`.
     history_bytes: usize,
@@ -54,7 +57,9 @@ impl Watchers {
     pub(super) fn new(settings: &Settings, now: Instant) -> Watchers {
         Watchers {
             history: VecDeque::new(),
+            history_at: VecDeque::new(),
             history_len: settings.history,
+            history_age: settings.history_age,
             history_max_bytes: settings.history_bytes,
             history_bytes: 0,
             queue: settings.watcher_queue,
@@ -145,7 +150,7 @@ impl Watchers {
     ) {
         let ev = Event::Delta(Arc::new(d));
         self.snapshot = None;
-        self.keep(&ev);
+        self.keep(&ev, now);
         // Lagging watchers skip this delta; then those with room get a snapshot that already
         // contains it (in the other order they would get the snapshot and then this delta).
         self.broadcast(&ev, metrics);
@@ -156,6 +161,7 @@ impl Watchers {
     /// What time does to watchers: lagging ones that have room again are reset, a progress
     /// mark goes out when nothing was sent for the progress interval, closed ones are dropped.
     pub(super) fn tick(&mut self, sigma: &Sigma, metrics: &GroupMetrics, now: Instant) {
+        self.age_history(now);
         self.serve_lagging(sigma, metrics);
         if now.saturating_duration_since(self.last_sent) >= self.progress_interval {
             let mark = Event::Progress {
@@ -174,19 +180,49 @@ impl Watchers {
     /// progress changes with 200-byte request ids are about 240 MB, more than the whole process
     /// should hold; a watcher resuming from before what is kept gets a snapshot instead. The
     /// newest delta is kept even if it alone is over the bytes.
-    fn keep(&mut self, ev: &Event) {
+    fn keep(&mut self, ev: &Event, now: Instant) {
         if self.history_len == 0 {
             return;
         }
         self.history_bytes += event_bytes(ev);
         self.history.push_back(ev.clone());
+        self.history_at.push_back(now);
         while self.history.len() > self.history_len
             || (self.history.len() > 1 && self.history_bytes > self.history_max_bytes)
         {
-            match self.history.pop_front() {
-                Some(old) => self.history_bytes -= event_bytes(&old),
-                None => break,
+            if !self.drop_oldest() {
+                break;
             }
+        }
+    }
+
+    fn drop_oldest(&mut self) -> bool {
+        self.history_at.pop_front();
+        match self.history.pop_front() {
+            Some(old) => {
+                self.history_bytes -= event_bytes(&old);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops the deltas kept longer than `history_age`; once none is left, the history's own
+    /// buffers go too (a burst of 4,096 deltas leaves them at that capacity).
+    fn age_history(&mut self, now: Instant) {
+        if self.history_age.is_zero() {
+            return;
+        }
+        while self
+            .history_at
+            .front()
+            .is_some_and(|&at| now.saturating_duration_since(at) > self.history_age)
+        {
+            self.drop_oldest();
+        }
+        if self.history.is_empty() && self.history.capacity() > 0 {
+            self.history = VecDeque::new();
+            self.history_at = VecDeque::new();
         }
     }
 

@@ -308,6 +308,50 @@ fn watchers_that_do_not_read_share_the_process_budget_and_are_ended_past_their_s
 }
 
 #[test]
+fn deltas_leave_the_history_with_age_and_a_watcher_from_before_them_gets_a_snapshot() {
+    let age = Duration::from_secs(30);
+    let (mut g, t0) = group_with(Settings {
+        history: 1000,
+        history_age: age,
+        ..settings()
+    });
+    g.apply_msgs(1, vec![hello(0, 10, 4096)], S1, t0, 0);
+    let first = g.sigma().version();
+    let mid = t0 + Duration::from_secs(20);
+    for i in 0..50u64 {
+        let at = if i < 25 { t0 } else { mid };
+        let changes = vec![prog(0, 10, &format!("r{i}"), 10, 1, false)];
+        g.apply_msgs(i + 2, changes, S1, at, 0);
+    }
+    assert_eq!(g.watchers.history.len(), 51);
+    // Past the age of the first ones only: the later ones stay, and resuming among them
+    // still gets deltas.
+    g.tick(t0 + age + Duration::from_millis(1));
+    assert_eq!(g.watchers.history.len(), 25);
+    let recent = g.sigma().version() - 1;
+    let mut w = g.subscribe(g.sigma().epoch(), recent);
+    assert!(matches!(drain(&mut w)[0].kind, Some(Ev::Delta(_))));
+    // Past the age of all: nothing is kept (its buffers released), and a watcher from before
+    // gets a reset and a snapshot of σ as it is.
+    g.tick(mid + age + Duration::from_millis(1));
+    assert!(g.watchers.history.is_empty());
+    assert_eq!(g.watchers.history.capacity(), 0);
+    let mut w = g.subscribe(g.sigma().epoch(), first);
+    let evs = drain(&mut w);
+    assert!(matches!(evs[0].kind, Some(Ev::Reset(_))), "{evs:?}");
+    assert!(matches!(evs[1].kind, Some(Ev::Snapshot(_))), "{evs:?}");
+    // New deltas are kept again.
+    g.apply_msgs(
+        100,
+        vec![prog(0, 10, "late", 10, 1, false)],
+        S1,
+        mid + age * 2,
+        0,
+    );
+    assert_eq!(g.watchers.history.len(), 1);
+}
+
+#[test]
 fn the_history_is_bounded_in_bytes_and_a_watcher_from_before_it_gets_a_snapshot() {
     let (mut g, now) = group_with(Settings {
         history: 1000,
