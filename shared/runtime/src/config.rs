@@ -156,6 +156,12 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_MAX_IN_FLIGHT_MESSAGE_BYTES_PER_CONNECTION", default_value_t = crate::in_flight::DEFAULT_CONNECTION_BYTES)]
     pub max_in_flight_message_bytes_per_connection: usize,
 
+    /// How often the process gives the system back memory its allocator holds free (glibc's
+    /// malloc_trim; after a load, freed pages otherwise stay resident for good). 0 turns it
+    /// off.
+    #[arg(long, env = "BALANCEROUTE_MEMORY_TRIM_INTERVAL", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub memory_trim_interval: Duration,
+
     /// Mutual TLS and the plaintext-on-loopback default (see br-trust).
     #[command(flatten)]
     pub tls: br_trust::TlsArgs,
@@ -201,6 +207,9 @@ impl Validate for CommonArgs {
         }
         if !(1..=1_000_000).contains(&self.max_connections) {
             return Err("--max-connections must be in 1..=1000000".into());
+        }
+        if self.memory_trim_interval > Duration::from_secs(3600) {
+            return Err("--memory-trim-interval must be at most 1h".into());
         }
         if !(1..=1_000_000).contains(&self.max_connections_per_peer) {
             return Err("--max-connections-per-peer must be in 1..=1000000".into());

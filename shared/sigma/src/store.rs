@@ -193,6 +193,13 @@ impl Sigma {
         self.requests.len()
     }
 
+    /// Gives back the capacity of the request maps once a burst that filled them is over
+    /// (see [`br_memory::shrink_sparse_map`]); σ itself does not change. For housekeeping.
+    pub fn shrink_sparse(&mut self) {
+        br_memory::shrink_sparse_map(&mut self.requests);
+        br_memory::shrink_sparse_map(&mut self.ids);
+    }
+
     // ---- the changes ----
 
     fn worker_up(

@@ -322,6 +322,7 @@ impl GroupCore {
             self.requests.abandon(key);
         }
         self.requests.compact_answered();
+        self.view.shrink_sparse();
         self.reservations
             .expire_released(self.view.sigma(), now, self.cfg.answered_ttl);
         // Expire own uncommitted reservations even while σ does not move.

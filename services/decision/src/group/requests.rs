@@ -516,13 +516,16 @@ impl Requests {
     }
 
     /// Entries of forgotten requests linger in the answered queue; compacts it when they
-    /// dominate.
+    /// dominate. Then the tables give back what a burst of requests made them hold.
     pub(super) fn compact_answered(&mut self) {
         if self.answered.len() > 2 * self.answered_count + 1024 {
             let reqs = &self.reqs;
             self.answered
                 .retain(|&(at, key)| answered_at(reqs, key, at));
         }
+        br_memory::shrink_sparse_map(&mut self.reqs);
+        br_memory::shrink_sparse_map(&mut self.ids);
+        br_memory::shrink_sparse_queue(&mut self.answered);
     }
 }
 

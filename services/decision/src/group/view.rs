@@ -84,6 +84,13 @@ impl SigmaView {
         }
     }
 
+    /// Gives back the replica's table capacity once a burst is over (σ does not change).
+    pub(super) fn shrink_sparse(&mut self) {
+        if let Some(s) = &mut self.sigma {
+            s.shrink_sparse();
+        }
+    }
+
     pub(super) fn sigma(&self) -> Option<&Sigma> {
         self.sigma.as_ref()
     }

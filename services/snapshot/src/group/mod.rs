@@ -479,6 +479,7 @@ impl Group {
         self.metrics.fenced.inc_by(fenced);
         self.count_carriers();
         self.watchers.tick(&self.sigma, &self.metrics, now);
+        self.sigma.shrink_sparse();
         self.idle_since = if self.is_idle() {
             Some(self.idle_since.unwrap_or(now))
         } else {
