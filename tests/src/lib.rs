@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub mod engine;
-pub mod freeze;
+mod freeze;
 pub mod gateway;
 pub mod otlp;
 pub mod pki;
@@ -325,7 +325,7 @@ impl Service {
     /// Freezes the process for `pause` (SIGSTOP, then SIGCONT from a thread): a GC pause or a
     /// throttled pod. Returns once the process has stopped; it is killed as usual if the handle
     /// drops meanwhile, and a process that took its pid since is not resumed (see
-    /// [`freeze::freeze_child`]).
+    /// `freeze::freeze_child`).
     pub fn freeze_for(&self, pause: Duration) {
         let Some(child) = self.child.as_ref() else {
             return;

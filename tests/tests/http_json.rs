@@ -131,7 +131,7 @@ async fn wait_in_tiny_pool(
     let (url, body) = (assign_url.to_owned(), assign_body(TINY, id, 10));
     let header = format!("X-Request-Timeout: {timeout}");
     let waiting = tokio::spawn(async move { post(&url, &body, &["-H", &header]).await });
-    br_testkit::wait::eventually_some(START, &format!("{id} waits in tiny's pool"), || {
+    br_testkit::eventually_some(START, &format!("{id} waits in tiny's pool"), || {
         let m = decision.metrics();
         async move {
             let text = m.await;
@@ -537,7 +537,7 @@ async fn with_mutual_tls_the_http_port_takes_the_grpc_ports_certificates_and_rol
         a.push(format!("https://127.0.0.1:{}{path}", decision.admin_port));
         a
     };
-    br_testkit::wait::eventually_some(START, "decision is ready", || {
+    br_testkit::eventually_some(START, "decision is ready", || {
         let a = admin_args("/readyz");
         async move { (curl(a).await.status == 200).then_some(()) }
     })

@@ -153,7 +153,7 @@ fn denied(what: &str, got: Result<impl std::fmt::Debug, Status>) -> Status {
 async fn service_account_ids_get_the_roles_the_map_gives_and_no_more() {
     let pki = Pki::new();
     let sa = |ns: &str, name: &str| pki.service_account(ns, name);
-    let id = |ns: &str, name: &str| br_trust::rolemap::service_account_id(TD, ns, name);
+    let id = |ns: &str, name: &str| br_trust::service_account_id(TD, ns, name);
 
     // snapshot: the map as repeated flags
     let mut args = pki::tls_flags(&sa(NS, "br-snapshot"));

@@ -217,7 +217,7 @@ async fn a_request_without_x_request_id_is_counted_once() {
 
     // ... and sends it without X-Request-Id: the shim knows it only as cmpl-1.
     let open = stream_through(shim.grpc_port, None).await;
-    let s = br_testkit::wait::eventually_some(START, "σ shows cmpl-1", || {
+    let s = br_testkit::eventually_some(START, "σ shows cmpl-1", || {
         let snap = snap.clone();
         async move {
             let s = sigma(&snap).await;
@@ -241,7 +241,7 @@ async fn a_request_without_x_request_id_is_counted_once() {
 
     // A request that was never reserved is new load, counted once too.
     let open2 = stream_through(shim.grpc_port, None).await;
-    br_testkit::wait::eventually(START, "σ shows cmpl-2 as new load", || {
+    br_testkit::eventually(START, "σ shows cmpl-2 as new load", || {
         let snap = snap.clone();
         async move { worker0(&sigma(&snap).await).0 == 2 * (u64::from(PROMPT) + 1) }
     })
@@ -256,7 +256,7 @@ async fn a_request_without_x_request_id_is_counted_once() {
             .unwrap();
         assert!(body.contains("[DONE]"), "{body}");
     }
-    br_testkit::wait::eventually(START, "worker 0 holds nothing", || {
+    br_testkit::eventually(START, "worker 0 holds nothing", || {
         let snap = snap.clone();
         async move { sigma(&snap).await.requests.is_empty() }
     })

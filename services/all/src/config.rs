@@ -23,9 +23,6 @@ pub const DEFAULT_LISTEN: &str = br_proto::defaults::ALL_LISTEN;
 /// br-all's default admin port.
 pub const DEFAULT_ADMIN_LISTEN: &str = br_proto::defaults::ALL_ADMIN_LISTEN;
 
-/// The flags two services both define (see the module docs for which definition wins).
-pub const SHARED_SERVICE_FLAGS: [&str; 2] = ["groups", "snapshot_addr"];
-
 /// Every flag of the three services, parsed once.
 #[derive(Debug, Clone)]
 pub struct Args {
@@ -114,6 +111,9 @@ impl ServiceArgs for Args {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
+
+    /// The flags two services both define (see the module docs for which definition wins).
+    const SHARED_SERVICE_FLAGS: [&str; 2] = ["groups", "snapshot_addr"];
 
     fn parse(args: &[&str]) -> Args {
         let mut argv = vec!["br-all"];

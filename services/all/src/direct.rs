@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use br_client::watch::{WatchEvents, WatchSource};
-use br_decision::upstream::SnapshotOps;
+use br_decision::SnapshotOps;
 use br_ingest::forward::{Acks, ApplyLink, Batches, OpenError};
 use br_proto::v1;
 use br_proto::v1::snapshot_server::Snapshot as _;

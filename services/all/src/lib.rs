@@ -10,15 +10,15 @@
 //! role table, as each split service does.
 //!
 //! The components are the services' own ([`br_snapshot::component`],
-//! [`br_ingest::component`], [`br_decision::app::start_embedded`]); they talk in-process
-//! through the seams the split deployment crosses over gRPC ([`direct`]): ingest's Apply
+//! [`br_ingest::component`], [`br_decision::start_embedded`]); they talk in-process
+//! through the seams the split deployment crosses over gRPC (`direct`): ingest's Apply
 //! stream, decision's Watch followers and its Reserve/Release calls. No loopback socket is
 //! involved, and the semantics are the same code.
 //!
-//! Flags: the union of the three services' ([`config`]).
+//! Flags: the union of the three services' ([`Args`]).
 
-pub mod config;
-pub mod direct;
+mod config;
+mod direct;
 
 use std::sync::Arc;
 
@@ -66,11 +66,11 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         })
     };
     let epoch = snapshot.epoch;
-    let running = br_decision::app::start_embedded(
+    let running = br_decision::start_embedded(
         &args.decision,
         shutdown,
-        br_decision::app::Embedding {
-            upstream: br_decision::app::Upstream {
+        br_decision::Embedding {
+            upstream: br_decision::Upstream {
                 ops: local.clone(),
                 watch: local,
             },
@@ -92,7 +92,7 @@ pub async fn start(args: &Args, shutdown: CancellationToken) -> Result<Running, 
         grpc = %running.grpc_addr(),
         admin = %running.admin_addr(),
         http = ?running.http_json_addr(),
-        ext_proc = ?running.listener(br_decision::app::EXT_PROC_KEY),
+        ext_proc = ?running.listener(br_decision::EXT_PROC_KEY),
         tls = args.common.tls.enabled(),
         policy = %decision.policy.kind,
         groups = ?decision.groups,

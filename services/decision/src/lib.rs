@@ -16,24 +16,26 @@
 //!   request": every group has a complete σ and one has a live worker; it stays true through a
 //!   snapshot outage (the last σ counts), so the replica keeps answering.
 //!
-//! Modules: [`config`] (flags), [`app`] (wiring), `edge` (the front ends: gRPC handlers,
+//! Modules: `config` (flags), `app` (wiring), `edge` (the front ends: gRPC handlers,
 //! the same handlers as HTTP/JSON on `--http-listen`, the Envoy endpoint picker on
-//! `--ext-proc-listen`), `task` and `group` (the per-group state), [`upstream`]
+//! `--ext-proc-listen`), `task` and `group` (the per-group state), `upstream`
 //! (Reserve/Release client), `cancel_ack` (Cancel's RELEASED waits for the acknowledged
-//! Release), `live` (the live page on the admin port, `/live`), `metrics`, [`error`]. Only
-//! what br-all embeds is public.
+//! Release), `live` (the live page on the admin port, `/live`), `metrics`, `error`. All are
+//! private: the public surface is what the binary, br-all (which embeds the service) and the
+//! tests call, re-exported here.
 
-pub mod app;
+pub(crate) mod app;
 pub(crate) mod cancel_ack;
-pub mod config;
+pub(crate) mod config;
 pub(crate) mod edge;
-pub mod error;
+pub(crate) mod error;
 pub(crate) mod group;
 pub(crate) mod live;
 pub(crate) mod metrics;
 pub(crate) mod task;
-pub mod upstream;
+pub(crate) mod upstream;
 
-pub use app::{Groups, Running, start};
+pub use app::{EXT_PROC_KEY, Embedding, Groups, Running, Upstream, start, start_embedded};
 pub use config::{Args, DecisionConfig};
 pub use error::DecisionError;
+pub use upstream::SnapshotOps;

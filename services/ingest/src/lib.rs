@@ -13,12 +13,12 @@
 
 pub mod change;
 pub mod coalesce;
-pub mod config;
-pub mod error;
+mod config;
+mod error;
 pub mod forward;
-pub mod metrics;
-pub mod registry;
-pub mod service;
+mod metrics;
+mod registry;
+mod service;
 pub mod session;
 
 use std::collections::HashSet;

@@ -291,9 +291,11 @@ mod tests {
             a.health.engine_probe_interval,
             crate::health::DEFAULT_PROBE_INTERVAL
         );
+        // interval + timeout is the longest a frozen engine stays in routing (1.5 s, within
+        // the 2 s the shim promises)
         assert_eq!(
             a.health.engine_probe_timeout,
-            crate::health::DEFAULT_PROBE_TIMEOUT
+            std::time::Duration::from_secs(1)
         );
         assert_eq!(a.health.engine_failure_threshold, 3);
     }

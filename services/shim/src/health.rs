@@ -51,9 +51,6 @@ use crate::report::ProgressSink;
 pub const DEFAULT_PROBE_PATH: &str = "/health";
 /// Default time between two probes.
 pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(500);
-/// Default time a probe may take: interval + timeout is the longest a frozen engine stays in
-/// routing (1.5 s, within the 2 s the shim promises).
-pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default proxied upstream failures in a row that take the worker out of routing.
 pub const DEFAULT_FAILURE_THRESHOLD: u32 = 3;
 /// The first hold after a run of proxied failures; doubles on each run up to [`MAX_HOLD`].

@@ -15,23 +15,22 @@
 //!   `br_sigma::unkeyed`); `--require-request-id` refuses such requests instead.
 //! - A client that goes away, an engine error or a failed upstream call ends the request
 //!   (`finished = true`).
-//! - The engine's health ([`health`]): probes and the outcome of every proxied call decide
+//! - The engine's health (`health`): probes and the outcome of every proxied call decide
 //!   whether the worker is in routing (its telemetry stream up) and `/readyz`.
 
-pub mod app;
-pub mod config;
-pub mod health;
-pub mod metrics;
-pub mod ranks;
-pub mod report;
-pub mod sse;
-pub mod topology;
-
+mod app;
 mod body;
 mod builder;
+mod config;
+mod health;
+mod metrics;
 mod proxy;
 mod rank_router;
+mod ranks;
+mod report;
+mod sse;
 mod stream;
+mod topology;
 mod track;
 
 use std::collections::BTreeMap;
@@ -53,19 +52,19 @@ pub use app::{Running, start};
 pub use builder::{Shim, ShimError};
 pub use config::Args;
 pub use metrics::ShimMetrics;
-pub use proxy::proxy;
-pub use report::{NullSink, ProgressSink, RecordingSink, Report};
+pub(crate) use proxy::proxy;
+pub use report::{ProgressSink, RecordingSink, Report, ReporterSink};
 
-pub use config::{
+pub(crate) use config::{
     DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BUFFERED_BODY_BYTES,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
 };
 
 /// The paths whose responses carry tokens.
-pub const GENERATION_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
+pub(crate) const GENERATION_PATHS: [&str; 2] = ["/v1/completions", "/v1/chat/completions"];
 
 /// An error and its sources ("error sending request: ... Connection refused").
-pub fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(c) = src {

@@ -416,7 +416,7 @@ async fn forwards_while_ingest_is_away() {
     .await
     .unwrap();
     let registry = prometheus::Registry::new();
-    let sink = br_shim::report::ReporterSink(reporter.clone());
+    let sink = br_shim::ReporterSink(reporter.clone());
     assert!(!sink.connected());
     let shim = Arc::new(
         Shim::new(

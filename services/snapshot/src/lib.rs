@@ -1,20 +1,20 @@
 //! br-snapshot: the single writer of σ per group (see `proto/balanceroute/v1/snapshot.proto`).
 //!
-//! * [`group`]: one group's state machine (σ, bounded delta history, reservation TTLs,
+//! * `group`: one group's state machine (σ, bounded delta history, reservation TTLs,
 //!   grace-period fencing, watchers with bounded queues), without network; unit-tested.
 //! * [`writer`]: the one task that owns every group, fed by a bounded command queue.
 //! * [`service`]: the gRPC handlers (validation at the edge, then the writer).
-//! * [`metrics`], [`config`], [`error`].
+//! * [`Metrics`], [`Args`], and the service's error type.
 //!
 //! σ itself is [`br_sigma::Sigma`], the same type (and the same "apply a change"
 //! code) every watcher's replica uses, so a replica that applies the deltas in order holds the
 //! writer's σ by construction.
 
-pub mod config;
-pub mod cordons;
-pub mod error;
-pub mod group;
-pub mod metrics;
+mod config;
+mod cordons;
+mod error;
+mod group;
+mod metrics;
 pub mod service;
 #[cfg(feature = "test-util")]
 pub mod test_util;
@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::Args;
 pub use group::Settings;
+pub use metrics::Metrics;
 
 /// Largest gRPC message accepted (an Apply batch or a Reserve call).
 pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;

@@ -142,7 +142,7 @@ impl Metrics {
             )?,
             // Versions over messages is how many versions a delta message carries on average:
             // 1 when watchers keep up, more when deltas queued behind each other were merged
-            // (`group::MergedWatchQueue`), i.e. fewer messages for watchers to decode.
+            // (`group::queue::Merging`), i.e. fewer messages for watchers to decode.
             watch_delta_versions: counter(
                 &r,
                 "balanceroute_snapshot_watch_delta_versions_total",

@@ -96,7 +96,7 @@ impl Snapshot for SnapshotService {
         // over its bytes yields its overflow, which ends the stream RESOURCE_EXHAUSTED.
         // The permit goes with the stream: released when the watcher goes away or is ended.
         // Deltas queued behind each other go out merged (one message for several versions,
-        // see `group::MergedWatchQueue`); the br-all's in-process watchers read this same
+        // see `group::queue::Merging`); the br-all's in-process watchers read this same
         // stream, so they are merged alike.
         let deltas = self.metrics.watch_deltas(&group);
         let stream = rx.merging().map(move |ev| match ev {
@@ -301,7 +301,7 @@ impl SnapshotService {
                                 }
                             });
                         }
-                        Some(Err(status)) if br_runtime::oversize::is_too_large(&status) => {
+                        Some(Err(status)) if br_runtime::is_too_large(&status) => {
                             // As on Apply: a call above the decoding limit ends the stream
                             // RESOURCE_EXHAUSTED, counted.
                             this.metrics.refuse("message_too_large");
@@ -352,7 +352,7 @@ impl SnapshotService {
                 let batch = match msg {
                     Ok(Some(b)) => b,
                     Ok(None) => break,
-                    Err(status) if br_runtime::oversize::is_too_large(&status) => {
+                    Err(status) if br_runtime::is_too_large(&status) => {
                         // A batch above the decoding limit ends the stream as gRPC says:
                         // RESOURCE_EXHAUSTED (tonic reads it as OUT_OF_RANGE), counted.
                         this.metrics.refuse("message_too_large");

@@ -212,7 +212,7 @@ async fn apply_throughput_and_telemetry_to_watcher_latency() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
-    let metrics = br_snapshot::metrics::Metrics::new().unwrap();
+    let metrics = br_snapshot::Metrics::new().unwrap();
     let (writer, _task) =
         br_snapshot::writer::spawn(args.settings(), metrics.clone(), shutdown.clone());
     let svc = br_snapshot::service::SnapshotService::new(

@@ -21,7 +21,7 @@ fn tick(c: &mut Criterion) {
         let (state, pool) = steady_state(workers, 256, waiting, 42);
         for kind in [
             PolicyKind::Br0,
-            PolicyKind::BrH(br_core::policy::PredictorKind::Oracle),
+            PolicyKind::BrH(br_core::PredictorKind::Oracle),
         ] {
             let cfg = PolicyConfig::new(kind);
             group.bench_function(
@@ -61,7 +61,7 @@ fn tick(c: &mut Criterion) {
                 );
             },
         );
-        let cfg = PolicyConfig::new(PolicyKind::BrH(br_core::policy::PredictorKind::Oracle));
+        let cfg = PolicyConfig::new(PolicyKind::BrH(br_core::PredictorKind::Oracle));
         group.bench_function(
             format!("brh-oracle-uncached/G{workers}/waiting{waiting}"),
             |b| {

@@ -32,9 +32,9 @@
 
 use std::time::Instant;
 
+use br_core::PredictorKind;
 use br_core::bench_support::steady_state;
 use br_core::dispatch::{Stage2Fill, Stage2Window, dispatch_tick};
-use br_core::policy::PredictorKind;
 use br_core::predict::{Finished, Oracle, Predictor};
 use br_core::score::Margins;
 use br_core::{ClusterState, Phase, PolicyConfig, PolicyKind, RequestInfo, build_policy};

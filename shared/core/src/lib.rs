@@ -4,33 +4,33 @@
 //! services and the simulator (`br-sim`) run exactly this code, so what the simulator measures
 //! is what the control plane does.
 //!
-//! * [`state::ClusterState`]: σ(k), the per-group cluster state with incremental load
+//! * [`ClusterState`]: σ(k), the per-group cluster state with incremental load
 //!   accounting (a progress event updates `L_g`, the max and the min in O(log G)).
 //! * [`score`]: the BR-0 and BR-H F-scores (`F = −ΔI`), evaluated against per-worker margins.
-//! * [`pool::Pool`]: the central prompt pool, indexed by arrival order and by size.
+//! * [`Pool`]: the central prompt pool, indexed by arrival order and by size.
 //! * [`dispatch`]: the two-stage batch-admission dispatcher and the pool-bypass router.
 //! * [`predict`]: termination predictors for BR-H (Survival, ExactMatch, Oracle).
-//! * [`policy`]: one [`policy::Policy`] trait, the baselines used by today's routers, and a
-//!   factory that builds any policy from a [`policy::PolicyConfig`] by name.
-//! * [`step`]: the lockstep step-time model `T = a·M + b` and its online fit from telemetry.
+//! * [`Policy`]: one trait, the baselines used by today's routers, and a factory
+//!   ([`build_policy`]) that builds any policy from a [`PolicyConfig`] by name.
+//! * [`StepModel`]: the lockstep step-time model `T = a·M + b` and its online fit from telemetry.
 //! * [`stats::quantile`]: the project's one percentile definition (nearest rank), shared by
 //!   the simulator's report and everything else that needs exact order statistics.
 
 #[doc(hidden)]
 pub mod bench_support;
 pub mod dispatch;
-pub mod error;
-pub mod policy;
-pub mod pool;
+mod error;
+mod policy;
+mod pool;
 pub mod predict;
 pub mod score;
-pub mod state;
+mod state;
 pub mod stats;
-pub mod step;
+mod step;
 mod tree;
 
 pub use error::CoreError;
-pub use policy::{Mode, Policy, PolicyConfig, PolicyKind, build_policy};
+pub use policy::{Mode, Policy, PolicyConfig, PolicyKind, PredictorKind, build_policy};
 pub use pool::{Pool, PoolEntry};
 pub use state::{ClusterState, Phase, RequestInfo, WorkerInfo};
 pub use step::{StepFit, StepModel};

@@ -203,7 +203,7 @@ proptest! {
 
     #[test]
     fn dispatcher_invariants(sc in scenario(), brh in any::<bool>()) {
-        let kind = if brh { PolicyKind::BrH(br_core::policy::PredictorKind::Oracle) } else { PolicyKind::Br0 };
+        let kind = if brh { PolicyKind::BrH(br_core::PredictorKind::Oracle) } else { PolicyKind::Br0 };
         let (st, pool, out) = run(&sc, kind);
         let pool_before = sc.pool.len();
         // no request twice, every admitted request came from the pool and left it
@@ -357,7 +357,7 @@ fn oracle_predictor_is_usable_from_brh() {
         pool: vec![(100, 10), (200, 20)],
         cfg: DispatcherConfig::default(),
     };
-    let (_, pool, out) = run(&sc, PolicyKind::BrH(br_core::policy::PredictorKind::Oracle));
+    let (_, pool, out) = run(&sc, PolicyKind::BrH(br_core::PredictorKind::Oracle));
     assert!(pool.is_empty());
     assert_eq!(out.len(), 2);
     let _ = Oracle;
@@ -528,7 +528,7 @@ proptest! {
     fn a_tick_passes_over_at_most_r_max_minus_one(sc in scenario(), brh in any::<bool>()) {
         let mut sc = sc;
         sc.cfg.stage1_scope = Stage1Scope::HeadBatch;
-        let kind = if brh { PolicyKind::BrH(br_core::policy::PredictorKind::Oracle) } else { PolicyKind::Br0 };
+        let kind = if brh { PolicyKind::BrH(br_core::PredictorKind::Oracle) } else { PolicyKind::Br0 };
         let (st, pool, out) = run(&sc, kind);
         let s_tot: u32 = st.workers().iter().map(|w| w.free_slots()).sum();
         // the guard ended a worker early, or Stage 2 held one: the tick left slots empty
@@ -951,7 +951,7 @@ fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() 
             .map(|a| (a.worker, a.prompt_tokens))
             .collect::<Vec<_>>()
     };
-    let oracle = PolicyKind::BrH(br_core::policy::PredictorKind::Oracle);
+    let oracle = PolicyKind::BrH(br_core::PredictorKind::Oracle);
     assert_eq!(pick(&state(0), oracle), vec![(0, 3_800), (1, 3_100)]);
     assert_eq!(pick(&state(1), oracle), vec![(0, 3_100), (1, 3_800)]);
     // BR-0 has no horizon: the next-finish target is the load now

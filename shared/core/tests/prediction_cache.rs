@@ -6,8 +6,8 @@
 
 #![allow(clippy::unwrap_used)] // test fixtures: a panic is the failure report
 
+use br_core::PredictorKind;
 use br_core::dispatch::{DispatcherConfig, dispatch_tick};
-use br_core::policy::PredictorKind;
 use br_core::predict::{Finished, Oracle, PredictionCache, Predictor, PredictorConfig, Survival};
 use br_core::score::{HorizonParams, Margins};
 use br_core::{

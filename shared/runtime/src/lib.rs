@@ -2,14 +2,14 @@
 //!
 //! - [`config`]: clap-derive flags, each also `BALANCEROUTE_<NAME>`, plus `--config FILE`
 //!   (TOML); precedence defaults < file < env < flags; [`config::CommonArgs`] to flatten.
-//! - [`observability`]: tracing to stderr (plain/JSON, `RUST_LOG`), optional OTLP export.
+//! - `observability`: tracing to stderr (plain/JSON, `RUST_LOG`), optional OTLP export.
 //! - [`admin`]: the admin HTTP server (`/metrics`, `/livez`, `/readyz`).
 //! - [`serve`]: a tonic server with health, reflection and a graceful, bounded drain on
 //!   SIGTERM/SIGINT.
 //! - [`http_serve`]: the plain HTTP ports' accept loop (header-read timeout, graceful drain).
-//! - [`in_flight`]: a budget of partially received request messages per process and per
+//! - `in_flight`: a budget of partially received request messages per process and per
 //!   connection, and request size limits per method, on every gRPC port.
-//! - [`oversize`]: a request above the decoding limit answered RESOURCE_EXHAUSTED, not
+//! - `oversize`: a request above the decoding limit answered RESOURCE_EXHAUSTED, not
 //!   tonic's OUT_OF_RANGE.
 //! - [`error`]: one mapping from a service's error enum to a gRPC status.
 //! - [`skeleton`]: the one shape of a service (`start(&Args, shutdown) -> Result<Running,
@@ -59,11 +59,12 @@ pub mod admin;
 pub mod config;
 pub mod error;
 pub mod http_serve;
-pub mod in_flight;
-pub mod observability;
-pub mod oversize;
-pub mod readiness;
+mod in_flight;
+mod observability;
+mod oversize;
+mod readiness;
 pub mod serve;
 pub mod skeleton;
 
+pub use oversize::is_too_large;
 pub use tokio_util::sync::CancellationToken;

@@ -126,12 +126,8 @@ where
     }
 }
 
-/// The one rewrite: status 11 whose message is tonic's decode-size refusal becomes 8.
-pub fn rewrite<B>(resp: http::Response<B>) -> http::Response<B> {
-    rewrite_counted(resp).0
-}
-
-/// [`rewrite`], saying whether it rewrote.
+/// The one rewrite: status 11 whose message is tonic's decode-size refusal becomes 8; says
+/// whether it rewrote.
 fn rewrite_counted<B>(mut resp: http::Response<B>) -> (http::Response<B>, bool) {
     let headers = resp.headers();
     let out_of_range = headers
@@ -157,7 +153,7 @@ mod tests {
     use super::*;
 
     fn status_of(s: tonic::Status) -> (String, String) {
-        let r = rewrite(s.into_http::<()>());
+        let (r, _) = rewrite_counted(s.into_http::<()>());
         let h = |n: &str| {
             r.headers()
                 .get(n)

@@ -25,7 +25,7 @@
 //! is not advanced in that case. A conforming server never sends such a delta.
 //!
 //! Modules: [`types`] (workers, requests, liveness, errors), the store ([`Sigma`]), [`Batch`]
-//! (the writer's side), [`change`] (builders for the wire's changes) and [`unkeyed`] (the
+//! (the writer's side), [`change`] (builders for the wire's changes) and [`Adoptions`] (the
 //! writer's request-id rule for requests reported without the gateway's id) and [`summary`]
 //! (what operators see of σ: per-rank loads and the barrier numbers, for brctl and the live
 //! page); [`fixtures`] (tests only, or the `fixtures` feature) holds a small wire snapshot.
@@ -38,7 +38,7 @@ mod size;
 mod store;
 pub mod summary;
 mod types;
-pub mod unkeyed;
+mod unkeyed;
 
 pub use batch::Batch;
 pub use size::{DEFAULT_MAX_GROUP_REQUESTS, MAX_SNAPSHOT_MESSAGE_BYTES, max_snapshot_bytes};
@@ -58,8 +58,8 @@ pub use limits::MAX_WORKER_ID;
 pub const MAX_CARRIER_BYTES: usize = 128;
 
 // σ mirrors each group into a `br_core::ClusterState`, whose per-worker arrays hold ids below
-// `br_core::state::MAX_WORKERS`; the contract's limit must fit in it.
-const _: () = assert!(MAX_WORKER_ID < br_core::state::MAX_WORKERS);
+// `br_core::MAX_WORKERS`; the contract's limit must fit in it.
+const _: () = assert!(MAX_WORKER_ID < br_core::MAX_WORKERS);
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests may panic on purpose

@@ -1,18 +1,18 @@
 //! BalanceRoute's test kit: one of each thing the tests need, so that tests agree on what a
 //! fake server does and on how long "never" is.
 //!
-//! - [`wait`]: [`eventually`], [`eventually_some`] and [`within`]: every wait is bounded and a
+//! - [`eventually`], [`eventually_some`] and [`within`]: every wait is bounded and a
 //!   timeout panics naming what never happened. No test sleeps to synchronise.
 //! - [`net`]: servers bind `127.0.0.1:0` and report the address they got; [`net::ReservedPort`]
 //!   holds a port that refuses connections until a test starts listening on it.
-//! - [`fake_snapshot::FakeSnapshot`] and [`fake_ingest::FakeIngest`]: in-process gRPC fakes of
+//! - [`FakeSnapshot`] and [`FakeIngest`]: in-process gRPC fakes of
 //!   the Snapshot and Telemetry services that record what they receive and whose behaviour a
 //!   test sets (scripted Watch streams, Apply acks and stalls, full-state requests, killed
 //!   streams, unary handlers).
 //! - [`apply`]: one Apply stream to a real snapshot service, and telemetry change builders.
 //! - [`http`] and [`prom`]: an HTTP GET on reqwest, and a Prometheus text-format reader that
 //!   parses names, labels and values, with the metric contract (`deploy/metrics-contract.txt`).
-//! - [`proxy::FaultProxy`]: a TCP proxy that freezes (half-open) or cuts the connections
+//! - [`FaultProxy`]: a TCP proxy that freezes (half-open) or cuts the connections
 //!   through it, for connection faults between real processes.
 //!
 //! It stands on no service: a service's own test support (br-snapshot's `test_util`, feature
@@ -24,13 +24,13 @@
 use std::time::Duration;
 
 pub mod apply;
-pub mod fake_ingest;
-pub mod fake_snapshot;
+mod fake_ingest;
+mod fake_snapshot;
 pub mod http;
 pub mod net;
 pub mod prom;
-pub mod proxy;
-pub mod wait;
+mod proxy;
+mod wait;
 
 pub use fake_ingest::FakeIngest;
 pub use fake_snapshot::FakeSnapshot;

@@ -2,14 +2,14 @@
 //! (`Snapshot.ListGroups`, `Snapshot.Get`) and changes only one thing, the cordon of a rank
 //! (`Snapshot.SetCordon`); under mutual TLS it needs a certificate of role `admin`.
 //!
-//! * [`model`]: what is shown, computed from σ alone (per-rank load, imbalance, barrier idle,
+//! * `model`: what is shown, computed from σ alone (per-rank load, imbalance, barrier idle,
 //!   requests).
-//! * [`render`]: tables and JSON.
-//! * [`tui`]: `brctl watch`, a live terminal view.
+//! * `render`: tables and JSON.
+//! * `tui`: `brctl watch`, a live terminal view.
 
-pub mod model;
-pub mod render;
-pub mod tui;
+mod model;
+mod render;
+mod tui;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! [`GroupSummary`], br-sigma's, which br-decision's live page shows as well.
 
 use br_proto::v1;
-pub use br_sigma::summary::{GroupSummary, WorkerSummary, kv_tokens};
+pub use br_sigma::summary::{GroupSummary, kv_tokens};
 use serde::Serialize;
 
 fn is_reserved(r: &v1::RequestState) -> bool {

@@ -143,7 +143,7 @@ impl Ca {
         namespace: &str,
         service_account: &str,
     ) -> Result<Issued, Error> {
-        let uri = br_trust::rolemap::service_account_id(trust_domain, namespace, service_account);
+        let uri = br_trust::service_account_id(trust_domain, namespace, service_account);
         self.issue(&uri, Validity::For(DEFAULT_VALIDITY))
     }
 

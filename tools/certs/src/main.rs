@@ -26,7 +26,7 @@ struct Args {
     /// How many workers (ids 0..WORKERS).
     workers: u32,
     /// SPIFFE trust domain.
-    #[arg(long, default_value = br_trust::identity::DEFAULT_TRUST_DOMAIN)]
+    #[arg(long, default_value = br_trust::DEFAULT_TRUST_DOMAIN)]
     trust_domain: String,
     /// Reuse the CA in OUT_DIR (ca.pem + ca-key.pem) instead of making a new one, so only the
     /// leaf certificates rotate.

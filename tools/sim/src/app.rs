@@ -17,7 +17,6 @@ use crate::trace::summarize;
 mod sweep;
 
 use sweep::sweep;
-pub use sweep::{Row, average_rows, render_spread, scaling_points, steady_gap_spread};
 
 /// Steps shown in the per-worker load figure (the paper's Figure 3 shows 1,500).
 pub const LOAD_WINDOW_STEPS: usize = 1500;
@@ -288,6 +287,7 @@ fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> anyhow::Result<()>
 
 #[cfg(test)]
 mod tests {
+    use super::sweep::{Row, average_rows, scaling_points, steady_gap_spread};
     use super::*;
     use std::time::Duration;
 

@@ -53,19 +53,9 @@ pub use config::{ControlPlane, EngineConfig};
 pub use outcome::{IdleFlow, RunOutcome, SimError};
 use views::{Views, queued_info};
 
-/// Simulates one policy over `requests` (any order; arrival times `None` count as 0) with one
-/// decider.
-pub fn simulate(
-    requests: &[TraceRequest],
-    policy: &mut dyn Policy,
-    label: &str,
-    cfg: &EngineConfig,
-) -> Result<RunOutcome, SimError> {
-    simulate_deciders(requests, &mut [policy], label, cfg)
-}
-
-/// Simulates `cfg.control.deciders` deciders, one policy instance each (built from the same
-/// config; `policies.len()` must equal K).
+/// Simulates `cfg.control.deciders` deciders over `requests` (any order; arrival times `None`
+/// count as 0), one policy instance each (built from the same config; `policies.len()` must
+/// equal K).
 pub fn simulate_deciders(
     requests: &[TraceRequest],
     policies: &mut [&mut dyn Policy],

@@ -8,15 +8,17 @@
 //! - [`synth`]: seeded synthetic stand-ins for the paper's two workloads;
 //! - [`calibrate`]: least-squares fit of the step-time model from engine samples;
 //! - [`report`]: the JSON report and the printed table;
-//! - [`plot`]: SVG figures (per-worker load over steps, gain and imbalance against G);
+//! - `plot`: SVG figures (per-worker load over steps, gain and imbalance against G);
 //! - [`cli`]: the command line.
 
-pub mod app;
+mod app;
 pub mod calibrate;
 pub mod cli;
-pub mod engine;
-pub mod plot;
+mod engine;
+mod plot;
 pub mod report;
-pub mod spec;
+mod spec;
 pub mod synth;
 pub mod trace;
+
+pub use app::execute;

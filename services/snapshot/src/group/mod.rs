@@ -38,11 +38,8 @@ use tokio::time::Instant;
 
 use crate::metrics::{GroupMetrics, Metrics};
 use apply::{Arrival, Presence};
-pub use event::{Event, MERGE_MAX_CHANGES, event_bytes};
-pub use queue::{
-    Budget as WatcherBudget, MERGE_MAX_BYTES, Merging as MergedWatchQueue, Overflow,
-    Receiver as WatchQueue,
-};
+pub use event::Event;
+pub use queue::{Budget as WatcherBudget, Receiver as WatchQueue};
 use reserve::Reservations;
 use watchers::Watchers;
 
@@ -210,6 +207,7 @@ impl std::fmt::Debug for Group {
 }
 
 impl Group {
+    #[cfg(test)]
     pub fn new(
         name: &str,
         epoch: u64,
@@ -271,14 +269,11 @@ impl Group {
         &self.sigma
     }
 
-    pub fn epoch(&self) -> u64 {
-        self.sigma.epoch()
-    }
-
     pub fn version(&self) -> u64 {
         self.sigma.version()
     }
 
+    #[cfg(test)]
     pub fn watcher_count(&self) -> usize {
         self.watchers.count()
     }
@@ -290,6 +285,7 @@ impl Group {
 
     /// Applies one batch of validated telemetry changes (each with its index in the batch)
     /// from Apply stream `stream` of an unnamed ingest; see [`Group::apply_from`].
+    #[cfg(test)]
     pub fn apply(
         &mut self,
         changes: Vec<(usize, ValidTelemetryChange)>,

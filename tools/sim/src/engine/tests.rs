@@ -25,7 +25,7 @@ fn cfg(workers: u32, slots: u32, a: f64, b: f64) -> EngineConfig {
 fn sim(reqs: &[TraceRequest], policy: &str, c: &EngineConfig) -> RunOutcome {
     let spec = parse_spec(policy, 1).expect("spec");
     let mut p = br_core::build_policy(&spec.config).expect("build");
-    simulate(reqs, p.as_mut(), policy, c).expect("simulate")
+    simulate_deciders(reqs, &mut [p.as_mut()], policy, c).expect("simulate")
 }
 
 fn sim_plane(reqs: &[TraceRequest], policy: &str, c: &EngineConfig) -> RunOutcome {

@@ -1,7 +1,7 @@
 //! BR-H learns online from what σ reports finished: the prompt length and hash σ holds for the
 //! request, and its final output length; the gauges show what the predictor holds.
 
-use br_core::policy::PredictorKind;
+use br_core::PredictorKind;
 
 use super::*;
 

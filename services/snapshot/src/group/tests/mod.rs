@@ -11,6 +11,8 @@ mod props;
 mod reserve;
 mod watchers;
 
+use super::event::{MERGE_MAX_CHANGES, event_bytes};
+use super::queue::{MERGE_MAX_BYTES, Merging as MergedWatchQueue, Overflow};
 use super::*;
 use crate::wire;
 use br_core::Phase;
