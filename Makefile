@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser gateways deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke soak-smoke bench-cost bench-cost-smoke e2e-vllm vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
+.PHONY: help build run test lint fmt fmt-check clippy unit python-tests deploy-tools browser gateways deploy-check bench sim ci chaos fuzz soak flake-hunt flake-hunt-smoke soak-smoke bench-memory-return bench-cost bench-cost-smoke e2e-vllm vllm-step-model vllm-moe-live import-cycles config-reference config-reference-check
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -78,6 +78,9 @@ soak-smoke:
 		SOAK_OUT=target/soak-smoke bash scripts/soak.sh > target/soak-smoke.log 2>&1 \
 		|| { cat target/soak-smoke.log; exit 1; }
 	grep -E '^(==> probe|==> soak|  |verdict)' target/soak-smoke.log
+
+bench-memory-return: ## br-all's RSS after a load: idle, at its end, 30 and 90 s later, and when it is back within 2x of idle
+	bash scripts/bench-memory-return.sh
 
 flake-hunt: ## every test binary FLAKE_ROUNDS times (default 10), two at once: the rare failures CI meets now and then (scripts/flake-hunt.sh)
 	bash scripts/flake-hunt.sh
