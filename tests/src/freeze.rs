@@ -76,6 +76,16 @@ mod tests {
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
+    /// The tests take turns: each spawns processes, and the pid-reuse test needs the next pid
+    /// to go to the process it spawns, which a sibling test spawning at the same moment (the
+    /// harness runs them on parallel threads) took every time in 200 tries.
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn my_turn() -> std::sync::MutexGuard<'static, ()> {
+        TURN.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// A child that does nothing for a minute (killed by the test).
     fn idle() -> Child {
         Command::new("sleep")
@@ -119,6 +129,7 @@ mod tests {
     /// raced it (and a test that froze a service could still see it answer): 50 rounds.
     #[test]
     fn the_frozen_process_is_stopped_on_return_and_until_its_thaw() {
+        let _turn = my_turn();
         let mut child = idle();
         let pid = child.id();
         for round in 0..50 {
@@ -137,6 +148,7 @@ mod tests {
     /// taken it: on return no thread of a process with six busy ones may still run.
     #[test]
     fn every_thread_is_stopped_on_return() {
+        let _turn = my_turn();
         // six threads spinning in Python (the project's test tools need python3 anyway)
         let mut child = Command::new("python3")
             .args([
@@ -184,6 +196,7 @@ mod tests {
     /// and leaves the exit for the owner to reap.
     #[test]
     fn freeze_child_returns_for_a_process_that_already_exited() {
+        let _turn = my_turn();
         let mut child = Command::new("true").spawn().expect("true starts");
         let pidfd = rustix::process::pidfd_open(
             rustix::process::Pid::from_child(&child),
@@ -205,6 +218,7 @@ mod tests {
 
     #[test]
     fn a_thaw_after_the_process_was_reaped_sends_nothing() {
+        let _turn = my_turn();
         let mut child = idle();
         let (thaw, at_thaw) = std::sync::mpsc::channel();
         let done = freeze_child(&child, at_thaw);
@@ -221,6 +235,7 @@ mod tests {
     /// and fails when `BR_REQUIRE_PID_REUSE=1` (CI) says it must run.
     #[test]
     fn a_thaw_never_resumes_a_process_that_took_the_frozen_ones_pid() {
+        let _turn = my_turn();
         const NS_LAST_PID: &str = "/proc/sys/kernel/ns_last_pid";
         let mut frozen = idle();
         let pid = frozen.id();
