@@ -12,6 +12,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, Hash};
+#[cfg(feature = "trim-task")]
 use std::time::{Duration, Instant};
 
 /// Below this capacity a map or queue is left as it is: shrinking would save little and cost a
