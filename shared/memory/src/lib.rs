@@ -27,22 +27,25 @@ pub const SHRINK_MIN_CAPACITY: usize = 4096;
 /// grows again, which removals can leave below its table's size, so this errs toward keeping
 /// a table.)
 pub fn shrink_sparse_map<K: Eq + Hash, V, S: BuildHasher>(map: &mut HashMap<K, V, S>) -> bool {
-    let (len, cap) = (map.len(), map.capacity());
-    if cap > SHRINK_MIN_CAPACITY && len < cap / 4 {
-        map.shrink_to(2 * len);
-        return true;
+    let sparse = is_sparse(map.len(), map.capacity());
+    if sparse {
+        map.shrink_to(2 * map.len());
     }
-    false
+    sparse
 }
 
 /// [`shrink_sparse_map`] for a queue.
 pub fn shrink_sparse_queue<T>(queue: &mut VecDeque<T>) -> bool {
-    let (len, cap) = (queue.len(), queue.capacity());
-    if cap > SHRINK_MIN_CAPACITY && len < cap / 4 {
-        queue.shrink_to(2 * len);
-        return true;
+    let sparse = is_sparse(queue.len(), queue.capacity());
+    if sparse {
+        queue.shrink_to(2 * queue.len());
     }
-    false
+    sparse
+}
+
+/// The one rule for both: above the minimum capacity, under a quarter used.
+fn is_sparse(len: usize, capacity: usize) -> bool {
+    capacity > SHRINK_MIN_CAPACITY && len < capacity / 4
 }
 
 /// Asks glibc's malloc to return the free pages of every arena to the system. Returns whether
