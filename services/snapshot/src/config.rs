@@ -71,7 +71,9 @@ pub struct Args {
     pub history: usize,
 
     /// Encoded bytes of the deltas kept per group for resumption (with --history, whichever
-    /// is reached first); a watcher resuming from before them gets a snapshot.
+    /// is reached first); above 1 MiB the history is also held to twice the size of σ's
+    /// snapshot, since catching up from further back would cost more than a snapshot. A
+    /// watcher resuming from before the deltas kept gets a snapshot.
     #[arg(long, env = "BALANCEROUTE_HISTORY_BYTES", default_value_t = DEFAULT_HISTORY_BYTES)]
     pub history_bytes: usize,
 

@@ -20,6 +20,30 @@ use super::event::{Event, MERGE_MAX_CHANGES, delta_of, event_bytes, merge};
 use super::queue::{self, Push};
 use crate::metrics::GroupMetrics;
 
+/// History the worth rule below never cuts: a watcher back within a moment always resumes
+/// from deltas, whatever σ's size.
+const HISTORY_FLOOR_BYTES: usize = 1 << 20;
+/// How often the size of a snapshot of σ is estimated for the worth rule while the history
+/// is over its floor (an estimate walks every request).
+const SNAPSHOT_ESTIMATE_EVERY: Duration = Duration::from_secs(1);
+
+/// About the encoded bytes of σ's snapshot: each request's id plus its fixed fields, each
+/// worker's endpoint and carrier plus its fixed fields (tags, lengths and varints of typical
+/// size; `snapshot_estimate_is_close_to_the_encoded_snapshot` checks it).
+pub(super) fn snapshot_estimate(sigma: &Sigma) -> usize {
+    const REQUEST_FIXED: usize = 32;
+    const WORKER_FIXED: usize = 32;
+    let requests: usize = sigma
+        .requests()
+        .map(|r| r.id.as_str().len() + REQUEST_FIXED)
+        .sum();
+    let workers: usize = sigma
+        .workers()
+        .map(|w| w.endpoint.len() + w.carrier.len() + WORKER_FIXED)
+        .sum();
+    sigma.group().len() + 32 + requests + workers
+}
+
 struct WatcherSlot {
     tx: queue::Sender,
     /// Its queue overflowed: deltas are dropped for it until it has room for a reset and a
@@ -39,6 +63,9 @@ pub(super) struct Watchers {
     history_max_bytes: usize,
     /// The encoded bytes of `history`.
     history_bytes: usize,
+    /// The last [`snapshot_estimate`] and when it was made (see [`Watchers::history_worth`]).
+    snapshot_bytes: usize,
+    estimated_at: Option<Instant>,
     /// Events queued per watcher before it lags.
     queue: usize,
     /// Bytes queued per watcher before it is ended.
@@ -62,6 +89,8 @@ impl Watchers {
             history_age: settings.history_age,
             history_max_bytes: settings.history_bytes,
             history_bytes: 0,
+            snapshot_bytes: 0,
+            estimated_at: None,
             queue: settings.watcher_queue,
             queue_bytes: settings.watcher_queue_bytes,
             budget: Arc::clone(&settings.watcher_budget),
@@ -161,6 +190,7 @@ impl Watchers {
     /// What time does to watchers: lagging ones that have room again are reset, a progress
     /// mark goes out when nothing was sent for the progress interval, closed ones are dropped.
     pub(super) fn tick(&mut self, sigma: &Sigma, metrics: &GroupMetrics, now: Instant) {
+        self.estimate_snapshot(sigma, now);
         self.age_history(now);
         self.serve_lagging(sigma, metrics);
         if now.saturating_duration_since(self.last_sent) >= self.progress_interval {
@@ -187,12 +217,49 @@ impl Watchers {
         self.history_bytes += event_bytes(ev);
         self.history.push_back(ev.clone());
         self.history_at.push_back(now);
+        self.trim_history();
+    }
+
+    fn trim_history(&mut self) {
+        let max_bytes = self.history_max_bytes.min(self.history_worth());
         while self.history.len() > self.history_len
-            || (self.history.len() > 1 && self.history_bytes > self.history_max_bytes)
+            || (self.history.len() > 1 && self.history_bytes > max_bytes)
         {
             if !self.drop_oldest() {
                 break;
             }
+        }
+    }
+
+    /// The history worth keeping, in bytes: at most twice a snapshot of σ (and never less
+    /// than [`HISTORY_FLOOR_BYTES`]). A watcher resuming from further back would be sent more
+    /// than a snapshot costs (deltas merge, but progress of the same requests over and over
+    /// merges down to about a snapshot's size at best), so a snapshot serves it as well, and
+    /// under a heavy writer of a small σ the history is then a second or so of deltas instead
+    /// of `--history-bytes` held for `--history-age`.
+    /// Unbounded until σ's size was first estimated.
+    fn history_worth(&self) -> usize {
+        match self.estimated_at {
+            Some(_) => HISTORY_FLOOR_BYTES.max(self.snapshot_bytes.saturating_mul(2)),
+            None => usize::MAX,
+        }
+    }
+
+    /// Refreshes the snapshot-size estimate while the history nears its floor (at most
+    /// every [`SNAPSHOT_ESTIMATE_EVERY`]) and trims the history to what it is worth. (Near,
+    /// not over: a history held at the floor by an old estimate of a σ that has grown since
+    /// must be looked at again.)
+    fn estimate_snapshot(&mut self, sigma: &Sigma, now: Instant) {
+        if self.history_bytes < HISTORY_FLOOR_BYTES / 2 {
+            return;
+        }
+        let due = self
+            .estimated_at
+            .is_none_or(|at| now.saturating_duration_since(at) >= SNAPSHOT_ESTIMATE_EVERY);
+        if due {
+            self.snapshot_bytes = snapshot_estimate(sigma);
+            self.estimated_at = Some(now);
+            self.trim_history();
         }
     }
 

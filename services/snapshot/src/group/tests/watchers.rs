@@ -379,3 +379,115 @@ fn the_history_is_bounded_in_bytes_and_a_watcher_from_before_it_gets_a_snapshot(
     assert!(matches!(evs[0].kind, Some(Ev::Reset(_))), "{evs:?}");
     assert!(matches!(evs[1].kind, Some(Ev::Snapshot(_))), "{evs:?}");
 }
+
+/// `n` progress changes for requests `from..from + n` spread over workers 0..8, with ids of
+/// about 100 bytes (as gateways' UUID-and-path ids are).
+fn long_id_progress(from: usize, n: usize, generated: u32) -> Vec<v1::TelemetryChange> {
+    (from..from + n)
+        .map(|i| {
+            let id = format!("{i:08}-{}", "x".repeat(92));
+            prog((i % 8) as u32, 10, &id, 10, generated, false)
+        })
+        .collect()
+}
+
+fn held(g: &Group) -> usize {
+    g.watchers.history.iter().map(event_bytes).sum()
+}
+
+#[test]
+fn snapshot_estimate_is_close_to_the_encoded_snapshot() {
+    let (mut g, now) = group();
+    let hellos = (0..8).map(|w| hello(w, 10, 4096)).collect();
+    g.apply_msgs(1, hellos, S1, now, 0);
+    for (i, n) in [(0, 10), (10, 500), (510, 5000)] {
+        g.apply_msgs(i as u64 + 2, long_id_progress(i, n, 7), S1, now, 0);
+        let exact = event_bytes(&Event::Snapshot(Arc::new(g.sigma().to_snapshot())));
+        let estimate = super::super::watchers::snapshot_estimate(g.sigma());
+        assert!(
+            exact * 4 / 5 <= estimate && estimate <= exact * 5 / 4,
+            "{} requests: estimate {estimate}, encoded {exact}",
+            g.sigma().request_count()
+        );
+    }
+}
+
+#[test]
+fn a_heavy_writer_of_a_small_sigma_keeps_no_more_history_than_the_floor() {
+    // 32 MiB and no age allowed, as the defaults' bounds would let a burst hold: the history
+    // is held to what is worth more than a snapshot instead.
+    let (mut g, t0) = group_with(Settings {
+        history: 1_000_000,
+        history_bytes: 32 << 20,
+        history_age: Duration::ZERO,
+        ..settings()
+    });
+    let hellos = (0..8).map(|w| hello(w, 10, 4096)).collect();
+    g.apply_msgs(1, hellos, S1, t0, 0);
+    let first = g.sigma().version();
+    let mut most = 0;
+    // 16 requests progressing 4,000 times: about 7 MiB of deltas over a σ of 2 KiB.
+    for i in 0..4000u64 {
+        let now = t0 + Duration::from_millis(i);
+        g.apply_msgs(i + 2, long_id_progress(0, 16, i as u32 + 1), S1, now, 0);
+        if i % 10 == 0 {
+            g.tick(now);
+        }
+        most = most.max(held(&g));
+    }
+    let one_delta = event_bytes(g.watchers.history.back().unwrap());
+    assert!(
+        most <= (1 << 20) + 1000 * one_delta,
+        "{most} bytes of history at most (deltas of {one_delta})"
+    );
+    assert!(
+        held(&g) <= 1 << 20,
+        "{} bytes of history at the end",
+        held(&g)
+    );
+    assert!(
+        held(&g) >= (1 << 20) - 2 * one_delta,
+        "the floor is kept: {}",
+        held(&g)
+    );
+    // Within what is kept: deltas; from before it: a reset and a snapshot.
+    let recent = g.sigma().version() - 100;
+    let mut w = g.subscribe(g.sigma().epoch(), recent);
+    assert!(matches!(drain(&mut w)[0].kind, Some(Ev::Delta(_))));
+    let mut w = g.subscribe(g.sigma().epoch(), first);
+    let evs = drain(&mut w);
+    assert!(matches!(evs[0].kind, Some(Ev::Reset(_))), "{evs:?}");
+    assert!(matches!(evs[1].kind, Some(Ev::Snapshot(_))), "{evs:?}");
+}
+
+#[test]
+fn a_large_sigma_keeps_history_up_to_twice_its_snapshot() {
+    let (mut g, t0) = group_with(Settings {
+        history: 1_000_000,
+        history_bytes: 32 << 20,
+        history_age: Duration::ZERO,
+        ..settings()
+    });
+    let hellos = (0..8).map(|w| hello(w, 10, 4096)).collect();
+    g.apply_msgs(1, hellos, S1, t0, 0);
+    // 16,000 requests (a snapshot of about 2 MiB), then their progress, 100 at a time.
+    let mut seq = 2;
+    for from in (0..16_000).step_by(500) {
+        g.apply_msgs(seq, long_id_progress(from, 500, 1), S1, t0, 0);
+        seq += 1;
+    }
+    for round in 0..4u32 {
+        for from in (0..16_000).step_by(100) {
+            let now = t0 + Duration::from_millis(seq);
+            g.apply_msgs(seq, long_id_progress(from, 100, round + 2), S1, now, 0);
+            g.tick(now);
+            seq += 1;
+        }
+    }
+    let snapshot = event_bytes(&Event::Snapshot(Arc::new(g.sigma().to_snapshot())));
+    let kept = held(&g);
+    assert!(
+        kept > snapshot && kept <= 2 * snapshot * 5 / 4,
+        "{kept} bytes of history for a snapshot of {snapshot}"
+    );
+}
