@@ -4,8 +4,12 @@
 //! pages freed below a live allocation stay resident. br-all after 10 s of 5,000 Assign/s and
 //! 100,000 progress events/s held 64.7 MiB 35 s later, of which 6.9 MiB was in use
 //! (`malloc_stats`); one `malloc_trim(0)` brought it to 21.8 MiB. [`spawn_periodic_trim`]
-//! calls it on a timer (`--memory-trim-interval`), on a blocking thread: glibc walks and
-//! locks each arena in turn, so allocating threads wait for that arena's part of the walk.
+//! calls it on a timer (`--memory-trim-interval`, off by default), on a blocking thread: glibc
+//! walks and locks each arena in turn, so allocating threads wait for that arena's part of the
+//! walk. That wait is usually milliseconds (1-7 ms under 5,000 Assign/s), but a trim returns
+//! pages one `madvise` at a time, and beside two busy vLLM CPU engines on a 2-vCPU VM trims
+//! took 5-25 s: the process stood still that long (its telemetry streams timed out). So it is
+//! opt-in, for hosts where the logged durations stay short.
 //!
 //! Elsewhere (musl, macOS, or a process on another global allocator such as br-snapshot's
 //! mimalloc, which returns freed pages itself) the trim does nothing.

@@ -157,9 +157,12 @@ pub struct CommonArgs {
     pub max_in_flight_message_bytes_per_connection: usize,
 
     /// How often the process gives the system back memory its allocator holds free (glibc's
-    /// malloc_trim; after a load, freed pages otherwise stay resident for good). 0 turns it
-    /// off.
-    #[arg(long, env = "BALANCEROUTE_MEMORY_TRIM_INTERVAL", value_parser = humantime::parse_duration, default_value = "10s")]
+    /// malloc_trim; after a load, freed pages otherwise stay resident for good). 0 (the
+    /// default) turns it off: a trim holds each allocator arena while it returns pages, and
+    /// beside busy vLLM CPU engines on a 2-vCPU VM one took 5-25 s, stalling the whole process
+    /// that long. Turn it on only where a trim is seen to stay short (its duration is logged
+    /// at debug level by br_memory).
+    #[arg(long, env = "BALANCEROUTE_MEMORY_TRIM_INTERVAL", value_parser = humantime::parse_duration, default_value = "0s")]
     pub memory_trim_interval: Duration,
 
     /// Mutual TLS and the plaintext-on-loopback default (see br-trust).
