@@ -89,8 +89,8 @@ class Gateway:
         events = sse_events(raw) if body.get("stream") else [json.loads(raw)] if status == 200 else []
         return Answer(rid, a.worker_id, a.incarnation, status, raw, events)
 
-    def open_stream(self, path: str, body: dict) -> "Stream":
-        rid, a = self.assign(path, body)
+    def open_stream(self, path: str, body: dict, timeout: float = 60.0) -> "Stream":
+        rid, a = self.assign(path, body, timeout=timeout)
         return Stream(self.http, a, rid, a.endpoint + path, {"model": MODEL_NAME, **body})
 
 
@@ -103,7 +103,19 @@ class Stream:
         self._cm = http.stream("POST", url, json=body, headers={"X-Request-Id": rid})
         self.response = self._cm.__enter__()
         self._chunks: Iterator[bytes] = self.response.iter_raw()
-        self.raw = b""
+        # A bytearray: appending to bytes copies the whole stream per chunk, which for a
+        # 20,000-token stream is gigabytes of copying on the cores the engines need.
+        self._buf = bytearray()
+
+    @property
+    def raw(self) -> bytes:
+        """What the client has read so far."""
+        return bytes(self._buf)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the client has read the stream's end (`data: [DONE]`)."""
+        return self._buf.endswith(b"data: [DONE]\n\n")
 
     @property
     def worker_id(self) -> int:
@@ -111,12 +123,12 @@ class Stream:
 
     def read_events(self, n: int) -> None:
         """Reads until at least `n` SSE events have arrived."""
-        while self.raw.count(b"\n\n") < n:
-            self.raw += next(self._chunks)
+        while self._buf.count(b"\n\n") < n:
+            self._buf += next(self._chunks)
 
     def finish(self) -> bytes:
         for c in self._chunks:
-            self.raw += c
+            self._buf += c
         self.close()
         return self.raw
 
@@ -124,7 +136,7 @@ class Stream:
         """Reads what arrives until the stream ends or `stop` is set, then goes away (the
         connection is closed by the thread that reads it)."""
         for c in self._chunks:
-            self.raw += c
+            self._buf += c
             if stop.is_set():
                 break
         self.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 
 import pytest
 
@@ -23,10 +23,13 @@ RANKS = ["--worker-ids", "0-1", "--dp-rank-header", "X-data-parallel-rank"]
 # server was seen to hand the shim a stream's first events 9-14 s after the engine had started
 # generating, by which time 7,000 tokens were done.
 ABANDONED_TOKENS = 30000
-# Tokens each stream of the quiet-point test asks for: 8 of them take the two ranks 100 s or
-# more, so the pause lands while every one still runs even when the machine stalls for the
-# 10-27 s seen while vLLM runs data parallel on two cores.
-QUIET_POINT_TOKENS = 20000
+# Tokens each stream of the quiet-point test asks for (the server allows 32,768 with the
+# prompt): 8 of them take the two ranks minutes. Some may still finish before the pause when
+# the machine stalls (processes on these VMs were seen standing still for 10-45 s while vLLM
+# runs data parallel on two cores), so the comparison counts the streams still running and
+# needs at least QUIET_POINT_RUNNING of them.
+QUIET_POINT_TOKENS = 30000
+QUIET_POINT_RUNNING = 4
 
 
 @pytest.fixture(scope="module")
@@ -204,57 +207,69 @@ def test_sigma_agrees_with_vllm_at_a_quiet_point(stack):
     reqs = workload.mixed(8, seed=3, lengths=(QUIET_POINT_TOKENS,))
 
     def opened(req):
-        st = s.gateway.open_stream(*req)
+        # A deadline that outlasts a machine stall and the worker's return to routing after it.
+        st = s.gateway.open_stream(*req, timeout=180)
         st.read_events(2)
         return st
 
     stop = threading.Event()
     paused = False
-    with ThreadPoolExecutor(len(reqs)) as ex:
-        # Opened side by side: vLLM's API server, short of CPU beside two busy engines, was
-        # seen to take 10-70 s to start each stream, so streams opened one after another
-        # start minutes apart.
-        streams = list(ex.map(opened, reqs))
-        placed = {r: sum(1 for st in streams if st.worker_id == r) for r in (0, 1)}
+    reading = []
+    # Two workers per stream: one opens it, one reads it.
+    with ThreadPoolExecutor(2 * len(reqs)) as ex:
         try:
+            # Opened side by side: vLLM's API server, short of CPU beside two busy engines, was
+            # seen to take 10-70 s to start each stream, so streams opened one after another
+            # start minutes apart. Each is read from the moment it opens, as a gateway reads
+            # it: a stream left unread backs up into the shim, which then sees no engine bytes
+            # and cannot tell a busy engine that answers its probes late from a frozen one.
+            streams = []
+            for f in as_completed([ex.submit(opened, r) for r in reqs]):
+                st = f.result()
+                streams.append(st)
+                reading.append(ex.submit(st.read_until, stop))
             assert httpx.post(f"{base}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
             paused = True
-            # The clients keep reading, so every token the engine made before the pause
-            # reaches the shim and σ.
-            reading = [ex.submit(st.read_until, stop) for st in streams]
             cfg = next(dict(l) for (n, l) in vllm_metrics(s) if n == "vllm:cache_config_info")
             block, kv_size = int(cfg["block_size"]), int(cfg["kv_cache_size_tokens"])
 
             def agree():
+                # The streams still running: the clients keep reading, so every token the
+                # engine made before the pause (a stream's end, too) reaches them, the shim
+                # and σ.
+                running_streams = {r: sum(1 for st in streams if st.worker_id == r and not st.finished)
+                                   for r in (0, 1)}
                 w = workers(s.grpc, s.group)
                 m = vllm_metrics(s)
                 running = per_engine(m, "vllm:num_requests_running")
                 waiting = per_engine(m, "vllm:num_requests_waiting")
                 kv = per_engine(m, "vllm:kv_cache_usage_perc")
-                rows = {r: (w[r]["running"] + w[r]["reserved"], running.get(r, 0) + waiting.get(r, 0),
+                rows = {r: (running_streams[r], w[r]["running"] + w[r]["reserved"],
+                            running.get(r, 0) + waiting.get(r, 0),
                             w[r]["load_tokens"], round(kv.get(r, 0) * kv_size)) for r in (0, 1)}
-                # Every request is still running: none can finish before the pause lands.
                 ok = all(
-                    rows[r][0] == rows[r][1] == placed[r]
+                    rows[r][0] == rows[r][1] == rows[r][2]
                     # vLLM holds whole blocks: each request's last block is partly filled.
-                    and rows[r][3] - block * rows[r][0] <= rows[r][2] <= rows[r][3]
+                    and rows[r][4] - block * rows[r][1] <= rows[r][3] <= rows[r][4]
                     for r in (0, 1)
                 )
-                assert ok, f"per rank (σ running, vLLM running+waiting, σ KV, vLLM KV): {rows}"
+                assert ok, ("per rank (streams running, σ running, vLLM running+waiting, σ KV, "
+                            f"vLLM KV): {rows}")
                 return rows
 
-            rows = wait_until(agree, 30, f"σ and vLLM to agree per rank ({placed} placed)",
-                              every=0.25)
-            print(f"quiet point, per rank (σ running, vLLM running+waiting, σ KV tokens, "
-                  f"vLLM KV tokens): {rows}")
+            # Long enough for a machine stall to pass while the readers catch up.
+            rows = wait_until(agree, 120, "σ and vLLM to agree per rank", every=0.25)
+            print(f"quiet point, per rank (streams running, σ running, vLLM running+waiting, "
+                  f"σ KV tokens, vLLM KV tokens): {rows}")
+            ran = rows[0][0] + rows[1][0]
+            assert ran >= QUIET_POINT_RUNNING, \
+                f"only {ran} of {len(streams)} streams still ran at the pause: too few to compare"
         finally:
             stop.set()
             if paused:
                 assert httpx.post(f"{base}/resume", timeout=60).status_code == 200
         for f in reading:
             f.result(timeout=120)
-    assert all(not st.raw.endswith(b"data: [DONE]\n\n") for st in streams), \
-        "a stream finished: it was too short to be held by the pause"
     wait_until(lambda: sigma_empty(s), 60, "σ to hold no request once every client went away")
 
 
