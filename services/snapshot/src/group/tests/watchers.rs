@@ -370,11 +370,16 @@ fn the_history_is_bounded_in_bytes_and_a_watcher_from_before_it_gets_a_snapshot(
     let kept = g.watchers.history.len();
     assert!(held <= 4096, "{held} bytes of history");
     assert!(kept > 1 && kept < 200, "{kept} deltas kept");
-    // From a version still held: deltas; from before them: a reset and a snapshot.
     let recent = g.sigma().version() - 1;
-    let mut w = g.subscribe(g.sigma().epoch(), recent);
+    resumes_from_deltas_kept_and_resets_before(&mut g, recent, first);
+}
+
+/// A watcher from `kept` (a version still in the history) gets deltas; one from `before` (a
+/// version before it) gets a reset and a snapshot.
+fn resumes_from_deltas_kept_and_resets_before(g: &mut Group, kept: u64, before: u64) {
+    let mut w = g.subscribe(g.sigma().epoch(), kept);
     assert!(matches!(drain(&mut w)[0].kind, Some(Ev::Delta(_))));
-    let mut w = g.subscribe(g.sigma().epoch(), first);
+    let mut w = g.subscribe(g.sigma().epoch(), before);
     let evs = drain(&mut w);
     assert!(matches!(evs[0].kind, Some(Ev::Reset(_))), "{evs:?}");
     assert!(matches!(evs[1].kind, Some(Ev::Snapshot(_))), "{evs:?}");
@@ -389,6 +394,20 @@ fn long_id_progress(from: usize, n: usize, generated: u32) -> Vec<v1::TelemetryC
             prog((i % 8) as u32, 10, &id, 10, generated, false)
         })
         .collect()
+}
+
+/// A group of 8 workers whose history only the worth rule bounds: 32 MiB and no age, as the
+/// defaults' bounds would let a burst hold.
+fn eight_workers_history_unbounded() -> (Group, Instant) {
+    let (mut g, t0) = group_with(Settings {
+        history: 1_000_000,
+        history_bytes: 32 << 20,
+        history_age: Duration::ZERO,
+        ..settings()
+    });
+    let hellos = (0..8).map(|w| hello(w, 10, 4096)).collect();
+    g.apply_msgs(1, hellos, S1, t0, 0);
+    (g, t0)
 }
 
 fn held(g: &Group) -> usize {
@@ -414,16 +433,7 @@ fn snapshot_estimate_is_close_to_the_encoded_snapshot() {
 
 #[test]
 fn a_heavy_writer_of_a_small_sigma_keeps_no_more_history_than_the_floor() {
-    // 32 MiB and no age allowed, as the defaults' bounds would let a burst hold: the history
-    // is held to what is worth more than a snapshot instead.
-    let (mut g, t0) = group_with(Settings {
-        history: 1_000_000,
-        history_bytes: 32 << 20,
-        history_age: Duration::ZERO,
-        ..settings()
-    });
-    let hellos = (0..8).map(|w| hello(w, 10, 4096)).collect();
-    g.apply_msgs(1, hellos, S1, t0, 0);
+    let (mut g, t0) = eight_workers_history_unbounded();
     let first = g.sigma().version();
     let mut most = 0;
     // 16 requests progressing 4,000 times: about 7 MiB of deltas over a σ of 2 KiB.
@@ -450,26 +460,13 @@ fn a_heavy_writer_of_a_small_sigma_keeps_no_more_history_than_the_floor() {
         "the floor is kept: {}",
         held(&g)
     );
-    // Within what is kept: deltas; from before it: a reset and a snapshot.
     let recent = g.sigma().version() - 100;
-    let mut w = g.subscribe(g.sigma().epoch(), recent);
-    assert!(matches!(drain(&mut w)[0].kind, Some(Ev::Delta(_))));
-    let mut w = g.subscribe(g.sigma().epoch(), first);
-    let evs = drain(&mut w);
-    assert!(matches!(evs[0].kind, Some(Ev::Reset(_))), "{evs:?}");
-    assert!(matches!(evs[1].kind, Some(Ev::Snapshot(_))), "{evs:?}");
+    resumes_from_deltas_kept_and_resets_before(&mut g, recent, first);
 }
 
 #[test]
 fn a_large_sigma_keeps_history_up_to_twice_its_snapshot() {
-    let (mut g, t0) = group_with(Settings {
-        history: 1_000_000,
-        history_bytes: 32 << 20,
-        history_age: Duration::ZERO,
-        ..settings()
-    });
-    let hellos = (0..8).map(|w| hello(w, 10, 4096)).collect();
-    g.apply_msgs(1, hellos, S1, t0, 0);
+    let (mut g, t0) = eight_workers_history_unbounded();
     // 16,000 requests (a snapshot of about 2 MiB), then their progress, 100 at a time.
     let mut seq = 2;
     for from in (0..16_000).step_by(500) {
