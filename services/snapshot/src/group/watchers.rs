@@ -24,7 +24,7 @@ use crate::metrics::GroupMetrics;
 /// from deltas, whatever σ's size.
 const HISTORY_FLOOR_BYTES: usize = 1 << 20;
 /// How often the size of a snapshot of σ is estimated for the worth rule while the history
-/// is over its floor (an estimate walks every request).
+/// nears its floor (an estimate walks every request).
 const SNAPSHOT_ESTIMATE_EVERY: Duration = Duration::from_secs(1);
 
 /// About the encoded bytes of σ's snapshot: each request's id plus its fixed fields, each
@@ -236,8 +236,8 @@ impl Watchers {
     /// than a snapshot costs (deltas merge, but progress of the same requests over and over
     /// merges down to about a snapshot's size at best), so a snapshot serves it as well, and
     /// under a heavy writer of a small σ the history is then a second or so of deltas instead
-    /// of `--history-bytes` held for `--history-age`.
-    /// Unbounded until σ's size was first estimated.
+    /// of `--history-bytes` held for `--history-age`. Unbounded until σ's size was first
+    /// estimated.
     fn history_worth(&self) -> usize {
         match self.estimated_at {
             Some(_) => HISTORY_FLOOR_BYTES.max(self.snapshot_bytes.saturating_mul(2)),
