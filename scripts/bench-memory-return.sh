@@ -7,7 +7,10 @@
 # load with its ratio to idle, and how long RSS took to come within 2x of idle.
 #
 # Environment: MEM_RATE, MEM_EVENTS, MEM_LOAD, MEM_IDLE, MEM_AFTER, MEM_ARGS (extra br-all
-# flags, e.g. "--answered-ttl 1s"), BENCH_SKIP_BUILD=1, MEM_OUT (target/bench-memory-return).
+# flags, e.g. "--answered-ttl 1s"), MEM_ENV (extra environment for br-all alone, e.g. another
+# allocator: "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2
+# MALLOC_CONF=background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0" with Debian's
+# libjemalloc2 installed), BENCH_SKIP_BUILD=1, MEM_OUT (target/bench-memory-return).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,13 +32,14 @@ if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
 fi
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 
+[ -n "${MEM_ENV:-}" ] && echo "br-all's extra environment: $MEM_ENV"
 echo "machine: $(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo), $(nproc) cores;" \
     "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)');" \
     "$(date -u '+%Y-%m-%d %H:%M UTC'); load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
 free_ports 2 A
-# shellcheck disable=SC2086 # MEM_ARGS is split on purpose
-start br-all "$BIN/br-all" --listen "127.0.0.1:$A" --admin-listen "127.0.0.1:$((A + 1))" \
+# shellcheck disable=SC2086 # MEM_ENV and MEM_ARGS are split on purpose
+start br-all env ${MEM_ENV:-} "$BIN/br-all" --listen "127.0.0.1:$A" --admin-listen "127.0.0.1:$((A + 1))" \
     --policy br0 --groups default ${MEM_ARGS:-}
 PID=$LAST_PID
 wait_http "http://127.0.0.1:$((A + 1))/livez" br-all
