@@ -64,8 +64,7 @@ pub(super) struct Watchers {
     /// The encoded bytes of `history`.
     history_bytes: usize,
     /// The last [`snapshot_estimate`] and when it was made (see [`Watchers::history_worth`]).
-    snapshot_bytes: usize,
-    estimated_at: Option<Instant>,
+    estimate: Option<(usize, Instant)>,
     /// Events queued per watcher before it lags.
     queue: usize,
     /// Bytes queued per watcher before it is ended.
@@ -89,8 +88,7 @@ impl Watchers {
             history_age: settings.history_age,
             history_max_bytes: settings.history_bytes,
             history_bytes: 0,
-            snapshot_bytes: 0,
-            estimated_at: None,
+            estimate: None,
             queue: settings.watcher_queue,
             queue_bytes: settings.watcher_queue_bytes,
             budget: Arc::clone(&settings.watcher_budget),
@@ -239,10 +237,9 @@ impl Watchers {
     /// of `--history-bytes` held for `--history-age`. Unbounded until σ's size was first
     /// estimated.
     fn history_worth(&self) -> usize {
-        match self.estimated_at {
-            Some(_) => HISTORY_FLOOR_BYTES.max(self.snapshot_bytes.saturating_mul(2)),
-            None => usize::MAX,
-        }
+        self.estimate.map_or(usize::MAX, |(bytes, _)| {
+            HISTORY_FLOOR_BYTES.max(bytes.saturating_mul(2))
+        })
     }
 
     /// Refreshes the snapshot-size estimate while the history nears its floor (at most
@@ -254,11 +251,10 @@ impl Watchers {
             return;
         }
         let due = self
-            .estimated_at
-            .is_none_or(|at| now.saturating_duration_since(at) >= SNAPSHOT_ESTIMATE_EVERY);
+            .estimate
+            .is_none_or(|(_, at)| now.saturating_duration_since(at) >= SNAPSHOT_ESTIMATE_EVERY);
         if due {
-            self.snapshot_bytes = snapshot_estimate(sigma);
-            self.estimated_at = Some(now);
+            self.estimate = Some((snapshot_estimate(sigma), now));
             self.trim_history();
         }
     }
