@@ -1,10 +1,9 @@
 //! `br-snapshot`: see the library docs and `br-snapshot --help`.
 
-// glibc's malloc kept what watchers that went away had held (150 MiB still resident after
-// 512 of them closed, docs/design/0017-slow-watchers.md); mimalloc returns freed pages to the
-// system.
+// jemalloc with br-memory's settings: memory freed after a load goes back to the system within
+// seconds, from jemalloc's own thread (see br_memory).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: br_memory::Allocator = br_memory::Allocator;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {

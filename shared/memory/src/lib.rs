@@ -1,23 +1,26 @@
-//! Memory a load took, given back once it is over.
+//! The allocator every service runs on, and tables that give back what a burst made them hold.
 //!
-//! glibc's malloc returns freed memory to the system only from the top of each arena's heap;
-//! pages freed below a live allocation stay resident. br-all after 10 s of 5,000 Assign/s and
-//! 100,000 progress events/s held 64.7 MiB 35 s later, of which 6.9 MiB was in use
-//! (`malloc_stats`); one `malloc_trim(0)` brought it to 21.8 MiB. [`spawn_periodic_trim`]
-//! calls it on a timer (`--memory-trim-interval`, off by default), on a blocking thread: glibc
-//! walks and locks each arena in turn, so allocating threads wait for that arena's part of the
-//! walk. That wait is usually milliseconds (1-7 ms under 5,000 Assign/s), but a trim returns
-//! pages one `madvise` at a time, and beside two busy vLLM CPU engines on a 2-vCPU VM trims
-//! took 5-25 s: the process stood still that long (its telemetry streams timed out). So it is
-//! opt-in, for hosts where the logged durations stay short.
+//! glibc's malloc returns freed memory to the system only from the top of each arena's heap:
+//! after 10 s of 5,000 Assign/s and 100,000 progress events/s, br-all held 42 MiB 90 s later
+//! with 12 MiB idle, most of it free pages below a few live allocations. Its `malloc_trim`
+//! gives them back, but it holds each arena while it returns pages one `madvise` at a time,
+//! and beside busy vLLM CPU engines on a 2-vCPU VM one took 5-25 s, standing the process
+//! still that long (docs/design/0020-no-trim-by-default.md). jemalloc returns dirty pages from
+//! its own background thread as they age ([`MALLOC_CONF`]), without holding up the threads that
+//! allocate. Each service binary declares it:
 //!
-//! Elsewhere (musl, macOS, or a process on another global allocator such as br-snapshot's
-//! mimalloc, which returns freed pages itself) the trim does nothing.
+//! ```text
+//! #[global_allocator]
+//! static ALLOCATOR: br_memory::Allocator = br_memory::Allocator;
+//! ```
+//!
+//! and logs [`settings`] at start, which reads back what jemalloc runs with.
+//!
+//! A table keeps the capacity of its largest moment whatever the allocator;
+//! [`shrink_sparse_map`] and [`shrink_sparse_queue`] give it back once a burst is over.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, Hash};
-#[cfg(feature = "trim-task")]
-use std::time::{Duration, Instant};
 
 /// Below this capacity a map or queue is left as it is: shrinking would save little and cost a
 /// rehash on every swing of a small load.
@@ -52,47 +55,70 @@ fn is_sparse(len: usize, capacity: usize) -> bool {
     capacity > SHRINK_MIN_CAPACITY && len < capacity / 4
 }
 
-/// Asks glibc's malloc to return the free pages of every arena to the system. Returns whether
-/// it gave anything back; always false where there is no glibc.
-pub fn give_back() -> bool {
-    trim()
+pub use tikv_jemallocator::Jemalloc as Allocator;
+
+/// jemalloc's settings, read by jemalloc when it starts (before `main`), under the symbol
+/// prefix tikv-jemalloc-sys builds it with. `_RJEM_MALLOC_CONF` in the environment overrides
+/// any of them.
+/// - `background_thread:true`: dirty pages are purged by jemalloc's own thread, not by
+///   whichever thread frees next.
+/// - `dirty_decay_ms:1000`: a freed page goes back to the system about a second after it was
+///   last used (jemalloc's default is 10 s). Measured on br-all under 5,000 Assign/s +
+///   100,000 events/s: CPU per call did not rise (docs/design/0021-jemalloc.md).
+/// - `muzzy_decay_ms:0`: returned pages are unmapped (`MADV_DONTNEED`), not left for the
+///   kernel to take when it wants (`MADV_FREE`), so RSS shows what the process holds.
+/// - `abort_conf:true`: a setting jemalloc does not know (a typo in the variable above) stops
+///   the process at start instead of being ignored.
+#[allow(unsafe_code, non_upper_case_globals)]
+// SAFETY: jemalloc declares `const char *malloc_conf` (weak) and reads it once at its start;
+// this is a NUL-terminated, immutable, 'static string, which is all it requires.
+#[unsafe(export_name = "_rjem_malloc_conf")]
+pub static MALLOC_CONF: &[u8; 76] =
+    b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,abort_conf:true\0";
+
+/// What the process's jemalloc runs with, read back through `mallctl`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Whether jemalloc is the process's allocator (it has handed out memory).
+    pub in_use: bool,
+    /// Whether its background thread purges (`background_thread`).
+    pub background_thread: bool,
+    pub dirty_decay_ms: isize,
+    pub muzzy_decay_ms: isize,
+    /// Bytes the process has allocated and not freed.
+    pub allocated: usize,
+    /// Bytes in pages jemalloc holds resident (what it would give back is `resident -
+    /// allocated`, less its own metadata).
+    pub resident: usize,
 }
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-#[allow(unsafe_code)]
-fn trim() -> bool {
-    // SAFETY: malloc_trim takes no pointers and has no caller-side invariants; glibc locks
-    // each arena while it trims it, so it is safe beside any other allocator call.
-    unsafe { libc::malloc_trim(0) == 1 }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() -> bool {
-    false
-}
-
-/// Trims every `interval` (none when it is zero) until the runtime shuts down.
-#[cfg(feature = "trim-task")]
-pub fn spawn_periodic_trim(interval: Duration) {
-    if interval.is_zero() {
-        return;
-    }
-    tokio::spawn(async move {
-        let mut every = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            every.tick().await;
-            let started = Instant::now();
-            match tokio::task::spawn_blocking(give_back).await {
-                Ok(released) => tracing::debug!(
-                    released,
-                    took_us = started.elapsed().as_micros() as u64,
-                    "malloc_trim"
-                ),
-                Err(_) => return, // the runtime is shutting down
-            }
-        }
-    });
+/// Reads jemalloc's settings and statistics.
+pub fn settings() -> Result<Settings, String> {
+    use tikv_jemalloc_ctl::{background_thread, epoch, raw, stats};
+    // Naming the string here keeps it in the link: an exported static in a library that no
+    // code refers to may be dropped with its object file, and jemalloc would start on its
+    // defaults.
+    std::hint::black_box(MALLOC_CONF.as_ptr());
+    let err = |what: &str, e: tikv_jemalloc_ctl::Error| format!("jemalloc {what}: {e}");
+    epoch::advance().map_err(|e| err("epoch", e))?;
+    #[allow(unsafe_code)]
+    // SAFETY: both options are `ssize_t` in jemalloc (`opt.dirty_decay_ms`, `opt.muzzy_decay_ms`),
+    // read into an `isize`; the names are NUL-terminated.
+    let (dirty_decay_ms, muzzy_decay_ms) = unsafe {
+        (
+            raw::read::<isize>(b"opt.dirty_decay_ms\0").map_err(|e| err("dirty_decay_ms", e))?,
+            raw::read::<isize>(b"opt.muzzy_decay_ms\0").map_err(|e| err("muzzy_decay_ms", e))?,
+        )
+    };
+    let allocated = stats::allocated::read().map_err(|e| err("stats.allocated", e))?;
+    Ok(Settings {
+        in_use: allocated > 0,
+        background_thread: background_thread::read().map_err(|e| err("background_thread", e))?,
+        dirty_decay_ms,
+        muzzy_decay_ms,
+        allocated,
+        resident: stats::resident::read().map_err(|e| err("stats.resident", e))?,
+    })
 }
 
 #[cfg(test)]
@@ -133,21 +159,38 @@ mod tests {
         assert!(q.capacity() < 1000);
     }
 
+    // The test binary runs on the allocator the services run on.
+    #[global_allocator]
+    static ALLOCATOR: Allocator = Allocator;
+
     #[test]
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    fn memory_freed_below_a_live_allocation_comes_back() {
-        // Many small blocks, then one kept at the top so glibc cannot shrink the heap from
-        // its end: freeing the others leaves their pages resident until a trim.
-        let blocks: Vec<Vec<u8>> = (0..64 * 1024).map(|i| vec![i as u8; 1000]).collect();
+    fn jemalloc_runs_with_the_settings_the_services_declare() {
+        let s = settings().unwrap();
+        assert!(s.in_use, "{s:?}");
+        assert!(s.background_thread, "{s:?}");
+        assert_eq!((s.dirty_decay_ms, s.muzzy_decay_ms), (1000, 0), "{s:?}");
+    }
+
+    #[test]
+    fn memory_freed_below_a_live_allocation_comes_back_within_seconds() {
+        // Many small blocks, then one kept after them so an allocator that returns memory
+        // only from the top of its heap (glibc's) cannot give theirs back.
+        let blocks: Vec<Vec<u8>> = (0..128 * 1024).map(|i| vec![i as u8; 1000]).collect();
         let pin = vec![1u8; 1000];
         let held = rss_kib().unwrap();
         drop(blocks);
-        let freed = rss_kib().unwrap();
-        assert!(give_back(), "malloc_trim gave nothing back");
-        let after = rss_kib().unwrap();
+        // jemalloc purges pages a second after their last use, from its own thread; give it
+        // ten times that before calling the memory kept.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut after = rss_kib().unwrap();
+        while after + 64 * 1024 > held && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            after = rss_kib().unwrap();
+        }
         assert!(
-            after + 32 * 1024 < freed,
-            "RSS {held} KiB held, {freed} KiB after free, {after} KiB after the trim"
+            after + 64 * 1024 <= held,
+            "RSS {held} KiB with the blocks, {after} KiB 10 s after they were freed ({:?})",
+            settings()
         );
         drop(pin);
     }

@@ -156,15 +156,6 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_MAX_IN_FLIGHT_MESSAGE_BYTES_PER_CONNECTION", default_value_t = crate::in_flight::DEFAULT_CONNECTION_BYTES)]
     pub max_in_flight_message_bytes_per_connection: usize,
 
-    /// How often the process gives the system back memory its allocator holds free (glibc's
-    /// malloc_trim; after a load, freed pages otherwise stay resident for good). 0 (the
-    /// default) turns it off: a trim holds each allocator arena while it returns pages, and
-    /// beside busy vLLM CPU engines on a 2-vCPU VM one took 5-25 s, stalling the whole process
-    /// that long. Turn it on only where a trim is seen to stay short (its duration is logged
-    /// at debug level by br_memory).
-    #[arg(long, env = "BALANCEROUTE_MEMORY_TRIM_INTERVAL", value_parser = humantime::parse_duration, default_value = "0s")]
-    pub memory_trim_interval: Duration,
-
     /// Mutual TLS and the plaintext-on-loopback default (see br-trust).
     #[command(flatten)]
     pub tls: br_trust::TlsArgs,
@@ -210,9 +201,6 @@ impl Validate for CommonArgs {
         }
         if !(1..=1_000_000).contains(&self.max_connections) {
             return Err("--max-connections must be in 1..=1000000".into());
-        }
-        if self.memory_trim_interval > Duration::from_secs(3600) {
-            return Err("--memory-trim-interval must be at most 1h".into());
         }
         if !(1..=1_000_000).contains(&self.max_connections_per_peer) {
             return Err("--max-connections-per-peer must be in 1..=1000000".into());

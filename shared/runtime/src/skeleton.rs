@@ -165,8 +165,8 @@ fn temp_path(path: &Path) -> PathBuf {
 ///
 /// It parses the flags (clap, `BALANCEROUTE_*` variables, `--config` TOML; a bad configuration
 /// exits with 2), initialises logging and tracing, cancels the shutdown token on the first
-/// SIGTERM or SIGINT, starts the service, gives memory freed by a load back to the system every
-/// `--memory-trim-interval` (br-memory), writes `--ready-file`, logs the bound addresses
+/// SIGTERM or SIGINT, logs the allocator's settings (br-memory), starts the service, writes
+/// `--ready-file`, logs the bound addresses
 /// (unless the service logged its own start-up line: [`Running::announced`]) and waits. Exit
 /// code: 0 after a drain (even one cut short by the grace period), 2 if the service refused
 /// its configuration at start ([`StartError::Config`]) or found it wrong later
@@ -192,6 +192,16 @@ where
             return ExitCode::FAILURE;
         }
     };
+    match br_memory::settings() {
+        Ok(s) if s.in_use => tracing::debug!(
+            background_thread = s.background_thread,
+            dirty_decay_ms = s.dirty_decay_ms,
+            muzzy_decay_ms = s.muzzy_decay_ms,
+            "allocator: jemalloc"
+        ),
+        Ok(_) => tracing::debug!("allocator: not jemalloc"),
+        Err(e) => tracing::warn!("allocator: {e}"),
+    }
     let shutdown = crate::serve::shutdown_on_signal();
     let running = match start(&args, shutdown.clone()).await {
         Ok(r) => r,
@@ -204,7 +214,6 @@ where
             };
         }
     };
-    br_memory::spawn_periodic_trim(common.memory_trim_interval);
     let addrs = running.addrs();
     if let Some(path) = &common.ready_file
         && let Err(e) = write_ready_file(path, &addrs)
