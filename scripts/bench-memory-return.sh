@@ -7,10 +7,9 @@
 # load with its ratio to idle, and how long RSS took to come within 2x of idle.
 #
 # Environment: MEM_RATE, MEM_EVENTS, MEM_LOAD, MEM_IDLE, MEM_AFTER, MEM_ARGS (extra br-all
-# flags, e.g. "--answered-ttl 1s"), MEM_ENV (extra environment for br-all alone, e.g. another
-# allocator: "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2
-# MALLOC_CONF=background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0" with Debian's
-# libjemalloc2 installed), BENCH_SKIP_BUILD=1, MEM_OUT (target/bench-memory-return).
+# flags, e.g. "--answered-ttl 1s"), MEM_ENV (extra environment for br-all alone, e.g. other
+# allocator settings: "_RJEM_MALLOC_CONF=dirty_decay_ms:10000"), BENCH_SKIP_BUILD=1, MEM_OUT
+# (target/bench-memory-return).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,4 +67,8 @@ echo "load: $RATE Assign/s + $EVENTS progress events/s for ${LOAD}s ($(grep -m1 
 echo "br-all RSS: idle $(mib "$idle"), peak $(mib "$peak"), at the load's end $(mib "$end")," \
     "30 s after $(mib "${at30:-$final}") ($(awk -v a="${at30:-$final}" -v i="$idle" 'BEGIN { printf "%.2fx", a / i }') idle)," \
     "${AFTER} s after $(mib "$final")"
-echo "within 2x of idle: ${within:+$within s after the load}${within:-not within ${AFTER} s}"
+if [ -n "$within" ]; then
+    echo "within 2x of idle: $within s after the load"
+else
+    echo "within 2x of idle: not within ${AFTER} s"
+fi

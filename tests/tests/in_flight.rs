@@ -3,8 +3,9 @@
 //! sending most of a 3.9 MiB message and never finishing it. Measured before the budget
 //! (docs/design/0014-in-flight-bytes.md): each stream made the server hold its message, 64
 //! of them took br-all above 250 MB. Now the process holds at most its in-flight budget, the
-//! refusals are counted, and a normal Assign (a small message, never held partial) is served
-//! during the attack.
+//! refusals are counted, a normal Assign (a small message, never held partial) is served
+//! during the attack, and once the attacker goes the memory goes back to the system (within 2x
+//! of the idle RSS within 30 s: the allocator's background purge, not a trim someone calls).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -29,6 +30,8 @@ const DECLARED: usize = 4_089_446; // 3.9 MiB
 const SENT: usize = 3_984_588; // 3.8 MiB
 /// The bound asked of the process while it is attacked.
 const RSS_LIMIT_BYTES: u64 = 150 << 20;
+/// How soon after the attacker has gone the process must be back within 2x of its idle RSS.
+const GIVEN_BACK_WITHIN: Duration = Duration::from_secs(30);
 
 /// How one attacking stream ended up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,6 +174,22 @@ async fn attack_and_assign(all: &Service, path: &str, request_id: &str) -> usize
         .expect("Assign during the attack");
     assert_eq!(answer.into_inner().worker_id, 0);
     drop(held);
+
+    // What the attack made the process hold goes back once the attacker has gone.
+    eventually(
+        GIVEN_BACK_WITHIN,
+        &format!(
+            "{path}: br-all's RSS back within 2x of its idle {} MiB (under attack {} MiB)",
+            idle >> 20,
+            rss >> 20
+        ),
+        || async { rss_bytes(pid) <= 2 * idle },
+    )
+    .await;
+    eprintln!(
+        "{path}: {} MiB once the attacker had gone",
+        rss_bytes(pid) >> 20
+    );
     outcomes.len() - holding
 }
 

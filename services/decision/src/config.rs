@@ -29,7 +29,7 @@ pub const DEFAULT_GROUPS: &str = "default";
 pub const DEFAULT_TICK_INTERVAL: &str = "20ms";
 pub const DEFAULT_TICK_MIN_INTERVAL: &str = "1ms";
 pub const DEFAULT_MAX_POOL: usize = 16_384;
-pub const DEFAULT_ANSWERED_TTL: &str = "60s";
+pub const DEFAULT_ANSWERED_TTL: &str = "20s";
 pub const DEFAULT_ANSWERED_MAX: usize = 262_144;
 pub const DEFAULT_MAX_WAIT: &str = "30s";
 pub const DEFAULT_RESERVE_TIMEOUT: &str = "1s";
@@ -86,7 +86,11 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_MAX_POOL", default_value_t = DEFAULT_MAX_POOL)]
     pub max_pool: usize,
 
-    /// How long an answer is remembered for idempotent retries (at least the reservation TTL).
+    /// How long an answer is remembered for idempotent retries. A retry also gets the same
+    /// answer while σ holds the request (reserved, then running), so this needs to cover a
+    /// reservation that has not shown in σ's telemetry yet: at least the snapshot service's
+    /// `--reservation-ttl` (10 s); the default is twice that. Each remembered answer costs
+    /// about 370 bytes (100,000 of them at 5,000 Assign/s).
     #[arg(long, env = "BALANCEROUTE_ANSWERED_TTL", value_parser = humantime::parse_duration, default_value = DEFAULT_ANSWERED_TTL)]
     pub answered_ttl: Duration,
 
@@ -562,7 +566,7 @@ mod tests {
         assert_eq!(c.ticks.interval, Duration::from_millis(20));
         assert_eq!(c.ticks.min_interval, Duration::from_millis(1));
         assert_eq!(c.group.max_pool, DEFAULT_MAX_POOL);
-        assert_eq!(c.group.answered_ttl, Duration::from_secs(60));
+        assert_eq!(c.group.answered_ttl, Duration::from_secs(20));
         assert_eq!(c.policy.dispatcher, DispatcherConfig::default());
         assert_eq!(c.policy.horizon, HorizonParams::default());
         assert_eq!(c.group.adopt_grace, Duration::from_secs(10));

@@ -69,7 +69,7 @@ impl GroupCore {
     /// (a hit is then confirmed in the delta), or the delta's ids looked up among the requests
     /// by id. The pool is small (a request waits for one tick) while a delta carries a
     /// progress report of most running requests, and the requests by id also hold every
-    /// answered one kept for retries (some 300k at 5k Assign/s with `--answered-ttl 60s`):
+    /// answered one kept for retries (some 100k at 5k Assign/s with `--answered-ttl 20s`):
     /// looking each report's id up there, and then in σ, cost a cold string comparison or
     /// two per progress event: 3% of br-all's samples under 100k events/s
     /// (docs/benchmarks.md).

@@ -104,7 +104,7 @@ impl Default for GroupConfig {
     fn default() -> Self {
         GroupConfig {
             max_pool: 65_536,
-            answered_ttl: Duration::from_secs(60),
+            answered_ttl: Duration::from_secs(20),
             answered_max: 262_144,
             max_inflight_reserves: 2,
             local_ttl: Duration::from_secs(60),
