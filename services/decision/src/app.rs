@@ -276,11 +276,21 @@ async fn start_with(
         None => None,
         Some(addr) => {
             let listener = crate::edge::http::bind(&args.common, &edge, addr).await?;
+            // The gRPC ports' budget: one bound on the bytes still arriving, whichever port
+            // they come through (br-all's too: it starts here). `Edge::load` always makes one;
+            // without it the flags would still bound this port, as `GrpcServer` does its own.
+            let in_flight = edge.in_flight_budget().unwrap_or_else(|| {
+                Arc::new(br_runtime::InFlightBudget::new(
+                    args.common.max_in_flight_message_bytes,
+                    args.common.max_in_flight_message_bytes_per_connection,
+                ))
+            });
             let router = crate::edge::http::router(
                 svc.clone(),
                 metrics.clone(),
                 crate::edge::http::Authz::of(&edge),
                 cfg.max_wait,
+                in_flight,
             );
             Some((listener, router))
         }

@@ -17,6 +17,8 @@ use br_proto::v1::telemetry_change::Kind as T;
 use br_testkit::apply::{ApplyStream, change};
 use br_testkit::http::{get as http_get, metrics};
 use br_testkit::{eventually, eventually_some};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -881,6 +883,148 @@ async fn the_live_api_serves_a_bounded_history_of_sigma() {
     assert_eq!(groups["groups"][0]["group"], GROUP);
     assert_eq!(groups["groups"][0]["now"]["ranks"], 3, "{groups}");
     assert_eq!(groups["sample_interval_ms"], 100);
+    d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+/// A raw HTTP/1.1 `POST /v1/assign` to the HTTP/JSON port declaring a `declared`-byte body,
+/// of which `sent` bytes go out with the head in one write; the connection is returned open.
+async fn partial_assign(addr: SocketAddr, declared: usize, sent: usize) -> TcpStream {
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    c.write_all(
+        format!(
+            "POST /v1/assign HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+             content-length: {declared}\r\n\r\n{}",
+            " ".repeat(sent)
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    c
+}
+
+/// Reads the HTTP/1.1 response on `c`: its status and its body (by its `content-length`).
+async fn read_response(c: &mut TcpStream) -> (u16, String) {
+    let read = async {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let n = c.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before a response head: {buf:?}");
+            buf.extend_from_slice(&chunk[..n]);
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+        let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().unwrap())
+            })
+            .expect("a content-length");
+        while buf.len() < head_end + length {
+            let n = c.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before the end of the body");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let body = String::from_utf8_lossy(&buf[head_end..head_end + length]).into_owned();
+        (status, body)
+    };
+    tokio::time::timeout(WAIT, read).await.expect("a response")
+}
+
+/// The process's bytes of unfinished request messages and bodies (the in-flight gauge).
+async fn in_flight_bytes(d: &Running) -> f64 {
+    metrics(d.admin_addr())
+        .await
+        .value("balanceroute_decision_in_flight_message_bytes", &[])
+}
+
+/// Bodies still arriving on the HTTP/JSON port are charged to the process's in-flight budget,
+/// the gRPC ports' own: past it a body is refused 429 RESOURCE_EXHAUSTED and counted with the
+/// gRPC refusals, a small Assign is placed all the same, and the stalled clients' charges come
+/// back when they go away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_bodies_still_arriving_are_bounded_by_the_in_flight_budget() {
+    const BUDGET: &str = "131072";
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(1, 8).await;
+    let extra = [
+        "--http-listen",
+        "127.0.0.1:0",
+        "--max-in-flight-message-bytes",
+        BUDGET,
+        "--max-in-flight-message-bytes-per-connection",
+        BUDGET,
+        // the stalled bodies must outlast the test, not time out (408) half-way
+        "--max-wait",
+        "600s",
+    ];
+    let d = start_decision(&snap.url(), PolicyKind::Br0, &extra).await;
+    ready(&d).await;
+    let http = d.http_json_addr().unwrap();
+
+    // two bodies declaring 60,000 bytes fit in 128 KiB, each charged its whole length
+    let mut stalled = Vec::new();
+    for n in 1..=2u32 {
+        stalled.push(partial_assign(http, 60_000, 40_000).await);
+        let want = 60_000.0 * f64::from(n);
+        eventually(WAIT, &format!("{want} bytes held"), || async {
+            in_flight_bytes(&d).await == want
+        })
+        .await;
+    }
+    let mut third = partial_assign(http, 60_000, 40_000).await;
+    let (status, body) = read_response(&mut third).await;
+    assert_eq!(status, 429, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["code"], "RESOURCE_EXHAUSTED", "{body}");
+    assert!(
+        v["message"].as_str().unwrap().contains("process's budget"),
+        "{body}"
+    );
+    let m = metrics(d.admin_addr()).await;
+    assert_eq!(
+        m.value(
+            "balanceroute_decision_in_flight_refusals_total",
+            &[("scope", "process")]
+        ),
+        1.0
+    );
+    assert_eq!(in_flight_bytes(&d).await, 120_000.0);
+
+    // a small Assign, whole in one write, is placed however full the budget is
+    let json = r#"{"group":"g","request_id":"small","prompt_tokens":10}"#;
+    let mut c = TcpStream::connect(http).await.unwrap();
+    c.write_all(
+        format!(
+            "POST /v1/assign HTTP/1.1\r\nhost: {http}\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{json}",
+            json.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let (status, body) = read_response(&mut c).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["worker_id"],
+        0
+    );
+
+    drop(stalled);
+    drop(third);
+    eventually(WAIT, "every charge given back", || async {
+        in_flight_bytes(&d).await == 0.0
+    })
+    .await;
     d.stop().await.unwrap();
     snap.kill().await;
 }

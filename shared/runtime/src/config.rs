@@ -146,9 +146,10 @@ pub struct CommonArgs {
     pub max_streams_per_connection: u32,
 
     /// Most bytes of unfinished request messages (sent in part, their last byte still to come)
-    /// the process holds across its gRPC ports; a call whose message would pass it is refused
-    /// RESOURCE_EXHAUSTED. A message that arrives whole in one read (every small call) is not
-    /// counted, so it is served however full the budget is.
+    /// the process holds across its gRPC ports and br-decision's HTTP/JSON port; a call whose
+    /// message would pass it is refused RESOURCE_EXHAUSTED (429 on HTTP/JSON). A message that
+    /// arrives whole in one read (every small call) is not counted, so it is served however
+    /// full the budget is.
     #[arg(long, env = "BALANCEROUTE_MAX_IN_FLIGHT_MESSAGE_BYTES", default_value_t = crate::in_flight::DEFAULT_PROCESS_BYTES)]
     pub max_in_flight_message_bytes: usize,
 

@@ -17,6 +17,10 @@
 //! The same reading refuses a message whose header declares more than its method's limit
 //! ([`MessageLimits`]) with tonic's own OUT_OF_RANGE "decoded message length too large", which
 //! [`crate::oversize`] answers as RESOURCE_EXHAUSTED and counts, as it does tonic's refusal.
+//!
+//! A port that is not gRPC (br-decision's HTTP/JSON request bodies) charges the same budget
+//! through [`InFlightBudget::try_hold`]: its unfinished bodies would otherwise be a second way
+//! to make the process hold bytes, unbounded beside the gRPC ports' bounded one.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -61,7 +65,7 @@ impl Scope {
 pub type RefusalHook = Arc<dyn Fn(Scope) + Send + Sync>;
 
 /// The bytes of unfinished messages the process and each connection may hold. One per
-/// process, shared by all its gRPC ports.
+/// process, shared by all its gRPC ports and its HTTP/JSON request bodies.
 pub struct InFlightBudget {
     process_limit: usize,
     connection_limit: usize,
@@ -73,7 +77,9 @@ pub struct InFlightBudget {
     on_change: Option<Arc<dyn Fn(usize) + Send + Sync>>,
 }
 
-type ConnectionKey = (Option<SocketAddr>, Option<SocketAddr>);
+/// A connection as the budget tells them apart: its local and its remote address (a peer may
+/// reach two ports of the process from one address, and those are two connections).
+pub type ConnectionKey = (Option<SocketAddr>, Option<SocketAddr>);
 
 impl std::fmt::Debug for InFlightBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -111,6 +117,23 @@ impl InFlightBudget {
     /// Bytes of unfinished messages held now, across the process.
     pub fn held(&self) -> usize {
         self.held.load(Ordering::Relaxed)
+    }
+
+    /// Charges `bytes` to `connection` and the process (both or neither), refused and counted
+    /// as a gRPC message's charge is; the guard gives them back when dropped, so a body whose
+    /// reader is dropped half-way (a timeout, a client gone) cannot leave its charge behind.
+    pub fn try_hold(
+        self: &Arc<Self>,
+        connection: ConnectionKey,
+        bytes: usize,
+    ) -> Result<Held, Scope> {
+        let mut charge = Charge {
+            budget: Arc::clone(self),
+            connection,
+            bytes: 0,
+        };
+        charge.hold(bytes)?;
+        Ok(Held(charge))
     }
 
     /// Charges `bytes` to the connection and the process, or neither.
@@ -389,6 +412,26 @@ impl Charge {
 impl Drop for Charge {
     fn drop(&mut self) {
         self.budget.release(&self.connection, self.bytes);
+    }
+}
+
+/// Bytes held against the budget by [`InFlightBudget::try_hold`]; given back when dropped.
+pub struct Held(Charge);
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("connection", &self.0.connection)
+            .field("bytes", &self.0.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Held {
+    /// Holds exactly `bytes` from now on (a body charged as it grows): charges what is more
+    /// than it holds, gives back what is less. Refused, it keeps what it held.
+    pub fn try_set(&mut self, bytes: usize) -> Result<(), Scope> {
+        self.0.hold(bytes)
     }
 }
 

@@ -66,5 +66,8 @@ mod readiness;
 pub mod serve;
 pub mod skeleton;
 
+// What a port that is not gRPC needs to charge the process's budget of unfinished request
+// bytes (br-decision's HTTP/JSON bodies); the gRPC layer itself stays inside.
+pub use in_flight::{ConnectionKey, Held, InFlightBudget, Scope};
 pub use oversize::is_too_large;
 pub use tokio_util::sync::CancellationToken;

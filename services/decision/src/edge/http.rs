@@ -14,6 +14,10 @@
 //! optional field must not be silently dropped). Errors are
 //! `{"code": "INVALID_ARGUMENT", "message": "..."}` with grpc-gateway's HTTP status for the
 //! code ([`error::http_status`]).
+//!
+//! A body still arriving is charged to the process's budget of unfinished request bytes, the
+//! one its gRPC ports charge their messages to ([`br_runtime::InFlightBudget`]); see
+//! `budget::charged`.
 
 use std::io;
 use std::net::SocketAddr;
@@ -26,6 +30,7 @@ use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use br_proto::v1;
 use br_proto::v1::decision_server::Decision as _;
+use br_runtime::InFlightBudget;
 use br_runtime::config::CommonArgs;
 use br_runtime::http_serve::{HttpServing, serve_http};
 use br_runtime::serve::{ServeOutcome, TLS_HANDSHAKE_TIMEOUT};
@@ -44,11 +49,13 @@ use tokio_util::sync::CancellationToken;
 use crate::edge::grpc::{DecisionService, parse_grpc_timeout};
 use crate::metrics::{Metrics, ROUTE_ASSIGN, ROUTE_CANCEL, ROUTE_OTHER};
 
+mod budget;
 mod deadline;
 mod error;
 mod json;
 mod listener;
 
+use budget::BodyBudget;
 pub use deadline::{deadline_of, format_grpc_timeout};
 pub use error::JsonError;
 pub use json::{AssignJson, AssignJsonResponse, CancelJson};
@@ -92,21 +99,25 @@ struct JsonState {
     metrics: Metrics,
     authz: Option<Authz>,
     max_wait: Duration,
+    in_flight: Arc<InFlightBudget>,
 }
 
 /// The routes, for [`serve`] (which gives every request its connection's [`JsonPeer`] as
-/// `ConnectInfo`).
+/// `ConnectInfo`). Bodies still arriving are charged to `in_flight`: the process's one budget,
+/// the gRPC ports' ([`Edge::in_flight_budget`]).
 pub fn router(
     svc: DecisionService,
     metrics: Metrics,
     authz: Option<Authz>,
     max_wait: Duration,
+    in_flight: Arc<InFlightBudget>,
 ) -> Router {
     Router::new().fallback(handle).with_state(JsonState {
         svc,
         metrics,
         authz,
         max_wait,
+        in_flight,
     })
 }
 
@@ -219,6 +230,14 @@ fn admit(
     Ok((identity, timeout))
 }
 
+/// Where `peer`'s body is charged.
+fn body_budget(s: &JsonState, peer: &JsonPeer) -> BodyBudget {
+    BodyBudget {
+        budget: s.in_flight.clone(),
+        connection: (Some(peer.local), Some(peer.addr)),
+    }
+}
+
 /// A tonic request carrying what the gRPC port's layers would have put there: the deadline
 /// as `grpc-timeout` and the caller's identity.
 fn grpc_request<T>(
@@ -242,7 +261,7 @@ fn grpc_request<T>(
 async fn assign(s: &JsonState, peer: &JsonPeer, req: Request) -> Result<Response, JsonError> {
     let (identity, timeout) = admit(s, peer, &req, GRPC_ASSIGN)?;
     let started = Instant::now();
-    let body: AssignJson = json_body(req, timeout).await?;
+    let body: AssignJson = json_body(req, timeout, body_budget(s, peer)).await?;
     let left = timeout.saturating_sub(started.elapsed());
     if left.is_zero() {
         return Err(tonic::Status::deadline_exceeded("the deadline passed").into());
@@ -255,7 +274,7 @@ async fn assign(s: &JsonState, peer: &JsonPeer, req: Request) -> Result<Response
 async fn cancel(s: &JsonState, peer: &JsonPeer, req: Request) -> Result<Response, JsonError> {
     let (identity, timeout) = admit(s, peer, &req, GRPC_CANCEL)?;
     let deadline = Instant::now() + timeout;
-    let body: CancelJson = json_body(req, timeout).await?;
+    let body: CancelJson = json_body(req, timeout, body_budget(s, peer)).await?;
     let req = grpc_request(body.into_proto(), identity, None)?;
     // Cancel has no deadline of its own on the gRPC port (tonic's would cut it); here the
     // handler is the only one that can.

@@ -105,3 +105,41 @@ fn the_budget_refuses_past_either_limit_and_counts_by_scope() {
         vec![Scope::Connection, Scope::Process]
     );
 }
+
+#[test]
+fn a_held_charge_grows_is_refused_by_scope_and_is_given_back_when_dropped() {
+    let refused = Arc::new(Mutex::new(Vec::new()));
+    let gauge = Arc::new(AtomicUsize::new(usize::MAX));
+    let (seen, shown) = (refused.clone(), gauge.clone());
+    let budget = Arc::new(InFlightBudget::new(100, 60).with_hooks(
+        Some(Arc::new(move |s| seen.lock().unwrap().push(s))),
+        Some(Arc::new(move |b| shown.store(b, Ordering::Relaxed))),
+    ));
+    let port: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+    let a: ConnectionKey = (Some(port), Some("127.0.0.1:1".parse().unwrap()));
+    let b: ConnectionKey = (Some(port), Some("127.0.0.1:2".parse().unwrap()));
+    let mut a1 = budget.try_hold(a, 50).unwrap();
+    assert_eq!((budget.held(), gauge.load(Ordering::Relaxed)), (50, 50));
+    assert_eq!(budget.try_hold(a, 20).unwrap_err(), Scope::Connection);
+    // growing past the connection's share is refused and keeps what was held
+    assert_eq!(a1.try_set(61), Err(Scope::Connection));
+    assert_eq!(budget.held(), 50);
+    a1.try_set(60).unwrap();
+    let b1 = budget.try_hold(b, 40).unwrap();
+    assert_eq!(budget.try_hold(b, 1).unwrap_err(), Scope::Process);
+    assert_eq!(budget.held(), 100, "a refused charge holds nothing");
+    a1.try_set(10).unwrap();
+    assert_eq!(budget.held(), 50);
+    drop(a1);
+    drop(b1);
+    assert_eq!((budget.held(), gauge.load(Ordering::Relaxed)), (0, 0));
+    assert!(budget.connections.lock().unwrap().is_empty());
+    // nothing to hold leaves no trace of the connection
+    let none = budget.try_hold(a, 0).unwrap();
+    assert!(budget.connections.lock().unwrap().is_empty());
+    drop(none);
+    assert_eq!(
+        *refused.lock().unwrap(),
+        vec![Scope::Connection, Scope::Connection, Scope::Process]
+    );
+}

@@ -22,8 +22,9 @@ pub struct Edge {
     /// when the first gRPC port is bound, so a service without one (br-shim) does not export a
     /// counter that can never move.
     oversize_calls: Option<Arc<OversizeCounter>>,
-    /// The process's budget of unfinished request messages, shared by every gRPC port, with
-    /// its counters; made when the first gRPC port is bound (as the oversize counter).
+    /// The process's budget of unfinished request messages, shared by every gRPC port (and
+    /// br-decision's HTTP/JSON bodies), with its counters; made when the first gRPC port is
+    /// bound (as the oversize counter).
     in_flight: Option<Arc<InFlightCell>>,
 }
 
@@ -47,9 +48,9 @@ impl InFlightCell {
                 let refusals = prometheus::IntCounterVec::new(
                     prometheus::Opts::new(
                         format!("balanceroute_{}_in_flight_refusals_total", self.service),
-                        "Calls refused RESOURCE_EXHAUSTED because the unfinished request \
-                         messages held would pass the budget, by scope: process \
-                         (--max-in-flight-message-bytes) or connection \
+                        "Calls refused RESOURCE_EXHAUSTED (429 on HTTP/JSON) because the \
+                         unfinished request messages held would pass the budget, by scope: \
+                         process (--max-in-flight-message-bytes) or connection \
                          (--max-in-flight-message-bytes-per-connection)",
                     ),
                     &["scope"],
@@ -57,7 +58,8 @@ impl InFlightCell {
                 let held = prometheus::IntGauge::new(
                     format!("balanceroute_{}_in_flight_message_bytes", self.service),
                     "Bytes of unfinished request messages the process holds (declared \
-                     lengths), across its gRPC ports",
+                     lengths; what has arrived of an HTTP/JSON body without one), across its \
+                     gRPC ports and HTTP/JSON bodies",
                 );
                 let (Ok(refusals), Ok(held)) = (refusals, held) else {
                     return Arc::new(budget);
@@ -200,7 +202,8 @@ impl Edge {
     }
 
     /// The process's budget of unfinished request messages (see [`crate::in_flight`]), the
-    /// same for every gRPC port; `None` for an edge not made by [`Edge::load`].
+    /// same for every gRPC port and br-decision's HTTP/JSON bodies; `None` for an edge not made
+    /// by [`Edge::load`].
     pub fn in_flight_budget(&self) -> Option<Arc<crate::in_flight::InFlightBudget>> {
         Some(self.in_flight.as_ref()?.get())
     }

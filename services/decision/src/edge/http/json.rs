@@ -8,10 +8,13 @@ use super::*;
 
 /// Reads a JSON body: `Content-Type: application/json` (415 otherwise), at most
 /// [`MAX_BODY_BYTES`] (413, before a byte is read when `Content-Length` says so), arriving
-/// before the call's deadline (408).
+/// before the call's deadline (408), and, while it is unfinished, within the process's budget
+/// of bytes still arriving (429 RESOURCE_EXHAUSTED, as on the gRPC ports; see
+/// [`budget::charged`]).
 pub(super) async fn json_body<T: serde::de::DeserializeOwned>(
     req: Request,
     timeout: Duration,
+    charged_to: BodyBudget,
 ) -> Result<T, JsonError> {
     let content_type = req
         .headers()
@@ -46,7 +49,9 @@ pub(super) async fn json_body<T: serde::de::DeserializeOwned>(
     if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         return Err(too_large());
     }
-    let read = axum::body::to_bytes(req.into_body(), MAX_BODY_BYTES);
+    let declared = declared.and_then(|n| usize::try_from(n).ok());
+    let body = budget::charged(req.into_body(), declared, charged_to);
+    let read = axum::body::to_bytes(body, MAX_BODY_BYTES);
     let bytes = match tokio::time::timeout(timeout, read).await {
         Err(_) => {
             return Err(JsonError::new(
@@ -56,6 +61,9 @@ pub(super) async fn json_body<T: serde::de::DeserializeOwned>(
             ));
         }
         Ok(Err(e)) => {
+            if let Some(over) = budget::OverBudget::in_chain(&e) {
+                return Err(tonic::Status::resource_exhausted(over.to_string()).into());
+            }
             // axum reports the limit as an error whose source is http-body-util's
             // LengthLimitError; anything else is a broken body (the client went away).
             if std::error::Error::source(&e)

@@ -27,11 +27,13 @@ impl std::fmt::Debug for JsonListener {
 }
 
 /// Who is on the other end of a connection: its address and, over TLS, the leaf of the
-/// certificate it presented (verified against the CA by the handshake).
+/// certificate it presented (verified against the CA by the handshake); and the connection's
+/// local address (with `addr`, what tells the connection apart in the in-flight budget).
 #[derive(Debug, Clone)]
 pub struct JsonPeer {
     pub addr: SocketAddr,
     pub cert: Option<Arc<[u8]>>,
+    pub local: SocketAddr,
 }
 
 impl axum::serve::Listener for JsonListener {
@@ -48,16 +50,23 @@ impl axum::serve::Listener for JsonListener {
             match next {
                 Some(Ok(Either::Left(tcp))) => {
                     let addr = tcp.peer_addr().unwrap_or_else(|_| unknown());
-                    return (Either::Left(tcp), JsonPeer { addr, cert: None });
+                    let local = tcp.local_addr().unwrap_or(self.local);
+                    let peer = JsonPeer {
+                        addr,
+                        cert: None,
+                        local,
+                    };
+                    return (Either::Left(tcp), peer);
                 }
                 Some(Ok(Either::Right(tls))) => {
                     let (tcp, session) = tls.get_ref();
                     let addr = tcp.peer_addr().unwrap_or_else(|_| unknown());
+                    let local = tcp.local_addr().unwrap_or(self.local);
                     let cert = session
                         .peer_certificates()
                         .and_then(|c| c.first())
                         .map(|c| Arc::<[u8]>::from(c.as_ref()));
-                    return (Either::Right(tls), JsonPeer { addr, cert });
+                    return (Either::Right(tls), JsonPeer { addr, cert, local });
                 }
                 // logged and counted by the accept loop or the handshake task
                 Some(Err(_)) => continue,
@@ -71,6 +80,7 @@ impl axum::serve::Listener for JsonListener {
         Ok(JsonPeer {
             addr: self.local,
             cert: None,
+            local: self.local,
         })
     }
 }
