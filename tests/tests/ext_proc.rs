@@ -1205,6 +1205,75 @@ async fn many_streams_share_one_body_budget() {
     .await;
 }
 
+/// The default body budget (64 MiB) filled by streams that each hold 1 MiB of a body, then
+/// let go: while they hold, br-decision holds the bodies and, per stream, tonic's decode buffer
+/// of the largest message it took (as large as the body; the budget counts the bodies only),
+/// so about twice the budget; once they have gone its memory goes back to the system (within
+/// 2x of its idle RSS within 30 s), as the allocator's background purge does without anyone
+/// calling for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_body_budget_is_given_back_once_the_streams_go() {
+    const PART: usize = 1 << 20;
+    const STREAMS: usize = 80;
+    const DEFAULT_BUDGET: usize = 64 << 20;
+    const GIVEN_BACK_WITHIN: Duration = Duration::from_secs(30);
+    let stack = Stack::start().await;
+    let pid = stack.decision.pid().expect("br-decision runs");
+    let mut client = stack.client().await;
+    let idle = br_e2e::rss_bytes(pid);
+    let mut first = br#"{"model":"m","prompt":""#.to_vec();
+    first.resize(PART, b'x');
+
+    let mut held = Vec::new();
+    for i in 0..STREAMS {
+        let id = format!("full-{i}");
+        let mut s = Envoy::open(&mut client).await;
+        s.exchange(headers(&[("x-request-id", &id)], false)).await;
+        match s.exchange(chunk(&first, false)).await.response {
+            Some(Out::RequestBody(_)) => held.push(s),
+            Some(Out::ImmediateResponse(i)) => {
+                assert_eq!(i.status.as_ref().map(|s| s.code), Some(503), "{i:?}");
+                s.close().await;
+            }
+            other => panic!("stream {i}: expected the chunk taken or refused, got {other:?}"),
+        }
+    }
+    assert_eq!(held.len(), DEFAULT_BUDGET / PART, "the budget holds 64 parts");
+    let loaded = br_e2e::rss_bytes(pid);
+    eprintln!(
+        "br-decision: idle {} MiB, {} MiB with {} bodies held",
+        idle >> 20,
+        loaded >> 20,
+        held.len()
+    );
+    // the bodies and a decode buffer per stream, and some room for the rest
+    let bound = idle + 2 * DEFAULT_BUDGET as u64 + (16 << 20);
+    assert!(
+        loaded < bound,
+        "{} MiB with the budget full (bound {} MiB)",
+        loaded >> 20,
+        bound >> 20
+    );
+
+    for s in held {
+        s.close().await;
+    }
+    eventually(
+        GIVEN_BACK_WITHIN,
+        &format!(
+            "br-decision's RSS back within 2x of its idle {} MiB (with the bodies {} MiB)",
+            idle >> 20,
+            loaded >> 20
+        ),
+        || async { br_e2e::rss_bytes(pid) <= 2 * idle },
+    )
+    .await;
+    eprintln!(
+        "br-decision: {} MiB once the streams had gone",
+        br_e2e::rss_bytes(pid) >> 20
+    );
+}
+
 /// A request id belongs to the live stream that brought it first: a second stream with the
 /// same `x-request-id` (Envoy keeps a client's own) is refused 409 and counted, and when it
 /// then goes away it releases nothing, so the first stream's reservation stays. Once the
