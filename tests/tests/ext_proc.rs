@@ -1238,7 +1238,11 @@ async fn a_full_body_budget_is_given_back_once_the_streams_go() {
             other => panic!("stream {i}: expected the chunk taken or refused, got {other:?}"),
         }
     }
-    assert_eq!(held.len(), DEFAULT_BUDGET / PART, "the budget holds 64 parts");
+    assert_eq!(
+        held.len(),
+        DEFAULT_BUDGET / PART,
+        "the budget holds 64 parts"
+    );
     let loaded = br_e2e::rss_bytes(pid);
     eprintln!(
         "br-decision: idle {} MiB, {} MiB with {} bodies held",
