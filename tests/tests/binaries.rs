@@ -214,3 +214,46 @@ fn start_and_stop_at_info(bin: &str, line: &str, args: &[&str]) -> Vec<String> {
     assert_eq!(status.code(), Some(0), "{bin}: {seen:#?}");
     seen
 }
+
+/// Every service runs on jemalloc with br-memory's settings, as it reads them back at start
+/// (its debug line): a `main` without the allocator would log "allocator: not jemalloc", one
+/// whose settings did not reach jemalloc its defaults (no background thread, 10 s decay).
+#[test]
+fn every_service_runs_on_jemalloc_with_its_settings() {
+    use std::io::BufRead;
+    const WANT: &str =
+        "allocator: jemalloc background_thread=true dirty_decay_ms=1000 muzzy_decay_ms=0";
+    let cases: [(&str, &[&str]); 5] = [
+        ("br-snapshot", &[]),
+        ("br-ingest", &["--snapshot-addr", NOWHERE]),
+        ("br-decision", &["--snapshot-addr", NOWHERE]),
+        ("br-shim", &["--upstream", NOWHERE, "--ingest-addr", ""]),
+        ("br-all", &[]),
+    ];
+    for (bin, args) in cases {
+        let mut child = std::process::Command::new(br_e2e::binaries().join(bin))
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "br_runtime::skeleton=debug")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {bin}: {e}"));
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let line = std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+                .find(|l| l.contains("allocator:"));
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(WAIT);
+        let _ = child.kill();
+        let _ = child.wait();
+        let line = line
+            .unwrap_or_else(|_| panic!("{bin} logged no allocator line within {WAIT:?}"))
+            .unwrap_or_else(|| panic!("{bin} ended without an allocator line"));
+        assert!(line.contains(WANT), "{bin}: {line}");
+    }
+}

@@ -79,7 +79,8 @@ pub static MALLOC_CONF: &[u8; 76] =
 /// What the process's jemalloc runs with, read back through `mallctl`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
-    /// Whether jemalloc is the process's allocator (it has handed out memory).
+    /// Whether jemalloc is the process's global allocator (a block Rust allocates shows in its
+    /// count).
     pub in_use: bool,
     /// Whether its background thread purges (`background_thread`).
     pub background_thread: bool,
@@ -100,7 +101,6 @@ pub fn settings() -> Result<Settings, String> {
     // defaults.
     std::hint::black_box(MALLOC_CONF.as_ptr());
     let err = |what: &str, e: tikv_jemalloc_ctl::Error| format!("jemalloc {what}: {e}");
-    epoch::advance().map_err(|e| err("epoch", e))?;
     #[allow(unsafe_code)]
     // SAFETY: both options are `ssize_t` in jemalloc (`opt.dirty_decay_ms`, `opt.muzzy_decay_ms`),
     // read into an `isize`; the names are NUL-terminated.
@@ -110,9 +110,19 @@ pub fn settings() -> Result<Settings, String> {
             raw::read::<isize>(b"opt.muzzy_decay_ms\0").map_err(|e| err("muzzy_decay_ms", e))?,
         )
     };
-    let allocated = stats::allocated::read().map_err(|e| err("stats.allocated", e))?;
+    // jemalloc is linked into every binary that uses this crate (and starts from its own
+    // constructor), so only an allocation through Rust's global allocator tells whether it is
+    // that allocator: a block of 1 MiB (past jemalloc's thread caches) shows in its count.
+    let allocated_now = || {
+        epoch::advance().map_err(|e| err("epoch", e))?;
+        stats::allocated::read().map_err(|e| err("stats.allocated", e))
+    };
+    let before = allocated_now()?;
+    let probe = std::hint::black_box(vec![1u8; 1 << 20]);
+    let allocated = allocated_now()?;
+    drop(probe);
     Ok(Settings {
-        in_use: allocated > 0,
+        in_use: allocated >= before + (1 << 20),
         background_thread: background_thread::read().map_err(|e| err("background_thread", e))?,
         dirty_decay_ms,
         muzzy_decay_ms,
