@@ -41,6 +41,27 @@ pub fn rss_bytes(pid: u32) -> u64 {
     kib << 10
 }
 
+/// How soon after a load has gone a process must be back within 2x of its idle RSS (the
+/// allocator's background purge returns pages about a second after their last use).
+pub const GIVEN_BACK_WITHIN: Duration = Duration::from_secs(30);
+
+/// Waits for `pid`'s RSS to come back within 2x of `idle` (bytes, measured before the load)
+/// within [`GIVEN_BACK_WITHIN`]; panics naming `what` and the `loaded` RSS if it does not.
+/// Returns the RSS it came back to.
+pub async fn memory_given_back(pid: u32, idle: u64, loaded: u64, what: &str) -> u64 {
+    br_testkit::eventually(
+        GIVEN_BACK_WITHIN,
+        &format!(
+            "{what}: RSS back within 2x of its idle {} MiB (under the load {} MiB)",
+            idle >> 20,
+            loaded >> 20
+        ),
+        || async { rss_bytes(pid) <= 2 * idle },
+    )
+    .await;
+    rss_bytes(pid)
+}
+
 /// The workspace root.
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1216,7 +1216,6 @@ async fn a_full_body_budget_is_given_back_once_the_streams_go() {
     const PART: usize = 1 << 20;
     const STREAMS: usize = 80;
     const DEFAULT_BUDGET: usize = 64 << 20;
-    const GIVEN_BACK_WITHIN: Duration = Duration::from_secs(30);
     let stack = Stack::start().await;
     let pid = stack.decision.pid().expect("br-decision runs");
     let mut client = stack.client().await;
@@ -1262,20 +1261,8 @@ async fn a_full_body_budget_is_given_back_once_the_streams_go() {
     for s in held {
         s.close().await;
     }
-    eventually(
-        GIVEN_BACK_WITHIN,
-        &format!(
-            "br-decision's RSS back within 2x of its idle {} MiB (with the bodies {} MiB)",
-            idle >> 20,
-            loaded >> 20
-        ),
-        || async { br_e2e::rss_bytes(pid) <= 2 * idle },
-    )
-    .await;
-    eprintln!(
-        "br-decision: {} MiB once the streams had gone",
-        br_e2e::rss_bytes(pid) >> 20
-    );
+    let back = br_e2e::memory_given_back(pid, idle, loaded, "br-decision").await;
+    eprintln!("br-decision: {} MiB once the streams had gone", back >> 20);
 }
 
 /// A request id belongs to the live stream that brought it first: a second stream with the

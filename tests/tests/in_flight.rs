@@ -30,8 +30,6 @@ const DECLARED: usize = 4_089_446; // 3.9 MiB
 const SENT: usize = 3_984_588; // 3.8 MiB
 /// The bound asked of the process while it is attacked.
 const RSS_LIMIT_BYTES: u64 = 150 << 20;
-/// How soon after the attacker has gone the process must be back within 2x of its idle RSS.
-const GIVEN_BACK_WITHIN: Duration = Duration::from_secs(30);
 
 /// How one attacking stream ended up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,20 +174,8 @@ async fn attack_and_assign(all: &Service, path: &str, request_id: &str) -> usize
     drop(held);
 
     // What the attack made the process hold goes back once the attacker has gone.
-    eventually(
-        GIVEN_BACK_WITHIN,
-        &format!(
-            "{path}: br-all's RSS back within 2x of its idle {} MiB (under attack {} MiB)",
-            idle >> 20,
-            rss >> 20
-        ),
-        || async { rss_bytes(pid) <= 2 * idle },
-    )
-    .await;
-    eprintln!(
-        "{path}: {} MiB once the attacker had gone",
-        rss_bytes(pid) >> 20
-    );
+    let back = br_e2e::memory_given_back(pid, idle, rss, &format!("{path}: br-all")).await;
+    eprintln!("{path}: {} MiB once the attacker had gone", back >> 20);
     outcomes.len() - holding
 }
 
