@@ -303,6 +303,38 @@ impl ClusterState {
     /// A queued request that reports progress is running. Returns whether anything changed.
     pub fn set_generated(&mut self, key: RequestKey, generated: u32) -> Result<bool, CoreError> {
         let s = *self.index.get(&key).ok_or(CoreError::UnknownRequest(key))?;
+        self.set_generated_at(s, key, generated)
+    }
+
+    /// The slot a request is kept in, for [`ClusterState::set_generated_in`]. A slot stays the
+    /// request's until it is removed.
+    pub fn slot_of(&self, key: RequestKey) -> Option<u32> {
+        self.index.get(&key).copied()
+    }
+
+    /// [`ClusterState::set_generated`] for a caller that remembers the request's slot
+    /// ([`ClusterState::slot_of`]): a progress report then skips the key → slot lookup, one
+    /// dependent cache miss of the few each report costs. The hint is checked against the
+    /// slot's key; a stale one falls back to the lookup.
+    pub fn set_generated_in(
+        &mut self,
+        slot_hint: u32,
+        key: RequestKey,
+        generated: u32,
+    ) -> Result<bool, CoreError> {
+        let s = match self.slots.get(slot_hint as usize) {
+            Some(Some(slot)) if slot.info.key == key => slot_hint,
+            _ => *self.index.get(&key).ok_or(CoreError::UnknownRequest(key))?,
+        };
+        self.set_generated_at(s, key, generated)
+    }
+
+    fn set_generated_at(
+        &mut self,
+        s: u32,
+        key: RequestKey,
+        generated: u32,
+    ) -> Result<bool, CoreError> {
         let Some(slot) = self.slots[s as usize].as_mut() else {
             return Err(CoreError::UnknownRequest(key));
         };
@@ -530,6 +562,38 @@ mod tests {
         assert_eq!(st.max_load(), 51);
         assert_eq!(st.min_load(), 0);
         assert_eq!(st.remove(1), Err(CoreError::UnknownRequest(1)));
+    }
+
+    #[test]
+    fn a_slot_hint_is_only_a_hint() {
+        let mut st = ClusterState::with_workers(&[4, 4]);
+        st.reserve(req(1, 0, 100)).unwrap();
+        st.reserve(req(2, 1, 50)).unwrap();
+        let (s1, s2) = (st.slot_of(1).unwrap(), st.slot_of(2).unwrap());
+        assert_ne!(s1, s2);
+        // right
+        assert!(st.set_generated_in(s1, 1, 5).unwrap());
+        assert_eq!(st.get(1).unwrap().generated, 5);
+        // another request's slot, a slot past the end: the key decides
+        assert!(st.set_generated_in(s2, 1, 7).unwrap());
+        assert!(st.set_generated_in(u32::MAX, 1, 9).unwrap());
+        assert_eq!(st.get(1).unwrap().generated, 9);
+        assert_eq!(st.get(2).unwrap().generated, 0);
+        assert_eq!(st.worker(0).unwrap().running_load, 109);
+        assert_eq!(st.worker(1).unwrap().load(), 50);
+        // request 1's slot freed, then taken by request 3: 1 is gone whatever the hint says,
+        // and 3 is found through 1's old slot as through its own
+        st.remove(1).unwrap();
+        assert_eq!(
+            st.set_generated_in(s1, 1, 10),
+            Err(CoreError::UnknownRequest(1))
+        );
+        st.reserve(req(3, 0, 10)).unwrap();
+        assert_eq!(st.slot_of(3), Some(s1));
+        assert!(st.set_generated_in(s1, 3, 2).unwrap());
+        assert!(!st.set_generated_in(s2, 3, 1).unwrap());
+        assert_eq!(st.worker(0).unwrap().running_load, 12);
+        assert_eq!(st.max_load(), 50);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use br_proto::v1::change::Kind;
 use br_proto::valid::{RequestId, limits};
 use rustc_hash::FxHashMap;
 
-use crate::types::{Delta, Liveness, Request, RequestBound, SigmaError, Worker};
+use crate::types::{Delta, Liveness, Request, RequestBound, SigmaError, SlotHint, Worker};
 use crate::{MAX_CARRIER_BYTES, MAX_REQUEST_TOKENS, MAX_WORKER_ID};
 
 mod snapshot;
@@ -339,6 +339,7 @@ impl Sigma {
             phase: Phase::Queued,
             prompt_hash: r.prompt_hash,
             max_tokens: r.max_tokens,
+            slot: SlotHint::default(),
         })?;
         Ok(true)
     }
@@ -366,6 +367,7 @@ impl Sigma {
                 phase: Phase::Running,
                 prompt_hash: None,
                 max_tokens: None,
+                slot: SlotHint::default(),
             })?;
             return Ok(true);
         };
@@ -398,7 +400,8 @@ impl Sigma {
             && old.generated_tokens <= p.generated_tokens
         {
             // The common case: more tokens on the same worker (O(log G) in the core).
-            self.cluster.set_generated(old.key, p.generated_tokens)?;
+            self.cluster
+                .set_generated_in(old.slot.0, old.key, p.generated_tokens)?;
             old.generated_tokens = p.generated_tokens;
             old.incarnation = p.incarnation;
             old.phase = Phase::Running;
@@ -415,7 +418,7 @@ impl Sigma {
         r.prompt_tokens = p.prompt_tokens;
         r.generated_tokens = p.generated_tokens;
         r.phase = Phase::Running;
-        self.core_insert(&r)?;
+        r.slot = self.core_insert(&r)?;
         self.requests.insert(r.id.clone(), r);
         Ok(true)
     }
@@ -469,7 +472,7 @@ impl Sigma {
     /// Adds a new request (its worker checked by the caller), interning its id.
     fn insert(&mut self, mut r: Request) -> Result<(), SigmaError> {
         r.key = self.next_key;
-        self.core_insert(&r)?;
+        r.slot = self.core_insert(&r)?;
         self.next_key += 1;
         self.ids.insert(r.key, r.id.clone());
         self.requests.insert(r.id.clone(), r);
@@ -477,8 +480,9 @@ impl Sigma {
     }
 
     /// Inserts into the core. A SUSPECT or cordoned worker still gets telemetry-reported
-    /// requests (they run on it), so it accepts for the duration of the insert.
-    fn core_insert(&mut self, r: &Request) -> Result<(), SigmaError> {
+    /// requests (they run on it), so it accepts for the duration of the insert. Returns the
+    /// request's slot there.
+    fn core_insert(&mut self, r: &Request) -> Result<SlotHint, SigmaError> {
         let info = RequestInfo {
             key: r.key,
             worker: r.worker,
@@ -495,11 +499,13 @@ impl Sigma {
         if blocked {
             self.cluster.set_accepting(r.worker, true)?;
         }
+        let key = info.key;
         let res = self.cluster.reserve(info);
         if blocked {
             self.cluster.set_accepting(r.worker, false)?;
         }
-        Ok(res?)
+        res?;
+        Ok(SlotHint(self.cluster.slot_of(key).unwrap_or_default()))
     }
 
     /// Drops requests the core already removed (a fenced or replaced worker).

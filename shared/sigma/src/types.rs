@@ -81,7 +81,25 @@ pub struct Request {
     pub phase: Phase,
     pub prompt_hash: Option<u64>,
     pub max_tokens: Option<u32>,
+    /// Where the routing core keeps it, so a progress report skips the core's key → slot
+    /// lookup ([`br_core::ClusterState::set_generated_in`]).
+    pub(crate) slot: SlotHint,
 }
+
+/// A request's slot in the routing core, as last seen. Only a hint (the core checks it), and
+/// no part of what the request is: two σ holding the same requests may keep them in other
+/// slots (a replica filled from a snapshot, the writer one change at a time), so it compares
+/// equal to any other.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SlotHint(pub(crate) u32);
+
+impl PartialEq for SlotHint {
+    fn eq(&self, _: &SlotHint) -> bool {
+        true
+    }
+}
+
+impl Eq for SlotHint {}
 
 impl Request {
     /// KV tokens this request counts for on its worker.

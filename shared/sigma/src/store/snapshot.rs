@@ -73,6 +73,7 @@ impl Sigma {
                 phase,
                 prompt_hash: r.prompt_hash,
                 max_tokens: r.max_tokens,
+                slot: SlotHint::default(),
             })?;
         }
         for w in &snap.workers {
