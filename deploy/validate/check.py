@@ -40,6 +40,9 @@ RENDERS = {
     "overlays/group-g8-monitoring": (K8S / "overlays" / "group-g8-monitoring", {"ServiceMonitor", "PrometheusRule"} | TRUST_KINDS),
     # br-all: the three services in one pod.
     "overlays/all-in-one": (K8S / "overlays" / "all-in-one", {"Namespace", "StatefulSet", "Service", "ConfigMap"} | TRUST_KINDS),
+    # group-g8 as the endpoint picker of an InferencePool, with its Gateway and HTTPRoute.
+    "overlays/inference-pool": (K8S / "overlays" / "inference-pool",
+                                {"Deployment", "InferencePool", "Gateway", "HTTPRoute"} | TRUST_KINDS),
 }
 # Compositions that no directory spells out: rendered from a generated kustomization in a
 # temporary directory. name -> (resources, components, must contain these kinds), paths under k8s/.
@@ -205,15 +208,165 @@ ISSUER_SCHEMA = {
         },
     },
 }
+
+# Minimal schemas of the InferencePool overlay's kinds: inference.networking.k8s.io/v1
+# InferencePool (Gateway API Inference Extension, checked against release v1.6.0) and
+# gateway.networking.k8s.io/v1 Gateway and HTTPRoute (Gateway API standard channel, checked
+# against release v1.6.1). Written here from the v1 API references, not the CRDs' own schemas:
+# the fields our objects use and those an edit of the overlay is likely to add (an HTTPS
+# listener, hostnames, header matches), with the API's required fields, types, enums and
+# bounds. Any field not listed is refused, also one the API has but our objects do not use (add
+# it here when they do). The CRDs' CEL rules are not evaluated: check_inference_pool checks by
+# hand the ones our objects depend on. The full check is a cluster with the CRDs installed:
+# kubectl apply --dry-run=server -k deploy/k8s/overlays/inference-pool
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = rf"{_DNS_LABEL}(\.{_DNS_LABEL})*"
+_PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_PORT_NUMBER = {"type": "object", "required": ["number"], "additionalProperties": False, "properties": {"number": _PORT}}
+_OBJECT_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+_SECTION_NAME = {"type": "string", "minLength": 1, "maxLength": 253, "pattern": rf"^{_DNS_SUBDOMAIN}$"}
+_NAMESPACE = {"type": "string", "minLength": 1, "maxLength": 63, "pattern": rf"^{_DNS_LABEL}$"}
+_API_GROUP = {"type": "string", "maxLength": 253, "pattern": rf"^$|^{_DNS_SUBDOMAIN}$"}  # "" is the core group
+_KIND = {"type": "string", "minLength": 1, "maxLength": 63, "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"}
+_HOSTNAME = {"type": "string", "minLength": 1, "maxLength": 253, "pattern": rf"^(\*\.)?{_DNS_SUBDOMAIN}$"}
+_LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
+_LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "matchLabels": {"type": "object", "additionalProperties": _LABEL_VALUE},
+    "matchExpressions": {"type": "array", "items": {
+        "type": "object", "required": ["key", "operator"], "additionalProperties": False,
+        "properties": {"key": _STR, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                       "values": {"type": "array", "items": _STR}}}}}}
+_GATEWAY_DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
+_HTTP_TOKEN = {"type": "string", "minLength": 1, "maxLength": 256, "pattern": r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]+$"}
+INFERENCEPOOL_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
+        "kind": {"const": "InferencePool"},
+        "metadata": SERVICEMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "required": ["selector", "targetPorts"],
+            "additionalProperties": False,
+            "properties": {
+                # Labels only: a pool's selector has no matchExpressions.
+                "selector": {"type": "object", "required": ["matchLabels"], "additionalProperties": False,
+                             "properties": {"matchLabels": {"type": "object", "minProperties": 1, "maxProperties": 64,
+                                                            "additionalProperties": _LABEL_VALUE}}},
+                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT_NUMBER},
+                "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+                # An object of the pool's own namespace (default kind Service): no namespace field.
+                "endpointPickerRef": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                      "properties": {"group": _API_GROUP, "kind": _KIND, "name": _OBJECT_NAME,
+                                                     "port": _PORT_NUMBER,
+                                                     "failureMode": {"enum": ["FailOpen", "FailClose"]}}},
+            },
+        },
+    },
+}
+_LISTENER = {
+    "type": "object",
+    "required": ["name", "port", "protocol"],
+    "additionalProperties": False,
+    "properties": {
+        "name": _SECTION_NAME,
+        "hostname": _HOSTNAME,
+        "port": _PORT,
+        # HTTP, HTTPS, TLS, TCP, UDP, or an implementation's own, prefixed by its domain.
+        "protocol": {"type": "string", "minLength": 1, "maxLength": 255,
+                     "pattern": rf"^[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?$|^{_DNS_SUBDOMAIN}/[A-Za-z0-9]+$"},
+        "tls": {"type": "object", "additionalProperties": False, "properties": {
+            "mode": {"enum": ["Terminate", "Passthrough"]},
+            "certificateRefs": {"type": "array", "maxItems": 64, "items": {
+                "type": "object", "required": ["name"], "additionalProperties": False,
+                "properties": {"group": _API_GROUP, "kind": _KIND, "name": _OBJECT_NAME, "namespace": _NAMESPACE}}},
+            "options": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 4096}}}},
+        "allowedRoutes": {"type": "object", "additionalProperties": False, "properties": {
+            "namespaces": {"type": "object", "additionalProperties": False, "properties": {
+                "from": {"enum": ["All", "Selector", "Same"]}, "selector": _LABEL_SELECTOR}},
+            "kinds": {"type": "array", "maxItems": 8, "items": {
+                "type": "object", "required": ["kind"], "additionalProperties": False,
+                "properties": {"group": _API_GROUP, "kind": _KIND}}}}},
+    },
+}
+GATEWAY_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
+        "kind": {"const": "Gateway"},
+        "metadata": SERVICEMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "required": ["gatewayClassName", "listeners"],
+            "additionalProperties": False,
+            "properties": {
+                "gatewayClassName": _OBJECT_NAME,
+                "listeners": {"type": "array", "minItems": 1, "maxItems": 64, "items": _LISTENER},
+                "infrastructure": {"type": "object", "additionalProperties": False, "properties": {
+                    "labels": {"type": "object", "maxProperties": 8, "additionalProperties": _LABEL_VALUE},
+                    "annotations": {"type": "object", "maxProperties": 16,
+                                    "additionalProperties": {"type": "string", "maxLength": 4096}},
+                    "parametersRef": {"type": "object", "required": ["group", "kind", "name"], "additionalProperties": False,
+                                      "properties": {"group": _API_GROUP, "kind": _KIND, "name": _OBJECT_NAME}}}},
+            },
+        },
+    },
+}
+_HTTP_MATCH_VALUE = {"type": "object", "required": ["name", "value"], "additionalProperties": False,
+                     "properties": {"type": {"enum": ["Exact", "RegularExpression"]}, "name": _HTTP_TOKEN,
+                                    "value": {"type": "string", "minLength": 1, "maxLength": 4096}}}
+HTTPROUTE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
+        "kind": {"const": "HTTPRoute"},
+        "metadata": SERVICEMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "parentRefs": {"type": "array", "maxItems": 32, "items": {
+                    "type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {"group": _API_GROUP, "kind": _KIND, "namespace": _NAMESPACE, "name": _OBJECT_NAME,
+                                   "sectionName": _SECTION_NAME, "port": _PORT}}},
+                "hostnames": {"type": "array", "maxItems": 16, "items": _HOSTNAME},
+                "rules": {"type": "array", "minItems": 1, "maxItems": 16, "items": {
+                    "type": "object", "additionalProperties": False, "properties": {
+                        "name": _SECTION_NAME,
+                        "matches": {"type": "array", "maxItems": 64, "items": {
+                            "type": "object", "additionalProperties": False, "properties": {
+                                "path": {"type": "object", "additionalProperties": False, "properties": {
+                                    "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+                                    "value": {"type": "string", "maxLength": 1024}}},
+                                "headers": {"type": "array", "maxItems": 16, "items": _HTTP_MATCH_VALUE},
+                                "queryParams": {"type": "array", "maxItems": 16, "items": _HTTP_MATCH_VALUE},
+                                "method": {"enum": ["GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS",
+                                                    "TRACE", "PATCH"]}}}},
+                        "backendRefs": {"type": "array", "maxItems": 16, "items": {
+                            "type": "object", "required": ["name"], "additionalProperties": False,
+                            "properties": {"group": _API_GROUP, "kind": _KIND, "namespace": _NAMESPACE,
+                                           "name": _OBJECT_NAME, "port": _PORT,
+                                           "weight": {"type": "integer", "minimum": 0, "maximum": 1000000}}}},
+                        "timeouts": {"type": "object", "additionalProperties": False,
+                                     "properties": {"request": _GATEWAY_DURATION, "backendRequest": _GATEWAY_DURATION}}}}},
+            },
+        },
+    },
+}
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR_SCHEMA,
     ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUSRULE_SCHEMA,
     ("cert-manager.io/v1", "Certificate"): CERTIFICATE_SCHEMA,
     ("cert-manager.io/v1", "Issuer"): ISSUER_SCHEMA,
+    ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCEPOOL_SCHEMA,
+    ("gateway.networking.k8s.io/v1", "Gateway"): GATEWAY_SCHEMA,
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTPROUTE_SCHEMA,
 }
 
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"}
-
 
 class Checks:
     def __init__(self) -> None:
@@ -302,7 +455,11 @@ def obj_id(o: dict) -> str:
 def schema_validate(o: dict) -> str:
     key = (o.get("apiVersion"), o.get("kind"))
     if key in CRD_SCHEMAS:
-        jsonschema.validate(o, CRD_SCHEMAS[key])
+        schema = CRD_SCHEMAS[key]
+        errors = sorted(jsonschema.validators.validator_for(schema)(schema).iter_errors(o),
+                        key=lambda e: list(map(str, e.absolute_path)))
+        assert not errors, "; ".join(
+            f"{obj_id(o)}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in errors)
         return "CRD, minimal schema"
     for v in K8S_VERSIONS:
         try:
@@ -739,6 +896,372 @@ def check_trust_selftest(objs: list[dict], example: list[dict]) -> str:
     return f"{len(cases)} mutations caught"
 
 
+# ---------------------------------------------------------------- InferencePool, Gateway, HTTPRoute
+
+INFERENCE_GROUP = "inference.networking.k8s.io"
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+
+
+def listen_port(value: str | None) -> int | None:
+    """The port of a BALANCEROUTE_*_LISTEN address (host:port), or None."""
+    port = (value or "").rsplit(":", 1)[-1]
+    return int(port) if port.isdigit() else None
+
+
+def admitted(objs: list[dict], peer_labels: dict, pods: list[dict], port: int) -> bool:
+    """Whether some NetworkPolicy selecting `pods` admits a pod with `peer_labels` (any
+    namespace) to container port `port` of each of them."""
+    def ok(w: dict) -> bool:
+        names = {p.get("name"): p["containerPort"] for c in all_containers(pod_spec(w)) for p in c.get("ports", [])}
+        for pol in (o for o in objs if o["kind"] == "NetworkPolicy"):
+            if not label_selector_matches(pol["spec"]["podSelector"], pod_labels(w)):
+                continue
+            for rule in pol["spec"].get("ingress", []):
+                ports = [names.get(q.get("port"), q.get("port")) for q in rule.get("ports", [])]
+                peers = rule.get("from", [])
+                if (not ports or port in ports) and (not peers or any(
+                        "podSelector" in p and label_selector_matches(p["podSelector"], peer_labels) for p in peers)):
+                    return True
+        return False
+    return all(ok(w) for w in pods)
+
+
+def gateways_of(pool: dict, gateways: list[dict], routes: list[dict]) -> list[dict]:
+    """The Gateways some HTTPRoute attaches to with the pool as a backend (same namespace)."""
+    ns = pool["metadata"].get("namespace")
+    names = {p.get("name") for r in routes if r["metadata"].get("namespace") == ns
+             for rule in r["spec"].get("rules", []) for b in rule.get("backendRefs", [])
+             if (b.get("group"), b.get("kind"), b.get("name")) == (INFERENCE_GROUP, "InferencePool", pool["metadata"]["name"])
+             for p in r["spec"].get("parentRefs", [])}
+    return [g for g in gateways if g["metadata"]["name"] in names and g["metadata"].get("namespace") == ns]
+
+
+def check_inference_pool(objs: list[dict]) -> str:
+    """The InferencePool, its Gateway and HTTPRoute against the control plane and the decode
+    pods (the overlay's render plus the vLLM example): what the schemas cannot say, and the
+    CRDs' CEL rules our objects depend on (the minimal schemas have no CEL)."""
+    problems: list[str] = []
+    pools = [o for o in objs if o["kind"] == "InferencePool"]
+    gateways = [o for o in objs if o["kind"] == "Gateway"]
+    routes = [o for o in objs if o["kind"] == "HTTPRoute"]
+    workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
+    assert pools, "no InferencePool"
+
+    def ns(o: dict) -> str | None:
+        return o["metadata"].get("namespace")
+
+    for pool in pools:
+        pid, spec = obj_id(pool), pool.get("spec", {})
+        targets = [t.get("number") for t in spec.get("targetPorts", [])]
+        # CEL (targetPorts): port number must be unique.
+        if len(targets) != len(set(targets)):
+            problems.append(f"{pid}: spec.targetPorts {targets}: port numbers must be unique")
+        sel = (spec.get("selector") or {}).get("matchLabels") or {}
+        pods = [w for w in workloads if ns(w) == ns(pool) and selects(sel, pod_labels(w))]
+        if not pods:
+            problems.append(f"{pid}: spec.selector.matchLabels {sel} selects no pods of namespace {ns(pool)}")
+        groups = set()
+        shim_ports = set()
+        for w in pods:
+            shims = [c for c in all_containers(pod_spec(w)) if is_balanceroute(c) and br_role(c) == "worker"]
+            if not shims:
+                problems.append(f"{pid}: spec.selector selects {obj_id(w)}, which runs no br-shim (only decode pods belong in the pool)")
+                continue
+            shim, env = shims[0], env_values(shims[0])
+            groups.add(env.get("BALANCEROUTE_GROUP"))
+            port = listen_port(env.get("BALANCEROUTE_LISTEN"))
+            shim_ports.add(port)
+            if set(targets) != {port}:
+                problems.append(f"{pid}: spec.targetPorts {targets} must be the shim's listen port [{port}] "
+                                f"(BALANCEROUTE_LISTEN of {obj_id(w)}/{shim['name']})")
+            # br-decision answers Envoy with the endpoint the shim announced, and Envoy takes only
+            # ip:port, one of the pool's podIP:targetPort endpoints.
+            names = [e["name"] for e in shim.get("env", [])]
+            m = re.fullmatch(r"http://\$\(([A-Za-z_][A-Za-z0-9_]*)\):(\d+)", env.get("BALANCEROUTE_ENDPOINT") or "")
+            var = next((e for e in shim.get("env", []) if m and e["name"] == m.group(1)), None)
+            if not m or int(m.group(2)) != port or var is None \
+                    or (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") != "status.podIP" \
+                    or names.index(var["name"]) > names.index("BALANCEROUTE_ENDPOINT"):
+                problems.append(f"{obj_id(w)}/{shim['name']}: BALANCEROUTE_ENDPOINT "
+                                f"{env.get('BALANCEROUTE_ENDPOINT')!r} must be http://$(POD_IP):{port} with POD_IP "
+                                "from status.podIP set before it: the picker's answer must be the pod's ip:port")
+
+        ref = spec.get("endpointPickerRef") or {}
+        if not ref:
+            problems.append(f"{pid}: spec.endpointPickerRef missing: nothing would ask br-decision")
+            continue
+        kind, group = ref.get("kind", "Service"), ref.get("group", "")
+        # CEL (endpointPickerRef): port is required when kind is Service (or unspecified).
+        if kind == "Service" and "port" not in ref:
+            problems.append(f"{pid}: spec.endpointPickerRef.port is required for kind Service")
+            continue
+        if (group, kind) != ("", "Service"):
+            problems.append(f"{pid}: spec.endpointPickerRef must name a core Service, not {group or 'core'}/{kind}")
+        if ref.get("failureMode", "FailClose") != "FailClose":
+            problems.append(f"{pid}: spec.endpointPickerRef.failureMode must be FailClose (without the picker, "
+                            f"requests would go to ranks the policy did not choose), got {ref.get('failureMode')}")
+        svc = next((o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == ref.get("name")
+                    and ns(o) == ns(pool)), None)
+        if svc is None:
+            problems.append(f"{pid}: spec.endpointPickerRef.name {ref.get('name')!r}: no Service of that name in {ns(pool)}")
+            continue
+        if svc["spec"].get("type") == "ExternalName":
+            problems.append(f"{pid}: spec.endpointPickerRef names ExternalName Service {obj_id(svc)}, which "
+                            "implementations must not follow")
+            continue
+        number = (ref.get("port") or {}).get("number")
+        sport = next((p for p in svc["spec"].get("ports", []) if p.get("port") == number), None)
+        if sport is None:
+            problems.append(f"{pid}: spec.endpointPickerRef.port.number {number} is no port of {obj_id(svc)}")
+            continue
+        # Envoy speaks gRPC (HTTP/2) to the picker; gateways that take the protocol from the
+        # Service (Istio: appProtocol or a name prefix; the port is named ext-proc) need it said.
+        if sport.get("appProtocol") != "grpc":
+            problems.append(f"{obj_id(svc)}: port {number} needs appProtocol grpc, got {sport.get('appProtocol')!r}")
+        deciders = [w for w in workloads if selects(svc["spec"].get("selector", {}), pod_labels(w))]
+        decision = {obj_id(w): next((c for c in all_containers(pod_spec(w)) if br_role(c) == "decision"), None)
+                    for w in deciders}
+        if not deciders or None in decision.values():
+            problems.append(f"{obj_id(svc)}: must select the br-decision pods, selects {sorted(decision) or 'none'}")
+            continue
+        for w in deciders:
+            c = decision[obj_id(w)]
+            env = env_values(c)
+            tp = sport.get("targetPort", sport.get("port"))
+            cport = next((p["containerPort"] for p in c.get("ports", []) if tp in (p.get("name"), p["containerPort"])), None)
+            want = listen_port(env.get("BALANCEROUTE_EXT_PROC_LISTEN"))
+            if want is None or cport != want:
+                problems.append(f"{obj_id(svc)}: port {number} reaches container port {cport} of {obj_id(w)}/{c['name']}, "
+                                f"not its ext_proc port (BALANCEROUTE_EXT_PROC_LISTEN={env.get('BALANCEROUTE_EXT_PROC_LISTEN')})")
+            if len(groups) == 1 and env.get("BALANCEROUTE_EXT_PROC_DEFAULT_GROUP") not in groups:
+                problems.append(f"{obj_id(w)}/{c['name']}: BALANCEROUTE_EXT_PROC_DEFAULT_GROUP "
+                                f"{env.get('BALANCEROUTE_EXT_PROC_DEFAULT_GROUP')!r} is not the pool's group {sorted(groups)[0]!r} "
+                                "(requests without x-balanceroute-group would be refused or misplaced)")
+            # The Envoy pods of the Gateways routing to this pool reach the picker and the shims
+            # (labelled by the Gateway's infrastructure.labels).
+            for g in gateways_of(pool, gateways, routes):
+                labels = (g["spec"].get("infrastructure") or {}).get("labels") or {}
+                for to, port in [([w], cport)] + [(pods, p) for p in sorted(shim_ports - {None})]:
+                    if not admitted(objs, labels, to, port or 0):
+                        problems.append(f"{obj_id(g)}: no NetworkPolicy admits its proxies (labels {labels}) to "
+                                        f"port {port} of {', '.join(map(obj_id, to))}")
+
+    for g in gateways:
+        listeners = g["spec"].get("listeners", [])
+        lnames = [l.get("name") for l in listeners]
+        # CEL (listeners): names unique; no tls on an HTTP listener.
+        if len(lnames) != len(set(lnames)):
+            problems.append(f"{obj_id(g)}: spec.listeners names {lnames} must be unique")
+        for l in listeners:
+            if l.get("protocol") == "HTTP" and "tls" in l:
+                problems.append(f"{obj_id(g)}: listener {l.get('name')}: tls must not be set for protocol HTTP")
+
+    routed: set[tuple] = set()
+    for r in routes:
+        rid = obj_id(r)
+        for pref in r["spec"].get("parentRefs", []):
+            gns = pref.get("namespace", ns(r))
+            is_gateway = (pref.get("group", GATEWAY_GROUP), pref.get("kind", "Gateway")) == (GATEWAY_GROUP, "Gateway")
+            g = next((g for g in gateways if is_gateway and g["metadata"]["name"] == pref.get("name") and ns(g) == gns), None)
+            if g is None:
+                problems.append(f"{rid}: parentRef {pref.get('kind', 'Gateway')} {gns}/{pref.get('name')} names no rendered Gateway")
+                continue
+            listeners = [l for l in g["spec"].get("listeners", [])
+                         if pref.get("sectionName") in (None, l.get("name"))]
+            if not listeners:
+                problems.append(f"{rid}: parentRef sectionName {pref.get('sectionName')!r} is no listener of {obj_id(g)}")
+            for l in listeners:
+                frm = ((l.get("allowedRoutes") or {}).get("namespaces") or {}).get("from", "Same")
+                if l.get("protocol") not in ("HTTP", "HTTPS") or (frm == "Same" and gns != ns(r)):
+                    problems.append(f"{rid}: listener {l.get('name')} of {obj_id(g)} does not take this HTTPRoute "
+                                    f"(protocol {l.get('protocol')}, routes from {frm})")
+        for i, rule in enumerate(r["spec"].get("rules", [])):
+            for m in rule.get("matches", []):
+                path = m.get("path") or {}
+                # CEL (path): Exact and PathPrefix values are absolute paths without '//'.
+                if path.get("type", "PathPrefix") in ("Exact", "PathPrefix") and \
+                        (not str(path.get("value", "/")).startswith("/") or "//" in str(path.get("value", "/"))):
+                    problems.append(f"{rid}: rules[{i}] path {path.get('value')!r} must be absolute, without '//'")
+            for b in rule.get("backendRefs", []):
+                if (b.get("group"), b.get("kind")) != (INFERENCE_GROUP, "InferencePool"):
+                    continue
+                bns = b.get("namespace", ns(r))
+                pool = next((p for p in pools if p["metadata"]["name"] == b.get("name") and ns(p) == bns), None)
+                if pool is None:
+                    problems.append(f"{rid}: rules[{i}] backendRef names InferencePool {bns}/{b.get('name')}, which is not rendered")
+                    continue
+                routed.add((ns(pool), pool["metadata"]["name"]))
+                ports = [t.get("number") for t in pool["spec"].get("targetPorts", [])]
+                if "port" in b and b["port"] not in ports:
+                    problems.append(f"{rid}: rules[{i}] backendRef port {b['port']} is not a targetPort {ports} of {obj_id(pool)}")
+    for pool in pools:
+        if (ns(pool), pool["metadata"]["name"]) not in routed:
+            problems.append(f"{obj_id(pool)}: no HTTPRoute sends requests to it")
+    assert not problems, "; ".join(dict.fromkeys(problems))
+    return f"{len(pools)} InferencePool, {len(gateways)} Gateway, {len(routes)} HTTPRoute"
+
+
+def check_pool_schemas(objs: list[dict]) -> None:
+    """Minimal-schema validation of the InferencePool, Gateway and HTTPRoute objects (for the self-test)."""
+    problems = []
+    crd_objs = [o for o in objs if o.get("apiVersion", "").split("/")[0] in (INFERENCE_GROUP, GATEWAY_GROUP)]
+    assert crd_objs, "no InferencePool, Gateway or HTTPRoute to validate"
+    for o in crd_objs:
+        try:
+            schema_validate(o)
+        except AssertionError as e:
+            problems.append(str(e))
+    assert not problems, "; ".join(problems)
+
+
+def check_inference_pool_selftest(objs: list[dict]) -> str:
+    """The minimal schemas and check_inference_pool catch what they are meant to catch:
+    each mutation of the passing objects (overlays/inference-pool plus the vLLM example) must
+    fail the check named beside it."""
+    import copy
+
+    def find(os_, kind, name):
+        return next(o for o in os_ if o["kind"] == kind and o["metadata"]["name"] == name)
+
+    def pool(os_):
+        return find(os_, "InferencePool", "decode-g8")["spec"]
+
+    def shim_env(os_):
+        return pod_spec(find(os_, "StatefulSet", "vllm-decode"))["initContainers"][0]["env"]
+
+    def decision_env(os_):
+        return pod_spec(find(os_, "Deployment", "decision"))["containers"][0]["env"]
+
+    # The minimal schemas: fields and values the API forbids.
+    def no_selector(os_):
+        del pool(os_)["selector"]
+
+    def selector_expressions(os_):  # the pool's selector is matchLabels only
+        pool(os_)["selector"]["matchExpressions"] = [{"key": "app.kubernetes.io/name", "operator": "Exists"}]
+
+    def picker_namespace(os_):  # endpointPickerRef has no namespace: same namespace only
+        pool(os_)["endpointPickerRef"]["namespace"] = "br-all"
+
+    def fail_soft(os_):
+        pool(os_)["endpointPickerRef"]["failureMode"] = "FailSoft"
+
+    def route_unknown_field(os_):
+        find(os_, "HTTPRoute", "decode-g8")["spec"]["rules"][0]["backendRefs"][0]["pool"] = "decode-g8"
+
+    def gateway_no_listeners(os_):
+        del find(os_, "Gateway", "inference-gateway")["spec"]["listeners"]
+
+    def pool_no_name(os_):
+        del find(os_, "InferencePool", "decode-g8")["metadata"]["name"]
+
+    # The cross-checks, CEL rules included.
+    def wrong_target_port(os_):
+        pool(os_)["targetPorts"] = [{"number": 8000}]  # vLLM's own port, behind the shim
+
+    def duplicate_target_port(os_):
+        pool(os_)["targetPorts"] = [{"number": 8100}, {"number": 8100}]
+
+    def selector_misses(os_):
+        pool(os_)["selector"]["matchLabels"]["app.kubernetes.io/name"] = "vllm-prefill"
+
+    def selector_takes_control_plane(os_):
+        pool(os_)["selector"]["matchLabels"] = {"app.kubernetes.io/part-of": "balanceroute"}
+
+    def shim_announces_dns(os_):
+        next(e for e in shim_env(os_) if e["name"] == "BALANCEROUTE_ENDPOINT")["value"] = \
+            "http://$(POD_NAME).vllm-decode.br-g8.svc:8100"
+
+    def wrong_picker_port(os_):
+        pool(os_)["endpointPickerRef"]["port"]["number"] = 50063  # decision's gRPC port
+
+    def picker_without_port(os_):
+        del pool(os_)["endpointPickerRef"]["port"]
+
+    def missing_picker_service(os_):
+        pool(os_)["endpointPickerRef"]["name"] = "balanceroute-epp"
+
+    def external_name_picker(os_):
+        svc = find(os_, "Service", "decision-ext-proc")
+        svc["spec"] = {"type": "ExternalName", "externalName": "decision-ext-proc.balanceroute.svc.cluster.local",
+                       "ports": svc["spec"]["ports"]}
+
+    def no_picker(os_):  # the schema allows it; then nothing would ask br-decision
+        del pool(os_)["endpointPickerRef"]
+
+    def picker_other_kind(os_):
+        pool(os_)["endpointPickerRef"] |= {"group": "gateway.envoyproxy.io", "kind": "Backend"}
+
+    def picker_selects_ingest(os_):
+        find(os_, "Service", "decision-ext-proc")["spec"]["selector"]["app.kubernetes.io/name"] = "br-ingest"
+
+    def picker_plain_http(os_):
+        find(os_, "Service", "decision-ext-proc")["spec"]["ports"][0].pop("appProtocol")
+
+    def picker_targets_grpc_port(os_):
+        find(os_, "Service", "decision-ext-proc")["spec"]["ports"][0]["targetPort"] = "grpc"
+
+    def fail_open(os_):
+        pool(os_)["endpointPickerRef"]["failureMode"] = "FailOpen"
+
+    def no_default_group(os_):
+        env = decision_env(os_)
+        env[:] = [e for e in env if e["name"] != "BALANCEROUTE_EXT_PROC_DEFAULT_GROUP"]
+
+    def route_to_missing_pool(os_):  # beside the real one, so the pool stays routed
+        find(os_, "HTTPRoute", "decode-g8")["spec"]["rules"][0]["backendRefs"].append(
+            {"group": INFERENCE_GROUP, "kind": "InferencePool", "name": "decode-g9"})
+
+    def pool_unrouted(os_):
+        del find(os_, "HTTPRoute", "decode-g8")["spec"]["rules"][0]["backendRefs"]
+
+    def route_to_missing_gateway(os_):
+        find(os_, "HTTPRoute", "decode-g8")["spec"]["parentRefs"][0]["name"] = "public-gateway"
+
+    def route_port_mismatch(os_):
+        find(os_, "HTTPRoute", "decode-g8")["spec"]["rules"][0]["backendRefs"][0]["port"] = 8000
+
+    def listener_tcp(os_):
+        find(os_, "Gateway", "inference-gateway")["spec"]["listeners"][0]["protocol"] = "TCP"
+
+    def duplicate_listener(os_):
+        listeners = find(os_, "Gateway", "inference-gateway")["spec"]["listeners"]
+        listeners.append(listeners[0] | {"port": 8080})
+
+    def route_to_missing_listener(os_):
+        find(os_, "HTTPRoute", "decode-g8")["spec"]["parentRefs"][0]["sectionName"] = "https"
+
+    def relative_path(os_):
+        find(os_, "HTTPRoute", "decode-g8")["spec"]["rules"][0]["matches"][0]["path"]["value"] = "v1/"
+
+    def gateway_unlabelled(os_):
+        find(os_, "Gateway", "inference-gateway")["spec"]["infrastructure"]["labels"] = {"balanceroute.io/role": "edge"}
+
+    def tls_on_http(os_):
+        find(os_, "Gateway", "inference-gateway")["spec"]["listeners"][0]["tls"] = {"mode": "Terminate"}
+
+    cases = [(f, check_pool_schemas) for f in (
+        no_selector, selector_expressions, picker_namespace, fail_soft, route_unknown_field, gateway_no_listeners,
+        pool_no_name)]
+    cases += [(f, check_inference_pool) for f in (
+        no_selector, wrong_target_port, duplicate_target_port, selector_misses, selector_takes_control_plane,
+        shim_announces_dns, no_picker, picker_other_kind, wrong_picker_port, picker_without_port,
+        missing_picker_service, external_name_picker, picker_selects_ingest, picker_plain_http,
+        picker_targets_grpc_port, fail_open, no_default_group, route_to_missing_pool, pool_unrouted,
+        route_port_mismatch, route_to_missing_gateway, route_to_missing_listener, listener_tcp, relative_path,
+        gateway_unlabelled, duplicate_listener, tls_on_http)]
+    for check in (check_pool_schemas, check_inference_pool):
+        check(objs)  # the unmutated objects pass
+    for mutate, check in cases:
+        mutated = copy.deepcopy(objs)
+        mutate(mutated)
+        try:
+            check(mutated)
+        except AssertionError:
+            continue
+        raise AssertionError(f"{check.__name__} passed the mutation {mutate.__name__}")
+    return f"{len(cases)} mutations caught"
+
+
 def check_prometheusrule_in_sync(objs: list[dict], alerts: dict) -> str:
     rules = [o for o in objs if o["kind"] == "PrometheusRule"]
     assert rules, "no PrometheusRule rendered"
@@ -1035,6 +1558,12 @@ def main() -> int:
         # The example's Issuer is the control plane's: check it together with that render.
         c.run("k8s trust and network-policy checks self-test", check_trust_selftest,
               rendered["overlays/group-g8-monitoring"], rendered["overlays/group-g8-monitoring"] + load_yaml_docs(vllm))
+    if "overlays/inference-pool" in rendered and vllm is not None:
+        # The pool's members are the example's decode pods, in the control plane's namespace.
+        pool_objs = rendered["overlays/inference-pool"] + load_yaml_docs(vllm)
+        c.run("k8s overlays/inference-pool + vLLM example: InferencePool, Gateway, HTTPRoute",
+              check_inference_pool, pool_objs)
+        c.run("k8s InferencePool schema and cross-checks self-test", check_inference_pool_selftest, pool_objs)
     for toml_file in sorted(K8S.rglob("*.toml")):
         c.run(f"config parses as TOML: {toml_file.relative_to(DEPLOY)}", check_toml, toml_file)
 
