@@ -615,6 +615,38 @@ async fn the_picker_routes_what_envoy_sends() {
     );
 }
 
+/// The picker port's gRPC health answers the names the endpoint-picker protocol gives
+/// (Kubernetes' gRPC probes of a picker ask `liveness` and `readiness`): all SERVING once
+/// decision is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_port_answers_the_protocols_health_names() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    let stack = Stack::start().await;
+    let ch = Channel::from_shared(format!("http://{}", stack.ext_proc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(ch);
+    for name in [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: name.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("health of {name:?}: {e:?}"))
+            .into_inner()
+            .status;
+        assert_eq!(status, ServingStatus::Serving as i32, "{name}");
+    }
+}
+
 /// A stream that ends after the routing answer but before any response phase (Envoy closed
 /// it, or reset it when the client went away): the reservation leaves σ.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -247,7 +247,11 @@ async fn start_with(
             let (server, addr) =
                 skeleton::bind_grpc_on(&args.common, &edge, "--ext-proc-listen", ext.listen)
                     .await?;
-            let server = server.with_health_following(readiness.clone());
+            // Health as the endpoint-picker protocol asks: the ExternalProcessor name and
+            // `readiness` follow decision's readiness, `liveness` holds while it serves.
+            let server = server
+                .with_health_following(readiness.clone())
+                .with_probe_names();
             let picker = ExtProcService::new(
                 svc.clone(),
                 ExtProcSettings {

@@ -121,6 +121,8 @@ pub struct GrpcServer {
     health_follows: Option<crate::readiness::Readiness>,
     /// The served names whose health follows `health_follows`; `None`: all of them.
     follow_only: Option<Vec<String>>,
+    /// Health also answers for [`LIVENESS`] and [`READINESS`].
+    probe_names: bool,
     accept_limits: br_trust::accept::AcceptLimits,
     on_accept: Option<br_trust::accept::AcceptHook>,
     /// Called for each call refused RESOURCE_EXHAUSTED for an oversize request message.
@@ -177,6 +179,7 @@ impl GrpcServer {
             tls: None,
             health_follows: None,
             follow_only: None,
+            probe_names: false,
             accept_limits: br_trust::accept::AcceptLimits::default(),
             on_accept: None,
             on_oversize: None,
@@ -224,6 +227,16 @@ impl GrpcServer {
     ) -> Self {
         self.health_follows = Some(readiness);
         self.follow_only = Some(names.iter().map(|n| (*n).to_owned()).collect());
+        self
+    }
+
+    /// Health also answers for `liveness` (as `""`: SERVING while the server serves) and
+    /// `readiness` (SERVING when the served services are: following
+    /// [`with_health_following`](Self::with_health_following) when set), the names the Gateway
+    /// API Inference Extension's endpoint-picker protocol asks of a picker's health service
+    /// (Kubernetes gRPC probes name them).
+    pub fn with_probe_names(mut self) -> Self {
+        self.probe_names = true;
         self
     }
 
@@ -305,6 +318,7 @@ impl GrpcServer {
             tls,
             health_follows,
             follow_only,
+            probe_names,
             accept_limits,
             on_accept,
             on_oversize,
@@ -343,16 +357,38 @@ impl GrpcServer {
             }
         });
 
+        // The names health answers for besides `""`: the served services, then the probes'.
+        let probes: &[&str] = if probe_names {
+            &[LIVENESS, READINESS]
+        } else {
+            &[]
+        };
+        let health_names: Vec<&str> = service_names.iter().chain(probes).copied().collect();
+        if probe_names {
+            health
+                .set_service_status(LIVENESS, ServingStatus::Serving)
+                .await;
+        }
         match &health_follows {
-            None => set_all(&health, service_names, ServingStatus::Serving).await,
+            None => set_all(&health, &health_names, ServingStatus::Serving).await,
             Some(readiness) => {
                 health.set_service_status("", ServingStatus::Serving).await;
+                // `readiness` always follows; `liveness` never does.
+                let service_names: Vec<&str> = service_names
+                    .iter()
+                    .copied()
+                    .chain(probe_names.then_some(READINESS))
+                    .collect();
+                let follow_only = follow_only.map(|mut only| {
+                    only.push(READINESS.to_owned());
+                    only
+                });
                 let follows = |n: &str| {
                     follow_only
                         .as_ref()
                         .is_none_or(|only| only.iter().any(|o| o == n))
                 };
-                for n in service_names {
+                for n in &service_names {
                     let status = if follows(n) {
                         ServingStatus::NotServing
                     } else {
@@ -432,13 +468,13 @@ impl GrpcServer {
         tokio::select! {
             r = &mut server => {
                 // Ended by itself (an accept error).
-                set_all(&health, service_names, ServingStatus::NotServing).await;
+                set_all(&health, &health_names, ServingStatus::NotServing).await;
                 return r.map(|()| ServeOutcome::Drained);
             }
             () = shutdown.cancelled() => {}
         }
 
-        set_all(&health, service_names, ServingStatus::NotServing).await;
+        set_all(&health, &health_names, ServingStatus::NotServing).await;
         tracing::info!(grace = ?grace, "gRPC server draining");
         drain.cancel();
 
@@ -458,6 +494,10 @@ impl GrpcServer {
 
 /// `grpc.health.v1.Health`, served on every gRPC port.
 pub const HEALTH: &str = "grpc.health.v1.Health";
+/// The health name a liveness probe asks ([`GrpcServer::with_probe_names`]).
+pub const LIVENESS: &str = "liveness";
+/// The health name a readiness probe asks ([`GrpcServer::with_probe_names`]).
+pub const READINESS: &str = "readiness";
 /// Server reflection v1, served on every gRPC port.
 pub const REFLECTION_V1: &str = "grpc.reflection.v1.ServerReflection";
 /// Server reflection v1alpha (grpcurl before 1.9, grpcio's reflection client, Postman), served
@@ -822,6 +862,65 @@ mod tests {
             .unwrap()
             .unwrap()
             .unwrap();
+    }
+
+    /// With probe names, health answers `liveness` SERVING from the start and `readiness` as
+    /// the served services (following readiness); without them both are unknown names.
+    #[tokio::test]
+    async fn probe_names_answer_liveness_at_once_and_readiness_with_the_services() {
+        use tonic_health::pb::health_client::HealthClient;
+        let ready = crate::readiness::Readiness::default();
+        let mut servers = Vec::new();
+        for probes in [true, false] {
+            let server = GrpcServer::bind("127.0.0.1:0".parse().unwrap())
+                .await
+                .unwrap()
+                .with_grace(WAIT)
+                .with_health_following(ready.clone());
+            let server = if probes {
+                server.with_probe_names()
+            } else {
+                server
+            };
+            let addr = server.local_addr().unwrap();
+            let shutdown = CancellationToken::new();
+            let routes = Routes::new(v1::decision_server::DecisionServer::new(Gate::default()));
+            let task = tokio::spawn(server.serve(
+                routes,
+                &[br_proto::service_names::DECISION],
+                shutdown.clone(),
+            ));
+            let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            servers.push((HealthClient::new(ch), shutdown, task));
+        }
+        let req = |name: &str| HealthCheckRequest {
+            service: name.into(),
+        };
+        let (probed, plain) = (&mut servers[0].0.clone(), &mut servers[1].0.clone());
+        let mut readiness = probed.watch(req(READINESS)).await.unwrap().into_inner();
+        assert_eq!(next(&mut readiness).await, Pb::NotServing as i32);
+        let liveness = probed.check(req(LIVENESS)).await.unwrap().into_inner();
+        assert_eq!(liveness.status, Pb::Serving as i32);
+        ready.set(true);
+        assert_eq!(next(&mut readiness).await, Pb::Serving as i32);
+        for name in [LIVENESS, READINESS] {
+            let err = plain.check(req(name)).await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::NotFound, "{name}: {err:?}");
+        }
+        drop(readiness);
+        for (client, shutdown, task) in servers {
+            drop(client);
+            shutdown.cancel();
+            tokio::time::timeout(WAIT, task)
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+        }
     }
 
     /// The next status of a health Watch (or fails after `WAIT`).
