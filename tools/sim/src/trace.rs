@@ -1,6 +1,6 @@
 //! Request traces: one [`TraceRequest`] per request, and loaders for the public formats.
 //!
-//! Supported inputs (see `shared/data/traces/README.md`; excerpts in `tests/data/`):
+//! Supported inputs (see `data/traces/README.md`; excerpts in `tests/data/`):
 //!
 //! | format | detected by | arrival | prompt hash |
 //! |---|---|---|---|
