@@ -24,6 +24,12 @@ pub struct Sigma {
     pub(crate) ids: FxHashMap<RequestKey, RequestId>,
     next_key: RequestKey,
     cluster: ClusterState,
+    /// Per worker id, the generated tokens σ has learnt of ([`Sigma::generated_tokens`]).
+    /// A Vec indexed by worker id (at most `MAX_WORKER_ID + 1` entries, sized when a worker
+    /// comes up) and not a field of [`Worker`]: the progress path then adds to it by index,
+    /// with no map lookup and no change to the worker type, and a dense array of counters is
+    /// the cheapest thing to keep beside the workers' map.
+    generated: Vec<u64>,
     /// The writer's bound on the requests σ takes (None: a replica, which takes what the
     /// writer sent).
     bound: Option<RequestBound>,
@@ -53,6 +59,7 @@ impl Sigma {
             ids: FxHashMap::default(),
             next_key: 1,
             cluster: ClusterState::new(),
+            generated: Vec::new(),
             bound: None,
         }
     }
@@ -193,6 +200,17 @@ impl Sigma {
         self.requests.len()
     }
 
+    /// The tokens `worker` generated that this σ learnt of from progress reports: what each
+    /// report adds to a request's `generated_tokens`, and a request's tokens when it first
+    /// shows running. Monotonic for the worker id (across incarnations and fences); a report
+    /// that restates or lowers the count adds nothing. It counts from this σ's creation: a σ
+    /// built from a snapshot starts at 0, as the snapshot's tokens were generated at times it
+    /// does not know. Local to this σ (not on the wire), so a watcher can turn it into a
+    /// decode rate by sampling it; 0 for a worker σ never held.
+    pub fn generated_tokens(&self, worker: WorkerId) -> u64 {
+        self.generated.get(worker as usize).copied().unwrap_or(0)
+    }
+
     /// Gives back the capacity of the request maps once a burst that filled them is over
     /// (see [`br_memory::shrink_sparse_map`]); σ itself does not change. For housekeeping.
     pub fn shrink_sparse(&mut self) {
@@ -253,6 +271,9 @@ impl Sigma {
         self.cluster.upsert_worker(id, capacity)?;
         if cordoned {
             self.cluster.set_accepting(id, false)?;
+        }
+        if self.generated.len() <= id as usize {
+            self.generated.resize(id as usize + 1, 0);
         }
         self.workers.insert(
             id,
@@ -369,6 +390,7 @@ impl Sigma {
                 max_tokens: None,
                 slot: SlotHint::default(),
             })?;
+            self.count_generated(p.worker_id, p.generated_tokens);
             return Ok(true);
         };
         check_tokens(p.prompt_tokens, p.generated_tokens)?;
@@ -402,6 +424,10 @@ impl Sigma {
             // The common case: more tokens on the same worker (O(log G) in the core).
             self.cluster
                 .set_generated_in(old.slot.0, old.key, p.generated_tokens)?;
+            // One add into the counters' array: `old` is at hand, the worker id indexes it.
+            if let Some(n) = self.generated.get_mut(p.worker_id as usize) {
+                *n += u64::from(p.generated_tokens - old.generated_tokens);
+            }
             old.generated_tokens = p.generated_tokens;
             old.incarnation = p.incarnation;
             old.phase = Phase::Running;
@@ -413,6 +439,8 @@ impl Sigma {
         }
         // Moved to another worker, or the prompt count changed: re-insert in the core.
         self.cluster.remove(r.key)?;
+        // The tokens since the last report were generated where the report comes from.
+        let more = p.generated_tokens.saturating_sub(r.generated_tokens);
         r.worker = p.worker_id;
         r.incarnation = p.incarnation;
         r.prompt_tokens = p.prompt_tokens;
@@ -420,6 +448,7 @@ impl Sigma {
         r.phase = Phase::Running;
         r.slot = self.core_insert(&r)?;
         self.requests.insert(r.id.clone(), r);
+        self.count_generated(p.worker_id, more);
         Ok(true)
     }
 
@@ -442,6 +471,14 @@ impl Sigma {
     }
 
     // ---- helpers ----
+
+    /// Adds to [`Sigma::generated_tokens`] once a report is applied (σ's errors leave it as
+    /// it was). The worker is in σ, so its entry exists.
+    fn count_generated(&mut self, worker: WorkerId, tokens: u32) {
+        if let Some(n) = self.generated.get_mut(worker as usize) {
+            *n += u64::from(tokens);
+        }
+    }
 
     /// The worker, if σ holds it with this incarnation.
     fn check_worker(&self, id: WorkerId, incarnation: u64) -> Result<&Worker, SigmaError> {

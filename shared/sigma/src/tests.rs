@@ -306,6 +306,67 @@ fn a_cordon_stops_new_work_only_and_outlives_incarnations() {
     assert!(!s.cluster().worker(1).unwrap().accepting);
 }
 
+/// The decode counter: what each progress report adds to a request's generated tokens, on
+/// the worker that reports it.
+#[test]
+fn generated_tokens_count_what_each_report_adds() {
+    let mut s = sigma();
+    commit(
+        &mut s,
+        vec![
+            worker_up(0, 11, 4, ""),
+            worker_up(1, 12, 4, ""),
+            request_reserved("a", 0, 11, 100, None, Some(40)),
+        ],
+    );
+    assert_eq!(s.generated_tokens(0), 0, "a reservation generated nothing");
+    // it starts running with 3 tokens, then 5 more
+    s.apply_change(&request_progress("a", 0, 11, 100, 3))
+        .unwrap();
+    s.apply_change(&request_progress("a", 0, 11, 100, 8))
+        .unwrap();
+    assert_eq!(s.generated_tokens(0), 8);
+    // a report that restates or lowers the count adds nothing; from the lower count on, σ
+    // learns of the tokens again
+    s.apply_change(&request_progress("a", 0, 11, 100, 8))
+        .unwrap();
+    s.apply_change(&request_progress("a", 0, 11, 100, 6))
+        .unwrap();
+    assert_eq!(s.generated_tokens(0), 8);
+    s.apply_change(&request_progress("a", 0, 11, 100, 7))
+        .unwrap();
+    assert_eq!(s.generated_tokens(0), 9);
+    // a request σ first sees running brings its tokens
+    s.apply_change(&request_progress("b", 1, 12, 50, 4))
+        .unwrap();
+    assert_eq!(s.generated_tokens(1), 4);
+    // a request that moves: the tokens since its last report are the new worker's
+    s.apply_change(&request_progress("a", 1, 12, 100, 10))
+        .unwrap();
+    assert_eq!((s.generated_tokens(0), s.generated_tokens(1)), (9, 7));
+    // a refused report counts nothing (above max_tokens)
+    assert!(
+        s.apply_change(&request_progress("a", 1, 12, 100, 41))
+            .is_err()
+    );
+    assert_eq!(s.generated_tokens(1), 7);
+    // a fenced worker's reports are refused and count nothing; its count stays, and goes on
+    // from there with the next incarnation
+    s.apply_change(&worker_fenced(1, 12)).unwrap();
+    assert_eq!(
+        s.apply_change(&request_progress("c", 1, 12, 5, 2)),
+        Err(SigmaError::WorkerFenced(1))
+    );
+    assert_eq!(s.generated_tokens(1), 7);
+    s.apply_change(&worker_up(1, 13, 4, "")).unwrap();
+    s.apply_change(&request_progress("c", 1, 13, 5, 2)).unwrap();
+    assert_eq!(s.generated_tokens(1), 9);
+    // a worker σ never held, and a σ built from a snapshot (it knows no report): 0
+    assert_eq!(s.generated_tokens(7), 0);
+    let r = Sigma::from_snapshot(&s.to_snapshot()).unwrap();
+    assert_eq!((r.generated_tokens(0), r.generated_tokens(1)), (0, 0));
+}
+
 // ---- property tests ----
 
 #[derive(Debug, Clone)]
@@ -482,6 +543,13 @@ proptest! {
             }
             check_mirror(&r);
             prop_assert_eq!(&r.to_snapshot(), &last);
+            if v == 0 {
+                // a replica that saw every delta counts the tokens the writer counted: the
+                // counter moves with the changes that are applied, never with refused ones
+                for id in 0..4 {
+                    prop_assert_eq!(r.generated_tokens(id), w.generated_tokens(id), "worker {}", id);
+                }
+            }
         }
     }
 }
