@@ -284,12 +284,13 @@ pub struct Args {
     pub decider_takeover: Duration,
 
     /// The live page (`/live` on the admin port): how often each group is sampled (σ's
-    /// per-rank loads, imbalance, pool, Assign rate and latency), 100ms to 10s.
+    /// per-rank loads, decode rates and state changes, imbalance, pool, Assign rate and
+    /// latency), 100ms to 10s.
     #[arg(long, env = "BALANCEROUTE_LIVE_SAMPLE_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_LIVE_SAMPLE_INTERVAL)]
     pub live_sample_interval: Duration,
 
     /// The live page: how much history each group keeps (the ring holds this / the sample
-    /// interval samples, at most 7,200; about 100 bytes + 16 per rank each).
+    /// interval samples, at most 7,200; at most 260 bytes + 24 per rank each).
     #[arg(long, env = "BALANCEROUTE_LIVE_HISTORY", value_parser = humantime::parse_duration, default_value = DEFAULT_LIVE_HISTORY)]
     pub live_history: Duration,
 }

@@ -149,11 +149,21 @@ pub enum Placing {
 pub struct LiveNow {
     /// σ as the replica holds it; `None` before the first complete σ.
     pub summary: Option<GroupSummary>,
+    /// σ's count of each rank's generated tokens ([`Sigma::generated_tokens`]), one per
+    /// `summary.workers`, in its order.
+    pub generated_tokens: Vec<u64>,
     /// Requests waiting in the pool.
     pub pool: usize,
     /// σ not confirmed current (the snapshot service unreachable).
     pub stale: bool,
     pub placing: Placing,
+}
+
+impl LiveNow {
+    /// σ's count of generated tokens of the `i`-th rank of `summary.workers`.
+    pub fn generated(&self, i: usize) -> Option<u64> {
+        self.generated_tokens.get(i).copied()
+    }
 }
 
 /// Numbers for tests and logs.
@@ -286,11 +296,15 @@ impl GroupCore {
         }
     }
 
-    /// What the live page samples: σ's summary as the replica holds it (O(ranks)), the pool
-    /// and whether σ is stale.
+    /// What the live page samples: σ's summary as the replica holds it and its count of each
+    /// rank's generated tokens (O(ranks)), the pool and whether σ is stale.
     pub fn live_now(&self) -> LiveNow {
+        let sigma = self.view.sigma();
         LiveNow {
-            summary: self.view.sigma().map(Sigma::summary),
+            summary: sigma.map(Sigma::summary),
+            generated_tokens: sigma.map_or_else(Vec::new, |s| {
+                s.workers().map(|w| s.generated_tokens(w.id)).collect()
+            }),
             pool: self.requests.pool_len(),
             stale: self.is_stale(),
             placing: self.placing(),

@@ -252,6 +252,7 @@ mod tests {
         };
         let now = LiveNow {
             summary: Some(GroupSummary::of_snapshot(&snap)),
+            generated_tokens: Vec::new(),
             pool: 0,
             stale: false,
             placing: Placing::Ready,
@@ -259,5 +260,107 @@ mod tests {
         let json = serde_json::to_value(NowJson::from(&now)).unwrap();
         assert_eq!(json["sigma"]["epoch"], "3527672881757361811", "{json}");
         assert_eq!(json["sigma"]["version"], u64::MAX.to_string(), "{json}");
+    }
+
+    /// `GET /live/api/group/{name}` as the page reads it: every field it read before keeps its
+    /// name, and each sample adds the decode rates, the TPOT estimate and the rank state
+    /// changes.
+    #[tokio::test]
+    async fn the_group_api_adds_decode_rates_and_state_changes_to_each_sample() {
+        use std::time::{Duration, Instant};
+
+        use http_body_util::BodyExt as _;
+
+        use crate::live::{Counters, LiveConfig};
+
+        let snap = v1::ClusterSnapshot {
+            group: "g".into(),
+            epoch: 1,
+            version: 3,
+            workers: (0..2)
+                .map(|id| v1::WorkerState {
+                    worker_id: id,
+                    incarnation: 1,
+                    capacity: 4,
+                    liveness: v1::Liveness::Live as i32,
+                    ..Default::default()
+                })
+                .collect(),
+            requests: vec![v1::RequestState {
+                request_id: "a".into(),
+                worker_id: 1,
+                incarnation: 1,
+                prompt_tokens: 30,
+                generated_tokens: 20,
+                state: v1::RequestPhase::Active as i32,
+                ..Default::default()
+            }],
+        };
+        let now = |generated: Vec<u64>, cordon: bool| {
+            let mut summary = GroupSummary::of_snapshot(&snap);
+            summary.workers[0].cordoned = cordon;
+            LiveNow {
+                summary: Some(summary),
+                generated_tokens: generated,
+                pool: 0,
+                stale: false,
+                placing: Placing::Ready,
+            }
+        };
+        let cfg = LiveConfig {
+            interval: Duration::from_millis(500),
+            samples: 10,
+        };
+        let live = Live::new(cfg, "jsq", ["g"]);
+        let t0 = Instant::now();
+        for (i, n) in [now(vec![0, 100], false), now(vec![0, 150], true)]
+            .into_iter()
+            .enumerate()
+        {
+            let at = t0 + Duration::from_millis(500 * i as u64);
+            live.group("g")
+                .unwrap()
+                .record(at, 0, n, Counters::default(), &[]);
+        }
+        let r = group(
+            State(live),
+            Path("g".into()),
+            Query(SinceQuery { since: Some(1) }),
+        )
+        .await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let body = r.into_body().collect().await.unwrap().to_bytes();
+        let j: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let s = &j["samples"][0];
+        assert_eq!(s["seq"], 2, "{j}");
+        // the fields the page read before, by their names
+        for key in [
+            "unix_ms",
+            "sigma_version",
+            "loads",
+            "imbalance_tokens",
+            "pool",
+        ] {
+            assert!(!s[key].is_null(), "{key}: {s}");
+        }
+        // rank 1: 50 tokens in 0.5 s with one request running
+        let rank1 = &s["loads"][1];
+        assert_eq!(
+            (rank1["worker_id"].as_u64(), rank1["load_tokens"].as_u64()),
+            (Some(1), Some(50))
+        );
+        assert_eq!(rank1["running"], 1);
+        assert_eq!(rank1["decode_tokens_per_s"], 100.0);
+        assert_eq!(rank1["tpot_ms"], 10.0);
+        let rank0 = &s["loads"][0];
+        assert_eq!(rank0["decode_tokens_per_s"], 0.0);
+        assert!(rank0["tpot_ms"].is_null(), "{rank0}");
+        assert_eq!(s["decode_tokens_per_s"], 100.0);
+        assert_eq!(
+            s["events"],
+            serde_json::json!([{ "worker_id": 0, "kind": "cordoned" }])
+        );
+        assert_eq!(s["events_omitted"], 0);
+        assert_eq!(j["now"]["sigma"]["workers"][0]["cordoned"], true);
     }
 }

@@ -4,16 +4,26 @@
 //! measured over. Pure: time comes in as arguments, so the bound and the window are tested
 //! without a clock.
 //!
-//! Memory: a [`Sample`] is about 100 bytes plus 16 per rank ([`RankLoad`]), so a group holds
-//! at most `capacity × (100 + 16·ranks)` bytes: with the defaults (600 samples) about 130 KB
-//! for G = 8, 670 KB for G = 64, and 10 MB for the contract's largest group (1,024 ranks). The
-//! full worker table is kept for the latest sample only; the window's counters are a few
-//! entries of 16 bucket counts.
+//! Each sample also carries what changed since the previous one: the decode rate of every
+//! rank (from σ's count of generated tokens, [`br_sigma::Sigma::generated_tokens`]) with the
+//! TPOT it implies, and the ranks whose state changed (cordoned or uncordoned, LIVE, SUSPECT,
+//! FENCED), which the page marks on its charts. States are compared sample to sample: a
+//! change undone within one interval is not marked.
+//!
+//! Memory: a [`Sample`] is at most 260 bytes with its state changes (at most
+//! [`MAX_SAMPLE_EVENTS`] listed, 8 bytes each) plus 24 per rank ([`RankLoad`]), so a group
+//! holds at most `capacity × (260 + 24·ranks)` bytes: with the defaults (600 samples) about
+//! 270 KB for G = 8, 1.1 MB for G = 64, and 15 MB for the contract's largest group (1,024
+//! ranks). The full worker table is kept for the latest sample only (it is also what the
+//! next sample's rates and state changes are measured from); the window's counters are a
+//! few entries of 16 bucket counts.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use serde::{Serialize, Serializer};
+
+use br_sigma::GroupSummary;
 
 use crate::group::LiveNow;
 
@@ -36,11 +46,78 @@ pub struct Counters {
     pub latency_count: u64,
 }
 
-/// One rank's KV load in one sample.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// The most rank state changes one sample lists; more are only counted
+/// ([`Sample::events_omitted`]): a whole group fenced at once reads as one marker either way,
+/// and a sample's size stays bounded whatever the group's size.
+pub const MAX_SAMPLE_EVENTS: usize = 8;
+
+/// One rank in one sample: its KV load, and its decode rate since the previous sample.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(into = "RankJson")]
 pub struct RankLoad {
     pub worker_id: u32,
+    /// Requests σ holds running on it (ACTIVE) at the sample.
+    pub running: u32,
     pub load_tokens: u64,
+    /// Tokens/s it generated since the previous sample, as σ learnt of them; `None` in the
+    /// rank's first sample, or when σ's count went back (the replica was replaced by a fresh
+    /// snapshot and counts again from 0). An `f32`: a rate to a few digits, and the rank's
+    /// entry stays 24 bytes.
+    pub decode_tokens_per_s: Option<f32>,
+}
+
+impl RankLoad {
+    /// The time per output token this rank's rate implies, in ms. In lockstep decode every
+    /// running request gets one token per step, so tokens/s = running × steps/s and the step
+    /// time, which is each request's time per output token, is running ÷ tokens/s. An
+    /// estimate (requests still in prefill count as running; the engine's own TPOT is in the
+    /// shims' metrics); `None` without a running request or without a token in the interval.
+    pub fn tpot_ms(&self) -> Option<f64> {
+        let rate = f64::from(self.decode_tokens_per_s?);
+        (self.running > 0 && rate > 0.0).then(|| 1e3 * f64::from(self.running) / rate)
+    }
+}
+
+/// [`RankLoad`] as the JSON API answers it: with its TPOT, computed when answered rather than
+/// stored in every sample.
+#[derive(Serialize)]
+struct RankJson {
+    worker_id: u32,
+    load_tokens: u64,
+    running: u32,
+    decode_tokens_per_s: Option<f32>,
+    tpot_ms: Option<f64>,
+}
+
+impl From<RankLoad> for RankJson {
+    fn from(r: RankLoad) -> RankJson {
+        RankJson {
+            worker_id: r.worker_id,
+            load_tokens: r.load_tokens,
+            running: r.running,
+            decode_tokens_per_s: r.decode_tokens_per_s,
+            tpot_ms: r.tpot_ms(),
+        }
+    }
+}
+
+/// What changed about a rank since the previous sample (its new state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RankEventKind {
+    /// LIVE again, or new in σ.
+    Live,
+    Suspect,
+    Fenced,
+    Cordoned,
+    Uncordoned,
+}
+
+/// One rank's state change, marked on the page's charts at its sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RankEvent {
+    pub worker_id: u32,
+    pub kind: RankEventKind,
 }
 
 /// One point of the page's time series.
@@ -76,6 +153,14 @@ pub struct Sample {
     pub latency_p50_ms: Option<f64>,
     #[serde(serialize_with = "ms_or_inf")]
     pub latency_p99_ms: Option<f64>,
+    /// The group's decode tokens/s since the previous sample: the sum over the ranks that have
+    /// a rate; `null` when none has.
+    pub decode_tokens_per_s: Option<f64>,
+    /// The ranks whose state changed since the previous sample, by worker id (none in the
+    /// first sample with σ): at most [`MAX_SAMPLE_EVENTS`].
+    pub events: Vec<RankEvent>,
+    /// State changes since the previous sample beyond those listed.
+    pub events_omitted: u32,
 }
 
 fn ms_or_inf<S: Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
@@ -96,7 +181,9 @@ pub struct GroupHistory {
     /// Cumulative counters of recent samples, oldest first: the window's start is the newest
     /// entry at least [`RATE_WINDOW`] old.
     counters: VecDeque<(Instant, Counters)>,
-    latest: Option<LiveNow>,
+    /// The last sample's state and when it was taken: the next sample's rates and state
+    /// changes are measured from it.
+    latest: Option<(Instant, LiveNow)>,
 }
 
 impl GroupHistory {
@@ -155,20 +242,31 @@ impl GroupHistory {
             }
         };
         let summary = now.summary.as_ref();
+        let loads = summary.map_or_else(Vec::new, |s| {
+            s.workers
+                .iter()
+                .enumerate()
+                .map(|(i, w)| RankLoad {
+                    worker_id: w.worker_id,
+                    running: w.running,
+                    load_tokens: w.load_tokens,
+                    decode_tokens_per_s: self.decode_rate(at, w.worker_id, now.generated(i)),
+                })
+                .collect()
+        });
+        let rates = loads.iter().filter_map(|l| l.decode_tokens_per_s);
+        let decode = rates.clone().next().map(|_| rates.map(f64::from).sum());
+        let before = self.latest.as_ref().and_then(|(_, n)| n.summary.as_ref());
+        let (events, events_omitted) = match (before, summary) {
+            (Some(before), Some(after)) => state_changes(before, after),
+            _ => (Vec::new(), 0),
+        };
         let sample = Sample {
             seq: self.next_seq,
             unix_ms,
             sigma_version: summary.map(|s| s.version),
             stale: now.stale,
-            loads: summary.map_or_else(Vec::new, |s| {
-                s.workers
-                    .iter()
-                    .map(|w| RankLoad {
-                        worker_id: w.worker_id,
-                        load_tokens: w.load_tokens,
-                    })
-                    .collect()
-            }),
+            loads,
             imbalance_tokens: summary.map_or(0, |s| s.imbalance_tokens),
             barrier_idle_tokens: summary.map_or(0, |s| s.barrier_idle_tokens),
             barrier_idle_share: summary.map_or(0.0, |s| s.barrier_idle_share),
@@ -177,6 +275,9 @@ impl GroupHistory {
             assign_failed_rate: failed_rate,
             latency_p50_ms: p50,
             latency_p99_ms: p99,
+            decode_tokens_per_s: decode,
+            events,
+            events_omitted,
         };
         self.next_seq += 1;
         if self.samples.len() == self.capacity {
@@ -184,7 +285,22 @@ impl GroupHistory {
         }
         self.samples.push_back(sample);
         self.counters.push_back((at, counters));
-        self.latest = Some(now);
+        self.latest = Some((at, now));
+    }
+
+    /// `worker`'s decode rate from the last sample to `at`, given σ's count of its generated
+    /// tokens now.
+    fn decode_rate(&self, at: Instant, worker: u32, generated: Option<u64>) -> Option<f32> {
+        let (then, last) = self.latest.as_ref()?;
+        let secs = at.saturating_duration_since(*then).as_secs_f64();
+        let i = last
+            .summary
+            .as_ref()?
+            .workers
+            .binary_search_by_key(&worker, |w| w.worker_id)
+            .ok()?;
+        let tokens = generated?.checked_sub(last.generated(i)?)?;
+        (secs > 0.0).then(|| (tokens as f64 / secs) as f32)
     }
 
     /// The samples after `since` (every one kept when `None`), oldest first.
@@ -200,7 +316,7 @@ impl GroupHistory {
 
     /// What the group's task said at the last sample.
     pub fn latest(&self) -> Option<&LiveNow> {
-        self.latest.as_ref()
+        self.latest.as_ref().map(|(_, n)| n)
     }
 
     /// The seq of the newest sample (0 before the first).
@@ -222,6 +338,44 @@ impl GroupHistory {
     fn capacity(&self) -> usize {
         self.capacity
     }
+}
+
+/// The ranks of `after` whose state differs from `before` (both sorted by worker id, as σ's
+/// summary is): the first [`MAX_SAMPLE_EVENTS`] changes, and how many more there were.
+fn state_changes(before: &GroupSummary, after: &GroupSummary) -> (Vec<RankEvent>, u32) {
+    let mut events = Vec::new();
+    let mut omitted = 0;
+    for w in &after.workers {
+        let was = before
+            .workers
+            .binary_search_by_key(&w.worker_id, |b| b.worker_id)
+            .ok()
+            .map(|i| &before.workers[i]);
+        let liveness = was
+            .is_none_or(|b| b.liveness != w.liveness)
+            .then_some(match w.liveness {
+                "suspect" => RankEventKind::Suspect,
+                "fenced" => RankEventKind::Fenced,
+                _ => RankEventKind::Live,
+            });
+        let cordon =
+            (was.map_or(w.cordoned, |b| b.cordoned != w.cordoned)).then_some(if w.cordoned {
+                RankEventKind::Cordoned
+            } else {
+                RankEventKind::Uncordoned
+            });
+        for kind in [liveness, cordon].into_iter().flatten() {
+            if events.len() < MAX_SAMPLE_EVENTS {
+                events.push(RankEvent {
+                    worker_id: w.worker_id,
+                    kind,
+                });
+            } else {
+                omitted += 1;
+            }
+        }
+    }
+    (events, omitted)
 }
 
 #[cfg(test)]
@@ -264,10 +418,21 @@ mod tests {
         };
         LiveNow {
             summary: Some(GroupSummary::of_snapshot(&snap)),
+            generated_tokens: Vec::new(),
             pool,
             stale: false,
             placing: Placing::Ready,
         }
+    }
+
+    /// Ranks 0..n (one running request each, 10 tokens of load) with σ's counts of their
+    /// generated tokens, then `edit` on the summary.
+    fn ranks(generated: &[u64], edit: impl FnOnce(&mut GroupSummary)) -> LiveNow {
+        let ids: Vec<(u32, u32)> = (0..generated.len() as u32).map(|id| (id, 10)).collect();
+        let mut n = now_with(&ids, 0);
+        n.generated_tokens = generated.to_vec();
+        edit(n.summary.as_mut().unwrap());
+        n
     }
 
     fn counters(assigns: u64, failed: u64, buckets: [u64; 3], count: u64) -> Counters {
@@ -310,11 +475,15 @@ mod tests {
             vec![
                 RankLoad {
                     worker_id: 0,
-                    load_tokens: 10
+                    running: 1,
+                    load_tokens: 10,
+                    decode_tokens_per_s: None,
                 },
                 RankLoad {
                     worker_id: 1,
-                    load_tokens: 30
+                    running: 1,
+                    load_tokens: 30,
+                    decode_tokens_per_s: None,
                 }
             ]
         );
@@ -369,6 +538,7 @@ mod tests {
             5,
             LiveNow {
                 summary: None,
+                generated_tokens: Vec::new(),
                 pool: 3,
                 stale: false,
                 placing: Placing::NoSigma,
@@ -379,5 +549,153 @@ mod tests {
         let s = h.since(None).pop().unwrap();
         assert_eq!((s.sigma_version, s.loads.len(), s.pool), (None, 0, 3));
         assert_eq!(h.latest().unwrap().placing, Placing::NoSigma);
+    }
+
+    #[test]
+    fn decode_rates_and_tpot_come_from_sigmas_count_between_two_samples() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        let mut h = GroupHistory::new(10);
+        let mut rec = |t: u32, now: LiveNow| {
+            h.record(t0 + ms * t, 0, now, Counters::default(), &BOUNDS);
+            h.since(None).pop().unwrap()
+        };
+        let rate = |s: &Sample, i: usize| s.loads[i].decode_tokens_per_s;
+        let tpot = |s: &Sample, i: usize| s.loads[i].tpot_ms();
+        // the first sample has nothing to measure from
+        let first = rec(0, ranks(&[100, 0], |_| {}));
+        assert_eq!((rate(&first, 0), first.decode_tokens_per_s), (None, None));
+        // 500 ms later rank 0 generated 200 tokens with 4 requests running: 400 tokens/s,
+        // and 4 requests ÷ 400 tokens/s = 10 ms per output token; rank 1 generated nothing,
+        // so nothing tells its TPOT
+        let s = rec(500, ranks(&[300, 0], |g| g.workers[0].running = 4));
+        assert_eq!((rate(&s, 0), rate(&s, 1)), (Some(400.0), Some(0.0)));
+        assert_eq!((tpot(&s, 0), tpot(&s, 1)), (Some(10.0), None));
+        assert_eq!(s.decode_tokens_per_s, Some(400.0));
+        // a rank that generated tokens but runs no request now has a rate and no TPOT
+        let s = rec(
+            1_000,
+            ranks(&[500, 50], |g| {
+                g.workers[0].running = 4;
+                g.workers[1].running = 0;
+            }),
+        );
+        assert_eq!((rate(&s, 1), tpot(&s, 1)), (Some(100.0), None));
+        assert_eq!(s.decode_tokens_per_s, Some(500.0));
+        let json = serde_json::to_value(&s).unwrap();
+        let rank0 = &json["loads"][0];
+        assert_eq!(rank0["worker_id"], 0);
+        assert_eq!(rank0["load_tokens"], 10);
+        assert_eq!(rank0["running"], 4);
+        assert_eq!(rank0["decode_tokens_per_s"], 400.0);
+        assert_eq!(rank0["tpot_ms"], 10.0);
+        assert!(json["loads"][1]["tpot_ms"].is_null(), "{json}");
+        assert_eq!(json["decode_tokens_per_s"], 500.0);
+        // σ's count went back (a fresh replica counts from 0): no rate for that rank, and a
+        // rank new to σ has none either; the group's rate is the others'
+        let s = rec(1_500, ranks(&[10, 60, 5], |_| {}));
+        assert_eq!(
+            (rate(&s, 0), rate(&s, 1), rate(&s, 2)),
+            (None, Some(20.0), None)
+        );
+        assert_eq!(s.decode_tokens_per_s, Some(20.0));
+        // without σ, and in the first sample after it, no rate at all
+        let s = rec(
+            2_000,
+            LiveNow {
+                summary: None,
+                generated_tokens: Vec::new(),
+                pool: 0,
+                stale: true,
+                placing: Placing::NoSigma,
+            },
+        );
+        assert_eq!(s.decode_tokens_per_s, None);
+        let s = rec(2_500, ranks(&[20, 70, 5], |_| {}));
+        assert_eq!((rate(&s, 0), s.decode_tokens_per_s), (None, None));
+        assert!(serde_json::to_value(&s).unwrap()["decode_tokens_per_s"].is_null());
+    }
+
+    #[test]
+    fn rank_state_changes_are_events_of_their_sample_and_bounded() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        let mut h = GroupHistory::new(10);
+        let mut t = 0;
+        let mut rec = |now: LiveNow| {
+            t += 500;
+            h.record(t0 + ms * t, 0, now, Counters::default(), &BOUNDS);
+            h.since(None).pop().unwrap()
+        };
+        let ev = |worker_id, kind| RankEvent { worker_id, kind };
+        let twenty = [0; 20];
+        assert!(
+            rec(ranks(&twenty, |_| {})).events.is_empty(),
+            "the first sample"
+        );
+        assert!(
+            rec(ranks(&twenty, |_| {})).events.is_empty(),
+            "nothing changed"
+        );
+        let s = rec(ranks(&twenty, |g| g.workers[3].cordoned = true));
+        assert_eq!(s.events, vec![ev(3, RankEventKind::Cordoned)]);
+        assert_eq!(
+            serde_json::to_value(&s).unwrap()["events"],
+            serde_json::json!([{ "worker_id": 3, "kind": "cordoned" }])
+        );
+        let s = rec(ranks(&twenty, |g| {
+            g.workers[3].cordoned = true;
+            g.workers[3].liveness = "suspect";
+            g.workers[5].liveness = "fenced";
+        }));
+        assert_eq!(
+            s.events,
+            vec![ev(3, RankEventKind::Suspect), ev(5, RankEventKind::Fenced)]
+        );
+        // back to LIVE and uncordoned in one interval, and a rank new to σ
+        let s = rec(ranks(&[0; 21], |g| g.workers[5].liveness = "fenced"));
+        assert_eq!(
+            s.events,
+            vec![
+                ev(3, RankEventKind::Live),
+                ev(3, RankEventKind::Uncordoned),
+                ev(20, RankEventKind::Live)
+            ]
+        );
+        // the whole group fenced at once: the first few listed, the rest counted
+        let s = rec(ranks(&[0; 21], |g| {
+            for w in &mut g.workers {
+                w.liveness = "fenced";
+            }
+        }));
+        assert_eq!(s.events.len(), MAX_SAMPLE_EVENTS);
+        assert_eq!(s.events[0], ev(0, RankEventKind::Fenced));
+        assert_eq!(s.events_omitted, 20 - MAX_SAMPLE_EVENTS as u32);
+        // no σ, then σ again: nothing to compare with, no event
+        let no_sigma = LiveNow {
+            summary: None,
+            generated_tokens: Vec::new(),
+            pool: 0,
+            stale: false,
+            placing: Placing::NoSigma,
+        };
+        assert!(rec(no_sigma).events.is_empty());
+        let s = rec(ranks(&twenty, |_| {}));
+        assert_eq!((s.events.len(), s.events_omitted), (0, 0));
+    }
+
+    /// The module docs' arithmetic: a sample and its listed state changes within 260 bytes, a
+    /// rank 24 bytes.
+    #[test]
+    fn a_sample_takes_the_bytes_the_module_docs_say() {
+        use std::mem::size_of;
+        const SAMPLE_BYTES: usize = 260;
+        assert_eq!(size_of::<RankLoad>(), 24);
+        let events = MAX_SAMPLE_EVENTS * size_of::<RankEvent>();
+        assert!(
+            size_of::<Sample>() + events <= SAMPLE_BYTES,
+            "{} + {events}",
+            size_of::<Sample>()
+        );
     }
 }

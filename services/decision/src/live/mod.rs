@@ -1,7 +1,9 @@
-//! The live page on the admin port (`/live`): per group, the KV load of every rank over the
-//! last minutes (the paper's Figure 3, live), the barrier idle I = G·M − ΣL beside the
-//! imbalance max − min, the barrier's idle share, the Assign rate and latency, the pool length
-//! and the table of worker states.
+//! The live page on the admin port (`/live`): per group, the table of worker states on top,
+//! then the KV load of every rank over the last minutes (the paper's Figure 3, live), the
+//! decode throughput and an estimated TPOT per rank (from σ's count of generated tokens), the
+//! barrier idle I = G·M − ΣL beside the imbalance max − min, the barrier's idle share, the
+//! Assign rate and latency and the pool length; the charts mark the samples at which a rank
+//! was cordoned or uncordoned or turned LIVE, SUSPECT or FENCED.
 //!
 //! This module owns the page's data: one [`GroupHistory`] ring per served group, filled by one
 //! sampler task every `--live-sample-interval` from the group's task (σ's summary, the pool,
@@ -31,8 +33,8 @@ use crate::task::GroupHandle;
 pub use history::{Counters, GroupHistory, Sample};
 
 /// Most samples one group keeps (`--live-history / --live-sample-interval` above it is refused
-/// at start): with the contract's largest group that is ~120 MB, so nobody gets there by
-/// accident.
+/// at start): with the contract's largest group that is ~180 MB (see [`history`]'s
+/// arithmetic), so nobody gets there by accident.
 pub const MAX_SAMPLES: usize = 7_200;
 
 /// `--live-sample-interval` and `--live-history`, validated.
