@@ -35,7 +35,13 @@ function fmtShare(x) {
 function fmtMs(v) {
   if (v === null || v === undefined) return "–";
   if (v === "+Inf") return "above the last bucket";
+  if (v === 0) return "0"; // an axis' origin, not a measured time
   return v < 1 ? (v * 1000).toFixed(0) + " µs" : v.toFixed(v < 10 ? 2 : 0) + " ms";
+}
+
+function fmtRate(v) {
+  if (v === null || v === undefined) return "–";
+  return v < 10 ? v.toFixed(1) : fmtInt(v);
 }
 
 function fmtDuration(ms) {
@@ -97,6 +103,7 @@ function drawChart(svg, series, opts) {
     svg.appendChild(svgEl("text", { x: x(t), y: H - 4, "text-anchor": m === 0 ? "end" : "middle" },
       m === 0 ? "now" : `−${m} min`));
   }
+  drawMarkers(svg, x, tMin, W, padT, H - padB);
   for (const s of series) {
     let d = "";
     let pen = false;
@@ -107,6 +114,52 @@ function drawChart(svg, series, opts) {
     }
     if (d) svg.appendChild(svgEl("path", { d, class: "series", stroke: s.color }));
   }
+}
+
+// A rank state change as the page says it: "rank 3 cordoned", "rank 3 SUSPECT".
+const EVENT_WORDS = {
+  live: "LIVE", suspect: "SUSPECT", fenced: "FENCED", cordoned: "cordoned", uncordoned: "uncordoned",
+};
+
+function eventText(e) {
+  return `rank ${e.worker_id} ${EVENT_WORDS[e.kind] || e.kind}`;
+}
+
+// The samples at which a rank's state changed: [{t, kind, label, title}], oldest first. One
+// marker per sample; its label names the first change and counts the others (the tooltip
+// lists them).
+function markers() {
+  const out = [];
+  for (const s of state.samples) {
+    const events = s.events || [];
+    const more = events.length - 1 + (s.events_omitted || 0);
+    if (events.length === 0) continue;
+    const all = events.map(eventText).join(", ");
+    out.push({
+      t: s.unix_ms,
+      kind: events[0].kind,
+      label: eventText(events[0]) + (more > 0 ? ` +${more} more` : ""),
+      title: all + (s.events_omitted ? `, and ${s.events_omitted} more` : ""),
+    });
+  }
+  return out;
+}
+
+// Each marker: a dashed vertical line at its sample and its label at the top, staggered over
+// three rows so that changes close in time stay readable.
+function drawMarkers(svg, x, tMin, W, top, bottom) {
+  markers().filter((m) => m.t >= tMin).forEach((m, i) => {
+    const g = svgEl("g", { class: `marker marker-${m.kind}` });
+    const at = x(m.t);
+    g.appendChild(svgEl("title", {}, m.title));
+    g.appendChild(svgEl("line", { x1: at, x2: at, y1: top, y2: bottom }));
+    const left = at > W - 140;
+    g.appendChild(svgEl("text", {
+      x: left ? at - 4 : at + 4, y: top + 10 + (i % 3) * 12,
+      "text-anchor": left ? "end" : "start", class: "marker-label",
+    }, m.label));
+    svg.appendChild(g);
+  });
 }
 
 function drawLegend(box, series) {
@@ -191,6 +244,20 @@ function renderCharts() {
   const noRanks = state.now && state.now.sigma ? "no ranks in σ" : noSigma;
   drawChart($("chart-load"), loadSeries, { fmt: fmtInt, minMax: 4, empty: noRanks });
   drawLegend($("legend-load"), loadSeries);
+  const rankSeries = (f) => ranks.map((id, i) => ({
+    name: `rank ${id}`,
+    color: color(i),
+    points: S.map((s) => {
+      const l = s.loads.find((x) => x.worker_id === id);
+      const v = l ? f(l) : null;
+      return [s.unix_ms, v === undefined ? null : v];
+    }),
+  }));
+  const decode = [{ name: "", color: COLORS[0], points: S.map((s) => [s.unix_ms, s.decode_tokens_per_s === undefined ? null : s.decode_tokens_per_s]) }];
+  drawChart($("chart-decode"), decode, { fmt: fmtRate, minMax: 4, empty: "no decode rate yet" });
+  const tpot = rankSeries((l) => l.tpot_ms);
+  drawChart($("chart-tpot"), tpot, { fmt: fmtMs, empty: "no rank decoding" });
+  drawLegend($("legend-tpot"), tpot);
   const one = (f) => [{ name: "", color: COLORS[0], points: S.map((s) => [s.unix_ms, f(s)]) }];
   const withSigma = (f) => (s) => (s.sigma_version === null ? null : f(s));
   // the barrier idle is what the step time pays (br-sim's barrier_idle); the imbalance,
@@ -223,6 +290,14 @@ function renderCharts() {
     ? `idle ${fmtInt(sigma.barrier_idle_tokens)} · imbalance ${fmtInt(sigma.imbalance_tokens)}`
     : "";
   $("idle-now").textContent = sigma ? fmtShare(sigma.barrier_idle_share) : "";
+  const decodeNow = last ? last.decode_tokens_per_s : null;
+  const dn = $("decode-now");
+  dn.textContent = decodeNow === null || decodeNow === undefined ? "" : `${fmtRate(decodeNow)} tokens/s`;
+  dn.dataset.tokensPerS = decodeNow === null || decodeNow === undefined ? "" : String(decodeNow);
+  const tpots = last ? last.loads.map((l) => l.tpot_ms).filter((v) => typeof v === "number") : [];
+  $("tpot-now").textContent = tpots.length
+    ? `${fmtMs(Math.min(...tpots))} – ${fmtMs(Math.max(...tpots))}`
+    : "";
   $("rate-now").textContent = last ? `${last.assign_rate.toFixed(1)}/s` : "";
   $("latency-now").textContent = last ? `p50 ${fmtMs(last.latency_p50_ms)} · p99 ${fmtMs(last.latency_p99_ms)}` : "";
   $("pool-now").textContent = state.now ? fmtInt(state.now.pool) : "";
@@ -246,15 +321,21 @@ function renderWorkers() {
     : "";
   if (workers.length === 0) {
     const tr = el("tr", {});
-    tr.appendChild(el("td", { colspan: "9", class: "muted" }, sigma ? "no workers in σ" : "no σ yet"));
+    tr.appendChild(el("td", { colspan: "11", class: "muted" }, sigma ? "no workers in σ" : "no σ yet"));
     body.appendChild(tr);
     return;
   }
   const max = Math.max(1, ...workers.map((w) => w.load_tokens));
+  // decode rate and TPOT: the last sample's (the worker table is σ at that sample)
+  const last = state.samples[state.samples.length - 1];
+  const decode = new Map(last ? last.loads.map((l) => [l.worker_id, l]) : []);
+  const known = (v) => (typeof v === "number" ? String(v) : "");
   for (const w of workers) {
+    const d = decode.get(w.worker_id) || {};
     const tr = el("tr", { class: "rank", id: `rank-${w.worker_id}`,
       "data-worker": String(w.worker_id), "data-load": String(w.load_tokens),
-      "data-liveness": w.liveness });
+      "data-liveness": w.liveness, "data-cordoned": String(w.cordoned),
+      "data-tokens-per-s": known(d.decode_tokens_per_s), "data-tpot-ms": known(d.tpot_ms) });
     tr.appendChild(el("td", {}, String(w.worker_id)));
     tr.appendChild(stateCell(w));
     tr.appendChild(el("td", { class: "mono" }, w.incarnation));
@@ -264,9 +345,11 @@ function renderWorkers() {
     bar.style.width = `${(100 * w.load_tokens) / max}%`;
     barCell.appendChild(bar);
     tr.appendChild(barCell);
-    tr.appendChild(el("td", { class: "num" }, String(w.running)));
+    tr.appendChild(el("td", { class: "num running" }, String(w.running)));
     tr.appendChild(el("td", { class: "num" }, String(w.reserved)));
     tr.appendChild(el("td", { class: "num" }, String(w.capacity)));
+    tr.appendChild(el("td", { class: "num decode" }, fmtRate(d.decode_tokens_per_s)));
+    tr.appendChild(el("td", { class: "num tpot" }, fmtMs(d.tpot_ms)));
     tr.appendChild(el("td", { class: "endpoint", title: w.endpoint }, w.endpoint || "–"));
     body.appendChild(tr);
   }
