@@ -8,9 +8,13 @@
 //! waits, loading the page again until a timeout, until every rank's row shows a load above
 //! zero; checks under traffic
 //! that each rank's load lies between what σ held just before and just after the page showed
-//! it (loads only grow here: requests start and generate, none finishes); stops the traffic
-//! and checks that the page then shows exactly σ's loads, which are the workers' own; checks
-//! that a group without workers says so; and saves a screenshot under the target directory.
+//! it (loads only grow here: requests start and generate, none finishes); cordons a rank
+//! (Snapshot.SetCordon) and waits, under traffic, until the charts mark it, its row says
+//! CORDONED and the decode panels show the group's tokens/s and a rank's TPOT estimate
+//! (checked against the row's running requests and tokens/s), and saves a screenshot; stops the
+//! traffic and checks that the page then shows exactly σ's loads, which are the workers' own;
+//! checks that a group without workers says so; and saves screenshots under the target
+//! directory.
 //!
 //! Without Chromium the test prints SKIPPED (on the real stderr, past the harness's capture)
 //! and passes, unless `BR_REQUIRE_BROWSER=1` (CI) makes that a failure.
@@ -33,6 +37,8 @@ const GROUP: &str = "live";
 /// A second served group that no worker joins: the page must say it has none.
 const EMPTY: &str = "idle";
 const RANKS: u32 = 4;
+/// The rank the test cordons while the traffic runs.
+const CORDONED: u32 = 1;
 const START: Duration = Duration::from_secs(30);
 /// How long the page may take to show what σ holds (a hang guard, not a timing assertion).
 const PAGE: Duration = Duration::from_secs(90);
@@ -131,7 +137,9 @@ impl Browser {
 }
 
 /// What the page showed: per rank its `data-load` and the load cell's text, the σ version in
-/// the header, the banner, and the group's name.
+/// the header, the banner, and the group's name; the decode panels (per rank its running
+/// requests, tokens/s and TPOT estimate, the group's tokens/s, the lines drawn in the two
+/// charts), the ranks shown CORDONED and the labels of the charts' state-change markers.
 #[derive(Debug, Default)]
 struct Shown {
     loads: BTreeMap<u32, u64>,
@@ -139,6 +147,14 @@ struct Shown {
     version: Option<u64>,
     banner: String,
     group: String,
+    running: BTreeMap<u32, u32>,
+    tokens_per_s: BTreeMap<u32, f64>,
+    tpot_ms: BTreeMap<u32, f64>,
+    cordoned: Vec<u32>,
+    decode: Option<f64>,
+    decode_lines: usize,
+    tpot_lines: usize,
+    markers: Vec<String>,
 }
 
 /// The value of attribute `name` in the start tag `tag` (`<tr class="rank" ...>`).
@@ -168,6 +184,31 @@ fn parse(dom: &str) -> Shown {
         let (_, text) = element(row, "class=\"num load\"").expect("the row's load cell");
         s.loads.insert(id, load);
         s.texts.insert(id, text.to_owned());
+        let number = |name| attr(tag, name).and_then(|v| v.parse::<f64>().ok());
+        if let Some(v) = number("data-tokens-per-s") {
+            s.tokens_per_s.insert(id, v);
+        }
+        if let Some(v) = number("data-tpot-ms") {
+            s.tpot_ms.insert(id, v);
+        }
+        if attr(tag, "data-cordoned") == Some("true") {
+            s.cordoned.push(id);
+        }
+        if let Some((_, n)) = element(row, "class=\"num running\"") {
+            s.running
+                .insert(id, n.parse().expect("the running cell is a count"));
+        }
+    }
+    if let Some((tag, _)) = element(dom, "id=\"decode-now\"") {
+        s.decode = attr(tag, "data-tokens-per-s").and_then(|v| v.parse().ok());
+    }
+    s.decode_lines = lines_in(dom, "chart-decode");
+    s.tpot_lines = lines_in(dom, "chart-tpot");
+    for label in dom.split("class=\"marker-label\">").skip(1) {
+        let text = label.split('<').next().unwrap_or_default().to_owned();
+        if !s.markers.contains(&text) {
+            s.markers.push(text);
+        }
     }
     if let Some((tag, _)) = element(dom, "id=\"sigma-version\"") {
         s.version = attr(tag, "data-version").and_then(|v| v.parse().ok());
@@ -181,6 +222,15 @@ fn parse(dom: &str) -> Shown {
         s.group = text.to_owned();
     }
     s
+}
+
+/// The lines (`<path class="series">`) drawn in the chart `<svg id=ID>`.
+fn lines_in(dom: &str, id: &str) -> usize {
+    let Some(at) = dom.find(&format!("id=\"{id}\"")) else {
+        return 0;
+    };
+    let svg = &dom[at..at + dom[at..].find("</svg>").unwrap_or(0)];
+    svg.matches("class=\"series\"").count()
 }
 
 async fn shown(b: &Browser, url: &str) -> Shown {
@@ -214,38 +264,55 @@ fn loads_of(s: &v1::ClusterSnapshot) -> BTreeMap<u32, u64> {
     m
 }
 
-/// Gateway traffic until `stop`: Assign (JSQ), start the request on the chosen worker, and
-/// now and then a decode step on every worker. No request finishes, so every rank's load only
-/// grows. Returns the workers (their ground truth) once stopped.
+/// Gateway traffic until `stop`: Assign (JSQ) and start the request on the chosen worker, at
+/// most [`MAX_REQUESTS`] of them, and now and then a decode step on every worker, which goes
+/// on after the last Assign so the ranks decode while the page is read. No request finishes,
+/// so every rank's load only grows. Returns the workers (their ground truth) once stopped.
 async fn traffic(
     client: AssignClient,
     mut ws: Vec<FakeWorker>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Vec<FakeWorker> {
-    for i in 0..MAX_REQUESTS {
+    for i in 0u32.. {
         if *stop.borrow() {
             break;
         }
-        let id = format!("page-{i}");
-        let prompt = 100 + (i * 37) % 400;
-        let a = client
-            .assign_within(&AssignParams::new(GROUP, &id, prompt), START)
-            .await
-            .unwrap_or_else(|e| panic!("assign {id}: {e}"));
-        ws[a.worker_id as usize].start(&id, prompt).await;
+        if i < MAX_REQUESTS {
+            let id = format!("page-{i}");
+            let prompt = 100 + (i * 37) % 400;
+            let a = client
+                .assign_within(&AssignParams::new(GROUP, &id, prompt), START)
+                .await
+                .unwrap_or_else(|e| panic!("assign {id}: {e}"));
+            ws[a.worker_id as usize].start(&id, prompt).await;
+        }
         if i % 4 == 3 {
             for w in &mut ws {
                 w.step(8).await;
             }
         }
-        // Pacing, not synchronisation: a few requests per sample, so the rounds below see the
-        // loads grow while the page polls.
+        // Pacing, not synchronisation: a few requests and steps per sample, so the rounds
+        // below see the loads grow while the page polls.
         tokio::select! {
             _ = stop.changed() => break,
             () = tokio::time::sleep(Duration::from_millis(20)) => {}
         }
     }
     ws
+}
+
+async fn set_cordon(snapshot: &Service, worker_id: u32, cordoned: bool) {
+    let mut c = v1::snapshot_client::SnapshotClient::connect(snapshot.grpc_url())
+        .await
+        .unwrap();
+    let req = v1::SetCordonRequest {
+        group: GROUP.into(),
+        worker_id,
+        cordoned,
+    };
+    within(START, "SetCordon", c.set_cordon(req))
+        .await
+        .expect("SetCordon");
 }
 
 fn screenshot_path() -> PathBuf {
@@ -336,6 +403,41 @@ async fn the_live_page_shows_every_rank_and_its_load_in_chromium() {
         }
         assert_eq!(page.group, format!("group {GROUP}"));
     }
+
+    // An operator cordons a rank while the ranks decode: the charts mark the sample at which
+    // σ showed it, its row says so, and the decode panels show the tokens/s σ counted and the
+    // TPOT they imply.
+    set_cordon(&snapshot, CORDONED, true).await;
+    let marker = format!("rank {CORDONED} cordoned");
+    let page = eventually_some(
+        PAGE,
+        "the cordon marked on the charts and the decode panels drawn",
+        || async {
+            let s = shown(&b, &url).await;
+            let decoding = s.decode.is_some_and(|d| d > 0.0) && !s.tpot_ms.is_empty();
+            (s.markers.iter().any(|m| m.starts_with(&marker))
+                && s.cordoned == [CORDONED]
+                && decoding)
+                .then_some(s)
+        },
+    )
+    .await;
+    assert!(page.decode_lines >= 1, "the decode chart has its line");
+    assert!(page.tpot_lines >= 1, "the TPOT chart has a rank's line");
+    for (id, tpot) in &page.tpot_ms {
+        // σ's running requests ÷ its tokens/s, in ms
+        let (running, rate) = (page.running[id], page.tokens_per_s[id]);
+        let want = 1e3 * f64::from(running) / rate;
+        assert!(
+            running > 0 && (tpot - want).abs() <= 1e-3 * want,
+            "rank {id}: TPOT {tpot} ms, {running} running at {rate} tokens/s"
+        );
+    }
+    let path = screenshot_path().with_file_name("live-page-decoding.png");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    b.load(&url, &format!("--screenshot={}", path.display()))
+        .await;
+    assert!(path.is_file(), "{}", path.display());
 
     // Quiet: the page shows exactly σ's loads, which are the workers' own.
     stop.send_replace(true);
