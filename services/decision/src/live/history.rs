@@ -7,7 +7,7 @@
 //! Each sample also carries what changed since the previous one: the decode rate of every
 //! rank (from σ's count of generated tokens, [`br_sigma::Sigma::generated_tokens`]) with the
 //! TPOT it implies, and the ranks whose state changed (cordoned or uncordoned, LIVE, SUSPECT,
-//! FENCED), which the page marks on its charts. States are compared sample to sample: a
+//! FENCED, new in σ), which the page marks on its charts. States are compared sample to sample: a
 //! change undone within one interval is not marked.
 //!
 //! Memory: a [`Sample`] is at most 260 bytes with its state changes (at most
@@ -105,12 +105,14 @@ impl From<RankLoad> for RankJson {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RankEventKind {
-    /// LIVE again, or new in σ.
+    /// LIVE again.
     Live,
     Suspect,
     Fenced,
     Cordoned,
     Uncordoned,
+    /// New in σ (a rank's first Hello, or one a new σ lists that the previous did not).
+    Joined,
 }
 
 /// One rank's state change, marked on the page's charts at its sample.
@@ -351,13 +353,13 @@ fn state_changes(before: &GroupSummary, after: &GroupSummary) -> (Vec<RankEvent>
             .binary_search_by_key(&w.worker_id, |b| b.worker_id)
             .ok()
             .map(|i| &before.workers[i]);
-        let liveness = was
-            .is_none_or(|b| b.liveness != w.liveness)
-            .then_some(match w.liveness {
-                "suspect" => RankEventKind::Suspect,
-                "fenced" => RankEventKind::Fenced,
-                _ => RankEventKind::Live,
-            });
+        let liveness = match (was, w.liveness) {
+            (None, _) => Some(RankEventKind::Joined),
+            (Some(b), now) if b.liveness == now => None,
+            (Some(_), "suspect") => Some(RankEventKind::Suspect),
+            (Some(_), "fenced") => Some(RankEventKind::Fenced),
+            (Some(_), _) => Some(RankEventKind::Live),
+        };
         let cordon =
             (was.map_or(w.cordoned, |b| b.cordoned != w.cordoned)).then_some(if w.cordoned {
                 RankEventKind::Cordoned
@@ -659,7 +661,7 @@ mod tests {
             vec![
                 ev(3, RankEventKind::Live),
                 ev(3, RankEventKind::Uncordoned),
-                ev(20, RankEventKind::Live)
+                ev(20, RankEventKind::Joined)
             ]
         );
         // the whole group fenced at once: the first few listed, the rest counted

@@ -3,7 +3,7 @@
 //! decode throughput and an estimated TPOT per rank (from σ's count of generated tokens), the
 //! barrier idle I = G·M − ΣL beside the imbalance max − min, the barrier's idle share, the
 //! Assign rate and latency and the pool length; the charts mark the samples at which a rank
-//! was cordoned or uncordoned or turned LIVE, SUSPECT or FENCED.
+//! joined, was cordoned or uncordoned, or turned LIVE, SUSPECT or FENCED.
 //!
 //! This module owns the page's data: one [`GroupHistory`] ring per served group, filled by one
 //! sampler task every `--live-sample-interval` from the group's task (σ's summary, the pool,

@@ -116,9 +116,10 @@ function drawChart(svg, series, opts) {
   }
 }
 
-// A rank state change as the page says it: "rank 3 cordoned", "rank 3 SUSPECT".
+// A rank state change as the page says it: "rank 3 cordoned", "rank 3 SUSPECT", "rank 8 joined".
 const EVENT_WORDS = {
   live: "LIVE", suspect: "SUSPECT", fenced: "FENCED", cordoned: "cordoned", uncordoned: "uncordoned",
+  joined: "joined",
 };
 
 function eventText(e) {
