@@ -83,6 +83,12 @@ pub struct CommonArgs {
     #[arg(long, env = "BALANCEROUTE_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 
+    /// Which spans are exported, in RUST_LOG's syntax (e.g. `info`,
+    /// `br_decision=debug,info`), apart from what is logged: logs can stay at `warn` while
+    /// info spans go to the collector. Unset: RUST_LOG's filter, else `info`.
+    #[arg(long, env = "BALANCEROUTE_TRACE_FILTER")]
+    pub trace_filter: Option<String>,
+
     /// How long to drain in-flight calls after SIGTERM/SIGINT before exiting (e.g. 250ms, 10s).
     #[arg(long, env = "BALANCEROUTE_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = DEFAULT_SHUTDOWN_GRACE)]
     pub shutdown_grace: Duration,
@@ -232,6 +238,10 @@ impl Validate for CommonArgs {
             return Err(format!(
                 "--otlp-endpoint {ep:?} must start with http:// or https://"
             ));
+        }
+        if let Some(f) = &self.trace_filter {
+            tracing_subscriber::EnvFilter::try_new(f)
+                .map_err(|e| format!("--trace-filter {f:?}: {e}"))?;
         }
         // each entry was parsed by clap; the map as a whole (one role per account) here
         self.tls
@@ -618,6 +628,9 @@ mod tests {
         );
         let err = parse(&["--otlp-endpoint", "collector:4317"]).unwrap_err();
         assert!(matches!(err, ConfigError::Invalid(_)));
+        let err = parse(&["--trace-filter", "br_decision=loud"]).unwrap_err();
+        assert!(err.to_string().contains("--trace-filter"), "{err}");
+        assert!(parse(&["--trace-filter", "br_decision=debug,info"]).is_ok());
     }
 
     #[test]

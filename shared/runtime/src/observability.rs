@@ -2,7 +2,8 @@
 //! `info`), plus OpenTelemetry trace export over OTLP/gRPC when an endpoint is configured (off
 //! by default), which also turns on W3C trace-context propagation across processes
 //! (br-trace: every gRPC server continues its caller's trace, every client sends its own).
-//! The export batches spans for `OTEL_BSP_SCHEDULE_DELAY` ms (5000 by default).
+//! The export batches spans for `OTEL_BSP_SCHEDULE_DELAY` ms (5000 by default). Which spans
+//! are exported has its own filter (`--trace-filter`), so logs and traces can differ.
 
 use anyhow::Context as _;
 use opentelemetry::trace::TracerProvider as _;
@@ -65,13 +66,20 @@ impl Drop for ObservabilityGuard {
 /// Installs the global tracing subscriber. `otlp_endpoint` (or, if `None`,
 /// `OTEL_EXPORTER_OTLP_ENDPOINT`) turns on OTLP/gRPC trace export with `service_name` as the
 /// resource's `service.name`. Must be called inside a tokio runtime when exporting (the
-/// exporter's channel is created on it). Fails if a global subscriber is already set.
+/// exporter's channel is created on it). `trace_filter` chooses the exported spans (RUST_LOG's
+/// syntax; `None`: the log's filter). Fails if a global subscriber is already set or the filter
+/// does not parse.
 pub fn init(
     service_name: &'static str,
     format: LogFormat,
     otlp_endpoint: Option<&str>,
+    trace_filter: Option<&str>,
 ) -> anyhow::Result<ObservabilityGuard> {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let span_filter = match trace_filter {
+        Some(f) => EnvFilter::try_new(f).with_context(|| format!("--trace-filter {f:?}"))?,
+        None => filter(),
+    };
     let fmt_layer = match format {
         // Colour only on a terminal: a log redirected to a file or collected by a runtime gets
         // no ANSI escape codes.
@@ -105,7 +113,7 @@ pub fn init(
             let tracer = provider.tracer(service_name);
             let layer = tracing_opentelemetry::layer()
                 .with_tracer(tracer)
-                .with_filter(filter());
+                .with_filter(span_filter);
             (Some(layer), Some(provider))
         }
         None => (None, None),
@@ -135,10 +143,17 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn init_with_otlp_then_refuses_a_second_subscriber() {
         // Loopback port with nothing behind it: the exporter connects lazily, so init succeeds.
-        let guard = init("br-test", LogFormat::Json, Some("http://127.0.0.1:9")).unwrap();
+        assert!(init("br-test", LogFormat::Json, None, Some("br=loud")).is_err());
+        let guard = init(
+            "br-test",
+            LogFormat::Json,
+            Some("http://127.0.0.1:9"),
+            Some("info"),
+        )
+        .unwrap();
         assert!(guard.tracer_provider.is_some(), "traces are exported");
         tracing::info_span!("test_span").in_scope(|| tracing::info!("hello"));
-        assert!(init("br-test", LogFormat::Plain, None).is_err());
+        assert!(init("br-test", LogFormat::Plain, None, None).is_err());
         let started = std::time::Instant::now();
         tokio::task::spawn_blocking(move || drop(guard))
             .await

@@ -185,6 +185,7 @@ where
         name,
         common.log_format,
         common.otlp_endpoint.as_deref(),
+        common.trace_filter.as_deref(),
     ) {
         Ok(g) => g,
         Err(e) => {
