@@ -18,8 +18,8 @@ use std::time::Duration;
 use br_e2e::engine::EmuEngine;
 use br_e2e::otlp::{Receiver, Span};
 use br_e2e::{FakeWorker, Service};
-use br_proto::v1::AssignRequest;
 use br_proto::v1::decision_client::DecisionClient;
+use br_proto::v1::{AssignRequest, CancelRequest};
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 
 const GROUP: &str = "traced";
@@ -220,6 +220,41 @@ async fn a_trace_crosses_decision_snapshot_and_ingest() {
             "the snapshot's Reserve is a child of decision's: {served:?} {reserve:?}"
         );
     }
+
+    // 2b. A Cancel of a reservation: decision's client span of the Release it sends, and the
+    //     snapshot service's span serving it as its child.
+    DecisionClient::new(channel.clone())
+        .cancel(CancelRequest {
+            group: GROUP.into(),
+            request_id: "traced-2".into(),
+        })
+        .await
+        .expect("Cancel answered");
+    let release = otlp
+        .wait_for(SPANS, "decision's Release client span", |spans| {
+            one(spans, |s| {
+                s.service == "br-decision"
+                    && s.name == "balanceroute.v1.Snapshot/Release"
+                    && s.kind == SpanKind::Client
+            })
+            .cloned()
+        })
+        .await;
+    let served = otlp
+        .wait_for(SPANS, "the snapshot service's Release span", |spans| {
+            one(spans, |s| {
+                s.service == "br-snapshot"
+                    && s.name == "balanceroute.v1.Snapshot/Release"
+                    && s.kind == SpanKind::Server
+                    && s.trace_id == release.trace_id
+            })
+            .cloned()
+        })
+        .await;
+    assert_eq!(
+        served.parent_span_id, release.span_id,
+        "the snapshot's Release is a child of decision's: {served:?} {release:?}"
+    );
 
     // 3. A telemetry batch: ingest's span of the message, its batch span towards the snapshot
     //    service, and the snapshot service's span applying it, in one trace; its root is the

@@ -453,13 +453,18 @@ fn flush(
         let rel = wire::release_request(core.group(), ids);
         let ops = Arc::clone(ops);
         let group = core.group().clone();
-        tokio::spawn(async move {
-            let n = rel.request_ids.len();
-            if let Err(s) = release_then_answer(ops.release(rel), waiters).await {
-                // Best effort: an unreleased reservation expires after the TTL.
-                tracing::debug!(group = %group, n, code = ?s.code(), error = %s.message(), "Release failed");
+        let span = release_span(&group, rel.request_ids.len());
+        tokio::spawn(
+            async move {
+                let n = rel.request_ids.len();
+                if let Err(s) = release_then_answer(ops.release(rel), waiters).await {
+                    // Best effort: an unreleased reservation expires after the TTL.
+                    tracing::debug!(group = %group, n, code = ?s.code(), error = %s.message(), "Release failed");
+                }
             }
-        });
+            // Polled inside the span, so the call's interceptor sends its context.
+            .instrument(span),
+        );
     }
     cancels.settle(|id| core.release_pending(id));
 }
@@ -491,6 +496,25 @@ fn reserve_span(
         br_trace::add_links(&span, spans.take(&r.request_id));
     }
     span
+}
+
+/// The client span of one `Release` call (disabled, and free, when traces are not exported):
+/// the snapshot service's server span is its child. One call releases what many Cancels and
+/// departures left, so, as a Reserve, it is nobody's child.
+fn release_span(group: &GroupId, n: usize) -> tracing::Span {
+    if !br_trace::enabled() {
+        return tracing::Span::none();
+    }
+    tracing::info_span!(
+        "release",
+        otel.name = "balanceroute.v1.Snapshot/Release",
+        otel.kind = "client",
+        rpc.system = "grpc",
+        rpc.service = "balanceroute.v1.Snapshot",
+        rpc.method = "Release",
+        group = %group,
+        n,
+    )
 }
 
 /// Most Assign spans remembered for their Reserve (beyond it, a call's span is not linked).
