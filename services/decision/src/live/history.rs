@@ -71,7 +71,7 @@ impl RankLoad {
     /// running request gets one token per step, so tokens/s = running × steps/s and the step
     /// time, which is each request's time per output token, is running ÷ tokens/s. An
     /// estimate (requests still in prefill count as running; the engine's own TPOT is in the
-    /// shims' metrics); `None` without a running request or without a token in the interval.
+    /// engine's metrics); `None` without a running request or without a token in the interval.
     pub fn tpot_ms(&self) -> Option<f64> {
         let rate = f64::from(self.decode_tokens_per_s?);
         (self.running > 0 && rate > 0.0).then(|| 1e3 * f64::from(self.running) / rate)
