@@ -364,31 +364,20 @@ impl GrpcServer {
             &[]
         };
         let health_names: Vec<&str> = service_names.iter().chain(probes).copied().collect();
-        if probe_names {
-            health
-                .set_service_status(LIVENESS, ServingStatus::Serving)
-                .await;
-        }
         match &health_follows {
             None => set_all(&health, &health_names, ServingStatus::Serving).await,
             Some(readiness) => {
                 health.set_service_status("", ServingStatus::Serving).await;
-                // `readiness` always follows; `liveness` never does.
-                let service_names: Vec<&str> = service_names
-                    .iter()
-                    .copied()
-                    .chain(probe_names.then_some(READINESS))
-                    .collect();
-                let follow_only = follow_only.map(|mut only| {
-                    only.push(READINESS.to_owned());
-                    only
-                });
-                let follows = |n: &str| {
-                    follow_only
+                // `readiness` always follows and `liveness` never does; a served name follows
+                // unless `follow_only` leaves it out.
+                let follows = |n: &str| match n {
+                    READINESS => true,
+                    LIVENESS => false,
+                    _ => follow_only
                         .as_ref()
-                        .is_none_or(|only| only.iter().any(|o| o == n))
+                        .is_none_or(|only| only.iter().any(|o| o == n)),
                 };
-                for n in &service_names {
+                for n in &health_names {
                     let status = if follows(n) {
                         ServingStatus::NotServing
                     } else {
@@ -399,7 +388,7 @@ impl GrpcServer {
                 tokio::spawn(follow_readiness(
                     health.clone(),
                     readiness.clone(),
-                    service_names
+                    health_names
                         .iter()
                         .filter(|n| follows(n))
                         .map(|n| n.to_string())
