@@ -424,13 +424,11 @@ impl Sigma {
             // The common case: more tokens on the same worker (O(log G) in the core).
             self.cluster
                 .set_generated_in(old.slot.0, old.key, p.generated_tokens)?;
-            // One add into the counters' array: `old` is at hand, the worker id indexes it.
-            if let Some(n) = self.generated.get_mut(p.worker_id as usize) {
-                *n += u64::from(p.generated_tokens - old.generated_tokens);
-            }
+            let more = p.generated_tokens - old.generated_tokens;
             old.generated_tokens = p.generated_tokens;
             old.incarnation = p.incarnation;
             old.phase = Phase::Running;
+            self.count_generated(p.worker_id, more);
             return Ok(true);
         }
         let mut r = old.clone();
