@@ -778,6 +778,16 @@ def label_selector_matches(sel: dict, labels: dict) -> bool:
     return True
 
 
+def find(objs: list[dict], kind: str, name: str) -> dict:
+    """The object of `kind` named `name` (the self-tests' mutations pick their target so)."""
+    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def container_ports(w: dict) -> dict:
+    """A workload's container ports by name (`None` for unnamed ones)."""
+    return {p.get("name"): p["containerPort"] for c in all_containers(pod_spec(w)) for p in c.get("ports", [])}
+
+
 def check_network_policies(objs: list[dict], strict: bool) -> str:
     """Every NetworkPolicy selects pods that exist, its same-namespace peers are pods that
     exist, its named ports are ports of the selected pods; with `strict` (a whole namespace),
@@ -789,9 +799,6 @@ def check_network_policies(objs: list[dict], strict: bool) -> str:
         assert not strict, "no NetworkPolicy rendered"
         return "none"
 
-    def port_names(w):
-        return {p.get("name"): p["containerPort"] for c in all_containers(pod_spec(w)) for p in c.get("ports", [])}
-
     for pol in pols:
         pid = obj_id(pol)
         targets = [w for w in workloads if label_selector_matches(pol["spec"]["podSelector"], pod_labels(w))]
@@ -802,7 +809,7 @@ def check_network_policies(objs: list[dict], strict: bool) -> str:
         for rule in pol["spec"].get("ingress", []):
             for port in rule.get("ports", []):
                 p = port.get("port")
-                if p is not None and not any((p in port_names(w)) if isinstance(p, str) else (p in port_names(w).values()) for w in targets):
+                if p is not None and not any((p in container_ports(w)) if isinstance(p, str) else (p in container_ports(w).values()) for w in targets):
                     problems.append(f"{pid}: port {p!r} is no port of the pods it selects")
             for peer in rule.get("from", []):
                 if "podSelector" in peer and "namespaceSelector" not in peer \
@@ -817,8 +824,8 @@ def check_network_policies(objs: list[dict], strict: bool) -> str:
             for w in (w for w in workloads if selects(sel, pod_labels(w))):
                 for sp in svc["spec"].get("ports", []):
                     tp = sp.get("targetPort", sp.get("port"))
-                    num = port_names(w).get(tp, tp)
-                    name = tp if isinstance(tp, str) else next((k for k, v in port_names(w).items() if v == tp), None)
+                    num = container_ports(w).get(tp, tp)
+                    name = tp if isinstance(tp, str) else next((k for k, v in container_ports(w).items() if v == tp), None)
                     admitted = any(
                         any(not r.get("ports") or any(q.get("port") in (name, num) for q in r["ports"])
                             for r in p["spec"].get("ingress", []))
@@ -833,9 +840,6 @@ def check_trust_selftest(objs: list[dict], example: list[dict]) -> str:
     """The trust and network-policy checks catch what they are meant to catch: each mutation of
     a passing render (group-g8-monitoring) or of the vLLM example must fail them."""
     import copy
-
-    def find(os_, kind, name):
-        return next(o for o in os_ if o["kind"] == kind and o["metadata"]["name"] == name)
 
     def container(os_, kind, name):
         return pod_spec(find(os_, kind, name))["containers"][0]
@@ -912,7 +916,7 @@ def admitted(objs: list[dict], peer_labels: dict, pods: list[dict], port: int) -
     """Whether some NetworkPolicy selecting `pods` admits a pod with `peer_labels` (any
     namespace) to container port `port` of each of them."""
     def ok(w: dict) -> bool:
-        names = {p.get("name"): p["containerPort"] for c in all_containers(pod_spec(w)) for p in c.get("ports", [])}
+        names = container_ports(w)
         for pol in (o for o in objs if o["kind"] == "NetworkPolicy"):
             if not label_selector_matches(pol["spec"]["podSelector"], pod_labels(w)):
                 continue
@@ -1119,9 +1123,6 @@ def check_inference_pool_selftest(objs: list[dict]) -> str:
     each mutation of the passing objects (overlays/inference-pool plus the vLLM example) must
     fail the check named beside it."""
     import copy
-
-    def find(os_, kind, name):
-        return next(o for o in os_ if o["kind"] == kind and o["metadata"]["name"] == name)
 
     def pool(os_):
         return find(os_, "InferencePool", "decode-g8")["spec"]
