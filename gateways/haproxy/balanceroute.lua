@@ -2,9 +2,11 @@
 -- asks br-decision (or br-all) which rank serves the request over the HTTP/JSON API
 -- (`POST /v1/assign`), passes the request id in `X-Request-Id`, and routes to the rank's shim:
 -- it sets txn.balanceroute_ip / txn.balanceroute_port for `set-dst` / `set-dst-port` on a
--- `server ... 0.0.0.0:0` and prefixes the path with the endpoint's (`/rank/N`).
+-- `server ... 0.0.0.0:0` and prefixes the path with the endpoint's (`/rank/N`); and a filter
+-- that sends `POST /v1/cancel` when the client goes away before the whole answer.
 --
 --   lua-load /usr/local/share/balanceroute/gateways/haproxy/balanceroute.lua
+--   filter lua.balanceroute_cancel
 --   http-request lua.balanceroute_assign 127.0.0.1:8063 default 2s
 --
 -- Arguments: br-decision's --http-listen address (an IP address: core.httpclient resolves no
@@ -16,11 +18,13 @@
 -- X-BalanceRoute-Error naming the code and a {"code", "message"} body. There is no fallback to
 -- a random rank.
 --
--- Cancel: HAProxy calls no action when a client goes away (an `http-request` action runs once,
--- before the request leaves), so this action cannot send Cancel.
--- A client that leaves mid-stream makes HAProxy close the connection to the shim, which ends the
--- request and releases it in σ; one that leaves while Assign is waiting keeps its reservation
--- until br-decision's --reservation-ttl (see README.md beside this file).
+-- Cancel: an action runs once, before the request leaves, so the filter does it. It is told
+-- when the answer has gone out whole (`http_end`) and when the answer's analysis ends
+-- (`end_analyze`, also when the client left: during Assign, HAProxy aborts the action, or
+-- mid-stream). Ended without the whole answer, or with a status of 400 or more, the request is
+-- cancelled from a task (a filter may not wait on the network): WITHDRAWN while Assign waited
+-- in decision's pool, RELEASED once placed, NOT_FOUND if the shim had already ended it when
+-- HAProxy closed its connection, which is harmless.
 local cjson = require("cjson.safe")
 
 -- "2s", "500ms", "1m" as milliseconds; nil otherwise.
@@ -33,8 +37,13 @@ local function duration_ms(s)
     return tonumber(n) * scale
 end
 
-local function reject(txn, status, code, message)
+-- `placed`: Assign did place the request (its answer was unusable), so the filter still
+-- cancels it; every other rejection has nothing in decision to cancel.
+local function reject(txn, status, code, message, placed)
     core.Warning("balanceroute: " .. message)
+    if not placed then
+        txn:set_var("txn.balanceroute_settled", 1)
+    end
     local reply = txn:reply({
         status = status,
         headers = {
@@ -73,6 +82,10 @@ local function assign(txn, decision, default_group, timeout)
             id = string.format("hap-%x-%x", txn.f:date(), math.random(0, 0x7fffffff))
         end
     end
+    -- Known to the filter from here on, so a client that leaves while Assign waits is cancelled.
+    txn:set_var("txn.balanceroute_decision", decision)
+    txn:set_var("txn.balanceroute_group", group)
+    txn:set_var("txn.balanceroute_request_id", id)
     local wait_ms = (duration_ms(timeout) or 2000) + 1000
     local res = core.httpclient():post({
         url = "http://" .. decision .. "/v1/assign",
@@ -103,14 +116,13 @@ local function assign(txn, decision, default_group, timeout)
     local ip, port, prefix = tostring(endpoint):match("^http://([%d%.]+):(%d+)(.*)$")
     if not ip then
         return reject(txn, 502, "BAD_ANSWER",
-            "Assign's endpoint is not http://<IPv4>:<port>[/path]: " .. tostring(endpoint))
+            "Assign's endpoint is not http://<IPv4>:<port>[/path]: " .. tostring(endpoint), true)
     end
     prefix = prefix:gsub("/$", "")
     txn:set_var("txn.balanceroute_ip", ip)
     txn:set_var("txn.balanceroute_port", port)
     -- cjson decodes every JSON number as a float in Lua 5.3: 0 would print as "0.0".
     txn:set_var("txn.balanceroute_worker", string.format("%d", math.tointeger(answer.worker_id) or -1))
-    txn:set_var("txn.balanceroute_request_id", id)
     txn.http:req_set_header("X-Request-Id", id)
     if prefix ~= "" then
         txn.http:req_set_path(prefix .. txn.f:path())
@@ -120,3 +132,65 @@ end
 core.register_action("balanceroute_assign", { "http-req" }, function(txn, decision, group, timeout)
     assign(txn, decision, group or "default", timeout or "2s")
 end, 3)
+
+local function cancel(decision, group, id)
+    local res = core.httpclient():post({
+        url = "http://" .. decision .. "/v1/cancel",
+        headers = { ["content-type"] = { "application/json" } },
+        body = cjson.encode({ group = group, request_id = id }),
+        timeout = 2000,
+    })
+    local status = res and tonumber(res.status) or 0
+    if status ~= 200 then
+        core.Warning("balanceroute: cancel of " .. id .. " at " .. decision .. ": HTTP status "
+            .. status .. " " .. tostring(res and res.body))
+    end
+end
+
+-- One instance per stream (HAProxy calls `new` on the class).
+local CancelFilter = { id = "balanceroute_cancel", flags = filter.FLT_CFG_FL_HTX }
+CancelFilter.__index = CancelFilter
+
+function CancelFilter:new()
+    return setmetatable({ complete = false, sent = false }, CancelFilter)
+end
+
+function CancelFilter:start_analyze(txn, chn)
+    if chn:is_resp() then
+        -- HAProxy calls http_end only on a channel whose data the filter takes part in.
+        filter.register_data_filter(self, chn)
+    end
+    return filter.CONTINUE
+end
+
+function CancelFilter:http_end(txn, msg)
+    if msg.channel:is_resp() then
+        self.complete = true
+    end
+    return filter.CONTINUE
+end
+
+function CancelFilter:end_analyze(txn, chn)
+    -- Only the answer's end decides: the request's analysis may end while the answer streams.
+    if self.sent or not chn:is_resp() then
+        return filter.CONTINUE
+    end
+    local id = txn:get_var("txn.balanceroute_request_id")
+    if not id or txn:get_var("txn.balanceroute_settled") then
+        return filter.CONTINUE
+    end
+    local status = tonumber(txn.f:status() or "") or 0
+    if self.complete and status > 0 and status < 400 then
+        return filter.CONTINUE
+    end
+    self.sent = true
+    local decision, group = txn:get_var("txn.balanceroute_decision"), txn:get_var("txn.balanceroute_group")
+    core.register_task(function()
+        cancel(decision, group, id)
+    end)
+    return filter.CONTINUE
+end
+
+core.register_filter("balanceroute_cancel", CancelFilter, function(class)
+    return class
+end)

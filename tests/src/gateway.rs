@@ -486,7 +486,15 @@ pub async fn complete_through(stack: &Stack, gw: SocketAddr, prefix: &str, n: u3
     for i in 0..n {
         let id = format!("{prefix}-{i}");
         let before = stack.engine.requests_per_rank().await;
-        let done = send_raw(gw, Some(&id), &completion(4), "data: [DONE]").await;
+        // To the chunked body's last chunk: the client takes the whole answer before it goes
+        // (one that closed after `[DONE]` but before the body's end would have left early).
+        let done = send_raw(
+            gw,
+            Some(&id),
+            &completion(4),
+            "data: [DONE]\n\n\r\n0\r\n\r\n",
+        )
+        .await;
         assert!(
             done.received.starts_with("HTTP/1.1 200"),
             "{}",
@@ -553,4 +561,74 @@ pub async fn refused_while_decision_is_down(stack: &Stack, gw: SocketAddr) {
         "{received}"
     );
     assert_eq!(stack.engine.requests_per_rank().await, before);
+}
+
+/// How many Cancels br-all's HTTP port has answered (`POST /v1/cancel`).
+pub async fn cancels_answered(stack: &Stack) -> f64 {
+    stack
+        .metric(
+            "balanceroute_decision_http_requests_total",
+            &[r#"route="/v1/cancel""#],
+        )
+        .await
+}
+
+/// A client that leaves mid-stream: σ lets the request go (the gateway closed the shim's
+/// connection) and the gateway sends Cancel.
+pub async fn leaves_mid_stream(stack: &Stack, gw: SocketAddr, id: &str) {
+    let before = cancels_answered(stack).await;
+    let open = open_long_stream(stack, gw, id).await;
+    drop(open);
+    wait_released(stack, id).await;
+    br_testkit::eventually(
+        LONG,
+        &format!("the gateway sends Cancel for {id}, whose client left"),
+        || async { cancels_answered(stack).await > before },
+    )
+    .await;
+}
+
+/// With one place per rank (`Stack::start(1)`) and the gateway's Assign deadline longer than
+/// [`LONG`]: two open streams fill every rank, a third client's Assign waits in decision's
+/// pool, the client leaves, and the gateway cancels that Assign: the pool empties while the
+/// ranks are still full, no reservation is left, and a Cancel was answered. The two streams
+/// are then closed and released.
+pub async fn leaves_while_assign_waits(stack: &Stack, gw: SocketAddr, prefix: &str) {
+    use tokio::io::AsyncWriteExt as _;
+    let first = open_long_stream(stack, gw, &format!("{prefix}-fill-a")).await;
+    let second = open_long_stream(stack, gw, &format!("{prefix}-fill-b")).await;
+    let in_group = format!("group=\"{GROUP}\"");
+    let in_group = [in_group.as_str()];
+    let pool = || stack.metric("balanceroute_decision_pool_size", &in_group);
+    let before = cancels_answered(stack).await;
+    let id = format!("{prefix}-waits");
+    let waiting = {
+        let body = completion(4);
+        let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nX-Request-Id: {id}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        s
+    };
+    br_testkit::eventually(LONG, &format!("{id} waits in decision's pool"), || async {
+        pool().await == 1.0
+    })
+    .await;
+    drop(waiting);
+    br_testkit::eventually(
+        LONG,
+        &format!("the gateway cancels the Assign of {id}, whose client left"),
+        || async { pool().await == 0.0 && cancels_answered(stack).await > before },
+    )
+    .await;
+    assert!(
+        stack.request(&id).await.is_none(),
+        "no reservation for a client that left"
+    );
+    drop((first, second));
+    wait_released(stack, &format!("{prefix}-fill-a")).await;
+    wait_released(stack, &format!("{prefix}-fill-b")).await;
 }

@@ -6,8 +6,11 @@
 //!   (set-dst/set-dst-port on a 0.0.0.0:0 server, the `/rank/<n>` path prefix);
 //! * the request id reaches the shim (σ shows the request decoding under the client's id on
 //!   that rank), and a request without one gets an id HAProxy made;
-//! * a client that leaves mid-stream: HAProxy closes the shim's connection and σ lets the
-//!   request go (no action runs then, so HAProxy sends no Cancel: see the module);
+//! * a client that leaves mid-stream: HAProxy closes the shim's connection, σ lets the request
+//!   go, and the module's filter sends Cancel (one, and none for the whole answers);
+//! * a client that leaves while its Assign waits for a place (every rank full): HAProxy aborts
+//!   the action and the filter cancels the Assign (decision's pool empties while the ranks are
+//!   still full);
 //! * br-all down: 503 DECISION_UNREACHABLE at once, the engine runs nothing; br-all started
 //!   again on the same ports: HAProxy routes again, untouched.
 //!
@@ -17,38 +20,44 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use br_e2e::gateway::{
-    self, GROUP, Gateway, Kind, Stack, complete_through, open_long_stream,
-    refused_while_decision_is_down, wait_released,
+    self, GROUP, Gateway, Kind, Stack, complete_through, refused_while_decision_is_down,
+    wait_released,
 };
 
-const NAME: &str = "haproxy_routes_and_streams_through_balanceroute";
+const NAME: &str = "haproxy_routes_streams_and_cancels_through_balanceroute";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn haproxy_routes_and_streams_through_balanceroute() {
+async fn haproxy_routes_streams_and_cancels_through_balanceroute() {
     let Some(haproxy) = gateway::find(Kind::Haproxy, NAME) else {
         return;
     };
+    // One place per rank: two open streams fill the group, and a third Assign waits.
     let mut stack = Stack::start(1).await;
     let gw = Gateway::start(
         Kind::Haproxy,
         &haproxy,
         stack.decision_http,
-        &[(" default 2s", &format!(" {GROUP} 1m"))],
+        // Long enough that only a Cancel ends a waiting Assign within the test.
+        &[(" default 2s", &format!(" {GROUP} 10m"))],
     )
     .await;
 
-    // Streaming completions land on the rank Assign chose.
+    // Streaming completions land on the rank Assign chose; the client's id reaches the shim;
+    // leaving mid-stream releases the request and the filter sends Cancel: one Cancel, none for
+    // the whole answers.
+    let before = gateway::cancels_answered(&stack).await;
     complete_through(&stack, gw.addr, "haproxy-whole", 4).await;
-
-    // The client's id reaches the shim; leaving mid-stream releases the request.
-    let open = open_long_stream(&stack, gw.addr, "haproxy-leaves").await;
-    drop(open);
-    wait_released(&stack, "haproxy-leaves").await;
+    gateway::leaves_mid_stream(&stack, gw.addr, "haproxy-leaves").await;
+    assert_eq!(gateway::cancels_answered(&stack).await - before, 1.0);
 
     // No X-Request-Id: HAProxy makes one, says it in the answer, and the shim reports under it.
     let (anonymous, made) = gateway::open_anonymous_stream(&stack, gw.addr).await;
     drop(anonymous);
     wait_released(&stack, &made).await;
+
+    // A client that leaves while its Assign waits for a place: HAProxy aborts the action and
+    // the filter cancels the Assign.
+    gateway::leaves_while_assign_waits(&stack, gw.addr, "haproxy").await;
 
     // br-all down: the typed error; up again on the same ports: HAProxy routes again.
     stack.all.kill();
