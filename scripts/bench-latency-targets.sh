@@ -27,15 +27,25 @@
 #                                                              (SPLIT_RATE, default 2000/s; SPLIT_EVENTS,
 #                                                              default 20000/s; SPLIT_DURATION 10s)
 #
-# Output on stdout; the servers' logs in target/bench-latency-targets/. Ports 51060-51064, 9160-9164
-# (below the ephemeral range). Each run kills only the processes it started.
+# Output on stdout; the servers' logs in target/bench-latency-targets/. The servers listen on free
+# loopback ports picked at the start (scripts/lib/stack.sh). Each run kills only the processes it
+# started.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN="${BENCH_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 LOGS="$ROOT/target/bench-latency-targets"
 mkdir -p "$LOGS"
-SNAP=(--listen 127.0.0.1:51061 --admin-listen 127.0.0.1:9161)
-DEC=(--listen 127.0.0.1:51063 --admin-listen 127.0.0.1:9163 --snapshot-addr http://127.0.0.1:51061 --policy br0)
+OUT_LOGS="$LOGS"
+# shellcheck source=scripts/lib/stack.sh
+source "$ROOT/scripts/lib/stack.sh"
+# gRPC and admin ports of br-all, br-snapshot, br-ingest, br-decision and floor-server, in
+# that order; free now, and each run stops its servers before the next starts.
+free_ports 5 GRPC || exit 1
+free_ports 5 ADMIN || exit 1
+G_ALL=$GRPC G_SNAP=$((GRPC + 1)) G_INGEST=$((GRPC + 2)) G_DEC=$((GRPC + 3)) G_FLOOR=$((GRPC + 4))
+A_ALL=$ADMIN A_SNAP=$((ADMIN + 1)) A_INGEST=$((ADMIN + 2)) A_DEC=$((ADMIN + 3)) A_FLOOR=$((ADMIN + 4))
+SNAP=(--listen 127.0.0.1:$G_SNAP --admin-listen 127.0.0.1:$A_SNAP)
+DEC=(--listen 127.0.0.1:$G_DEC --admin-listen 127.0.0.1:$A_DEC --snapshot-addr http://127.0.0.1:$G_SNAP --policy br0)
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 rss() { awk '/VmRSS/{print $2}' "/proc/$1/status"; }
 # CPU of a process: utime + stime in clock ticks, and the seconds between two readings.
@@ -61,10 +71,10 @@ ab)
             bin="$A"; [ "$v" = B ] && bin="$B"
             "$BIN/br-snapshot" "${SNAP[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
             "$bin" "${DEC[@]}" >"$LOGS/decision.log" 2>&1 & dp=$!
-            up 9161 && up 9163
+            up "$A_SNAP" && up "$A_DEC"
             echo "== round $round, br-decision $v ($bin), load average $(load)"
             s0=$(ticks "$sp") d0=$(ticks "$dp")
-            "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+            "$BIN/assign-load" --decision-addr http://127.0.0.1:$G_DEC --snapshot-addr http://127.0.0.1:$G_SNAP \
                 --rate 5000 --duration 12s --warmup 2s --workers 8 --capacity 512 \
                 --progress-events 100000 --hold 300ms
             echo "   load average after: $(load); CPU during the load: br-snapshot $(secs "$s0" "$(ticks "$sp")") s, br-decision $(secs "$d0" "$(ticks "$dp")") s"
@@ -78,10 +88,10 @@ split-ab)
     # Per process over the load (start-up excluded), every thread: CPU (task-clock), context
     # switches and syscalls (the socket reads and writes that carry the gRPC frames), by
     # `perf stat -p` (root, or kernel.perf_event_paranoid <= -1 for the syscall tracepoint).
-    deltas() { curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_version/{s+=$2} END{printf "%d", s}'; }
+    deltas() { curl -s 127.0.0.1:$A_SNAP/metrics | awk '/^balanceroute_snapshot_version/{s+=$2} END{printf "%d", s}'; }
     # Delta messages sent to watchers (queued deltas are merged; "-" on a br-snapshot
     # without the counter, where each version is one message per watcher).
-    messages() { curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_watch_delta_messages_total/{s+=$2; n=1} END{if (n) printf "%d", s; else printf "-"}'; }
+    messages() { curl -s 127.0.0.1:$A_SNAP/metrics | awk '/^balanceroute_snapshot_watch_delta_messages_total/{s+=$2; n=1} END{if (n) printf "%d", s; else printf "-"}'; }
     counted() { # counted NAME FILE: task-clock ms, context switches, syscalls from a perf stat file
         awk -v n="$1" -F, '$3=="task-clock"{c=$1} $3=="context-switches"{x=$1} $3=="raw_syscalls:sys_enter"{y=$1}
             END{printf "%s CPU %.0f ms, %d context switches, %d syscalls", n, c, x, y}' "$2"
@@ -92,12 +102,12 @@ split-ab)
             dir="$A"; [ "$v" = B ] && dir="$B"
             "$dir/br-snapshot" "${SNAP[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
             "$dir/br-decision" "${DEC[@]}" --groups "$(seq -s, -f 'g-%g' 0 63)" >"$LOGS/decision.log" 2>&1 & dp=$!
-            up 9161 && up 9163
+            up "$A_SNAP" && up "$A_DEC"
             echo "== round $round, $v ($dir): 64 groups, $RATE Assign/s, $EVENTS events/s, load average $(load)"
             v0=$(deltas) m0=$(messages)
             perf stat -x, -e task-clock,context-switches,raw_syscalls:sys_enter -p "$sp" -o "$LOGS/perf-snapshot.csv" & ps_=$!
             perf stat -x, -e task-clock,context-switches,raw_syscalls:sys_enter -p "$dp" -o "$LOGS/perf-decision.csv" & pd_=$!
-            "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+            "$BIN/assign-load" --decision-addr http://127.0.0.1:$G_DEC --snapshot-addr http://127.0.0.1:$G_SNAP \
                 --group g --workers 8 --capacity 512 --connections 4 --batch-interval 2ms --groups 64 \
                 --rate "$RATE" --duration "$DUR" --warmup 2s --progress-events "$EVENTS" --hold 300ms \
                 >"$LOGS/split-ab.log" 2>&1
@@ -113,12 +123,12 @@ split-ab)
     ;;
 telemetry)
     "$BIN/br-snapshot" "${SNAP[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
-    "$BIN/br-ingest" --listen 127.0.0.1:51062 --admin-listen 127.0.0.1:9162 \
-        --snapshot-addr http://127.0.0.1:51061 >"$LOGS/ingest.log" 2>&1 & ip=$!
+    "$BIN/br-ingest" --listen 127.0.0.1:$G_INGEST --admin-listen 127.0.0.1:$A_INGEST \
+        --snapshot-addr http://127.0.0.1:$G_SNAP >"$LOGS/ingest.log" 2>&1 & ip=$!
     "$BIN/br-decision" "${DEC[@]}" >"$LOGS/decision.log" 2>&1 & dp=$!
-    up 9161 && up 9162 && up 9163
+    up "$A_SNAP" && up "$A_INGEST" && up "$A_DEC"
     echo "== telemetry-latency, load average $(load)"
-    telemetry_latency 51062 51061 9163 "${@:2}"
+    telemetry_latency "$G_INGEST" "$G_SNAP" "$A_DEC" "${@:2}"
     echo "   load average after: $(load)"
     kill "$dp" "$ip" "$sp"; wait "$dp" "$ip" "$sp" 2>/dev/null
     ;;
@@ -126,20 +136,20 @@ telemetry-all)
     # The same path through br-all: ingest, snapshot and decision in one process (Apply, Watch
     # in-process), so the probe's report and the tool's Watch go to its one gRPC port, and the
     # decision replica's σ version is read on its one admin port.
-    "$BIN/br-all" --listen 127.0.0.1:51060 --admin-listen 127.0.0.1:9160 --policy br0 \
+    "$BIN/br-all" --listen 127.0.0.1:$G_ALL --admin-listen 127.0.0.1:$A_ALL --policy br0 \
         >"$LOGS/all.log" 2>&1 & ap=$!
-    up 9160
+    up "$A_ALL"
     echo "== telemetry-latency through br-all, load average $(load)"
-    telemetry_latency 51060 51060 9160 "${@:2}"
+    telemetry_latency "$G_ALL" "$G_ALL" "$A_ALL" "${@:2}"
     echo "   load average after: $(load)"
     kill "$ap"; wait "$ap" 2>/dev/null
     ;;
 telemetry-floor)
-    "$BIN/floor-server" --listen 127.0.0.1:51064 --admin-listen 127.0.0.1:9164 \
+    "$BIN/floor-server" --listen 127.0.0.1:$G_FLOOR --admin-listen 127.0.0.1:$A_FLOOR \
         >"$LOGS/floor.log" 2>&1 & fp=$!
-    up 9164
+    up "$A_FLOOR"
     echo "== telemetry-latency against the floor, load average $(load)"
-    telemetry_latency 51064 51064 9164 --floor "${@:2}"
+    telemetry_latency "$G_FLOOR" "$G_FLOOR" "$A_FLOOR" --floor "${@:2}"
     echo "   load average after: $(load)"
     kill "$fp"; wait "$fp" 2>/dev/null
     ;;
@@ -170,7 +180,7 @@ groups)
         done
         "$BIN/br-snapshot" "${SNAP[@]}" "${sflags[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
         "$BIN/br-decision" "${DEC[@]}" --groups "$(list "$n")" "${dflags[@]}" >"$LOGS/decision.log" 2>&1 & dp=$!
-        up 9161 && up 9163
+        up "$A_SNAP" && up "$A_DEC"
     }
     down() { kill "$@"; wait "$@" 2>/dev/null; }
     LOADARGS=(--group g --workers 8 --capacity 512 --connections "$CONNS" --batch-interval "$BATCH")
@@ -179,7 +189,7 @@ groups)
         for n in 1 16 64; do
             split_up "$n"
             s0=$(rss $sp) d0=$(rss $dp)
-            "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+            "$BIN/assign-load" --decision-addr http://127.0.0.1:$G_DEC --snapshot-addr http://127.0.0.1:$G_SNAP \
                 "${LOADARGS[@]}" --groups "$n" --rate "$n" --duration 1s --warmup 0s \
                 --progress-events 0 --hold 100ms >"$LOGS/idle-$n.log" 2>&1
             echo "== idle, $n group(s) × 8 workers: br-snapshot RSS $s0 kB at start, $(rss $sp) kB with the workers; br-decision $d0 kB, $(rss $dp) kB"
@@ -189,12 +199,12 @@ groups)
     2)
         split_up 64 --history 64 -- --answered-ttl 1s
         echo "== σ per 1,000 requests: 64 groups, 2,000 Assign/s held 60 s (none finish), load average $(load)"
-        "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+        "$BIN/assign-load" --decision-addr http://127.0.0.1:$G_DEC --snapshot-addr http://127.0.0.1:$G_SNAP \
             "${LOADARGS[@]}" --groups 64 --rate 2000 --duration 16s --warmup 1s \
             --progress-events 0 --hold 60s >"$LOGS/sigma.log" 2>&1 & lp=$!
         for i in $(seq 1 17); do
             sleep 1
-            reqs=$(curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_requests/{s+=$2} END{print s+0}')
+            reqs=$(curl -s 127.0.0.1:$A_SNAP/metrics | awk '/^balanceroute_snapshot_requests/{s+=$2} END{print s+0}')
             echo "t=$i requests in σ $reqs, br-snapshot RSS $(rss $sp) kB, br-decision RSS $(rss $dp) kB"
         done
         wait "$lp"; tail -n 12 "$LOGS/sigma.log"
@@ -205,13 +215,13 @@ groups)
         ev="${GROUPS_APPLY_EVENTS:-1000000}"
         echo "== Apply throughput: 64 groups, 2,000 Assign/s, $ev progress events/s offered, load average $(load)"
         b0=0
-        "$BIN/assign-load" --decision-addr http://127.0.0.1:51063 --snapshot-addr http://127.0.0.1:51061 \
+        "$BIN/assign-load" --decision-addr http://127.0.0.1:$G_DEC --snapshot-addr http://127.0.0.1:$G_SNAP \
             "${LOADARGS[@]}" --groups 64 --rate 2000 --duration 15s --warmup 2s \
             --progress-events "$ev" --hold 3s >"$LOGS/apply.log" 2>&1 & lp=$!
         c0=$(cpu $sp)
         for i in $(seq 1 17); do
             sleep 1
-            b=$(curl -s 127.0.0.1:9161/metrics | awk '/^balanceroute_snapshot_batches_applied_total/{s+=$2} END{print s+0}')
+            b=$(curl -s 127.0.0.1:$A_SNAP/metrics | awk '/^balanceroute_snapshot_batches_applied_total/{s+=$2} END{print s+0}')
             echo "t=$i batches applied $b (+$((b - b0))/s), br-snapshot CPU $(cpu $sp) s"; b0=$b
         done
         wait "$lp"; grep -E "^telemetry|^generator|^sent" "$LOGS/apply.log"
@@ -222,12 +232,12 @@ groups)
         for setup in split all; do
             if [ $setup = split ]; then
                 split_up 64
-                D=http://127.0.0.1:51063 S=http://127.0.0.1:51061 pids="$dp $sp"
+                D=http://127.0.0.1:$G_DEC S=http://127.0.0.1:$G_SNAP pids="$dp $sp"
             else
-                "$BIN/br-all" --listen 127.0.0.1:51060 --admin-listen 127.0.0.1:9160 --policy br0 \
+                "$BIN/br-all" --listen 127.0.0.1:$G_ALL --admin-listen 127.0.0.1:$A_ALL --policy br0 \
                     --groups "$(list 64)" >"$LOGS/all.log" 2>&1 & ap=$!
-                up 9160
-                D=http://127.0.0.1:51060 S=http://127.0.0.1:51060 pids="$ap"
+                up "$A_ALL"
+                D=http://127.0.0.1:$G_ALL S=http://127.0.0.1:$G_ALL pids="$ap"
             fi
             echo "== $setup: 64 groups, $RATE Assign/s, $EVENTS progress events/s, hold 300ms, load average $(load)"
             "$BIN/assign-load" --decision-addr $D --snapshot-addr $S "${LOADARGS[@]}" --groups 64 \
