@@ -81,8 +81,10 @@ pub struct Args {
     pub header_read_timeout: std::time::Duration,
     /// How often the reporter sends what changed (one batched `Progress` per rank per interval
     /// while tokens flow): the longest a token waits in the shim before it leaves for ingest.
-    /// Shorter shows ingest and the deciders a fresher σ, at the cost of more, smaller messages
-    /// (ingest's work grows with messages per second; docs/benchmarks.md, "telemetry latency").
+    /// The first change after an interval with none goes at once, so only a busy rank's tokens
+    /// wait. Shorter shows ingest and the deciders a fresher σ, at the cost of more, smaller
+    /// messages (ingest's work grows with messages per second; docs/benchmarks.md, "telemetry
+    /// latency").
     #[arg(long, env = "BALANCEROUTE_REPORT_FLUSH_INTERVAL", value_parser = humantime::parse_duration, default_value = "5ms")]
     pub report_flush_interval: std::time::Duration,
     /// Refuse a generation request without an `X-Request-Id` header (400 with a JSON error,

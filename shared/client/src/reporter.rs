@@ -61,7 +61,8 @@ use task::{new_incarnation, run};
 pub const DEFAULT_FULL_STATE_EVERY: Duration = Duration::from_secs(10);
 /// Default bound on the requests the reporter tracks at once.
 pub const DEFAULT_MAX_PENDING: usize = 4096;
-/// Default period between batched `Progress` messages.
+/// Default period between batched `Progress` messages while changes keep coming (the first
+/// change after a quiet period goes at once).
 pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_millis(5);
 /// Default idle period after which a `Heartbeat` is sent.
 pub const DEFAULT_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
@@ -132,7 +133,8 @@ impl ReporterConfig {
 /// Timing knobs with sensible defaults; tests shorten them.
 #[derive(Debug, Clone)]
 pub struct ReporterTuning {
-    /// Period between batched `Progress` messages.
+    /// Period between batched `Progress` messages while changes keep coming; the first change
+    /// after a period with none is sent at once, and the next flush is a period after it.
     pub flush_interval: Duration,
     /// Idle period after which a `Heartbeat` is sent.
     pub heartbeat_every: Duration,
@@ -285,6 +287,8 @@ impl Reporter {
             max_pending: config.max_pending,
             closed: AtomicBool::new(false),
             close_notify: Notify::new(),
+            quiet: AtomicBool::new(false),
+            change_notify: Notify::new(),
             serving: watch::channel(config.serving).0,
             connected: AtomicBool::new(false),
             full_state_requested: AtomicBool::new(false),
@@ -384,6 +388,8 @@ impl ReporterHandle {
                 e.dirty = true;
                 let id = e.id.clone();
                 st.dirty.push(id);
+                drop(st);
+                shared.changed();
             }
             return Ok(());
         }
@@ -409,6 +415,8 @@ impl ReporterHandle {
             },
         );
         st.dirty.push(id);
+        drop(st);
+        shared.changed();
         Ok(())
     }
 

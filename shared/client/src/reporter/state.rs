@@ -14,6 +14,12 @@ pub(super) struct Shared {
     pub(super) max_pending: usize,
     pub(super) closed: AtomicBool,
     pub(super) close_notify: Notify,
+    /// Set by the task when a flush found nothing to send: the stream has been quiet for a
+    /// flush interval, so the next change may go at once instead of waiting for the next
+    /// flush (the leading edge). The handle that records that change takes the flag and
+    /// wakes the task through `change_notify`.
+    pub(super) quiet: AtomicBool,
+    pub(super) change_notify: Notify,
     /// Whether the worker can take work (see [`ReporterHandle::set_serving`]); while false no
     /// stream is held.
     pub(super) serving: watch::Sender<bool>,
@@ -43,6 +49,14 @@ impl Shared {
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         self.close_notify.notify_one();
+    }
+
+    /// After a change is recorded (the lock released): if the stream was quiet, wake the task
+    /// to send it now. One relaxed load on the common, busy path.
+    pub(super) fn changed(&self) {
+        if self.quiet.load(Ordering::Relaxed) && self.quiet.swap(false, Ordering::AcqRel) {
+            self.change_notify.notify_one();
+        }
     }
 
     pub(super) fn is_closed(&self) -> bool {

@@ -1,6 +1,6 @@
 //! The reporter's background task: connect to the next ingest address, send Hello and a full
-//! state, then the changes every flush interval, heartbeats and the full states an ack asks
-//! for; reconnect with backoff (and a new incarnation when refused) when the stream ends.
+//! state, then the changes every flush interval (the first change after a quiet interval at
+//! once), heartbeats and the full states an ack asks for; reconnect with backoff (and a new incarnation when refused) when the stream ends.
 //!
 //! Separate from the handle's synchronous API: everything here awaits the network, nothing in
 //! the handle does.
@@ -148,6 +148,10 @@ async fn connection(
         return Ended::Lost("outbound queue unavailable".into());
     }
     shared.full_state_requested.store(false, Ordering::Relaxed);
+    // Quiet from here: the first change after the full state goes at once. Set before the
+    // state is taken, so a change recorded in between wakes the loop below rather than
+    // waiting for the first flush.
+    shared.quiet.store(true, Ordering::Relaxed);
     let full = full_state(shared, seq);
     if tx.try_send(full).is_err() {
         return Ended::Lost("outbound queue unavailable".into());
@@ -163,7 +167,12 @@ async fn connection(
         () = shared.close_notify.notified() => return Ended::Closed,
     };
 
-    let mut tick = tokio::time::interval(tuning.flush_interval);
+    // The first flush is an interval after the full state; a change recorded after it (and
+    // not in it) has gone at the leading edge (`quiet` was set before the full state was taken).
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + tuning.flush_interval,
+        tuning.flush_interval,
+    );
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut held = shared.serving.subscribe();
     loop {
@@ -179,6 +188,23 @@ async fn connection(
                 Ok(None) => return Ended::Lost("ingest ended the stream".into()),
                 Err(status) => return ended_by(&status),
             },
+            () = shared.change_notify.notified() => {
+                // The leading edge: the first change after a quiet flush interval goes now,
+                // and the next flush is a whole interval later, so a busy stream still sends
+                // at most one message per interval while a lone token is not held back by
+                // it (the shim's default interval is chosen for the busy case).
+                if tx.capacity() == 0 {
+                    continue;
+                }
+                if let Some(msg) = changed_state(shared, seq) {
+                    last_sent = Instant::now();
+                    tick.reset();
+                    shared.reports_sent.fetch_add(1, Ordering::Relaxed);
+                    if tx.try_send(msg).is_err() {
+                        shared.full_state_requested.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
             _ = tick.tick() => {
                 // Only build a message when the stream can take it; otherwise the state keeps
                 // coalescing in the map.
@@ -208,6 +234,8 @@ async fn connection(
                         })
                     })
                 };
+                // Nothing changed for a whole interval: let the next change go at once.
+                shared.quiet.store(msg.is_none(), Ordering::Relaxed);
                 if let Some(msg) = msg {
                     last_sent = now;
                     shared.reports_sent.fetch_add(1, Ordering::Relaxed);

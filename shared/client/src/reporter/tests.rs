@@ -454,3 +454,53 @@ fn pending_forgets_only_acked_finished_requests() {
     assert_eq!(p.requests.len(), 1);
     assert!(p.requests.contains_key("b"));
 }
+
+/// The leading edge: with a flush interval far longer than the test, the first change after
+/// the stream went quiet is sent at once (otherwise it would wait the whole interval and the
+/// test would time out), and the changes right after it wait for the next flush, here the
+/// last words at shutdown, together in one message.
+#[tokio::test]
+async fn the_first_change_after_a_quiet_interval_goes_at_once_and_the_next_ones_wait() {
+    let fake = FakeIngest::default();
+    let (addr, _served) = start(&fake).await;
+    let hour = Duration::from_secs(3600);
+    let cfg = ReporterConfig {
+        full_state_every: hour,
+        ..config(addr)
+    };
+    let tuning = ReporterTuning {
+        flush_interval: hour,
+        heartbeat_every: hour,
+        ..tuning()
+    };
+    let h = Reporter::spawn_tuned(cfg, tuning).unwrap();
+    fake.wait_for("hello + full state", |m| m.len() >= 2).await;
+    h.progress("x", 4, 1, false).unwrap();
+    fake.wait_for("x, sent at once", |_| {
+        latest(&fake.progresses(), "x").is_some()
+    })
+    .await;
+    h.progress("y", 4, 1, false).unwrap();
+    h.progress("z", 4, 1, false).unwrap();
+    h.progress("x", 4, 2, false).unwrap();
+    h.shutdown().await;
+
+    let ps: Vec<v1::Progress> = fake
+        .progresses()
+        .into_iter()
+        .filter(|p| !p.full_state)
+        .collect();
+    let ids: Vec<Vec<&str>> = ps
+        .iter()
+        .map(|p| {
+            let mut ids: Vec<&str> = p.updates.iter().map(|u| u.request_id.as_str()).collect();
+            ids.sort_unstable();
+            ids
+        })
+        .collect();
+    assert_eq!(
+        ids,
+        vec![vec!["x"], vec!["x", "y", "z"]],
+        "x alone at once, then the rest together: {ps:?}"
+    );
+}
