@@ -14,6 +14,10 @@ use super::*;
 #[derive(Debug, Clone)]
 struct HashEntry {
     lengths: VecDeque<u32>,
+    /// The least and the greatest of `lengths` (0 while empty): they answer most predictions
+    /// without reading `lengths`, a separate allocation and so a cache miss of its own.
+    shortest: u32,
+    longest: u32,
     stamp: u64,
 }
 
@@ -98,6 +102,8 @@ impl ExactMatch {
         }
         let entry = self.by_hash.entry(h).or_insert_with(|| HashEntry {
             lengths: VecDeque::new(),
+            shortest: 0,
+            longest: 0,
             stamp,
         });
         entry.stamp = stamp;
@@ -105,6 +111,8 @@ impl ExactMatch {
             entry.lengths.pop_front();
         }
         entry.lengths.push_back(f.output_tokens);
+        entry.shortest = entry.lengths.iter().copied().min().unwrap_or(0);
+        entry.longest = entry.lengths.iter().copied().max().unwrap_or(0);
         self.recency.push_back((stamp, h));
         if self.recency.len() > 2 * self.by_hash.len() + 1 {
             let by_hash = &self.by_hash;
@@ -145,6 +153,14 @@ impl Predictor for ExactMatch {
         };
         let j = r.generated;
         let end = j.saturating_add(horizon);
+        // Every length above the horizon's end: all alive, none finishing within it.
+        if end < entry.shortest && entry.lengths.len() >= self.min_hits {
+            return (Prediction::RUNS_ON, Reads::one(shard));
+        }
+        // Every length at or below `j`: none alive (fewer than `min_hits`, which is ≥ 1).
+        if j >= entry.longest {
+            return fallback(self);
+        }
         let (mut alive, mut finishing, mut sum) = (0usize, 0usize, 0u64);
         for &o in entry.lengths.iter().filter(|&&o| o > j) {
             alive += 1;

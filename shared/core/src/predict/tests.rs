@@ -274,3 +274,75 @@ fn changed_keeps_one_sample_length() {
     assert_eq!(Changed::ALL.sources().count(), SOURCES);
     assert_eq!(Changed::NOTHING.sources().count(), 0);
 }
+
+mod exact_match_summary {
+    use std::collections::{HashMap, VecDeque};
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// ExactMatch's prediction from a hash's lengths as its definition states it (a pass over
+    /// all of them), against the predictor's, which answers most requests from the lengths'
+    /// least and greatest without reading them.
+    fn by_definition(
+        lengths: Option<&VecDeque<u32>>,
+        fallback: &Survival,
+        r: &RequestInfo,
+        horizon: u32,
+        min_hits: usize,
+    ) -> Prediction {
+        let Some(lengths) = lengths else {
+            return fallback.predict(r, horizon);
+        };
+        let j = r.generated;
+        let alive: Vec<u32> = lengths.iter().copied().filter(|&o| o > j).collect();
+        if alive.len() < min_hits {
+            return fallback.predict(r, horizon);
+        }
+        let done: Vec<u32> = alive
+            .iter()
+            .copied()
+            .filter(|&o| o <= j.saturating_add(horizon))
+            .collect();
+        if done.is_empty() {
+            return Prediction::RUNS_ON;
+        }
+        let sum: u64 = done.iter().map(|&o| u64::from(o)).sum();
+        Prediction {
+            p_finish: done.len() as f64 / alive.len() as f64,
+            mean_remaining: sum as f64 / done.len() as f64 - f64::from(j),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn exact_match_predicts_as_its_definition(
+            finishes in proptest::collection::vec((0u64..6, 1u32..400), 0..60),
+            samples_per_hash in 1usize..6,
+            min_hits in 1usize..4,
+            asks in proptest::collection::vec((0u64..8, 0u32..450, 0u32..120), 1..40),
+        ) {
+            let mut e = ExactMatch::new(Survival::new(4096, 1), 1024, samples_per_hash, min_hits);
+            let mut fallback = Survival::new(4096, 1);
+            let mut kept: HashMap<u64, VecDeque<u32>> = HashMap::new();
+            for &(h, len) in &finishes {
+                let f = fin(Some(h), len);
+                e.observe(&f);
+                fallback.observe(&f);
+                let l = kept.entry(h).or_default();
+                if l.len() >= samples_per_hash {
+                    l.pop_front();
+                }
+                l.push_back(len);
+            }
+            for &(h, generated, horizon) in &asks {
+                let r = running(generated, Some(h), None);
+                let want = by_definition(kept.get(&h), &fallback, &r, horizon, min_hits);
+                prop_assert_eq!(e.predict(&r, horizon), want, "hash {} at {}", h, generated);
+            }
+        }
+    }
+}
