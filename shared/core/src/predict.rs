@@ -65,6 +65,19 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn alike(&self, _request: &RequestInfo) -> Option<u64> {
         None
     }
+    /// What a [`PredictionCache`] asks on a miss, in one call: [`Lookup::Alike`] with the
+    /// [`Predictor::alike`] key when that is `Some` (the tick may have made the prediction
+    /// already), else [`Lookup::Made`] with [`Predictor::predict_with_reads`]'s answer. A
+    /// predictor overrides it to find both with one search of what it learned.
+    fn lookup(&self, request: &RequestInfo, horizon: u32) -> Lookup {
+        match self.alike(request) {
+            Some(k) => Lookup::Alike(k),
+            None => {
+                let (p, reads) = self.predict_with_reads(request, horizon);
+                Lookup::Made(p, reads)
+            }
+        }
+    }
     /// Learns from a finished request (online update).
     fn observe(&mut self, finished: &Finished);
     /// [`Predictor::observe`], and which parts of what it learned the observation changed (a
@@ -91,6 +104,15 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn stats(&self) -> PredictorStats {
         PredictorStats::default()
     }
+}
+
+/// [`Predictor::lookup`]'s answer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Lookup {
+    /// The request's [`Predictor::alike`] key.
+    Alike(u64),
+    /// Its prediction and what it read (its `alike` key is `None`).
+    Made(Prediction, Reads),
 }
 
 /// A part of what a predictor learned, named so that a [`PredictionCache`] can tell which
@@ -332,6 +354,23 @@ pub fn expected_remaining_with_reads(
     }
     let (pred, reads) = p.predict_with_reads(r, horizon);
     (remaining_from(pred, horizon, gate), reads)
+}
+
+/// [`expected_remaining_with_reads`] when the predictor makes it at once, or the request's
+/// [`Predictor::alike`] key ([`Predictor::lookup`]).
+pub fn expected_remaining_or_alike(
+    p: &dyn Predictor,
+    r: &RequestInfo,
+    horizon: u32,
+    gate: f64,
+) -> Result<(f64, Reads), u64> {
+    if horizon == 0 {
+        return Ok((1.0, Reads::NOTHING));
+    }
+    match p.lookup(r, horizon) {
+        Lookup::Alike(k) => Err(k),
+        Lookup::Made(pred, reads) => Ok((remaining_from(pred, horizon, gate), reads)),
+    }
 }
 
 /// `ĉ_i` from a prediction: at most `horizon` when the predictor is confident (a mix of the

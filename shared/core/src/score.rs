@@ -30,7 +30,8 @@ use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
 use crate::predict::{
-    PredictionCache, Predictor, PredictorConfig, expected_remaining, expected_remaining_with_reads,
+    PredictionCache, Predictor, PredictorConfig, expected_remaining, expected_remaining_or_alike,
+    expected_remaining_with_reads,
 };
 use crate::state::{ClusterState, RequestInfo};
 use crate::{Phase, WorkerId};
@@ -299,7 +300,10 @@ impl Margins {
             cache.end(
                 slot,
                 r,
-                || predictor.alike(r),
+                || {
+                    expected_remaining_or_alike(predictor, r, params.horizon, params.gate)
+                        .map(|(remaining, reads)| (end_step(remaining, steps), reads))
+                },
                 || {
                     let (remaining, reads) =
                         expected_remaining_with_reads(predictor, r, params.horizon, params.gate);

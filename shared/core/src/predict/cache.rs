@@ -312,13 +312,14 @@ impl PredictionCache {
         }
     }
 
-    /// The cached end of `r` (in `slot`), or `compute()` (then cached with what it read);
-    /// `alike()` is the predictor's [`Predictor::alike`] key for `r`, asked only on a miss.
+    /// The cached end of `r` (in `slot`), else `lookup()`'s (then cached with what it read),
+    /// asked only on a miss: `Ok` the end made, or `Err` the predictor's [`Predictor::alike`]
+    /// key for `r`, and then the end made earlier in the tick for that key, or `compute()`.
     pub(crate) fn end(
         &mut self,
         slot: usize,
         r: &RequestInfo,
-        alike: impl FnOnce() -> Option<u64>,
+        lookup: impl FnOnce() -> Result<(usize, Reads), u64>,
         compute: impl FnOnce() -> (usize, Reads),
     ) -> usize {
         let Some(entry) = self.entries.get_mut(slot) else {
@@ -339,9 +340,9 @@ impl PredictionCache {
             }
         }
         self.counts.made += 1;
-        let (end, reads) = match alike() {
-            None => compute(),
-            Some(k) => {
+        let (end, reads) = match lookup() {
+            Ok(made) => made,
+            Err(k) => {
                 if self.memo.is_empty() {
                     self.memo = vec![
                         Memo {

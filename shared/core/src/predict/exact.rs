@@ -121,6 +121,69 @@ impl ExactMatch {
         }
         evicted
     }
+    /// Whether a request with a remembered hash (`entry`) that generated `generated` tokens is
+    /// predicted by the fallback: fewer than `min_hits` of the hash's lengths are above it.
+    fn falls_back(&self, entry: &HashEntry, generated: u32) -> bool {
+        // None above it (`min_hits` is at least 1); every one above it (at least `min_hits`).
+        if generated >= entry.longest {
+            return true;
+        }
+        if generated < entry.shortest {
+            return entry.lengths.len() < self.min_hits;
+        }
+        entry.lengths.iter().filter(|&&o| o > generated).count() < self.min_hits
+    }
+
+    /// The [`Predictor::alike`] key of a request with hash `h` that the fallback predicts (an
+    /// unknown hash, or a known one with too few lengths above what it generated): its
+    /// prediction is the fallback's and it reads the hash's shard, so it is alike within the
+    /// shard (bit 63 keeps these keys apart from the fallback's own).
+    fn shard_alike(&self, h: u64, r: &RequestInfo) -> Option<u64> {
+        self.fallback
+            .alike(r)
+            .map(|k| 1 << 63 | u64::from(Self::shard(h)) << 40 | k)
+    }
+
+    /// The prediction from a remembered hash's lengths (`entry`; `shard` is the hash's), or
+    /// `None` when the fallback predicts the request ([`ExactMatch::falls_back`]).
+    fn predict_by_lengths(
+        &self,
+        entry: &HashEntry,
+        r: &RequestInfo,
+        horizon: u32,
+        shard: Source,
+    ) -> Option<(Prediction, Reads)> {
+        let j = r.generated;
+        let end = j.saturating_add(horizon);
+        let reads = Reads::one(shard);
+        // Every length above the horizon's end: all alive, none finishing within it.
+        if end < entry.shortest && entry.lengths.len() >= self.min_hits {
+            return Some((Prediction::RUNS_ON, reads));
+        }
+        // Every length at or below `j`: none alive (fewer than `min_hits`, which is ≥ 1).
+        if j >= entry.longest {
+            return None;
+        }
+        let (mut alive, mut finishing, mut sum) = (0usize, 0usize, 0u64);
+        for &o in entry.lengths.iter().filter(|&&o| o > j) {
+            alive += 1;
+            if o <= end {
+                finishing += 1;
+                sum += u64::from(o);
+            }
+        }
+        if alive < self.min_hits {
+            return None;
+        }
+        if finishing == 0 {
+            return Some((Prediction::RUNS_ON, reads));
+        }
+        let p = Prediction {
+            p_finish: finishing as f64 / alive as f64,
+            mean_remaining: sum as f64 / finishing as f64 - f64::from(j),
+        };
+        Some((p, reads))
+    }
 }
 
 impl Default for ExactMatch {
@@ -144,55 +207,45 @@ impl Predictor for ExactMatch {
         };
         // Whether its hash is known is itself read: its shard.
         let shard = Self::shard(h);
-        let fallback = |this: &Self| {
-            let (p, reads) = this.fallback.predict_with_reads(r, horizon);
-            (p, Reads::two(shard, reads.0[0]))
-        };
-        let Some(entry) = self.by_hash.get(&h) else {
-            return fallback(self);
-        };
-        let j = r.generated;
-        let end = j.saturating_add(horizon);
-        // Every length above the horizon's end: all alive, none finishing within it.
-        if end < entry.shortest && entry.lengths.len() >= self.min_hits {
-            return (Prediction::RUNS_ON, Reads::one(shard));
-        }
-        // Every length at or below `j`: none alive (fewer than `min_hits`, which is ≥ 1).
-        if j >= entry.longest {
-            return fallback(self);
-        }
-        let (mut alive, mut finishing, mut sum) = (0usize, 0usize, 0u64);
-        for &o in entry.lengths.iter().filter(|&&o| o > j) {
-            alive += 1;
-            if o <= end {
-                finishing += 1;
-                sum += u64::from(o);
+        let known = self.by_hash.get(&h);
+        match known.and_then(|e| self.predict_by_lengths(e, r, horizon, shard)) {
+            Some(made) => made,
+            None => {
+                let (p, reads) = self.fallback.predict_with_reads(r, horizon);
+                (p, Reads::two(shard, reads.0[0]))
             }
         }
-        if alive < self.min_hits {
-            return fallback(self);
-        }
-        let reads = Reads::one(shard);
-        if finishing == 0 {
-            return (Prediction::RUNS_ON, reads);
-        }
-        let p = Prediction {
-            p_finish: finishing as f64 / alive as f64,
-            mean_remaining: sum as f64 / finishing as f64 - f64::from(j),
-        };
-        (p, reads)
     }
 
     fn alike(&self, r: &RequestInfo) -> Option<u64> {
-        match r.prompt_hash {
-            None => self.fallback.alike(r),
-            // An unknown hash is predicted by the fallback and reads the hash's shard: alike
-            // within the shard (bit 63 keeps these keys apart from the fallback's own).
-            Some(h) if !self.by_hash.contains_key(&h) => self
-                .fallback
-                .alike(r)
-                .map(|k| 1 << 63 | u64::from(Self::shard(h)) << 40 | k),
-            Some(_) => None,
+        let Some(h) = r.prompt_hash else {
+            return self.fallback.alike(r);
+        };
+        match self.by_hash.get(&h) {
+            Some(e) if !self.falls_back(e, r.generated) => None,
+            _ => self.shard_alike(h, r),
+        }
+    }
+
+    fn lookup(&self, r: &RequestInfo, horizon: u32) -> Lookup {
+        let Some(h) = r.prompt_hash else {
+            return self.fallback.lookup(r, horizon);
+        };
+        // One search of the hashes for both answers (`alike` and then `predict_with_reads`
+        // would search twice).
+        let made = self
+            .by_hash
+            .get(&h)
+            .and_then(|e| self.predict_by_lengths(e, r, horizon, Self::shard(h)));
+        match made {
+            Some((p, reads)) => Lookup::Made(p, reads),
+            None => match self.shard_alike(h, r) {
+                Some(k) => Lookup::Alike(k),
+                None => {
+                    let (p, reads) = self.predict_with_reads(r, horizon);
+                    Lookup::Made(p, reads)
+                }
+            },
         }
     }
 

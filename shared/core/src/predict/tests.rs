@@ -323,7 +323,10 @@ mod exact_match_summary {
             finishes in proptest::collection::vec((0u64..6, 1u32..400), 0..60),
             samples_per_hash in 1usize..6,
             min_hits in 1usize..4,
-            asks in proptest::collection::vec((0u64..8, 0u32..450, 0u32..120), 1..40),
+            asks in proptest::collection::vec(
+                (0u64..8, prop_oneof![0u32..450, Just(120), Just(390)], 0u32..120),
+                1..40,
+            ),
         ) {
             let mut e = ExactMatch::new(Survival::new(4096, 1), 1024, samples_per_hash, min_hits);
             let mut fallback = Survival::new(4096, 1);
@@ -342,6 +345,29 @@ mod exact_match_summary {
                 let r = running(generated, Some(h), None);
                 let want = by_definition(kept.get(&h), &fallback, &r, horizon, min_hits);
                 prop_assert_eq!(e.predict(&r, horizon), want, "hash {} at {}", h, generated);
+                // `lookup` is `alike`, else `predict_with_reads`, in one search
+                let (p, reads) = e.predict_with_reads(&r, horizon);
+                let want = match e.alike(&r) {
+                    Some(k) => Lookup::Alike(k),
+                    None => Lookup::Made(p, reads),
+                };
+                prop_assert_eq!(e.lookup(&r, horizon), want);
+            }
+            // Requests alike are predicted alike, with the same reads, at any horizon.
+            let mut by_key: HashMap<u64, Vec<RequestInfo>> = HashMap::new();
+            for &(h, generated, _) in &asks {
+                let r = running(generated, Some(h), None);
+                if let Some(k) = e.alike(&r) {
+                    by_key.entry(k).or_default().push(r);
+                }
+            }
+            for alike in by_key.values() {
+                for horizon in [0, 1, 37, 119] {
+                    let first = e.predict_with_reads(&alike[0], horizon);
+                    for r in &alike[1..] {
+                        prop_assert_eq!(e.predict_with_reads(r, horizon), first);
+                    }
+                }
             }
         }
     }
