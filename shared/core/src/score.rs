@@ -120,9 +120,21 @@ fn horizon_end(
     end_step(expected_remaining(predictor, r, horizon, gate), steps)
 }
 
-/// `⌈ĉ_i⌉` as a horizon step: at least 1, at most `steps`.
+/// `⌈ĉ_i⌉` as a horizon step: at least 1, at most `steps` (`(ĉ.ceil().max(1.0) as
+/// usize).min(steps)`, without the call to `ceil` the baseline x86-64 target makes: every
+/// request of a tick that fills the prediction cache comes here, most of them predicted to
+/// run on, `ĉ = steps`).
 fn end_step(remaining: f64, steps: usize) -> usize {
-    (remaining.ceil().max(1.0) as usize).min(steps)
+    if remaining >= steps as f64 {
+        steps
+    } else if remaining > 1.0 {
+        // 1 < ĉ < steps: its integer part rounded up unless it is whole
+        let t = remaining as usize;
+        t + usize::from((t as f64) < remaining)
+    } else {
+        // at most 1, or NaN (which `max(1.0)` also makes 1)
+        1
+    }
 }
 
 /// A break of `F_g`'s slope for [`Margins::best_size`]: the margin at one horizon step. Ordered
@@ -669,6 +681,29 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// `end_step` is `⌈ĉ⌉` clamped to 1..=steps as `f64::ceil` gives it, for any ĉ
+        /// (whole, fractional, an ulp off a whole step, out of range, NaN).
+        #[test]
+        fn end_step_is_the_clamped_ceiling(
+            whole in -3i64..300,
+            frac in prop_oneof![
+                Just(0.0),
+                Just(f64::EPSILON),
+                Just(-f64::EPSILON),
+                0.0f64..1.0,
+            ],
+            odd in prop_oneof![Just(None), Just(Some(f64::NAN)), Just(Some(f64::INFINITY)),
+                Just(Some(f64::NEG_INFINITY)), Just(Some(1e300))],
+            steps in 1usize..260,
+        ) {
+            let x = odd.unwrap_or(whole as f64 + frac);
+            let want = (x.ceil().max(1.0) as usize).min(steps);
+            prop_assert_eq!(end_step(x, steps), want, "ĉ = {}", x);
+            let next = f64::from_bits((whole as f64).to_bits() + 1);
+            let want = (next.ceil().max(1.0) as usize).min(steps);
+            prop_assert_eq!(end_step(next, steps), want, "ĉ = {}", next);
+        }
 
         /// The projection is its definition summed request by request: a live worker's load
         /// at step h is, over its requests still predicted to run then (h < ⌈ĉ_i⌉), w_i + h
