@@ -121,23 +121,9 @@ impl ExactMatch {
         }
         evicted
     }
-    /// Whether a request with a remembered hash (`entry`) that generated `generated` tokens is
-    /// predicted by the fallback: fewer than `min_hits` of the hash's lengths are above it.
-    fn falls_back(&self, entry: &HashEntry, generated: u32) -> bool {
-        // None above it (`min_hits` is at least 1); every one above it (at least `min_hits`).
-        if generated >= entry.longest {
-            return true;
-        }
-        if generated < entry.shortest {
-            return entry.lengths.len() < self.min_hits;
-        }
-        entry.lengths.iter().filter(|&&o| o > generated).count() < self.min_hits
-    }
-
-    /// The [`Predictor::alike`] key of a request with hash `h` that the fallback predicts (an
-    /// unknown hash, or a known one with too few lengths above what it generated): its
-    /// prediction is the fallback's and it reads the hash's shard, so it is alike within the
-    /// shard (bit 63 keeps these keys apart from the fallback's own).
+    /// The [`Predictor::alike`] key of a request with an unknown hash `h`: it is predicted by
+    /// the fallback and reads the hash's shard, so it is alike within the shard (bit 63 keeps
+    /// these keys apart from the fallback's own).
     fn shard_alike(&self, h: u64, r: &RequestInfo) -> Option<u64> {
         self.fallback
             .alike(r)
@@ -145,7 +131,8 @@ impl ExactMatch {
     }
 
     /// The prediction from a remembered hash's lengths (`entry`; `shard` is the hash's), or
-    /// `None` when the fallback predicts the request ([`ExactMatch::falls_back`]).
+    /// `None` when fewer than `min_hits` of them are above the request's progress (the
+    /// fallback predicts it then).
     fn predict_by_lengths(
         &self,
         entry: &HashEntry,
@@ -221,10 +208,12 @@ impl Predictor for ExactMatch {
         let Some(h) = r.prompt_hash else {
             return self.fallback.alike(r);
         };
-        match self.by_hash.get(&h) {
-            Some(e) if !self.falls_back(e, r.generated) => None,
-            _ => self.shard_alike(h, r),
+        if self.by_hash.contains_key(&h) {
+            // predicted from its lengths, or by the fallback when too few are above its
+            // progress: not alike other hashes' requests (see `lookup`)
+            return None;
         }
+        self.shard_alike(h, r)
     }
 
     fn lookup(&self, r: &RequestInfo, horizon: u32) -> Lookup {
@@ -233,12 +222,22 @@ impl Predictor for ExactMatch {
         };
         // One search of the hashes for both answers (`alike` and then `predict_with_reads`
         // would search twice).
-        let made = self
-            .by_hash
-            .get(&h)
-            .and_then(|e| self.predict_by_lengths(e, r, horizon, Self::shard(h)));
-        match made {
-            Some((p, reads)) => Lookup::Made(p, reads),
+        let shard = Self::shard(h);
+        match self.by_hash.get(&h) {
+            // A remembered hash is predicted at once, also when the fallback predicts it
+            // (too few lengths above its progress). Such a request is predicted as the
+            // shard's unknown hashes are, but sharing the tick's memo with them was measured
+            // not to pay: at G = 64 they seldom meet (64 shards), and the memo's first use
+            // in a tick that fills the cache is 128 KiB of pages touched for the first time.
+            Some(e) => {
+                let (p, reads) = self
+                    .predict_by_lengths(e, r, horizon, shard)
+                    .unwrap_or_else(|| {
+                        let (p, reads) = self.fallback.predict_with_reads(r, horizon);
+                        (p, Reads::two(shard, reads.0[0]))
+                    });
+                Lookup::Made(p, reads)
+            }
             None => match self.shard_alike(h, r) {
                 Some(k) => Lookup::Alike(k),
                 None => {
