@@ -1,6 +1,7 @@
 //! The reporter's background task: connect to the next ingest address, send Hello and a full
 //! state, then the changes every flush interval (the first change after a quiet interval at
-//! once), heartbeats and the full states an ack asks for; reconnect with backoff (and a new incarnation when refused) when the stream ends.
+//! once), heartbeats and the full states an ack asks for; reconnect with backoff (and a new
+//! incarnation when refused) when the stream ends.
 //!
 //! Separate from the handle's synchronous API: everything here awaits the network, nothing in
 //! the handle does.
