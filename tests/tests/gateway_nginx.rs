@@ -48,15 +48,7 @@ async fn nginx_routes_streams_and_cancels_through_balanceroute() {
     // Cancel, none for the whole answers.
     let before = gateway::cancels_answered(&stack).await;
     complete_through(&stack, gw.addr, "nginx-whole", 4).await;
-    eprintln!(
-        "DBG after whole {}",
-        gateway::cancels_answered(&stack).await - before
-    );
     gateway::leaves_mid_stream(&stack, gw.addr, "nginx-leaves").await;
-    eprintln!(
-        "DBG after leave {}",
-        gateway::cancels_answered(&stack).await - before
-    );
     assert_eq!(gateway::cancels_answered(&stack).await - before, 1.0);
 
     // No X-Request-Id: nginx makes one, says it in the answer, and the shim reports under it.
