@@ -260,6 +260,15 @@ def br_all(name: str, grpc: int, admin: int, group: str, extra: Optional[List[st
     ])
 
 
+# The shim's bound on a request head's arrival (10 s by default, against slowloris clients),
+# past which hyper closes the connection without an answer. Here the heads come from the
+# test's own threads on two cores the engines keep busy: in a run where br-all was not
+# scheduled for 6 s, a test client's fresh connection to the shim ended "without sending a
+# response", as a late head ends. These tests judge placement and release, not a client's
+# speed.
+HEADER_READ_TIMEOUT = "120s"
+
+
 def br_shim(name: str, listen: int, admin: int, upstream: int, ingest: int, group: str,
             ranks: List[str], extra: Optional[List[str]] = None) -> Proc:
     """A shim in front of the vLLM server on `upstream`; `ranks` is its topology flags
@@ -268,7 +277,8 @@ def br_shim(name: str, listen: int, admin: int, upstream: int, ingest: int, grou
         str(BIN_DIR / "br-shim"), "--listen", f"127.0.0.1:{listen}",
         "--admin-listen", f"127.0.0.1:{admin}", "--upstream", f"http://127.0.0.1:{upstream}",
         "--ingest-addr", f"http://127.0.0.1:{ingest}", "--group", group, "--capacity", "16",
-        "--endpoint", f"http://127.0.0.1:{listen}", *ranks, *(extra or []),
+        "--endpoint", f"http://127.0.0.1:{listen}",
+        "--header-read-timeout", HEADER_READ_TIMEOUT, *ranks, *(extra or []),
     ])
 
 
