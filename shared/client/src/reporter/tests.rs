@@ -457,8 +457,8 @@ fn pending_forgets_only_acked_finished_requests() {
 
 /// The leading edge: with a flush interval far longer than the test, the first change after
 /// the stream went quiet is sent at once (otherwise it would wait the whole interval and the
-/// test would time out), and the changes right after it wait for the next flush, here the
-/// last words at shutdown, together in one message.
+/// test would time out); the changes after it go together, here in the last words at
+/// shutdown. That they are not sent at once is the next test's.
 #[tokio::test]
 async fn the_first_change_after_a_quiet_interval_goes_at_once_and_the_next_ones_wait() {
     let fake = FakeIngest::default();
@@ -503,4 +503,40 @@ async fn the_first_change_after_a_quiet_interval_goes_at_once_and_the_next_ones_
         vec![vec!["x"], vec!["x", "y", "z"]],
         "x alone at once, then the rest together: {ps:?}"
     );
+}
+
+/// The rule behind the leading edge, on its own: a recorded change wakes the task only when
+/// the stream was quiet, and only the first such change does. (In the test above the task
+/// cannot show the second half: on one thread it does not run between the test's calls.)
+#[tokio::test]
+async fn a_change_wakes_the_task_only_when_the_stream_was_quiet() {
+    use futures::FutureExt as _;
+    // Nothing listens there: the task stays in its reconnect loop and takes no wake-up.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let h = Reporter::spawn_tuned(config(nobody), tuning()).unwrap();
+    let shared = &h.inner.shared;
+    let woken = || shared.change_notify.notified().now_or_never().is_some();
+
+    h.progress("a", 1, 1, false).unwrap();
+    assert!(
+        !woken(),
+        "a change while the stream is busy waits for the flush"
+    );
+    shared.quiet.store(true, Ordering::Relaxed);
+    h.progress("b", 1, 1, false).unwrap();
+    assert!(
+        woken(),
+        "the first change after a quiet interval wakes the task"
+    );
+    h.progress("c", 1, 1, false).unwrap();
+    h.progress("d", 1, 1, false).unwrap();
+    assert!(!woken(), "the changes after it do not");
+    // A request already waiting to be sent is no new change either.
+    shared.quiet.store(true, Ordering::Relaxed);
+    h.progress("a", 1, 2, false).unwrap();
+    assert!(!woken(), "more of a request not yet sent wakes nothing");
+    h.shutdown().await;
 }
