@@ -309,8 +309,11 @@ def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
     s = stack
     group = "vllm-dp-slow-probe"
     port = free_pair()
+    # A probe every 20 ms, not every 500 ms: most probes of a decoding vLLM still answer within
+    # 10 ms on a quick machine (3, 5 and 4 timed out in three runs here, at 50, 50 and 20 ms),
+    # and in one CI run every probe of the default 500 ms interval did, failing the guard below.
     shim = br_shim("shim-dp2-slow-probe", port, port + 1, s.vllm_port, s.grpc, group, RANKS,
-                   ["--engine-probe-timeout", "10ms"])
+                   ["--engine-probe-timeout", "10ms", "--engine-probe-interval", "20ms"])
     s.procs.append(shim.start())
     wait_until(lambda: workers(s.grpc, group) and all(
         w["liveness"] == "live" for w in workers(s.grpc, group).values()) and len(workers(s.grpc, group)) == 2,
