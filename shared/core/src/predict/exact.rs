@@ -130,6 +130,25 @@ impl ExactMatch {
             .map(|k| 1 << 63 | u64::from(Self::shard(h)) << 40 | k)
     }
 
+    /// The prediction of a request whose prompt hash is `known` (its entry, if remembered) in
+    /// `shard`: from the hash's lengths, else the fallback's. Whether the hash is known is
+    /// itself read (its shard), so the fallback's prediction reads the shard too.
+    fn predict_hashed(
+        &self,
+        known: Option<&HashEntry>,
+        r: &RequestInfo,
+        horizon: u32,
+        shard: Source,
+    ) -> (Prediction, Reads) {
+        match known.and_then(|e| self.predict_by_lengths(e, r, horizon, shard)) {
+            Some(made) => made,
+            None => {
+                let (p, reads) = self.fallback.predict_with_reads(r, horizon);
+                (p, Reads::two(shard, reads.0[0]))
+            }
+        }
+    }
+
     /// The prediction from a remembered hash's lengths (`entry`; `shard` is the hash's), or
     /// `None` when fewer than `min_hits` of them are above the request's progress (the
     /// fallback predicts it then).
@@ -192,16 +211,7 @@ impl Predictor for ExactMatch {
         let Some(h) = r.prompt_hash else {
             return self.fallback.predict_with_reads(r, horizon);
         };
-        // Whether its hash is known is itself read: its shard.
-        let shard = Self::shard(h);
-        let known = self.by_hash.get(&h);
-        match known.and_then(|e| self.predict_by_lengths(e, r, horizon, shard)) {
-            Some(made) => made,
-            None => {
-                let (p, reads) = self.fallback.predict_with_reads(r, horizon);
-                (p, Reads::two(shard, reads.0[0]))
-            }
-        }
+        self.predict_hashed(self.by_hash.get(&h), r, horizon, Self::shard(h))
     }
 
     fn alike(&self, r: &RequestInfo) -> Option<u64> {
@@ -230,18 +240,13 @@ impl Predictor for ExactMatch {
             // not to pay: at G = 64 they seldom meet (64 shards), and the memo's first use
             // in a tick that fills the cache is 128 KiB of pages touched for the first time.
             Some(e) => {
-                let (p, reads) = self
-                    .predict_by_lengths(e, r, horizon, shard)
-                    .unwrap_or_else(|| {
-                        let (p, reads) = self.fallback.predict_with_reads(r, horizon);
-                        (p, Reads::two(shard, reads.0[0]))
-                    });
+                let (p, reads) = self.predict_hashed(Some(e), r, horizon, shard);
                 Lookup::Made(p, reads)
             }
             None => match self.shard_alike(h, r) {
                 Some(k) => Lookup::Alike(k),
                 None => {
-                    let (p, reads) = self.predict_with_reads(r, horizon);
+                    let (p, reads) = self.predict_hashed(None, r, horizon, shard);
                     Lookup::Made(p, reads)
                 }
             },
