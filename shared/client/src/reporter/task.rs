@@ -200,10 +200,7 @@ async fn connection(
                 if let Some(msg) = changed_state(shared, seq) {
                     last_sent = Instant::now();
                     tick.reset();
-                    shared.reports_sent.fetch_add(1, Ordering::Relaxed);
-                    if tx.try_send(msg).is_err() {
-                        shared.full_state_requested.store(true, Ordering::Relaxed);
-                    }
+                    send_checked(shared, &tx, msg);
                 }
             }
             _ = tick.tick() => {
@@ -239,12 +236,7 @@ async fn connection(
                 shared.quiet.store(msg.is_none(), Ordering::Relaxed);
                 if let Some(msg) = msg {
                     last_sent = now;
-                    shared.reports_sent.fetch_add(1, Ordering::Relaxed);
-                    if tx.try_send(msg).is_err() {
-                        // Cannot happen with one producer that checked capacity; the next full
-                        // state repairs it anyway.
-                        shared.full_state_requested.store(true, Ordering::Relaxed);
-                    }
+                    send_checked(shared, &tx, msg);
                 }
             }
             gone = async { held.wait_for(|s| !*s).await.is_err() } => {
@@ -287,6 +279,16 @@ async fn connection(
                 return Ended::Closed;
             }
         }
+    }
+}
+
+/// Sends a report on a stream whose capacity the caller checked, and counts it.
+fn send_checked(shared: &Shared, tx: &mpsc::Sender<v1::WorkerReport>, msg: v1::WorkerReport) {
+    shared.reports_sent.fetch_add(1, Ordering::Relaxed);
+    if tx.try_send(msg).is_err() {
+        // Cannot happen with one producer that checked capacity; the next full state
+        // repairs it anyway.
+        shared.full_state_requested.store(true, Ordering::Relaxed);
     }
 }
 
