@@ -391,6 +391,17 @@ pub fn header(head: &str, name: &str) -> Option<String> {
     })
 }
 
+/// The raw `POST /v1/completions` of `body` with `id` (none: the gateway makes one), closing
+/// the connection after the answer.
+fn completion_request(id: Option<&str>, body: &str) -> String {
+    let id_header = id.map_or(String::new(), |id| format!("X-Request-Id: {id}\r\n"));
+    format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n{id_header}Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
 /// Sends `POST /v1/completions` with `id` (none: the gateway makes one) over a raw connection
 /// and reads until `until` appears in what came back (the connection is returned open).
 pub async fn send_raw(gw: SocketAddr, id: Option<&str>, body: &str, until: &str) -> OpenStream {
@@ -398,13 +409,10 @@ pub async fn send_raw(gw: SocketAddr, id: Option<&str>, body: &str, until: &str)
     let mut stream = tokio::net::TcpStream::connect(gw)
         .await
         .expect("the gateway accepts");
-    let id_header = id.map_or(String::new(), |id| format!("X-Request-Id: {id}\r\n"));
-    let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n{id_header}Connection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.expect("sending");
+    stream
+        .write_all(completion_request(id, body).as_bytes())
+        .await
+        .expect("sending");
     let mut received = Vec::new();
     br_testkit::within(LONG, &format!("{until:?} through the gateway"), async {
         let mut buf = [0u8; 4096];
@@ -603,14 +611,10 @@ pub async fn leaves_while_assign_waits(stack: &Stack, gw: SocketAddr, prefix: &s
     let before = cancels_answered(stack).await;
     let id = format!("{prefix}-waits");
     let waiting = {
-        let body = completion(4);
         let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
-        let request = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nX-Request-Id: {id}\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(request.as_bytes()).await.unwrap();
+        s.write_all(completion_request(Some(&id), &completion(4)).as_bytes())
+            .await
+            .unwrap();
         s
     };
     br_testkit::eventually(LONG, &format!("{id} waits in decision's pool"), || async {
