@@ -71,6 +71,19 @@ local function prompt_tokens(hdrs)
     return math.max(1, math.floor(len / 4))
 end
 
+-- `POST <path>` of `payload` as JSON to decision's HTTP/JSON port, with `headers` beside the
+-- content type; the httpclient's answer (nil or status 0 when it got none).
+local function post(decision, path, payload, timeout_ms, headers)
+    headers = headers or {}
+    headers["content-type"] = { "application/json" }
+    return core.httpclient():post({
+        url = "http://" .. decision .. path,
+        headers = headers,
+        body = cjson.encode(payload),
+        timeout = timeout_ms,
+    })
+end
+
 local function assign(txn, decision, default_group, timeout)
     local hdrs = txn.http:req_get_headers()
     local group = first_header(hdrs, "x-balanceroute-group") or default_group
@@ -87,15 +100,9 @@ local function assign(txn, decision, default_group, timeout)
     txn:set_var("txn.balanceroute_group", group)
     txn:set_var("txn.balanceroute_request_id", id)
     local wait_ms = (duration_ms(timeout) or 2000) + 1000
-    local res = core.httpclient():post({
-        url = "http://" .. decision .. "/v1/assign",
-        headers = {
-            ["content-type"] = { "application/json" },
-            ["x-request-timeout"] = { timeout },
-        },
-        body = cjson.encode({ group = group, request_id = id, prompt_tokens = prompt_tokens(hdrs) }),
-        timeout = wait_ms,
-    })
+    local res = post(decision, "/v1/assign",
+        { group = group, request_id = id, prompt_tokens = prompt_tokens(hdrs) }, wait_ms,
+        { ["x-request-timeout"] = { timeout } })
     local status = res and tonumber(res.status) or 0
     if status == 0 then
         return reject(txn, 503, "DECISION_UNREACHABLE",
@@ -134,12 +141,7 @@ core.register_action("balanceroute_assign", { "http-req" }, function(txn, decisi
 end, 3)
 
 local function cancel(decision, group, id)
-    local res = core.httpclient():post({
-        url = "http://" .. decision .. "/v1/cancel",
-        headers = { ["content-type"] = { "application/json" } },
-        body = cjson.encode({ group = group, request_id = id }),
-        timeout = 2000,
-    })
+    local res = post(decision, "/v1/cancel", { group = group, request_id = id }, 2000)
     local status = res and tonumber(res.status) or 0
     if status ~= 200 then
         core.Warning("balanceroute: cancel of " .. id .. " at " .. decision .. ": HTTP status "
