@@ -50,6 +50,13 @@ def control_plane(group: str) -> "tuple[Proc, int, int]":
     return p, grpc, admin
 
 
+# The stacks of the module running now: a failing test's report carries the end of each of
+# their logs, so a failure on a CI machine (whose target/ is gone afterwards) says what the
+# control plane and the shims saw.
+RUNNING: List[Stack] = []
+FAILURE_LOG_LINES = 60
+
+
 @pytest.fixture(scope="module")
 def make_stack(request):
     stacks: List[Stack] = []
@@ -58,8 +65,24 @@ def make_stack(request):
         p, grpc, admin = control_plane(group)
         s = Stack(group, grpc, admin, p, Gateway(f"127.0.0.1:{grpc}", group))
         stacks.append(s)
+        RUNNING.append(s)
         return s
 
     yield make
     for s in stacks:
+        RUNNING.remove(s)
         s.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for s in RUNNING:
+        for p in [s.control, *s.procs]:
+            if p.name.startswith("vllm"):
+                continue  # its own log is long and rarely the story; it stays in target/
+            report.sections.append((f"last {FAILURE_LOG_LINES} lines of {p.log}",
+                                    p.tail(FAILURE_LOG_LINES)))
