@@ -7,12 +7,14 @@ condition (`wait_until`), bounded, never a bare sleep.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,6 +275,75 @@ def per_engine(metrics: dict, name: str) -> Dict[int, float]:
             engine = dict(labels).get("engine", "0")
             out[int(engine)] = out.get(int(engine), 0.0) + v
     return out
+
+
+class SlowProbeProxy:
+    """A TCP proxy in front of an engine that, while `slow` is set, holds every request whose
+    bytes begin with `GET <path>` for `delay` seconds before passing it on: the engine's health
+    endpoint answers late, on demand, while everything else (the streams) goes through as it
+    is. Only a read that starts a request can begin with those bytes: a request body is JSON.
+    Serves on its own thread and event loop until `close()`."""
+
+    def __init__(self, upstream: int, path: str = "/health", delay: float = 0.1):
+        self.upstream = upstream
+        self.head = f"GET {path} ".encode()
+        self.delay = delay
+        self.slow = threading.Event()
+        self.held = 0  # requests held so far
+        self.port = free_port()
+        self._clients: set = set()
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
+        self._thread.start()
+        if not started.wait(30):
+            raise AssertionError(f"the slow-probe proxy did not start on :{self.port}")
+
+    def _serve(self, started: threading.Event) -> None:
+        async def pump(reader, writer, hold: bool) -> None:
+            try:
+                while data := await reader.read(65536):
+                    if hold and self.slow.is_set() and data.startswith(self.head):
+                        self.held += 1
+                        await asyncio.sleep(self.delay)
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        async def client(reader, writer) -> None:
+            me = asyncio.current_task()
+            self._clients.add(me)
+            try:
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+                await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False),
+                                     return_exceptions=True)
+            except OSError:
+                writer.close()
+            finally:
+                self._clients.discard(me)
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            server = await asyncio.start_server(client, "127.0.0.1", self.port)
+            started.set()
+            await self._stop.wait()
+            server.close()
+            for task in list(self._clients):
+                task.cancel()
+            await asyncio.gather(*self._clients, return_exceptions=True)
+
+        self._loop.run_until_complete(main())
+        self._loop.close()
+
+    def close(self) -> None:
+        """Stops holding probes, closes every connection and the listener."""
+        self.slow.clear()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=10)
 
 
 # --- BalanceRoute ----------------------------------------------------------------------------

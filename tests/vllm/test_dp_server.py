@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 import pytest
 
 from gateway import CHAT, COMPLETIONS, sse_events
-from support import (br_shim, brctl, free_pair, free_port, per_engine, scrape, vllm_server,
-                     wait_until, wait_vllm, workers)
+from support import (SlowProbeProxy, br_shim, brctl, free_pair, free_port, per_engine, scrape,
+                     vllm_server, wait_until, wait_vllm, workers)
 import workload
 
 GROUP = "vllm-dp"
@@ -302,29 +302,34 @@ def test_a_client_that_goes_away_aborts_the_request_and_sigma_lets_it_go(stack):
 
 
 def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
-    """A second shim in front of the same two ranks (its own group) whose probes may take only
-    10 ms: vLLM's /health answers in a few ms when idle and far later while it decodes on
-    both cores. While its streams move, the ranks stay in routing: every timed-out probe is
-    forgiven. Once the streams end, the next slow probe would count again."""
+    """A second shim in front of the same two ranks (its own group), through a proxy that holds
+    each /health probe past the shim's 10 ms probe timeout while every one of the test's
+    streams runs (a decoding vLLM answers /health late on a busy machine, but not on cue).
+    While the streams move, every timed-out probe is forgiven and the ranks stay in routing;
+    the proxy stops holding probes as soon as the first stream ends, before the engine could
+    fall silent with a probe held."""
     s = stack
     group = "vllm-dp-slow-probe"
     port = free_pair()
-    # A probe every 20 ms, not every 500 ms: most probes of a decoding vLLM still answer within
-    # 10 ms on a quick machine (3, 5 and 4 timed out in three runs here, at 50, 50 and 20 ms),
-    # and in one CI run every probe of the default 500 ms interval did, failing the guard below.
-    shim = br_shim("shim-dp2-slow-probe", port, port + 1, s.vllm_port, s.grpc, group, RANKS,
-                   ["--engine-probe-timeout", "10ms", "--engine-probe-interval", "20ms"])
+    proxy = SlowProbeProxy(s.vllm_port, "/health", delay=0.1)
+    # A probe every 200 ms: a timed-out probe is forgiven while engine bytes arrived within
+    # the last interval + timeout (210 ms), which twelve decoding streams keep well inside.
+    shim = br_shim("shim-dp2-slow-probe", port, port + 1, proxy.port, s.grpc, group, RANKS,
+                   ["--engine-probe-timeout", "10ms", "--engine-probe-interval", "200ms"])
     s.procs.append(shim.start())
     wait_until(lambda: workers(s.grpc, group) and all(
         w["liveness"] == "live" for w in workers(s.grpc, group).values()) and len(workers(s.grpc, group)) == 2,
         60, "the second shim's ranks to be live")
 
-    def timeouts():
+    def shim_metric(name, reason=None):
         m = scrape(f"http://127.0.0.1:{port + 1}/metrics")
         return sum(v for (n, l), v in m.items()
-                   if n == "balanceroute_shim_engine_probe_failures_total" and dict(l)["reason"] == "timeout")
+                   if n == name and (reason is None or dict(l).get("reason") == reason))
 
-    t0 = timeouts()
+    def timeouts():
+        return shim_metric("balanceroute_shim_engine_probe_failures_total", "timeout")
+
+    t0, tokens0 = timeouts(), shim_metric("balanceroute_shim_tokens_total")
     reqs = workload.mixed(12, seed=9, lengths=(700,))
     import httpx
 
@@ -336,21 +341,34 @@ def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
         return r.status_code
 
     out_of_routing = []
-    with ThreadPoolExecutor(len(reqs) + 1) as ex:
-        done = ex.submit(lambda: list(ex.map(run, enumerate(reqs))))
-        # σ's view of the group, sampled until every stream has ended
-        while not wait([done], timeout=0.2).done:
-            down = [i for i, x in workers(s.grpc, group).items() if x["liveness"] != "live"]
-            if down:
-                out_of_routing.append((time.monotonic(), down))
-        results = done.result()
-    forgiven = timeouts() - t0
-    print(f"probe timeouts forgiven while streaming: {forgiven}")
+    held_while = []  # (active, tokens) each time the proxy started holding probes
+    try:
+        with ThreadPoolExecutor(len(reqs) + 1) as ex:
+            done = ex.submit(lambda: list(ex.map(run, enumerate(reqs))))
+            # Probes are held only while all twelve run and tokens flow; σ's view of the
+            # group is sampled until every stream has ended.
+            while not wait([done], timeout=0.1).done:
+                active = shim_metric("balanceroute_shim_active_requests")
+                tokens = shim_metric("balanceroute_shim_tokens_total") - tokens0
+                if active == len(reqs) and tokens > 0:
+                    if not proxy.slow.is_set():
+                        held_while.append((active, tokens))
+                    proxy.slow.set()
+                else:
+                    proxy.slow.clear()
+                down = [i for i, x in workers(s.grpc, group).items() if x["liveness"] != "live"]
+                if down:
+                    out_of_routing.append((time.monotonic(), down))
+            results = done.result()
+        forgiven = timeouts() - t0
+    finally:
+        shim.stop()
+        proxy.close()
+    print(f"probes held by the proxy: {proxy.held}; timeouts forgiven while streaming: {forgiven}")
     assert results == [200] * len(reqs)
+    assert held_while, "the twelve streams never ran at once: no probe was held"
     assert out_of_routing == [], f"ranks left routing while streaming: {out_of_routing[:5]}"
-    assert forgiven > 0, ("vLLM answered every 10 ms probe in time under load: the test did not "
-                          "exercise a slow probe")
-    shim.stop()
+    assert forgiven > 0, f"no probe timed out although the proxy held {proxy.held}"
 
 
 def test_a_rank_mapping_the_server_does_not_have_is_refused_at_start_up(stack):
