@@ -40,6 +40,7 @@ fn busy_group(seed: u64) -> (ClusterState, Vec<(RequestKey, u32)>) {
                 phase: Phase::Running,
                 prompt_hash: None,
                 oracle_output: None,
+                expected_output: None,
             })
             .expect("room");
         held.push(key);

@@ -61,6 +61,7 @@ fn warm_finishes() -> impl Iterator<Item = Finished> {
         prompt_tokens: 700 + (o * 31) % 7_300,
         prompt_hash: Some(u64::from(o % 5_000)),
         output_tokens: 1000 + (o * 7919) % 500,
+        expected_output: None,
     })
 }
 
@@ -251,6 +252,7 @@ fn finish_one(state: &mut ClusterState, policy: &mut dyn br_core::Policy, round:
         prompt_tokens: done.prompt_tokens,
         prompt_hash: done.prompt_hash,
         output_tokens: done.generated.max(1),
+        expected_output: None,
     });
     let _ = state.reserve(RequestInfo {
         key: 1_000_000_000 + round,

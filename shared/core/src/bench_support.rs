@@ -31,6 +31,7 @@ pub fn steady_state(workers: u32, slots: u32, waiting: usize, seed: u64) -> (Clu
                 phase: Phase::Running,
                 prompt_hash: Some(rng.random_range(0..5000)),
                 oracle_output: Some(output),
+                expected_output: None,
             });
         }
     }
@@ -42,6 +43,7 @@ pub fn steady_state(workers: u32, slots: u32, waiting: usize, seed: u64) -> (Clu
             prompt_tokens: rng.random_range(700..8000),
             prompt_hash: Some(rng.random_range(0..5000)),
             oracle_output: Some(rng.random_range(1000..1500)),
+            expected_output: None,
         });
     }
     (st, pool)

@@ -57,6 +57,8 @@ pub enum PredictorKind {
     Survival,
     ExactMatch,
     Oracle,
+    /// The client's expected output length, trusted as far as it has proved right.
+    Hinted,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -90,6 +92,7 @@ impl PolicyKind {
             PolicyKind::BrH(PredictorKind::ExactMatch) => "brh",
             PolicyKind::BrH(PredictorKind::Survival) => "brh-survival",
             PolicyKind::BrH(PredictorKind::Oracle) => "brh-oracle",
+            PolicyKind::BrH(PredictorKind::Hinted) => "brh-hinted",
         }
     }
 
@@ -108,6 +111,7 @@ impl PolicyKind {
             "brh-survival",
             "brh-exact",
             "brh-oracle",
+            "brh-hinted",
         ]
     }
 
@@ -140,6 +144,7 @@ impl FromStr for PolicyKind {
             "brh" | "brh-exact" => PolicyKind::BrH(PredictorKind::ExactMatch),
             "brh-survival" => PolicyKind::BrH(PredictorKind::Survival),
             "brh-oracle" => PolicyKind::BrH(PredictorKind::Oracle),
+            "brh-hinted" => PolicyKind::BrH(PredictorKind::Hinted),
             other => {
                 return Err(CoreError::InvalidConfig(format!(
                     "unknown policy {other:?}; expected one of {}",
@@ -259,6 +264,7 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
                 PredictorKind::Survival => Box::new(cfg.horizon.predictor.survival()),
                 PredictorKind::ExactMatch => Box::new(cfg.horizon.predictor.exact_match()),
                 PredictorKind::Oracle => Box::new(Oracle),
+                PredictorKind::Hinted => Box::new(cfg.horizon.predictor.hinted()),
             };
             Box::new(BalanceRoute {
                 kind: cfg.kind,

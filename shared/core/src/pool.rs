@@ -18,6 +18,8 @@ pub struct PoolEntry {
     pub prompt_hash: Option<u64>,
     /// True output length; simulation only (Oracle predictor).
     pub oracle_output: Option<u32>,
+    /// The client's expected output length, a hint (see [`crate::RequestInfo`]).
+    pub expected_output: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -133,6 +135,7 @@ mod tests {
             prompt_tokens: s,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         }
     }
 

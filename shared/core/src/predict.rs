@@ -6,21 +6,24 @@
 //! assumed to run past the horizon (the conservative anchor).
 //!
 //! The predictors learn online, from finished requests only ([`Finished`]: prompt length,
-//! prompt hash, output length), one set per group (each group's policy owns its own), with no
-//! offline training and bounded memory ([`PredictorConfig`]): [`Survival`] by prompt-length
-//! octave with the group's whole distribution as the cold-start prior, [`ExactMatch`] by prompt
-//! hash (an LRU of at most `max_hashes`), [`Oracle`] for simulation. [`PredictorStats`] is what
+//! prompt hash, output length, the client's expected output length), one set per group (each
+//! group's policy owns its own), with no offline training and bounded memory
+//! ([`PredictorConfig`]): [`Survival`] by prompt-length octave with the group's whole
+//! distribution as the cold-start prior, [`ExactMatch`] by prompt hash (an LRU of at most
+//! `max_hashes`), [`Hinted`] by how far the clients' hints are off, [`Oracle`] for simulation. [`PredictorStats`] is what
 //! they hold (br-decision's `balanceroute_decision_predictor_*` gauges, br-sim's run line).
 
 use crate::state::RequestInfo;
 
 mod cache;
 mod exact;
+mod hinted;
 mod histogram;
 mod survival;
 
 pub use cache::PredictionCache;
 pub use exact::ExactMatch;
+pub use hinted::{DEFAULT_MIN_HINTED, Hinted};
 use survival::BUCKETS;
 pub use survival::Survival;
 
@@ -42,9 +45,9 @@ impl Prediction {
 
 pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
-    /// A prediction is a function of the request's `prompt_tokens`, `generated`, `prompt_hash`
-    /// and `oracle_output` and of what the predictor learned; nothing else of the request (a
-    /// [`PredictionCache`] reuses it while those four are unchanged).
+    /// A prediction is a function of the request's `prompt_tokens`, `generated`, `prompt_hash`,
+    /// `oracle_output` and `expected_output` and of what the predictor learned; nothing else
+    /// of the request (a [`PredictionCache`] reuses it while those five are unchanged).
     fn predict(&self, request: &RequestInfo, horizon: u32) -> Prediction;
     /// [`Predictor::predict`], and which parts of what it learned the prediction read
     /// ([`Reads`]). The default says "everything" ([`Reads::ALL`]): exact for any predictor,
@@ -117,8 +120,8 @@ pub enum Lookup {
 
 /// A part of what a predictor learned, named so that a [`PredictionCache`] can tell which
 /// predictions one observation made stale: an id below [`SOURCES`]. Survival's global
-/// distribution, each of its prompt-length octaves, and a shard of ExactMatch's prompt hashes
-/// are one each; [`SOURCE_ALL`] stands for everything a predictor learned.
+/// distribution, each of its prompt-length octaves, a shard of ExactMatch's prompt hashes and
+/// Hinted's ratios are one each; [`SOURCE_ALL`] stands for everything a predictor learned.
 pub type Source = u8;
 
 /// Source ids are below this.
@@ -133,7 +136,9 @@ const SOURCE_BUCKET0: Source = 2;
 /// ExactMatch's prompt hashes fall into this many shards, `SOURCE_SHARD0 + shard`.
 const SOURCE_SHARD0: Source = SOURCE_BUCKET0 + BUCKETS as Source;
 const HASH_SHARDS: u64 = 64;
-const _: () = assert!(SOURCE_SHARD0 as usize + HASH_SHARDS as usize <= SOURCES);
+/// Hinted's ratios of actual to expected output length and the hints' weight.
+const SOURCE_HINTS: Source = SOURCE_SHARD0 + HASH_SHARDS as Source;
+const _: () = assert!((SOURCE_HINTS as usize) < SOURCES);
 
 /// The sources one prediction read: at most two (a cache entry holds them in two bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -305,6 +310,9 @@ pub struct Finished {
     pub prompt_hash: Option<u64>,
     /// Output tokens generated in all.
     pub output_tokens: u32,
+    /// The client's expected output length, when it sent one (the request's
+    /// [`RequestInfo::expected_output`]): what [`Hinted`] learns to trust or not.
+    pub expected_output: Option<u32>,
 }
 
 /// The size of what an online predictor has learned: its memory bound made visible.
@@ -410,6 +418,9 @@ pub struct PredictorConfig {
     pub min_samples: u64,
     /// Longest output length told apart (longer ones count as this).
     pub max_len: u32,
+    /// Hinted: finishes with a hint observed before hints are used (see
+    /// [`DEFAULT_MIN_HINTED`]).
+    pub min_hinted: u64,
 }
 
 impl Default for PredictorConfig {
@@ -420,6 +431,7 @@ impl Default for PredictorConfig {
             samples_per_hash: 16,
             min_samples: 32,
             max_len: 32_768,
+            min_hinted: DEFAULT_MIN_HINTED,
         }
     }
 }
@@ -445,6 +457,10 @@ impl PredictorConfig {
 
     pub fn exact_match(&self) -> ExactMatch {
         ExactMatch::new(self.survival(), self.max_hashes, self.samples_per_hash, 1)
+    }
+
+    pub fn hinted(&self) -> Hinted {
+        Hinted::new(self.survival(), self.min_hinted)
     }
 }
 

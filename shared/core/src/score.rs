@@ -623,6 +623,7 @@ mod tests {
                 phase: Phase::Running,
                 prompt_hash: None,
                 oracle_output: Some(out),
+                expected_output: None,
             });
         }
         st
@@ -728,6 +729,7 @@ mod tests {
                     phase: Phase::Queued,
                     prompt_hash: None,
                     oracle_output: Some(out),
+                    expected_output: None,
                 });
             }
             if let Some(w) = fenced {
@@ -825,6 +827,7 @@ mod tests {
                     phase: Phase::Running,
                     prompt_hash: None,
                     oracle_output: None,
+                    expected_output: None,
                 })
                 .unwrap();
             }

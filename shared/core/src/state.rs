@@ -40,6 +40,9 @@ pub struct RequestInfo {
     pub prompt_hash: Option<u64>,
     /// The true output length, known only in simulation (for the Oracle predictor).
     pub oracle_output: Option<u32>,
+    /// The client's expected output length in tokens, a hint that may be wrong (`None`: none
+    /// was sent). Only the `Hinted` predictor reads it, and learns how far to trust it.
+    pub expected_output: Option<u32>,
 }
 
 impl RequestInfo {
@@ -535,6 +538,7 @@ mod tests {
             phase: Phase::Queued,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         }
     }
 

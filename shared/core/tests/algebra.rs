@@ -20,6 +20,7 @@ fn state(loads: &[u32]) -> ClusterState {
                 phase: Phase::Running,
                 prompt_hash: None,
                 oracle_output: Some(l % 300 + 1),
+                expected_output: None,
             })
             .unwrap();
         }
@@ -117,6 +118,7 @@ fn horizon_margins_see_requests_leave() {
         phase: Phase::Running,
         prompt_hash: None,
         oracle_output: Some(o),
+        expected_output: None,
     };
     st.reserve(mk(1, 0, 1000, 10)).unwrap();
     st.reserve(mk(2, 1, 600, 5000)).unwrap();

@@ -128,6 +128,7 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
             },
             prompt_hash: None,
             oracle_output: Some(o + j),
+            expected_output: None,
         })
         .unwrap();
     }
@@ -138,6 +139,7 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
             prompt_tokens: s,
             prompt_hash: Some(u64::from(s % 7)),
             oracle_output: Some(o),
+            expected_output: None,
         })
         .unwrap();
     }
@@ -282,7 +284,7 @@ proptest! {
         let mut st = ClusterState::with_workers(&vec![64; loads.len()]);
         for (w, &l) in loads.iter().enumerate() {
             if l > 0 {
-                st.reserve(RequestInfo { key: w as u64, worker: w as u32, prompt_tokens: l, generated: 0, phase: Phase::Running, prompt_hash: None, oracle_output: None }).unwrap();
+                st.reserve(RequestInfo { key: w as u64, worker: w as u32, prompt_tokens: l, generated: 0, phase: Phase::Running, prompt_hash: None, oracle_output: None, expected_output: None }).unwrap();
             }
         }
         let w = pick.index(loads.len()) as u32;
@@ -318,6 +320,7 @@ fn cold_start_largest_first_balances_tokens() {
             prompt_tokens: s,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -396,6 +399,7 @@ fn stage2_admits_the_best_subset_through_the_dispatcher() {
             phase: Phase::Running,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -406,6 +410,7 @@ fn stage2_admits_the_best_subset_through_the_dispatcher() {
             prompt_tokens: s,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -441,6 +446,7 @@ fn head_batch_scope_admits_in_arrival_order() {
             prompt_tokens: s,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -471,6 +477,7 @@ fn head_batch_scope_admits_in_arrival_order() {
                 prompt_tokens: s,
                 prompt_hash: None,
                 oracle_output: None,
+                expected_output: None,
             })
             .unwrap();
     }
@@ -500,6 +507,7 @@ fn one_running_each(loads: &[u32], free: u32, sizes: &[u32]) -> (ClusterState, P
             phase: Phase::Running,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -510,6 +518,7 @@ fn one_running_each(loads: &[u32], free: u32, sizes: &[u32]) -> (ClusterState, P
             prompt_tokens: s,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -602,6 +611,7 @@ fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
             phase: Phase::Running,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -613,6 +623,7 @@ fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
                 prompt_tokens: s,
                 prompt_hash: None,
                 oracle_output: None,
+                expected_output: None,
             })
             .unwrap();
         }
@@ -668,6 +679,7 @@ fn stage2_holds_a_worker_above_the_mean_and_fills_the_one_below() {
             phase: Phase::Running,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
     }
@@ -679,6 +691,7 @@ fn stage2_holds_a_worker_above_the_mean_and_fills_the_one_below() {
                 prompt_tokens: s,
                 prompt_hash: None,
                 oracle_output: None,
+                expected_output: None,
             })
             .unwrap();
         }
@@ -758,6 +771,7 @@ fn place_one(workers: &[(u64, u32, u32)], s: u32, level: f64, tie_break: TieBrea
                 phase: Phase::Running,
                 prompt_hash: None,
                 oracle_output: None,
+                expected_output: None,
             })
             .unwrap();
             key += 1;
@@ -769,6 +783,7 @@ fn place_one(workers: &[(u64, u32, u32)], s: u32, level: f64, tie_break: TieBrea
         prompt_tokens: s,
         prompt_hash: None,
         oracle_output: None,
+        expected_output: None,
     })
     .unwrap();
     let cfg = PolicyConfig {
@@ -908,6 +923,7 @@ fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() 
                 phase: Phase::Running,
                 prompt_hash: None,
                 oracle_output: Some(output),
+                expected_output: None,
             })
             .unwrap();
         };
@@ -931,6 +947,7 @@ fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() 
                 prompt_tokens: s,
                 prompt_hash: None,
                 oracle_output: Some(1_000),
+                expected_output: None,
             })
             .unwrap();
         }

@@ -64,23 +64,38 @@ fn predictor(kind: PredictorKind, config: &PredictorConfig) -> Box<dyn Predictor
         PredictorKind::Survival => Box::new(config.survival()),
         PredictorKind::ExactMatch => Box::new(config.exact_match()),
         PredictorKind::Oracle => Box::new(Oracle),
+        PredictorKind::Hinted => Box::new(config.hinted()),
+    }
+}
+
+/// The client's hint for request `key` with true output `output`: none for a quarter of the
+/// requests, and for the rest exact, half, or twice the truth (so Hinted learns a spread of
+/// ratios and gives hints weight, and hinted and unhinted requests share the cache).
+fn hint_of(key: u64, output: u32) -> Option<u32> {
+    match key % 4 {
+        0 => None,
+        1 => Some(output),
+        2 => Some(output.div_ceil(2)),
+        _ => Some(output.saturating_mul(2)),
     }
 }
 
 /// The predictors' memory and warm-up: the defaults, or a few samples per octave and an
 /// ExactMatch that holds two hashes (so octaves turn usable mid-run and hashes are evicted,
-/// the two ways an observation changes what other requests read).
+/// the two ways an observation changes what other requests read) and a Hinted that uses hints
+/// after a few hinted finishes (so their weight turns positive mid-run).
 fn predictor_config() -> impl Strategy<Value = PredictorConfig> {
     prop_oneof![
         Just(PredictorConfig::default()),
-        (1u64..6, 1usize..4, any::<bool>()).prop_map(|(min_samples, max_hashes, buckets)| {
-            PredictorConfig {
+        (1u64..6, 1usize..4, any::<bool>(), 1u64..6).prop_map(
+            |(min_samples, max_hashes, buckets, min_hinted)| PredictorConfig {
                 min_samples,
                 max_hashes,
                 prompt_buckets: buckets,
+                min_hinted,
                 ..PredictorConfig::default()
             }
-        }),
+        ),
     ]
 }
 
@@ -99,7 +114,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         prop_oneof![
             Just(PredictorKind::Survival),
             Just(PredictorKind::ExactMatch),
-            Just(PredictorKind::Oracle)
+            Just(PredictorKind::Oracle),
+            Just(PredictorKind::Hinted)
         ],
         predictor_config(),
         // BR-H's horizon: the defaults' order, or a few steps (so that lengths land on its edge)
@@ -136,7 +152,12 @@ proptest! {
         let mut long_lived = PredictionCache::new();
         for (i, &len) in warm.iter().enumerate() {
             let hash = Some(i as u64 % 6);
-            let f = Finished { prompt_tokens: 100 + 700 * (i as u32 % 5), prompt_hash: hash, output_tokens: len };
+            let f = Finished {
+                prompt_tokens: 100 + 700 * (i as u32 % 5),
+                prompt_hash: hash,
+                output_tokens: len,
+                expected_output: hint_of(i as u64, len),
+            };
             cached.observe_finished(&f);
             reference.observe(&f);
             long_lived.learned(tracked.learn(&f));
@@ -167,6 +188,7 @@ proptest! {
                                 prompt_tokens: r.prompt_tokens,
                                 prompt_hash: r.prompt_hash,
                                 output_tokens: tokens,
+                                expected_output: r.expected_output,
                             };
                             cached.observe_finished(&f);
                             reference.observe(&f);
@@ -179,6 +201,7 @@ proptest! {
                             prompt_tokens: prompt,
                             prompt_hash: Some(hash),
                             oracle_output: Some(output),
+                            expected_output: hint_of(next_key, output),
                         };
                         next_key += 1;
                         pool_a.push(entry.clone()).unwrap();
@@ -197,6 +220,7 @@ proptest! {
                                 }
                                 .saturating_add_signed(offset)
                                 .max(1),
+                                expected_output: r.expected_output,
                             };
                             cached.observe_finished(&f);
                             reference.observe(&f);
@@ -242,6 +266,7 @@ proptest! {
                         phase: Phase::Queued,
                         prompt_hash: Some(adm.key % 6),
                         oracle_output: Some(entry_output),
+                        expected_output: hint_of(adm.key, entry_output),
                     })
                     .unwrap();
             }
@@ -264,6 +289,7 @@ fn cache_reuses_only_what_is_unchanged() {
             phase: Phase::Running,
             prompt_hash: None,
             oracle_output: Some(50),
+            expected_output: None,
         })
         .unwrap();
     }
@@ -282,7 +308,8 @@ fn cache_reuses_only_what_is_unchanged() {
     assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
     // A request that left leaves its slot to the next one, which is predicted anew (it ends
     // at another length: a prediction is a function of the request's prompt, generated
-    // tokens, hash and oracle length, so a newcomer equal in all four may keep the entry).
+    // tokens, hash, oracle length and hint, so a newcomer equal in all five may keep the
+    // entry).
     st.remove(7).unwrap();
     st.reserve(RequestInfo {
         key: 1_000,
@@ -292,13 +319,14 @@ fn cache_reuses_only_what_is_unchanged() {
         phase: Phase::Running,
         prompt_hash: None,
         oracle_output: Some(60),
+        expected_output: None,
     })
     .unwrap();
     let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
     assert_eq!(cache.hit_counts(), (298, 202));
     assert_eq!(m, Margins::horizon(&st, &params, &Oracle));
     assert!(cache.len() <= st.slot_count());
-    // One equal in all four (another key, another worker, queued) reuses the entry: the same
+    // One equal in all five (another key, another worker, queued) reuses the entry: the same
     // prediction.
     st.remove(1_000).unwrap();
     st.reserve(RequestInfo {
@@ -309,6 +337,7 @@ fn cache_reuses_only_what_is_unchanged() {
         phase: Phase::Queued,
         prompt_hash: None,
         oracle_output: Some(60),
+        expected_output: None,
     })
     .unwrap();
     let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
@@ -326,6 +355,7 @@ fn running(key: u64, worker: u32, prompt_tokens: u32, generated: u32) -> Request
         phase: Phase::Running,
         prompt_hash: None,
         oracle_output: None,
+        expected_output: None,
     }
 }
 
@@ -335,6 +365,7 @@ fn finish(prompt_tokens: u32, output_tokens: u32) -> Finished {
         prompt_tokens,
         prompt_hash: None,
         output_tokens,
+        expected_output: None,
     }
 }
 

@@ -33,6 +33,7 @@ fn state(workers: &[(u32, u32)]) -> ClusterState {
                 phase: Phase::Running,
                 prompt_hash: None,
                 oracle_output: Some(share % 200 + 1),
+                expected_output: None,
             })
             .unwrap();
         }
@@ -144,6 +145,7 @@ proptest! {
                 phase: Phase::Queued,
                 prompt_hash: None,
                 oracle_output: Some(u32::MAX),
+                expected_output: None,
             })
             .unwrap();
         }
@@ -169,6 +171,7 @@ fn horizon_counts_drop_requests_at_their_predicted_end() {
         phase: Phase::Running,
         prompt_hash: None,
         oracle_output: Some(o),
+        expected_output: None,
     };
     st.reserve(mk(1, 0, 100, 5)).unwrap();
     st.reserve(mk(2, 0, 100, 5000)).unwrap();
@@ -207,6 +210,7 @@ fn the_request_term_moves_a_placement() {
             prompt_tokens: 2_000,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         })
         .unwrap();
         let mut out = Vec::new();

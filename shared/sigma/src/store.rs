@@ -526,6 +526,7 @@ impl Sigma {
             phase: r.phase,
             prompt_hash: r.prompt_hash,
             oracle_output: None,
+            expected_output: None,
         };
         let blocked = self
             .workers

@@ -137,6 +137,7 @@ impl Estimator {
                 prompt_tokens: 0,
                 prompt_hash: None,
                 output_tokens: tokens,
+                expected_output: None,
             });
         }
     }
@@ -354,6 +355,7 @@ mod tests {
             phase,
             prompt_hash: None,
             oracle_output: None,
+            expected_output: None,
         }
     }
 

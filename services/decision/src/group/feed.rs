@@ -43,6 +43,8 @@ impl GroupCore {
                     prompt_tokens: r.prompt_tokens,
                     prompt_hash: r.prompt_hash,
                     output_tokens: tokens,
+                    // no contract carries a client's hint yet
+                    expected_output: None,
                 });
                 (learn, tokens)
             })

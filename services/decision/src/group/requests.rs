@@ -101,6 +101,7 @@ impl Req {
             prompt_tokens: self.prompt_tokens,
             prompt_hash: self.prompt_hash,
             oracle_output: None,
+            expected_output: None,
         }
     }
 

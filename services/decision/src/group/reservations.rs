@@ -59,6 +59,7 @@ impl Reservation {
             phase: Phase::Queued,
             prompt_hash: self.prompt_hash,
             oracle_output: None,
+            expected_output: None,
         }
     }
 }

@@ -222,6 +222,7 @@ mod tests {
                 phase: Phase::Queued,
                 prompt_hash: None,
                 oracle_output: None,
+                expected_output: None,
             })
             .unwrap();
         }

@@ -12,8 +12,8 @@ use super::*;
 /// A tick at G = 64 asks the predictor about every running request (16k of them), although
 /// between two ticks most requests did not generate a token and the predictor learned little.
 /// An entry is reused only when what the prediction is a function of is unchanged: the
-/// request's `prompt_tokens`, `generated`, `prompt_hash` and `oracle_output` (the
-/// [`Predictor::predict`] contract), the horizon and gate, and every part of the predictor's
+/// request's `prompt_tokens`, `generated`, `prompt_hash`, `oracle_output` and
+/// `expected_output` (the [`Predictor::predict`] contract), the horizon and gate, and every part of the predictor's
 /// learning the prediction read ([`Reads`]) since it was made. An observation marks the parts
 /// it changed ([`PredictionCache::learned`], which the policy calls with what
 /// [`Predictor::learn`] returned). A Survival finish of length L adds one sample to its
@@ -23,7 +23,7 @@ use super::*;
 /// (about the requests within H tokens below L, and the few predicted to finish soon) are
 /// predicted again. So a cached tick decides exactly as an uncached one.
 ///
-/// Entries sit in a dense table indexed by the request's slot in [`crate::ClusterState`], 32
+/// Entries sit in a dense table indexed by the request's slot in [`crate::ClusterState`], 40
 /// bytes each (a hash map keyed by request was measured slower than predicting again, and a
 /// table of whole `RequestInfo`s spent the refill tick writing 72-byte entries:
 /// docs/benchmarks.md).
@@ -187,25 +187,29 @@ impl RecentSamples {
     }
 }
 
-/// One slot's prediction and what it was computed from (32 bytes).
+/// One slot's prediction and what it was computed from (40 bytes: the expected output length
+/// took it past 32).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Entry {
     pub(super) prompt_hash: u64,
     pub(super) prompt_tokens: u32,
     pub(super) generated: u32,
     pub(super) oracle_output: u32,
+    pub(super) expected_output: u32,
     /// The clock when it was computed.
     pub(super) stamp: u32,
     /// `⌈ĉ_i⌉` (at most the horizon's steps, ≤ 4,097).
     pub(super) end: u16,
     pub(super) reads: [Source; 2],
-    /// `VALID | HAS_HASH | HAS_ORACLE`.
+    /// `VALID | HAS_HASH | HAS_ORACLE | HAS_EXPECTED`.
     pub(super) flags: u8,
 }
 
 const VALID: u8 = 1;
 const HAS_HASH: u8 = 2;
 const HAS_ORACLE: u8 = 4;
+const HAS_EXPECTED: u8 = 8;
+const _: () = assert!(std::mem::size_of::<Entry>() == 40);
 
 impl Entry {
     pub(super) const EMPTY: Entry = Entry {
@@ -213,6 +217,7 @@ impl Entry {
         prompt_tokens: 0,
         generated: 0,
         oracle_output: 0,
+        expected_output: 0,
         stamp: 0,
         end: 0,
         reads: [NO_SOURCE; 2],
@@ -226,10 +231,16 @@ impl Entry {
             prompt_tokens: r.prompt_tokens,
             generated: r.generated,
             oracle_output: r.oracle_output.unwrap_or(0),
+            expected_output: r.expected_output.unwrap_or(0),
             flags: VALID
                 | if r.prompt_hash.is_some() { HAS_HASH } else { 0 }
                 | if r.oracle_output.is_some() {
                     HAS_ORACLE
+                } else {
+                    0
+                }
+                | if r.expected_output.is_some() {
+                    HAS_EXPECTED
                 } else {
                     0
                 },
@@ -243,6 +254,7 @@ impl Entry {
             && self.prompt_tokens == key.prompt_tokens
             && self.prompt_hash == key.prompt_hash
             && self.oracle_output == key.oracle_output
+            && self.expected_output == key.expected_output
     }
 }
 

@@ -8,6 +8,7 @@ fn fin(prompt_hash: Option<u64>, output_tokens: u32) -> Finished {
         prompt_tokens: 10,
         prompt_hash,
         output_tokens,
+        expected_output: None,
     }
 }
 
@@ -20,6 +21,7 @@ fn running(generated: u32, hash: Option<u64>, oracle: Option<u32>) -> RequestInf
         phase: Phase::Running,
         prompt_hash: hash,
         oracle_output: oracle,
+        expected_output: None,
     }
 }
 
@@ -124,6 +126,7 @@ fn survival_cold_start_then_its_own_octave() {
             prompt_tokens: 100,
             prompt_hash: None,
             output_tokens: 50,
+            expected_output: None,
         });
     }
     // The long prompt's octave has nothing yet: the global distribution is its prior.
@@ -133,6 +136,7 @@ fn survival_cold_start_then_its_own_octave() {
             prompt_tokens: 5_000,
             prompt_hash: None,
             output_tokens: 1_000,
+            expected_output: None,
         });
     }
     // 3 < min_samples in its octave: still the prior (4 of 7 finish within 80).
@@ -141,6 +145,7 @@ fn survival_cold_start_then_its_own_octave() {
         prompt_tokens: 5_000,
         prompt_hash: None,
         output_tokens: 1_000,
+        expected_output: None,
     });
     // Its own octave now: every long prompt ran 1,000 tokens.
     assert_eq!(s.predict(&long(0), 80), Prediction::RUNS_ON);
