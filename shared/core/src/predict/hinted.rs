@@ -327,3 +327,180 @@ impl Predictor for Hinted {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Phase;
+
+    /// 1,000 output lengths spread over 100..2,000 (a fixed scramble, no RNG).
+    fn outputs() -> Vec<u32> {
+        (0..1_000u32).map(|i| 100 + (i * 7_919) % 1_900).collect()
+    }
+
+    fn finished(output_tokens: u32, expected_output: Option<u32>) -> Finished {
+        Finished {
+            prompt_tokens: 10,
+            prompt_hash: None,
+            output_tokens,
+            expected_output,
+        }
+    }
+
+    fn running(generated: u32, expected_output: Option<u32>) -> RequestInfo {
+        RequestInfo {
+            key: 1,
+            worker: 0,
+            prompt_tokens: 10,
+            generated,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+            expected_output,
+        }
+    }
+
+    /// A Hinted and a Survival taught the same finishes, the i-th with `hint(i, output)`.
+    fn taught(hint: impl Fn(usize, u32) -> Option<u32>) -> (Hinted, Survival) {
+        let (mut h, mut s) = (Hinted::default(), Survival::default());
+        for (i, o) in outputs().into_iter().enumerate() {
+            let f = finished(o, hint(i, o));
+            let _ = h.learn(&f);
+            s.observe(&f);
+        }
+        (h, s)
+    }
+
+    #[test]
+    fn exact_hints_place_the_finish() {
+        let (h, s) = taught(|_, o| Some(o));
+        assert!(h.hint_weight() > 0.99, "{}", h.hint_weight());
+        // 50 tokens left of an exact hint of 1,000: it finishes within 80, in about 50
+        let p = h.predict(&running(950, Some(1_000)), 80);
+        assert!(p.p_finish > 0.99, "{p:?}");
+        assert!((p.mean_remaining - 50.0).abs() < 6.0, "{p:?}");
+        // Survival alone, not knowing this request, is far from confident
+        assert!(s.predict(&running(950, None), 80).p_finish < 0.2);
+        // 200 tokens left: it runs past the horizon
+        assert_eq!(h.predict(&running(800, Some(1_000)), 80).p_finish, 0.0);
+    }
+
+    #[test]
+    fn hints_consistently_half_the_truth_are_corrected() {
+        let (h, _) = taught(|_, o| Some(o.div_ceil(2)));
+        assert!(h.hint_weight() > 0.99, "{}", h.hint_weight());
+        // a hint of 500 means about 1,000: at j = 950 it finishes in about 50
+        let p = h.predict(&running(950, Some(500)), 80);
+        assert!(p.p_finish > 0.99, "{p:?}");
+        assert!((p.mean_remaining - 50.0).abs() < 6.0, "{p:?}");
+        // and at j = 400, where the raw hint says 100 more, it runs on (Survival's share of
+        // the mixture, 1 − w, is a few millionths: the halving rounds up odd lengths)
+        let p = h.predict(&running(400, Some(500)), 80);
+        assert!(p.p_finish < 1e-3, "{p:?}");
+    }
+
+    #[test]
+    fn without_a_hint_it_is_survival_exactly() {
+        // half the finishes hinted: Survival learns from all of them
+        let (h, s) = taught(|i, o| (i % 2 == 0).then_some(o));
+        for j in [0, 100, 500, 1_000, 1_500, 1_990, 2_500] {
+            for horizon in [1, 80, 400] {
+                let r = running(j, None);
+                assert_eq!(
+                    h.predict_with_reads(&r, horizon),
+                    s.predict_with_reads(&r, horizon),
+                    "j {j}, H {horizon}"
+                );
+                assert_eq!(h.alike(&r), s.alike(&r));
+            }
+        }
+    }
+
+    /// Hints that say nothing of their own request are given no weight: the predictions are
+    /// Survival's.
+    fn useless_hints_give_survival(hint: impl Fn(usize, u32) -> Option<u32>) {
+        let (h, s) = taught(hint);
+        assert_eq!(h.hint_weight(), 0.0);
+        for j in [0, 300, 900, 1_200, 1_900] {
+            for e in [150, 1_000, 1_900] {
+                let hinted = h.predict(&running(j, Some(e)), 80);
+                let survival = s.predict(&running(j, None), 80);
+                assert!(
+                    (hinted.p_finish - survival.p_finish).abs() < 1e-9
+                        && (hinted.mean_remaining - survival.mean_remaining).abs() < 1e-9,
+                    "j {j}, e {e}: {hinted:?} against {survival:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn shuffled_hints_predict_as_survival() {
+        let all = outputs();
+        // each finish carries another request's length
+        useless_hints_give_survival(|i, _| Some(all[(i * 31 + 7) % all.len()]));
+    }
+
+    #[test]
+    fn constant_hints_predict_as_survival() {
+        useless_hints_give_survival(|_, _| Some(1_050));
+    }
+
+    #[test]
+    fn noisy_hints_weigh_between_survival_and_the_hint() {
+        // ±20% error (a fixed pattern): informative, not exact
+        let (h, s) = taught(|i, o| Some(o * [8, 10, 12][i % 3] / 10));
+        let w = h.hint_weight();
+        assert!(w > 0.5 && w < 1.0, "{w}");
+        let hinted = h.predict(&running(950, Some(1_000)), 80).p_finish;
+        let survival = s.predict(&running(950, None), 80).p_finish;
+        assert!(hinted > survival + 0.1, "{hinted} against {survival}");
+    }
+
+    #[test]
+    fn hints_are_used_after_min_hinted_hinted_finishes() {
+        let mut h = Hinted::default();
+        let mut s = Survival::default();
+        let r = running(950, Some(1_000));
+        for (i, o) in outputs()
+            .into_iter()
+            .take(DEFAULT_MIN_HINTED as usize)
+            .enumerate()
+        {
+            // before: Survival's answer, reading the hints too (the next finish may change it)
+            assert_eq!(h.hint_weight(), 0.0, "after {i}");
+            let (p, reads) = h.predict_with_reads(&r, 80);
+            assert_eq!(p, s.predict(&running(950, None), 80));
+            assert!(reads.sources().any(|x| x == SOURCE_HINTS));
+            let f = finished(o, Some(o));
+            // a hinted finish replaces the hints' source; Survival's part is sampled
+            let changed = h.learn(&f);
+            assert!(changed.replaces(SOURCE_HINTS));
+            s.observe(&f);
+        }
+        assert!(h.hint_weight() > 0.99);
+        assert!(h.predict(&r, 80).p_finish > 0.99);
+        // an unhinted finish leaves the hints as they were
+        assert!(!h.learn(&finished(700, None)).contains(SOURCE_HINTS));
+    }
+
+    #[test]
+    fn ratio_histogram_is_continuous_and_bounded() {
+        let mut r = RatioHistogram::new();
+        r.add(1.0);
+        r.add(1e-9);
+        r.add(1e9);
+        assert_eq!(r.total, 3);
+        // the exact ratio's bin is centred on 1 (in log): about half its mass below
+        let (below_one, _) = r.cumulative(1.0);
+        assert!((below_one - 1.5).abs() < 0.01, "{below_one}");
+        let mut last = 0.0;
+        for k in 0..=4_000 {
+            let x = f64::exp2(f64::from(k - 2_000) / 150.0);
+            let (c, _) = r.cumulative(x);
+            assert!(c >= last - 1e-12 && c <= 3.0, "{x}: {c} after {last}");
+            last = c;
+        }
+        assert_eq!(r.cumulative(f64::MAX).0, 3.0);
+    }
+}
