@@ -151,6 +151,9 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
             dropped.join(", ")
         )
     };
+    let hints = w
+        .hints
+        .map_or_else(String::new, |h| format!("; {}", h.describe()));
     let control = if args.telemetry_lag_steps > 0 || args.deciders > 1 {
         format!(
             " control plane: {} decider(s){}, telemetry lag {} step(s)",
@@ -171,7 +174,7 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         String::new()
     };
     format!(
-        "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts{}\n\
+        "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts{}{}\n\
          G={} B={} arrival={} step T = {:e}·max L{} + {} ms{}",
         w.name,
         s.requests,
@@ -183,6 +186,7 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         s.max_output,
         100.0 * s.repeat_share,
         dropped,
+        hints,
         g,
         args.slots,
         arrival,

@@ -5,6 +5,7 @@
 //!              --arrival saturated|trace|poisson [--rate-scale X] [--rate R] [--limit N]
 //!              [--filter-min-output N] [--seed S] [--json FILE] [--plot DIR]
 //!              [--step-a MS_PER_TOKEN] [--step-b MS] [--step-c MS_PER_REQUEST]
+//!              [--hint-error SIGMA] [--hint-mode lognormal|shuffled|constant]
 //! br-sim sweep <run flags> [--workers-list 4,8,16,32,64] [--param NAME=v1,v2,...]
 //! br-sim calibrate SAMPLES.csv [--strict] [--json FILE]
 //! ```
@@ -15,6 +16,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::hints::{HintMode, Hints};
 use crate::synth::{self, SynthConfig, SynthKind};
 use crate::trace::{self, Filter, LoadStats, TraceError, TraceRequest};
 
@@ -81,7 +83,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub slots: u32,
     /// Comma-separated policy names (random rr p2c jsq vllm-dp mintok br0 br0-bypass brh
-    /// brh-survival brh-oracle).
+    /// brh-survival brh-oracle brh-hinted).
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_POLICIES)]
     pub policies: Vec<String>,
     /// Arrival process.
@@ -151,6 +153,16 @@ pub struct RunArgs {
     /// it (its owner is dead or had nothing to place).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub decider_takeover_steps: u32,
+    /// Give each request a client's expected output length, a hint (what `brh-hinted` reads):
+    /// expected = actual · exp(N(0, SIGMA)), drawn from `--seed`; 0 is exact. Without this
+    /// flag and `--hint-mode` no request has a hint.
+    #[arg(long, value_name = "SIGMA")]
+    pub hint_error: Option<f64>,
+    /// How the hints are made: `lognormal` (the default with `--hint-error`), `shuffled` (the
+    /// lognormal hints permuted among the requests: useless) or `constant` (every request the
+    /// trace's mean output: useless).
+    #[arg(long, value_enum)]
+    pub hint_mode: Option<HintMode>,
 }
 
 /// Flags of `sweep`.
@@ -255,6 +267,8 @@ pub struct Workload {
     /// The arrival process used (`--arrival auto` resolved) and why.
     pub arrival: Arrival,
     pub arrival_why: &'static str,
+    /// The clients' hints the requests carry (`--hint-error`, `--hint-mode`), if any.
+    pub hints: Option<Hints>,
     /// Loader counters.
     pub stats: LoadStats,
 }
@@ -304,7 +318,13 @@ impl RunArgs {
         if self.policies.iter().all(|p| p.trim().is_empty()) {
             return bad("--policies is empty".into());
         }
+        self.hints()?;
         Ok(())
+    }
+
+    /// The hints `--hint-error` and `--hint-mode` ask for (`None`: no hints).
+    pub fn hints(&self) -> Result<Option<Hints>, WorkloadError> {
+        Hints::from_flags(self.hint_error, self.hint_mode).map_err(WorkloadError::Invalid)
     }
 
     /// Loads or generates the workload and stamps arrival times per `--arrival`.
@@ -378,12 +398,17 @@ impl RunArgs {
         let (arrival, arrival_why) = resolve_arrival(self.arrival, synthetic_spec(spec), &requests);
         let requests = stamp_arrivals(requests, arrival, self.rate_scale, self.rate, self.seed)
             .map_err(|m| WorkloadError::Invalid(format!("{name}: {m}")))?;
-        let requests = jitter_arrivals(requests, self.arrival_jitter_ms, self.seed);
+        let mut requests = jitter_arrivals(requests, self.arrival_jitter_ms, self.seed);
+        let hints = self.hints()?;
+        if let Some(h) = &hints {
+            h.apply(&mut requests, self.seed);
+        }
         Ok(Workload {
             name,
             requests,
             arrival,
             arrival_why,
+            hints,
             stats,
         })
     }
@@ -689,6 +714,7 @@ mod tests {
             prompt_tokens: 1,
             output_tokens: 1,
             prompt_hash: None,
+            expected_output: None,
         };
         assert!(stamp_arrivals(vec![req(None)], Arrival::Trace, 1.0, None, 0).is_err());
         let out = stamp_arrivals(
@@ -713,6 +739,7 @@ mod tests {
                 prompt_tokens: i + 1,
                 output_tokens: 1,
                 prompt_hash: None,
+                expected_output: None,
             })
             .collect();
         let order = |v: &[TraceRequest]| v.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>();

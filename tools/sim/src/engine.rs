@@ -136,6 +136,7 @@ pub fn simulate_deciders(
                 prompt_tokens: r.prompt_tokens,
                 prompt_hash: r.prompt_hash,
                 oracle_output: Some(r.output_tokens),
+                expected_output: r.expected_output,
             };
             let k = decider_of(i);
             match mode {
@@ -204,6 +205,7 @@ pub fn simulate_deciders(
                     prompt_tokens: r.prompt_tokens,
                     prompt_hash: r.prompt_hash,
                     oracle_output: Some(r.output_tokens),
+                    expected_output: r.expected_output,
                 };
                 let info = queued_info(&entry, a.worker);
                 if !ideal {
@@ -329,6 +331,7 @@ pub fn simulate_deciders(
                 prompt_tokens: r.prompt_tokens,
                 prompt_hash: r.prompt_hash,
                 output_tokens: r.output_tokens,
+                expected_output: r.expected_output,
             };
             for policy in policies.iter_mut() {
                 policy.observe_finished(&done);

@@ -240,6 +240,7 @@ pub fn generate(kind: SynthKind, cfg: &SynthConfig) -> Vec<TraceRequest> {
                 prompt_tokens: p,
                 output_tokens: shape.template_output(&mut rng, o),
                 prompt_hash: Some(h),
+                expected_output: None,
             }
         } else {
             TraceRequest {
@@ -247,6 +248,7 @@ pub fn generate(kind: SynthKind, cfg: &SynthConfig) -> Vec<TraceRequest> {
                 prompt_tokens: shape.prompt(&mut rng),
                 output_tokens: shape.output(&mut rng),
                 prompt_hash: Some(rng.random()),
+                expected_output: None,
             }
         };
         out.push(req);

@@ -31,6 +31,9 @@ pub struct TraceRequest {
     pub output_tokens: u32,
     /// Hash identifying the prompt; equal prompts share it (ExactMatch predictors key on it).
     pub prompt_hash: Option<u64>,
+    /// The client's expected output length, a hint: none in a trace file or a synthetic
+    /// workload; `--hint-error` / `--hint-mode` derive one from `output_tokens`.
+    pub expected_output: Option<u32>,
 }
 
 /// The on-disk formats the loader understands.
@@ -341,6 +344,7 @@ fn load_csv(
                 prompt_tokens,
                 output_tokens,
                 prompt_hash,
+                expected_output: None,
             },
         );
     }
@@ -399,6 +403,7 @@ fn load_jsonl(
                 prompt_tokens: row.input_length,
                 output_tokens: row.output_length,
                 prompt_hash: row.hash_ids.as_deref().map(hash_ids),
+                expected_output: None,
             },
         );
     }

@@ -7,6 +7,7 @@ fn req(t: f64, s: u32, o: u32) -> TraceRequest {
         prompt_tokens: s,
         output_tokens: o,
         prompt_hash: None,
+        expected_output: None,
     }
 }
 
@@ -212,6 +213,7 @@ fn a_lagged_view_is_the_truth_of_lag_steps_ago_plus_every_reservation_since() {
         phase: Phase::Queued,
         prompt_hash: None,
         oracle_output: None,
+        expected_output: None,
     };
     let mut truth = ClusterState::with_workers(&[4, 4]);
     let mut views = Views::new(2, 2);
