@@ -17,7 +17,12 @@ runs the same number of requests), the part a horizon projection of growth could
 `--capacity` first runs the workload saturated (seed 1) and sets `--rate` to PCT% of the best
 baseline's steady throughput over the mean output (RESULTS.md's definition of capacity).
 
-Usage: brh.py BR_SIM SEEDS [--capacity PCT] -- <br-sim run arguments without --seed>
+`--renewal` also prints, per policy, its steady max − mean load over the renewal model's
+E[out]·(H_G − 1) (RESULTS.md, "A model of what is left"; scripts/renewal.py): the excess comes
+from the steady throughput (T − T_fluid = a·(max L − mean L), T = G·B / steady), 1.0 is the
+model's residual, below 1 a policy that beats it.
+
+Usage: brh.py BR_SIM SEEDS [--capacity PCT] [--renewal] -- <br-sim run arguments without --seed>
 """
 import re
 import subprocess
@@ -29,7 +34,7 @@ REFERENCE = "br0"
 
 def run(sim, args):
     p = subprocess.run([sim, *args], check=True, capture_output=True, text=True)
-    table, idle, workload = {}, {}, None
+    table, idle, workload, shape = {}, {}, None, {}
     header = None
     for line in p.stdout.splitlines():
         cols = line.split()
@@ -55,14 +60,17 @@ def run(sim, args):
         if m:
             workload = line
             out_mean = float(m.group(1))
+        m = re.match(r"G=(\d+) B=(\d+) .*step T = ([\d.e+-]+)·max L", line)
+        if m:
+            shape = {"G": int(m.group(1)), "B": int(m.group(2)), "a": float(m.group(3))}
     if not table:
         raise SystemExit(f"no table in br-sim output for {args}:\n{p.stdout}\n{p.stderr}")
-    return table, idle, workload, out_mean
+    return table, idle, workload, out_mean, shape
 
 
 def flow(per_seed, n):
     """Idle per step and what growth alone adds to it per step: steady state, whole run."""
-    idles = [i[n] for _, i, _, _ in per_seed if n in i]
+    idles = [i[n] for _, i, *_ in per_seed if n in i]
     if not idles:
         return ""
     m = lambda k: mean_se([x[k] for x in idles])[0]  # noqa: E731
@@ -80,7 +88,7 @@ def main():
         sat = [a for a in args]
         i = sat.index("--arrival")
         sat[i + 1] = "saturated"
-        table, _, _, out_mean = run(sim, sat + ["--seed", "1"])
+        table, _, _, out_mean, _ = run(sim, sat + ["--seed", "1"])
         best = max(float(r["steady"]) for n, r in table.items() if is_baseline(n))
         rate = pct / 100 * best / out_mean
         args = args + ["--rate", f"{rate:.3f}"]
@@ -104,8 +112,8 @@ def main():
     for n in names:
         cells = []
         for key, _, kind, higher in cols:
-            vals = [float(t[n][key]) for t, _, _, _ in per_seed]
-            refs = [float(t[REFERENCE][key]) for t, _, _, _ in per_seed]
+            vals = [float(t[n][key]) for t, *_ in per_seed]
+            refs = [float(t[REFERENCE][key]) for t, *_ in per_seed]
             if kind == "pct":
                 diffs = [100 * (v - r) / r if r else 0.0 for v, r in zip(vals, refs)]
             else:
@@ -119,8 +127,29 @@ def main():
         print(f"{n:<28}" + "".join(f"{c:>28}" for c in cells) + flow(per_seed, n))
     bases = [n for n in per_seed[0][0] if is_baseline(n)]
     for n in bases:
-        gap = [float(t[n]["s.gap%"]) for t, _, _, _ in per_seed]
+        gap = [float(t[n]["s.gap%"]) for t, *_ in per_seed]
         print(f"{n:<28} (baseline) s.gap% {mean_se(gap)[0]:6.1f}" + " " * 100 + flow(per_seed, n))
+    if "--renewal" in opts:
+        renewal(per_seed)
+
+
+def renewal(per_seed):
+    """Each policy's steady max − mean over the renewal model E[out]·(H_G − 1), per seed."""
+    print("steady max − mean load over the renewal model E[out]·(H_G − 1) (mean ± standard "
+          "error over seeds; 1.0 = the model's residual)")
+    for n in per_seed[0][0]:
+        ratios, excesses = [], []
+        for table, _, _, out_mean, shape in per_seed:
+            g, b, a = shape["G"], shape["B"], shape["a"]
+            row = table[n]
+            t_ms, t_fluid_ms = (g * b / float(row[k]) * 1e3 for k in ("steady", "s.fluid"))
+            excess = (t_ms - t_fluid_ms) / a
+            model = out_mean * (sum(1.0 / k for k in range(1, g + 1)) - 1)
+            excesses.append(excess)
+            ratios.append(excess / model)
+        r, r_se = mean_se(ratios)
+        e, _ = mean_se(excesses)
+        print(f"{n:<28} max − mean {e:9.0f}   / model {r:5.2f} ± {r_se:4.2f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 # conversation trace (prompt-heavy; 1% repeated prompts). Every table of tools/sim/RESULTS.md's
 # "BR-H" section comes from here (raw outputs in results/H-*.txt). A few seconds per table.
 # Usage: tools/sim/scripts/brh.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
-# Sections: paired (the matrix), knobs (the oracle's (beta, gamma, H) at G = 8, paper shapes).
+# Sections: paired (the matrix), knobs (the oracle's (beta, gamma, H) at G = 8, paper shapes),
+# hints (brh-hinted with clients' expected output lengths of several errors, paper-azure G = 32
+# saturated and mooncake G = 8 at 150%; not in the default set: its tables are RESULTS.md's "BR-H with clients' output-length hints").
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
@@ -57,6 +59,22 @@ for section in $SECTIONS; do
       done
       run "H-knobs-$wl-G8-saturated" -- --trace "$wl" --arrival saturated --workers 8 \
           --slots 64 --policies "$pols"
+    done ;;
+  hints) # what a client's expected output length is worth: exact, log-normal errors of
+    # sigma 0.3 and 1.0, and useless (the sigma-0.3 hints shuffled among requests, or every
+    # request the mean); the baselines are there for s.gap%
+    pols=rr,jsq,mintok,br0,brh-survival,brh-oracle,brh-hinted
+    for h in "0:--hint-error 0" "0.3:--hint-error 0.3" "1.0:--hint-error 1.0" \
+             "shuffled:--hint-mode shuffled --hint-error 0.3" "constant:--hint-mode constant"; do
+      # shellcheck disable=SC2086 # the flags are words
+      run "H-hints-${h%%:*}-paper-azure-G32-saturated" --renewal -- --trace paper-azure \
+          --arrival saturated --workers 32 --slots 64 --policies "$pols" ${h#*:}
+    done
+    # and where the horizon does earn its keep (mooncake above capacity at G = 8, above)
+    for h in "0:--hint-error 0" "0.3:--hint-error 0.3" "shuffled:--hint-mode shuffled --hint-error 0.3"; do
+      # shellcheck disable=SC2086
+      run "H-hints-${h%%:*}-mooncake-G8-150" --renewal --capacity 150 -- --trace "$MC" \
+          --arrival poisson --workers 8 --slots 64 --policies "$pols" ${h#*:}
     done ;;
   *) echo "unknown section $section" >&2; exit 2 ;;
   esac
