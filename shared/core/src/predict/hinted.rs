@@ -218,7 +218,7 @@ impl Hinted {
     /// The hint's prediction for a request with hint `expected` that generated `generated`
     /// tokens: from the ratios above `generated / expected`. `None` when less than one learned
     /// ratio's mass is above it (the request outlived what the hints say).
-    fn from_hint(&self, expected: u32, generated: u32, horizon: u32) -> Option<Prediction> {
+    fn hint_prediction(&self, expected: u32, generated: u32, horizon: u32) -> Option<Prediction> {
         let e = f64::from(expected.max(1));
         let j = f64::from(generated);
         let h = f64::from(horizon);
@@ -288,7 +288,7 @@ impl Predictor for Hinted {
         if w <= 0.0 {
             return (survival, read);
         }
-        let p = match self.from_hint(expected, r.generated, horizon) {
+        let p = match self.hint_prediction(expected, r.generated, horizon) {
             Some(hinted) if w >= 1.0 => hinted,
             Some(hinted) => mixture(w, hinted, survival),
             None => survival,
