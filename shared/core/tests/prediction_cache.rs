@@ -507,3 +507,36 @@ fn a_request_spared_at_every_tick_stays_cached() {
         assert_eq!(cache.hit_counts(), (tick, 1), "tick {tick}");
     }
 }
+
+/// A request that takes the slot of one equal in all but its hint is predicted anew: the hint
+/// is an input of Hinted's prediction.
+#[test]
+fn a_request_with_another_hint_is_predicted_anew() {
+    let params = HorizonParams::default();
+    let mut hinted = PredictorConfig::default().hinted();
+    for o in 100..1_100u32 {
+        hinted.observe(&Finished {
+            prompt_tokens: 100,
+            prompt_hash: None,
+            output_tokens: o,
+            expected_output: Some(o),
+        });
+    }
+    let request = |key, expected_output| RequestInfo {
+        expected_output,
+        ..running(key, 0, 100, 500)
+    };
+    let mut st = ClusterState::with_workers(&[64, 64]);
+    // 20 tokens left by its hint: it finishes within the horizon
+    st.reserve(request(1, Some(520))).unwrap();
+    let mut cache = PredictionCache::new();
+    let soon = Margins::horizon_cached(&st, &params, &hinted, &mut cache);
+    assert_eq!(soon, Margins::horizon(&st, &params, &hinted));
+    // the same request but for a hint of 5,000 tokens, in the same slot: it runs on
+    st.remove(1).unwrap();
+    st.reserve(request(2, Some(5_000))).unwrap();
+    let later = Margins::horizon_cached(&st, &params, &hinted, &mut cache);
+    assert_eq!(later, Margins::horizon(&st, &params, &hinted));
+    assert_ne!(soon, later, "the hint changes the prediction");
+    assert_eq!(cache.hit_counts(), (0, 2));
+}
