@@ -708,6 +708,41 @@ mod tests {
     }
 
     #[test]
+    fn hint_flags_give_hints_or_a_workload_error() {
+        let workload = |flags: &[&str]| {
+            let mut args = vec!["--trace", "paper-azure", "--limit", "50"];
+            args.extend_from_slice(flags);
+            let Command::Run(r) = parse(&args).expect("parse") else {
+                panic!("run")
+            };
+            r.workload()
+        };
+        let plain = workload(&[]).expect("workload");
+        assert!(plain.hints.is_none());
+        assert!(plain.requests.iter().all(|q| q.expected_output.is_none()));
+        let exact = workload(&["--hint-error", "0"]).expect("workload");
+        assert!(
+            exact
+                .requests
+                .iter()
+                .all(|q| q.expected_output == Some(q.output_tokens))
+        );
+        let constant = workload(&["--hint-mode", "constant"]).expect("workload");
+        let first = constant.requests[0].expected_output;
+        assert!(constant.requests.iter().all(|q| q.expected_output == first));
+        for bad in [
+            &["--hint-error=-1"][..],
+            &["--hint-error", "NaN"][..],
+            &["--hint-mode", "constant", "--hint-error", "0.3"][..],
+        ] {
+            let e = workload(bad).expect_err("refused");
+            assert!(matches!(e, WorkloadError::Invalid(_)), "{bad:?}: {e}");
+            assert!(e.to_string().contains("--hint-error"), "{e}");
+        }
+        assert!(parse(&["--trace", "x", "--hint-mode", "random"]).is_err());
+    }
+
+    #[test]
     fn trace_arrivals_need_timestamps_and_are_sorted() {
         let req = |t: Option<f64>| TraceRequest {
             arrival_ms: t,
