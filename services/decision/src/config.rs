@@ -406,6 +406,14 @@ impl Args {
             seed: self.seed,
         };
         policy.validate().map_err(|e| e.to_string())?;
+        if policy.kind == PolicyKind::BrH(br_core::PredictorKind::Hinted) {
+            // It would run as brh-survival, silently: say so rather than pretend.
+            return Err(format!(
+                "--policy {}: learns from clients' expected output lengths, which Assign does \
+                 not carry yet; use brh-survival (what it does without them)",
+                self.policy
+            ));
+        }
         let split = RankSplit::new(self.deciders, self.decider_index, self.decider_takeover)
             .map_err(|e| e.to_string())?;
         if split.is_some() && policy.kind.mode() != br_core::Mode::Pooled {
@@ -835,6 +843,11 @@ mod tests {
     #[test]
     fn every_policy_name_parses() {
         for name in PolicyKind::names() {
+            if *name == "brh-hinted" {
+                let e = parse(&["--policy", name]).unwrap_err();
+                assert!(format!("{e:?}").contains("expected output lengths"), "{e:?}");
+                continue;
+            }
             let a = parse(&["--policy", name]).unwrap();
             assert!(a.to_config().is_ok(), "{name}");
         }
