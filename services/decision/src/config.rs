@@ -845,7 +845,10 @@ mod tests {
         for name in PolicyKind::names() {
             if *name == "brh-hinted" {
                 let e = parse(&["--policy", name]).unwrap_err();
-                assert!(format!("{e:?}").contains("expected output lengths"), "{e:?}");
+                assert!(
+                    format!("{e:?}").contains("expected output lengths"),
+                    "{e:?}"
+                );
                 continue;
             }
             let a = parse(&["--policy", name]).unwrap();
