@@ -330,8 +330,8 @@ impl Predictor for Hinted {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests as predict_tests;
     use super::*;
-    use crate::Phase;
 
     /// 1,000 output lengths spread over 100..2,000 (a fixed scramble, no RNG).
     fn outputs() -> Vec<u32> {
@@ -340,23 +340,15 @@ mod tests {
 
     fn finished(output_tokens: u32, expected_output: Option<u32>) -> Finished {
         Finished {
-            prompt_tokens: 10,
-            prompt_hash: None,
-            output_tokens,
             expected_output,
+            ..predict_tests::fin(None, output_tokens)
         }
     }
 
     fn running(generated: u32, expected_output: Option<u32>) -> RequestInfo {
         RequestInfo {
-            key: 1,
-            worker: 0,
-            prompt_tokens: 10,
-            generated,
-            phase: Phase::Running,
-            prompt_hash: None,
-            oracle_output: None,
             expected_output,
+            ..predict_tests::running(generated, None, None)
         }
     }
 

@@ -3,7 +3,7 @@ use super::histogram::{INITIAL_HISTOGRAM, LengthHistogram};
 use super::*;
 use crate::Phase;
 
-fn fin(prompt_hash: Option<u64>, output_tokens: u32) -> Finished {
+pub(super) fn fin(prompt_hash: Option<u64>, output_tokens: u32) -> Finished {
     Finished {
         prompt_tokens: 10,
         prompt_hash,
@@ -12,7 +12,7 @@ fn fin(prompt_hash: Option<u64>, output_tokens: u32) -> Finished {
     }
 }
 
-fn running(generated: u32, hash: Option<u64>, oracle: Option<u32>) -> RequestInfo {
+pub(super) fn running(generated: u32, hash: Option<u64>, oracle: Option<u32>) -> RequestInfo {
     RequestInfo {
         key: 1,
         worker: 0,
