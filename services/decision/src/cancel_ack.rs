@@ -23,6 +23,11 @@ pub struct ReleaseWaiters {
 }
 
 impl ReleaseWaiters {
+    /// No Cancel waits for a Release's acknowledgement.
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
     /// Answers `outcome` now, or, if it is RELEASED and `release_pending`, once the `Release`
     /// carrying `id` is acknowledged.
     pub fn answer(

@@ -74,7 +74,8 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_GROUPS", value_delimiter = ',', default_value = DEFAULT_GROUPS)]
     pub groups: Vec<String>,
 
-    /// Timer tick (also housekeeping: forgetting old answers, sweeping gone callers).
+    /// Timer tick (also housekeeping: forgetting old answers, sweeping gone callers); every
+    /// second instead while the group holds no request, reservation or stale σ.
     #[arg(long, env = "BALANCEROUTE_TICK_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_TICK_INTERVAL)]
     pub tick_interval: Duration,
 

@@ -141,6 +141,11 @@ impl GroupHandle {
     }
 }
 
+/// How often housekeeping runs while the group holds nothing that waits on the clock
+/// ([`GroupCore::is_quiet`]): only gauges (σ's staleness, the pool) move then, and a scrape
+/// every second or more sees them as fresh.
+const QUIET_HOUSEKEEPING: Duration = Duration::from_secs(1);
+
 /// Tick timing.
 #[derive(Debug, Clone, Copy)]
 pub struct TickConfig {
@@ -230,15 +235,26 @@ async fn run(
     let mut reserves: FuturesUnordered<ReserveCall> = FuturesUnordered::new();
     let mut feed = feed;
     let mut last_tick = Instant::now();
-    let mut next_timer = last_tick + ticks.interval;
+    let mut last_housekeeping = last_tick;
     let mut spans = AssignSpans::default();
     let mut cancels = ReleaseWaiters::default();
     // One timer for the task's life, moved when the next tick is due at another instant: a
     // new `sleep_until` per turn of the loop registered and dropped a timer entry for every
     // command and σ update.
-    let timer = tokio::time::sleep_until(next_timer.into());
+    let timer = tokio::time::sleep_until((last_housekeeping + ticks.interval).into());
     tokio::pin!(timer);
     loop {
+        // Every interval, or every QUIET_HOUSEKEEPING while nothing waits on the clock: an
+        // idle group's task woke 50 times a second for nothing. Whatever ends the quiet (a
+        // command, a σ update, a Reserve outcome) turns this loop, and a housekeeping overdue
+        // by the short interval then runs at once.
+        let quiet = core.is_quiet() && reserves.is_empty() && cancels.is_empty();
+        let next_timer = last_housekeeping
+            + if quiet {
+                QUIET_HOUSEKEEPING.max(ticks.interval)
+            } else {
+                ticks.interval
+            };
         let due = if core.tick_wanted() {
             (last_tick + ticks.min_interval).min(next_timer)
         } else {
@@ -259,7 +275,7 @@ async fn run(
                 if now >= next_timer {
                     core.housekeeping(now);
                     spans.expire(now);
-                    next_timer = now + ticks.interval;
+                    last_housekeeping = now;
                 }
             }
             Some(done) = reserves.next(), if !reserves.is_empty() => {

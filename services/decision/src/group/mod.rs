@@ -279,6 +279,18 @@ impl GroupCore {
         self.tick_wanted
     }
 
+    /// Whether nothing here waits on the clock: no request of any kind, no reservation or
+    /// release, σ current and not being estimated or adopted. Housekeeping then has nothing
+    /// to expire or sweep and may run far less often; any command or σ update ends it.
+    pub fn is_quiet(&self) -> bool {
+        !self.tick_wanted
+            && self.requests.is_empty()
+            && self.reservations.is_idle()
+            && !self.view.is_stale()
+            && !self.view.estimating()
+            && !self.view.adopting()
+    }
+
     pub fn stats(&self) -> GroupStats {
         let (waiting_calls, reserving) = self.requests.callers_and_reserving();
         GroupStats {

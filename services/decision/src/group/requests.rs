@@ -156,6 +156,11 @@ impl Requests {
         }
     }
 
+    /// Holds no request at all: none pooled, waiting, being reserved or answered.
+    pub(super) fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
     pub(super) fn get(&self, key: RequestKey) -> Option<&Req> {
         self.reqs.get(&key)
     }

@@ -258,6 +258,17 @@ impl Reservations {
         self.local.len()
     }
 
+    /// Holds nothing that time acts on: no reservation, call, release or recent release.
+    pub(super) fn is_idle(&self) -> bool {
+        self.local.is_empty()
+            && self.outbox.is_empty()
+            && self.recommit.is_empty()
+            && self.inflight.is_empty()
+            && self.releases.is_empty()
+            && self.released.is_empty()
+            && self.placed_elsewhere.is_empty()
+    }
+
     /// `Reserve` calls in flight.
     pub(super) fn inflight(&self) -> usize {
         self.inflight.len()

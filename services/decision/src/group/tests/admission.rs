@@ -296,3 +296,32 @@ fn on_arrival_policies_answer_without_a_tick_and_reroute_rejections() {
     fx.tick_and_commit(false);
     assert_eq!([answer(&mut b).worker, answer(&mut c).worker], [2, 1]);
 }
+
+#[test]
+fn a_group_is_quiet_only_while_nothing_waits_on_the_clock() {
+    let cfg = GroupConfig {
+        answered_ttl: Duration::from_secs(5),
+        ..GroupConfig::default()
+    };
+    let mut fx = Fx::with_cfg(PolicyKind::Br0, &[0], 8, cfg);
+    assert!(fx.core.is_quiet(), "σ current, nothing held");
+    let (_, mut a) = fx.assign("a", 1);
+    assert!(!fx.core.is_quiet(), "pooled, a tick wanted");
+    fx.core.tick(fx.now);
+    let job = fx.core.take_reserve(fx.now).unwrap();
+    assert!(!fx.core.is_quiet(), "a Reserve in flight");
+    let (resp, delta) = fx.serve_reserve(&job);
+    fx.done(&job, Ok(resp));
+    answer(&mut a);
+    assert!(
+        !fx.core.is_quiet(),
+        "an answer kept for retries, and its own reservation"
+    );
+    // σ shows the reservation (the own copy goes) and the answer's ttl passes: quiet again,
+    // while the request runs in σ.
+    fx.core.on_delta(&delta.unwrap(), fx.now).unwrap();
+    fx.advance(Duration::from_secs(6));
+    fx.core.housekeeping(fx.now);
+    assert_eq!(fx.core.stats().answered, 0);
+    assert!(fx.core.is_quiet(), "{:?}", fx.core.stats());
+}
