@@ -321,15 +321,18 @@ def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
         w["liveness"] == "live" for w in workers(s.grpc, group).values()) and len(workers(s.grpc, group)) == 2,
         60, "the second shim's ranks to be live")
 
-    def shim_metric(name, reason=None):
-        m = scrape(f"http://127.0.0.1:{port + 1}/metrics")
+    def shim_metrics():
+        return scrape(f"http://127.0.0.1:{port + 1}/metrics")
+
+    def metric(m, name, reason=None):
         return sum(v for (n, l), v in m.items()
                    if n == name and (reason is None or dict(l).get("reason") == reason))
 
-    def timeouts():
-        return shim_metric("balanceroute_shim_engine_probe_failures_total", "timeout")
+    def timeouts(m):
+        return metric(m, "balanceroute_shim_engine_probe_failures_total", "timeout")
 
-    t0, tokens0 = timeouts(), shim_metric("balanceroute_shim_tokens_total")
+    m0 = shim_metrics()
+    t0, tokens0 = timeouts(m0), metric(m0, "balanceroute_shim_tokens_total")
     reqs = workload.mixed(12, seed=9, lengths=(700,))
     import httpx
 
@@ -348,8 +351,9 @@ def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
             # Probes are held only while all twelve run and tokens flow; σ's view of the
             # group is sampled until every stream has ended.
             while not wait([done], timeout=0.1).done:
-                active = shim_metric("balanceroute_shim_active_requests")
-                tokens = shim_metric("balanceroute_shim_tokens_total") - tokens0
+                m = shim_metrics()  # one scrape for both
+                active = metric(m, "balanceroute_shim_active_requests")
+                tokens = metric(m, "balanceroute_shim_tokens_total") - tokens0
                 if active == len(reqs) and tokens > 0:
                     if not proxy.slow.is_set():
                         held_while.append((active, tokens))
@@ -360,7 +364,7 @@ def test_a_slow_health_probe_never_takes_a_streaming_rank_out_of_routing(stack):
                 if down:
                     out_of_routing.append((time.monotonic(), down))
             results = done.result()
-        forgiven = timeouts() - t0
+        forgiven = timeouts(shim_metrics()) - t0
     finally:
         shim.stop()
         proxy.close()
