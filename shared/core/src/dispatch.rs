@@ -37,16 +37,19 @@ use crate::{CoreError, RequestKey, WorkerId};
 mod bypass;
 mod config;
 mod select;
+mod trust;
 
 pub use bypass::route_bypass;
 pub use config::{
     ColdStart, DispatcherConfig, MAX_R_MAX, Stage1Scope, Stage1Worker, Stage2Fill, Stage2Hold,
     Stage2Target, Stage2Window, TieBreak,
 };
+use select::best_subset_with;
 use select::{
     Head, all_margins_zero, best_single, best_worker, climbs, stage1_worker, stage2_worker,
 };
 pub use select::{best_subset, best_subset_counted};
+pub use trust::{HintTrust, MIN_HINTED_FINISHES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -107,6 +110,9 @@ pub fn dispatch_tick(
         climb,
         climb_mean,
         fill_weight,
+        stagger: cfg.stagger_weight,
+        state,
+        schedules: Vec::new(),
         out,
     };
 
@@ -214,10 +220,20 @@ pub fn dispatch_tick(
             break;
         }
         let sizes: Vec<f64> = window.iter().map(|e| f64::from(e.prompt_tokens)).collect();
-        let (mask, fill_score) =
+        let (mask, fill_score) = if t.stagger > 0.0 {
+            t.schedule(w);
+            let extra: Vec<f64> = window
+                .iter()
+                .map(|e| t.stagger_bonus(w, e.expected_output))
+                .collect();
+            best_subset_with(&sizes, &extra, t.free[w as usize] as usize, |ds, k| {
+                t.stage2_score(fill, w, ds, k)
+            })
+        } else {
             best_subset_counted(&sizes, t.free[w as usize] as usize, |ds, k| {
                 t.stage2_score(fill, w, ds, k)
-            });
+            })
+        };
         let hold = fill == Stage2Fill::Mean
             && fill_score < 0.0
             && match cfg.stage2_hold {
@@ -252,7 +268,14 @@ pub fn dispatch_tick(
             let (i, _) = sizes
                 .iter()
                 .enumerate()
-                .map(|(i, &s)| (i, t.stage2_score(fill, w, s, 1)))
+                .map(|(i, &s)| {
+                    let bonus = if t.stagger > 0.0 {
+                        t.stagger_bonus(w, window[i].expected_output)
+                    } else {
+                        0.0
+                    };
+                    (i, t.stage2_score(fill, w, s, 1) + bonus)
+                })
                 .fold(
                     (0, f64::NEG_INFINITY),
                     |best, c| if c.1 > best.1 { c } else { best },
@@ -287,6 +310,12 @@ struct Tick<'a> {
     /// token, `α·Σd` (BR-H: about 7 with the paper's γ), so that the fill, not the horizon
     /// reward, decides where the rank lands.
     fill_weight: f64,
+    /// `DispatcherConfig::stagger_weight`.
+    stagger: f64,
+    state: &'a ClusterState,
+    /// With the stagger term: per worker (once asked), its running and admitted requests'
+    /// expected finishes in steps from now, ascending.
+    schedules: Vec<Option<Vec<u32>>>,
     out: &'a mut Vec<Admission>,
 }
 
@@ -333,7 +362,53 @@ impl Tick<'_> {
         }
     }
 
+    /// Builds worker w's schedule of expected finishes if this tick has not yet.
+    fn schedule(&mut self, w: WorkerId) {
+        if self.schedules.len() <= w as usize {
+            self.schedules.resize(w as usize + 1, None);
+        }
+        if self.schedules[w as usize].is_none() {
+            let mut finishes: Vec<u32> = self
+                .state
+                .requests_of(w)
+                .filter_map(|r| {
+                    r.expected_output
+                        .map(|e| e.saturating_sub(r.generated).max(1))
+                })
+                .collect();
+            finishes.sort_unstable();
+            self.schedules[w as usize] = Some(finishes);
+        }
+    }
+
+    /// The stagger term for a request expected to run `expected` steps on worker w (0 without
+    /// a hint or a schedule): `w·n_g·min(d, Δ)`, d the distance from its expected finish to
+    /// the nearest one already on the rank, Δ the schedule's mean gap. A finish that lands
+    /// where the rank has none shortens a climb; one that lands on another's does not.
+    /// Capped at Δ so that requests expected to outlast the schedule are not put off.
+    fn stagger_bonus(&self, w: WorkerId, expected: Option<u32>) -> f64 {
+        let (Some(f), Some(Some(finishes))) = (expected, self.schedules.get(w as usize)) else {
+            return 0.0;
+        };
+        let Some(&last) = finishes.last() else {
+            return 0.0;
+        };
+        let gap = f64::from(last) / finishes.len() as f64;
+        let at = finishes.partition_point(|&x| x <= f);
+        let before = if at == 0 { f } else { f - finishes[at - 1] };
+        let after = finishes.get(at).map_or(u32::MAX, |&b| b - f);
+        let d = f64::from(before.min(after)).min(gap);
+        let n = f64::from(self.state.workers()[w as usize].requests());
+        self.stagger * n * d
+    }
+
     fn admit(&mut self, entry: &PoolEntry, w: WorkerId, score: f64, stage: Stage) {
+        if let (Some(f), Some(Some(finishes))) =
+            (entry.expected_output, self.schedules.get_mut(w as usize))
+        {
+            let at = finishes.partition_point(|&x| x <= f);
+            finishes.insert(at, f);
+        }
         self.pool.remove(entry.key);
         self.margins.admit(w, f64::from(entry.prompt_tokens));
         self.load_sum += f64::from(entry.prompt_tokens);

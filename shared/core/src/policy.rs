@@ -15,7 +15,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use crate::dispatch::{Admission, DispatcherConfig, dispatch_tick, route_bypass};
+use crate::dispatch::{Admission, DispatcherConfig, HintTrust, dispatch_tick, route_bypass};
 use crate::pool::{Pool, PoolEntry};
 use crate::predict::{CacheCounts, Finished, Oracle, PredictionCache, Predictor, PredictorStats};
 use crate::score::{HorizonParams, Margins};
@@ -255,6 +255,7 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
             cfg: cfg.clone(),
             predictor: None,
             cache: PredictionCache::new(),
+            hint_trust: HintTrust::default(),
         }),
         PolicyKind::Br0Bypass => Box::new(Br0Bypass {
             cfg: cfg.dispatcher,
@@ -271,6 +272,7 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
                 cfg: cfg.clone(),
                 predictor: Some(predictor),
                 cache: PredictionCache::new(),
+                hint_trust: HintTrust::default(),
             })
         }
     })
@@ -412,6 +414,8 @@ struct BalanceRoute {
     predictor: Option<Box<dyn Predictor>>,
     /// BR-H: each request's prediction between ticks (unused by BR-0).
     cache: PredictionCache,
+    /// How precise the clients' expected output lengths have proved (the stagger term's gate).
+    hint_trust: HintTrust,
 }
 
 impl Policy for BalanceRoute {
@@ -434,9 +438,14 @@ impl Policy for BalanceRoute {
                 Margins::horizon_cached(state, &self.cfg.horizon, p.as_ref(), &mut self.cache)
             }
         };
-        dispatch_tick(&self.cfg.dispatcher, pool, state, &mut margins, out);
+        let mut cfg = self.cfg.dispatcher;
+        if cfg.stagger_weight > 0.0 {
+            cfg.stagger_weight *= self.hint_trust.factor();
+        }
+        dispatch_tick(&cfg, pool, state, &mut margins, out);
     }
     fn observe_finished(&mut self, finished: &Finished) {
+        self.hint_trust.observe(finished);
         if let Some(p) = self.predictor.as_mut() {
             // Only the predictions that read what this observation changed are made again.
             self.cache.learned(p.learn(finished));

@@ -11,7 +11,7 @@ use br_core::dispatch::{
     Admission, ColdStart, DispatcherConfig, Stage, Stage1Scope, Stage1Worker, Stage2Fill,
     Stage2Hold, Stage2Target, Stage2Window, TieBreak, best_subset,
 };
-use br_core::predict::Oracle;
+use br_core::predict::{Finished, Oracle};
 use br_core::score::{HorizonParams, Margins, br0_score};
 use br_core::{
     ClusterState, Phase, PolicyConfig, PolicyKind, Pool, PoolEntry, RequestInfo, build_policy,
@@ -25,6 +25,8 @@ struct Scenario {
     existing: Vec<(usize, u32, u32, bool, u32)>,
     pool: Vec<(u32, u32)>,
     cfg: DispatcherConfig,
+    /// Every request carries its true output as the client's expected output (exact hints).
+    hinted: bool,
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
@@ -63,6 +65,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 Just(Stage2Hold::Worse)
             ],
             prop_oneof![Just(Stage2Target::Now), Just(Stage2Target::NextFinish)],
+            prop_oneof![Just(0.0f64), 0.0f64..2.0],
+            any::<bool>(),
         )
             .prop_map(
                 |(
@@ -84,11 +88,14 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     stage1_shallow,
                     stage2_hold,
                     stage2_target,
+                    stagger_weight,
+                    hinted,
                 )| {
                     Scenario {
                         capacities,
                         existing,
                         pool,
+                        hinted,
                         cfg: DispatcherConfig {
                             s_greedy,
                             r_max,
@@ -103,6 +110,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             stage1_shallow,
                             stage2_hold,
                             stage2_target,
+                            stagger_weight,
                         },
                     }
                 },
@@ -128,7 +136,7 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
             },
             prompt_hash: None,
             oracle_output: Some(o + j),
-            expected_output: None,
+            expected_output: sc.hinted.then_some(o + j),
         })
         .unwrap();
     }
@@ -139,7 +147,7 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
             prompt_tokens: s,
             prompt_hash: Some(u64::from(s % 7)),
             oracle_output: Some(o),
-            expected_output: None,
+            expected_output: sc.hinted.then_some(o),
         })
         .unwrap();
     }
@@ -186,6 +194,18 @@ fn climbs_to_next_finish(st: &ClusterState) -> Vec<f64> {
         .collect()
 }
 
+/// Enough finishes whose hints were exact for the stagger term to trust the hints fully.
+fn exact_hints_proved(policy: &mut dyn br_core::Policy) {
+    for _ in 0..br_core::dispatch::MIN_HINTED_FINISHES {
+        policy.observe_finished(&Finished {
+            prompt_tokens: 1_000,
+            prompt_hash: None,
+            output_tokens: 500,
+            expected_output: Some(500),
+        });
+    }
+}
+
 fn run(sc: &Scenario, kind: PolicyKind) -> (ClusterState, Pool, Vec<Admission>) {
     let (st, mut pool) = build(sc);
     let cfg = PolicyConfig {
@@ -195,6 +215,9 @@ fn run(sc: &Scenario, kind: PolicyKind) -> (ClusterState, Pool, Vec<Admission>) 
         seed: 7,
     };
     let mut policy = build_policy(&cfg).unwrap();
+    if sc.hinted {
+        exact_hints_proved(policy.as_mut());
+    }
     let mut out = Vec::new();
     policy.dispatch(&mut pool, &st, &mut out);
     (st, pool, out)
@@ -265,6 +288,17 @@ proptest! {
             prop_assert!(pool.is_empty(), "{} of {pool_before} left with {s_tot} free slots", pool.len());
             prop_assert!(out.iter().all(|a| a.stage == Stage::Greedy));
         }
+    }
+
+    #[test]
+    fn the_stagger_term_changes_nothing_without_hints(sc in scenario(), brh in any::<bool>()) {
+        let kind = if brh { PolicyKind::BrH(br_core::PredictorKind::Oracle) } else { PolicyKind::Br0 };
+        let mut with = sc.clone();
+        with.hinted = false;
+        with.cfg.stagger_weight = 1.0;
+        let mut without = with.clone();
+        without.cfg.stagger_weight = 0.0;
+        prop_assert_eq!(run(&with, kind).2, run(&without, kind).2);
     }
 
     #[test]
@@ -359,6 +393,7 @@ fn oracle_predictor_is_usable_from_brh() {
         existing: vec![],
         pool: vec![(100, 10), (200, 20)],
         cfg: DispatcherConfig::default(),
+        hinted: false,
     };
     let (_, pool, out) = run(&sc, PolicyKind::BrH(br_core::PredictorKind::Oracle));
     assert!(pool.is_empty());
@@ -978,4 +1013,62 @@ fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() 
             vec![(0, 3_100), (1, 3_800)]
         );
     }
+}
+
+#[test]
+fn the_stagger_term_puts_a_finish_where_the_rank_has_none() {
+    // Worker 0 (one free slot) runs requests expected to end in 10, 20 and 100 steps; worker 1,
+    // full, is more loaded. Two waiting requests of the same size: the older is expected to end
+    // in 21 steps (beside the finish at 20), the newer in 60 (in the gap 20..100). Without the
+    // term the older wins the tie; with it, the one that splits the gap.
+    let mut st = ClusterState::with_workers(&[4, 1]);
+    let running = [
+        (100u64, 0u32, 1_000u32, 10u32),
+        (101, 0, 1_000, 20),
+        (102, 0, 1_000, 100),
+    ];
+    for (key, worker, s, left) in running.into_iter().chain([(103, 1, 9_000, 50)]) {
+        st.reserve(RequestInfo {
+            key,
+            worker,
+            prompt_tokens: s,
+            generated: 5,
+            phase: Phase::Running,
+            prompt_hash: None,
+            oracle_output: None,
+            expected_output: Some(5 + left),
+        })
+        .unwrap();
+    }
+    let admitted = |stagger_weight: f64, proved: bool| {
+        let mut pool = Pool::new();
+        for (key, expected) in [(0u64, 21u32), (1, 60)] {
+            pool.push(PoolEntry {
+                key,
+                prompt_tokens: 2_000,
+                prompt_hash: None,
+                oracle_output: None,
+                expected_output: Some(expected),
+            })
+            .unwrap();
+        }
+        let cfg = PolicyConfig {
+            dispatcher: DispatcherConfig {
+                stagger_weight,
+                ..Default::default()
+            },
+            ..PolicyConfig::new(PolicyKind::Br0)
+        };
+        let mut policy = build_policy(&cfg).unwrap();
+        if proved {
+            exact_hints_proved(policy.as_mut());
+        }
+        let mut out = Vec::new();
+        policy.dispatch(&mut pool, &st, &mut out);
+        out.iter().map(|a| (a.key, a.worker)).collect::<Vec<_>>()
+    };
+    assert_eq!(admitted(0.0, true), vec![(0, 0)]);
+    assert_eq!(admitted(1.0, true), vec![(1, 0)]);
+    // hints that have not yet proved precise are not used
+    assert_eq!(admitted(1.0, false), vec![(0, 0)]);
 }

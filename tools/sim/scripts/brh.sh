@@ -10,7 +10,9 @@
 # Usage: tools/sim/scripts/brh.sh [OUT_DIR] [SECTION...]   (default: tools/sim/results, all)
 # Sections: paired (the matrix), knobs (the oracle's (beta, gamma, H) at G = 8, paper shapes),
 # hints (brh-hinted with clients' expected output lengths of several errors, paper-azure G = 32
-# saturated and mooncake G = 8 at 150%; not in the default set: its tables are RESULTS.md's "BR-H with clients' output-length hints").
+# saturated and mooncake G = 8 at 150%; not in the default set: its tables are RESULTS.md's "BR-H with clients' output-length hints"),
+# stagger (hints used at placement: Stage 2's finish-stagger term, against the hint's error,
+# G = 32, B = 64; not in the default set: RESULTS.md's "Hints at placement").
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
@@ -76,6 +78,27 @@ for section in $SECTIONS; do
       run "H-hints-${h%%:*}-mooncake-G8-150" --renewal --capacity 150 -- --trace "$MC" \
           --arrival poisson --workers 8 --slots 64 --policies "$pols" ${h#*:}
     done ;;
+  stagger) # hints at placement: BR-0 and BR-H (Hinted, next-finish target) with and without
+    # the finish-stagger term, hints from exact to useless, above capacity under Poisson
+    # (0.77 and 0.75 requests/s per rank, the wide-EP tables' B = 64 rates) and saturated
+    NF=brh-hinted:stage2_target=next-finish
+    pols="rr,jsq,mintok,br0,br0:stagger_weight=1,$NF,$NF:stagger_weight=1"
+    for h in "0:--hint-error 0" "0.05:--hint-error 0.05" "0.1:--hint-error 0.1" \
+             "0.3:--hint-error 0.3" "shuffled:--hint-mode shuffled --hint-error 0.05"; do
+      # shellcheck disable=SC2086 # the flags are words
+      run "H-stagger-${h%%:*}-paper-prop-G32-poisson" --renewal -- --trace paper-prop \
+          --arrival poisson --rate 24.64 --limit 16000 --workers 32 --slots 64 \
+          --policies "$pols" ${h#*:}
+      # shellcheck disable=SC2086
+      run "H-stagger-${h%%:*}-paper-azure-G32-poisson" --renewal -- --trace paper-azure \
+          --arrival poisson --rate 24 --limit 9600 --workers 32 --slots 64 \
+          --policies "$pols" ${h#*:}
+    done
+    run "H-stagger-0-paper-prop-G32-saturated" --renewal -- --trace paper-prop \
+        --arrival saturated --limit 16000 --workers 32 --slots 64 --policies "$pols" --hint-error 0
+    run "H-stagger-0-paper-prop-G64-poisson" --renewal -- --trace paper-prop \
+        --arrival poisson --rate 49.28 --limit 32000 --workers 64 --slots 64 \
+        --policies "$pols" --hint-error 0 ;;
   *) echo "unknown section $section" >&2; exit 2 ;;
   esac
 done

@@ -125,6 +125,16 @@ pub struct DispatcherConfig {
     pub stage2_hold: Stage2Hold,
     /// Which load Stage 2's mean fill (and its hold) compares ranks by.
     pub stage2_target: Stage2Target,
+    /// Weight of Stage 2's finish-stagger term (0, off, the default). With clients' expected
+    /// output lengths, a candidate scores `w·n_g·min(d, Δ)` tokens more, d the steps between
+    /// its expected finish and the nearest expected finish already on the rank, Δ the mean
+    /// gap of those: a full rank's load climbs between its own finishes, and finishes spread
+    /// evenly keep that climb short on every rank (the renewal term of tools/sim/README.md).
+    /// It pays only with precise hints, so the policy scales the weight by how precise the
+    /// group's finished requests have shown the hints to be ([`HintTrust`]: full at an RMS log
+    /// error ≤ 0.05, none at ≥ 0.1 or before 64 hinted finishes; tools/sim/RESULTS.md, "Hints at
+    /// placement"). Without hints it changes nothing.
+    pub stagger_weight: f64,
 }
 
 /// Which load of a rank Stage 2's mean fill brings to the group's mean (and the hold compares
@@ -195,6 +205,7 @@ impl Default for DispatcherConfig {
             stage1_shallow: true,
             stage2_hold: Stage2Hold::AboveMean,
             stage2_target: Stage2Target::Now,
+            stagger_weight: 0.0,
         }
     }
 }
