@@ -12,7 +12,8 @@
 //! * [`predict`]: termination predictors for BR-H (Survival, ExactMatch, Oracle).
 //! * [`Policy`]: one trait, the baselines used by today's routers, and a factory
 //!   ([`build_policy`]) that builds any policy from a [`PolicyConfig`] by name.
-//! * [`StepModel`]: the lockstep step-time model `T = a·M + b` and its online fit from telemetry.
+//! * [`StepModel`]: the lockstep step-time model `T = a·M + p·P + c·N + b` and its online fit from
+//!   telemetry.
 //! * [`stats::quantile`]: the project's one percentile definition (nearest rank), shared by
 //!   the simulator's report and everything else that needs exact order statistics.
 
