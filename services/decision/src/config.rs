@@ -390,6 +390,8 @@ impl Args {
                 stage1_shallow: self.stage1_shallow.unwrap_or(d.stage1_shallow),
                 stage2_hold: self.stage2_hold.unwrap_or(d.stage2_hold),
                 stage2_target: self.stage2_target.unwrap_or(d.stage2_target),
+                // needs clients' expected output lengths, which Assign does not carry
+                stagger_weight: d.stagger_weight,
             },
             horizon: HorizonParams {
                 horizon: self.horizon.unwrap_or(h.horizon),
