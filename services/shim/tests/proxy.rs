@@ -30,6 +30,8 @@ async fn engine(time_scale: f64, stop: &CancellationToken) -> EngineServer {
             model: StepModel {
                 a_ms_per_token: 0.0,
                 b_ms: 10.0,
+                c_ms_per_request: 0.0,
+                p_ms_per_prefill_token: 0.0,
             },
             time_scale,
             created: Some(1_700_000_000),

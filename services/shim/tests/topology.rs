@@ -21,6 +21,8 @@ async fn engine(stop: &CancellationToken) -> EngineServer {
             model: StepModel {
                 a_ms_per_token: 0.0,
                 b_ms: 1.0,
+                c_ms_per_request: 0.0,
+                p_ms_per_prefill_token: 0.0,
             },
             time_scale: 1.0,
             ..EngineConfig::default()

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use br_emu::engine::{EngineConfig, EngineServer, StepModel};
+use br_emu::engine::{Colocated, EngineConfig, EngineServer, StepModel};
 use br_emu::load::{self, LoadConfig, Summary};
 use br_sim::cli::Arrival;
 use clap::{Parser, Subcommand};
@@ -48,6 +48,26 @@ struct EngineArgs {
     /// `a·max L + c·max n + b`; 0 is the paper's model).
     #[arg(long, env = "BALANCEROUTE_STEP_C", default_value_t = 0.0)]
     step_c: f64,
+    /// Colocated prefill: each rank runs the prompts of the requests it is given, in chunks of
+    /// at most `--prefill-chunk` tokens per step, first come first served, in the same steps as
+    /// its decode batch, and every rank waits for the one that prefills the most (br-sim's
+    /// `--colocated`). Without it the ranks only decode (prompts arrive as KV).
+    #[arg(long, env = "BALANCEROUTE_COLOCATED")]
+    colocated: bool,
+    /// p: model ms per prompt token on the rank that prefills the most in the step (with
+    /// `--colocated`).
+    #[arg(
+        long,
+        env = "BALANCEROUTE_STEP_P",
+        default_value_t = 0.0,
+        requires = "colocated"
+    )]
+    step_p: f64,
+    /// With `--colocated`: prompt tokens a rank prefills per step at most (the engine's
+    /// chunked-prefill budget).
+    #[arg(long, env = "BALANCEROUTE_PREFILL_CHUNK", default_value_t = 8192,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    prefill_chunk: u32,
     /// Wall time = model time × this (0 runs steps back to back).
     #[arg(long, env = "BALANCEROUTE_TIME_SCALE", default_value_t = 0.1)]
     time_scale: f64,
@@ -187,6 +207,10 @@ async fn engine(a: EngineArgs) -> anyhow::Result<()> {
         a.step_c.is_finite() && a.step_c >= 0.0,
         "--step-c must be finite and >= 0"
     );
+    anyhow::ensure!(
+        a.step_p.is_finite() && a.step_p >= 0.0,
+        "--step-p must be finite and >= 0"
+    );
     let stop = CancellationToken::new();
     let server = EngineServer::start(
         EngineConfig {
@@ -195,8 +219,12 @@ async fn engine(a: EngineArgs) -> anyhow::Result<()> {
             model: StepModel {
                 a_ms_per_token: a.step_a,
                 b_ms: a.step_b,
+                c_ms_per_request: a.step_c,
+                p_ms_per_prefill_token: a.step_p,
             },
-            step_c_ms_per_request: a.step_c,
+            colocated: a.colocated.then_some(Colocated {
+                chunk: a.prefill_chunk,
+            }),
             time_scale: a.time_scale,
             model_name: a.model,
             created: None,
@@ -215,8 +243,16 @@ async fn engine(a: EngineArgs) -> anyhow::Result<()> {
         .iter()
         .map(|a| format!("http://{a}"))
         .collect();
+    let prefill = if a.colocated {
+        format!(
+            " + {}·max P (colocated, chunk {})",
+            a.step_p, a.prefill_chunk
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "br-emu engine ready: G={} B={} T=({}·max L + {}·max n + {}) ms × {} ranks={} dp=http://{}",
+        "br-emu engine ready: G={} B={} T=({}·max L + {}·max n + {}{prefill}) ms × {} ranks={} dp=http://{}",
         a.ranks,
         a.slots,
         a.step_a,

@@ -3,7 +3,7 @@
 //! `X-data-parallel-rank`, and streams carry one chunk per token.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use br_emu::engine::{EngineConfig, EngineServer, Stats, StepModel};
+use br_emu::engine::{Colocated, EngineConfig, EngineServer, Stats, StepModel};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -18,6 +18,8 @@ async fn engine(ranks: usize, slots: usize) -> EngineServer {
             model: StepModel {
                 a_ms_per_token: A,
                 b_ms: B,
+                c_ms_per_request: 0.0,
+                p_ms_per_prefill_token: 0.0,
             },
             time_scale: 0.0,
             created: Some(1),
@@ -178,8 +180,9 @@ async fn step_log_with_a_request_term_calibrates_back_to_its_model() {
             model: StepModel {
                 a_ms_per_token: 2e-3,
                 b_ms: B,
+                c_ms_per_request: C,
+                p_ms_per_prefill_token: 0.0,
             },
-            step_c_ms_per_request: C,
             time_scale: 0.0,
             created: Some(1),
             ..EngineConfig::default()
@@ -221,4 +224,55 @@ async fn step_log_with_a_request_term_calibrates_back_to_its_model() {
     assert!((fit.c - C).abs() < 1e-6, "{fit:?}");
     assert!((fit.b - B).abs() < 1e-6, "{fit:?}");
     e.shutdown().await;
+}
+
+/// With colocated prefill a 2,500-token prompt runs in three 1,000-token chunks before its first
+/// token, the other rank's steps wait for them, and the engine's TTFT is those steps' time.
+#[tokio::test]
+async fn colocated_prefill_runs_in_chunks_and_the_engine_reports_ttft() {
+    const P: f64 = 0.01;
+    let e = EngineServer::start(
+        EngineConfig {
+            ranks: 2,
+            slots: 4,
+            model: StepModel {
+                a_ms_per_token: A,
+                b_ms: B,
+                c_ms_per_request: 0.0,
+                p_ms_per_prefill_token: P,
+            },
+            colocated: Some(Colocated { chunk: 1_000 }),
+            time_scale: 0.0,
+            created: Some(1),
+            ..EngineConfig::default()
+        },
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let r0 = format!("http://{}", e.addrs.ranks[0]);
+    complete(r0, 2_500, 2, false).await;
+    let s = stats(&e).await;
+    assert_eq!(s.prefill_chunk, Some(1_000));
+    assert_eq!(s.p_ms_per_prefill_token, P);
+    assert_eq!(s.max_prefill, vec![1_000, 1_000, 500, 0], "{s:?}");
+    assert_eq!(s.max_load, vec![0, 1_000, 2_000, 2_501]);
+    for k in 0..s.steps {
+        let want = A * s.max_load[k] as f64 + P * s.max_prefill[k] as f64 + B;
+        assert!((s.model_ms[k] - want).abs() < 1e-9, "step {k}: {s:?}");
+    }
+    let ttft: f64 = s.model_ms[..3].iter().sum();
+    assert_eq!(s.ttft_model_ms.len(), 1);
+    assert!((s.ttft_model_ms[0] - ttft).abs() < 1e-9, "{s:?}");
+    // `since` lists the first tokens of the steps it lists
+    let later: Stats = reqwest::get(format!("http://{}/stats?since=3", e.addrs.dp))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        later.ttft_model_ms.is_empty() && later.steps == 1,
+        "{later:?}"
+    );
 }

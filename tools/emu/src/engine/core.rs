@@ -1,26 +1,21 @@
-//! The lockstep model of G data-parallel decode ranks, with no I/O and no clock: each call to
+//! The lockstep model of G data-parallel ranks, with no I/O and no clock: each call to
 //! [`Lockstep::begin_step`] admits queued requests into free slots and measures the loads the
 //! step runs at; [`Lockstep::finish_step`] emits one token for every running request. The async
 //! driver ([`super::driver`]) sleeps for the step time in between.
+//!
+//! The step time is br-core's [`StepModel`], the one the twin runs: `a·max L + c·max n + b`,
+//! plus `p·max P` with colocated prefill ([`Lockstep::with_colocated`]). Without it the ranks
+//! are a decode tier: a request's prompt arrives as KV and its first step writes its first
+//! token. With it, each rank runs up to `chunk` prompt tokens per step, first come, first
+//! served: first the prompt it is part way through, then requests from its queue while it has
+//! free slots and budget left (SGLang's and vLLM's default chunked prefill). A request holds
+//! its slot from its first chunk, its KV grows by each chunk as the chunk completes, and the
+//! step that runs its last chunk writes its first token; every rank waits for the rank that
+//! prefills the most. This is br-sim's `--colocated` model, step for step.
 
 use std::collections::VecDeque;
 
-/// The step-time model `T = a·max_g L_g + b` (milliseconds, before `--time-scale`); the
-/// request term `c·max_g n_g` is the [`Lockstep`]'s (`with_request_cost`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepModel {
-    /// a: ms per KV token on the most loaded rank.
-    pub a_ms_per_token: f64,
-    /// b: fixed ms per step.
-    pub b_ms: f64,
-}
-
-impl StepModel {
-    /// Model step time in ms for a step whose most loaded rank holds `max_load` KV tokens.
-    pub fn step_ms(&self, max_load: u64) -> f64 {
-        self.a_ms_per_token * max_load as f64 + self.b_ms
-    }
-}
+pub use br_core::StepModel;
 
 /// What the engine tells the owner of a request after each step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -51,6 +46,8 @@ pub struct Slot<N> {
     pub max_tokens: u32,
     pub generated: u32,
     pub notify: N,
+    /// The engine's model clock (ms) when the request reached it (set by [`Lockstep::submit`]).
+    pub arrived_ms: f64,
 }
 
 impl<N> Slot<N> {
@@ -62,8 +59,30 @@ impl<N> Slot<N> {
 
 #[derive(Debug)]
 struct Rank<N> {
+    /// Requests that decode (their prompt is KV).
     running: Vec<Slot<N>>,
     queue: VecDeque<Slot<N>>,
+    /// Colocated prefill: the request part way through its prompt, with the prompt tokens
+    /// done once the current step has run, and the KV its chunks held before the step.
+    partial: Option<(Slot<N>, u32)>,
+    partial_kv: u64,
+    /// Requests whose last prompt chunk runs in the current step: they write their first token.
+    completing: Vec<Slot<N>>,
+    /// Prompt tokens run in the current step (P_g).
+    prefill: u64,
+}
+
+impl<N> Rank<N> {
+    fn holds(&self) -> usize {
+        self.running.len() + self.completing.len() + usize::from(self.partial.is_some())
+    }
+}
+
+/// Colocated prefill: the ranks run prompts in the same steps as their decode batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Colocated {
+    /// Prompt tokens a rank may run per step (the engine's chunked-prefill budget).
+    pub chunk: u32,
 }
 
 /// The loads one step ran at.
@@ -71,9 +90,11 @@ struct Rank<N> {
 pub struct StepRecord {
     /// L_g for every rank, during this step.
     pub loads: Vec<u64>,
-    /// Running requests per rank.
+    /// Requests per rank that write a token in this step.
     pub running: Vec<u32>,
-    /// Model step time, ms (a·max L + c·max n + b).
+    /// Prompt tokens per rank prefilled in this step (all 0 without colocated prefill).
+    pub prefill: Vec<u64>,
+    /// Model step time, ms (a·max L + p·max P + c·max n + b).
     pub model_ms: f64,
 }
 
@@ -91,6 +112,10 @@ impl StepRecord {
     pub fn max_running(&self) -> u32 {
         self.running.iter().copied().max().unwrap_or(0)
     }
+    /// The most prompt tokens one rank prefilled (P of the step model's prefill term).
+    pub fn max_prefill(&self) -> u64 {
+        self.prefill.iter().copied().max().unwrap_or(0)
+    }
 }
 
 /// G ranks with B slots each and a FIFO local queue per rank.
@@ -99,8 +124,12 @@ pub struct Lockstep<N> {
     ranks: Vec<Rank<N>>,
     slots: usize,
     model: StepModel,
-    /// c: ms per running request on the rank that runs the most (0: the paper's model).
-    c_ms_per_request: f64,
+    colocated: Option<Colocated>,
+    /// Model time (ms) at the end of the last step.
+    clock_ms: f64,
+    /// Time to first token (model ms, from arrival) of the requests whose first token the
+    /// last step wrote.
+    first_tokens: Vec<f64>,
 }
 
 impl<N: Notify> Lockstep<N> {
@@ -110,18 +139,25 @@ impl<N: Notify> Lockstep<N> {
                 .map(|_| Rank {
                     running: Vec::new(),
                     queue: VecDeque::new(),
+                    partial: None,
+                    partial_kv: 0,
+                    completing: Vec::new(),
+                    prefill: 0,
                 })
                 .collect(),
             slots: slots.max(1),
             model,
-            c_ms_per_request: 0.0,
+            colocated: None,
+            clock_ms: 0.0,
+            first_tokens: Vec::new(),
         }
     }
 
-    /// Steps also pay `c` ms per running request on the rank that runs the most:
-    /// `T = a·max L + c·max n + b` (what `br-sim calibrate` fits from the step log).
-    pub fn with_request_cost(mut self, c_ms_per_request: f64) -> Self {
-        self.c_ms_per_request = c_ms_per_request;
+    /// The ranks prefill too (module docs), `chunk` prompt tokens per rank per step.
+    pub fn with_colocated(mut self, colocated: Colocated) -> Self {
+        self.colocated = Some(Colocated {
+            chunk: colocated.chunk.max(1),
+        });
         self
     }
 
@@ -129,11 +165,13 @@ impl<N: Notify> Lockstep<N> {
         self.ranks.len()
     }
 
-    /// Queues a request on `rank` (it takes a slot at the next step boundary, in FIFO order).
-    /// Returns the slot back if the rank does not exist.
-    pub fn submit(&mut self, rank: usize, slot: Slot<N>) -> Result<(), Slot<N>> {
+    /// Queues a request on `rank` (it takes a slot at the next step boundary, in FIFO order)
+    /// and stamps its arrival on the model clock. Returns the slot back if the rank does not
+    /// exist.
+    pub fn submit(&mut self, rank: usize, mut slot: Slot<N>) -> Result<(), Slot<N>> {
         match self.ranks.get_mut(rank) {
             Some(r) => {
+                slot.arrived_ms = self.clock_ms;
                 r.queue.push_back(slot);
                 Ok(())
             }
@@ -145,64 +183,88 @@ impl<N: Notify> Lockstep<N> {
     pub fn busy(&self) -> bool {
         self.ranks
             .iter()
-            .any(|r| !r.running.is_empty() || !r.queue.is_empty())
+            .any(|r| r.holds() > 0 || !r.queue.is_empty())
     }
 
-    /// (running, queued) per rank.
+    /// (running, queued) per rank; a request part way through its prompt counts as running.
     pub fn occupancy(&self) -> Vec<(usize, usize)> {
         self.ranks
             .iter()
-            .map(|r| (r.running.len(), r.queue.len()))
+            .map(|r| (r.holds(), r.queue.len()))
             .collect()
     }
 
-    /// Drops requests whose client went away, admits queued requests into free slots (FIFO)
-    /// and returns the loads this step runs at. `None` if nothing runs.
+    /// Time to first token (model ms from arrival) of each request whose first token the last
+    /// finished step wrote.
+    pub fn first_tokens(&self) -> &[f64] {
+        &self.first_tokens
+    }
+
+    /// Drops requests whose client went away, admits queued requests into free slots (FIFO;
+    /// colocated: within the prefill budget) and returns the loads this step runs at. `None`
+    /// if nothing runs.
     pub fn begin_step(&mut self) -> Option<StepRecord> {
         for r in &mut self.ranks {
             r.running.retain(|s| s.notify.alive());
             r.queue.retain(|s| s.notify.alive());
-            while r.running.len() < self.slots {
-                let Some(mut s) = r.queue.pop_front() else {
-                    break;
-                };
-                s.notify.notify(Progress {
-                    generated: 0,
-                    running: true,
-                    done: false,
-                });
-                r.running.push(s);
+            if r.partial.as_ref().is_some_and(|(s, _)| !s.notify.alive()) {
+                r.partial = None;
+                r.partial_kv = 0;
+            }
+            match self.colocated {
+                None => {
+                    while r.running.len() < self.slots {
+                        let Some(mut s) = r.queue.pop_front() else {
+                            break;
+                        };
+                        started(&mut s);
+                        r.running.push(s);
+                    }
+                }
+                Some(co) => prefill_step(r, co.chunk, self.slots),
             }
         }
-        if self.ranks.iter().all(|r| r.running.is_empty()) {
+        if self.ranks.iter().all(|r| r.holds() == 0) {
             return None;
         }
         let loads: Vec<u64> = self
             .ranks
             .iter()
-            .map(|r| r.running.iter().map(Slot::load).sum())
+            .map(|r| r.running.iter().map(Slot::load).sum::<u64>() + r.partial_kv)
             .collect();
-        let running: Vec<u32> = self.ranks.iter().map(|r| r.running.len() as u32).collect();
-        let max = loads.iter().copied().max().unwrap_or(0);
-        let mut model_ms = self.model.step_ms(max);
-        // c = 0 leaves the two-term model's arithmetic as it was
-        if self.c_ms_per_request != 0.0 {
-            let n = running.iter().copied().max().unwrap_or(0);
-            model_ms += self.c_ms_per_request * f64::from(n);
-        }
+        let running: Vec<u32> = self
+            .ranks
+            .iter()
+            .map(|r| (r.running.len() + r.completing.len()) as u32)
+            .collect();
+        let prefill: Vec<u64> = self.ranks.iter().map(|r| r.prefill).collect();
+        let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+        let model_ms = self.model.step_ms_with_prefill(
+            max(&loads),
+            max(&prefill),
+            running.iter().copied().max().unwrap_or(0),
+        );
         Some(StepRecord {
             loads,
             running,
+            prefill,
             model_ms,
         })
     }
 
-    /// The step's time has passed: every running request emits one token; requests that
-    /// reached their output length leave their slot.
-    pub fn finish_step(&mut self) {
+    /// The step (of `model_ms`) has run: every decoding request and every prompt that completed
+    /// emits one token; requests that reached their output length leave their slot.
+    pub fn finish_step(&mut self, model_ms: f64) {
+        self.clock_ms += model_ms;
+        self.first_tokens.clear();
         for r in &mut self.ranks {
+            // the prompts that completed decode from the next step on
+            let mut completed = std::mem::take(&mut r.completing);
             for s in &mut r.running {
                 s.generated += 1;
+                if s.generated == 1 {
+                    self.first_tokens.push(self.clock_ms - s.arrived_ms);
+                }
                 let done = s.generated >= s.max_tokens;
                 s.notify.notify(Progress {
                     generated: s.generated,
@@ -211,8 +273,66 @@ impl<N: Notify> Lockstep<N> {
                 });
             }
             r.running.retain(|s| s.generated < s.max_tokens);
+            for mut s in completed.drain(..) {
+                s.generated = 1;
+                self.first_tokens.push(self.clock_ms - s.arrived_ms);
+                let done = s.generated >= s.max_tokens;
+                s.notify.notify(Progress {
+                    generated: s.generated,
+                    running: !done,
+                    done,
+                });
+                if !done {
+                    r.running.push(s);
+                }
+            }
+            r.completing = completed;
+            r.partial_kv = r.partial.as_ref().map_or(0, |(_, done)| u64::from(*done));
         }
     }
+}
+
+/// A request takes a slot: its owner learns it runs.
+fn started<N: Notify>(s: &mut Slot<N>) {
+    s.notify.notify(Progress {
+        generated: 0,
+        running: true,
+        done: false,
+    });
+}
+
+/// One rank's prefill for the coming step: the prompt part way through first, then queued
+/// requests while a slot and budget are left (a prompt of 0 tokens needs no budget).
+fn prefill_step<N: Notify>(r: &mut Rank<N>, chunk: u32, slots: usize) {
+    r.prefill = 0;
+    let mut budget = chunk;
+    if let Some((s, done)) = r.partial.take() {
+        budget = run_chunk(r, s, done, budget);
+    }
+    while r.holds() < slots {
+        let Some(front) = r.queue.front() else { break };
+        if budget == 0 && front.prompt > 0 {
+            break;
+        }
+        let Some(mut s) = r.queue.pop_front() else {
+            break;
+        };
+        started(&mut s);
+        budget = run_chunk(r, s, 0, budget);
+    }
+}
+
+/// Runs up to `budget` more of `s`'s prompt (`done` tokens of it already KV); returns the
+/// budget left.
+fn run_chunk<N>(r: &mut Rank<N>, s: Slot<N>, done: u32, budget: u32) -> u32 {
+    let x = (s.prompt - done).min(budget);
+    r.prefill += u64::from(x);
+    if done + x == s.prompt {
+        r.completing.push(s);
+    } else {
+        r.partial = Some((s, done + x));
+    }
+    budget - x
 }
 
 #[cfg(test)]
@@ -240,12 +360,15 @@ mod tests {
             max_tokens: out,
             generated: 0,
             notify: n.clone(),
+            arrived_ms: 0.0,
         }
     }
 
     const M: StepModel = StepModel {
         a_ms_per_token: 0.5,
         b_ms: 10.0,
+        c_ms_per_request: 0.0,
+        p_ms_per_prefill_token: 0.0,
     };
 
     #[test]
@@ -258,7 +381,7 @@ mod tests {
         let mut steps = Vec::new();
         while let Some(rec) = e.begin_step() {
             steps.push(rec);
-            e.finish_step();
+            e.finish_step(0.0);
         }
         // Loads grow by one token per running request per step; the barrier waits for rank 0.
         let loads: Vec<Vec<u64>> = steps.iter().map(|s| s.loads.clone()).collect();
@@ -271,7 +394,14 @@ mod tests {
 
     #[test]
     fn the_request_term_pays_c_per_request_on_the_busiest_rank() {
-        let mut e = Lockstep::new(2, 4, M).with_request_cost(2.0);
+        let mut e = Lockstep::new(
+            2,
+            4,
+            StepModel {
+                c_ms_per_request: 2.0,
+                ..M
+            },
+        );
         let n = Rec::default();
         e.submit(0, slot(1, 100, 1, &n)).unwrap();
         for id in 2..5 {
@@ -293,9 +423,9 @@ mod tests {
         let first = e.begin_step().unwrap();
         assert_eq!(first.running, vec![2]);
         assert_eq!(e.occupancy(), vec![(2, 2)]);
-        e.finish_step();
+        e.finish_step(0.0);
         let _ = e.begin_step().unwrap();
-        e.finish_step();
+        e.finish_step(0.0);
         // The first two finished after 2 tokens; the next two start only now, in order.
         assert!(recs[0].0.borrow().last().unwrap().done);
         assert!(recs[1].0.borrow().last().unwrap().done);
@@ -314,11 +444,11 @@ mod tests {
         e.submit(0, slot(1, 10, 100, &gone)).unwrap();
         e.submit(0, slot(2, 30, 1, &waiting)).unwrap();
         e.begin_step().unwrap();
-        e.finish_step();
+        e.finish_step(0.0);
         *gone.1.borrow_mut() = true;
         let rec = e.begin_step().unwrap();
         assert_eq!(rec.loads, vec![30]);
-        e.finish_step();
+        e.finish_step(0.0);
         assert!(e.begin_step().is_none());
     }
 
@@ -327,5 +457,122 @@ mod tests {
         let mut e: Lockstep<Rec> = Lockstep::new(3, 1, M);
         assert!(e.begin_step().is_none());
         assert!(e.submit(5, slot(1, 1, 1, &Rec::default())).is_err());
+    }
+
+    const P: StepModel = StepModel {
+        p_ms_per_prefill_token: 0.01,
+        ..M
+    };
+
+    /// Runs steps until nothing runs; returns each step's record.
+    fn run_all(e: &mut Lockstep<Rec>) -> Vec<StepRecord> {
+        let mut steps = Vec::new();
+        while let Some(rec) = e.begin_step() {
+            e.finish_step(rec.model_ms);
+            steps.push(rec);
+        }
+        steps
+    }
+
+    #[test]
+    fn a_long_prompt_prefills_in_chunks_before_its_first_token() {
+        // 10,000 prompt tokens at 4,096 per step: 4,096 + 4,096 + 1,808, the first token in
+        // the third step; the KV read grows by each chunk once it has run.
+        let mut e = Lockstep::new(1, 4, P).with_colocated(Colocated { chunk: 4_096 });
+        let n = Rec::default();
+        e.submit(0, slot(1, 10_000, 2, &n)).unwrap();
+        let steps = run_all(&mut e);
+        let prefill: Vec<u64> = steps.iter().map(|s| s.prefill[0]).collect();
+        assert_eq!(prefill, vec![4_096, 4_096, 1_808, 0]);
+        let loads: Vec<u64> = steps.iter().map(|s| s.loads[0]).collect();
+        assert_eq!(loads, vec![0, 4_096, 8_192, 10_001]);
+        let written: Vec<u32> = steps.iter().map(|s| s.running[0]).collect();
+        assert_eq!(written, vec![0, 0, 1, 1]);
+        let generated: Vec<u32> = n.0.borrow().iter().map(|p| p.generated).collect();
+        // taken into a slot, then 0 tokens for two steps (no report), the first, the last
+        assert_eq!(generated, vec![0, 1, 2]);
+        // the engine's TTFT is the three steps' model time
+        let ttft: f64 = steps[..3].iter().map(|s| s.model_ms).sum();
+        assert!(((steps[0].model_ms - (0.01 * 4_096.0 + 10.0)).abs()) < 1e-9);
+        let mut again = Lockstep::new(1, 4, P).with_colocated(Colocated { chunk: 4_096 });
+        again.submit(0, slot(1, 10_000, 2, &n)).unwrap();
+        let mut seen = Vec::new();
+        while let Some(rec) = again.begin_step() {
+            again.finish_step(rec.model_ms);
+            seen.extend_from_slice(again.first_tokens());
+        }
+        assert_eq!(seen, vec![ttft]);
+    }
+
+    #[test]
+    fn one_rank_prefilling_slows_every_rank_in_lockstep() {
+        let mut e = Lockstep::new(2, 4, P).with_colocated(Colocated { chunk: 2_048 });
+        let n = Rec::default();
+        // rank 1 decodes a request whose prompt is done in its first step; rank 0 then takes
+        // a prompt of 2,048 while rank 1 only decodes
+        e.submit(1, slot(1, 100, 10, &n)).unwrap();
+        let first = e.begin_step().unwrap();
+        assert_eq!(first.prefill, vec![0, 100]);
+        e.finish_step(first.model_ms);
+        e.submit(0, slot(2, 2_048, 1, &n)).unwrap();
+        let rec = e.begin_step().unwrap();
+        assert_eq!(rec.prefill, vec![2_048, 0]);
+        assert_eq!(rec.loads, vec![0, 101]);
+        // every rank's step lasts a·max L + p·max P + b: rank 1 waits for rank 0's chunk
+        assert_eq!(rec.model_ms, 0.5 * 101.0 + 0.01 * 2_048.0 + 10.0);
+    }
+
+    #[test]
+    fn prefill_is_first_come_first_served_within_the_budget_and_the_slots() {
+        let mut e = Lockstep::new(1, 3, P).with_colocated(Colocated { chunk: 1_000 });
+        let recs: Vec<Rec> = (0..4).map(|_| Rec::default()).collect();
+        for (i, (r, prompt)) in recs.iter().zip([300u32, 500, 400, 50]).enumerate() {
+            e.submit(0, slot(i as u64, prompt, 5, r)).unwrap();
+        }
+        // step 1: 300 + 500 complete, 200 of the third's 400 run; the fourth has no slot
+        let s1 = e.begin_step().unwrap();
+        assert_eq!(s1.prefill, vec![1_000]);
+        assert_eq!(s1.running, vec![2]);
+        e.finish_step(s1.model_ms);
+        assert!(recs[3].0.borrow().is_empty(), "no slot for the fourth");
+        // step 2: the third's last 200 first; the two others decode
+        let s2 = e.begin_step().unwrap();
+        assert_eq!(s2.prefill, vec![200]);
+        assert_eq!(s2.loads, vec![301 + 501 + 200]);
+        assert_eq!(s2.running, vec![3]);
+    }
+
+    #[test]
+    fn a_client_that_leaves_mid_prompt_frees_its_slot_and_budget() {
+        let mut e = Lockstep::new(1, 1, P).with_colocated(Colocated { chunk: 100 });
+        let gone = Rec::default();
+        let next = Rec::default();
+        e.submit(0, slot(1, 1_000, 5, &gone)).unwrap();
+        e.submit(0, slot(2, 50, 1, &next)).unwrap();
+        let s1 = e.begin_step().unwrap();
+        e.finish_step(s1.model_ms);
+        *gone.1.borrow_mut() = true;
+        let s2 = e.begin_step().unwrap();
+        assert_eq!((s2.prefill.clone(), s2.loads.clone()), (vec![50], vec![0]));
+        e.finish_step(s2.model_ms);
+        assert!(next.0.borrow().last().unwrap().done);
+        assert!(e.begin_step().is_none());
+    }
+
+    #[test]
+    fn without_colocated_prefill_p_changes_nothing() {
+        let run = |model| {
+            let mut e = Lockstep::new(2, 2, model);
+            let n = Rec::default();
+            for (i, (rank, prompt)) in [(0, 900u32), (1, 100), (1, 50), (0, 7)]
+                .into_iter()
+                .enumerate()
+            {
+                e.submit(rank, slot(i as u64, prompt, 3 + i as u32, &n))
+                    .unwrap();
+            }
+            run_all(&mut e)
+        };
+        assert_eq!(run(M), run(P));
     }
 }

@@ -1,5 +1,5 @@
 //! The engine task: owns the [`Lockstep`] state, takes submissions from a bounded channel,
-//! sleeps `(a·max L + b)·time_scale` per step and records every step in the [`StatsLog`].
+//! sleeps each step's model time × `time_scale` and records every step in the [`StatsLog`].
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -9,7 +9,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::core::{Lockstep, Notify, Progress, Slot, StepModel, StepRecord};
+use super::core::{Colocated, Lockstep, Notify, Progress, Slot, StepModel, StepRecord};
 
 /// Most steps the log keeps (older ones are dropped and counted).
 pub const MAX_LOGGED_STEPS: usize = 2_000_000;
@@ -53,17 +53,24 @@ pub struct StatsLog {
     pub sum_load: Vec<u64>,
     /// The most running requests on one rank, per step.
     pub max_running: Vec<u32>,
-    /// Model step time a·max L + c·max n + b, ms.
+    /// The most prompt tokens one rank prefilled, per step (all 0 without colocated prefill).
+    pub max_prefill: Vec<u64>,
+    /// Model step time a·max L + p·max P + c·max n + b, ms.
     pub model_ms: Vec<f64>,
     /// Wall-clock step time, ms.
     pub wall_ms: Vec<f64>,
     /// Per-rank loads, step-major (`ranks` values per step).
     #[serde(skip)]
     pub loads: Vec<u64>,
+    /// Time to first token of each request, in model ms from its arrival at the engine to the
+    /// end of the step that wrote its first token (queue, prefill and that step), in the order
+    /// the first tokens came; `ttft_step` is the step (its index) of each.
+    pub ttft_model_ms: Vec<f64>,
+    pub ttft_step: Vec<u64>,
 }
 
 impl StatsLog {
-    fn push(&mut self, rec: &StepRecord, wall: Duration) {
+    fn push(&mut self, rec: &StepRecord, wall: Duration, first_tokens: &[f64]) {
         if self.max_load.len() >= MAX_LOGGED_STEPS {
             *self = StatsLog {
                 first_step: self.first_step + self.max_load.len() as u64,
@@ -74,9 +81,14 @@ impl StatsLog {
         self.min_load.push(rec.min_load());
         self.sum_load.push(rec.sum_load());
         self.max_running.push(rec.max_running());
+        self.max_prefill.push(rec.max_prefill());
         self.model_ms.push(rec.model_ms);
         self.wall_ms.push(wall.as_secs_f64() * 1e3);
         self.loads.extend_from_slice(&rec.loads);
+        let step = self.first_step + self.max_load.len() as u64 - 1;
+        self.ttft_model_ms.extend_from_slice(first_tokens);
+        self.ttft_step
+            .extend(std::iter::repeat_n(step, first_tokens.len()));
     }
 
     pub fn steps(&self) -> usize {
@@ -152,7 +164,7 @@ pub fn spawn(
     ranks: usize,
     slots: usize,
     model: StepModel,
-    c_ms_per_request: f64,
+    colocated: Option<Colocated>,
     time_scale: f64,
     shutdown: CancellationToken,
 ) -> (EngineHandle, tokio::task::JoinHandle<()>) {
@@ -163,7 +175,10 @@ pub fn spawn(
         ranks,
         stats: stats.clone(),
     };
-    let core = Lockstep::new(ranks, slots, model).with_request_cost(c_ms_per_request);
+    let mut core = Lockstep::new(ranks, slots, model);
+    if let Some(co) = colocated {
+        core = core.with_colocated(co);
+    }
     let task = tokio::spawn(run(core, rx, handle.clone(), time_scale, shutdown));
     (handle, task)
 }
@@ -187,6 +202,7 @@ async fn run(
                 max_tokens: s.max_tokens,
                 generated: 0,
                 notify: WatchNotify(s.tx),
+                arrived_ms: 0.0,
             },
         );
     };
@@ -228,8 +244,8 @@ async fn run(
                 () = shutdown.cancelled() => return,
             }
         }
-        core.finish_step();
+        core.finish_step(rec.model_ms);
         let elapsed = started.elapsed();
-        handle.with_stats(|s| s.push(&rec, elapsed));
+        handle.with_stats(|s| s.push(&rec, elapsed, core.first_tokens()));
     }
 }

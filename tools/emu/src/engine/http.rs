@@ -61,6 +61,9 @@ pub struct ApiConfig {
     pub a_ms_per_token: f64,
     pub b_ms: f64,
     pub c_ms_per_request: f64,
+    pub p_ms_per_prefill_token: f64,
+    /// Colocated prefill's budget per rank per step (`None`: a decode tier).
+    pub prefill_chunk: Option<u32>,
     pub time_scale: f64,
 }
 

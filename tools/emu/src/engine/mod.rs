@@ -1,7 +1,8 @@
 //! `br-emu engine`: G data-parallel decode ranks in lockstep behind an OpenAI-compatible API.
 //!
 //! - [`core`]: the lockstep model (slots, FIFO local queues, one token per running request per
-//!   step, step time `a·max_g L_g + b`), pure and clock-free;
+//!   step, step time `a·max_g L_g + c·max_g n_g + b`, and with colocated prefill chunked
+//!   prompts and `+ p·max_g P_g`), pure and clock-free;
 //! - [`driver`]: the task that owns it and sleeps each step's time, scaled by `--time-scale`;
 //! - [`http`]: the API (one port per rank, one port honouring `X-data-parallel-rank`).
 
@@ -15,7 +16,7 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use self::core::StepModel;
+pub use self::core::{Colocated, StepModel};
 pub use driver::EngineHandle;
 pub use http::{ApiConfig, EngineAddrs, Stats};
 
@@ -26,9 +27,11 @@ pub struct EngineConfig {
     pub ranks: usize,
     /// B: slots per rank (max_num_seqs).
     pub slots: usize,
+    /// The step time, `a·max L + p·max P + c·max n + b` (p only with `colocated`).
     pub model: StepModel,
-    /// c: model ms per running request on the rank that runs the most (0: `T = a·max L + b`).
-    pub step_c_ms_per_request: f64,
+    /// The ranks also prefill, this many prompt tokens per rank per step (`None`: a decode
+    /// tier, prompts arrive as KV).
+    pub colocated: Option<Colocated>,
     /// Wall time = model time × this (0 = as fast as possible).
     pub time_scale: f64,
     pub model_name: String,
@@ -49,8 +52,10 @@ impl Default for EngineConfig {
             model: StepModel {
                 a_ms_per_token: 2e-4,
                 b_ms: 30.0,
+                c_ms_per_request: 0.0,
+                p_ms_per_prefill_token: 0.0,
             },
-            step_c_ms_per_request: 0.0,
+            colocated: None,
             time_scale: 0.1,
             model_name: "br-emu".into(),
             created: None,
@@ -82,7 +87,9 @@ impl EngineServer {
             slots: cfg.slots,
             a_ms_per_token: cfg.model.a_ms_per_token,
             b_ms: cfg.model.b_ms,
-            c_ms_per_request: cfg.step_c_ms_per_request,
+            c_ms_per_request: cfg.model.c_ms_per_request,
+            p_ms_per_prefill_token: cfg.model.p_ms_per_prefill_token,
+            prefill_chunk: cfg.colocated.map(|co| co.chunk),
             time_scale: cfg.time_scale,
         });
         let port = |g: usize| -> std::io::Result<u16> {
@@ -106,7 +113,7 @@ impl EngineServer {
             cfg.ranks,
             cfg.slots,
             cfg.model,
-            cfg.step_c_ms_per_request,
+            cfg.colocated,
             cfg.time_scale,
             shutdown.clone(),
         );

@@ -26,6 +26,12 @@ pub struct Stats {
     /// c: ms per running request on the busiest rank (0 for the two-term model).
     #[serde(default)]
     pub c_ms_per_request: f64,
+    /// p: ms per prompt token prefilled by the rank that prefills the most (colocated only).
+    #[serde(default)]
+    pub p_ms_per_prefill_token: f64,
+    /// Colocated prefill's budget per rank per step; absent for a decode tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_chunk: Option<u32>,
     pub time_scale: f64,
     /// Index of the first step listed.
     pub first_step: u64,
@@ -38,7 +44,10 @@ pub struct Stats {
     /// `br-sim calibrate` sample).
     #[serde(default)]
     pub max_running: Vec<u32>,
-    /// Model step time a·max L + c·max n + b per step, ms.
+    /// The most prompt tokens one rank prefilled, per step (colocated only; else all 0).
+    #[serde(default)]
+    pub max_prefill: Vec<u64>,
+    /// Model step time a·max L + p·max P + c·max n + b per step, ms.
     pub model_ms: Vec<f64>,
     /// Wall-clock step time per step, ms.
     pub wall_ms: Vec<f64>,
@@ -49,6 +58,10 @@ pub struct Stats {
     /// through.
     #[serde(default)]
     pub requests_per_rank: Vec<u64>,
+    /// Time to first token of each request whose first token came in the steps listed, in
+    /// model ms from its arrival at the engine (queue, prefill and that step), in order.
+    #[serde(default)]
+    pub ttft_model_ms: Vec<f64>,
 }
 
 impl Stats {
@@ -111,6 +124,8 @@ pub(super) async fn stats(State(s): State<AppState>, Query(q): Query<StatsQuery>
             a_ms_per_token: s.cfg.a_ms_per_token,
             b_ms: s.cfg.b_ms,
             c_ms_per_request: s.cfg.c_ms_per_request,
+            p_ms_per_prefill_token: s.cfg.p_ms_per_prefill_token,
+            prefill_chunk: s.cfg.prefill_chunk,
             time_scale: s.cfg.time_scale,
             first_step: log.first_step + skip as u64,
             steps: log.steps() - skip,
@@ -118,9 +133,15 @@ pub(super) async fn stats(State(s): State<AppState>, Query(q): Query<StatsQuery>
             min_load: log.min_load[skip..].to_vec(),
             sum_load: log.sum_load[skip..].to_vec(),
             max_running: log.max_running[skip..].to_vec(),
+            max_prefill: log.max_prefill[skip..].to_vec(),
             model_ms: log.model_ms[skip..].to_vec(),
             wall_ms: log.wall_ms[skip..].to_vec(),
             loads,
+            ttft_model_ms: {
+                let from = log.first_step + skip as u64;
+                let at = log.ttft_step.partition_point(|&k| k < from);
+                log.ttft_model_ms[at..].to_vec()
+            },
             requests_per_rank: s
                 .per_rank
                 .iter()
