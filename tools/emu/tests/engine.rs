@@ -276,3 +276,62 @@ async fn colocated_prefill_runs_in_chunks_and_the_engine_reports_ttft() {
         "{later:?}"
     );
 }
+
+/// A colocated engine's step log (`max_load`, `max_prefill`, `max_running`, `model_ms`) is a
+/// `br-sim calibrate` sample set with a prefill column, and fits back to the a, p, c and b the
+/// engine ran with.
+#[tokio::test]
+async fn a_colocated_step_log_calibrates_back_to_its_model() {
+    const P: f64 = 3e-3;
+    const C: f64 = 0.2;
+    let e = EngineServer::start(
+        EngineConfig {
+            ranks: 2,
+            slots: 16,
+            model: StepModel {
+                a_ms_per_token: 2e-3,
+                b_ms: B,
+                c_ms_per_request: C,
+                p_ms_per_prefill_token: P,
+            },
+            colocated: Some(Colocated { chunk: 700 }),
+            time_scale: 0.0,
+            created: Some(1),
+            ..EngineConfig::default()
+        },
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let r0 = format!("http://{}", e.addrs.ranks[0]);
+    let r1 = format!("http://{}", e.addrs.ranks[1]);
+    // prompts of several sizes and batches of several widths, so tokens, prefill and requests
+    // move apart
+    for (k, prompt, long) in [(1, 50, 4000), (8, 30, 200), (3, 900, 100), (12, 10, 2500)] {
+        let mut batch = tokio::task::JoinSet::new();
+        for _ in 0..k {
+            batch.spawn(complete(r0.clone(), prompt, 6, false));
+        }
+        batch.spawn(complete(r1.clone(), long, 3, false));
+        while let Some(done) = batch.join_next().await {
+            done.unwrap();
+        }
+    }
+    let s = stats(&e).await;
+    assert_eq!(s.max_prefill.len(), s.steps);
+    assert!(s.max_prefill.contains(&700), "a full chunk ran: {s:?}");
+    let mut csv = String::from("max_kv_tokens,max_prefill_tokens,max_running,step_ms\n");
+    for k in 0..s.steps {
+        csv.push_str(&format!(
+            "{},{},{},{}\n",
+            s.max_load[k], s.max_prefill[k], s.max_running[k], s.model_ms[k]
+        ));
+    }
+    let fit = br_sim::calibrate::calibrate_text(std::path::Path::new("stats"), &csv, true)
+        .expect("the step log identifies a, p, c and b");
+    assert!((fit.a - 2e-3).abs() < 1e-9, "{fit:?}");
+    assert!((fit.p - P).abs() < 1e-9, "{fit:?}");
+    assert!((fit.c - C).abs() < 1e-6, "{fit:?}");
+    assert!((fit.b - B).abs() < 1e-6, "{fit:?}");
+    e.shutdown().await;
+}

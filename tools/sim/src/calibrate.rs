@@ -1,4 +1,5 @@
-//! `br-sim calibrate`: fit the step-time model `T = a·M + c·N + b` from engine samples.
+//! `br-sim calibrate`: fit the step-time model `T = a·M + c·N + b` (with colocated prefill
+//! `+ p·P`) from engine samples.
 //!
 //! Input: a CSV of samples, one step each: `M` the largest per-rank KV load of the step, `T` the
 //! measured step time in ms and, when the samples carry it, `N` the most running requests on
@@ -7,7 +8,11 @@
 //! * `max_kv_tokens,step_ms` (the paper's model, c = 0): positional, header optional, extra
 //!   columns ignored (every file the two-term calibrate read, it still reads the same way);
 //! * a header that names `max_running` (with `max_kv_tokens` and `step_ms`, any order, extra
-//!   columns ignored): the three-term fit.
+//!   columns ignored): the three-term fit;
+//! * a header that names `max_prefill_tokens` (P: the most prompt tokens one rank prefilled in
+//!   the step; with or without `max_running`): the fit with the prefill term, `p` in ms per
+//!   prompt token for `--colocated --step-p`, judged like `c` (its t statistic, and the fit of
+//!   the same samples without it).
 //!
 //! `a` comes out in ms per KV token, `c` in ms per request and `b` in ms, ready for
 //! `--step-a`, `--step-c` and `--step-b`; `c/a` is the F-score's `request_cost_tokens`.
@@ -29,7 +34,7 @@ use serde::Serialize;
 mod fit;
 mod parse;
 
-pub use fit::{Plane, fit_line, fit_plane};
+pub use fit::{Ols, Plane, fit_line, fit_ols, fit_plane};
 use fit::{line_standard_errors, residual_spread};
 pub use parse::{Parsed, parse, parse_samples};
 
@@ -55,6 +60,9 @@ pub struct Sample {
     pub max_kv_tokens: f64,
     /// N: the most running requests on one rank (`None` in the two-column format).
     pub max_running: Option<f64>,
+    /// P: the most prompt tokens one rank prefilled in the step (colocated prefill; `None`
+    /// when the samples carry no such column).
+    pub max_prefill: Option<f64>,
     /// T, ms.
     pub step_ms: f64,
 }
@@ -67,6 +75,8 @@ pub enum FitModel {
     TwoTerm,
     /// `T = a·M + c·N + b`.
     WithRequests,
+    /// `T = a·M + p·P + b`, or with N `T = a·M + p·P + c·N + b`.
+    WithPrefill,
 }
 
 /// The result of a fit.
@@ -102,6 +112,14 @@ pub struct Fit {
     pub two_term_rmse_ms: Option<f64>,
     /// `c / a`: the F-score's `request_cost_tokens` (with N and a > 0).
     pub request_cost_tokens: Option<f64>,
+    /// Slope in P, ms per prompt token prefilled (0 without the prefill column), its standard
+    /// error, `p / se(p)`, and whether that is significant.
+    pub p: f64,
+    pub se_p: Option<f64>,
+    pub t_p: Option<f64>,
+    pub p_significant: Option<bool>,
+    /// The fit of the same samples without P: its RMS residual, ms.
+    pub without_prefill_rmse_ms: Option<f64>,
     /// Rows rejected (line numbers and reasons).
     pub rejected: Vec<Rejected>,
 }
@@ -191,6 +209,9 @@ pub fn calibrate_text(path: &Path, text: &str, strict: bool) -> Result<Fit, Cali
             ),
         });
     };
+    if parsed.with_prefill {
+        return fit_with_prefill(path, parsed, rmse_2);
+    }
     if !parsed.with_requests {
         let (se_a, se_b) = line_standard_errors(&xy, a2, b2);
         let (p95, max) = residual_spread(xy.iter().map(|&(x, y)| y - (a2 * x + b2)));
@@ -211,6 +232,11 @@ pub fn calibrate_text(path: &Path, text: &str, strict: bool) -> Result<Fit, Cali
             max_abs_residual_ms: max,
             two_term_rmse_ms: None,
             request_cost_tokens: None,
+            p: 0.0,
+            se_p: None,
+            t_p: None,
+            p_significant: None,
+            without_prefill_rmse_ms: None,
             rejected: parsed.rejected,
         });
     }
@@ -242,6 +268,83 @@ pub fn calibrate_text(path: &Path, text: &str, strict: bool) -> Result<Fit, Cali
         max_abs_residual_ms: max,
         two_term_rmse_ms: Some(rmse_2),
         request_cost_tokens: (p.a > 0.0 && p.c >= 0.0).then(|| p.c / p.a),
+        p: 0.0,
+        se_p: None,
+        t_p: None,
+        p_significant: None,
+        without_prefill_rmse_ms: None,
+        rejected: parsed.rejected,
+    })
+}
+
+/// The fit with the prefill column: `T = a·M + p·P (+ c·N) + b`, and beside it the fit of the
+/// same samples without P (two-term, or three-term with N).
+fn fit_with_prefill(
+    path: &Path,
+    parsed: Parsed,
+    two_term_rmse: f64,
+) -> Result<Fit, CalibrateError> {
+    let unidentifiable = |reason| CalibrateError::Unidentifiable {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let with_n = parsed.with_requests;
+    let row = |s: &Sample, prefill: bool| {
+        let mut r = vec![s.max_kv_tokens];
+        if prefill {
+            r.push(s.max_prefill.unwrap_or(0.0));
+        }
+        if with_n {
+            r.push(s.max_running.unwrap_or(0.0));
+        }
+        r.push(s.step_ms);
+        r
+    };
+    let mut names = vec!["max_kv_tokens", "max_prefill_tokens"];
+    if with_n {
+        names.push("max_running");
+    }
+    let rows: Vec<Vec<f64>> = parsed.samples.iter().map(|s| row(s, true)).collect();
+    let f = fit_ols(&rows, &names).map_err(unidentifiable)?;
+    let without = if with_n {
+        let rows: Vec<Vec<f64>> = parsed.samples.iter().map(|s| row(s, false)).collect();
+        fit_ols(&rows, &["max_kv_tokens", "max_running"])
+            .map(|o| o.rmse)
+            .ok()
+    } else {
+        Some(two_term_rmse)
+    };
+    let se = |j: usize| f.se.as_ref().map(|se| se[j]);
+    let (a, p) = (f.coef[0], f.coef[1]);
+    let c = if with_n { f.coef[2] } else { 0.0 };
+    let t = |coef: f64, se: Option<f64>| se.filter(|se| *se > 0.0).map(|se| coef / se);
+    let (t_p, t_c) = (t(p, se(1)), if with_n { t(c, se(2)) } else { None });
+    let (p95, max) =
+        residual_spread(rows.iter().map(|r| {
+            r[r.len() - 1] - f.b - (0..names.len()).map(|j| f.coef[j] * r[j]).sum::<f64>()
+        }));
+    Ok(Fit {
+        model: FitModel::WithPrefill,
+        a,
+        c,
+        b: f.b,
+        se_a: se(0),
+        se_c: if with_n { se(2) } else { None },
+        se_b: f.se_b,
+        t_c,
+        c_significant: t_c.map(|t| t.abs() >= SIGNIFICANT_T),
+        r2: f.r2,
+        samples: rows.len(),
+        rmse_ms: f.rmse,
+        p95_abs_residual_ms: p95,
+        max_abs_residual_ms: max,
+        two_term_rmse_ms: Some(two_term_rmse),
+        request_cost_tokens: (with_n && a > 0.0 && c >= 0.0).then(|| c / a),
+        p,
+        se_p: se(1),
+        t_p,
+        p_significant: t_p.map(|t| t.abs() >= SIGNIFICANT_T),
+        without_prefill_rmse_ms: without,
         rejected: parsed.rejected,
     })
 }
@@ -265,9 +368,14 @@ impl Fit {
         for r in &self.rejected {
             let _ = writeln!(s, "rejected line {}: {}", r.line, r.reason);
         }
-        let model = match self.model {
-            FitModel::TwoTerm => "T = a·max_kv_tokens + b",
-            FitModel::WithRequests => "T = a·max_kv_tokens + c·max_running + b",
+        let with_n = self.se_c.is_some() || self.model == FitModel::WithRequests;
+        let model = match (self.model, with_n) {
+            (FitModel::TwoTerm, _) => "T = a·max_kv_tokens + b",
+            (FitModel::WithRequests, _) => "T = a·max_kv_tokens + c·max_running + b",
+            (FitModel::WithPrefill, false) => "T = a·max_kv_tokens + p·max_prefill_tokens + b",
+            (FitModel::WithPrefill, true) => {
+                "T = a·max_kv_tokens + p·max_prefill_tokens + c·max_running + b"
+            }
         };
         let _ = writeln!(
             s,
@@ -277,7 +385,15 @@ impl Fit {
             self.a,
             pm(self.se_a, false)
         );
-        if self.model == FitModel::WithRequests {
+        if self.model == FitModel::WithPrefill {
+            let _ = writeln!(
+                s,
+                "p = {:.6e}{} ms per prompt token prefilled",
+                self.p,
+                pm(self.se_p, false)
+            );
+        }
+        if with_n {
             let _ = writeln!(
                 s,
                 "c = {:.6e}{} ms per running request",
@@ -295,45 +411,67 @@ impl Fit {
             self.p95_abs_residual_ms,
             self.max_abs_residual_ms
         );
-        if self.model == FitModel::WithRequests {
-            let t = self.t_c.map_or("n/a".to_string(), |t| format!("{t:.2}"));
-            let verdict = match self.c_significant {
-                Some(true) => "significant: the data asks for the request term",
-                Some(false) => "not significant: the two-term model (c = 0) explains these samples",
-                None => "no residual degrees of freedom to judge it",
-            };
+        let verdict = |significant: Option<bool>, term: &str, without: &str| match significant {
+            Some(true) => format!("significant: the data asks for the {term}"),
+            Some(false) => format!("not significant: {without} explains these samples"),
+            None => "no residual degrees of freedom to judge it".to_string(),
+        };
+        let t = |t: Option<f64>| t.map_or("n/a".to_string(), |t| format!("{t:.2}"));
+        if self.model == FitModel::WithPrefill {
             let _ = writeln!(
                 s,
-                "c: t = {t} (|t| ≥ {SIGNIFICANT_T} is significant), {verdict}"
+                "p: t = {} (|t| ≥ {SIGNIFICANT_T} is significant), {}",
+                t(self.t_p),
+                verdict(
+                    self.p_significant,
+                    "prefill term",
+                    "the model without it (p = 0)"
+                )
             );
-            if let Some(r) = self.two_term_rmse_ms {
+            if let Some(r) = self.without_prefill_rmse_ms {
+                let _ = writeln!(s, "fit of the same samples without p: rmse {r:.3} ms");
+            }
+        }
+        if with_n {
+            let _ = writeln!(
+                s,
+                "c: t = {} (|t| ≥ {SIGNIFICANT_T} is significant), {}",
+                t(self.t_c),
+                verdict(
+                    self.c_significant,
+                    "request term",
+                    "the two-term model (c = 0)"
+                )
+            );
+            if self.model == FitModel::WithRequests
+                && let Some(r) = self.two_term_rmse_ms
+            {
                 let _ = writeln!(
                     s,
                     "two-term fit of the same samples (c = 0): rmse {r:.3} ms"
                 );
             }
         }
-        if self.a < 0.0 || self.b < 0.0 || self.c < 0.0 {
+        if self.a < 0.0 || self.b < 0.0 || self.c < 0.0 || self.p < 0.0 {
             let _ = writeln!(
                 s,
                 "warning: a negative coefficient: the samples do not follow {model} well"
             );
         }
-        if self.model == FitModel::WithRequests {
+        let mut flags = format!("use: --step-a {:e}", self.a);
+        if with_n {
+            let _ = write!(flags, " --step-c {:e}", self.c);
+        }
+        if self.model == FitModel::WithPrefill {
+            let _ = write!(flags, " --colocated --step-p {:e}", self.p);
+        }
+        let _ = writeln!(s, "{flags} --step-b {}", self.b);
+        if with_n && let Some(k) = self.request_cost_tokens {
             let _ = writeln!(
                 s,
-                "use: --step-a {:e} --step-c {:e} --step-b {}",
-                self.a, self.c, self.b
+                "F-score request term (c/a): request_cost_tokens = {k:.1} (br-sim \
+                 br0:request_cost_tokens={k:.0}, br-decision --request-cost-tokens {k:.0})"
             );
-            if let Some(k) = self.request_cost_tokens {
-                let _ = writeln!(
-                    s,
-                    "F-score request term (c/a): request_cost_tokens = {k:.1} (br-sim \
-                     br0:request_cost_tokens={k:.0}, br-decision --request-cost-tokens {k:.0})"
-                );
-            }
-        } else {
-            let _ = writeln!(s, "use: --step-a {:e} --step-b {}", self.a, self.b);
         }
         s
     }

@@ -148,3 +148,137 @@ pub(super) fn residual_spread(residuals: impl Iterator<Item = f64>) -> (f64, f64
     let max = abs.iter().copied().fold(0.0, f64::max);
     (p95, max)
 }
+
+/// A least-squares fit of `y = Σ_j coef_j·x_j + b` with standard errors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ols {
+    pub coef: Vec<f64>,
+    pub b: f64,
+    /// Standard errors of `coef` and `b` (`None` without residual degrees of freedom).
+    pub se: Option<Vec<f64>>,
+    pub se_b: Option<f64>,
+    pub r2: f64,
+    pub rmse: f64,
+}
+
+/// Ordinary least squares of `y` on the regressor columns `names` (each row: the regressors
+/// then y) plus an intercept, by the normal equations on centred and scaled columns, solved by
+/// Gauss-Jordan elimination with partial pivoting (k ≤ a few: the step model's terms). `Err`
+/// names the column that cannot be identified: too few rows, a constant column, or a column
+/// that the others explain within [`COLLINEAR_R2`].
+pub fn fit_ols(rows: &[Vec<f64>], names: &[&str]) -> Result<Ols, String> {
+    let k = names.len();
+    let len = rows.len();
+    if len < k + 2 {
+        return Err(format!(
+            "{len} usable samples; need at least {} for {k} slopes and a level with a residual",
+            k + 2
+        ));
+    }
+    let n = len as f64;
+    let mean: Vec<f64> = (0..=k)
+        .map(|j| rows.iter().map(|r| r[j]).sum::<f64>() / n)
+        .collect();
+    // centred cross products: s[i][j] over the regressors, sy[j] with y, syy
+    let mut s = vec![vec![0.0; k]; k];
+    let mut sy = vec![0.0; k];
+    let mut syy = 0.0;
+    for r in rows {
+        let w = r[k] - mean[k];
+        syy += w * w;
+        for i in 0..k {
+            let u = r[i] - mean[i];
+            sy[i] += u * w;
+            for j in 0..k {
+                s[i][j] += u * (r[j] - mean[j]);
+            }
+        }
+    }
+    for j in 0..k {
+        if s[j][j] <= f64::EPSILON * mean[j].abs().max(1.0).powi(2) * n {
+            return Err(format!(
+                "{} is the same ({}) in every sample: its slope cannot be fitted",
+                names[j], mean[j]
+            ));
+        }
+    }
+    // the correlation matrix of the regressors, inverted
+    let scale: Vec<f64> = (0..k).map(|j| s[j][j].sqrt()).collect();
+    let mut m: Vec<Vec<f64>> = (0..k)
+        .map(|i| {
+            let mut row: Vec<f64> = (0..k).map(|j| s[i][j] / (scale[i] * scale[j])).collect();
+            row.extend((0..k).map(|j| if i == j { 1.0 } else { 0.0 }));
+            row
+        })
+        .collect();
+    for col in 0..k {
+        let pivot = (col..k)
+            .max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))
+            .unwrap_or(col);
+        m.swap(col, pivot);
+        let p = m[col][col];
+        if p.abs() < 1e-12 {
+            return Err(format!(
+                "{} moves with the other columns: vary it apart from them",
+                names[col]
+            ));
+        }
+        for v in &mut m[col] {
+            *v /= p;
+        }
+        let pivot_row = m[col].clone();
+        for (i, row) in m.iter_mut().enumerate() {
+            let f = row[col];
+            if i != col && f != 0.0 {
+                for (v, p) in row.iter_mut().zip(&pivot_row) {
+                    *v -= f * p;
+                }
+            }
+        }
+    }
+    // inv[i][j] = (XᵀX centred)⁻¹; its diagonal over the correlation form is 1 / (1 − R²_j)
+    let inv: Vec<Vec<f64>> = (0..k)
+        .map(|i| {
+            (0..k)
+                .map(|j| m[i][k + j] / (scale[i] * scale[j]))
+                .collect()
+        })
+        .collect();
+    for j in 0..k {
+        let vif = m[j][k + j];
+        if 1.0 - 1.0 / vif >= COLLINEAR_R2 {
+            return Err(format!(
+                "{} moves with the other columns (R² {:.8} from them): vary it apart from them",
+                names[j],
+                1.0 - 1.0 / vif
+            ));
+        }
+    }
+    let coef: Vec<f64> = (0..k)
+        .map(|i| (0..k).map(|j| inv[i][j] * sy[j]).sum())
+        .collect();
+    let b = mean[k] - (0..k).map(|j| coef[j] * mean[j]).sum::<f64>();
+    let sse: f64 = rows
+        .iter()
+        .map(|r| (r[k] - b - (0..k).map(|j| coef[j] * r[j]).sum::<f64>()).powi(2))
+        .sum();
+    let dof = len - k - 1;
+    let (se, se_b) = if dof > 0 {
+        let s2 = sse / dof as f64;
+        let se: Vec<f64> = (0..k).map(|j| (s2 * inv[j][j]).max(0.0).sqrt()).collect();
+        let quad: f64 = (0..k)
+            .map(|i| (0..k).map(|j| mean[i] * inv[i][j] * mean[j]).sum::<f64>())
+            .sum();
+        (Some(se), Some((s2 * (1.0 / n + quad)).max(0.0).sqrt()))
+    } else {
+        (None, None)
+    };
+    Ok(Ols {
+        coef,
+        b,
+        se,
+        se_b,
+        r2: if syy > 0.0 { 1.0 - sse / syy } else { 1.0 },
+        rmse: (sse / n).sqrt(),
+    })
+}

@@ -1,16 +1,17 @@
 //! Reading the samples CSV for `br-sim calibrate`: the two formats (positional
-//! `max_kv_tokens,step_ms`, or a header naming `max_running`), and every rejected row with its
-//! line number and reason.
+//! `max_kv_tokens,step_ms`, or a header naming `max_running` and/or `max_prefill_tokens`), and
+//! every rejected row with its line number and reason.
 //!
 //! Separate from the fits: what a row means and when it is refused reads on its own.
 
 use super::*;
 
-/// Where the three columns are (the three-term format).
+/// Where the named columns are (the format with a header naming N and/or P).
 #[derive(Debug, Clone, Copy)]
 struct Columns {
     max_kv_tokens: usize,
-    max_running: usize,
+    max_running: Option<usize>,
+    max_prefill_tokens: Option<usize>,
     step_ms: usize,
 }
 
@@ -23,27 +24,33 @@ pub struct Parsed {
     pub rejected: Vec<Rejected>,
     /// The header named `max_running`.
     pub with_requests: bool,
+    /// The header named `max_prefill_tokens`.
+    pub with_prefill: bool,
 }
 
-/// Reads a header row: `Ok(Some)` for the three-term format, `Ok(None)` for any other header
-/// (the positional two-column format), `Err` for a `max_running` header missing a column.
+/// Reads a header row: `Ok(Some)` for a header naming `max_running` or `max_prefill_tokens`,
+/// `Ok(None)` for any other header (the positional two-column format), `Err` for such a header
+/// missing `max_kv_tokens` or `step_ms`.
 fn header_columns(fields: &[&str]) -> Result<Option<Columns>, String> {
     let find = |name: &str| {
         fields
             .iter()
             .position(|f| f.trim().eq_ignore_ascii_case(name))
     };
-    let Some(max_running) = find("max_running") else {
+    let (max_running, max_prefill_tokens) = (find("max_running"), find("max_prefill_tokens"));
+    if max_running.is_none() && max_prefill_tokens.is_none() {
         return Ok(None);
-    };
+    }
     match (find("max_kv_tokens"), find("step_ms")) {
         (Some(max_kv_tokens), Some(step_ms)) => Ok(Some(Columns {
             max_kv_tokens,
             max_running,
+            max_prefill_tokens,
             step_ms,
         })),
         _ => Err(format!(
-            "a header with max_running must also name max_kv_tokens and step_ms, got `{}`",
+            "a header with max_running or max_prefill_tokens must also name max_kv_tokens and \
+             step_ms, got `{}`",
             fields.join(",")
         )),
     }
@@ -90,23 +97,29 @@ pub fn parse(path: &Path, text: &str) -> Result<Parsed, CalibrateError> {
                 number(&fields, 1, "step_ms").map(|y| Sample {
                     max_kv_tokens: x,
                     max_running: None,
+                    max_prefill: None,
                     step_ms: y,
                 })
             }),
             Some(c) => {
-                let need = c.max_kv_tokens.max(c.max_running).max(c.step_ms) + 1;
+                let need = [c.max_running, c.max_prefill_tokens]
+                    .into_iter()
+                    .flatten()
+                    .fold(c.max_kv_tokens.max(c.step_ms), usize::max)
+                    + 1;
+                let optional =
+                    |i: Option<usize>, name| i.map(|i| number(&fields, i, name)).transpose();
                 if fields.len() < need {
-                    Err(format!(
-                        "expected {need} fields (max_kv_tokens, max_running, step_ms), got `{row}`"
-                    ))
+                    Err(format!("expected {need} fields, got `{row}`"))
                 } else {
                     number(&fields, c.max_kv_tokens, "max_kv_tokens").and_then(|x| {
-                        number(&fields, c.max_running, "max_running").and_then(|n| {
-                            number(&fields, c.step_ms, "step_ms").map(|y| Sample {
-                                max_kv_tokens: x,
-                                max_running: Some(n),
-                                step_ms: y,
-                            })
+                        let n = optional(c.max_running, "max_running")?;
+                        let p = optional(c.max_prefill_tokens, "max_prefill_tokens")?;
+                        number(&fields, c.step_ms, "step_ms").map(|y| Sample {
+                            max_kv_tokens: x,
+                            max_running: n,
+                            max_prefill: p,
+                            step_ms: y,
                         })
                     })
                 }
@@ -116,14 +129,20 @@ pub fn parse(path: &Path, text: &str) -> Result<Parsed, CalibrateError> {
             Ok(s) if valid(&s) => samples.push(s),
             Ok(s) => rejected.push(Rejected {
                 line,
-                reason: match s.max_running {
-                    None => format!(
+                reason: match (s.max_running, s.max_prefill) {
+                    (None, None) => format!(
                         "max_kv_tokens must be finite and >= 0 and step_ms finite and > 0, got {}, {}",
                         s.max_kv_tokens, s.step_ms
                     ),
-                    Some(n) => format!(
+                    (Some(n), None) => format!(
                         "max_kv_tokens and max_running must be finite and >= 0 and step_ms finite and > 0, got {}, {n}, {}",
                         s.max_kv_tokens, s.step_ms
+                    ),
+                    (n, Some(p)) => format!(
+                        "max_kv_tokens, max_running and max_prefill_tokens must be finite and >= 0 and step_ms finite and > 0, got {}, {}, {p}, {}",
+                        s.max_kv_tokens,
+                        n.map_or("-".into(), |n| n.to_string()),
+                        s.step_ms
                     ),
                 },
             }),
@@ -133,7 +152,8 @@ pub fn parse(path: &Path, text: &str) -> Result<Parsed, CalibrateError> {
     Ok(Parsed {
         samples,
         rejected,
-        with_requests: columns.is_some(),
+        with_requests: columns.is_some_and(|c| c.max_running.is_some()),
+        with_prefill: columns.is_some_and(|c| c.max_prefill_tokens.is_some()),
     })
 }
 
@@ -143,6 +163,7 @@ fn valid(s: &Sample) -> bool {
         && s.step_ms.is_finite()
         && s.step_ms > 0.0
         && s.max_running.is_none_or(|n| n.is_finite() && n >= 0.0)
+        && s.max_prefill.is_none_or(|p| p.is_finite() && p >= 0.0)
 }
 
 /// Parses two-column samples from CSV text; returns the usable (x, y) pairs and the rejected

@@ -250,3 +250,125 @@ fn file_roundtrip() {
     let f = calibrate_file(&p, false).expect("fit");
     assert!((f.a - 0.1).abs() < 1e-12 && (f.b - 10.0).abs() < 1e-9);
 }
+
+/// `n` samples of colocated steps, `T = a·M + p·P (+ c·N) + b` + noise of amplitude `noise`:
+/// half the steps prefill nothing, the others a chunk of 1..8,192 prompt tokens on the rank
+/// that prefills the most; with `c`, a `max_running` column too.
+fn prefill_columns(
+    n: usize,
+    a: f64,
+    p: f64,
+    c: Option<f64>,
+    b: f64,
+    noise: f64,
+    seed: u64,
+) -> String {
+    let mut u = lcg(seed);
+    let mut text = String::from(if c.is_some() {
+        "max_kv_tokens,max_prefill_tokens,max_running,step_ms\n"
+    } else {
+        "step,max_kv_tokens,max_prefill_tokens,step_ms\n"
+    });
+    for k in 0..n {
+        let requests = (8.0 + 248.0 * (u() + 1.0) / 2.0).round();
+        let tokens = (requests * (3_500.0 + 2_500.0 * u())).round();
+        let prefill = if k % 2 == 0 {
+            0.0
+        } else {
+            (1.0 + 8_191.0 * (u() + 1.0) / 2.0).round()
+        };
+        let t = a * tokens + p * prefill + c.unwrap_or(0.0) * requests + b + noise * u();
+        text.push_str(&match c {
+            Some(_) => format!("{tokens},{prefill},{requests},{t}\n"),
+            None => format!("{k},{tokens},{prefill},{t}\n"),
+        });
+    }
+    text
+}
+
+#[test]
+fn the_prefill_term_is_recovered_with_its_standard_error() {
+    for c in [None, Some(0.3)] {
+        let text = prefill_columns(400, 1.8e-4, 4e-3, c, 25.0, 2.0, 11);
+        let f = calibrate_text(Path::new("p.csv"), &text, true).expect("fit");
+        assert_eq!(f.model, FitModel::WithPrefill);
+        let (se_a, se_p, se_b) = (f.se_a.unwrap(), f.se_p.unwrap(), f.se_b.unwrap());
+        assert!((f.a - 1.8e-4).abs() < 4.0 * se_a, "{f:?}");
+        assert!((f.p - 4e-3).abs() < 4.0 * se_p, "{f:?}");
+        assert!((f.b - 25.0).abs() < 4.0 * se_b, "{f:?}");
+        assert!(se_p < 1e-4, "{f:?}");
+        assert_eq!(f.p_significant, Some(true));
+        // P explains what the fit without it leaves (its chunks cost up to 33 ms)
+        assert!(
+            f.without_prefill_rmse_ms.unwrap() > 5.0 * f.rmse_ms,
+            "{f:?}"
+        );
+        match c {
+            Some(c) => {
+                assert!((f.c - c).abs() < 4.0 * f.se_c.unwrap(), "{f:?}");
+                assert_eq!(f.c_significant, Some(true));
+            }
+            None => assert!(f.se_c.is_none() && f.c == 0.0, "{f:?}"),
+        }
+        let out = f.render();
+        assert!(out.contains("--colocated --step-p"), "{out}");
+        assert!(
+            out.contains("significant: the data asks for the prefill term"),
+            "{out}"
+        );
+        assert_eq!(out.contains("--step-c"), c.is_some(), "{out}");
+    }
+}
+
+#[test]
+fn prefill_samples_that_cannot_identify_p_are_a_typed_error() {
+    let path = Path::new("u.csv");
+    // no step prefilled anything (a decode tier's log): p cannot be fitted
+    let none = "max_kv_tokens,max_prefill_tokens,step_ms\n100000,0,50\n200000,0,70\n300000,0,90\n400000,0,110\n500000,0,130\n";
+    // prefill in lockstep with the KV read
+    let lockstep = "max_kv_tokens,max_prefill_tokens,step_ms\n100000,100,50\n200000,200,70\n300000,300,90\n400000,400,110\n500000,500,130\n";
+    for (text, says) in [
+        (none, "max_prefill_tokens is the same (0)"),
+        (lockstep, "moves with"),
+    ] {
+        match calibrate_text(path, text, false) {
+            Err(e @ CalibrateError::Unidentifiable { .. }) => {
+                assert!(e.to_string().contains(says), "{e}")
+            }
+            other => panic!("{says}: unexpected {other:?}"),
+        }
+    }
+    // a negative prefill count is a rejected row, with its line
+    let text = prefill_columns(50, 1e-4, 1e-3, None, 20.0, 0.5, 3) + "1000,5000,-1,30\n";
+    let f = calibrate_text(path, &text, false).expect("fit");
+    assert_eq!(f.rejected.len(), 1);
+    assert_eq!(f.rejected[0].line, 52);
+    assert!(calibrate_text(path, &text, true).is_err());
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// The general least squares agrees with the plane's closed form on any plane's samples.
+    #[test]
+    fn the_general_fit_agrees_with_the_plane(
+        a in 1e-5f64..1e-3,
+        c in 0.0f64..1.0,
+        b in 5.0f64..100.0,
+        noise in 0.1f64..5.0,
+        seed in proptest::prelude::any::<u64>(),
+    ) {
+        let text = three_column(100, a, c, b, noise, seed);
+        let parsed = parse(Path::new("g.csv"), &text).expect("parse");
+        let triples: Vec<(f64, f64, f64)> = parsed.samples.iter()
+            .map(|s| (s.max_kv_tokens, s.max_running.unwrap_or(0.0), s.step_ms)).collect();
+        let rows: Vec<Vec<f64>> = triples.iter().map(|&(x, z, y)| vec![x, z, y]).collect();
+        let plane = fit_plane(&triples).expect("plane");
+        let ols = fit_ols(&rows, &["max_kv_tokens", "max_running"]).expect("ols");
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * x.abs().max(y.abs()).max(1e-9);
+        let se = ols.se.clone().expect("se");
+        proptest::prop_assert!(close(plane.a, ols.coef[0]) && close(plane.c, ols.coef[1]), "{:?} {:?}", plane, ols);
+        proptest::prop_assert!(close(plane.b, ols.b) && close(plane.rmse, ols.rmse), "{:?} {:?}", plane, ols);
+        proptest::prop_assert!(close(plane.se_a.unwrap(), se[0]) && close(plane.se_c.unwrap(), se[1]), "{:?} {:?}", plane, ols);
+        proptest::prop_assert!(close(plane.se_b.unwrap(), ols.se_b.unwrap()), "{:?} {:?}", plane, ols);
+    }
+}
