@@ -41,6 +41,7 @@ fn busy_group(seed: u64) -> (ClusterState, Vec<(RequestKey, u32)>) {
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: None,
+                class: None,
             })
             .expect("room");
         held.push(key);

@@ -62,6 +62,7 @@ fn warm_finishes() -> impl Iterator<Item = Finished> {
         prompt_hash: Some(u64::from(o % 5_000)),
         output_tokens: 1000 + (o * 7919) % 500,
         expected_output: None,
+        class: None,
     })
 }
 
@@ -253,6 +254,7 @@ fn finish_one(state: &mut ClusterState, policy: &mut dyn br_core::Policy, round:
         prompt_hash: done.prompt_hash,
         output_tokens: done.generated.max(1),
         expected_output: None,
+        class: None,
     });
     let _ = state.reserve(RequestInfo {
         key: 1_000_000_000 + round,

@@ -32,6 +32,7 @@ pub fn steady_state(workers: u32, slots: u32, waiting: usize, seed: u64) -> (Clu
                 prompt_hash: Some(rng.random_range(0..5000)),
                 oracle_output: Some(output),
                 expected_output: None,
+                class: None,
             });
         }
     }
@@ -44,6 +45,7 @@ pub fn steady_state(workers: u32, slots: u32, waiting: usize, seed: u64) -> (Clu
             prompt_hash: Some(rng.random_range(0..5000)),
             oracle_output: Some(rng.random_range(1000..1500)),
             expected_output: None,
+            class: None,
         });
     }
     (st, pool)

@@ -20,6 +20,8 @@ pub struct PoolEntry {
     pub oracle_output: Option<u32>,
     /// The client's expected output length, a hint (see [`crate::RequestInfo`]).
     pub expected_output: Option<u32>,
+    /// The request's class id, if it has one (see [`crate::RequestInfo`]).
+    pub class: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -136,6 +138,7 @@ mod tests {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         }
     }
 

@@ -313,6 +313,8 @@ pub struct Finished {
     /// The client's expected output length, when it sent one (the request's
     /// [`RequestInfo::expected_output`]): what [`Hinted`] learns to trust or not.
     pub expected_output: Option<u32>,
+    /// The request's class id, if it had one ([`RequestInfo::class`]).
+    pub class: Option<u64>,
 }
 
 /// The size of what an online predictor has learned: its memory bound made visible.

@@ -624,6 +624,7 @@ mod tests {
                 prompt_hash: None,
                 oracle_output: Some(out),
                 expected_output: None,
+                class: None,
             });
         }
         st
@@ -730,6 +731,7 @@ mod tests {
                     prompt_hash: None,
                     oracle_output: Some(out),
                     expected_output: None,
+                    class: None,
                 });
             }
             if let Some(w) = fenced {
@@ -828,6 +830,7 @@ mod tests {
                     prompt_hash: None,
                     oracle_output: None,
                     expected_output: None,
+                    class: None,
                 })
                 .unwrap();
             }

@@ -43,6 +43,11 @@ pub struct RequestInfo {
     /// The client's expected output length in tokens, a hint that may be wrong (`None`: none
     /// was sent). Only the `Hinted` predictor reads it, and learns how far to trust it.
     pub expected_output: Option<u32>,
+    /// The request's class (`None`: the gateway named none): the 64-bit id of its class key
+    /// (`AssignRequest.request_class`), a hash of the key that every process computes alike,
+    /// so it crosses σ and replicas as it is and needs no table of keys to bound (an interned
+    /// small id would be one process's own). Nothing reads it yet.
+    pub class: Option<u64>,
 }
 
 impl RequestInfo {
@@ -539,6 +544,7 @@ mod tests {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         }
     }
 

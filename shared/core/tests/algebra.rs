@@ -21,6 +21,7 @@ fn state(loads: &[u32]) -> ClusterState {
                 prompt_hash: None,
                 oracle_output: Some(l % 300 + 1),
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         }
@@ -119,6 +120,7 @@ fn horizon_margins_see_requests_leave() {
         prompt_hash: None,
         oracle_output: Some(o),
         expected_output: None,
+        class: None,
     };
     st.reserve(mk(1, 0, 1000, 10)).unwrap();
     st.reserve(mk(2, 1, 600, 5000)).unwrap();

@@ -137,6 +137,7 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
             prompt_hash: None,
             oracle_output: Some(o + j),
             expected_output: sc.hinted.then_some(o + j),
+            class: None,
         })
         .unwrap();
     }
@@ -148,6 +149,7 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
             prompt_hash: Some(u64::from(s % 7)),
             oracle_output: Some(o),
             expected_output: sc.hinted.then_some(o),
+            class: None,
         })
         .unwrap();
     }
@@ -202,6 +204,7 @@ fn exact_hints_proved(policy: &mut dyn br_core::Policy) {
             prompt_hash: None,
             output_tokens: 500,
             expected_output: Some(500),
+            class: None,
         });
     }
 }
@@ -318,7 +321,7 @@ proptest! {
         let mut st = ClusterState::with_workers(&vec![64; loads.len()]);
         for (w, &l) in loads.iter().enumerate() {
             if l > 0 {
-                st.reserve(RequestInfo { key: w as u64, worker: w as u32, prompt_tokens: l, generated: 0, phase: Phase::Running, prompt_hash: None, oracle_output: None, expected_output: None }).unwrap();
+                st.reserve(RequestInfo { key: w as u64, worker: w as u32, prompt_tokens: l, generated: 0, phase: Phase::Running, prompt_hash: None, oracle_output: None, expected_output: None, class: None }).unwrap();
             }
         }
         let w = pick.index(loads.len()) as u32;
@@ -355,6 +358,7 @@ fn cold_start_largest_first_balances_tokens() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -435,6 +439,7 @@ fn stage2_admits_the_best_subset_through_the_dispatcher() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -446,6 +451,7 @@ fn stage2_admits_the_best_subset_through_the_dispatcher() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -482,6 +488,7 @@ fn head_batch_scope_admits_in_arrival_order() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -513,6 +520,7 @@ fn head_batch_scope_admits_in_arrival_order() {
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: None,
+                class: None,
             })
             .unwrap();
     }
@@ -543,6 +551,7 @@ fn one_running_each(loads: &[u32], free: u32, sizes: &[u32]) -> (ClusterState, P
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -554,6 +563,7 @@ fn one_running_each(loads: &[u32], free: u32, sizes: &[u32]) -> (ClusterState, P
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -647,6 +657,7 @@ fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -659,6 +670,7 @@ fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         }
@@ -715,6 +727,7 @@ fn stage2_holds_a_worker_above_the_mean_and_fills_the_one_below() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -727,6 +740,7 @@ fn stage2_holds_a_worker_above_the_mean_and_fills_the_one_below() {
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         }
@@ -807,6 +821,7 @@ fn place_one(workers: &[(u64, u32, u32)], s: u32, level: f64, tie_break: TieBrea
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: None,
+                class: None,
             })
             .unwrap();
             key += 1;
@@ -819,6 +834,7 @@ fn place_one(workers: &[(u64, u32, u32)], s: u32, level: f64, tie_break: TieBrea
         prompt_hash: None,
         oracle_output: None,
         expected_output: None,
+        class: None,
     })
     .unwrap();
     let cfg = PolicyConfig {
@@ -959,6 +975,7 @@ fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() 
                 prompt_hash: None,
                 oracle_output: Some(output),
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         };
@@ -983,6 +1000,7 @@ fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() 
                 prompt_hash: None,
                 oracle_output: Some(1_000),
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         }
@@ -1037,6 +1055,7 @@ fn the_stagger_term_puts_a_finish_where_the_rank_has_none() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: Some(5 + left),
+            class: None,
         })
         .unwrap();
     }
@@ -1049,6 +1068,7 @@ fn the_stagger_term_puts_a_finish_where_the_rank_has_none() {
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: Some(expected),
+                class: None,
             })
             .unwrap();
         }

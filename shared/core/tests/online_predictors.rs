@@ -20,6 +20,7 @@ fn request(prompt_tokens: u32, generated: u32, prompt_hash: Option<u64>) -> Requ
         prompt_hash,
         oracle_output: None,
         expected_output: None,
+        class: None,
     }
 }
 
@@ -64,7 +65,7 @@ proptest! {
     ) {
         let mut s = Survival::with_buckets(max_len, min_samples, buckets);
         for &(prompt, out) in &finished {
-            s.observe(&Finished { prompt_tokens: prompt, prompt_hash: None, output_tokens: out, expected_output: None });
+            s.observe(&Finished { prompt_tokens: prompt, prompt_hash: None, output_tokens: out, expected_output: None, class: None });
         }
         let clamp = |o: u32| o.clamp(1, max_len);
         let all: Vec<u32> = finished.iter().map(|&(_, o)| clamp(o)).collect();
@@ -109,7 +110,7 @@ proptest! {
         let mut lru: VecDeque<(u64, VecDeque<u32>)> = VecDeque::new();
         let mut all = Vec::new();
         for &(hash, out) in &stream {
-            e.observe(&Finished { prompt_tokens: 10, prompt_hash: Some(hash), output_tokens: out, expected_output: None });
+            e.observe(&Finished { prompt_tokens: 10, prompt_hash: Some(hash), output_tokens: out, expected_output: None, class: None });
             all.push(out);
             let mut lengths = match lru.iter().position(|(k, _)| *k == hash) {
                 Some(i) => lru.remove(i).map(|(_, l)| l).unwrap_or_default(),
@@ -166,6 +167,7 @@ fn converges_on_a_stationary_stream() {
                 prompt_hash: Some(t),
                 output_tokens: template_len(t),
                 expected_output: None,
+                class: None,
             }
         } else if rng.random_bool(0.5) {
             Finished {
@@ -173,6 +175,7 @@ fn converges_on_a_stationary_stream() {
                 prompt_hash: None,
                 output_tokens: rng.random_range(500..=1_500),
                 expected_output: None,
+                class: None,
             }
         } else {
             Finished {
@@ -180,6 +183,7 @@ fn converges_on_a_stationary_stream() {
                 prompt_hash: None,
                 output_tokens: rng.random_range(100..=200),
                 expected_output: None,
+                class: None,
             }
         }
     };

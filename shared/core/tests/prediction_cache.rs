@@ -157,6 +157,7 @@ proptest! {
                 prompt_hash: hash,
                 output_tokens: len,
                 expected_output: hint_of(i as u64, len),
+                class: None,
             };
             cached.observe_finished(&f);
             reference.observe(&f);
@@ -189,6 +190,7 @@ proptest! {
                                 prompt_hash: r.prompt_hash,
                                 output_tokens: tokens,
                                 expected_output: r.expected_output,
+                                class: None,
                             };
                             cached.observe_finished(&f);
                             reference.observe(&f);
@@ -202,6 +204,7 @@ proptest! {
                             prompt_hash: Some(hash),
                             oracle_output: Some(output),
                             expected_output: hint_of(next_key, output),
+                            class: None,
                         };
                         next_key += 1;
                         pool_a.push(entry.clone()).unwrap();
@@ -221,6 +224,7 @@ proptest! {
                                 .saturating_add_signed(offset)
                                 .max(1),
                                 expected_output: r.expected_output,
+                                class: None,
                             };
                             cached.observe_finished(&f);
                             reference.observe(&f);
@@ -267,6 +271,7 @@ proptest! {
                         prompt_hash: Some(adm.key % 6),
                         oracle_output: Some(entry_output),
                         expected_output: hint_of(adm.key, entry_output),
+                        class: None,
                     })
                     .unwrap();
             }
@@ -290,6 +295,7 @@ fn cache_reuses_only_what_is_unchanged() {
             prompt_hash: None,
             oracle_output: Some(50),
             expected_output: None,
+            class: None,
         })
         .unwrap();
     }
@@ -320,6 +326,7 @@ fn cache_reuses_only_what_is_unchanged() {
         prompt_hash: None,
         oracle_output: Some(60),
         expected_output: None,
+        class: None,
     })
     .unwrap();
     let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
@@ -338,6 +345,7 @@ fn cache_reuses_only_what_is_unchanged() {
         prompt_hash: None,
         oracle_output: Some(60),
         expected_output: None,
+        class: None,
     })
     .unwrap();
     let m = Margins::horizon_cached(&st, &params, &Oracle, &mut cache);
@@ -356,6 +364,7 @@ fn running(key: u64, worker: u32, prompt_tokens: u32, generated: u32) -> Request
         prompt_hash: None,
         oracle_output: None,
         expected_output: None,
+        class: None,
     }
 }
 
@@ -366,6 +375,7 @@ fn finish(prompt_tokens: u32, output_tokens: u32) -> Finished {
         prompt_hash: None,
         output_tokens,
         expected_output: None,
+        class: None,
     }
 }
 
@@ -520,6 +530,7 @@ fn a_request_with_another_hint_is_predicted_anew() {
             prompt_hash: None,
             output_tokens: o,
             expected_output: Some(o),
+            class: None,
         });
     }
     let request = |key, expected_output| RequestInfo {

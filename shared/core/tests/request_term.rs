@@ -34,6 +34,7 @@ fn state(workers: &[(u32, u32)]) -> ClusterState {
                 prompt_hash: None,
                 oracle_output: Some(share % 200 + 1),
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         }
@@ -146,6 +147,7 @@ proptest! {
                 prompt_hash: None,
                 oracle_output: Some(u32::MAX),
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         }
@@ -172,6 +174,7 @@ fn horizon_counts_drop_requests_at_their_predicted_end() {
         prompt_hash: None,
         oracle_output: Some(o),
         expected_output: None,
+        class: None,
     };
     st.reserve(mk(1, 0, 100, 5)).unwrap();
     st.reserve(mk(2, 0, 100, 5000)).unwrap();
@@ -211,6 +214,7 @@ fn the_request_term_moves_a_placement() {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         })
         .unwrap();
         let mut out = Vec::new();

@@ -527,6 +527,7 @@ impl Sigma {
             prompt_hash: r.prompt_hash,
             oracle_output: None,
             expected_output: None,
+            class: None,
         };
         let blocked = self
             .workers

@@ -137,6 +137,7 @@ pub fn simulate_deciders(
                 prompt_hash: r.prompt_hash,
                 oracle_output: Some(r.output_tokens),
                 expected_output: r.expected_output,
+                class: None,
             };
             let k = decider_of(i);
             match mode {
@@ -206,6 +207,7 @@ pub fn simulate_deciders(
                     prompt_hash: r.prompt_hash,
                     oracle_output: Some(r.output_tokens),
                     expected_output: r.expected_output,
+                    class: None,
                 };
                 let info = queued_info(&entry, a.worker);
                 if !ideal {
@@ -332,6 +334,7 @@ pub fn simulate_deciders(
                 prompt_hash: r.prompt_hash,
                 output_tokens: r.output_tokens,
                 expected_output: r.expected_output,
+                class: None,
             };
             for policy in policies.iter_mut() {
                 policy.observe_finished(&done);

@@ -138,6 +138,7 @@ impl Estimator {
                 prompt_hash: None,
                 output_tokens: tokens,
                 expected_output: None,
+                class: None,
             });
         }
     }
@@ -356,6 +357,7 @@ mod tests {
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
+            class: None,
         }
     }
 

@@ -45,6 +45,7 @@ impl GroupCore {
                     output_tokens: tokens,
                     // no contract carries a client's hint yet
                     expected_output: None,
+                    class: None,
                 });
                 (learn, tokens)
             })

@@ -102,6 +102,7 @@ impl Req {
             prompt_hash: self.prompt_hash,
             oracle_output: None,
             expected_output: None,
+            class: None,
         }
     }
 

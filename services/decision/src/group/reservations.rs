@@ -60,6 +60,7 @@ impl Reservation {
             prompt_hash: self.prompt_hash,
             oracle_output: None,
             expected_output: None,
+            class: None,
         }
     }
 }

@@ -223,6 +223,7 @@ mod tests {
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: None,
+                class: None,
             })
             .unwrap();
         }

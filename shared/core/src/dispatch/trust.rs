@@ -59,6 +59,7 @@ mod tests {
             prompt_hash: None,
             output_tokens,
             expected_output,
+            class: None,
         }
     }
 

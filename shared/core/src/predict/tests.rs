@@ -9,6 +9,7 @@ pub(super) fn fin(prompt_hash: Option<u64>, output_tokens: u32) -> Finished {
         prompt_hash,
         output_tokens,
         expected_output: None,
+        class: None,
     }
 }
 
@@ -22,6 +23,7 @@ pub(super) fn running(generated: u32, hash: Option<u64>, oracle: Option<u32>) ->
         prompt_hash: hash,
         oracle_output: oracle,
         expected_output: None,
+        class: None,
     }
 }
 
@@ -127,6 +129,7 @@ fn survival_cold_start_then_its_own_octave() {
             prompt_hash: None,
             output_tokens: 50,
             expected_output: None,
+            class: None,
         });
     }
     // The long prompt's octave has nothing yet: the global distribution is its prior.
@@ -137,6 +140,7 @@ fn survival_cold_start_then_its_own_octave() {
             prompt_hash: None,
             output_tokens: 1_000,
             expected_output: None,
+            class: None,
         });
     }
     // 3 < min_samples in its octave: still the prior (4 of 7 finish within 80).
@@ -146,6 +150,7 @@ fn survival_cold_start_then_its_own_octave() {
         prompt_hash: None,
         output_tokens: 1_000,
         expected_output: None,
+        class: None,
     });
     // Its own octave now: every long prompt ran 1,000 tokens.
     assert_eq!(s.predict(&long(0), 80), Prediction::RUNS_ON);

@@ -214,6 +214,7 @@ fn a_lagged_view_is_the_truth_of_lag_steps_ago_plus_every_reservation_since() {
         prompt_hash: None,
         oracle_output: None,
         expected_output: None,
+        class: None,
     };
     let mut truth = ClusterState::with_workers(&[4, 4]);
     let mut views = Views::new(2, 2);
