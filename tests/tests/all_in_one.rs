@@ -172,6 +172,8 @@ fn assign_req(id: &str, prompt_tokens: u32, timeout: Duration) -> tonic::Request
         prompt_tokens,
         prompt_hash: None,
         max_tokens: None,
+        expected_output_tokens: None,
+        request_class: None,
     });
     r.set_timeout(timeout);
     r

@@ -62,6 +62,8 @@ async fn assign(decision: &Service, id: &str) -> Result<v1::AssignResponse, toni
         prompt_tokens: 10,
         prompt_hash: None,
         max_tokens: None,
+        expected_output_tokens: None,
+        request_class: None,
     });
     req.set_timeout(Duration::from_secs(5));
     within(CALL, "an Assign", c.assign(req))

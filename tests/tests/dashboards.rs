@@ -394,6 +394,8 @@ async fn every_panel_and_alert_queries_series_and_labels_a_live_stack_exports() 
                         prompt_tokens: 100 + i,
                         prompt_hash: None,
                         max_tokens: None,
+                        expected_output_tokens: None,
+                        request_class: None,
                     });
                     req.set_timeout(Duration::from_secs(10));
                     match d.assign(req).await {

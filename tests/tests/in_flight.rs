@@ -164,6 +164,8 @@ async fn attack_and_assign(all: &Service, path: &str, request_id: &str) -> usize
         prompt_tokens: 100,
         prompt_hash: None,
         max_tokens: None,
+        expected_output_tokens: None,
+        request_class: None,
     });
     req.set_timeout(LONG);
     let answer = decision

@@ -242,6 +242,8 @@ async fn run(policy: &str) -> Report {
                         prompt_tokens: prompt,
                         prompt_hash: None,
                         max_tokens: None,
+                        expected_output_tokens: None,
+                        request_class: None,
                     });
                     req.set_timeout(DEADLINE);
                     let sent = Instant::now();

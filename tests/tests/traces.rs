@@ -118,6 +118,8 @@ async fn a_trace_crosses_decision_snapshot_and_ingest() {
             prompt_tokens: 100,
             prompt_hash: None,
             max_tokens: None,
+            expected_output_tokens: None,
+            request_class: None,
         });
         req.set_timeout(Duration::from_secs(10));
         req.metadata_mut()

@@ -93,6 +93,8 @@ impl Plane {
             prompt_tokens,
             prompt_hash: None,
             max_tokens: None,
+            expected_output_tokens: None,
+            request_class: None,
         });
         r.set_timeout(PATIENCE);
         d.assign(r)

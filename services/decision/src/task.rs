@@ -671,6 +671,8 @@ mod tests {
             prompt_tokens: 100,
             prompt_hash: None,
             max_tokens: None,
+            expected_output_tokens: None,
+            request_class: None,
         };
         handle
             .send(Command::Assign {

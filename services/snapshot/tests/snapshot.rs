@@ -140,6 +140,8 @@ fn reservation(id: &str, w: u32, inc: u64, p: u32) -> v1::Reservation {
         prompt_hash: Some(7),
         max_tokens: Some(64),
         queue_if_full: false,
+        expected_output_tokens: None,
+        request_class_id: None,
     }
 }
 

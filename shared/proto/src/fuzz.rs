@@ -78,6 +78,8 @@ impl Target {
             prompt_hash: Some(9),
             max_tokens: Some(64),
             queue_if_full: false,
+            expected_output_tokens: Some(32),
+            request_class_id: Some(0x8594_4171_f739_67e8),
         };
         match self {
             Target::Assign => vec![
@@ -87,6 +89,8 @@ impl Target {
                     prompt_tokens: 100,
                     prompt_hash: Some(42),
                     max_tokens: Some(1024),
+                    expected_output_tokens: Some(300),
+                    request_class: Some("chat/tools".into()),
                 }
                 .encode_to_vec(),
             ],

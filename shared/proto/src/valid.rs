@@ -22,6 +22,8 @@ pub mod limits {
     pub const MAX_ID_BYTES: usize = 256;
     /// Longest worker endpoint, in bytes.
     pub const MAX_ENDPOINT_BYTES: usize = 512;
+    /// Longest request class key (`AssignRequest.request_class`), in bytes.
+    pub const MAX_CLASS_BYTES: usize = 64;
     /// Largest prompt, generated or max token count.
     pub const MAX_TOKENS: u32 = 10_000_000;
     /// Largest KV footprint of one request (prompt + generated tokens): one context window,
@@ -73,6 +75,21 @@ pub enum ValidationError {
         min: u64,
         max: u64,
     },
+    /// A number is above another field of the same message that bounds it.
+    #[error("{field} is {value}, above {limit_field} {limit}")]
+    Exceeds {
+        field: &'static str,
+        value: u64,
+        limit_field: &'static str,
+        limit: u64,
+    },
+    /// A string contains a character its field does not take (besides control characters).
+    #[error("{field} contains {found:?}, it takes only {allowed}")]
+    Charset {
+        field: &'static str,
+        found: char,
+        allowed: &'static str,
+    },
     /// A required message or oneof is not set.
     #[error("{field} is missing")]
     Missing { field: &'static str },
@@ -114,6 +131,8 @@ impl ValidationError {
             ValidationError::TooLong { .. } => "too_long",
             ValidationError::ControlCharacter { .. } => "control_character",
             ValidationError::OutOfRange { .. } => "out_of_range",
+            ValidationError::Exceeds { .. } => "exceeds",
+            ValidationError::Charset { .. } => "charset",
             ValidationError::Missing { .. } => "missing",
             ValidationError::TooMany { .. } => "too_many",
             ValidationError::Duplicate { .. } => "duplicate",
@@ -171,6 +190,29 @@ fn check_max_tokens(v: Option<u32>) -> Result<Option<u32>, ValidationError> {
         check_range("max_tokens", v.into(), 1, MAX_TOKENS.into())?;
     }
     Ok(v)
+}
+
+/// A client's expected output tokens: 1..=10M, and at most `max_tokens` when that is given
+/// (the engine stops there, so a longer expectation cannot be right).
+fn check_expected_output(
+    v: Option<u32>,
+    max_tokens: Option<u32>,
+) -> Result<Option<u32>, ValidationError> {
+    let Some(v) = v else {
+        return Ok(None);
+    };
+    check_range("expected_output_tokens", v.into(), 1, MAX_TOKENS.into())?;
+    if let Some(max) = max_tokens
+        && v > max
+    {
+        return Err(ValidationError::Exceeds {
+            field: "expected_output_tokens",
+            value: v.into(),
+            limit_field: "max_tokens",
+            limit: max.into(),
+        });
+    }
+    Ok(Some(v))
 }
 
 fn check_worker_id(v: u32) -> Result<u32, ValidationError> {
@@ -263,6 +305,67 @@ string_id!(
     MAX_ID_BYTES
 );
 
+/// A request's class key (`AssignRequest.request_class`): 1..=64 bytes of printable ASCII
+/// without spaces (0x21..=0x7E). Cheap to clone. What travels further is its [`Self::id`].
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestClass(Arc<str>);
+
+impl RequestClass {
+    /// What the field takes, as its error says.
+    const ALLOWED: &'static str = "printable ASCII without spaces (0x21..=0x7E)";
+
+    /// Validates `s` as a `request_class`.
+    pub fn new(s: &str) -> Result<Self, ValidationError> {
+        check_str("request_class", s, MAX_CLASS_BYTES, false)?;
+        if let Some(found) = s.chars().find(|c| !c.is_ascii_graphic()) {
+            return Err(ValidationError::Charset {
+                field: "request_class",
+                found,
+                allowed: Self::ALLOWED,
+            });
+        }
+        Ok(Self(Arc::from(s)))
+    }
+
+    /// The key as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The class id that σ carries (`Reservation.request_class_id`): see [`class_id`].
+    pub fn id(&self) -> u64 {
+        class_id(self.as_str())
+    }
+}
+
+impl fmt::Debug for RequestClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for RequestClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The id of a class key: the 64-bit FNV-1a hash of its bytes, as `Reservation.request_class_id`
+/// defines it.
+///
+/// A hash rather than an id interned in a table: it is the same in every process and version
+/// (decision replicas, the snapshot service, a restarted replica reading σ), so it travels
+/// through σ as it is, and nothing has to hold (and bound) a table of keys. FNV-1a is a few
+/// lines anyone can reimplement from the contract, and spreads short keys well; at 64 bits two
+/// of even ten thousand keys collide with a chance of about 3·10⁻¹², and a collision would only
+/// pool the two classes' statistics. Not keyed: the keys come from the operator's gateways.
+pub fn class_id(key: &str) -> u64 {
+    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    key.bytes()
+        .fold(OFFSET_BASIS, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+}
+
 /// A validated `AssignRequest`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidAssign {
@@ -273,6 +376,10 @@ pub struct ValidAssign {
     pub prompt_hash: Option<u64>,
     /// 1..=10M when present.
     pub max_tokens: Option<u32>,
+    /// The client's expected output tokens: 1..=10M, at most `max_tokens`, when present.
+    pub expected_output_tokens: Option<u32>,
+    /// The request's class key, when present.
+    pub request_class: Option<RequestClass>,
 }
 
 impl TryFrom<v1::AssignRequest> for ValidAssign {
@@ -284,6 +391,12 @@ impl TryFrom<v1::AssignRequest> for ValidAssign {
             prompt_tokens: check_prompt_tokens(m.prompt_tokens)?,
             prompt_hash: m.prompt_hash,
             max_tokens: check_max_tokens(m.max_tokens)?,
+            expected_output_tokens: check_expected_output(m.expected_output_tokens, m.max_tokens)?,
+            request_class: m
+                .request_class
+                .as_deref()
+                .map(RequestClass::new)
+                .transpose()?,
         })
     }
 }

@@ -3,6 +3,8 @@
 use br_proto::v1;
 use br_proto::v1::change::{self as c, Kind};
 
+use crate::Hints;
+
 fn wrap(kind: Kind) -> v1::Change {
     v1::Change { kind: Some(kind) }
 }
@@ -49,6 +51,7 @@ pub fn worker_cordon(worker_id: u32, cordoned: bool) -> v1::Change {
     }))
 }
 
+/// A reservation without hints ([`request_reserved_hinted`]).
 pub fn request_reserved(
     request_id: &str,
     worker_id: u32,
@@ -57,6 +60,27 @@ pub fn request_reserved(
     prompt_hash: Option<u64>,
     max_tokens: Option<u32>,
 ) -> v1::Change {
+    request_reserved_hinted(
+        request_id,
+        worker_id,
+        incarnation,
+        prompt_tokens,
+        prompt_hash,
+        max_tokens,
+        Hints::default(),
+    )
+}
+
+/// A reservation that carries the gateway's hints on its output.
+pub fn request_reserved_hinted(
+    request_id: &str,
+    worker_id: u32,
+    incarnation: u64,
+    prompt_tokens: u32,
+    prompt_hash: Option<u64>,
+    max_tokens: Option<u32>,
+    hints: Hints,
+) -> v1::Change {
     wrap(Kind::RequestReserved(c::RequestReserved {
         request_id: request_id.to_owned(),
         worker_id,
@@ -64,6 +88,8 @@ pub fn request_reserved(
         prompt_tokens,
         prompt_hash,
         max_tokens,
+        expected_output_tokens: hints.expected_output,
+        request_class_id: hints.class,
     }))
 }
 

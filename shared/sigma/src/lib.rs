@@ -44,7 +44,7 @@ pub use batch::Batch;
 pub use size::{DEFAULT_MAX_GROUP_REQUESTS, MAX_SNAPSHOT_MESSAGE_BYTES, max_snapshot_bytes};
 pub use store::Sigma;
 pub use summary::{GroupSummary, WorkerSummary};
-pub use types::{Delta, Liveness, Request, RequestBound, SigmaError, Worker};
+pub use types::{Delta, Hints, Liveness, Request, RequestBound, SigmaError, Worker};
 pub use unkeyed::{Adopted, Adoptions};
 
 use br_proto::valid::limits;

@@ -71,6 +71,8 @@ fn largest_request() -> v1::RequestState {
         state: v1::RequestPhase::Active as i32,
         prompt_hash: Some(u64::MAX),
         max_tokens: Some(limits::MAX_TOKENS),
+        expected_output_tokens: Some(limits::MAX_TOKENS),
+        request_class_id: Some(u64::MAX),
     }
 }
 

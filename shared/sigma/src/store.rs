@@ -8,7 +8,7 @@ use br_proto::v1::change::Kind;
 use br_proto::valid::{RequestId, limits};
 use rustc_hash::FxHashMap;
 
-use crate::types::{Delta, Liveness, Request, RequestBound, SigmaError, SlotHint, Worker};
+use crate::types::{Delta, Hints, Liveness, Request, RequestBound, SigmaError, SlotHint, Worker};
 use crate::{MAX_CARRIER_BYTES, MAX_REQUEST_TOKENS, MAX_WORKER_ID};
 
 mod snapshot;
@@ -360,6 +360,10 @@ impl Sigma {
             phase: Phase::Queued,
             prompt_hash: r.prompt_hash,
             max_tokens: r.max_tokens,
+            hints: Hints {
+                expected_output: r.expected_output_tokens,
+                class: r.request_class_id,
+            },
             slot: SlotHint::default(),
         })?;
         Ok(true)
@@ -388,6 +392,7 @@ impl Sigma {
                 phase: Phase::Running,
                 prompt_hash: None,
                 max_tokens: None,
+                hints: Hints::default(),
                 slot: SlotHint::default(),
             })?;
             self.count_generated(p.worker_id, p.generated_tokens);
@@ -526,8 +531,8 @@ impl Sigma {
             phase: r.phase,
             prompt_hash: r.prompt_hash,
             oracle_output: None,
-            expected_output: None,
-            class: None,
+            expected_output: r.hints.expected_output,
+            class: r.hints.class,
         };
         let blocked = self
             .workers

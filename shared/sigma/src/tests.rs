@@ -60,6 +60,76 @@ fn reservation_progress_finish_move_loads() {
     assert_eq!((s.key_of("r1"), s.id_of(key)), (None, None));
 }
 
+/// The gateway's hints stay with a request for its life in σ (reserved, running, moved), in
+/// the routing core's view of it, in snapshots and on every replica; a request σ learns of from
+/// telemetry alone has none.
+#[test]
+fn hints_stay_with_the_request() {
+    let hints = Hints {
+        expected_output: Some(300),
+        class: Some(u64::MAX),
+    };
+    let mut s = sigma();
+    let mut replica = sigma();
+    let step = |s: &mut Sigma, replica: &mut Sigma, changes| {
+        if let Some(d) = commit(s, changes) {
+            replica.apply_delta(&d).unwrap();
+        }
+    };
+    step(
+        &mut s,
+        &mut replica,
+        vec![
+            worker_up(0, 11, 4, ""),
+            worker_up(1, 12, 4, ""),
+            request_reserved_hinted("r1", 0, 11, 100, None, Some(500), hints),
+        ],
+    );
+    let in_core = |s: &Sigma, id: &str| {
+        let info = s.cluster().get(s.key_of(id).unwrap()).unwrap();
+        (info.expected_output, info.class)
+    };
+    assert_eq!(s.request("r1").unwrap().hints, hints);
+    assert_eq!(in_core(&s, "r1"), (Some(300), Some(u64::MAX)));
+    step(
+        &mut s,
+        &mut replica,
+        vec![request_progress("r1", 0, 11, 100, 7)],
+    );
+    // a move re-inserts it in the core
+    step(
+        &mut s,
+        &mut replica,
+        vec![request_progress("r1", 1, 12, 90, 8)],
+    );
+    for s in [&s, &replica] {
+        assert_eq!(s.request("r1").unwrap().hints, hints);
+        assert_eq!(in_core(s, "r1"), (Some(300), Some(u64::MAX)));
+    }
+    let snap = s.to_snapshot();
+    assert_eq!(snap, replica.to_snapshot());
+    let r1 = &snap.requests[0];
+    assert_eq!(
+        (r1.expected_output_tokens, r1.request_class_id),
+        (Some(300), Some(u64::MAX))
+    );
+    let back = Sigma::from_snapshot(&snap).unwrap();
+    assert_eq!(in_core(&back, "r1"), (Some(300), Some(u64::MAX)));
+    // telemetry alone: no hints; a reservation of an older decision service: none either
+    step(
+        &mut s,
+        &mut replica,
+        vec![
+            request_progress("t1", 0, 11, 10, 1),
+            request_reserved("r2", 0, 11, 10, None, None),
+        ],
+    );
+    for id in ["t1", "r2"] {
+        assert_eq!(s.request(id).unwrap().hints, Hints::default());
+        assert_eq!(in_core(&s, id), (None, None));
+    }
+}
+
 #[test]
 fn worker_lifecycle_follows_the_contract() {
     let mut s = sigma();
@@ -789,8 +859,20 @@ mod unkeyed_rule {
     fn an_unkeyed_request_takes_the_oldest_reservation_and_its_fields() {
         let mut w = Writer::new();
         w.run(|b, _| {
-            b.apply(request_reserved("old", 0, INC, 300, Some(77), Some(64)))
-                .unwrap();
+            let hints = Hints {
+                expected_output: Some(40),
+                class: Some(9),
+            };
+            b.apply(request_reserved_hinted(
+                "old",
+                0,
+                INC,
+                300,
+                Some(77),
+                Some(64),
+                hints,
+            ))
+            .unwrap();
             b.apply(request_reserved("new", 0, INC, 500, None, None))
                 .unwrap();
         });
@@ -810,6 +892,11 @@ mod unkeyed_rule {
             (r.prompt_hash, r.max_tokens),
             (Some(77), Some(64)),
             "the reservation's fields"
+        );
+        assert_eq!(
+            (r.hints.expected_output, r.hints.class),
+            (Some(40), Some(9)),
+            "and its hints"
         );
         assert_eq!(load(&w.sigma, 0), 303 + 500, "counted once");
         // no reservation left: new load

@@ -81,9 +81,23 @@ pub struct Request {
     pub phase: Phase,
     pub prompt_hash: Option<u64>,
     pub max_tokens: Option<u32>,
+    /// What the gateway said of its output beside `max_tokens`, as Assign took it.
+    pub hints: Hints,
     /// Where the routing core keeps it, so a progress report skips the core's key → slot
     /// lookup ([`br_core::ClusterState::set_generated_in`]).
     pub(crate) slot: SlotHint,
+}
+
+/// What the gateway said of a request's output beside its `max_tokens`
+/// (`AssignRequest.expected_output_tokens` and the id of its `request_class`): none for a
+/// request that was never reserved (it appeared through telemetry) or whose reservation came
+/// from a service older than these fields.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Hints {
+    /// The client's expected output tokens.
+    pub expected_output: Option<u32>,
+    /// The id of the request's class (`br_proto::valid::class_id` of its key).
+    pub class: Option<u64>,
 }
 
 /// A request's slot in the routing core, as last seen. Only a hint (the core checks it), and

@@ -8,7 +8,7 @@
 //! The rule:
 //! - **adopt**: the first report of an unkeyed `U` that σ does not hold takes over the worker's
 //!   oldest outstanding reservation (same incarnation): that reservation is released and `U`
-//!   enters σ in its place (RESERVED with its prompt tokens, hash and `max_tokens`, then
+//!   enters σ in its place (RESERVED with its prompt tokens, hash, `max_tokens` and hints, then
 //!   ACTIVE by the report), in the same version. With no reservation on the worker, `U` is
 //!   new load (a request that was never reserved, or whose reservation expired).
 //! - **hand on**: the oldest reservation may not have been `U`'s (a mix of keyed and unkeyed
@@ -100,13 +100,14 @@ impl Adoptions {
         };
         b.apply(change::request_released(old.id.as_str()))?;
         if b.sigma().liveness(worker) == Some(Liveness::Live) {
-            b.apply(change::request_reserved(
+            b.apply(change::request_reserved_hinted(
                 id,
                 worker,
                 incarnation,
                 old.prompt_tokens,
                 old.prompt_hash,
                 old.max_tokens,
+                old.hints,
             ))?;
         }
         self.remember(old.id.clone(), worker);

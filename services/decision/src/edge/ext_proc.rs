@@ -469,6 +469,8 @@ impl Stream {
             prompt_tokens,
             prompt_hash: None,
             max_tokens,
+            expected_output_tokens: None,
+            request_class: None,
         };
         let svc = self.ext.svc.clone();
         let timeout = self.ext.settings.timeout;

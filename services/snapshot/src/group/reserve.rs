@@ -11,7 +11,7 @@ use std::time::Duration;
 use br_core::{Phase, RequestKey};
 use br_proto::v1;
 use br_proto::valid::{RequestId, ValidReservation};
-use br_sigma::{Adoptions, Batch, Liveness, MAX_WORKER_ID, change};
+use br_sigma::{Adoptions, Batch, Hints, Liveness, MAX_WORKER_ID, change};
 use tokio::time::Instant;
 
 use super::{Reject, current_worker};
@@ -153,13 +153,17 @@ fn reserve_one(b: &mut Batch<'_>, r: &ValidReservation) -> Result<bool, Reject> 
             format!("worker {} holds {used} of {capacity} requests", r.worker_id),
         ));
     }
-    b.apply(change::request_reserved(
+    b.apply(change::request_reserved_hinted(
         r.request_id.as_str(),
         r.worker_id,
         r.incarnation,
         r.prompt_tokens,
         r.prompt_hash,
         r.max_tokens,
+        Hints {
+            expected_output: r.expected_output_tokens,
+            class: r.request_class_id,
+        },
     ))?;
     Ok(true)
 }

@@ -53,6 +53,8 @@ impl AssignParams {
             prompt_tokens: self.prompt_tokens,
             prompt_hash: self.prompt_hash,
             max_tokens: self.max_tokens,
+            expected_output_tokens: None,
+            request_class: None,
         }
     }
 }

@@ -36,6 +36,10 @@ pub struct ValidReservation {
     pub max_tokens: Option<u32>,
     /// Accept past capacity (the request queues at the rank): on-arrival policies.
     pub queue_if_full: bool,
+    /// 1..=10M and at most `max_tokens`, when present.
+    pub expected_output_tokens: Option<u32>,
+    /// Any value (a hash, [`super::class_id`]).
+    pub request_class_id: Option<u64>,
 }
 
 impl TryFrom<v1::Reservation> for ValidReservation {
@@ -49,6 +53,8 @@ impl TryFrom<v1::Reservation> for ValidReservation {
             prompt_hash: m.prompt_hash,
             max_tokens: check_max_tokens(m.max_tokens)?,
             queue_if_full: m.queue_if_full,
+            expected_output_tokens: check_expected_output(m.expected_output_tokens, m.max_tokens)?,
+            request_class_id: m.request_class_id,
         })
     }
 }

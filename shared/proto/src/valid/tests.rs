@@ -7,6 +7,8 @@ fn assign() -> v1::AssignRequest {
         prompt_tokens: 100,
         prompt_hash: Some(42),
         max_tokens: Some(1024),
+        expected_output_tokens: Some(300),
+        request_class: Some("chat/tools".into()),
     }
 }
 
@@ -39,6 +41,8 @@ fn reservation(id: &str) -> v1::Reservation {
         prompt_hash: None,
         max_tokens: None,
         queue_if_full: false,
+        expected_output_tokens: None,
+        request_class_id: None,
     }
 }
 
@@ -59,6 +63,10 @@ fn valid_assign_passes_through() {
     assert_eq!(v.prompt_tokens, 100);
     assert_eq!(v.prompt_hash, Some(42));
     assert_eq!(v.max_tokens, Some(1024));
+    assert_eq!(v.expected_output_tokens, Some(300));
+    let class = v.request_class.expect("a class");
+    assert_eq!(class.as_str(), "chat/tools");
+    assert_eq!(class.id(), class_id("chat/tools"));
 }
 
 #[test]
@@ -154,6 +162,124 @@ fn assign_token_rules() {
     m.prompt_hash = None;
     let v = ValidAssign::try_from(m).expect("optional fields may be unset");
     assert_eq!((v.max_tokens, v.prompt_hash), (None, None));
+}
+
+#[test]
+fn assign_expected_output_rules() {
+    let with = |expected: Option<u32>, max: Option<u32>| {
+        let mut m = assign();
+        m.expected_output_tokens = expected;
+        m.max_tokens = max;
+        ValidAssign::try_from(m)
+    };
+    assert_eq!(
+        with(Some(0), None).unwrap_err(),
+        out_of_range("expected_output_tokens", 0, 1, 10_000_000)
+    );
+    assert_eq!(
+        with(Some(10_000_001), None).unwrap_err(),
+        out_of_range("expected_output_tokens", 10_000_001, 1, 10_000_000)
+    );
+    let above = with(Some(65), Some(64)).unwrap_err();
+    assert_eq!(
+        above,
+        ValidationError::Exceeds {
+            field: "expected_output_tokens",
+            value: 65,
+            limit_field: "max_tokens",
+            limit: 64,
+        }
+    );
+    assert_eq!(
+        above.to_string(),
+        "expected_output_tokens is 65, above max_tokens 64"
+    );
+    assert_eq!(above.reason_label(), "exceeds");
+    let status = tonic::Status::from(above);
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    // the bounds themselves are taken
+    assert_eq!(
+        with(Some(64), Some(64)).unwrap().expected_output_tokens,
+        Some(64)
+    );
+    assert_eq!(
+        with(Some(10_000_000), None).unwrap().expected_output_tokens,
+        Some(10_000_000)
+    );
+    assert_eq!(
+        with(Some(1), Some(1)).unwrap().expected_output_tokens,
+        Some(1)
+    );
+    assert_eq!(with(None, Some(5)).unwrap().expected_output_tokens, None);
+    // a bad max_tokens is reported as itself, not as the hint's bound
+    assert_eq!(
+        with(Some(5), Some(0)).unwrap_err(),
+        out_of_range("max_tokens", 0, 1, 10_000_000)
+    );
+}
+
+#[test]
+fn assign_request_class_rules() {
+    let with = |class: &str| {
+        let mut m = assign();
+        m.request_class = Some(class.into());
+        ValidAssign::try_from(m)
+    };
+    assert_eq!(
+        with("").unwrap_err(),
+        ValidationError::Empty {
+            field: "request_class"
+        }
+    );
+    assert_eq!(
+        with(&"c".repeat(65)).unwrap_err(),
+        ValidationError::TooLong {
+            field: "request_class",
+            len: 65,
+            max: 64
+        }
+    );
+    assert_eq!(
+        with("a\tb").unwrap_err(),
+        ValidationError::ControlCharacter {
+            field: "request_class"
+        }
+    );
+    for (bad, found) in [
+        ("tenant 7", ' '),
+        ("thinking-é", 'é'),
+        ("x\u{a0}", '\u{a0}'),
+    ] {
+        let e = with(bad).unwrap_err();
+        assert_eq!(
+            e,
+            ValidationError::Charset {
+                field: "request_class",
+                found,
+                allowed: "printable ASCII without spaces (0x21..=0x7E)",
+            },
+            "{bad:?}"
+        );
+        assert_eq!(e.reason_label(), "charset");
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::InvalidArgument);
+    }
+    assert_eq!(
+        with("tenant 7").unwrap_err().to_string(),
+        "request_class contains ' ', it takes only printable ASCII without spaces (0x21..=0x7E)"
+    );
+    // every printable character but the space, 64 bytes long, is a key
+    let all: String = ('!'..='~').take(64).collect();
+    assert_eq!(with(&all).unwrap().request_class.unwrap().as_str(), all);
+    assert!(with("~").is_ok());
+}
+
+#[test]
+fn class_ids_are_fnv1a_64() {
+    // FNV-1a's published test vectors (the empty string is the offset basis).
+    assert_eq!(class_id(""), 0xcbf2_9ce4_8422_2325);
+    assert_eq!(class_id("a"), 0xaf63_dc4c_8601_ec8c);
+    assert_eq!(class_id("foobar"), 0x8594_4171_f739_67e8);
+    assert_ne!(class_id("chat"), class_id("chat2"));
 }
 
 #[test]
@@ -377,6 +503,27 @@ fn reserve_rules() {
     let mut m = ok.clone();
     m.reservations[0].worker_id = MAX_WORKER_ID + 1;
     assert!(ValidReserve::try_from(m).is_err());
+    // the hints travel as Assign took them: the expected output in range and within
+    // max_tokens, the class id any value
+    let mut m = ok.clone();
+    m.reservations[0].expected_output_tokens = Some(0);
+    assert!(ValidReserve::try_from(m).is_err());
+    let mut m = ok.clone();
+    m.reservations[0].max_tokens = Some(10);
+    m.reservations[0].expected_output_tokens = Some(11);
+    assert!(matches!(
+        ValidReserve::try_from(m),
+        Err(ValidationError::Item { index: 0, source, .. }) if source.reason_label() == "exceeds"
+    ));
+    let mut m = ok.clone();
+    m.reservations[0].max_tokens = Some(10);
+    m.reservations[0].expected_output_tokens = Some(10);
+    m.reservations[0].request_class_id = Some(u64::MAX);
+    let r = &ValidReserve::try_from(m).expect("valid").reservations[0];
+    assert_eq!(
+        (r.expected_output_tokens, r.request_class_id),
+        (Some(10), Some(u64::MAX))
+    );
     let mut m = ok;
     m.reservations.push(reservation("a"));
     assert!(matches!(

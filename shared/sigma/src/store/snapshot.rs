@@ -73,6 +73,10 @@ impl Sigma {
                 phase,
                 prompt_hash: r.prompt_hash,
                 max_tokens: r.max_tokens,
+                hints: Hints {
+                    expected_output: r.expected_output_tokens,
+                    class: r.request_class_id,
+                },
                 slot: SlotHint::default(),
             })?;
         }
@@ -125,6 +129,8 @@ impl Sigma {
                 } as i32,
                 prompt_hash: r.prompt_hash,
                 max_tokens: r.max_tokens,
+                expected_output_tokens: r.hints.expected_output,
+                request_class_id: r.hints.class,
             })
             .collect();
         v1::ClusterSnapshot {

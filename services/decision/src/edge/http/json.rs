@@ -104,6 +104,8 @@ impl AssignJson {
             prompt_tokens: self.prompt_tokens.unwrap_or(0),
             prompt_hash: self.prompt_hash,
             max_tokens: self.max_tokens,
+            expected_output_tokens: None,
+            request_class: None,
         }
     }
 }

@@ -61,6 +61,8 @@ fn valid(id: &str, s: u32) -> ValidAssign {
         prompt_tokens: s,
         prompt_hash: None,
         max_tokens: None,
+        expected_output_tokens: None,
+        request_class: None,
     }
 }
 

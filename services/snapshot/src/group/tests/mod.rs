@@ -99,6 +99,8 @@ fn res(id: &str, w: u32, inc: u64, p: u32) -> ValidReservation {
         prompt_hash: Some(1),
         max_tokens: None,
         queue_if_full: false,
+        expected_output_tokens: None,
+        request_class_id: None,
     }
 }
 

@@ -20,6 +20,31 @@ fn on_arrival_reservations_queue_past_capacity_pooled_ones_do_not() {
     assert_eq!(load(&g, 0), 150);
 }
 
+/// A reservation's output-length hints enter σ with it, and stay when its worker reports it
+/// running (so every watcher's replica holds them for the running request too).
+#[test]
+fn a_reservations_hints_stay_with_the_request() {
+    let (mut g, now) = group();
+    g.apply_msgs(1, vec![hello(0, 10, 4)], S1, now, 0);
+    let hinted = ValidReservation {
+        max_tokens: Some(500),
+        expected_output_tokens: Some(300),
+        request_class_id: Some(42),
+        ..res("h", 0, 10, 100)
+    };
+    let (acc, _) = g.reserve_msgs(vec![hinted, res("p", 0, 10, 100)], now);
+    assert_eq!(acc.len(), 2);
+    g.apply_msgs(2, vec![prog(0, 10, "h", 100, 5, false)], S1, now, 0);
+    let h = g.sigma().request("h").unwrap();
+    assert_eq!(h.phase, Phase::Running);
+    assert_eq!(
+        (h.hints.expected_output, h.hints.class),
+        (Some(300), Some(42))
+    );
+    let p = g.sigma().request("p").unwrap();
+    assert_eq!((p.hints.expected_output, p.hints.class), (None, None));
+}
+
 #[test]
 fn reservations_count_at_once_expire_after_the_ttl_unless_reported() {
     let (mut g, now) = group();
