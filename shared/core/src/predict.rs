@@ -326,6 +326,9 @@ pub struct PredictorStats {
     pub hashes: usize,
     /// Prompt-length buckets with a distribution of their own (Survival).
     pub buckets: usize,
+    /// Finished requests that carried the client's expected output length, observed
+    /// (Hinted: what it learned how far to trust the hints from).
+    pub hinted: u64,
     /// Heap bytes held, approximately (the tables' capacities).
     pub bytes: usize,
 }

@@ -187,6 +187,7 @@ impl GroupCore {
             prompt_tokens: r.prompt_tokens,
             prompt_hash: r.prompt_hash,
             max_tokens: r.max_tokens,
+            hints: r.hints,
         };
         self.view
             .reserve(res.info(key), res.max_tokens, &self.group);

@@ -34,8 +34,8 @@ impl GroupCore {
     /// epoch) or be replaced (a change failed halfway); it is kept for answering meanwhile.
     pub fn on_delta(&mut self, d: &Delta, now: Instant) -> Result<(), SigmaError> {
         // Finished requests teach the predictors (BR-H, online, per group): read their prompt
-        // length and hash from the replica before they leave it. One σ has not seen (a gap
-        // being repaired) teaches nothing but the outage estimate.
+        // length, hash and the gateway's hints from the replica before they leave it. One σ
+        // has not seen (a gap being repaired) teaches nothing but the outage estimate.
         let finished: Vec<(Option<Finished>, u32)> = wire::finished_requests(d)
             .map(|(id, tokens)| {
                 let known = self.view.sigma().and_then(|s| s.request(id));
@@ -43,9 +43,8 @@ impl GroupCore {
                     prompt_tokens: r.prompt_tokens,
                     prompt_hash: r.prompt_hash,
                     output_tokens: tokens,
-                    // no contract carries a client's hint yet
-                    expected_output: None,
-                    class: None,
+                    expected_output: r.hints.expected_output,
+                    class: r.hints.class,
                 });
                 (learn, tokens)
             })

@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use br_core::{Pool, PoolEntry, RequestKey};
-use br_proto::valid::{RequestId, ValidAssign};
+use br_proto::valid::{RequestClass, RequestId, ValidAssign};
+use br_sigma::Hints;
 use prometheus::IntGauge;
 use rustc_hash::FxHashMap;
 use tokio::sync::oneshot;
@@ -81,6 +82,9 @@ pub(super) struct Req {
     pub(super) prompt_tokens: u32,
     pub(super) prompt_hash: Option<u64>,
     pub(super) max_tokens: Option<u32>,
+    /// The gateway's hints on the output: the expected tokens, and the class id (its key
+    /// is not kept: only the id travels further).
+    pub(super) hints: Hints,
     pub(super) arrived: Instant,
     pub(super) state: State,
     waiters: Vec<Waiter>,
@@ -101,8 +105,8 @@ impl Req {
             prompt_tokens: self.prompt_tokens,
             prompt_hash: self.prompt_hash,
             oracle_output: None,
-            expected_output: None,
-            class: None,
+            expected_output: self.hints.expected_output,
+            class: self.hints.class,
         }
     }
 
@@ -252,6 +256,10 @@ impl Requests {
                 prompt_tokens: req.prompt_tokens,
                 prompt_hash: req.prompt_hash,
                 max_tokens: req.max_tokens,
+                hints: Hints {
+                    expected_output: req.expected_output_tokens,
+                    class: req.request_class.as_ref().map(RequestClass::id),
+                },
                 arrived: now,
                 state,
                 waiters: vec![Waiter { call, tx: reply }],

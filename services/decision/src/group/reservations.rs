@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use br_core::{Phase, RequestInfo, RequestKey};
 use br_proto::valid::RequestId;
-use br_sigma::{Liveness, Sigma};
+use br_sigma::{Hints, Liveness, Sigma};
 use rustc_hash::FxHashMap;
 
 mod calls;
@@ -46,6 +46,8 @@ pub struct Reservation {
     pub prompt_tokens: u32,
     pub prompt_hash: Option<u64>,
     pub max_tokens: Option<u32>,
+    /// The gateway's hints on the output, from the Assign.
+    pub hints: Hints,
 }
 
 impl Reservation {
@@ -59,8 +61,8 @@ impl Reservation {
             phase: Phase::Queued,
             prompt_hash: self.prompt_hash,
             oracle_output: None,
-            expected_output: None,
-            class: None,
+            expected_output: self.hints.expected_output,
+            class: self.hints.class,
         }
     }
 }

@@ -55,8 +55,8 @@ fn reservation(r: &Reservation, queue_if_full: bool) -> v1::Reservation {
         prompt_hash: r.prompt_hash,
         max_tokens: r.max_tokens,
         queue_if_full,
-        expected_output_tokens: None,
-        request_class_id: None,
+        expected_output_tokens: r.hints.expected_output,
+        request_class_id: r.hints.class,
     }
 }
 

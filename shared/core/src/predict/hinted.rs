@@ -323,6 +323,7 @@ impl Predictor for Hinted {
 
     fn stats(&self) -> PredictorStats {
         let mut s = self.fallback.stats();
+        s.hinted = self.ratios.total;
         s.bytes += self.ratios.bytes();
         s
     }

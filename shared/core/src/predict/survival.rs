@@ -117,6 +117,7 @@ impl Survival {
             samples: self.global.total,
             hashes: 0,
             buckets: buckets.clone().count(),
+            hinted: 0,
             bytes: self.global.bytes() + buckets.map(LengthHistogram::bytes).sum::<usize>(),
         }
     }

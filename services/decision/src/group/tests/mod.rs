@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use br_core::{PolicyConfig, PolicyKind, build_policy};
 use br_proto::v1;
 use br_proto::valid::{GroupId, RequestId, ValidAssign};
-use br_sigma::{Delta, Sigma, change};
+use br_sigma::{Delta, Hints, Sigma, change};
 use tokio::sync::oneshot;
 use tokio::sync::oneshot::error::TryRecvError;
 
@@ -127,13 +127,17 @@ impl Fx {
         let mut rejected = Vec::new();
         let mut b = self.writer.batch();
         for r in &req.reservations {
-            let c = change::request_reserved(
+            let c = change::request_reserved_hinted(
                 &r.request_id,
                 r.worker_id,
                 r.incarnation,
                 r.prompt_tokens,
                 r.prompt_hash,
                 r.max_tokens,
+                Hints {
+                    expected_output: r.expected_output_tokens,
+                    class: r.request_class_id,
+                },
             );
             match b.apply(c) {
                 Ok(_) => accepted.push(r.request_id.clone()),
