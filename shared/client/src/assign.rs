@@ -75,7 +75,11 @@
 //!     ["http://10.0.0.5:50063", "http://10.0.0.6:50063"],
 //!     None,
 //! )?;
-//! let params = AssignParams::new("g8", "req-42", 3_197).with_max_tokens(1_024);
+//! let params = AssignParams::new("g8", "req-42", 3_197)
+//!     .with_max_tokens(1_024)
+//!     // optional hints for the brh-hinted policy: the expected output, the request class
+//!     .with_expected_output_tokens(300)
+//!     .with_request_class("chat");
 //! let a = client.assign_within(&params, Duration::from_secs(5)).await?;
 //! println!("send req-42 to rank {} ({}), waited {:?}", a.worker_id, a.endpoint, a.pool_wait);
 //! # Ok(()) }

@@ -19,6 +19,12 @@ pub struct AssignParams {
     pub prompt_hash: Option<u64>,
     /// The request's `max_tokens`, if known (1..=10M).
     pub max_tokens: Option<u32>,
+    /// The client's expected output tokens, a hint read by the `brh-hinted` predictor, if
+    /// known (1..=10M, at most `max_tokens`).
+    pub expected_output_tokens: Option<u32>,
+    /// The request's class key (template, tenant, tool use, thinking), if the gateway
+    /// classifies its traffic (1..=64 bytes of printable ASCII without spaces).
+    pub request_class: Option<String>,
 }
 
 impl AssignParams {
@@ -33,6 +39,8 @@ impl AssignParams {
             prompt_tokens,
             prompt_hash: None,
             max_tokens: None,
+            expected_output_tokens: None,
+            request_class: None,
         }
     }
 
@@ -46,6 +54,16 @@ impl AssignParams {
         self
     }
 
+    pub fn with_expected_output_tokens(mut self, tokens: u32) -> Self {
+        self.expected_output_tokens = Some(tokens);
+        self
+    }
+
+    pub fn with_request_class(mut self, class: impl Into<String>) -> Self {
+        self.request_class = Some(class.into());
+        self
+    }
+
     pub(super) fn to_request(&self) -> v1::AssignRequest {
         v1::AssignRequest {
             group: self.group.clone(),
@@ -53,8 +71,8 @@ impl AssignParams {
             prompt_tokens: self.prompt_tokens,
             prompt_hash: self.prompt_hash,
             max_tokens: self.max_tokens,
-            expected_output_tokens: None,
-            request_class: None,
+            expected_output_tokens: self.expected_output_tokens,
+            request_class: self.request_class.clone(),
         }
     }
 }

@@ -511,3 +511,20 @@ async fn an_explicit_attempt_limit_still_ends_the_retries() {
     assert_eq!(svc.calls.load(Ordering::SeqCst), 3);
     let _ = stop.send(());
 }
+
+#[test]
+fn the_output_length_hints_go_into_the_request() {
+    let plain = AssignParams::new("g", "req-1", 100).to_request();
+    assert_eq!(
+        (plain.expected_output_tokens, plain.request_class),
+        (None, None)
+    );
+    let hinted = AssignParams::new("g", "req-1", 100)
+        .with_max_tokens(512)
+        .with_expected_output_tokens(300)
+        .with_request_class("chat/tools")
+        .to_request();
+    assert_eq!(hinted.max_tokens, Some(512));
+    assert_eq!(hinted.expected_output_tokens, Some(300));
+    assert_eq!(hinted.request_class.as_deref(), Some("chat/tools"));
+}
