@@ -615,6 +615,188 @@ async fn the_picker_routes_what_envoy_sends() {
     );
 }
 
+/// The output-length hints reach σ with the reservation: the expected output tokens from
+/// `x-balanceroute-expected-output-tokens`, else from the body's `nvext.agent_hints.osl`
+/// (the header wins), the class from `x-gateway-inference-objective` (σ holds its id). Bad
+/// hints are refused as Assign refuses them (400, its message naming the field), or as bad
+/// input when a header or the body does not even hold a count; nothing is reserved for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_passes_the_output_length_hints_on() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let chat = br_proto::valid::class_id("chat");
+
+    // headers only: both hints from the headers
+    let mut s = Envoy::open(&mut client).await;
+    let resp = s
+        .exchange(headers(
+            &[
+                ("x-request-id", "hint-1"),
+                ("x-balanceroute-prompt-tokens", "100"),
+                ("x-balanceroute-expected-output-tokens", "250"),
+                ("x-gateway-inference-objective", "chat"),
+            ],
+            true,
+        ))
+        .await;
+    let (endpoint, _) = routed_at_headers(&resp);
+    let r = placed_on_answered_worker(&stack, "hint-1", &endpoint).await;
+    assert_eq!(
+        (r.expected_output_tokens, r.request_class_id),
+        (Some(250), Some(chat))
+    );
+    s.exchange(response_headers()).await;
+    s.close().await;
+
+    // the body's Dynamo hint, within its max_tokens; and the header over the body's
+    for (id, extra, want) in [
+        ("hint-2", None, 40),
+        (
+            "hint-3",
+            Some(("x-balanceroute-expected-output-tokens", "12")),
+            12,
+        ),
+    ] {
+        let mut s = Envoy::open(&mut client).await;
+        let mut pairs = vec![("x-request-id", id)];
+        pairs.extend(extra);
+        s.exchange(headers(&pairs, false)).await;
+        let resp = s
+            .exchange(body(&serde_json::json!({
+                "prompt": "p".repeat(40),
+                "max_tokens": 64,
+                "nvext": {"agent_hints": {"osl": 40, "priority": 1}},
+            })))
+            .await;
+        let (endpoint, _) = routed_at_body(&resp);
+        let r = placed_on_answered_worker(&stack, id, &endpoint).await;
+        assert_eq!(
+            (r.max_tokens, r.expected_output_tokens, r.request_class_id),
+            (Some(64), Some(want), None),
+            "{id}"
+        );
+        s.exchange(response_headers()).await;
+        s.close().await;
+    }
+
+    // without hints, σ holds none
+    let mut s = Envoy::open(&mut client).await;
+    let resp = s
+        .exchange(headers(
+            &[
+                ("x-request-id", "hint-4"),
+                ("x-balanceroute-prompt-tokens", "100"),
+            ],
+            true,
+        ))
+        .await;
+    let (endpoint, _) = routed_at_headers(&resp);
+    let r = placed_on_answered_worker(&stack, "hint-4", &endpoint).await;
+    assert_eq!((r.expected_output_tokens, r.request_class_id), (None, None));
+    s.exchange(response_headers()).await;
+    s.close().await;
+
+    let long = "c".repeat(65);
+    let with_tokens = |id: &'static str, pair: (&'static str, &str)| {
+        headers(
+            &[
+                ("x-request-id", id),
+                ("x-balanceroute-prompt-tokens", "10"),
+                pair,
+            ],
+            true,
+        )
+    };
+    let over_max_tokens = vec![
+        headers(&[("x-request-id", "badhint-5")], false),
+        body(&serde_json::json!({
+            "prompt": "p", "max_tokens": 5, "nvext": {"agent_hints": {"osl": 6}},
+        })),
+    ];
+    let not_a_count = vec![
+        headers(&[("x-request-id", "badhint-6")], false),
+        body(&serde_json::json!({"prompt": "p", "nvext": {"agent_hints": {"osl": "six"}}})),
+    ];
+    let cases: Vec<(&str, Vec<ProcessingRequest>, &str, &str)> = vec![
+        (
+            "badhint-1",
+            vec![with_tokens(
+                "badhint-1",
+                ("x-balanceroute-expected-output-tokens", "lots"),
+            )],
+            "invalid_request",
+            "x-balanceroute-expected-output-tokens",
+        ),
+        (
+            "badhint-2",
+            vec![with_tokens(
+                "badhint-2",
+                ("x-balanceroute-expected-output-tokens", "0"),
+            )],
+            "invalid_argument",
+            "expected_output_tokens is 0, it must be in 1..=10000000",
+        ),
+        (
+            "badhint-3",
+            vec![with_tokens(
+                "badhint-3",
+                ("x-gateway-inference-objective", "tenant 7"),
+            )],
+            "invalid_argument",
+            "request_class contains ' '",
+        ),
+        (
+            "badhint-4",
+            vec![with_tokens(
+                "badhint-4",
+                ("x-gateway-inference-objective", &long),
+            )],
+            "invalid_argument",
+            "request_class is 65 bytes long, at most 64 are allowed",
+        ),
+        (
+            "badhint-5",
+            over_max_tokens,
+            "invalid_argument",
+            "expected_output_tokens is 6, above max_tokens 5",
+        ),
+        (
+            "badhint-6",
+            not_a_count,
+            "invalid_request",
+            "nvext.agent_hints.osl",
+        ),
+    ];
+    for (id, msgs, kind, says) in cases {
+        let mut s = Envoy::open(&mut client).await;
+        let n = msgs.len();
+        let mut last = None;
+        for (i, m) in msgs.into_iter().enumerate() {
+            let resp = s.exchange(m).await;
+            if i + 1 < n {
+                assert!(
+                    matches!(resp.response, Some(Out::RequestHeaders(_))),
+                    "{id}: the headers pass on: {resp:?}"
+                );
+            }
+            last = Some(resp);
+        }
+        let resp = last.unwrap();
+        let imm = immediate(&resp);
+        assert_eq!(
+            imm.status.as_ref().map(|s| s.code),
+            Some(400),
+            "{id}: {imm:?}"
+        );
+        let json: serde_json::Value = serde_json::from_slice(&imm.body).unwrap();
+        assert_eq!(json["error"]["type"], kind, "{id}: {json}");
+        let message = json["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{id}: {message:?} names {says:?}");
+        s.close().await;
+        assert!(stack.request(id).await.is_none(), "{id}: nothing reserved");
+    }
+}
+
 /// The picker port's gRPC health answers the names the endpoint-picker protocol gives
 /// (Kubernetes' gRPC probes of a picker ask `liveness` and `readiness`): all SERVING once
 /// decision is ready.

@@ -280,6 +280,104 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
     )
     .await
     .error(400, "INVALID_ARGUMENT");
+    // The output-length hints, in either spelling (a count as a number or a string): σ holds
+    // them with the reservation, the class as its id.
+    for (id, body, expected, class) in [
+        (
+            "h1",
+            json!({"group": GROUP, "request_id": "h1", "prompt_tokens": 10, "max_tokens": 64,
+                "expected_output_tokens": 40, "request_class": "chat"}),
+            40,
+            "chat",
+        ),
+        (
+            "h2",
+            json!({"group": GROUP, "requestId": "h2", "promptTokens": 10,
+                "expectedOutputTokens": "41", "requestClass": "tenant-7/tools"}),
+            41,
+            "tenant-7/tools",
+        ),
+    ] {
+        let a = post(&assign_url, &body.to_string(), &[]).await;
+        assert_eq!(a.status, 200, "{a:?}");
+        let s = sigma(&snap, GROUP).await;
+        let r = s
+            .requests
+            .iter()
+            .find(|r| r.request_id == id)
+            .expect("in σ");
+        assert_eq!(
+            (r.expected_output_tokens, r.request_class_id),
+            (Some(expected), Some(br_proto::valid::class_id(class))),
+            "{id}"
+        );
+        let c = post(
+            &cancel_url,
+            &json!({"group": GROUP, "request_id": id}).to_string(),
+            &[],
+        )
+        .await;
+        assert_eq!(c.json(), json!({"outcome": "CANCEL_OUTCOME_RELEASED"}));
+    }
+    // Bad hints: refused as the gRPC method refuses them, the message naming the field; ones
+    // that are not even a count or a string: malformed JSON.
+    let hinted = |extra: Value| {
+        let mut body = json!({"group": GROUP, "request_id": "bad-hint", "prompt_tokens": 10});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body.to_string()
+    };
+    for (extra, says) in [
+        (
+            json!({"expected_output_tokens": 0}),
+            "expected_output_tokens is 0, it must be in 1..=10000000",
+        ),
+        (
+            json!({"expected_output_tokens": 10_000_001}),
+            "expected_output_tokens is 10000001, it must be in 1..=10000000",
+        ),
+        (
+            json!({"max_tokens": 5, "expected_output_tokens": 6}),
+            "expected_output_tokens is 6, above max_tokens 5",
+        ),
+        (
+            json!({"request_class": ""}),
+            "request_class must not be empty",
+        ),
+        (
+            json!({"request_class": "c".repeat(65)}),
+            "request_class is 65 bytes long, at most 64 are allowed",
+        ),
+        (
+            json!({"request_class": "tenant 7"}),
+            "request_class contains ' '",
+        ),
+        (
+            json!({"request_class": "thinking-\u{e9}"}),
+            "request_class contains 'é'",
+        ),
+        (
+            json!({"request_class": "a\tb"}),
+            "request_class contains a control character",
+        ),
+        (json!({"expected_output_tokens": -1}), "malformed JSON"),
+        (json!({"expected_output_tokens": 1.5}), "malformed JSON"),
+        (json!({"request_class": 7}), "malformed JSON"),
+    ] {
+        let m = post(&assign_url, &hinted(extra.clone()), &[])
+            .await
+            .error(400, "INVALID_ARGUMENT");
+        assert!(m.contains(says), "{extra}: {m:?} names {says:?}");
+    }
+    assert!(
+        !sigma(&snap, GROUP)
+            .await
+            .requests
+            .iter()
+            .any(|r| r.request_id == "bad-hint"),
+        "nothing reserved for a refused hint"
+    );
     // curl's default form encoding: 415.
     let form = curl(vec![
         "-d".into(),

@@ -468,6 +468,52 @@ async fn bad_input_gets_typed_statuses() {
         code(c.assign_within(&params("r", 10_000_001), WAIT).await),
         Code::InvalidArgument
     );
+    // Bad output-length hints: INVALID_ARGUMENT, the message naming the field and the rule.
+    for (p, says) in [
+        (
+            params("r", 1).with_expected_output_tokens(0),
+            "expected_output_tokens is 0, it must be in 1..=10000000",
+        ),
+        (
+            params("r", 1).with_expected_output_tokens(10_000_001),
+            "expected_output_tokens is 10000001, it must be in 1..=10000000",
+        ),
+        (
+            params("r", 1)
+                .with_max_tokens(16)
+                .with_expected_output_tokens(17),
+            "expected_output_tokens is 17, above max_tokens 16",
+        ),
+        (
+            params("r", 1).with_request_class(""),
+            "request_class must not be empty",
+        ),
+        (
+            params("r", 1).with_request_class("c".repeat(65)),
+            "request_class is 65 bytes long, at most 64 are allowed",
+        ),
+        (
+            params("r", 1).with_request_class("tenant 7"),
+            "request_class contains ' ', it takes only printable ASCII without spaces",
+        ),
+        (
+            params("r", 1).with_request_class("thinking-\u{e9}"),
+            "request_class contains 'é'",
+        ),
+        (
+            params("r", 1).with_request_class("a\nb"),
+            "request_class contains a control character",
+        ),
+    ] {
+        match c.assign_within(&p, WAIT).await {
+            Err(AssignError::InvalidArgument(m)) => assert!(m.contains(says), "{m:?}: {says:?}"),
+            other => panic!("{p:?}: {other:?}"),
+        }
+    }
+    assert!(
+        !snap.request_ids().await.contains(&"r".to_string()),
+        "nothing reserved for bad hints"
+    );
     assert_eq!(
         code(
             c.assign_within(&AssignParams::new("other", "r", 1), WAIT)

@@ -18,6 +18,11 @@
 //! * prompt tokens: the `x-balanceroute-prompt-tokens` header the gateway sets when it knows
 //!   them (after prefill), else an estimate from the buffered JSON body ([`estimate`]);
 //!   `max_tokens` (or `max_completion_tokens`) from the body when there is one;
+//! * the output-length hints, when the request gives them: the expected output tokens from
+//!   the `x-balanceroute-expected-output-tokens` header, else from the body's
+//!   `nvext.agent_hints.osl` (NVIDIA Dynamo's name for it); the class key from the
+//!   `x-gateway-inference-objective` header (see [`EXPECTED_OUTPUT_HEADER`] and
+//!   [`REQUEST_CLASS_HEADER`]);
 //! * the Assign is the gRPC method's own path ([`DecisionService::assign_call`]): the same
 //!   validation, pool, idempotency by request id and metrics;
 //! * answered with the endpoint in the headers phase when the request has no body (or Envoy
@@ -90,6 +95,16 @@ pub const GROUP_HEADER: &str = "x-balanceroute-group";
 pub const PROMPT_TOKENS_HEADER: &str = "x-balanceroute-prompt-tokens";
 /// The request id: Assign's idempotency key and what the shim reports the request under.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// The client's expected output tokens (Assign's `expected_output_tokens`). No gateway or
+/// engine names a header for it: NVIDIA Dynamo takes the hint only in the request body, as
+/// `nvext.agent_hints.osl` ("expected output sequence length"), which is read when this
+/// header is absent; so the header has this service's own prefix.
+pub const EXPECTED_OUTPUT_HEADER: &str = "x-balanceroute-expected-output-tokens";
+/// The request's class key (Assign's `request_class`): the Gateway API Inference Extension's
+/// header naming the request's InferenceObjective, the use case its gateway classified it as
+/// (llm-d's "EPP HTTP Headers Reference"; the objective names the class of requests whose
+/// priority and goals it sets). A name longer than 64 bytes is refused like any bad class.
+pub const REQUEST_CLASS_HEADER: &str = "x-gateway-inference-objective";
 /// The filter-metadata namespace of the protocol's subset hint.
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// The key, in [`SUBSET_NAMESPACE`], of the endpoints the picker may choose from.
@@ -446,7 +461,7 @@ impl Stream {
                 )))
                 .await;
         };
-        self.route(head, tokens, None, Phase::Headers).await
+        self.route(head, tokens, None, None, Phase::Headers).await
     }
 
     /// Assigns the request (the gRPC method's path) and answers with its endpoint. While the
@@ -457,6 +472,7 @@ impl Stream {
         head: Head,
         prompt_tokens: u32,
         max_tokens: Option<u32>,
+        body_expected_output: Option<u32>,
         phase: Phase,
     ) -> Result<(), Gone> {
         if self.subset.as_ref().is_some_and(Vec::is_empty) {
@@ -469,8 +485,9 @@ impl Stream {
             prompt_tokens,
             prompt_hash: None,
             max_tokens,
-            expected_output_tokens: None,
-            request_class: None,
+            // the header wins over the body, as for the prompt tokens
+            expected_output_tokens: head.expected_output.or(body_expected_output),
+            request_class: head.class.clone(),
         };
         let svc = self.ext.svc.clone();
         let timeout = self.ext.settings.timeout;

@@ -1,5 +1,6 @@
 //! Request bodies: the process-wide budget of the bytes every stream buffers, and what a
-//! buffered body tells (its `max_tokens`, an estimate of its prompt's tokens).
+//! buffered body tells (its `max_tokens`, the client's expected output tokens, an estimate of
+//! its prompt's tokens).
 
 use std::sync::Arc;
 
@@ -118,12 +119,12 @@ impl Stream {
         let head = head.clone();
         let body = std::mem::take(&mut self.body);
         match parse_body(&body, head.prompt_tokens.is_none()) {
-            Ok((estimated, max_tokens)) => {
+            Ok(said) => {
                 let tokens = match head.prompt_tokens {
                     Some(t) => t,
                     None => {
                         self.count_source("estimate");
-                        estimated.unwrap_or(1)
+                        said.estimated.unwrap_or(1)
                     }
                 };
                 let phase = if self.request_duplex {
@@ -134,7 +135,9 @@ impl Stream {
                     self.body_hold = None;
                     Phase::Body
                 };
-                let routed = self.route(head, tokens, max_tokens, phase).await;
+                let routed = self
+                    .route(head, tokens, said.max_tokens, said.expected_output, phase)
+                    .await;
                 self.body_hold = None;
                 routed
             }
@@ -143,14 +146,23 @@ impl Stream {
     }
 }
 
-/// What the body gives: the estimated prompt tokens (when `want_estimate`) and `max_tokens`.
-pub(super) fn parse_body(
-    body: &[u8],
-    want_estimate: bool,
-) -> Result<(Option<u32>, Option<u32>), Refusal> {
+/// What a request body says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BodySays {
+    /// The estimated prompt tokens (when asked for).
+    pub(super) estimated: Option<u32>,
+    pub(super) max_tokens: Option<u32>,
+    /// The client's expected output tokens ([`expected_output`]).
+    pub(super) expected_output: Option<u32>,
+}
+
+/// What the body gives: the estimated prompt tokens (when `want_estimate`), `max_tokens` and
+/// the expected output tokens.
+pub(super) fn parse_body(body: &[u8], want_estimate: bool) -> Result<BodySays, Refusal> {
     let v: serde_json::Value = serde_json::from_slice(body)
         .map_err(|e| Refusal::bad(format!("the request body is not JSON: {e}")))?;
     let max_tokens = max_tokens(&v)?;
+    let expected_output = expected_output(&v)?;
     let estimated = if want_estimate {
         Some(estimate(&v).ok_or_else(|| {
             Refusal::bad(format!(
@@ -161,7 +173,27 @@ pub(super) fn parse_body(
     } else {
         None
     };
-    Ok((estimated, max_tokens))
+    Ok(BodySays {
+        estimated,
+        max_tokens,
+        expected_output,
+    })
+}
+
+/// The client's expected output tokens as NVIDIA Dynamo's requests carry them,
+/// `nvext.agent_hints.osl`; absent or null: none. A count that is not a non-negative integer
+/// is bad input; its range (1..=10M, at most `max_tokens`) is Assign's to check, so a 0 or
+/// a count above `max_tokens` is refused with Assign's own error.
+pub(super) fn expected_output(v: &serde_json::Value) -> Result<Option<u32>, Refusal> {
+    match v.pointer("/nvext/agent_hints/osl") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(n) => n
+            .as_u64()
+            .map(|n| Some(u32::try_from(n).unwrap_or(u32::MAX)))
+            .ok_or_else(|| {
+                Refusal::bad(format!("nvext.agent_hints.osl: {n} is not a token count"))
+            }),
+    }
 }
 
 /// `max_completion_tokens` (the chat API's current name) or `max_tokens`; absent or null:

@@ -1,10 +1,13 @@
 //! What a request's headers tell the picker: its group, its request id (made here when it has
-//! none), the prompt tokens the gateway knows, its trace context.
+//! none), the prompt tokens the gateway knows, its output-length hints, its trace context.
 
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 
 use super::wire::{Refusal, fresh_request_id, header};
-use super::{GROUP_HEADER, PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER, Stream};
+use super::{
+    EXPECTED_OUTPUT_HEADER, GROUP_HEADER, PROMPT_TOKENS_HEADER, REQUEST_CLASS_HEADER,
+    REQUEST_ID_HEADER, Stream,
+};
 
 /// What the request's headers said.
 #[derive(Debug, Clone)]
@@ -14,6 +17,10 @@ pub(super) struct Head {
     /// The request had no `x-request-id`: this one was made here and is added to it.
     pub(super) generated_id: bool,
     pub(super) prompt_tokens: Option<u32>,
+    /// The client's expected output tokens, as a count (Assign checks its range).
+    pub(super) expected_output: Option<u32>,
+    /// The request's class key, as sent (Assign checks it).
+    pub(super) class: Option<String>,
     /// The request's W3C trace context (`traceparent`, `tracestate`), when traces are
     /// exported: its Assign continues the client's trace.
     pub(super) trace: br_trace::W3c,
@@ -38,14 +45,16 @@ impl Stream {
             Some(id) if !id.is_empty() => (id, false),
             _ => (fresh_request_id(), true),
         };
-        let prompt_tokens = match get(PROMPT_TOKENS_HEADER) {
-            None => None,
-            Some(v) => Some(v.trim().parse::<u32>().map_err(|_| {
-                Refusal::bad(format!(
-                    "{PROMPT_TOKENS_HEADER}: {v:?} is not a token count"
-                ))
-            })?),
+        let count = |name: &str| match get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .trim()
+                .parse::<u32>()
+                .map(Some)
+                .map_err(|_| Refusal::bad(format!("{name}: {v:?} is not a token count"))),
         };
+        let prompt_tokens = count(PROMPT_TOKENS_HEADER)?;
+        let expected_output = count(EXPECTED_OUTPUT_HEADER)?;
         if prompt_tokens.is_some() {
             self.count_source("header");
         }
@@ -62,6 +71,8 @@ impl Stream {
             request_id,
             generated_id,
             prompt_tokens,
+            expected_output,
+            class: get(REQUEST_CLASS_HEADER),
             trace,
         })
     }

@@ -1,4 +1,4 @@
-use super::body::{estimate, max_tokens, parse_body};
+use super::body::{BodySays, estimate, expected_output, max_tokens, parse_body};
 use super::wire::{destination_metadata, fresh_request_id, header, http_status};
 use super::*;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
@@ -100,7 +100,59 @@ fn bodies_that_cannot_be_read_are_bad_input() {
     // with the header's count, a body without a prompt is fine
     assert_eq!(
         parse_body(br#"{"model": "m", "max_tokens": 5}"#, false).unwrap(),
-        (None, Some(5))
+        BodySays {
+            estimated: None,
+            max_tokens: Some(5),
+            expected_output: None
+        }
+    );
+    let e = parse_body(
+        br#"{"prompt": "x", "nvext": {"agent_hints": {"osl": "5"}}}"#,
+        true,
+    );
+    assert_eq!(e.unwrap_err().status(), 400);
+}
+
+#[test]
+fn expected_output_from_dynamos_agent_hints() {
+    let osl = |v: serde_json::Value| expected_output(&json!({"nvext": {"agent_hints": v}}));
+    assert_eq!(osl(json!({"osl": 512})).unwrap(), Some(512));
+    assert_eq!(osl(json!({"osl": null, "priority": 5})).unwrap(), None);
+    assert_eq!(osl(json!({"priority": 5})).unwrap(), None);
+    assert_eq!(expected_output(&json!({"max_tokens": 5})).unwrap(), None);
+    assert_eq!(expected_output(&json!({"nvext": "x"})).unwrap(), None);
+    // the range is Assign's to check: passed on as counts
+    assert_eq!(osl(json!({"osl": 0})).unwrap(), Some(0));
+    assert_eq!(
+        osl(json!({"osl": 5_000_000_000u64})).unwrap(),
+        Some(u32::MAX)
+    );
+    for bad in [
+        json!(-1),
+        json!(1.5),
+        json!("512"),
+        json!(true),
+        json!([512]),
+    ] {
+        let e = osl(json!({ "osl": bad })).unwrap_err();
+        assert_eq!(e.status(), 400, "{bad}");
+        assert!(
+            e.message().contains("nvext.agent_hints.osl"),
+            "{}",
+            e.message()
+        );
+    }
+    assert_eq!(
+        parse_body(
+            br#"{"prompt": "x", "max_tokens": 9, "nvext": {"agent_hints": {"osl": 7}}}"#,
+            false
+        )
+        .unwrap(),
+        BodySays {
+            estimated: None,
+            max_tokens: Some(9),
+            expected_output: Some(7)
+        }
     );
 }
 

@@ -92,6 +92,14 @@ pub struct AssignJson {
     pub prompt_hash: Option<u64>,
     #[serde(default, alias = "maxTokens", deserialize_with = "lenient::u32")]
     pub max_tokens: Option<u32>,
+    #[serde(
+        default,
+        alias = "expectedOutputTokens",
+        deserialize_with = "lenient::u32"
+    )]
+    pub expected_output_tokens: Option<u32>,
+    #[serde(default, alias = "requestClass")]
+    pub request_class: Option<String>,
 }
 
 impl AssignJson {
@@ -104,8 +112,8 @@ impl AssignJson {
             prompt_tokens: self.prompt_tokens.unwrap_or(0),
             prompt_hash: self.prompt_hash,
             max_tokens: self.max_tokens,
-            expected_output_tokens: None,
-            request_class: None,
+            expected_output_tokens: self.expected_output_tokens,
+            request_class: self.request_class,
         }
     }
 }

@@ -32,6 +32,22 @@ fn assign_json_takes_proto3_json_forms() {
         ("r2", 100, Some(7))
     );
     assert_eq!(r.max_tokens, None);
+    // the output-length hints, in both spellings; null is unset
+    let r = parse(
+        r#"{"group":"g","request_id":"r3","prompt_tokens":1,"expected_output_tokens":"300","request_class":"chat"}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (r.expected_output_tokens, r.request_class.as_deref()),
+        (Some(300), Some("chat"))
+    );
+    let r = parse(r#"{"expectedOutputTokens":3e2,"requestClass":"tenant-7/tools"}"#).unwrap();
+    assert_eq!(
+        (r.expected_output_tokens, r.request_class.as_deref()),
+        (Some(300), Some("tenant-7/tools"))
+    );
+    let r = parse(r#"{"expected_output_tokens":null,"request_class":null}"#).unwrap();
+    assert_eq!((r.expected_output_tokens, r.request_class), (None, None));
     // absent fields are proto3 defaults (validation, not parsing, refuses them)
     let r = parse("{}").unwrap();
     assert_eq!(r, v1::AssignRequest::default());
@@ -47,6 +63,12 @@ fn assign_json_refuses_what_is_not_the_message() {
         r#"{"group":"g","request_id":"r","prompt_hash":"18446744073709551616"}"#,
         r#"{"group":"g","request_id":"r","prompt_tokens":true}"#,
         r#"{"group":"g","request_id":"r","prompt_token":10}"#,
+        r#"{"group":"g","request_id":"r","expected_output_tokens":-1}"#,
+        r#"{"group":"g","request_id":"r","expected_output_tokens":4294967296}"#,
+        r#"{"group":"g","request_id":"r","expected_output_tokens":"many"}"#,
+        r#"{"group":"g","request_id":"r","request_class":7}"#,
+        r#"{"group":"g","request_id":"r","request_class":["chat"]}"#,
+        r#"{"group":"g","request_id":"r","expected_output":10}"#,
         r#"{"group":1}"#,
         r#"[1,2]"#,
         r#"{"group":"g""#,
