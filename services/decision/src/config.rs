@@ -65,7 +65,8 @@ pub struct Args {
     pub snapshot_addr: String,
 
     /// Routing policy: random, rr, p2c, jsq, vllm-dp, mintok, br0-bypass (answer at once);
-    /// br0, brh, brh-survival, brh-oracle (pooled, batch admission per tick).
+    /// br0, brh, brh-survival, brh-oracle, brh-hinted (pooled, batch admission per tick;
+    /// brh-hinted reads Assign's expected_output_tokens).
     #[arg(long, env = "BALANCEROUTE_POLICY", default_value = DEFAULT_POLICY)]
     pub policy: PolicyKind,
 
@@ -409,14 +410,6 @@ impl Args {
             seed: self.seed,
         };
         policy.validate().map_err(|e| e.to_string())?;
-        if policy.kind == PolicyKind::BrH(br_core::PredictorKind::Hinted) {
-            // It would run as brh-survival, silently: say so rather than pretend.
-            return Err(format!(
-                "--policy {}: learns from clients' expected output lengths, which Assign does \
-                 not carry yet; use brh-survival (what it does without them)",
-                self.policy
-            ));
-        }
         let split = RankSplit::new(self.deciders, self.decider_index, self.decider_takeover)
             .map_err(|e| e.to_string())?;
         if split.is_some() && policy.kind.mode() != br_core::Mode::Pooled {
@@ -846,14 +839,6 @@ mod tests {
     #[test]
     fn every_policy_name_parses() {
         for name in PolicyKind::names() {
-            if *name == "brh-hinted" {
-                let e = parse(&["--policy", name]).unwrap_err();
-                assert!(
-                    format!("{e:?}").contains("expected output lengths"),
-                    "{e:?}"
-                );
-                continue;
-            }
             let a = parse(&["--policy", name]).unwrap();
             assert!(a.to_config().is_ok(), "{name}");
         }

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use br_client::assign::{AssignClient, AssignError, AssignParams, CancelOutcome, RetryPolicy};
-use br_core::PolicyKind;
+use br_core::{PolicyKind, PredictorKind};
 use br_decision::Running;
 use br_proto::v1;
 use br_proto::v1::snapshot_client::SnapshotClient;
@@ -545,6 +545,91 @@ async fn bad_input_gets_typed_statuses() {
     );
     let _ = waiting.await;
     d.stop().await.unwrap();
+    snap.kill().await;
+}
+
+/// `--policy brh-hinted`: the hints an Assign carries reach the Hinted predictor, over the
+/// whole split path: the Assign's validation, the pool, the reservation committed to the
+/// snapshot service, σ's delta back to the replica, and the finish σ reports (what the
+/// predictor learns from; its `hinted` count is the finishes that carried a hint). A second
+/// replica, started after the Assign, knows the request only from σ and learns its hint all
+/// the same. Dropping the hint at any hop leaves a count at 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brh_hinted_learns_the_hints_sent_in_assign() {
+    let snap = start_snapshot("127.0.0.1:0").await;
+    let mut t = Telemetry::open(&snap).await;
+    t.hello(2, 8).await;
+    let hinted = PolicyKind::BrH(PredictorKind::Hinted);
+    let a = start_decision(&snap.url(), hinted, &[]).await;
+    ready(&a).await;
+    let c = client(&a).await;
+    let with_hints = params("h1", 100)
+        .with_max_tokens(512)
+        .with_expected_output_tokens(300)
+        .with_request_class("chat");
+    let placed = c.assign_within(&with_hints, WAIT).await.unwrap();
+    let plain = c.assign_within(&params("p1", 100), WAIT).await.unwrap();
+    let sigma = &snap;
+    let held = |id: &'static str| async move {
+        sigma
+            .get()
+            .await
+            .requests
+            .into_iter()
+            .find(|r| r.request_id == id)
+            .unwrap_or_else(|| panic!("{id} reserved in σ"))
+    };
+    let h1 = held("h1").await;
+    assert_eq!(
+        (h1.expected_output_tokens, h1.request_class_id),
+        (Some(300), Some(br_proto::valid::class_id("chat")))
+    );
+    let p1 = held("p1").await;
+    assert_eq!(
+        (p1.expected_output_tokens, p1.request_class_id),
+        (None, None)
+    );
+
+    // The second replica starts now: h1 and p1 reach it in its first snapshot of σ only.
+    let b = start_decision(&snap.url(), hinted, &[]).await;
+    ready(&b).await;
+
+    // The ranks run both and finish them.
+    let finish = |worker: u32, id: &str, tokens: u32| {
+        T::RequestProgress(v1::telemetry_change::RequestProgress {
+            worker_id: worker,
+            incarnation: 1000 + u64::from(worker),
+            request_id: id.into(),
+            prompt_tokens: 100,
+            generated_tokens: tokens,
+            finished: true,
+            unkeyed: false,
+        })
+    };
+    t.send(vec![
+        finish(placed.worker_id, "h1", 280),
+        finish(plain.worker_id, "p1", 50),
+    ])
+    .await;
+    for (name, d) in [("the replica that assigned", &a), ("the other replica", &b)] {
+        let learned = |kind: &'static str| async move {
+            metrics(d.admin_addr()).await.value(
+                "balanceroute_decision_predictor_entries",
+                &[("group", GROUP), ("kind", kind)],
+            )
+        };
+        eventually(WAIT, "both finishes learned", || async {
+            learned("samples").await == 2.0
+        })
+        .await;
+        assert_eq!(
+            learned("hinted").await,
+            1.0,
+            "{name}: h1's hint, p1 had none"
+        );
+    }
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
     snap.kill().await;
 }
 
