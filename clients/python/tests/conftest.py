@@ -37,6 +37,11 @@ def decision_addr():
 
 
 @pytest.fixture(scope="session")
+def snapshot_addr():
+    return env("BR_SNAPSHOT_ADDR")
+
+
+@pytest.fixture(scope="session")
 def group():
     return env("BR_GROUP")
 

@@ -117,6 +117,30 @@ def test_typed_errors(decision_addr, group):
             assert err.value.attempts == 1
             with pytest.raises(balanceroute.NotFound):
                 await c.assign("no-such-group", rid("aio-nf"), 10, timeout=10)
+            with pytest.raises(balanceroute.InvalidArgument) as err:
+                await c.assign(
+                    group, rid("aio-hint"), 10, timeout=10, request_class="tenant 7"
+                )
+            assert "request_class" in err.value.message
+
+    run(main())
+
+
+def test_hints_are_sent(decision_addr, group):
+    async def main():
+        async with AsyncClient(decision_addr) as c:
+            r = rid("aio-hints")
+            a = await c.assign(
+                group,
+                r,
+                64,
+                max_tokens=100,
+                timeout=10,
+                expected_output_tokens=100,
+                request_class="chat",
+            )
+            assert a.attempts == 1
+            assert await c.cancel(group, r) == CancelOutcome.RELEASED
 
     run(main())
 

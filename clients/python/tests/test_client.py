@@ -179,6 +179,64 @@ def test_bad_input_is_invalid_argument_and_not_retried(decision_addr, group):
             c.assign("", rid("nogroup"), 10, timeout=10)
 
 
+def fnv1a_64(key: str) -> int:
+    """The class id the contract defines (Reservation.request_class_id), written out here."""
+    h = 0xCBF29CE484222325
+    for b in key.encode():
+        h = ((h ^ b) * 0x100000001B3) % 2**64
+    return h
+
+
+def test_output_length_hints_reach_sigma(decision_addr, group, snapshot_addr):
+    from balanceroute.v1 import snapshot_pb2, snapshot_pb2_grpc
+
+    with Client(decision_addr) as c, grpc.insecure_channel(snapshot_addr) as ch:
+        snap = snapshot_pb2_grpc.SnapshotStub(ch)
+
+        def held(r):
+            s = snap.Get(snapshot_pb2.GetRequest(group=group), timeout=10)
+            return next(q for q in s.requests if q.request_id == r)
+
+        hinted, plain = rid("hints"), rid("no-hints")
+        c.assign(
+            group,
+            hinted,
+            128,
+            max_tokens=512,
+            timeout=10,
+            expected_output_tokens=300,
+            request_class="chat/tools",
+        )
+        c.assign(group, plain, 128, timeout=10)
+        q = held(hinted)
+        assert q.HasField("expected_output_tokens") and q.expected_output_tokens == 300
+        assert q.HasField("request_class_id") and q.request_class_id == fnv1a_64("chat/tools")
+        q = held(plain)
+        assert not q.HasField("expected_output_tokens")
+        assert not q.HasField("request_class_id")
+        for r in (hinted, plain):
+            assert c.cancel(group, r) == CancelOutcome.RELEASED
+
+
+@pytest.mark.parametrize(
+    "hints, says",
+    [
+        ({"expected_output_tokens": 0}, "expected_output_tokens is 0"),
+        ({"expected_output_tokens": 17, "max_tokens": 16}, "above max_tokens 16"),
+        ({"request_class": ""}, "request_class must not be empty"),
+        ({"request_class": "c" * 65}, "request_class is 65 bytes long"),
+        ({"request_class": "tenant 7"}, "request_class contains ' '"),
+        ({"request_class": "thinking-\u00e9"}, "request_class contains"),
+    ],
+)
+def test_bad_hints_are_invalid_argument(decision_addr, group, hints, says):
+    with Client(decision_addr) as c:
+        with pytest.raises(balanceroute.InvalidArgument) as err:
+            c.assign(group, rid("bad-hint"), 10, timeout=10, **hints)
+        assert err.value.attempts == 1
+        assert says in err.value.message, err.value.message
+
+
 def test_unknown_group_is_not_found(decision_addr):
     with Client(decision_addr) as c:
         with pytest.raises(balanceroute.NotFound) as err:

@@ -283,6 +283,29 @@ def test_values_that_cannot_be_encoded_are_refused_before_any_call(bad):
     assert err.value.attempts == 0
 
 
+@pytest.mark.parametrize(
+    "hints",
+    [
+        {"expected_output_tokens": -1},
+        {"expected_output_tokens": 2**32},
+        {"expected_output_tokens": "300"},
+        {"expected_output_tokens": True},
+        {"request_class": 7},
+        {"request_class": b"chat"},
+    ],
+)
+def test_hints_that_cannot_be_encoded_are_refused_before_any_call(hints):
+    with pytest.raises(errors.InvalidArgument) as err:
+        _core.validate("g", "r", 10, None, None, **hints)
+    assert err.value.attempts == 0
+
+
+def test_hints_the_server_judges_pass_the_client():
+    # ranges and the class key's characters are the server's to check (one rule, one place)
+    _core.validate("g", "r", 10, None, 5, expected_output_tokens=0, request_class="")
+    _core.validate("g", "r", 10, None, 5, expected_output_tokens=9, request_class="a b")
+
+
 def test_addresses():
     assert _core.parse_address("http://127.0.0.1:50063/", False) == "127.0.0.1:50063"
     assert _core.parse_address("https://decision.svc:443", True) == "decision.svc:443"

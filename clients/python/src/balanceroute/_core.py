@@ -382,19 +382,30 @@ def retryable(code: grpc.StatusCode, details: str) -> bool:
     return False
 
 
-def validate(group: str, request_id: str, prompt_tokens: int, prompt_hash, max_tokens) -> None:
+def validate(
+    group: str,
+    request_id: str,
+    prompt_tokens: int,
+    prompt_hash,
+    max_tokens,
+    expected_output_tokens=None,
+    request_class=None,
+) -> None:
     """What cannot even be encoded is refused here, typed as the server would (the server
-    validates everything else: lengths, ranges, the group)."""
+    validates everything else: lengths, ranges, the group, the class key's characters)."""
 
     def bad(msg: str):
         raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, msg, attempts=0)
 
     if not isinstance(group, str) or not isinstance(request_id, str):
         bad("group and request_id must be strings")
+    if request_class is not None and not isinstance(request_class, str):
+        bad(f"request_class must be a string, not {request_class!r}")
     for name, value, top in (
         ("prompt_tokens", prompt_tokens, _U32),
         ("max_tokens", max_tokens, _U32),
         ("prompt_hash", prompt_hash, _U64),
+        ("expected_output_tokens", expected_output_tokens, _U32),
     ):
         if value is None and name != "prompt_tokens":
             continue

@@ -72,16 +72,29 @@ class AsyncClient:
         prompt_hash: Optional[int] = None,
         max_tokens: Optional[int] = None,
         timeout: float = DEFAULT_ASSIGN_TIMEOUT,
+        *,
+        expected_output_tokens: Optional[int] = None,
+        request_class: Optional[str] = None,
     ) -> Assignment:
         """See `balanceroute.Client.assign`. Cancelling the awaiting task abandons the call (the
         server withdraws the request when its caller goes away)."""
-        _core.validate(group, request_id, prompt_tokens, prompt_hash, max_tokens)
+        _core.validate(
+            group,
+            request_id,
+            prompt_tokens,
+            prompt_hash,
+            max_tokens,
+            expected_output_tokens,
+            request_class,
+        )
         req = self._pb.AssignRequest(
             group=group,
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             prompt_hash=prompt_hash,
             max_tokens=max_tokens,
+            expected_output_tokens=expected_output_tokens,
+            request_class=request_class,
         )
         plan = _core.assign_plan(
             self._ensure(), self._options, self._retry, time.monotonic() + timeout
