@@ -7,7 +7,9 @@ For every OpenAI-compatible generation request (`/v1/completions`, `/v1/chat/com
    `max_tokens = 1` and `stream = false`; its `usage.prompt_tokens` is the prompt's token count
    (and, with --kv-transfer-params, vLLM's `kv_transfer_params` come back for the decode side);
 2. `Assign(group, request_id, prompt_tokens)` through the `balanceroute` client: the decision
-   service picks the decode rank, after prefill, which is where the paper's dispatcher belongs;
+   service picks the decode rank, after prefill, which is where the paper's dispatcher belongs
+   (with the request's max_tokens, a hash of its prompt, and its output-length hints when it
+   gives them: `expected_output_tokens` and `request_class`);
 3. decode: the original request goes to the chosen rank (the endpoint its br-shim announced,
    or --decode-url with the rank pinned by a header or a body field) with `X-Request-Id` set to
    the request id, so the rank's telemetry turns the reservation into an active request;
@@ -54,8 +56,18 @@ KV_TRANSFER_PREFILL = {
     "remote_host": None,
     "remote_port": None,
 }
-# The proto's bounds of AssignRequest.max_tokens.
+# The proto's bounds of AssignRequest.max_tokens (and expected_output_tokens).
 MAX_TOKENS_LIMIT = 10_000_000
+# The output-length hints a client may give, by the names br-decision's ext_proc reads: the
+# expected output tokens in a header of BalanceRoute's own (no gateway names one), else in the
+# body as NVIDIA Dynamo takes it, `nvext.agent_hints.osl`; the request class in the Gateway API
+# Inference Extension's objective header. OpenAI's API has neither: its max_tokens is a cap
+# (sent as max_tokens), and its user, safety_identifier and prompt_cache_key identify users or
+# cache prefixes, not a small set of classes.
+EXPECTED_OUTPUT_HEADER = "x-balanceroute-expected-output-tokens"
+REQUEST_CLASS_HEADER = "x-gateway-inference-objective"
+# The proto's bound of AssignRequest.request_class, in bytes (printable ASCII without spaces).
+MAX_CLASS_BYTES = 64
 # Headers a client sends that the engines should see too.
 FORWARDED_HEADERS = ("authorization",)
 
@@ -113,6 +125,36 @@ def requested_max_tokens(body: dict) -> Optional[int]:
     return None
 
 
+def expected_output_tokens(body: dict, headers, max_tokens: Optional[int]) -> Optional[int]:
+    """The client's expected output tokens: the header, else `nvext.agent_hints.osl`. A hint
+    outside the proto's bounds (1..=10M, at most max_tokens) is left out, as an out-of-range
+    max_tokens is: a hint never fails the request."""
+    v = headers.get(EXPECTED_OUTPUT_HEADER)
+    if v is not None:
+        try:
+            v = int(v.strip())
+        except ValueError:
+            return None
+    else:
+        nvext = body.get("nvext")
+        hints = nvext.get("agent_hints") if isinstance(nvext, dict) else None
+        v = hints.get("osl") if isinstance(hints, dict) else None
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TOKENS_LIMIT:
+        return None
+    if max_tokens is not None and v > max_tokens:
+        return None
+    return v
+
+
+def request_class(headers) -> Optional[str]:
+    """The request's class key from the objective header, if it is one the proto takes
+    (1..=64 bytes of printable ASCII without spaces); else none."""
+    v = headers.get(REQUEST_CLASS_HEADER)
+    if not v or len(v) > MAX_CLASS_BYTES or not all("!" <= c <= "~" for c in v):
+        return None
+    return v
+
+
 def error_body(message: str, kind: str, code: str) -> bytes:
     """An OpenAI-shaped error, as the engines send them."""
     return json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
@@ -135,7 +177,14 @@ class Exchange(Response):
     connection as it is; its status and headers are decided on the way.)"""
 
     def __init__(
-        self, state: State, path: str, body: dict, request_id: str, headers: Dict[str, str]
+        self,
+        state: State,
+        path: str,
+        body: dict,
+        request_id: str,
+        headers: Dict[str, str],
+        expected_output: Optional[int] = None,
+        request_class: Optional[str] = None,
     ):
         super().__init__()
         self.s = state
@@ -143,6 +192,9 @@ class Exchange(Response):
         self.body = body
         self.rid = request_id
         self.fwd_headers = headers
+        # The output-length hints Assign gets (`expected_output_tokens`, `request_class`).
+        self.expected_output = expected_output
+        self.request_class = request_class
         self.assigned: Optional[balanceroute.Assignment] = None
         self.assign_started = False
         self.upstream: Optional[httpx.Response] = None
@@ -232,6 +284,8 @@ class Exchange(Response):
                 prompt_hash=prompt_hash(self.body),
                 max_tokens=requested_max_tokens(self.body),
                 timeout=cfg.assign_timeout,
+                expected_output_tokens=self.expected_output,
+                request_class=self.request_class,
             )
         except balanceroute.BalanceRouteError as e:
             status = next((s for cls, s in ASSIGN_HTTP_STATUS.items() if isinstance(e, cls)), 502)
@@ -368,7 +422,17 @@ def create_app(cfg: Config) -> FastAPI:
         request.app.state.pd.stats["requests"] += 1
         rid = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        return Exchange(request.app.state.pd, path, body, rid, headers)
+        return Exchange(
+            request.app.state.pd,
+            path,
+            body,
+            rid,
+            headers,
+            expected_output=expected_output_tokens(
+                body, request.headers, requested_max_tokens(body)
+            ),
+            request_class=request_class(request.headers),
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):

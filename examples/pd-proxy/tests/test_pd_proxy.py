@@ -218,6 +218,86 @@ def test_a_client_that_goes_away_leaves_no_reservation(client, shims, prefill_ad
     )
 
 
+def fnv1a_64(key):
+    """The class id the contract defines (Reservation.request_class_id)."""
+    h = 0xCBF29CE484222325
+    for b in key.encode():
+        h = ((h ^ b) * 0x100000001B3) % 2**64
+    return h
+
+
+@pytest.mark.parametrize(
+    "headers, body, expected, cls",
+    [
+        # Dynamo's body field and the Gateway API Inference Extension's objective header
+        (
+            {"X-Gateway-Inference-Objective": "chat"},
+            {"nvext": {"agent_hints": {"osl": 512}}},
+            512,
+            "chat",
+        ),
+        # BalanceRoute's header wins over the body
+        (
+            {"X-BalanceRoute-Expected-Output-Tokens": "77"},
+            {"nvext": {"agent_hints": {"osl": 512}}},
+            77,
+            None,
+        ),
+        # hints outside the contract are left out; the request goes on without them
+        (
+            {"X-Gateway-Inference-Objective": "tenant 7"},
+            {"nvext": {"agent_hints": {"osl": 0}}},
+            None,
+            None,
+        ),
+    ],
+)
+def test_output_length_hints_go_to_assign(client, sigma, headers, body, expected, cls):
+    r = rid("hints")
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "y" * 200}],
+        max_tokens=100_000,
+        stream=True,
+        extra_headers={"X-Request-Id": r, **headers},
+        extra_body=body,
+    )
+    stream = raw.parse()
+    next(iter(stream))
+    # Decoding: σ holds the request with the hints its reservation carried.
+    seen = wait_until(lambda: sigma().get(r), 10, f"{r} in σ")
+    got = seen.expected_output_tokens if seen.HasField("expected_output_tokens") else None
+    assert got == expected
+    got = seen.request_class_id if seen.HasField("request_class_id") else None
+    assert got == (fnv1a_64(cls) if cls else None)
+    stream.close()
+    wait_until(lambda: r not in sigma(), 10, f"{r} to leave σ after the disconnect")
+
+
+def test_hints_are_read_as_the_proto_bounds_them():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import pd_proxy
+
+    hinted = {"nvext": {"agent_hints": {"osl": 300}}}
+    header = pd_proxy.EXPECTED_OUTPUT_HEADER
+    assert pd_proxy.expected_output_tokens(hinted, {}, None) == 300
+    assert pd_proxy.expected_output_tokens(hinted, {}, 300) == 300
+    assert pd_proxy.expected_output_tokens(hinted, {}, 299) is None, "above max_tokens"
+    assert pd_proxy.expected_output_tokens(hinted, {header: " 12 "}, None) == 12
+    assert pd_proxy.expected_output_tokens(hinted, {header: "many"}, None) is None
+    for bad in (0, -1, 10_000_001, "300", True, 1.5):
+        body = {"nvext": {"agent_hints": {"osl": bad}}}
+        assert pd_proxy.expected_output_tokens(body, {}, None) is None, bad
+    assert pd_proxy.expected_output_tokens({"nvext": 5}, {}, None) is None
+    assert pd_proxy.expected_output_tokens({}, {}, None) is None
+    objective = pd_proxy.REQUEST_CLASS_HEADER
+    assert pd_proxy.request_class({objective: "tenant-7/tools"}) == "tenant-7/tools"
+    assert pd_proxy.request_class({objective: "~" * 64}) == "~" * 64
+    for bad in ("", "a b", "c" * 65, "caf\u00e9", "a\tb"):
+        assert pd_proxy.request_class({objective: bad}) is None, bad
+    assert pd_proxy.request_class({}) is None
+
+
 def test_prefill_errors_reach_the_client_as_they_are(client, shims, prefill_admin):
     before = [metric(s, "balanceroute_shim_requests_total") for s in shims]
     with pytest.raises(openai.NotFoundError):
