@@ -617,8 +617,8 @@ async fn the_picker_routes_what_envoy_sends() {
 
 /// The output-length hints reach σ with the reservation: the expected output tokens from
 /// `x-balanceroute-expected-output-tokens`, else from the body's `nvext.agent_hints.osl`
-/// (the header wins), the class from `x-gateway-inference-objective` (σ holds its id). Bad
-/// hints are refused as Assign refuses them (400, its message naming the field), or as bad
+/// (the header wins), the class from `x-gateway-inference-objective` (σ holds its id; an empty
+/// header is no class). Bad hints are refused as Assign refuses them (400, its message naming the field), or as bad
 /// input when a header or the body does not even hold a count; nothing is reserved for them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_passes_the_output_length_hints_on() {
@@ -679,22 +679,28 @@ async fn the_picker_passes_the_output_length_hints_on() {
         s.close().await;
     }
 
-    // without hints, σ holds none
-    let mut s = Envoy::open(&mut client).await;
-    let resp = s
-        .exchange(headers(
-            &[
-                ("x-request-id", "hint-4"),
-                ("x-balanceroute-prompt-tokens", "100"),
-            ],
-            true,
-        ))
-        .await;
-    let (endpoint, _) = routed_at_headers(&resp);
-    let r = placed_on_answered_worker(&stack, "hint-4", &endpoint).await;
-    assert_eq!((r.expected_output_tokens, r.request_class_id), (None, None));
-    s.exchange(response_headers()).await;
-    s.close().await;
+    // without hints, σ holds none; an empty objective header is no class
+    for (id, extra) in [
+        ("hint-4", None),
+        ("hint-5", Some(("x-gateway-inference-objective", ""))),
+    ] {
+        let mut s = Envoy::open(&mut client).await;
+        let mut pairs = vec![
+            ("x-request-id", id),
+            ("x-balanceroute-prompt-tokens", "100"),
+        ];
+        pairs.extend(extra);
+        let resp = s.exchange(headers(&pairs, true)).await;
+        let (endpoint, _) = routed_at_headers(&resp);
+        let r = placed_on_answered_worker(&stack, id, &endpoint).await;
+        assert_eq!(
+            (r.expected_output_tokens, r.request_class_id),
+            (None, None),
+            "{id}"
+        );
+        s.exchange(response_headers()).await;
+        s.close().await;
+    }
 
     let long = "c".repeat(65);
     let with_tokens = |id: &'static str, pair: (&'static str, &str)| {
@@ -753,6 +759,33 @@ async fn the_picker_passes_the_output_length_hints_on() {
             )],
             "invalid_argument",
             "request_class is 65 bytes long, at most 64 are allowed",
+        ),
+        (
+            "badhint-7",
+            vec![with_tokens(
+                "badhint-7",
+                ("x-balanceroute-expected-output-tokens", "10000001"),
+            )],
+            "invalid_argument",
+            "expected_output_tokens is 10000001, it must be in 1..=10000000",
+        ),
+        (
+            "badhint-8",
+            vec![with_tokens(
+                "badhint-8",
+                ("x-gateway-inference-objective", "thinking-\u{e9}"),
+            )],
+            "invalid_argument",
+            "request_class contains 'é'",
+        ),
+        (
+            "badhint-9",
+            vec![with_tokens(
+                "badhint-9",
+                ("x-gateway-inference-objective", "a\tb"),
+            )],
+            "invalid_argument",
+            "request_class contains a control character",
         ),
         (
             "badhint-5",

@@ -19,7 +19,8 @@ pub(super) struct Head {
     pub(super) prompt_tokens: Option<u32>,
     /// The client's expected output tokens, as a count (Assign checks its range).
     pub(super) expected_output: Option<u32>,
-    /// The request's class key, as sent (Assign checks it).
+    /// The request's class key, as sent (Assign checks it); an empty header is none, as an
+    /// empty `x-request-id` is no id.
     pub(super) class: Option<String>,
     /// The request's W3C trace context (`traceparent`, `tracestate`), when traces are
     /// exported: its Assign continues the client's trace.
@@ -72,7 +73,7 @@ impl Stream {
             generated_id,
             prompt_tokens,
             expected_output,
-            class: get(REQUEST_CLASS_HEADER),
+            class: get(REQUEST_CLASS_HEADER).filter(|c| !c.is_empty()),
             trace,
         })
     }
