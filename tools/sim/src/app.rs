@@ -46,6 +46,7 @@ fn engine_config(args: &RunArgs, workers: u32, record_loads: bool) -> EngineConf
         step_a: args.step_a,
         step_b: args.step_b,
         step_c: args.step_c,
+        colocated: args.colocated(),
         record_loads,
         control: ControlPlane {
             telemetry_lag_steps: args.telemetry_lag_steps,
@@ -173,9 +174,15 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
     } else {
         String::new()
     };
+    let colocated = args.colocated().map_or_else(String::new, |co| {
+        format!(
+            "; colocated prefill, {} prompt tokens per rank per step",
+            co.chunk
+        )
+    });
     format!(
         "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts{}{}\n\
-         G={} B={} arrival={} step T = {:e}·max L{} + {} ms{}",
+         G={} B={} arrival={} step T = {:e}·max L{}{} + {} ms{}{}",
         w.name,
         s.requests,
         s.mean_prompt,
@@ -191,12 +198,18 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         args.slots,
         arrival,
         args.step_a,
+        if args.colocated {
+            format!(" + {}·max P", args.step_p)
+        } else {
+            String::new()
+        },
         if args.step_c != 0.0 {
             format!(" + {}·max n", args.step_c)
         } else {
             String::new()
         },
         args.step_b,
+        colocated,
         control
     )
 }
@@ -307,6 +320,8 @@ mod tests {
                 fluid_throughput_tok_s: tput * 1.1,
                 tpot_p50_ms: 1.0,
                 tpot_p95_ms: 2.0,
+                ttft_p50_ms: 3.0,
+                ttft_p95_ms: 4.0,
                 mean_queue_ms: 0.0,
                 steps: 10,
                 requests: 5,

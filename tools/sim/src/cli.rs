@@ -5,6 +5,7 @@
 //!              --arrival saturated|trace|poisson [--rate-scale X] [--rate R] [--limit N]
 //!              [--filter-min-output N] [--seed S] [--json FILE] [--plot DIR]
 //!              [--step-a MS_PER_TOKEN] [--step-b MS] [--step-c MS_PER_REQUEST]
+//!              [--colocated [--step-p MS_PER_PREFILL_TOKEN] [--prefill-chunk TOKENS]]
 //!              [--hint-error SIGMA] [--hint-mode lognormal|shuffled|constant]
 //! br-sim sweep <run flags> [--workers-list 4,8,16,32,64] [--param NAME=v1,v2,...]
 //! br-sim calibrate SAMPLES.csv [--strict] [--json FILE]
@@ -24,7 +25,8 @@ use crate::trace::{self, Filter, LoadStats, TraceError, TraceRequest};
 pub const DEFAULT_POLICIES: &str = "random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle";
 
 /// BalanceRoute digital twin: replays request traces through the routing policies of br-core
-/// under the lockstep step-time model T = a·max_g L_g + c·max_g n_g + b.
+/// under the lockstep step-time model T = a·max_g L_g + c·max_g n_g + b (with colocated
+/// prefill, + p·max_g P_g).
 #[derive(Debug, Parser)]
 #[command(
     name = "br-sim",
@@ -123,6 +125,20 @@ pub struct RunArgs {
     /// `a·max L + c·max n + b`; `br-sim calibrate` fits it). 0 is the paper's model.
     #[arg(long, default_value_t = 0.0)]
     pub step_c: f64,
+    /// Colocated prefill: each rank runs the prompts of the requests it is given, in chunks of
+    /// at most `--prefill-chunk` tokens per step, first come first served, in the same steps as
+    /// its decode batch; the step is `a·max L + p·max P + c·max n + b` with P the prompt tokens
+    /// a rank runs in it. Without it ranks only decode (prefill runs elsewhere).
+    #[arg(long)]
+    pub colocated: bool,
+    /// p: step time per prefill token on the rank that runs the most prefill in the step, in
+    /// ms (with `--colocated`; 0 prices prefill at nothing).
+    #[arg(long, default_value_t = 0.0)]
+    pub step_p: f64,
+    /// With `--colocated`: prompt tokens a rank prefills per step at most (the engines'
+    /// chunked-prefill budget; default 8192).
+    #[arg(long, value_name = "TOKENS", requires = "colocated", value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefill_chunk: Option<u32>,
     /// d: deciders see worker progress this many steps late (telemetry -> σ -> replica); their
     /// own and each other's reservations are not delayed. 0 is the paper's ideal view.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -273,7 +289,19 @@ pub struct Workload {
     pub stats: LoadStats,
 }
 
+/// The chunked-prefill budget of `--colocated` without `--prefill-chunk`: TensorRT-LLM's
+/// DeepSeek-R1 example with attention DP serves with `--max_num_tokens 8192`.
+pub const DEFAULT_PREFILL_CHUNK: u32 = 8192;
+
 impl RunArgs {
+    /// Where prefill runs: `--colocated` with its p and chunk, else `None` (decode only).
+    pub fn colocated(&self) -> Option<crate::engine::Colocated> {
+        self.colocated.then(|| crate::engine::Colocated {
+            step_p: self.step_p,
+            chunk: self.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK),
+        })
+    }
+
     /// Validates numeric flags.
     pub fn validate(&self) -> Result<(), WorkloadError> {
         let bad = |m: String| Err(WorkloadError::Invalid(m));
@@ -294,6 +322,18 @@ impl RunArgs {
                 "--step-c must be finite and >= 0, got {}",
                 self.step_c
             ));
+        }
+        if !(self.step_p.is_finite() && self.step_p >= 0.0) {
+            return bad(format!(
+                "--step-p must be finite and >= 0, got {}",
+                self.step_p
+            ));
+        }
+        if self.step_p != 0.0 && !self.colocated {
+            return bad(
+                "--step-p prices prefill on the decode ranks, which runs only with --colocated"
+                    .into(),
+            );
         }
         if !(self.rate_scale.is_finite() && self.rate_scale > 0.0) {
             return bad(format!("--rate-scale must be > 0, got {}", self.rate_scale));
@@ -552,6 +592,7 @@ mod tests {
         assert_eq!(r.policies, vec!["jsq", "br0"]);
         assert_eq!(r.arrival, Arrival::Auto);
         assert_eq!((r.step_a, r.step_b, r.step_c), (2e-4, 30.0, 0.0));
+        assert!(!r.colocated && r.step_p == 0.0 && r.prefill_chunk.is_none());
     }
 
     #[test]
@@ -682,6 +723,23 @@ mod tests {
         r.step_c = -0.1;
         assert!(r.workload().is_err());
         r.step_c = 0.0;
+        // --step-p prices prefill on the decode ranks: only with --colocated
+        r.step_p = 0.5;
+        assert!(r.workload().is_err());
+        r.colocated = true;
+        r.workload().expect("colocated with p");
+        assert_eq!(
+            r.colocated(),
+            Some(crate::engine::Colocated {
+                step_p: 0.5,
+                chunk: DEFAULT_PREFILL_CHUNK
+            })
+        );
+        r.step_p = f64::INFINITY;
+        assert!(r.workload().is_err());
+        r.step_p = 0.0;
+        r.colocated = false;
+        assert_eq!(r.colocated(), None);
         r.trace = Some("/nonexistent/t.csv".into());
         assert!(matches!(r.workload(), Err(WorkloadError::Trace(_))));
         r.trace = Some("paper-prop".into());

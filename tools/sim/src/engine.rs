@@ -20,6 +20,20 @@
 //!    the running requests and G), requests that wrote their last token leave σ and are
 //!    reported to the policy (`Policy::observe_finished`, which trains BR-H's predictors).
 //!
+//! # Colocated prefill ([`Colocated`], `--colocated`)
+//! Without it the model is a decode tier: a request's prompt is already in KV when it starts
+//! (prefill ran elsewhere) and its first step writes its first token. With it, step 3 changes:
+//! each rank runs a prefill budget of `chunk` prompt tokens per step, first come, first served:
+//! first the prompt it is part way through, then requests from its queue while it has free
+//! slots and budget left. A request holds its slot from its first chunk; the step that runs its
+//! last chunk writes its first token (σ learns of it then, as it does from a live worker's first
+//! progress report: until then it is a reservation there), and its KV grows by each chunk as
+//! the chunk completes. The step takes `a·max L + p·max P + c·max n + b` with P_g the prompt
+//! tokens rank g runs in it, L_g counting the chunks completed before the step and n_g the
+//! requests that write a token in it. TTFT is the time from arrival to the end of the step that
+//! writes the first token. The decode-only path is the same code without the prefill state,
+//! computed by the same instructions as before colocated prefill existed.
+//!
 //! When nothing runs and nothing can start, the clock skips to the next arrival. The per-step
 //! cost is O(G + running) plus the policy's own work; no per-token hashing (finishes are found
 //! through a heap keyed by the step they happen in).
@@ -39,7 +53,9 @@ use std::time::{Duration, Instant};
 
 use br_core::dispatch::Admission;
 use br_core::stats::quantile;
-use br_core::{ClusterState, Mode, Phase, Policy, Pool, PoolEntry, RequestInfo, WorkerId};
+use br_core::{
+    ClusterState, Mode, Phase, Policy, Pool, PoolEntry, RequestInfo, WorkerId, WorkerInfo,
+};
 
 use crate::plot::LoadSeries;
 use crate::report::{RunReport, SteadyExtra};
@@ -47,10 +63,12 @@ use crate::trace::TraceRequest;
 
 mod config;
 mod outcome;
+mod prefill;
 mod views;
 
-pub use config::{ControlPlane, EngineConfig};
+pub use config::{Colocated, ControlPlane, EngineConfig};
 pub use outcome::{IdleFlow, RunOutcome, SimError};
+use prefill::Prefill;
 use views::{Views, queued_info};
 
 /// Simulates `cfg.control.deciders` deciders over `requests` (any order; arrival times `None`
@@ -91,6 +109,8 @@ pub fn simulate_deciders(
     let mut finishing: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
     let mut just_started: Vec<u32> = Vec::new();
     let mut admissions: Vec<Admission> = Vec::new();
+    let mut prefill = cfg.colocated.map(|co| Prefill::new(co, g));
+    let mut ttft: Vec<f64> = Vec::with_capacity(n);
 
     let mut now = 0.0f64;
     let mut step: u64 = 0;
@@ -227,16 +247,35 @@ pub fn simulate_deciders(
             }
         }
 
-        // 3. local FIFO admission into free slots
-        for (w, q) in queues.iter_mut().enumerate() {
-            while running[w] < cfg.slots {
-                let Some(i) = q.pop_front() else { break };
-                queued_total -= 1;
-                state.activate(u64::from(i)).map_err(core_err(step))?;
-                running[w] += 1;
-                admit_ms[i as usize] = now;
-                queue_sum += now - arrival(i as usize);
-                just_started.push(i);
+        // 3. local FIFO admission into free slots (colocated: within the prefill budget)
+        if let Some(pf) = prefill.as_mut() {
+            for (w, q) in queues.iter_mut().enumerate() {
+                let prompt = |i: u32| requests[i as usize].prompt_tokens;
+                let mut budget = pf.begin(w, prompt, &mut just_started);
+                while running[w] < cfg.slots {
+                    let Some(&i) = q.front() else { break };
+                    if budget == 0 && prompt(i) > 0 {
+                        break;
+                    }
+                    q.pop_front();
+                    queued_total -= 1;
+                    running[w] += 1;
+                    admit_ms[i as usize] = now;
+                    queue_sum += now - arrival(i as usize);
+                    budget = pf.start(w, i, prompt(i), budget, &mut just_started);
+                }
+            }
+        } else {
+            for (w, q) in queues.iter_mut().enumerate() {
+                while running[w] < cfg.slots {
+                    let Some(i) = q.pop_front() else { break };
+                    queued_total -= 1;
+                    state.activate(u64::from(i)).map_err(core_err(step))?;
+                    running[w] += 1;
+                    admit_ms[i as usize] = now;
+                    queue_sum += now - arrival(i as usize);
+                    just_started.push(i);
+                }
             }
         }
         // Steady state: requests are left waiting (pool or local queues) after admission.
@@ -267,39 +306,60 @@ pub fn simulate_deciders(
         }
         idle_rounds = 0;
 
-        // 4. the step
+        // 4. the step. Per rank: L_g the KV it reads, n_g the tokens it writes (its running
+        // requests), P_g the prompt tokens it prefills (colocated only; else 0).
+        let rank = |w: usize, info: &WorkerInfo| match &prefill {
+            None => (info.running_load, running[w], 0u64),
+            Some(pf) => pf.rank(w, info),
+        };
         let (mut max, mut min, mut sum) = (0u64, u64::MAX, 0u64);
-        for w in state.workers().iter().take(g) {
-            let l = w.running_load;
+        let (mut max_p, mut sum_p, mut written) = (0u64, 0u64, 0u32);
+        for (w, info) in state.workers().iter().take(g).enumerate() {
+            let (l, n_w, p_w) = rank(w, info);
             max = max.max(l);
             min = min.min(l);
             sum += l;
+            max_p = max_p.max(p_w);
+            sum_p += p_w;
+            written += n_w;
             if cfg.record_loads {
                 loads.push(l);
             }
         }
         let mut t = cfg.step_a * max as f64 + cfg.step_b;
         let mut tf = cfg.step_a * sum as f64 / g as f64 + cfg.step_b;
-        // c = 0 skips the term, so the paper's model is computed exactly as before it existed
+        // p (colocated only) and c = 0 skip their terms, so the decode-only and the paper's
+        // model are computed exactly as before the terms existed. The fluid time balances
+        // every term: with prefill it is the aligned limit (every rank prefills the same in
+        // every step, and reads the same KV).
+        let step_p = cfg.colocated.map_or(0.0, |co| co.step_p);
+        if step_p != 0.0 {
+            t += step_p * max_p as f64;
+            tf += step_p * sum_p as f64 / g as f64;
+        }
+        let mut max_n = 0u32;
         if cfg.step_c != 0.0 {
-            let max_n = running.iter().copied().max().unwrap_or(0);
+            for (w, info) in state.workers().iter().take(g).enumerate() {
+                max_n = max_n.max(rank(w, info).1);
+            }
             t += cfg.step_c * f64::from(max_n);
-            tf += cfg.step_c * f64::from(total_running) / g as f64;
+            tf += cfg.step_c * f64::from(written) / g as f64;
         }
         busy_ms += t;
         fluid_ms += tf;
-        tokens += u64::from(total_running);
+        tokens += u64::from(written);
         sum_imb += (max - min) as f64;
         sum_idle += (g as u64 * max - sum) as f64;
-        // growth alone: rank g's load moves to L_g + n_g before finishes and placements
+        // growth alone: rank g's load moves to L_g + n_g + P_g before finishes and placements
         let (mut grown_max, mut n_max, mut n_min) = (0u64, 0u32, u32::MAX);
-        for (w, &n_w) in state.workers().iter().take(g).zip(&running) {
-            grown_max = grown_max.max(w.running_load + u64::from(n_w));
+        for (w, info) in state.workers().iter().take(g).enumerate() {
+            let (l, n_w, p_w) = rank(w, info);
+            grown_max = grown_max.max(l + u64::from(n_w) + p_w);
             n_max = n_max.max(n_w);
             n_min = n_min.min(n_w);
         }
         let idle = (g as u64 * max - sum) as f64;
-        let growth = (g as u64 * grown_max - (sum + u64::from(total_running))) as f64 - idle;
+        let growth = (g as u64 * grown_max - (sum + u64::from(written) + sum_p)) as f64 - idle;
         all_growth += growth;
         all_spread += f64::from(n_max - n_min);
         if waiting {
@@ -310,14 +370,22 @@ pub fn simulate_deciders(
             steady_fluid_ms += tf;
             steady_steps += 1;
             steady_imb += (max - min) as f64;
-            steady_tokens += u64::from(total_running);
+            steady_tokens += u64::from(written);
             first_wait = first_wait.min(step as usize);
             last_wait = step as usize + 1;
+        }
+        if let Some(pf) = prefill.as_mut() {
+            // the prompts whose last chunk ran write their first token: σ learns they run
+            for &i in &just_started {
+                state.activate(u64::from(i)).map_err(core_err(step))?;
+            }
+            pf.end_step();
         }
         state.advance_step();
         now += t;
         for i in just_started.drain(..) {
             first_ms[i as usize] = now;
+            ttft.push(now - arrival(i as usize));
             let o = u64::from(requests[i as usize].output_tokens.max(1));
             finishing.push(Reverse((step + o - 1, i)));
         }
@@ -371,6 +439,8 @@ pub fn simulate_deciders(
         fluid_throughput_tok_s: rate(tokens, fluid_ms),
         tpot_p50_ms: quantile(&mut tpot, 0.5),
         tpot_p95_ms: quantile(&mut tpot, 0.95),
+        ttft_p50_ms: quantile(&mut ttft, 0.5),
+        ttft_p95_ms: quantile(&mut ttft, 0.95),
         mean_queue_ms: if finished > 0 {
             queue_sum / finished as f64
         } else {

@@ -3,7 +3,7 @@
 //! JSON shape (other tools parse it; keep the field names):
 //! `{"runs":[{"policy", "workers", "avg_imbalance", "avg_barrier_idle", "throughput_tok_s",
 //! "steady_throughput_tok_s", "fluid_throughput_tok_s", "tpot_p50_ms", "tpot_p95_ms",
-//! "mean_queue_ms", "steps", "requests"}]}`.
+//! "ttft_p50_ms", "ttft_p95_ms", "mean_queue_ms", "steps", "requests"}]}`.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -31,6 +31,14 @@ pub struct RunReport {
     pub tpot_p50_ms: f64,
     /// 95th percentile time per output token (ms).
     pub tpot_p95_ms: f64,
+    /// Median time to first token (ms): arrival to the end of the step that writes it (with
+    /// colocated prefill, the step that runs the prompt's last chunk). Absent from reports
+    /// written before it existed, read as 0.
+    #[serde(default)]
+    pub ttft_p50_ms: f64,
+    /// 95th percentile time to first token (ms).
+    #[serde(default)]
+    pub ttft_p95_ms: f64,
     /// Mean of admission time − arrival time (ms).
     pub mean_queue_ms: f64,
     /// Decode steps simulated.
@@ -70,7 +78,8 @@ pub const TABLE_LEGEND: &str = "columns: G: ranks; imbalance, s.imbal: mean max 
 barrier_idle: mean G*max - sum of loads (token slots idle at the barrier); tok/s, fluid: output tokens/s and its limit with every step balanced; \
 gain%: tok/s against the best baseline at this G; gap%: share of that baseline's gap to its own fluid limit the run removes (100 = balanced); \
 steady, s.fluid, s.gain%, s.gap%: the same over the steady steps (requests waiting); \
-tpot50, tpot95: ms per output token; queue_ms: mean wait before the first step; steps: decode steps; reqs: requests finished";
+tpot50, tpot95: ms per output token; queue_ms: mean wait before the first step; steps: decode steps; reqs: requests finished; \
+ttft50, ttft95: ms from arrival to the first token";
 
 /// Renders the table: one row per run. Besides the report's fields it shows, against the best
 /// baseline at the same G (by the same measure): the throughput gain (`gain%`) and the share of
@@ -87,7 +96,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<width$} {:>3} {:>10} {:>9} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6}",
+        "{:<width$} {:>3} {:>10} {:>9} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6} {:>9} {:>9}",
         "policy",
         "G",
         "imbalance",
@@ -106,6 +115,8 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
         "queue_ms",
         "steps",
         "reqs",
+        "ttft50",
+        "ttft95",
     );
     let fluid_of = |i: usize| steady.get(i).map(|x| x.fluid_tok_s);
     for (i, r) in runs.iter().enumerate() {
@@ -157,7 +168,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
         });
         let _ = writeln!(
             s,
-            "{:<width$} {:>3} {:>10.0} {:>9} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6}",
+            "{:<width$} {:>3} {:>10.0} {:>9} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6} {:>9.1} {:>9.1}",
             r.policy,
             r.workers,
             r.avg_imbalance,
@@ -178,6 +189,8 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
             r.mean_queue_ms,
             r.steps,
             r.requests,
+            r.ttft_p50_ms,
+            r.ttft_p95_ms,
         );
     }
     s
@@ -230,6 +243,8 @@ mod tests {
             fluid_throughput_tok_s: fluid,
             tpot_p50_ms: 80.0,
             tpot_p95_ms: 90.0,
+            ttft_p50_ms: 100.0,
+            ttft_p95_ms: 200.0,
             mean_queue_ms: 5.0,
             steps: 10,
             requests: 3,
@@ -255,6 +270,8 @@ mod tests {
             "fluid_throughput_tok_s",
             "tpot_p50_ms",
             "tpot_p95_ms",
+            "ttft_p50_ms",
+            "ttft_p95_ms",
             "mean_queue_ms",
             "steps",
             "requests",

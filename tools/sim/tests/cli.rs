@@ -72,6 +72,8 @@ fn run_writes_table_json_and_figure() {
             "fluid_throughput_tok_s",
             "tpot_p50_ms",
             "tpot_p95_ms",
+            "ttft_p50_ms",
+            "ttft_p95_ms",
             "mean_queue_ms",
             "steps",
             "requests",
@@ -329,4 +331,57 @@ fn the_arrival_mode_and_dropped_rows_are_printed() {
         "{}",
         text(&out.stdout)
     );
+}
+
+/// `--step-p 0` without `--colocated` is the decode-only model: the same table, byte for
+/// byte, as without the flag. `--colocated` says so on the workload line, and its flags are
+/// refused without it.
+#[test]
+fn colocated_prefill_flags() {
+    let base = [
+        "--trace",
+        "paper-prop",
+        "--workers",
+        "4",
+        "--slots",
+        "16",
+        "--limit",
+        "200",
+        "--policies",
+        "rr,jsq,mintok,br0",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        let out = br_sim(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let plain = run(&[]);
+    assert_eq!(run(&["--step-p", "0"]), plain);
+    assert!(!plain.contains("colocated"), "{plain}");
+    let colo = run(&["--colocated", "--step-p", "0.05", "--prefill-chunk", "2048"]);
+    assert!(
+        colo.contains("0.05·max P") && colo.contains("colocated prefill, 2048 prompt tokens"),
+        "{colo}"
+    );
+    assert_ne!(colo, plain);
+    for bad in [
+        &["--step-p", "0.05"][..],
+        &["--prefill-chunk", "2048"][..],
+        &["--colocated", "--prefill-chunk", "0"][..],
+        &["--colocated", "--step-p=-1"][..],
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(bad);
+        let out = br_sim(&args);
+        assert!(!out.status.success(), "{bad:?} is refused");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("--colocated")
+                || err.contains("--step-p")
+                || err.contains("--prefill-chunk"),
+            "{bad:?}: {err}"
+        );
+    }
 }

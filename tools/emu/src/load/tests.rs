@@ -14,6 +14,8 @@ fn several_twin_runs_of_a_policy_are_shown_as_their_mean_and_spread() {
         fluid_throughput_tok_s: tok_s,
         tpot_p50_ms: 48.0,
         tpot_p95_ms: 50.0,
+        ttft_p50_ms: 0.0,
+        ttft_p95_ms: 0.0,
         mean_queue_ms: 0.0,
         steps: 10,
         requests: 10,

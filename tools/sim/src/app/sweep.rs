@@ -133,6 +133,8 @@ pub fn average_rows(per_seed: &[Vec<Row>]) -> Vec<Row> {
                     fluid_throughput_tok_s: mean(&|r| r.0.fluid_throughput_tok_s),
                     tpot_p50_ms: mean(&|r| r.0.tpot_p50_ms),
                     tpot_p95_ms: mean(&|r| r.0.tpot_p95_ms),
+                    ttft_p50_ms: mean(&|r| r.0.ttft_p50_ms),
+                    ttft_p95_ms: mean(&|r| r.0.ttft_p95_ms),
                     mean_queue_ms: mean(&|r| r.0.mean_queue_ms),
                     steps: mean(&|r| r.0.steps as f64).round() as u64,
                     requests: mean(&|r| r.0.requests as f64).round() as u64,

@@ -1,5 +1,6 @@
-//! How a run is set up: the step-time model and group shape ([`EngineConfig`]) and the
-//! control plane as deployed ([`ControlPlane`]: telemetry lag, several deciders).
+//! How a run is set up: the step-time model and group shape ([`EngineConfig`]), where prefill
+//! runs ([`Colocated`]) and the control plane as deployed ([`ControlPlane`]: telemetry lag,
+//! several deciders).
 //!
 //! Separate from the engine: these are the inputs the CLI and the sweeps build, documented
 //! apart from how the step loop uses them.
@@ -17,10 +18,36 @@ pub struct EngineConfig {
     pub step_b: f64,
     /// c, ms per running request on the rank that runs the most (0: the paper's model).
     pub step_c: f64,
+    /// Prefill on the decode ranks, in the same steps as their decode batch (`None`: prefill
+    /// runs elsewhere, the decode-only model).
+    pub colocated: Option<Colocated>,
     /// Keep the per-step per-worker loads (for the load figure).
     pub record_loads: bool,
     /// How the control plane sees the group (ideal: one decider with a perfect view).
     pub control: ControlPlane,
+}
+
+/// Colocated prefill: each rank runs the prompts of the requests routed to it, in the same steps
+/// as its decode batch (SGLang `--enable-dp-attention`, vLLM data parallel with expert
+/// parallelism, TensorRT-LLM attention DP with in-flight batching).
+///
+/// A rank takes requests from its queue first come, first served, while it has a free slot and
+/// prefill budget left in the step: up to `chunk` prompt tokens per rank per step (the engines'
+/// chunked-prefill budget: vLLM's `max_num_batched_tokens`, SGLang's `--chunked-prefill-size`,
+/// TensorRT-LLM's `max_num_tokens`; vLLM and TensorRT-LLM count the step's decode tokens in the
+/// same budget, which with B ≤ 256 against thousands of tokens moves it by a few percent, left
+/// out here). The prompt it is part way through comes first; a prompt
+/// longer than what is left is split and continues next step, so at most one prompt per rank
+/// is part way through. A request holds its slot from its first chunk. The step that runs its
+/// last chunk writes its first token; its KV grows by each chunk as the chunk completes (the
+/// step reads the KV of the chunks before). The step is `a·max L + p·max P + c·max n + b`
+/// (`br_core::StepModel::step_ms_with_prefill`), P_g the prompt tokens rank g runs in it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Colocated {
+    /// p, ms per prefill token on the rank that runs the most prefill in the step.
+    pub step_p: f64,
+    /// Prompt tokens a rank runs per step at most (≥ 1).
+    pub chunk: u32,
 }
 
 /// The control plane as deployed, not as idealised: telemetry reaches the deciders late, and

@@ -18,6 +18,7 @@ fn cfg(workers: u32, slots: u32, a: f64, b: f64) -> EngineConfig {
         step_a: a,
         step_b: b,
         step_c: 0.0,
+        colocated: None,
         record_loads: true,
         control: ControlPlane::IDEAL,
     }
@@ -343,20 +344,33 @@ fn every_policy_completes_every_request_within_capacity() {
 
 /// An independent, deliberately naive model of the same semantics for round-robin
 /// (request k in arrival order goes to worker k mod G), written without br-core; `c` is the
-/// step's ms per running request on the busiest rank.
-fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64, c: f64) -> RunReport {
+/// step's ms per running request on the busiest rank, `prefill` colocated prefill's (p, chunk)
+/// (`None`: decode only, every prompt is KV when its request starts).
+fn reference_rr(
+    reqs: &[TraceRequest],
+    g: usize,
+    b: usize,
+    a: f64,
+    b0: f64,
+    c: f64,
+    prefill: Option<(f64, u32)>,
+) -> RunReport {
     let mut order: Vec<usize> = (0..reqs.len()).collect();
     let t = |i: usize| reqs[i].arrival_ms.unwrap_or(0.0);
     order.sort_by(|&x, &y| t(x).total_cmp(&t(y)));
     let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); g];
-    // active: (request, generated, first token time)
-    let mut active: Vec<Vec<(usize, u32, f64)>> = vec![Vec::new(); g];
+    // active, in the order they took their slot: (request, prompt tokens in KV, generated,
+    // first token time, prompt tokens run this step)
+    type Active = (usize, u32, u32, f64, u32);
+    let mut active: Vec<Vec<Active>> = vec![Vec::new(); g];
     let (mut now, mut next, mut steps) = (0.0f64, 0usize, 0u64);
     let (mut busy, mut fluid, mut tokens, mut steady_ms, mut steady_tok) =
         (0.0, 0.0, 0u64, 0.0, 0u64);
     let (mut imb, mut idle, mut queue_sum) = (0.0, 0.0, 0.0);
-    let mut tpots = Vec::new();
+    let (mut tpots, mut ttfts) = (Vec::new(), Vec::new());
     let mut routed = 0usize;
+    let prompt = |i: usize| reqs[i].prompt_tokens;
+    let (p, chunk) = prefill.unwrap_or((0.0, u32::MAX));
     loop {
         while next < order.len() && t(order[next]) <= now {
             queues[routed % g].push_back(order[next]);
@@ -364,12 +378,28 @@ fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64, c: f
             next += 1;
         }
         for w in 0..g {
+            // the budget goes to the slots' prompts in slot order, then to new requests
+            let mut budget = chunk;
+            for e in active[w].iter_mut() {
+                e.4 = (prompt(e.0) - e.1).min(budget);
+                budget -= e.4;
+            }
             while active[w].len() < b {
-                let Some(i) = queues[w].pop_front() else {
+                let Some(&i) = queues[w].front() else {
                     break;
                 };
+                if prefill.is_some() && budget == 0 && prompt(i) > 0 {
+                    break;
+                }
+                queues[w].pop_front();
                 queue_sum += now - t(i);
-                active[w].push((i, 0, f64::NAN));
+                if prefill.is_some() {
+                    let x = prompt(i).min(budget);
+                    budget -= x;
+                    active[w].push((i, 0, 0, f64::NAN, x));
+                } else {
+                    active[w].push((i, prompt(i), 0, f64::NAN, 0));
+                }
             }
         }
         let waiting = queues.iter().any(|q| !q.is_empty());
@@ -380,38 +410,52 @@ fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64, c: f
             }
             break;
         }
+        // a request writes a token once its whole prompt is in KV (after this step's chunk)
+        let writes = |e: &Active| e.1 + e.4 == prompt(e.0);
         let loads: Vec<f64> = active
             .iter()
-            .map(|v| {
-                v.iter()
-                    .map(|&(i, j, _)| f64::from(reqs[i].prompt_tokens + j))
-                    .sum()
-            })
+            .map(|v| v.iter().map(|e| f64::from(e.1 + e.2)).sum())
+            .collect();
+        let prefills: Vec<f64> = active
+            .iter()
+            .map(|v| v.iter().map(|e| f64::from(e.4)).sum())
+            .collect();
+        let counts: Vec<f64> = active
+            .iter()
+            .map(|v| v.iter().filter(|e| writes(e)).count() as f64)
             .collect();
         let max = loads.iter().cloned().fold(0.0, f64::max);
         let min = loads.iter().cloned().fold(f64::INFINITY, f64::min);
         let sum: f64 = loads.iter().sum();
-        let n: u64 = active.iter().map(|v| v.len() as u64).sum();
-        let max_n = active.iter().map(Vec::len).max().unwrap_or(0) as f64;
-        let step = a * max + c * max_n + b0;
+        let max_p = prefills.iter().cloned().fold(0.0, f64::max);
+        let sum_p: f64 = prefills.iter().sum();
+        let n: f64 = counts.iter().sum();
+        let max_n = counts.iter().cloned().fold(0.0, f64::max);
+        let step = a * max + p * max_p + c * max_n + b0;
         busy += step;
-        fluid += a * sum / g as f64 + c * n as f64 / g as f64 + b0;
-        tokens += n;
+        fluid += a * sum / g as f64 + p * sum_p / g as f64 + c * n / g as f64 + b0;
+        tokens += n as u64;
         imb += max - min;
         idle += g as f64 * max - sum;
         if waiting {
             steady_ms += step;
-            steady_tok += n;
+            steady_tok += n as u64;
         }
         now += step;
         for v in active.iter_mut() {
             for e in v.iter_mut() {
-                e.1 += 1;
-                if e.1 == 1 {
-                    e.2 = now;
+                let writes = e.1 + e.4 == prompt(e.0);
+                e.1 += e.4;
+                e.4 = 0;
+                if writes {
+                    e.2 += 1;
+                    if e.2 == 1 {
+                        e.3 = now;
+                        ttfts.push(now - t(e.0));
+                    }
                 }
             }
-            v.retain(|&(i, j, first)| {
+            v.retain(|&(i, _, j, first, _)| {
                 let o = reqs[i].output_tokens;
                 if j < o {
                     return true;
@@ -425,8 +469,10 @@ fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64, c: f
         steps += 1;
     }
     // Nearest rank (br_core::stats's definition), computed independently on purpose.
-    tpots.sort_by(f64::total_cmp);
-    let q = |p: f64| tpots[((p * tpots.len() as f64).ceil() as usize).max(1) - 1];
+    let q = |xs: &mut Vec<f64>, p: f64| {
+        xs.sort_by(f64::total_cmp);
+        xs[((p * xs.len() as f64).ceil() as usize).max(1) - 1]
+    };
     RunReport {
         policy: "rr".into(),
         workers: g,
@@ -435,8 +481,10 @@ fn reference_rr(reqs: &[TraceRequest], g: usize, b: usize, a: f64, b0: f64, c: f
         throughput_tok_s: tokens as f64 / (busy / 1000.0),
         steady_throughput_tok_s: steady_tok as f64 / (steady_ms / 1000.0),
         fluid_throughput_tok_s: tokens as f64 / (fluid / 1000.0),
-        tpot_p50_ms: q(0.5),
-        tpot_p95_ms: q(0.95),
+        tpot_p50_ms: q(&mut tpots, 0.5),
+        tpot_p95_ms: q(&mut tpots, 0.95),
+        ttft_p50_ms: q(&mut ttfts, 0.5),
+        ttft_p95_ms: q(&mut ttfts, 0.95),
         mean_queue_ms: queue_sum / reqs.len() as f64,
         steps,
         requests: reqs.len() as u64,
@@ -456,14 +504,14 @@ fn engine_matches_an_independent_model() {
         })
         .collect();
     let got = sim(&reqs, "rr", &cfg(3, 4, 1e-3, 5.0)).report;
-    let want = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.0);
+    let want = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.0, None);
     assert_close(&got, &want);
     // with a request term: the step pays c per request on the busiest rank, the fluid
     // limit c per request of the mean
     let mut with_c = cfg(3, 4, 1e-3, 5.0);
     with_c.step_c = 0.7;
     let got_c = sim(&reqs, "rr", &with_c).report;
-    let want_c = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.7);
+    let want_c = reference_rr(&reqs, 3, 4, 1e-3, 5.0, 0.7, None);
     assert_close(&got_c, &want_c);
     assert!(got_c.throughput_tok_s < got.throughput_tok_s);
     assert!(want.steady_throughput_tok_s > 0.0 && want.mean_queue_ms > 0.0);
@@ -490,6 +538,8 @@ fn assert_close(got: &RunReport, want: &RunReport) {
         ("tpot50", got.tpot_p50_ms, want.tpot_p50_ms),
         ("tpot95", got.tpot_p95_ms, want.tpot_p95_ms),
         ("queue", got.mean_queue_ms, want.mean_queue_ms),
+        ("ttft50", got.ttft_p50_ms, want.ttft_p50_ms),
+        ("ttft95", got.ttft_p95_ms, want.ttft_p95_ms),
     ] {
         assert!(close(x, y), "{name}: engine {x} vs reference {y}");
     }
@@ -523,5 +573,158 @@ fn deterministic() {
         let a = sim(&reqs, name, &cfg(4, 8, 2e-4, 30.0)).report;
         let b = sim(&reqs, name, &cfg(4, 8, 2e-4, 30.0)).report;
         assert_eq!(a, b, "{name}");
+    }
+}
+
+fn colocated(mut c: EngineConfig, step_p: f64, chunk: u32) -> EngineConfig {
+    c.colocated = Some(Colocated { step_p, chunk });
+    c
+}
+
+#[test]
+fn colocated_engine_matches_the_independent_model() {
+    // the same timed arrivals, prompts up to 2,550 tokens against chunks of 1,000 and 600:
+    // prompts split over steps, several prompts share a step's budget, and slots wait for it
+    let reqs: Vec<TraceRequest> = (0..400u32)
+        .map(|i| {
+            req(
+                f64::from(i) * 37.0 + f64::from((i * 7919) % 50),
+                50 + (i * 7919) % 2500,
+                1 + (i * 104_729) % 90,
+            )
+        })
+        .collect();
+    for (p, chunk, c) in [(0.01, 1000, 0.0), (0.002, 600, 0.7), (0.0, 1000, 0.0)] {
+        let mut cf = colocated(cfg(3, 4, 1e-3, 5.0), p, chunk);
+        cf.step_c = c;
+        let got = sim(&reqs, "rr", &cf).report;
+        let want = reference_rr(&reqs, 3, 4, 1e-3, 5.0, c, Some((p, chunk)));
+        assert_close(&got, &want);
+    }
+    // a zero-token prompt needs no budget: it writes its first token in its first step
+    let mut odd = reqs.clone();
+    odd[7].prompt_tokens = 0;
+    odd[8].prompt_tokens = 0;
+    let cf = colocated(cfg(3, 4, 1e-3, 5.0), 0.01, 1000);
+    assert_close(
+        &sim(&odd, "rr", &cf).report,
+        &reference_rr(&odd, 3, 4, 1e-3, 5.0, 0.0, Some((0.01, 1000))),
+    );
+}
+
+#[test]
+fn a_colocated_prompt_runs_every_chunk_before_its_first_token() {
+    // a 10,000-token prompt with a 4,096-token chunk: chunks of 4,096, 4,096 and 1,808 in
+    // steps 0..3, the first token at the end of step 2, then two decode steps
+    let (a, b, p) = (1e-3, 10.0, 0.01);
+    let out = sim(
+        &[req(0.0, 10_000, 3)],
+        "rr",
+        &colocated(cfg(1, 4, a, b), p, 4096),
+    );
+    let r = &out.report;
+    assert_eq!((r.steps, r.requests), (5, 1));
+    // the KV each step reads: the chunks before it, then the prompt and the tokens written
+    assert_eq!(
+        out.loads.expect("loads").loads,
+        vec![0, 4096, 8192, 10_001, 10_002]
+    );
+    let step = |l: f64, prefill: f64| a * l + p * prefill + b;
+    let ttft = step(0.0, 4096.0) + step(4096.0, 4096.0) + step(8192.0, 1808.0);
+    assert!((r.ttft_p50_ms - ttft).abs() < 1e-9, "{r:?} vs {ttft}");
+    assert!((r.tpot_p50_ms - (step(10_001.0, 0.0) + step(10_002.0, 0.0)) / 2.0).abs() < 1e-9);
+    assert_eq!(
+        r.mean_queue_ms, 0.0,
+        "it holds its slot from its first chunk"
+    );
+    // 3 tokens over five steps
+    let busy = ttft + step(10_001.0, 0.0) + step(10_002.0, 0.0);
+    assert!((r.throughput_tok_s - 3.0 / busy * 1e3).abs() < 1e-9);
+    // a prompt that fits one chunk writes its first token in its first step, as decode-only
+    let short = sim(
+        &[req(0.0, 4000, 3)],
+        "rr",
+        &colocated(cfg(1, 4, a, b), p, 4096),
+    );
+    assert_eq!(short.report.steps, 3);
+    assert!((short.report.ttft_p50_ms - step(0.0, 4000.0)).abs() < 1e-9);
+}
+
+#[test]
+fn one_ranks_prefill_slows_every_ranks_step_in_lockstep() {
+    // rr over G = 2: request 0 (one token) on rank 0, request 1 decoding 20 tokens on rank 1;
+    // request 2, an 8,000-token prompt, reaches rank 0 while rank 1 decodes. Rank 1 prefills
+    // nothing then, yet its step takes p·8,000 longer: one of request 1's 19 token gaps does.
+    let reqs = [req(0.0, 10, 1), req(0.0, 10, 20), req(50.0, 8000, 1)];
+    let (a, b) = (1e-3, 10.0);
+    let run = |p: f64| sim(&reqs, "rr", &colocated(cfg(2, 4, a, b), p, 8192)).report;
+    let (free, paid) = (run(0.0), run(0.01));
+    assert_eq!(free.steps, paid.steps);
+    assert_eq!(free.steps, 20);
+    // request 1 is the only one with more than one token: its TPOT is tpot50
+    let extra = (paid.tpot_p50_ms - free.tpot_p50_ms) * 19.0;
+    assert!((extra - 0.01 * 8000.0).abs() < 1e-9, "{extra}");
+    // and the prefilling rank's own request: its first token after that step
+    assert!(paid.ttft_p95_ms > 0.01 * 8000.0);
+    // the aligned limit prices prefill at the mean over the ranks: 4,000 tokens in that step,
+    // 10 in the first (the two 10-token prompts)
+    let fluid_ms = |r: &RunReport| 22.0 / r.fluid_throughput_tok_s * 1e3;
+    let extra = fluid_ms(&paid) - fluid_ms(&free);
+    assert!((extra - 0.01 * (4000.0 + 10.0)).abs() < 1e-9, "{extra}");
+}
+
+#[test]
+fn without_colocated_prefill_the_engine_is_the_decode_only_model() {
+    // `colocated: None` is the model every figure before colocated prefill was made with,
+    // whatever p would be: the reference without prefill, bit for bit against a fresh run
+    let reqs = saturated(300);
+    let c = cfg(4, 8, 2e-4, 30.0);
+    for policy in ["rr", "jsq", "br0", "brh"] {
+        let a = sim(&reqs, policy, &c);
+        let b = sim(&reqs, policy, &c);
+        assert_eq!(a.report, b.report, "{policy}");
+        assert_eq!(a.loads.map(|l| l.loads), b.loads.map(|l| l.loads));
+    }
+    assert_close(
+        &sim(&reqs, "rr", &c).report,
+        &reference_rr(&reqs, 4, 8, 2e-4, 30.0, 0.0, None),
+    );
+}
+
+#[test]
+fn every_policy_completes_every_request_with_colocated_prefill() {
+    let reqs: Vec<TraceRequest> = (0..300u32)
+        .map(|i| {
+            req(
+                f64::from(i) * 7.0,
+                100 + (i * 7919) % 3000,
+                1 + (i * 104_729) % 200,
+            )
+        })
+        .collect();
+    let total: u64 = reqs.iter().map(|r| u64::from(r.output_tokens)).sum();
+    for name in br_core::PolicyKind::names() {
+        for arrival_scale in [0.0, 1.0] {
+            let rs: Vec<TraceRequest> = reqs
+                .iter()
+                .map(|r| TraceRequest {
+                    arrival_ms: r.arrival_ms.map(|t| t * arrival_scale),
+                    ..*r
+                })
+                .collect();
+            let out = sim(&rs, name, &colocated(cfg(4, 16, 2e-4, 30.0), 0.01, 2048));
+            let r = &out.report;
+            assert_eq!(r.requests, 300, "{name}");
+            let busy_s = total as f64 / r.throughput_tok_s;
+            let fluid_s = total as f64 / r.fluid_throughput_tok_s;
+            assert!(
+                fluid_s <= busy_s + 1e-9,
+                "{name}: the aligned limit is a lower bound"
+            );
+            assert!(
+                r.ttft_p50_ms <= r.ttft_p95_ms && r.ttft_p50_ms > 0.0,
+                "{name}"
+            );
+        }
     }
 }
