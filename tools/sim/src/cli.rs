@@ -1,7 +1,7 @@
 //! The command line (clap derive).
 //!
 //! ```text
-//! br-sim [run] --trace <path|paper-azure|paper-prop> --workers G --slots B --policies jsq,br0,...
+//! br-sim [run] --trace <path|paper-azure|paper-prop|adp-shape> --workers G --slots B --policies jsq,br0,...
 //!              --arrival saturated|trace|poisson [--rate-scale X] [--rate R] [--limit N]
 //!              [--filter-min-output N] [--seed S] [--json FILE] [--plot DIR]
 //!              [--step-a MS_PER_TOKEN] [--step-b MS] [--step-c MS_PER_REQUEST]
@@ -75,7 +75,8 @@ pub enum Arrival {
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     /// A trace file (Azure CSV, Mooncake JSONL, length-only CSV) or `paper-azure` /
-    /// `paper-prop` (seeded synthetic stand-ins for the paper's workloads).
+    /// `paper-prop` (seeded synthetic stand-ins for the paper's workloads) / `adp-shape`
+    /// (synthetic: the shape of TensorRT-LLM's attention-DP balancing dataset, DeepSeek V3).
     #[arg(long, required = true)]
     pub trace: Option<String>,
     /// G: data-parallel decode workers in the lockstep group.
@@ -98,7 +99,7 @@ pub struct RunArgs {
     /// traces' timestamps (default 5/s).
     #[arg(long)]
     pub rate: Option<f64>,
-    /// Use at most N requests (after filtering). For `paper-azure` / `paper-prop`: generate N
+    /// Use at most N requests (after filtering). For the synthetic workloads: generate N
     /// requests (instead of the published count), before `--filter-min-output`.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -191,8 +192,9 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,64")]
     pub workers_list: Vec<u32>,
     /// Requests per worker in the G sweep (the workload has N·G requests, so the load per
-    /// worker stays the same). Default: 1250 for paper-azure, 1000 for paper-prop (their
-    /// published sizes at G = 8), and the whole trace (same for every G) for trace files.
+    /// worker stays the same). Default: 1250 for paper-azure, 1000 for paper-prop, 2000 for
+    /// adp-shape (their published sizes at G = 8), and the whole trace (same for every G) for
+    /// trace files.
     #[arg(long, value_name = "N")]
     pub per_worker: Option<usize>,
     /// Sweep a policy parameter at the fixed `--workers` instead of G: `NAME=v1,v2,...`
@@ -435,7 +437,13 @@ impl RunArgs {
                 stats.rows
             )));
         }
-        let (arrival, arrival_why) = resolve_arrival(self.arrival, synthetic_spec(spec), &requests);
+        let (arrival, arrival_why) = match (self.arrival, self.synthetic()) {
+            (Arrival::Auto, Some(SynthKind::AdpShape)) => (
+                Arrival::Saturated,
+                "auto: a synthetic workload, saturated as its source's throughput runs",
+            ),
+            _ => resolve_arrival(self.arrival, synthetic_spec(spec), &requests),
+        };
         let requests = stamp_arrivals(requests, arrival, self.rate_scale, self.rate, self.seed)
             .map_err(|m| WorkloadError::Invalid(format!("{name}: {m}")))?;
         let mut requests = jitter_arrivals(requests, self.arrival_jitter_ms, self.seed);
@@ -702,6 +710,13 @@ mod tests {
         assert_eq!(w.requests.len(), 100);
         assert!(w.requests.iter().all(|q| q.arrival_ms == Some(0.0)));
         assert!(w.name.contains("synthetic"));
+        // adp-shape is synthetic too, saturated as the throughput runs it stands in for
+        r.trace = Some("adp-shape".into());
+        let w = r.workload().expect("workload");
+        assert_eq!(w.name, "adp-shape (synthetic)");
+        assert_eq!(w.arrival, Arrival::Saturated);
+        assert!(w.arrival_why.contains("synthetic"), "{}", w.arrival_why);
+        r.trace = Some("paper-azure".into());
 
         r.arrival = Arrival::Trace;
         r.rate_scale = 2.0;

@@ -1,4 +1,5 @@
-//! Seeded synthetic stand-ins for the two traces the paper used, which are not public.
+//! Seeded synthetic stand-ins for the two traces the paper used, which are not public, and for
+//! the dataset of a published attention-DP measurement (`adp-shape`).
 //!
 //! Results on these workloads must be labelled *synthetic*: they reproduce the published shapes
 //! (counts, means, ranges, tail), not the real request sequences.
@@ -20,7 +21,22 @@
 //!   means equal the published 3,197 and 1,185 (heavy tails and popular templates make the raw
 //!   sample mean wander by several percent between seeds; uniform scaling keeps the shape).
 //!
-//! # Prompt recurrence (both generators)
+//! # `adp-shape` (TensorRT-LLM's attention-DP balancing measurement, DeepSeek V3 on GB200)
+//! NVIDIA's TensorRT-LLM team measured attention-DP load balance with colocated prefill
+//! (in-flight batching) on 8 GB200 GPUs, DeepSeek V3, attention DP 8 and MoE expert parallelism
+//! 8 ("ADP Balance Strategy", TensorRT-LLM tech blog 10,
+//! <https://nvidia.github.io/TensorRT-LLM/blogs/tech_blog/blog10_ADP_Balance_Strategy.html>).
+//! Published: 16,000 requests, mean input 803 tokens, mean output 3,653 tokens, "significant
+//! diversity in sequence lengths, with output tokens following a pronounced long-tail
+//! distribution" (their Figure 2 plots both; the dataset is not public).
+//! - Prompt: lognormal with σ = 0.7 and mean 803, clamped to 16..=32,768 (the spread
+//!   `paper-prop` gives a production trace's prompts).
+//! - Output: lognormal with σ = 1.0 and mean 3,653 (median ≈ 2,216, p99 ≈ 22,700: the long
+//!   tail), clamped to 2..=32,768.
+//! - All prompt and all output lengths are then scaled by one factor each so that the sample
+//!   means are exactly 803 and 3,653, as for `paper-prop`.
+//!
+//! # Prompt recurrence (every generator)
 //! Real traffic repeats prompts (system prompts, templated agents, retries), and the paper's
 //! ExactMatch predictor keys an empirical length distribution on the prompt hash. Each request
 //! is, with probability [`SynthConfig::template_share`] (default 30%), an occurrence of one of
@@ -56,14 +72,17 @@ pub enum SynthKind {
     PaperAzure,
     /// Stand-in for the paper's proprietary trace.
     PaperProp,
+    /// The shape of TensorRT-LLM's attention-DP balancing dataset (DeepSeek V3, GB200).
+    AdpShape,
 }
 
 impl SynthKind {
-    /// Parses `paper-azure` / `paper-prop`.
+    /// Parses `paper-azure` / `paper-prop` / `adp-shape`.
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "paper-azure" => Some(Self::PaperAzure),
             "paper-prop" => Some(Self::PaperProp),
+            "adp-shape" => Some(Self::AdpShape),
             _ => None,
         }
     }
@@ -73,6 +92,7 @@ impl SynthKind {
         match self {
             Self::PaperAzure => "paper-azure",
             Self::PaperProp => "paper-prop",
+            Self::AdpShape => "adp-shape",
         }
     }
 
@@ -81,6 +101,7 @@ impl SynthKind {
         match self {
             Self::PaperAzure => 10_000,
             Self::PaperProp => 8_000,
+            Self::AdpShape => 16_000,
         }
     }
 }
@@ -147,6 +168,14 @@ impl Shape {
                 jitter: 0.10,
                 out_range: (2, 16_384),
             },
+            SynthKind::AdpShape => Self {
+                kind,
+                prompt_beta: None,
+                prompt_ln: ln(803.0, 0.7),
+                output_ln: ln(3653.0, 1.0),
+                jitter: 0.10,
+                out_range: (2, 32_768),
+            },
         }
     }
 
@@ -156,7 +185,7 @@ impl Shape {
                 let x = self.prompt_beta.map_or(0.5, |b| b.sample(rng));
                 (700.0 + 7300.0 * x).round() as u32
             }
-            SynthKind::PaperProp => {
+            SynthKind::PaperProp | SynthKind::AdpShape => {
                 let x = lognormal(rng, self.prompt_ln);
                 x.round().clamp(16.0, 32_768.0) as u32
             }
@@ -175,7 +204,7 @@ impl Shape {
                     rng.random_range(1061..=1500)
                 }
             }
-            SynthKind::PaperProp => {
+            SynthKind::PaperProp | SynthKind::AdpShape => {
                 let x = lognormal(rng, self.output_ln);
                 self.clamp_out(x)
             }
@@ -253,8 +282,10 @@ pub fn generate(kind: SynthKind, cfg: &SynthConfig) -> Vec<TraceRequest> {
         };
         out.push(req);
     }
-    if kind == SynthKind::PaperProp {
-        rescale_mean(&mut out, 3197.0, 1185.0, &shape);
+    match kind {
+        SynthKind::PaperProp => rescale_mean(&mut out, 3197.0, 1185.0, &shape),
+        SynthKind::AdpShape => rescale_mean(&mut out, 803.0, 3653.0, &shape),
+        SynthKind::PaperAzure => {}
     }
     out
 }
@@ -330,6 +361,35 @@ mod tests {
         assert!(med < 0.75 * s.mean_output, "median {med}");
         assert!(p99 > 4.0 * s.mean_output, "p99 {p99}");
         assert!(s.min_output >= 2);
+    }
+
+    #[test]
+    fn adp_shape_matches_published_shape() {
+        let reqs = generate(SynthKind::AdpShape, &SynthConfig::new(SynthKind::AdpShape));
+        let s = summarize(&reqs);
+        assert_eq!(s.requests, 16_000);
+        assert!(within(s.mean_prompt, 803.0, 0.01), "{s:?}");
+        assert!(within(s.mean_output, 3653.0, 0.01), "{s:?}");
+        // long-tailed outputs: the median well below the mean, p99 several times it
+        let mut o: Vec<u32> = reqs.iter().map(|r| r.output_tokens).collect();
+        o.sort_unstable();
+        let med = f64::from(o[o.len() / 2]);
+        let p99 = f64::from(o[o.len() * 99 / 100]);
+        assert!(med < 0.75 * s.mean_output, "median {med}");
+        assert!(p99 > 4.0 * s.mean_output, "p99 {p99}");
+        assert!(s.min_output >= 2 && s.max_output <= 32_768, "{s:?}");
+        // prompts spread too, most within one chunk of 8,192 tokens
+        let mut p: Vec<u32> = reqs.iter().map(|r| r.prompt_tokens).collect();
+        p.sort_unstable();
+        let (p10, p90) = (p[p.len() / 10], p[p.len() * 9 / 10]);
+        assert!(p10 < 400 && p90 > 1300, "p10 {p10}, p90 {p90}");
+        assert!(p[p.len() * 999 / 1000] < 8192);
+        assert!(s.repeat_share > 0.2 && s.repeat_share < 0.35, "{s:?}");
+        // the other generators are unchanged by its presence
+        assert_eq!(
+            SynthKind::from_name("adp-shape").map(SynthKind::name),
+            Some("adp-shape")
+        );
     }
 
     #[test]

@@ -238,6 +238,7 @@ fn g_rows(args: &SweepArgs, run: &RunArgs) -> anyhow::Result<(Vec<Row>, Option<u
     let per_worker = args.per_worker.or(match run.synthetic() {
         Some(SynthKind::PaperAzure) => Some(1250),
         Some(SynthKind::PaperProp) => Some(1000),
+        Some(SynthKind::AdpShape) => Some(2000),
         None => None,
     });
     let mut rows = Vec::new();
