@@ -322,6 +322,7 @@ mod tests {
                 tpot_p95_ms: 2.0,
                 ttft_p50_ms: 3.0,
                 ttft_p95_ms: 4.0,
+                avg_balance: 0.9,
                 mean_queue_ms: 0.0,
                 steps: 10,
                 requests: 5,
@@ -329,6 +330,7 @@ mod tests {
             SteadyExtra {
                 fluid_tok_s: tput * 1.1,
                 imbalance: imb,
+                balance: 0.9,
             },
         )
     }
@@ -377,6 +379,7 @@ mod tests {
             wall: Duration::ZERO,
             steady_fluid_tok_s: 0.0,
             steady_imbalance: 0.0,
+            steady_balance: 0.0,
             refused_reservations: 0,
             idle_flow: Default::default(),
         };

@@ -39,7 +39,9 @@
 //! through a heap keyed by the step they happen in).
 //!
 //! # Metrics (see [`RunReport`])
-//! Imbalance and barrier idle are averaged over steps; throughput is output tokens over the
+//! Imbalance, barrier idle and the balance ratio (each rank's share of the step time,
+//! `a·L_g + p·P_g + c·n_g`, summed over ranks and divided by G times the largest) are averaged
+//! over steps; throughput is output tokens over the
 //! summed step times (idle gaps between arrivals are not counted); the steady figure counts
 //! only steps that run while requests are left waiting after admission (in the pool or a local
 //! queue; it equals the whole-run figure when nothing ever waited), the fluid one
@@ -124,6 +126,7 @@ pub fn simulate_deciders(
     let (mut steady_idle, mut steady_growth, mut steady_spread) = (0.0f64, 0.0f64, 0.0f64);
     let (mut all_growth, mut all_spread) = (0.0f64, 0.0f64);
     let (mut sum_imb, mut sum_idle) = (0.0f64, 0.0f64);
+    let (mut sum_balance, mut steady_balance) = (0.0f64, 0.0f64);
     let (mut first_wait, mut last_wait) = (usize::MAX, 0usize);
     let mut tpot: Vec<f64> = Vec::with_capacity(n);
     let mut queue_sum = 0.0f64;
@@ -312,8 +315,11 @@ pub fn simulate_deciders(
             None => (info.running_load, running[w], 0u64),
             Some(pf) => pf.rank(w, info),
         };
+        let step_p = cfg.colocated.map_or(0.0, |co| co.step_p);
         let (mut max, mut min, mut sum) = (0u64, u64::MAX, 0u64);
         let (mut max_p, mut sum_p, mut written) = (0u64, 0u64, 0u32);
+        // the balance ratio: each rank's share of the step time, a·L + p·P + c·n
+        let (mut work_max, mut work_sum) = (0.0f64, 0.0f64);
         for (w, info) in state.workers().iter().take(g).enumerate() {
             let (l, n_w, p_w) = rank(w, info);
             max = max.max(l);
@@ -322,17 +328,25 @@ pub fn simulate_deciders(
             max_p = max_p.max(p_w);
             sum_p += p_w;
             written += n_w;
+            let work = cfg.step_a * l as f64 + step_p * p_w as f64 + cfg.step_c * f64::from(n_w);
+            work_max = work_max.max(work);
+            work_sum += work;
             if cfg.record_loads {
                 loads.push(l);
             }
         }
+        let balance = if work_max > 0.0 {
+            work_sum / (g as f64 * work_max)
+        } else {
+            1.0
+        };
+        sum_balance += balance;
         let mut t = cfg.step_a * max as f64 + cfg.step_b;
         let mut tf = cfg.step_a * sum as f64 / g as f64 + cfg.step_b;
         // p (colocated only) and c = 0 skip their terms, so the decode-only and the paper's
         // model are computed exactly as before the terms existed. The fluid time balances
         // every term: with prefill it is the aligned limit (every rank prefills the same in
         // every step, and reads the same KV).
-        let step_p = cfg.colocated.map_or(0.0, |co| co.step_p);
         if step_p != 0.0 {
             t += step_p * max_p as f64;
             tf += step_p * sum_p as f64 / g as f64;
@@ -370,6 +384,7 @@ pub fn simulate_deciders(
             steady_fluid_ms += tf;
             steady_steps += 1;
             steady_imb += (max - min) as f64;
+            steady_balance += balance;
             steady_tokens += u64::from(written);
             first_wait = first_wait.min(step as usize);
             last_wait = step as usize + 1;
@@ -441,6 +456,7 @@ pub fn simulate_deciders(
         tpot_p95_ms: quantile(&mut tpot, 0.95),
         ttft_p50_ms: quantile(&mut ttft, 0.5),
         ttft_p95_ms: quantile(&mut ttft, 0.95),
+        avg_balance: per_step(sum_balance),
         mean_queue_ms: if finished > 0 {
             queue_sum / finished as f64
         } else {
@@ -484,6 +500,11 @@ pub fn simulate_deciders(
             steady_imb / steady_steps as f64
         } else {
             per_step(sum_imb)
+        },
+        steady_balance: if steady_steps > 0 {
+            steady_balance / steady_steps as f64
+        } else {
+            per_step(sum_balance)
         },
         steady_fluid_tok_s: if steady_fluid_ms > 0.0 {
             rate(steady_tokens, steady_fluid_ms)

@@ -3,7 +3,7 @@
 //! JSON shape (other tools parse it; keep the field names):
 //! `{"runs":[{"policy", "workers", "avg_imbalance", "avg_barrier_idle", "throughput_tok_s",
 //! "steady_throughput_tok_s", "fluid_throughput_tok_s", "tpot_p50_ms", "tpot_p95_ms",
-//! "ttft_p50_ms", "ttft_p95_ms", "mean_queue_ms", "steps", "requests"}]}`.
+//! "ttft_p50_ms", "ttft_p95_ms", "avg_balance", "mean_queue_ms", "steps", "requests"}]}`.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -39,6 +39,12 @@ pub struct RunReport {
     /// 95th percentile time to first token (ms).
     #[serde(default)]
     pub ttft_p95_ms: f64,
+    /// Mean over steps of the balance ratio `Σ_g work_g / (G · max_g work_g)`, a rank's work
+    /// its share of the step time `a·L_g + p·P_g + c·n_g` (1 = every rank works the whole
+    /// step; decode-only with c = 0 it is the KV balance `mean L / max L`). Absent from reports
+    /// written before it existed, read as 0.
+    #[serde(default)]
+    pub avg_balance: f64,
     /// Mean of admission time − arrival time (ms).
     pub mean_queue_ms: f64,
     /// Decode steps simulated.
@@ -79,7 +85,8 @@ barrier_idle: mean G*max - sum of loads (token slots idle at the barrier); tok/s
 gain%: tok/s against the best baseline at this G; gap%: share of that baseline's gap to its own fluid limit the run removes (100 = balanced); \
 steady, s.fluid, s.gain%, s.gap%: the same over the steady steps (requests waiting); \
 tpot50, tpot95: ms per output token; queue_ms: mean wait before the first step; steps: decode steps; reqs: requests finished; \
-ttft50, ttft95: ms from arrival to the first token";
+ttft50, ttft95: ms from arrival to the first token; \
+balance%, s.bal%: mean over all / steady steps of sum of ranks' work / (G * max), work a*L + p*P + c*n (100 = no rank waits)";
 
 /// Renders the table: one row per run. Besides the report's fields it shows, against the best
 /// baseline at the same G (by the same measure): the throughput gain (`gain%`) and the share of
@@ -96,7 +103,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<width$} {:>3} {:>10} {:>9} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6} {:>9} {:>9}",
+        "{:<width$} {:>3} {:>10} {:>9} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6} {:>9} {:>9} {:>8} {:>6}",
         "policy",
         "G",
         "imbalance",
@@ -117,6 +124,8 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
         "reqs",
         "ttft50",
         "ttft95",
+        "balance%",
+        "s.bal%",
     );
     let fluid_of = |i: usize| steady.get(i).map(|x| x.fluid_tok_s);
     for (i, r) in runs.iter().enumerate() {
@@ -168,7 +177,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
         });
         let _ = writeln!(
             s,
-            "{:<width$} {:>3} {:>10.0} {:>9} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6} {:>9.1} {:>9.1}",
+            "{:<width$} {:>3} {:>10.0} {:>9} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6} {:>9.1} {:>9.1} {:>8.1} {:>6}",
             r.policy,
             r.workers,
             r.avg_imbalance,
@@ -191,6 +200,10 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
             r.requests,
             r.ttft_p50_ms,
             r.ttft_p95_ms,
+            100.0 * r.avg_balance,
+            steady
+                .get(i)
+                .map_or("-".into(), |x| format!("{:.1}", 100.0 * x.balance)),
         );
     }
     s
@@ -226,6 +239,8 @@ pub struct SteadyExtra {
     pub fluid_tok_s: f64,
     /// Mean max − min load over the steady-state steps.
     pub imbalance: f64,
+    /// Mean balance ratio over the steady-state steps (see [`RunReport::avg_balance`]).
+    pub balance: f64,
 }
 
 #[cfg(test)]
@@ -245,6 +260,7 @@ mod tests {
             tpot_p95_ms: 90.0,
             ttft_p50_ms: 100.0,
             ttft_p95_ms: 200.0,
+            avg_balance: 0.9,
             mean_queue_ms: 5.0,
             steps: 10,
             requests: 3,
@@ -272,6 +288,7 @@ mod tests {
             "tpot_p95_ms",
             "ttft_p50_ms",
             "ttft_p95_ms",
+            "avg_balance",
             "mean_queue_ms",
             "steps",
             "requests",
@@ -293,10 +310,15 @@ mod tests {
         let extra = SteadyExtra {
             fluid_tok_s: 1000.0,
             imbalance: 1.0,
+            balance: 0.95,
         };
         let t = render_table(&runs, &[extra, extra]);
         assert!(t.contains("+18.8"), "{t}");
         assert!(t.contains(" 75"), "{t}");
+        assert!(
+            t.contains(" 90.0 ") && t.contains(" 95.0"),
+            "balance% and s.bal%: {t}"
+        );
         assert!(render_table(&runs, &[]).lines().count() == 3);
         // the legend names every column of the header
         let header = t.lines().next().expect("a header");

@@ -62,6 +62,9 @@ pub struct RunOutcome {
     /// Mean of max − min load over the steady-state steps (the whole-run figure when nothing
     /// waited): the imbalance a router controls, without the drain at the end of the trace.
     pub steady_imbalance: f64,
+    /// Mean balance ratio over the steady-state steps (the whole-run figure when nothing
+    /// waited; see [`RunReport::avg_balance`]).
+    pub steady_balance: f64,
     /// Pooled admissions refused because another decider filled the worker first (always 0
     /// with one decider).
     pub refused_reservations: u64,
@@ -97,6 +100,7 @@ impl RunOutcome {
         SteadyExtra {
             fluid_tok_s: self.steady_fluid_tok_s,
             imbalance: self.steady_imbalance,
+            balance: self.steady_balance,
         }
     }
 }

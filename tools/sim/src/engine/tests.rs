@@ -303,6 +303,12 @@ fn imbalance_and_barrier_idle() {
     // actual step 2 ms, fluid 1.55 ms
     assert!((r.throughput_tok_s - 1000.0).abs() < 1e-9);
     assert!((r.fluid_throughput_tok_s - 2.0 / 1.55e-3).abs() < 1e-6);
+    // decode-only with c = 0 the balance ratio is the KV balance: mean 550 over max 1,000
+    assert!((r.avg_balance - 0.55).abs() < 1e-12, "{r:?}");
+    assert!(
+        (out.steady_balance - 0.55).abs() < 1e-12,
+        "nothing waited: the whole run"
+    );
 }
 
 #[test]
@@ -366,7 +372,7 @@ fn reference_rr(
     let (mut now, mut next, mut steps) = (0.0f64, 0usize, 0u64);
     let (mut busy, mut fluid, mut tokens, mut steady_ms, mut steady_tok) =
         (0.0, 0.0, 0u64, 0.0, 0u64);
-    let (mut imb, mut idle, mut queue_sum) = (0.0, 0.0, 0.0);
+    let (mut imb, mut idle, mut queue_sum, mut balance) = (0.0, 0.0, 0.0, 0.0);
     let (mut tpots, mut ttfts) = (Vec::new(), Vec::new());
     let mut routed = 0usize;
     let prompt = |i: usize| reqs[i].prompt_tokens;
@@ -432,6 +438,15 @@ fn reference_rr(
         let n: f64 = counts.iter().sum();
         let max_n = counts.iter().cloned().fold(0.0, f64::max);
         let step = a * max + p * max_p + c * max_n + b0;
+        let work: Vec<f64> = (0..g)
+            .map(|w| a * loads[w] + p * prefills[w] + c * counts[w])
+            .collect();
+        let max_work = work.iter().cloned().fold(0.0, f64::max);
+        balance += if max_work > 0.0 {
+            work.iter().sum::<f64>() / (g as f64 * max_work)
+        } else {
+            1.0
+        };
         busy += step;
         fluid += a * sum / g as f64 + p * sum_p / g as f64 + c * n / g as f64 + b0;
         tokens += n as u64;
@@ -485,6 +500,7 @@ fn reference_rr(
         tpot_p95_ms: q(&mut tpots, 0.95),
         ttft_p50_ms: q(&mut ttfts, 0.5),
         ttft_p95_ms: q(&mut ttfts, 0.95),
+        avg_balance: balance / steps as f64,
         mean_queue_ms: queue_sum / reqs.len() as f64,
         steps,
         requests: reqs.len() as u64,
@@ -540,6 +556,7 @@ fn assert_close(got: &RunReport, want: &RunReport) {
         ("queue", got.mean_queue_ms, want.mean_queue_ms),
         ("ttft50", got.ttft_p50_ms, want.ttft_p50_ms),
         ("ttft95", got.ttft_p95_ms, want.ttft_p95_ms),
+        ("balance", got.avg_balance, want.avg_balance),
     ] {
         assert!(close(x, y), "{name}: engine {x} vs reference {y}");
     }
@@ -671,6 +688,24 @@ fn one_ranks_prefill_slows_every_ranks_step_in_lockstep() {
     let fluid_ms = |r: &RunReport| 22.0 / r.fluid_throughput_tok_s * 1e3;
     let extra = fluid_ms(&paid) - fluid_ms(&free);
     assert!((extra - 0.01 * (4000.0 + 10.0)).abs() < 1e-9, "{extra}");
+
+    // the balance ratio sees the ranks wait for one rank's prefill: two equal decodes are
+    // balanced in every step until a 5,000-token prompt reaches rank 0 (and leaves after its
+    // one token); in that step rank 1 works a·L of a·L + p·5,000
+    let reqs = [req(0.0, 1000, 10), req(0.0, 1000, 10), req(50.0, 5000, 1)];
+    let run = |p: f64| sim(&reqs, "rr", &colocated(cfg(2, 4, a, b), p, 8192)).report;
+    let (free, paid) = (run(0.0), run(0.01));
+    assert_eq!((free.steps, paid.steps), (10, 10));
+    assert_eq!(free.avg_balance, 1.0, "{free:?}");
+    // steps of 20 ms (both prompts), then 11.001, 11.002, 11.003 ms: the prompt, arriving
+    // at 50 ms, runs in step 4, over KV of 1,000 + 4 tokens on each rank
+    let (l, pf) = (a * 1004.0, 0.01 * 5000.0);
+    let want = (9.0 + (l + (l + pf)) / (2.0 * (l + pf))) / 10.0;
+    assert!(
+        (paid.avg_balance - want).abs() < 1e-12,
+        "{} vs {want}",
+        paid.avg_balance
+    );
 }
 
 #[test]
