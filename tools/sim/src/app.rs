@@ -110,6 +110,14 @@ pub fn run_one(
         f.run_growth,
         f.run_running_spread
     );
+    if cfg.colocated.is_some() {
+        let b = out.barrier;
+        eprintln!(
+            "  {:<24} beyond the aligned limit per step: {:.1} ms KV, {:.1} ms prefill, {:.1} ms \
+             requests; prefill {:.0} tokens per rank per step, the busiest rank {:.0}",
+            label, b.kv_ms, b.prefill_ms, b.request_ms, b.mean_prefill_tokens, b.max_prefill_tokens
+        );
+    }
     Ok(out)
 }
 
@@ -380,6 +388,7 @@ mod tests {
             steady_fluid_tok_s: 0.0,
             steady_imbalance: 0.0,
             steady_balance: 0.0,
+            barrier: Default::default(),
             refused_reservations: 0,
             idle_flow: Default::default(),
         };

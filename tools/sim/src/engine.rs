@@ -69,7 +69,7 @@ mod prefill;
 mod views;
 
 pub use config::{Colocated, ControlPlane, EngineConfig};
-pub use outcome::{IdleFlow, RunOutcome, SimError};
+pub use outcome::{BarrierSplit, IdleFlow, RunOutcome, SimError};
 use prefill::Prefill;
 use views::{Views, queued_info};
 
@@ -127,6 +127,7 @@ pub fn simulate_deciders(
     let (mut all_growth, mut all_spread) = (0.0f64, 0.0f64);
     let (mut sum_imb, mut sum_idle) = (0.0f64, 0.0f64);
     let (mut sum_balance, mut steady_balance) = (0.0f64, 0.0f64);
+    let mut beyond = BarrierSplit::default();
     let (mut first_wait, mut last_wait) = (usize::MAX, 0usize);
     let mut tpot: Vec<f64> = Vec::with_capacity(n);
     let mut queue_sum = 0.0f64;
@@ -361,6 +362,14 @@ pub fn simulate_deciders(
         }
         busy_ms += t;
         fluid_ms += tf;
+        let gf = g as f64;
+        beyond.kv_ms += cfg.step_a * (max as f64 - sum as f64 / gf);
+        beyond.prefill_ms += step_p * (max_p as f64 - sum_p as f64 / gf);
+        if cfg.step_c != 0.0 {
+            beyond.request_ms += cfg.step_c * (f64::from(max_n) - f64::from(written) / gf);
+        }
+        beyond.mean_prefill_tokens += sum_p as f64 / gf;
+        beyond.max_prefill_tokens += max_p as f64;
         tokens += u64::from(written);
         sum_imb += (max - min) as f64;
         sum_idle += (g as u64 * max - sum) as f64;
@@ -500,6 +509,13 @@ pub fn simulate_deciders(
             steady_imb / steady_steps as f64
         } else {
             per_step(sum_imb)
+        },
+        barrier: BarrierSplit {
+            kv_ms: per_step(beyond.kv_ms),
+            prefill_ms: per_step(beyond.prefill_ms),
+            request_ms: per_step(beyond.request_ms),
+            mean_prefill_tokens: per_step(beyond.mean_prefill_tokens),
+            max_prefill_tokens: per_step(beyond.max_prefill_tokens),
         },
         steady_balance: if steady_steps > 0 {
             steady_balance / steady_steps as f64

@@ -70,6 +70,23 @@ pub struct RunOutcome {
     pub refused_reservations: u64,
     /// Where the steady state's barrier idle comes from (BR-H's question).
     pub idle_flow: IdleFlow,
+    /// What the steps cost beyond the fluid (with colocated prefill: aligned) limit, term by
+    /// term.
+    pub barrier: BarrierSplit,
+}
+
+/// The step time beyond the fluid limit, split into its three terms, `T − T_fluid =
+/// a·(max L − mean L) + p·(max P − mean P) + c·(max n − mean n)`, each a mean over the run's
+/// steps in ms: how much of the gap to the aligned limit is KV the ranks hold unevenly, how much
+/// prefill they run in different steps or amounts, how much requests they run unevenly. With it
+/// the mean prompt tokens a rank prefills per step and the mean of the busiest rank's.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BarrierSplit {
+    pub kv_ms: f64,
+    pub prefill_ms: f64,
+    pub request_ms: f64,
+    pub mean_prefill_tokens: f64,
+    pub max_prefill_tokens: f64,
 }
 
 /// The barrier idle `G·max L − Σ L` over the steady-state steps, and the part of its change

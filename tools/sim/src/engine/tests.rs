@@ -688,6 +688,21 @@ fn one_ranks_prefill_slows_every_ranks_step_in_lockstep() {
     let fluid_ms = |r: &RunReport| 22.0 / r.fluid_throughput_tok_s * 1e3;
     let extra = fluid_ms(&paid) - fluid_ms(&free);
     assert!((extra - 0.01 * (4000.0 + 10.0)).abs() < 1e-9, "{extra}");
+    // what the steps pay beyond that limit, term by term: the prefill term is p·(8,000 −
+    // 4,000) in that one step of 20; the terms add up to the step time beyond the limit
+    let out = sim(&reqs, "rr", &colocated(cfg(2, 4, a, b), 0.01, 8192));
+    let split = out.barrier;
+    assert!(
+        (split.prefill_ms - 0.01 * 4000.0 / 20.0).abs() < 1e-12,
+        "{split:?}"
+    );
+    assert!((split.max_prefill_tokens - (8000.0 + 10.0) / 20.0).abs() < 1e-12);
+    assert!((split.mean_prefill_tokens - (4000.0 + 10.0) / 20.0).abs() < 1e-12);
+    assert_eq!(split.request_ms, 0.0, "c = 0");
+    let r = &out.report;
+    let beyond = (22.0 / r.throughput_tok_s - 22.0 / r.fluid_throughput_tok_s) * 1e3 / 20.0;
+    let sum = split.kv_ms + split.prefill_ms + split.request_ms;
+    assert!((beyond - sum).abs() < 1e-9, "{beyond} vs {split:?}");
 
     // the balance ratio sees the ranks wait for one rank's prefill: two equal decodes are
     // balanced in every step until a 5,000-token prompt reaches rank 0 (and leaves after its
