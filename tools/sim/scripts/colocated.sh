@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Colocated prefill: every on-arrival baseline and BR-0 on adp-shape (synthetic, the shape of
+# TensorRT-LLM's attention-DP balancing dataset) with each rank prefilling its own requests in
+# the steps it decodes (--colocated), G = 8 and 16, B = 256, 3 seeds; saturated, and Poisson at
+# 85% of capacity (the best baseline's saturated steady throughput over the mean output of
+# 3,653 tokens, at each G). The decode-only runs of the same workload are the reference. The
+# tables of tools/sim/RESULTS.md's "Colocated prefill" section come from here (raw outputs in
+# results/P-*.txt).
+#
+# p = 0.48 ms per prefill token: a prefill token costs 0.51 of a decode token's share of a full
+# decode step on GB200 (SGLang, DeepSeek V3: 26,156 input and 13,386 output tokens/s per GPU),
+# and the twin's balanced decode step of this workload at B = 256 is 0.94 ms per running request
+# (results/P-decode-saturated.txt: s.fluid of the best baseline at G = 8, 2,048 tokens per step).
+# The chunk is 8,192 prompt tokens per rank per step (TensorRT-LLM's DeepSeek-R1 serving example
+# with attention DP sets max_num_tokens 8192). Sensitivity: chunk 2,048, and p = 0.03 (a full
+# 8,192-token chunk costing about one balanced decode step), saturated at G = 8.
+# Usage: tools/sim/scripts/colocated.sh [OUT_DIR]   (default: tools/sim/results); run it under
+# nice. About a minute on one core.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+OUT="${1:-$ROOT/tools/sim/results}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+cd "$ROOT"
+cargo build -q -p br-sim --release
+SIM="$TARGET/release/br-sim"
+mkdir -p "$OUT"
+POLICIES=rr,jsq,vllm-dp,mintok,br0
+P=0.48
+CHUNK=8192
+COMMON=(--trace adp-shape --slots 256 --seeds 1,2,3 --policies "$POLICIES")
+COLO=(--colocated --step-p "$P" --prefill-chunk "$CHUNK")
+
+run() { # name, then br-sim sweep arguments; colocated runs' stderr lines on the step time
+  # beyond the aligned limit go at the end, one per run (seed by seed, in table order)
+  local name="$1" err; shift
+  echo "== $name" >&2
+  err="$(mktemp)"
+  { echo "\$ br-sim sweep $*"; "$SIM" sweep "$@" 2>"$err"
+    if grep -q "beyond the aligned limit" "$err"; then
+      echo "per run (stderr), seeds in order:"; grep "beyond the aligned limit" "$err"
+    fi
+  } > "$OUT/$name.txt"
+  rm -f "$err"
+}
+
+# requests/s at 85% of capacity: the best baseline's steady tok/s (mean table) over 3,653
+rate_85() { # file, G
+  awk -v g="$2" '
+    /^policy +G +imbalance +s.imbal +barrier_idle/ { mean = 1; next }
+    mean && $2 == g && $1 !~ /^br/ && $10 > best { best = $10 }
+    END { printf "%.4f", 0.85 * best / 3653 }' "$1"
+}
+
+run P-decode-saturated "${COMMON[@]}" --arrival saturated --workers-list 8,16
+run P-colocated-saturated "${COMMON[@]}" "${COLO[@]}" --arrival saturated --workers-list 8,16
+for g in 8 16; do
+  rate="$(rate_85 "$OUT/P-colocated-saturated.txt" "$g")"
+  run "P-colocated-poisson85-G$g" "${COMMON[@]}" "${COLO[@]}" --arrival poisson --rate "$rate" \
+    --workers-list "$g"
+  run "P-decode-poisson85-G$g" "${COMMON[@]}" --arrival poisson --rate "$rate" --workers-list "$g"
+done
+run P-colocated-saturated-chunk2048 "${COMMON[@]}" --colocated --step-p "$P" --prefill-chunk 2048 \
+  --arrival saturated --workers-list 8
+run P-colocated-saturated-p0.03 "${COMMON[@]}" --colocated --step-p 0.03 --prefill-chunk "$CHUNK" \
+  --arrival saturated --workers-list 8
+echo "results in $OUT/P-*.txt" >&2
