@@ -84,7 +84,7 @@ pub const TABLE_LEGEND: &str = "columns: G: ranks; imbalance, s.imbal: mean max 
 barrier_idle: mean G*max - sum of loads (token slots idle at the barrier); tok/s, fluid: output tokens/s and its limit with every step balanced; \
 gain%: tok/s against the best baseline at this G; gap%: share of that baseline's gap to its own fluid limit the run removes (100 = balanced); \
 steady, s.fluid, s.gain%, s.gap%: the same over the steady steps (requests waiting); \
-tpot50, tpot95: ms per output token; queue_ms: mean wait before the first step; steps: decode steps; reqs: requests finished; \
+tpot50, tpot95: ms per output token; queue_ms: mean wait before the first step; steps: steps simulated; reqs: requests finished; \
 ttft50, ttft95: ms from arrival to the first token; \
 balance%, s.bal%: mean over all / steady steps of sum of ranks' work / (G * max), work a*L + p*P + c*n (100 = no rank waits)";
 
