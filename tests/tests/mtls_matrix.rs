@@ -7,7 +7,7 @@
 //! Then the refusals below the table: plaintext, no client certificate, a certificate of
 //! another CA, an expired one, and one of our CA with no identity of our trust domain.
 //!
-//! The expected table ([`issue_allows`]) is written out from the issue's text, not read from
+//! The expected table ([`documented_allows`]) is written out from the documented role table, not read from
 //! br-trust's policy, so a wrong policy fails this test.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -223,7 +223,7 @@ impl Method {
 /// Reserve); `Snapshot.Watch/Get`: decision and admin;
 /// `Decision.Assign/Cancel`: gateway (and admin); health and reflection: any authenticated
 /// peer. (Every Report of the matrix claims [`Caller::Worker`]'s slot.)
-fn issue_allows(m: Method, c: Caller) -> bool {
+fn documented_allows(m: Method, c: Caller) -> bool {
     match m {
         Method::Report => c == Caller::Worker,
         Method::Apply => c == Caller::Ingest,
@@ -616,7 +616,7 @@ async fn every_method_on_every_port_admits_exactly_the_roles_issue_10_names() {
     let mut denied_by_ingest = 0.0;
     let mut checked = 0;
     for (i, (m, p, c)) in matrix().into_iter().enumerate() {
-        if issue_allows(m, c) {
+        if documented_allows(m, c) {
             continue;
         }
         checked += 1;
@@ -692,7 +692,7 @@ async fn every_method_on_every_port_admits_exactly_the_roles_issue_10_names() {
     };
     let mut allowed = 0;
     for (i, (m, p, c)) in matrix().into_iter().enumerate() {
-        if !issue_allows(m, c) {
+        if !documented_allows(m, c) {
             continue;
         }
         allowed += 1;

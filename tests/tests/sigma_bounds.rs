@@ -37,7 +37,7 @@ async fn four_capacity_one_workers_cannot_fill_sigma_beyond_what_decision_reads(
                 .collect(),
         )
         .await;
-    // Ids of 253 bytes, as in the run: all of them would be ~73 MB of snapshot, above
+    // Ids of 253 bytes (the longest a Kubernetes name allows): all of them would be ~73 MB of snapshot, above
     // the 64 MiB decision decodes. In messages of 16,384 changes (as ingest coalesces), so the
     // acks of refused changes stay within the client's 4 MiB message limit.
     let mut refused = 0usize;

@@ -6,7 +6,7 @@
 //! engines also pay per running request (the per-token projections, sampling, the MoE dispatch
 //! of one token per request), which is what `c` measures; `br-sim calibrate` fits it from
 //! samples that carry N and says whether the data asks for it. Both maxima are over ranks
-//! separately (the form the issue asks for and the samples can identify); the barrier then
+//! separately (the form `br-sim calibrate` can identify from samples); the barrier then
 //! idles `a·(M − L_g) + c·(N − n_g)` on rank g, which is what the F-score's request term
 //! (`score::ScoreParams`) prices.
 //!

@@ -21,7 +21,7 @@ use crate::hints::{HintMode, Hints};
 use crate::synth::{self, SynthConfig, SynthKind};
 use crate::trace::{self, Filter, LoadStats, TraceError, TraceRequest};
 
-/// Every policy name the simulator accepts by default (the ten the issue lists, in table order).
+/// Every policy name the simulator accepts by default (the baselines and the BalanceRoute policies, in table order).
 pub const DEFAULT_POLICIES: &str = "random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-oracle";
 
 /// BalanceRoute digital twin: replays request traces through the routing policies of br-core
