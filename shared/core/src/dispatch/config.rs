@@ -227,6 +227,12 @@ impl DispatcherConfig {
                 self.r_max
             )));
         }
+        if !(self.stagger_weight.is_finite() && self.stagger_weight >= 0.0) {
+            return Err(CoreError::InvalidConfig(format!(
+                "stagger_weight must be finite and >= 0, got {}",
+                self.stagger_weight
+            )));
+        }
         if !(0.0..=1.0).contains(&self.stage1_level) {
             return Err(CoreError::InvalidConfig(format!(
                 "stage1_level must be in 0..=1, got {}",
