@@ -55,6 +55,8 @@ pub struct LoadConfig {
     pub limit: Option<usize>,
     pub filter_min_output: Option<u32>,
     pub seed: u64,
+    /// Clients' expected output lengths to send with each Assign (`None`: none).
+    pub hints: Option<br_sim::hints::Hints>,
     pub arrival: Arrival,
     pub rate: Option<f64>,
     pub rate_scale: f64,
@@ -203,6 +205,10 @@ pub fn workload(cfg: &LoadConfig) -> Result<(String, Vec<TraceRequest>), LoadErr
     };
     if reqs.is_empty() {
         return Err(LoadError::Workload(format!("{name}: no requests")));
+    }
+    let mut reqs = reqs;
+    if let Some(h) = &cfg.hints {
+        h.apply(&mut reqs, cfg.seed);
     }
     let synthetic = SynthKind::from_name(&cfg.trace).is_some();
     let (arrival, _) = resolve_arrival(cfg.arrival, synthetic, &reqs);

@@ -140,6 +140,17 @@ struct LoadArgs {
     /// Seed of the synthetic workloads and Poisson arrivals.
     #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = br_sim::synth::DEFAULT_SEED)]
     seed: u64,
+    /// Send every Assign a client's expected output length made from the request's true one,
+    /// as br-sim's flag of the same name does: expected = actual·exp(N(0, SIGMA)), seeded by
+    /// `--seed` (0: exact), capped at the request's max_tokens (its true length), as the
+    /// contract requires. Without it (and `--hint-mode`) no hint is sent.
+    #[arg(long, env = "BALANCEROUTE_HINT_ERROR", value_name = "SIGMA")]
+    hint_error: Option<f64>,
+    /// How the hints are made: `lognormal` (the default with `--hint-error`), `shuffled` (the
+    /// lognormal hints permuted among the requests: useless) or `constant` (every request the
+    /// workload's mean output: useless).
+    #[arg(long, env = "BALANCEROUTE_HINT_MODE", value_enum)]
+    hint_mode: Option<br_sim::hints::HintMode>,
     /// saturated (all at t = 0), trace (its timestamps / --rate-scale) or poisson (--rate).
     #[arg(long, env = "BALANCEROUTE_ARRIVAL", value_enum, default_value_t = Arrival::Saturated)]
     arrival: Arrival,
@@ -311,6 +322,8 @@ async fn load_cmd(a: LoadArgs) -> anyhow::Result<()> {
         limit: a.limit,
         filter_min_output: a.filter_min_output,
         seed: a.seed,
+        hints: br_sim::hints::Hints::from_flags(a.hint_error, a.hint_mode)
+            .map_err(|e| anyhow::anyhow!("--hint-error/--hint-mode: {e}"))?,
         arrival: a.arrival,
         rate: a.rate,
         rate_scale: a.rate_scale,

@@ -28,6 +28,10 @@ pub(super) async fn one(
     if let Some(h) = r.prompt_hash {
         params = params.with_prompt_hash(h);
     }
+    // the contract refuses an expected output above max_tokens, which is the true length here
+    if let Some(e) = r.expected_output {
+        params = params.with_expected_output_tokens(e.clamp(1, r.output_tokens.max(1)));
+    }
     let a = match ctx
         .assign
         .assign_within(&params, ctx.cfg.assign_timeout)

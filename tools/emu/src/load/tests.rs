@@ -209,3 +209,45 @@ fn percentiles() {
     assert_eq!((p.p50, p.p95), (50.0, 95.0));
     assert_eq!(Pct::of(vec![]), Pct::default());
 }
+
+#[test]
+fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
+    let cfg = |hints| LoadConfig {
+        decision_addrs: vec!["http://127.0.0.1:1".into()],
+        selection: br_client::assign::Selection::default(),
+        tls: None,
+        group: "g".into(),
+        rank_urls: vec!["http://127.0.0.1:2".into()],
+        use_endpoint: false,
+        engine_url: None,
+        trace: "paper-prop".into(),
+        limit: Some(200),
+        filter_min_output: None,
+        seed: 7,
+        hints,
+        arrival: Arrival::Saturated,
+        rate: None,
+        rate_scale: 1.0,
+        model: "m".into(),
+        assign_timeout: Duration::from_secs(1),
+        label: "t".into(),
+        run_id: "r".into(),
+    };
+    let (_, none) = workload(&cfg(None)).unwrap();
+    assert!(none.iter().all(|r| r.expected_output.is_none()));
+    let exact = br_sim::hints::Hints::from_flags(Some(0.0), None).unwrap();
+    let (_, hinted) = workload(&cfg(exact)).unwrap();
+    assert_eq!(hinted.len(), 200);
+    assert!(
+        hinted
+            .iter()
+            .all(|r| r.expected_output == Some(r.output_tokens.max(1)))
+    );
+    let noisy = br_sim::hints::Hints::from_flags(Some(0.5), None).unwrap();
+    let (_, noisy) = workload(&cfg(noisy)).unwrap();
+    let off = noisy
+        .iter()
+        .filter(|r| r.expected_output != Some(r.output_tokens))
+        .count();
+    assert!(off > 150, "σ = 0.5 moves nearly every hint: {off} of 200");
+}
