@@ -14,7 +14,9 @@
 #
 # Knobs (environment): DEMO_TRACE (paper-azure), DEMO_REQUESTS (requests per policy), DEMO_G
 # (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
-# DEMO_TIME_SCALE (wall = model × this), DEMO_POLICIES ("jsq br0"), DEMO_ARRIVAL (saturated |
+# DEMO_TIME_SCALE (wall = model × this), DEMO_COLOCATED=1 with DEMO_STEP_P and DEMO_PREFILL_CHUNK
+# (the ranks prefill too, engine and twin alike: `--colocated --step-p --prefill-chunk`),
+# DEMO_POLICIES ("jsq br0"), DEMO_ARRIVAL (saturated |
 # poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
 # DEMO_SKIP_BUILD=1, DEMO_DEPLOY (all: br-all; split: br-snapshot, br-ingest and br-decision as
 # three processes, decision restarted per policy), DEMO_TLS (1: mutual TLS on every connection of the control plane, with
@@ -32,6 +34,10 @@ G="${DEMO_G:-8}"
 B="${DEMO_B:-16}"
 STEP_A="${DEMO_STEP_A:-0.0002}"
 STEP_B="${DEMO_STEP_B:-30}"
+COLOCATED_F=()
+if [ "${DEMO_COLOCATED:-0}" = 1 ]; then
+    COLOCATED_F=(--colocated --step-p "${DEMO_STEP_P:-0.01}" --prefill-chunk "${DEMO_PREFILL_CHUNK:-2048}")
+fi
 SCALE="${DEMO_TIME_SCALE:-0.25}"
 POLICIES="${DEMO_POLICIES:-jsq br0}"
 ARRIVAL="${DEMO_ARRIVAL:-saturated}"

@@ -168,6 +168,7 @@ start_stack() {
             --snapshot-addr "http://127.0.0.1:$SNAP" ${TLS_F[@]+"${TLS_F[@]}"}
     fi
     start engine "$BIN/br-emu" engine --ranks "$G" --slots "$B" --step-a "$STEP_A" --step-b "$STEP_B" \
+        ${COLOCATED_F[@]+"${COLOCATED_F[@]}"} \
         --time-scale "$SCALE" --base-port "$ENGINE" --dp-port "$((ENGINE + G))"
     if [ "$STACK_DEPLOY" = split ]; then
         wait_http "$ADMIN_SCHEME://127.0.0.1:$((SNAP + 1))/livez" br-snapshot
@@ -261,7 +262,7 @@ sim_replay() {
             if "$BIN/br-sim" run --trace "$OUT/$prefix$policy-arrivals.csv" --arrival trace --limit "$N" \
                 --arrival-jitter-ms "${TWIN_JITTER_MS:-1}" --seed "$k" \
                 --workers "$G" --slots "$B" --policies "$policy" --step-a "$STEP_A" --step-b "$STEP_B" \
-                --json "$OUT/${prefix}sim-$policy-$k.json" >"$OUT/${prefix}sim-$policy-$k.log" 2>&1; then
+                ${COLOCATED_F[@]+"${COLOCATED_F[@]}"} --json "$OUT/${prefix}sim-$policy-$k.json" >"$OUT/${prefix}sim-$policy-$k.log" 2>&1; then
                 SIMS+=(--sim "$OUT/${prefix}sim-$policy-$k.json")
             else
                 echo "(br-sim failed for $policy; see $OUT/${prefix}sim-$policy-$k.log)"
