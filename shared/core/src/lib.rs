@@ -31,7 +31,7 @@ mod step;
 mod tree;
 
 pub use error::CoreError;
-pub use policy::{Mode, Policy, PolicyConfig, PolicyKind, PredictorKind, build_policy};
+pub use policy::{BrcConfig, Mode, Policy, PolicyConfig, PolicyKind, PredictorKind, build_policy};
 pub use pool::{Pool, PoolEntry};
 pub use state::{ClusterState, Phase, RequestInfo, WorkerInfo};
 pub use step::{StepFit, StepModel};

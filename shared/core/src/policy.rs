@@ -6,7 +6,7 @@
 //!   waits in that worker's local queue (vLLM, SGLang, every router in use today; also BR-0's
 //!   pool bypass);
 //! * [`Mode::Pooled`]: requests wait in a central pool and the policy admits a batch once per
-//!   decode step (BR-0, BR-H).
+//!   decode step (BR-0, BR-H, and BR-C's prefill waves for colocated prefill).
 
 use std::fmt;
 use std::str::FromStr;
@@ -21,6 +21,9 @@ use crate::predict::{CacheCounts, Finished, Oracle, PredictionCache, Predictor, 
 use crate::score::{HorizonParams, Margins};
 use crate::state::{ClusterState, WorkerInfo};
 use crate::{CoreError, WorkerId};
+
+mod brc;
+pub use brc::BrcConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -76,6 +79,8 @@ pub enum PolicyKind {
     Br0,
     Br0Bypass,
     BrH(PredictorKind),
+    /// BR-C: prefill waves for ranks that prefill their own prompts (see [`BrcConfig`]).
+    Brc,
 }
 
 impl PolicyKind {
@@ -93,6 +98,7 @@ impl PolicyKind {
             PolicyKind::BrH(PredictorKind::Survival) => "brh-survival",
             PolicyKind::BrH(PredictorKind::Oracle) => "brh-oracle",
             PolicyKind::BrH(PredictorKind::Hinted) => "brh-hinted",
+            PolicyKind::Brc => "brc",
         }
     }
 
@@ -112,12 +118,13 @@ impl PolicyKind {
             "brh-exact",
             "brh-oracle",
             "brh-hinted",
+            "brc",
         ]
     }
 
     pub fn mode(self) -> Mode {
         match self {
-            PolicyKind::Br0 | PolicyKind::BrH(_) => Mode::Pooled,
+            PolicyKind::Br0 | PolicyKind::BrH(_) | PolicyKind::Brc => Mode::Pooled,
             _ => Mode::OnArrival,
         }
     }
@@ -145,6 +152,7 @@ impl FromStr for PolicyKind {
             "brh-survival" => PolicyKind::BrH(PredictorKind::Survival),
             "brh-oracle" => PolicyKind::BrH(PredictorKind::Oracle),
             "brh-hinted" => PolicyKind::BrH(PredictorKind::Hinted),
+            "brc" => PolicyKind::Brc,
             other => {
                 return Err(CoreError::InvalidConfig(format!(
                     "unknown policy {other:?}; expected one of {}",
@@ -176,6 +184,9 @@ pub struct PolicyConfig {
     pub dispatcher: DispatcherConfig,
     #[serde(default)]
     pub horizon: HorizonParams,
+    /// BR-C's wave rules (read by `brc` only).
+    #[serde(default)]
+    pub brc: BrcConfig,
     /// Seed for the randomised baselines (and nothing else: the rest is deterministic).
     #[serde(default)]
     pub seed: u64,
@@ -187,12 +198,14 @@ impl PolicyConfig {
             kind,
             dispatcher: DispatcherConfig::default(),
             horizon: HorizonParams::default(),
+            brc: BrcConfig::default(),
             seed: 0,
         }
     }
 
     pub fn validate(&self) -> Result<(), CoreError> {
         self.dispatcher.validate()?;
+        self.brc.validate()?;
         let h = &self.horizon;
         if h.horizon > 4096 {
             return Err(CoreError::InvalidConfig(format!(
@@ -256,6 +269,9 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
             predictor: None,
             cache: PredictionCache::new(),
             hint_trust: HintTrust::default(),
+        }),
+        PolicyKind::Brc => Box::new(Brc {
+            waves: brc::Waves::new(cfg.brc),
         }),
         PolicyKind::Br0Bypass => Box::new(Br0Bypass {
             cfg: cfg.dispatcher,
@@ -404,6 +420,27 @@ impl Policy for Br0Bypass {
         route_bypass(e, state, self.cfg.tie_break)
     }
     fn dispatch(&mut self, _: &mut Pool, _: &ClusterState, _: &mut Vec<Admission>) {}
+}
+
+/// BR-C: the central pool released in prefill waves.
+#[derive(Debug)]
+struct Brc {
+    waves: brc::Waves,
+}
+
+impl Policy for Brc {
+    fn name(&self) -> &'static str {
+        "brc"
+    }
+    fn mode(&self) -> Mode {
+        Mode::Pooled
+    }
+    fn route(&mut self, _e: &PoolEntry, _state: &ClusterState) -> Option<WorkerId> {
+        None
+    }
+    fn dispatch(&mut self, pool: &mut Pool, state: &ClusterState, out: &mut Vec<Admission>) {
+        self.waves.dispatch(pool, state, out);
+    }
 }
 
 /// BR-0 (no predictor) and BR-H (with one): the two-stage dispatcher over the central pool.

@@ -215,6 +215,7 @@ fn run(sc: &Scenario, kind: PolicyKind) -> (ClusterState, Pool, Vec<Admission>) 
         kind,
         dispatcher: sc.cfg,
         horizon: HorizonParams::default(),
+        brc: Default::default(),
         seed: 7,
     };
     let mut policy = build_policy(&cfg).unwrap();
@@ -364,6 +365,7 @@ fn cold_start_largest_first_balances_tokens() {
     }
     let st = ClusterState::with_workers(&[8; 4]);
     let cfg = PolicyConfig {
+        brc: Default::default(),
         kind: PolicyKind::Br0,
         dispatcher: DispatcherConfig {
             s_greedy: Some(0),
@@ -456,6 +458,7 @@ fn stage2_admits_the_best_subset_through_the_dispatcher() {
         .unwrap();
     }
     let cfg = PolicyConfig {
+        brc: Default::default(),
         kind: PolicyKind::Br0,
         dispatcher: DispatcherConfig {
             s_greedy: Some(100),
@@ -494,6 +497,7 @@ fn head_batch_scope_admits_in_arrival_order() {
     }
     let st = ClusterState::with_workers(&[4, 4]);
     let cfg = PolicyConfig {
+        brc: Default::default(),
         kind: PolicyKind::Br0,
         dispatcher: DispatcherConfig {
             s_greedy: Some(0),
@@ -610,6 +614,7 @@ proptest! {
     ) {
         let (st, mut pool) = one_running_each(&loads, 1, &sizes);
         let cfg = PolicyConfig {
+            brc: Default::default(),
             kind: PolicyKind::Br0,
             dispatcher: DispatcherConfig {
                 s_greedy: Some(10_000), // Stage 2 only, however shallow the pool
@@ -675,6 +680,7 @@ fn mean_fill_brings_a_worker_to_the_mean_not_the_max() {
             .unwrap();
         }
         let cfg = PolicyConfig {
+            brc: Default::default(),
             kind: PolicyKind::Br0,
             dispatcher: DispatcherConfig {
                 s_greedy: Some(100),
@@ -745,6 +751,7 @@ fn stage2_holds_a_worker_above_the_mean_and_fills_the_one_below() {
             .unwrap();
         }
         let cfg = PolicyConfig {
+            brc: Default::default(),
             kind: PolicyKind::Br0,
             dispatcher: DispatcherConfig {
                 stage2_hold: hold,
@@ -778,6 +785,7 @@ fn a_shallow_pool_is_placed_whole_by_stage1() {
     let run = |shallow: bool| {
         let mut pool = pool.clone();
         let cfg = PolicyConfig {
+            brc: Default::default(),
             kind: PolicyKind::Br0,
             dispatcher: DispatcherConfig {
                 stage1_shallow: shallow,
@@ -838,6 +846,7 @@ fn place_one(workers: &[(u64, u32, u32)], s: u32, level: f64, tie_break: TieBrea
     })
     .unwrap();
     let cfg = PolicyConfig {
+        brc: Default::default(),
         kind: PolicyKind::Br0,
         dispatcher: DispatcherConfig {
             s_greedy: Some(0), // Stage 1 places it
@@ -1005,6 +1014,7 @@ fn next_finish_target_gives_the_larger_prompt_to_the_rank_that_finishes_first() 
             .unwrap();
         }
         let cfg = PolicyConfig {
+            brc: Default::default(),
             kind,
             dispatcher: DispatcherConfig {
                 stage2_target: Stage2Target::NextFinish,

@@ -138,6 +138,7 @@ proptest! {
     ) {
         let params = HorizonParams { horizon, predictor: config, ..HorizonParams::default() };
         let cfg = PolicyConfig {
+            brc: Default::default(),
             kind: PolicyKind::BrH(kind),
             dispatcher: DispatcherConfig::default(),
             horizon: params,

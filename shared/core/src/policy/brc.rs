@@ -1,0 +1,164 @@
+//! BR-C, prefill waves: a pooled policy for ranks that prefill their own prompts in the steps
+//! they decode (colocated prefill).
+//!
+//! With colocated prefill a lockstep step takes `a·max_g L_g + p·max_g P_g + c·max_g n_g + b`,
+//! `P_g` the prompt tokens rank g runs in it. A prompt run by one rank alone costs every rank
+//! its `p·P`; the same prompts run in the same step on all ranks, with equal token counts, cost
+//! the group one `p·P` together. Where a request goes does not decide when its rank prefills
+//! it (the rank runs its queue at its next step); *when* the router hands it over does. So BR-C
+//! holds requests in the central pool and releases them in waves:
+//!
+//! 1. A rank counts as *prefilling* while σ shows requests queued on it (admitted, no first
+//!    token yet): a wave released then would run beside the previous wave's tail, or a rank
+//!    with a long prompt, in steps of their own.
+//! 2. A wave is released when no live rank is prefilling and at least
+//!    `ceil(wave_fraction·G)` live ranks have a free slot: more ranks in one wave share one
+//!    prefill stall, and a rank waiting for the wave leaves only its freed slots empty (at
+//!    B = 256 a few slots of a rank's 256).
+//! 3. Starvation guard: the policy counts the ticks at which a slot was free, requests waited
+//!    and it admitted nothing; after `max_wait_steps` of them it releases a wave to whatever
+//!    ranks have free slots, prefilling or not. Waves are first come, first served, so the
+//!    oldest waiting request is in every wave: what the policy adds to its wait is at most
+//!    `max_wait_steps` ticks with a free slot (0: every tick with a free slot admits).
+//! 4. A wave takes the oldest requests, as many as the free slots of the ranks in it, and
+//!    spreads their prompt tokens as evenly as the slots allow: largest prompt first, each to
+//!    the rank with the most tokens left to its share per free slot left (the share: the wave's
+//!    tokens over its ranks). A rank with few free slots takes the large prompts, one with many
+//!    the small ones, so the rank with the most tokens (the step's `max P`) is as low as
+//!    greedy placement gets it. Ties go to the rank with the least load, then the lowest id.
+//!
+//! Decode KV is not balanced beyond that tie-break: on the colocated measurements the prefill
+//! term of the step costs several times the KV term. Without colocated prefill (a decode tier)
+//! nothing is ever queued at a tick, so rule 1 never holds a wave back; rules 2 and 3 still
+//! hold requests and only delay them (no step cost to save).
+
+use serde::{Deserialize, Serialize};
+
+use crate::dispatch::{Admission, Stage};
+use crate::pool::{Pool, PoolEntry};
+use crate::state::ClusterState;
+use crate::{CoreError, WorkerId};
+
+/// BR-C's parameters (`brc:max_wait_steps=8:wave_fraction=1` on br-sim's command line).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BrcConfig {
+    /// Ticks with a free slot the policy may hold the oldest waiting request before it releases
+    /// a wave regardless (the starvation guard). 0 admits at every tick with a free slot.
+    pub max_wait_steps: u32,
+    /// Fraction of live ranks that must have a free slot for a wave, in `(0, 1]`.
+    pub wave_fraction: f64,
+}
+
+impl Default for BrcConfig {
+    fn default() -> Self {
+        Self {
+            max_wait_steps: 16,
+            wave_fraction: 1.0,
+        }
+    }
+}
+
+impl BrcConfig {
+    pub fn validate(&self) -> Result<(), CoreError> {
+        if !(self.wave_fraction > 0.0 && self.wave_fraction <= 1.0) {
+            return Err(CoreError::InvalidConfig(format!(
+                "wave_fraction must be in (0, 1], got {}",
+                self.wave_fraction
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The wave state between ticks.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Waves {
+    cfg: BrcConfig,
+    /// Ticks since the last admission at which a slot was free and requests waited.
+    held: u32,
+}
+
+impl Waves {
+    pub(crate) fn new(cfg: BrcConfig) -> Self {
+        Self { cfg, held: 0 }
+    }
+
+    pub(crate) fn dispatch(
+        &mut self,
+        pool: &mut Pool,
+        state: &ClusterState,
+        out: &mut Vec<Admission>,
+    ) {
+        if pool.is_empty() {
+            self.held = 0;
+            return;
+        }
+        let workers = state.workers();
+        let free: Vec<WorkerId> = state
+            .accepting_worker_ids()
+            .filter(|&w| workers[w as usize].free_slots() > 0)
+            .collect();
+        if free.is_empty() {
+            return;
+        }
+        let live = state.live_workers();
+        let prefilling = state
+            .live_worker_ids()
+            .any(|w| workers[w as usize].queued > 0);
+        let needed = ((self.cfg.wave_fraction * f64::from(live)).ceil() as usize).max(1);
+        let guard = self.held >= self.cfg.max_wait_steps;
+        if !guard && (prefilling || free.len() < needed) {
+            self.held += 1;
+            return;
+        }
+        self.held = 0;
+        let stage = if guard && (prefilling || free.len() < needed) {
+            Stage::Guard
+        } else {
+            Stage::Greedy
+        };
+        let slots: usize = free
+            .iter()
+            .map(|&w| workers[w as usize].free_slots() as usize)
+            .sum();
+        let mut wave: Vec<PoolEntry> = pool.oldest(slots).cloned().collect();
+        // largest first; the older first among equal sizes (the pool gives them oldest first
+        // and the sort is stable)
+        wave.sort_by_key(|e| std::cmp::Reverse(e.prompt_tokens));
+        let total: u64 = wave.iter().map(|e| u64::from(e.prompt_tokens)).sum();
+        // the ranks that take part: all free ones when the wave fills every free slot, else
+        // the wave's requests spread over as many ranks as there are requests
+        let ranks = free.len().min(wave.len()).max(1);
+        let share = total as f64 / ranks as f64;
+        let mut left: Vec<u32> = free
+            .iter()
+            .map(|&w| workers[w as usize].free_slots())
+            .collect();
+        let mut tokens = vec![0u64; free.len()];
+        for e in wave {
+            let best = (0..free.len()).filter(|&j| left[j] > 0).max_by(|&x, &y| {
+                let room = |j: usize| (share - tokens[j] as f64) / f64::from(left[j]);
+                room(x)
+                    .total_cmp(&room(y))
+                    .then_with(|| {
+                        workers[free[y] as usize]
+                            .load()
+                            .cmp(&workers[free[x] as usize].load())
+                    })
+                    .then_with(|| free[y].cmp(&free[x]))
+            });
+            let Some(j) = best else { break };
+            left[j] -= 1;
+            tokens[j] += u64::from(e.prompt_tokens);
+            pool.remove(e.key);
+            out.push(Admission {
+                key: e.key,
+                worker: free[j],
+                prompt_tokens: e.prompt_tokens,
+                score: f64::NAN,
+                stage,
+            });
+        }
+    }
+}
