@@ -2,7 +2,7 @@
 //! `br0:s_greedy=64:stage1_worker=most-free-slots`, `brh:beta=43:gamma=0.86`.
 //!
 //! `name` is any name `br-core` accepts (`PolicyKind::from_str`). Each `key=value` sets one
-//! field of `PolicyConfig`'s `dispatcher` or `horizon` section (or `seed`), by the field's serde
+//! field of `PolicyConfig`'s `dispatcher`, `horizon` or `brc` section (or `seed`), by the field's serde
 //! name (`-` and `_` are interchangeable in keys). Values are JSON-ish: numbers, `true`/`false`,
 //! `none`/`null` (for optional fields such as `s_greedy` and `beta`), anything else a string
 //! (the kebab-case enum values of the dispatcher's open choices).
@@ -24,7 +24,7 @@ impl PolicySpec {
     pub fn is_balance_route(&self) -> bool {
         matches!(
             self.config.kind,
-            PolicyKind::Br0 | PolicyKind::Br0Bypass | PolicyKind::BrH(_)
+            PolicyKind::Br0 | PolicyKind::Br0Bypass | PolicyKind::BrH(_) | PolicyKind::Brc
         )
     }
 }
@@ -59,7 +59,7 @@ pub fn set_param(config: &mut PolicyConfig, key: &str, raw: &str) -> Result<(), 
     let mut v = serde_json::to_value(&*config).map_err(|e| e.to_string())?;
     let mut placed = false;
     let mut known: Vec<String> = vec!["seed".into()];
-    for section in ["dispatcher", "horizon"] {
+    for section in ["dispatcher", "horizon", "brc"] {
         if let Some(obj) = v.get_mut(section).and_then(Value::as_object_mut) {
             known.extend(obj.keys().cloned());
             if !placed && obj.contains_key(&key) {
@@ -139,7 +139,14 @@ mod tests {
         assert_eq!(s.config.horizon.beta, None);
         assert_eq!(s.config.horizon.gamma, 0.86);
         assert_eq!(s.config.horizon.horizon, 40);
+        let s = parse_spec("brc:max_wait_steps=4:wave-fraction=0.5", 0).expect("brc");
+        assert_eq!(s.config.kind, PolicyKind::Brc);
+        assert!(s.is_balance_route());
+        assert_eq!(s.config.brc.max_wait_steps, 4);
+        assert_eq!(s.config.brc.wave_fraction, 0.5);
         for bad in [
+            "brc:wave_fraction=0",
+            "brc:max_wait_steps=-1",
             "nope",
             "br0:r_max",
             "br0:r_max=0",
