@@ -165,10 +165,11 @@ proptest! {
             // never later than the guard
             let first = first.unwrap();
             prop_assert!(first <= sc.cfg.max_wait_steps as usize);
-            // held only while a rank prefills or too few ranks have a free slot
+            // held only while a rank prefills, or too few ranks have a free slot or too few
+            // requests wait
             let free_ranks = st.workers().iter().filter(|w| w.free_slots() > 0).count();
             let needed = ((sc.cfg.wave_fraction * st.live_workers() as f64).ceil() as usize).max(1);
-            let wave_ready = !prefilling && free_ranks >= needed;
+            let wave_ready = !prefilling && free_ranks >= needed && sc.pool.len() >= needed;
             prop_assert_eq!(first == 0, wave_ready || sc.cfg.max_wait_steps == 0);
         }
     }

@@ -11,21 +11,28 @@
 //! 1. A rank counts as *prefilling* while σ shows requests queued on it (admitted, no first
 //!    token yet): a wave released then would run beside the previous wave's tail, or a rank
 //!    with a long prompt, in steps of their own.
-//! 2. A wave is released when no live rank is prefilling and at least
-//!    `ceil(wave_fraction·G)` live ranks have a free slot: more ranks in one wave share one
-//!    prefill stall, and a rank waiting for the wave leaves only its freed slots empty (at
-//!    B = 256 a few slots of a rank's 256).
+//! 2. A wave is released when no live rank is prefilling, at least `N = ceil(wave_fraction·G)`
+//!    live ranks have a free slot and at least N requests wait: more ranks in one wave share
+//!    one prefill stall (a wave of one prompt stalls the group as long as a wave of G prompts
+//!    of that size), and a rank waiting for the wave leaves only its freed slots empty (at
+//!    B = 256 a few slots of a rank's 256). Under light traffic the pool is what is short:
+//!    requests are then held until N have arrived, or the guard releases them.
 //! 3. Starvation guard: the policy counts the ticks at which a slot was free, requests waited
 //!    and it admitted nothing; after `max_wait_steps` of them it releases a wave to whatever
 //!    ranks have free slots, prefilling or not. Waves are first come, first served, so the
 //!    oldest waiting request is in every wave: what the policy adds to its wait is at most
 //!    `max_wait_steps` ticks with a free slot (0: every tick with a free slot admits).
 //! 4. A wave takes the oldest requests, as many as the free slots of the ranks in it, and
-//!    spreads their prompt tokens as evenly as the slots allow: largest prompt first, each to
-//!    the rank with the most tokens left to its share per free slot left (the share: the wave's
-//!    tokens over its ranks). A rank with few free slots takes the large prompts, one with many
-//!    the small ones, so the rank with the most tokens (the step's `max P`) is as low as
-//!    greedy placement gets it. Ties go to the rank with the least load, then the lowest id.
+//!    spreads their prompt tokens as evenly as the slots allow, largest prompt first. When the
+//!    wave fills every free slot, each goes to the rank with the most tokens left to its share
+//!    per free slot left (the share: the wave's tokens over its ranks): a rank with few free
+//!    slots takes the large prompts, one with many the small ones, so the rank with the most
+//!    tokens (the step's `max P`) is as low as greedy placement gets it. When there are fewer
+//!    requests than free slots (a pool that is not deep), each goes to the rank with the fewest
+//!    tokens of this wave (so one prompt per rank while they last), and among those to the
+//!    least loaded: ranking by free slots there would send every lone request to the rank
+//!    with the fewest free slots, the fullest one. Remaining ties go to the least load, then
+//!    the lowest id.
 //!
 //! Decode KV is not balanced beyond that tie-break: on the colocated measurements the prefill
 //! term of the step costs several times the KV term. Without colocated prefill (a decode tier)
@@ -108,16 +115,13 @@ impl Waves {
             .any(|w| workers[w as usize].queued > 0);
         let needed = ((self.cfg.wave_fraction * f64::from(live)).ceil() as usize).max(1);
         let guard = self.held >= self.cfg.max_wait_steps;
-        if !guard && (prefilling || free.len() < needed) {
+        let ready = !prefilling && free.len() >= needed && pool.len() >= needed;
+        if !guard && !ready {
             self.held += 1;
             return;
         }
         self.held = 0;
-        let stage = if guard && (prefilling || free.len() < needed) {
-            Stage::Guard
-        } else {
-            Stage::Greedy
-        };
+        let stage = if !ready { Stage::Guard } else { Stage::Greedy };
         let slots: usize = free
             .iter()
             .map(|&w| workers[w as usize].free_slots() as usize)
@@ -127,25 +131,27 @@ impl Waves {
         // and the sort is stable)
         wave.sort_by_key(|e| std::cmp::Reverse(e.prompt_tokens));
         let total: u64 = wave.iter().map(|e| u64::from(e.prompt_tokens)).sum();
-        // the ranks that take part: all free ones when the wave fills every free slot, else
-        // the wave's requests spread over as many ranks as there are requests
-        let ranks = free.len().min(wave.len()).max(1);
-        let share = total as f64 / ranks as f64;
+        // Filling every free slot: spread the tokens over the ranks' free slots. Fewer requests
+        // than free slots: largest first to the rank with the fewest tokens of this wave, the
+        // least loaded first among equals (the wave then also places by KV load).
+        let fills = wave.len() >= slots;
+        let share = total as f64 / free.len() as f64;
         let mut left: Vec<u32> = free
             .iter()
             .map(|&w| workers[w as usize].free_slots())
             .collect();
         let mut tokens = vec![0u64; free.len()];
         for e in wave {
+            let load = |j: usize| workers[free[j] as usize].load();
             let best = (0..free.len()).filter(|&j| left[j] > 0).max_by(|&x, &y| {
-                let room = |j: usize| (share - tokens[j] as f64) / f64::from(left[j]);
-                room(x)
-                    .total_cmp(&room(y))
-                    .then_with(|| {
-                        workers[free[y] as usize]
-                            .load()
-                            .cmp(&workers[free[x] as usize].load())
-                    })
+                let first = if fills {
+                    let room = |j: usize| (share - tokens[j] as f64) / f64::from(left[j]);
+                    room(x).total_cmp(&room(y))
+                } else {
+                    tokens[y].cmp(&tokens[x])
+                };
+                first
+                    .then_with(|| load(y).cmp(&load(x)))
                     .then_with(|| free[y].cmp(&free[x]))
             });
             let Some(j) = best else { break };
