@@ -14,8 +14,10 @@
 # The chunk is 8,192 prompt tokens per rank per step (TensorRT-LLM's DeepSeek-R1 serving example
 # with attention DP sets max_num_tokens 8192). Sensitivity: chunk 2,048, and p = 0.03 (a full
 # 8,192-token chunk costing about one balanced decode step), saturated at G = 8.
-# Usage: tools/sim/scripts/colocated.sh [OUT_DIR]   (default: tools/sim/results); run it under
-# nice. About a minute on one core.
+# Then BR-C (prefill waves) in the same cells, with a sweep of its max_wait_steps.
+# Usage: tools/sim/scripts/colocated.sh [OUT_DIR [brc]]   (default: tools/sim/results; `brc`:
+# only the BR-C part, reading the rate from OUT_DIR/P-colocated-saturated.txt); run it under
+# nice. A few minutes on one core.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
@@ -51,6 +53,7 @@ rate_85() { # file, G
     END { printf "%.4f", 0.85 * best / 3653 }' "$1"
 }
 
+if [ "${2:-}" != brc ]; then
 run P-decode-saturated "${COMMON[@]}" --arrival saturated --workers-list 8,16
 run P-colocated-saturated "${COMMON[@]}" "${COLO[@]}" --arrival saturated --workers-list 8,16
 for g in 8 16; do
@@ -63,4 +66,23 @@ run P-colocated-saturated-chunk2048 "${COMMON[@]}" --colocated --step-p "$P" --p
   --arrival saturated --workers-list 8
 run P-colocated-saturated-p0.03 "${COMMON[@]}" --colocated --step-p 0.03 --prefill-chunk "$CHUNK" \
   --arrival saturated --workers-list 8
+fi
+
+# BR-C (prefill waves) beside the same baselines and BR-0, in the same cells (the Poisson rate
+# is the one above: 85% of the best baseline's saturated capacity), and a sweep of its
+# starvation guard max_wait_steps (0, 2, 4, 8, 16: the default, 64). Decode-only, BR-C only
+# holds requests (nothing to align): one saturated run at G = 8 shows what that costs.
+# Usage for this part alone: tools/sim/scripts/colocated.sh OUT_DIR brc
+BRC="brc,brc:max_wait_steps=0,brc:max_wait_steps=2,brc:max_wait_steps=4,brc:max_wait_steps=8"
+BRC="$BRC,brc:max_wait_steps=64"
+BRC_COMMON=(--trace adp-shape --slots 256 --seeds 1,2,3 --policies "$POLICIES,$BRC")
+run P-brc-colocated-saturated "${BRC_COMMON[@]}" "${COLO[@]}" --arrival saturated \
+  --workers-list 8,16
+for g in 8 16; do
+  rate="$(rate_85 "$OUT/P-colocated-saturated.txt" "$g")"
+  run "P-brc-colocated-poisson85-G$g" "${BRC_COMMON[@]}" "${COLO[@]}" --arrival poisson \
+    --rate "$rate" --workers-list "$g"
+done
+run P-brc-decode-saturated --trace adp-shape --slots 256 --seeds 1,2,3 \
+  --policies "$POLICIES,brc" --arrival saturated --workers-list 8
 echo "results in $OUT/P-*.txt" >&2
