@@ -52,8 +52,12 @@ use crate::{CoreError, WorkerId};
 pub struct BrcConfig {
     /// Ticks with a free slot the policy may hold the oldest waiting request before it releases
     /// a wave regardless (the starvation guard). 0 admits at every tick with a free slot.
+    /// 16 by default: on adp-shape with colocated prefill (tools/sim/RESULTS.md, "Prefill
+    /// waves") it keeps most of the saturated gain of longer holds (64) while its TTFT p50 at
+    /// 85% load stays under 2 s; 2–4 trade part of the gain for TTFT.
     pub max_wait_steps: u32,
-    /// Fraction of live ranks that must have a free slot for a wave, in `(0, 1]`.
+    /// Fraction of live ranks that must have a free slot (and of requests that must wait) for a
+    /// wave, in `(0, 1]`. 1 by default: a wave on part of the ranks stalls the rest as long.
     pub wave_fraction: f64,
 }
 
