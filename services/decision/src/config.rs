@@ -66,7 +66,8 @@ pub struct Args {
 
     /// Routing policy: random, rr, p2c, jsq, vllm-dp, mintok, br0-bypass (answer at once);
     /// br0, brh, brh-survival, brh-oracle, brh-hinted (pooled, batch admission per tick;
-    /// brh-hinted reads Assign's expected_output_tokens).
+    /// brh-hinted reads Assign's expected_output_tokens). brc (prefill waves) is refused: it
+    /// runs in br-sim --colocated only so far.
     #[arg(long, env = "BALANCEROUTE_POLICY", default_value = DEFAULT_POLICY)]
     pub policy: PolicyKind,
 
@@ -392,6 +393,15 @@ impl Args {
         if groups.is_empty() {
             return Err("--groups must name at least one group".into());
         }
+        if self.policy == PolicyKind::Brc {
+            // Its hold counts engine steps and reads a rank's pending prefill from σ's queued
+            // requests; a decision tick is not a step, and that reading is not measured live.
+            return Err(
+                "--policy brc (prefill waves) runs in br-sim --colocated only so far: it counts \
+                 engine steps, which the service's ticks are not"
+                    .into(),
+            );
+        }
         let d = DispatcherConfig::default();
         let h = HorizonParams::default();
         let policy = PolicyConfig {
@@ -425,6 +435,8 @@ impl Args {
                     ..h.predictor
                 },
             },
+            // brc is refused above
+            brc: br_core::BrcConfig::default(),
             seed: self.seed,
         };
         policy.validate().map_err(|e| e.to_string())?;
@@ -872,7 +884,12 @@ mod tests {
     fn every_policy_name_parses() {
         for name in PolicyKind::names() {
             let a = parse(&["--policy", name]).unwrap();
-            assert!(a.to_config().is_ok(), "{name}");
+            if *name == "brc" {
+                let e = a.to_config().unwrap_err();
+                assert!(e.contains("br-sim --colocated"), "{e}");
+            } else {
+                assert!(a.to_config().is_ok(), "{name}");
+            }
         }
     }
 }
