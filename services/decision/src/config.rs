@@ -883,13 +883,13 @@ mod tests {
     #[test]
     fn every_policy_name_parses() {
         for name in PolicyKind::names() {
-            let a = parse(&["--policy", name]).unwrap();
             if *name == "brc" {
-                let e = a.to_config().unwrap_err();
+                let e = parse(&["--policy", name]).unwrap_err().to_string();
                 assert!(e.contains("br-sim --colocated"), "{e}");
-            } else {
-                assert!(a.to_config().is_ok(), "{name}");
+                continue;
             }
+            let a = parse(&["--policy", name]).unwrap();
+            assert!(a.to_config().is_ok(), "{name}");
         }
     }
 }
