@@ -239,28 +239,24 @@ pub fn best_subset_counted(
     max_items: usize,
     score: impl Fn(f64, u32) -> f64,
 ) -> (u32, f64) {
-    let n = sizes.len().min(MAX_R_MAX);
-    let mut best = (0u32, f64::NEG_INFINITY);
-    for mask in 1u32..(1u32 << n) {
-        if mask.count_ones() as usize > max_items {
-            continue;
-        }
-        let ds: f64 = (0..n)
-            .filter(|i| mask & (1 << i) != 0)
-            .map(|i| sizes[i])
-            .sum();
-        let f = score(ds, mask.count_ones());
-        if f > best.1 {
-            best = (mask, f);
-        }
-    }
-    best
+    best_subset_by(sizes, |_| 0.0, max_items, score)
 }
 
 /// [`best_subset_counted`] with `extra[i]` added to a subset's score for each member i.
 pub(super) fn best_subset_with(
     sizes: &[f64],
     extra: &[f64],
+    max_items: usize,
+    score: impl Fn(f64, u32) -> f64,
+) -> (u32, f64) {
+    best_subset_by(sizes, |i| extra[i], max_items, score)
+}
+
+/// The enumeration behind both: every non-empty subset of at most `max_items` members, scored
+/// `score(Σ sizes, members) + Σ extra(i)` (ties: the first in enumeration order).
+fn best_subset_by(
+    sizes: &[f64],
+    extra: impl Fn(usize) -> f64,
     max_items: usize,
     score: impl Fn(f64, u32) -> f64,
 ) -> (u32, f64) {
@@ -271,7 +267,7 @@ pub(super) fn best_subset_with(
             continue;
         }
         let members = (0..n).filter(|i| mask & (1 << i) != 0);
-        let (ds, bonus) = members.fold((0.0, 0.0), |(d, b), i| (d + sizes[i], b + extra[i]));
+        let (ds, bonus) = members.fold((0.0, 0.0), |(d, b), i| (d + sizes[i], b + extra(i)));
         let f = score(ds, mask.count_ones()) + bonus;
         if f > best.1 {
             best = (mask, f);
