@@ -416,6 +416,38 @@ def validate(
 AssignPlan = Generator[Union[Call, Sleep], Optional[Outcome], Assignment]
 
 
+def assign_request(
+    pb,
+    group: str,
+    request_id: str,
+    prompt_tokens: int,
+    prompt_hash,
+    max_tokens,
+    expected_output_tokens,
+    request_class,
+):
+    """The AssignRequest of one call (`pb` the generated module), after `validate`: the same
+    for the blocking and the asyncio client."""
+    validate(
+        group,
+        request_id,
+        prompt_tokens,
+        prompt_hash,
+        max_tokens,
+        expected_output_tokens,
+        request_class,
+    )
+    return pb.AssignRequest(
+        group=group,
+        request_id=request_id,
+        prompt_tokens=prompt_tokens,
+        prompt_hash=prompt_hash,
+        max_tokens=max_tokens,
+        expected_output_tokens=expected_output_tokens,
+        request_class=request_class,
+    )
+
+
 def assign_plan(
     replicas: Replicas,
     options: ClientOptions,

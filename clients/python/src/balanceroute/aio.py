@@ -78,7 +78,8 @@ class AsyncClient:
     ) -> Assignment:
         """See `balanceroute.Client.assign`. Cancelling the awaiting task abandons the call (the
         server withdraws the request when its caller goes away)."""
-        _core.validate(
+        req = _core.assign_request(
+            self._pb,
             group,
             request_id,
             prompt_tokens,
@@ -86,15 +87,6 @@ class AsyncClient:
             max_tokens,
             expected_output_tokens,
             request_class,
-        )
-        req = self._pb.AssignRequest(
-            group=group,
-            request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            prompt_hash=prompt_hash,
-            max_tokens=max_tokens,
-            expected_output_tokens=expected_output_tokens,
-            request_class=request_class,
         )
         plan = _core.assign_plan(
             self._ensure(), self._options, self._retry, time.monotonic() + timeout

@@ -92,11 +92,13 @@ class Client:
         seconds (pool wait, retries and failovers included). Retries keep `request_id`. Raises
         a `BalanceRouteError` subclass (`DeadlineExceeded`, `InvalidArgument`, ...).
 
-        Optional hints, read by the `brh-hinted` policy's predictor only: `expected_output_tokens`,
-        the client's own estimate of the tokens the request generates (1..=10,000,000, at most
-        `max_tokens`), and `request_class`, a short key of the request's class (template,
-        tenant, tool use, thinking: 1..=64 bytes of printable ASCII without spaces)."""
-        _core.validate(
+        Optional hints, read by the `brh-hinted` predictor and by `--stagger-weight`:
+        `expected_output_tokens`, the client's own estimate of the tokens the request generates
+        (1..=10,000,000, at most `max_tokens`), and `request_class`, a short key of the
+        request's class (template, tenant, tool use, thinking: 1..=64 bytes of printable ASCII
+        without spaces)."""
+        req = _core.assign_request(
+            self._pb,
             group,
             request_id,
             prompt_tokens,
@@ -104,15 +106,6 @@ class Client:
             max_tokens,
             expected_output_tokens,
             request_class,
-        )
-        req = self._pb.AssignRequest(
-            group=group,
-            request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            prompt_hash=prompt_hash,
-            max_tokens=max_tokens,
-            expected_output_tokens=expected_output_tokens,
-            request_class=request_class,
         )
         plan = _core.assign_plan(
             self._replicas, self._options, self._retry, time.monotonic() + timeout
