@@ -257,32 +257,16 @@ impl<N: Notify> Lockstep<N> {
     pub fn finish_step(&mut self, model_ms: f64) {
         self.clock_ms += model_ms;
         self.first_tokens.clear();
+        let (clock_ms, first_tokens) = (self.clock_ms, &mut self.first_tokens);
         for r in &mut self.ranks {
             // the prompts that completed decode from the next step on
             let mut completed = std::mem::take(&mut r.completing);
             for s in &mut r.running {
-                s.generated += 1;
-                if s.generated == 1 {
-                    self.first_tokens.push(self.clock_ms - s.arrived_ms);
-                }
-                let done = s.generated >= s.max_tokens;
-                s.notify.notify(Progress {
-                    generated: s.generated,
-                    running: !done,
-                    done,
-                });
+                write_token(s, clock_ms, first_tokens);
             }
             r.running.retain(|s| s.generated < s.max_tokens);
             for mut s in completed.drain(..) {
-                s.generated = 1;
-                self.first_tokens.push(self.clock_ms - s.arrived_ms);
-                let done = s.generated >= s.max_tokens;
-                s.notify.notify(Progress {
-                    generated: s.generated,
-                    running: !done,
-                    done,
-                });
-                if !done {
+                if !write_token(&mut s, clock_ms, first_tokens) {
                     r.running.push(s);
                 }
             }
@@ -290,6 +274,22 @@ impl<N: Notify> Lockstep<N> {
             r.partial_kv = r.partial.as_ref().map_or(0, |(_, done)| u64::from(*done));
         }
     }
+}
+
+/// `s` writes a token in the step that ended at `clock_ms`: its owner learns it, and its first
+/// token's time from arrival goes to `first_tokens`. Returns whether that was its last.
+fn write_token<N: Notify>(s: &mut Slot<N>, clock_ms: f64, first_tokens: &mut Vec<f64>) -> bool {
+    s.generated += 1;
+    if s.generated == 1 {
+        first_tokens.push(clock_ms - s.arrived_ms);
+    }
+    let done = s.generated >= s.max_tokens;
+    s.notify.notify(Progress {
+        generated: s.generated,
+        running: !done,
+        done,
+    });
+    done
 }
 
 /// A request takes a slot: its owner learns it runs.
