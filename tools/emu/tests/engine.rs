@@ -11,16 +11,32 @@ const A: f64 = 0.25;
 const B: f64 = 7.0;
 
 async fn engine(ranks: usize, slots: usize) -> EngineServer {
+    engine_with(ranks, slots, model(A, 0.0, 0.0), None).await
+}
+
+/// The step model `a·max L + p·max P + c·max n + B`.
+fn model(a: f64, c: f64, p: f64) -> StepModel {
+    StepModel {
+        a_ms_per_token: a,
+        b_ms: B,
+        c_ms_per_request: c,
+        p_ms_per_prefill_token: p,
+    }
+}
+
+/// An engine stepping as fast as it can (time scale 0).
+async fn engine_with(
+    ranks: usize,
+    slots: usize,
+    model: StepModel,
+    colocated: Option<Colocated>,
+) -> EngineServer {
     EngineServer::start(
         EngineConfig {
             ranks,
             slots,
-            model: StepModel {
-                a_ms_per_token: A,
-                b_ms: B,
-                c_ms_per_request: 0.0,
-                p_ms_per_prefill_token: 0.0,
-            },
+            model,
+            colocated,
             time_scale: 0.0,
             created: Some(1),
             ..EngineConfig::default()
@@ -173,24 +189,7 @@ async fn dp_port_honours_the_rank_header_and_streams_one_chunk_per_token() {
 #[tokio::test]
 async fn step_log_with_a_request_term_calibrates_back_to_its_model() {
     const C: f64 = 0.3;
-    let e = EngineServer::start(
-        EngineConfig {
-            ranks: 2,
-            slots: 16,
-            model: StepModel {
-                a_ms_per_token: 2e-3,
-                b_ms: B,
-                c_ms_per_request: C,
-                p_ms_per_prefill_token: 0.0,
-            },
-            time_scale: 0.0,
-            created: Some(1),
-            ..EngineConfig::default()
-        },
-        CancellationToken::new(),
-    )
-    .await
-    .unwrap();
+    let e = engine_with(2, 16, model(2e-3, C, 0.0), None).await;
     let r0 = format!("http://{}", e.addrs.ranks[0]);
     let r1 = format!("http://{}", e.addrs.ranks[1]);
     // batches that move tokens and requests apart: many short prompts on rank 0, one long on
@@ -231,25 +230,7 @@ async fn step_log_with_a_request_term_calibrates_back_to_its_model() {
 #[tokio::test]
 async fn colocated_prefill_runs_in_chunks_and_the_engine_reports_ttft() {
     const P: f64 = 0.01;
-    let e = EngineServer::start(
-        EngineConfig {
-            ranks: 2,
-            slots: 4,
-            model: StepModel {
-                a_ms_per_token: A,
-                b_ms: B,
-                c_ms_per_request: 0.0,
-                p_ms_per_prefill_token: P,
-            },
-            colocated: Some(Colocated { chunk: 1_000 }),
-            time_scale: 0.0,
-            created: Some(1),
-            ..EngineConfig::default()
-        },
-        CancellationToken::new(),
-    )
-    .await
-    .unwrap();
+    let e = engine_with(2, 4, model(A, 0.0, P), Some(Colocated { chunk: 1_000 })).await;
     let r0 = format!("http://{}", e.addrs.ranks[0]);
     complete(r0, 2_500, 2, false).await;
     let s = stats(&e).await;
@@ -284,25 +265,7 @@ async fn colocated_prefill_runs_in_chunks_and_the_engine_reports_ttft() {
 async fn a_colocated_step_log_calibrates_back_to_its_model() {
     const P: f64 = 3e-3;
     const C: f64 = 0.2;
-    let e = EngineServer::start(
-        EngineConfig {
-            ranks: 2,
-            slots: 16,
-            model: StepModel {
-                a_ms_per_token: 2e-3,
-                b_ms: B,
-                c_ms_per_request: C,
-                p_ms_per_prefill_token: P,
-            },
-            colocated: Some(Colocated { chunk: 700 }),
-            time_scale: 0.0,
-            created: Some(1),
-            ..EngineConfig::default()
-        },
-        CancellationToken::new(),
-    )
-    .await
-    .unwrap();
+    let e = engine_with(2, 16, model(2e-3, C, P), Some(Colocated { chunk: 700 })).await;
     let r0 = format!("http://{}", e.addrs.ranks[0]);
     let r1 = format!("http://{}", e.addrs.ranks[1]);
     // prompts of several sizes and batches of several widths, so tokens, prefill and requests
