@@ -343,6 +343,16 @@ mod tests {
         assert!(within(s.span_ms, 2_000_000.0, 0.05), "{s:?}");
     }
 
+    /// Heavy-tailed outputs: the median well below the mean, p99 several times it.
+    fn assert_long_tailed_outputs(reqs: &[TraceRequest], mean_output: f64) {
+        let mut o: Vec<u32> = reqs.iter().map(|r| r.output_tokens).collect();
+        o.sort_unstable();
+        let med = f64::from(o[o.len() / 2]);
+        let p99 = f64::from(o[o.len() * 99 / 100]);
+        assert!(med < 0.75 * mean_output, "median {med}");
+        assert!(p99 > 4.0 * mean_output, "p99 {p99}");
+    }
+
     #[test]
     fn paper_prop_matches_published_shape() {
         let reqs = generate(
@@ -353,13 +363,7 @@ mod tests {
         assert_eq!(s.requests, 8_000);
         assert!(within(s.mean_prompt, 3197.0, 0.01), "{s:?}");
         assert!(within(s.mean_output, 1185.0, 0.01), "{s:?}");
-        // heavy tail: the median is well below the mean and p99 is several times the mean
-        let mut o: Vec<u32> = reqs.iter().map(|r| r.output_tokens).collect();
-        o.sort_unstable();
-        let med = f64::from(o[o.len() / 2]);
-        let p99 = f64::from(o[o.len() * 99 / 100]);
-        assert!(med < 0.75 * s.mean_output, "median {med}");
-        assert!(p99 > 4.0 * s.mean_output, "p99 {p99}");
+        assert_long_tailed_outputs(&reqs, s.mean_output);
         assert!(s.min_output >= 2);
     }
 
@@ -370,13 +374,7 @@ mod tests {
         assert_eq!(s.requests, 16_000);
         assert!(within(s.mean_prompt, 803.0, 0.01), "{s:?}");
         assert!(within(s.mean_output, 3653.0, 0.01), "{s:?}");
-        // long-tailed outputs: the median well below the mean, p99 several times it
-        let mut o: Vec<u32> = reqs.iter().map(|r| r.output_tokens).collect();
-        o.sort_unstable();
-        let med = f64::from(o[o.len() / 2]);
-        let p99 = f64::from(o[o.len() * 99 / 100]);
-        assert!(med < 0.75 * s.mean_output, "median {med}");
-        assert!(p99 > 4.0 * s.mean_output, "p99 {p99}");
+        assert_long_tailed_outputs(&reqs, s.mean_output);
         assert!(s.min_output >= 2 && s.max_output <= 32_768, "{s:?}");
         // prompts spread too, most within one chunk of 8,192 tokens
         let mut p: Vec<u32> = reqs.iter().map(|r| r.prompt_tokens).collect();
