@@ -9,7 +9,7 @@ comparison is against the strongest baseline on every figure, and the choice is 
 all seeds (not a per-seed max over noise). A delta worse than zero by more than two standard
 errors is marked `!` (worse beyond the seed spread), one better by more than two `+`.
 
-Metrics: TPOT p50 and p95 (ms), throughput (tok/s), imbalance and barrier idle (KV tokens).
+Metrics: TPOT p50 and p95, TTFT p50 and p99 (ms), throughput (tok/s), imbalance and barrier idle (KV tokens).
 
 Usage: paired.py BR_SIM SEEDS [--json FILE] -- <br-sim run arguments without --seed/--json>
 """
@@ -24,6 +24,8 @@ from simstats import mean_se, is_baseline
 METRICS = [
     ("tpot_p50_ms", "tpot50 ms", False),
     ("tpot_p95_ms", "tpot95 ms", False),
+    ("ttft_p50_ms", "ttft50 ms", False),
+    ("ttft_p99_ms", "ttft99 ms", False),
     ("throughput_tok_s", "tok/s", True),
     ("avg_imbalance", "imbalance", False),
     ("avg_barrier_idle", "barrier idle", False),

@@ -330,6 +330,7 @@ mod tests {
                 tpot_p95_ms: 2.0,
                 ttft_p50_ms: 3.0,
                 ttft_p95_ms: 4.0,
+                ttft_p99_ms: 5.0,
                 avg_balance: 0.9,
                 mean_queue_ms: 0.0,
                 steps: 10,

@@ -465,6 +465,7 @@ pub fn simulate_deciders(
         tpot_p95_ms: quantile(&mut tpot, 0.95),
         ttft_p50_ms: quantile(&mut ttft, 0.5),
         ttft_p95_ms: quantile(&mut ttft, 0.95),
+        ttft_p99_ms: quantile(&mut ttft, 0.99),
         avg_balance: per_step(sum_balance),
         mean_queue_ms: if finished > 0 {
             queue_sum / finished as f64

@@ -3,7 +3,7 @@
 //! JSON shape (other tools parse it; keep the field names):
 //! `{"runs":[{"policy", "workers", "avg_imbalance", "avg_barrier_idle", "throughput_tok_s",
 //! "steady_throughput_tok_s", "fluid_throughput_tok_s", "tpot_p50_ms", "tpot_p95_ms",
-//! "ttft_p50_ms", "ttft_p95_ms", "avg_balance", "mean_queue_ms", "steps", "requests"}]}`.
+//! "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "avg_balance", "mean_queue_ms", "steps", "requests"}]}`.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -39,6 +39,9 @@ pub struct RunReport {
     /// 95th percentile time to first token (ms).
     #[serde(default)]
     pub ttft_p95_ms: f64,
+    /// 99th percentile time to first token (ms): the colocated targets are stated on it.
+    #[serde(default)]
+    pub ttft_p99_ms: f64,
     /// Mean over steps of the balance ratio `Σ_g work_g / (G · max_g work_g)`, a rank's work
     /// its share of the step time `a·L_g + p·P_g + c·n_g` (1 = every rank works the whole
     /// step; decode-only with c = 0 it is the KV balance `mean L / max L`). Absent from reports
@@ -86,7 +89,8 @@ gain%: tok/s against the best baseline at this G; gap%: share of that baseline's
 steady, s.fluid, s.gain%, s.gap%: the same over the steady steps (requests waiting); \
 tpot50, tpot95: ms per output token; queue_ms: mean wait before the first step; steps: steps simulated; reqs: requests finished; \
 ttft50, ttft95: ms from arrival to the first token; \
-balance%, s.bal%: mean over all / steady steps of sum of ranks' work / (G * max), work a*L + p*P + c*n (100 = no rank waits)";
+balance%, s.bal%: mean over all / steady steps of sum of ranks' work / (G * max), work a*L + p*P + c*n (100 = no rank waits); \
+ttft99: 99th percentile of ms to the first token";
 
 /// Renders the table: one row per run. Besides the report's fields it shows, against the best
 /// baseline at the same G (by the same measure): the throughput gain (`gain%`) and the share of
@@ -103,7 +107,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<width$} {:>3} {:>10} {:>9} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6} {:>9} {:>9} {:>8} {:>6}",
+        "{:<width$} {:>3} {:>10} {:>9} {:>12} {:>8} {:>8} {:>6} {:>5} {:>8} {:>8} {:>7} {:>6} {:>7} {:>7} {:>9} {:>6} {:>6} {:>9} {:>9} {:>8} {:>6} {:>9}",
         "policy",
         "G",
         "imbalance",
@@ -126,6 +130,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
         "ttft95",
         "balance%",
         "s.bal%",
+        "ttft99",
     );
     let fluid_of = |i: usize| steady.get(i).map(|x| x.fluid_tok_s);
     for (i, r) in runs.iter().enumerate() {
@@ -177,7 +182,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
         });
         let _ = writeln!(
             s,
-            "{:<width$} {:>3} {:>10.0} {:>9} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6} {:>9.1} {:>9.1} {:>8.1} {:>6}",
+            "{:<width$} {:>3} {:>10.0} {:>9} {:>12.0} {:>8.1} {:>8.1} {:>6} {:>5} {:>8.1} {:>8} {:>7} {:>6} {:>7.2} {:>7.2} {:>9.1} {:>6} {:>6} {:>9.1} {:>9.1} {:>8.1} {:>6} {:>9.1}",
             r.policy,
             r.workers,
             r.avg_imbalance,
@@ -204,6 +209,7 @@ pub fn render_table(runs: &[RunReport], steady: &[SteadyExtra]) -> String {
             steady
                 .get(i)
                 .map_or("-".into(), |x| format!("{:.1}", 100.0 * x.balance)),
+            r.ttft_p99_ms,
         );
     }
     s
@@ -260,6 +266,7 @@ mod tests {
             tpot_p95_ms: 90.0,
             ttft_p50_ms: 100.0,
             ttft_p95_ms: 200.0,
+            ttft_p99_ms: 300.0,
             avg_balance: 0.9,
             mean_queue_ms: 5.0,
             steps: 10,
@@ -288,6 +295,7 @@ mod tests {
             "tpot_p95_ms",
             "ttft_p50_ms",
             "ttft_p95_ms",
+            "ttft_p99_ms",
             "avg_balance",
             "mean_queue_ms",
             "steps",

@@ -74,6 +74,7 @@ fn run_writes_table_json_and_figure() {
             "tpot_p95_ms",
             "ttft_p50_ms",
             "ttft_p95_ms",
+            "ttft_p99_ms",
             "avg_balance",
             "mean_queue_ms",
             "steps",

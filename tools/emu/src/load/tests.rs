@@ -16,6 +16,7 @@ fn several_twin_runs_of_a_policy_are_shown_as_their_mean_and_spread() {
         tpot_p95_ms: 50.0,
         ttft_p50_ms: 0.0,
         ttft_p95_ms: 0.0,
+        ttft_p99_ms: 0.0,
         avg_balance: 0.0,
         mean_queue_ms: 0.0,
         steps: 10,

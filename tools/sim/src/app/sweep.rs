@@ -135,6 +135,7 @@ pub fn average_rows(per_seed: &[Vec<Row>]) -> Vec<Row> {
                     tpot_p95_ms: mean(&|r| r.0.tpot_p95_ms),
                     ttft_p50_ms: mean(&|r| r.0.ttft_p50_ms),
                     ttft_p95_ms: mean(&|r| r.0.ttft_p95_ms),
+                    ttft_p99_ms: mean(&|r| r.0.ttft_p99_ms),
                     avg_balance: mean(&|r| r.0.avg_balance),
                     mean_queue_ms: mean(&|r| r.0.mean_queue_ms),
                     steps: mean(&|r| r.0.steps as f64).round() as u64,

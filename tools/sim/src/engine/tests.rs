@@ -500,6 +500,7 @@ fn reference_rr(
         tpot_p95_ms: q(&mut tpots, 0.95),
         ttft_p50_ms: q(&mut ttfts, 0.5),
         ttft_p95_ms: q(&mut ttfts, 0.95),
+        ttft_p99_ms: q(&mut ttfts, 0.99),
         avg_balance: balance / steps as f64,
         mean_queue_ms: queue_sum / reqs.len() as f64,
         steps,
@@ -556,6 +557,7 @@ fn assert_close(got: &RunReport, want: &RunReport) {
         ("queue", got.mean_queue_ms, want.mean_queue_ms),
         ("ttft50", got.ttft_p50_ms, want.ttft_p50_ms),
         ("ttft95", got.ttft_p95_ms, want.ttft_p95_ms),
+        ("ttft99", got.ttft_p99_ms, want.ttft_p99_ms),
         ("balance", got.avg_balance, want.avg_balance),
     ] {
         assert!(close(x, y), "{name}: engine {x} vs reference {y}");
