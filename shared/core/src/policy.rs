@@ -441,6 +441,9 @@ impl Policy for Brc {
     fn dispatch(&mut self, pool: &mut Pool, state: &ClusterState, out: &mut Vec<Admission>) {
         self.waves.dispatch(pool, state, out);
     }
+    fn observe_finished(&mut self, finished: &Finished) {
+        self.waves.observe_finished(finished.output_tokens);
+    }
 }
 
 /// BR-0 (no predictor) and BR-H (with one): the two-stage dispatcher over the central pool.

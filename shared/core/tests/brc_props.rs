@@ -1,7 +1,8 @@
 //! Property tests of BR-C (prefill waves): it never admits past a rank's free slots, never
 //! admits a request twice, admits first come first served, holds a wave while a rank is still
 //! prefilling, admits the oldest request once it has been held `max_wait_steps` ticks with a
-//! free slot, and is deterministic.
+//! free slot (`shallow_wait_steps` while fewer requests wait than there are free slots), and is
+//! deterministic.
 
 #![allow(clippy::unwrap_used)] // test fixtures: a panic is the failure report
 
@@ -34,17 +35,30 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             ),
             prop::collection::vec(1u32..20_000, 0..60),
             0u32..8,
+            0u32..8,
             prop_oneof![Just(1.0f64), 0.01f64..=1.0],
         )
             .prop_map(
-                |(capacities, existing, pool, max_wait_steps, wave_fraction)| Scenario {
+                |(
                     capacities,
                     existing,
                     pool,
-                    cfg: BrcConfig {
-                        max_wait_steps,
-                        wave_fraction,
-                    },
+                    max_wait_steps,
+                    shallow_wait_steps,
+                    wave_fraction,
+                )| {
+                    Scenario {
+                        capacities,
+                        existing,
+                        pool,
+                        cfg: BrcConfig {
+                            max_wait_steps,
+                            shallow_wait_steps,
+                            wave_fraction,
+                            // nothing finishes between these ticks: the mean output is unknown
+                            ..BrcConfig::default()
+                        },
+                    }
                 },
             )
     })
@@ -162,15 +176,19 @@ proptest! {
         if sc.pool.is_empty() || free == 0 {
             prop_assert_eq!(first, None);
         } else {
-            // never later than the guard
-            let first = first.unwrap();
-            prop_assert!(first <= sc.cfg.max_wait_steps as usize);
             // held only while a rank prefills, or too few ranks have a free slot or too few
-            // requests wait
+            // requests wait; then exactly as long as the guard's budget: the shallow one when
+            // fewer requests wait than there are free slots (σ does not move between ticks)
+            let first = first.unwrap();
             let free_ranks = st.workers().iter().filter(|w| w.free_slots() > 0).count();
             let needed = ((sc.cfg.wave_fraction * st.live_workers() as f64).ceil() as usize).max(1);
             let wave_ready = !prefilling && free_ranks >= needed && sc.pool.len() >= needed;
-            prop_assert_eq!(first == 0, wave_ready || sc.cfg.max_wait_steps == 0);
+            let budget = if sc.pool.len() < free as usize {
+                sc.cfg.shallow_wait_steps.min(sc.cfg.max_wait_steps)
+            } else {
+                sc.cfg.max_wait_steps
+            };
+            prop_assert_eq!(first, if wave_ready { 0 } else { budget as usize });
         }
     }
 

@@ -22,6 +22,14 @@
 //!    ranks have free slots, prefilling or not. Waves are first come, first served, so the
 //!    oldest waiting request is in every wave: what the policy adds to its wait is at most
 //!    `max_wait_steps` ticks with a free slot (0: every tick with a free slot admits).
+//!    While the pool is *shallow* (fewer requests wait than there are free slots) the guard
+//!    fires after `shallow_wait_steps` instead. In a deep pool the requests wait for slots
+//!    anyway and a long hold costs their time to first token little; in a shallow one each
+//!    tick held is a step added to every waiting request's TTFT, and a full wave seldom forms
+//!    (at 85% of capacity on adp-shape, G = 8, about one request arrives every eight steps).
+//!    On adp-shape one 16-tick budget for both cost TTFT p99 1.6× the best baseline's at 85%
+//!    load and kept 64% of the saturated gap; 64 deep and 2 shallow keep 77-81% of it at
+//!    G = 8-32 with TTFT p99 1.05-1.07× (tools/sim/RESULTS.md, "Prefill waves").
 //! 4. A wave takes the oldest requests, as many as the free slots of the ranks in it, and
 //!    spreads their prompt tokens as evenly as the slots allow, largest prompt first. When the
 //!    wave fills every free slot, each goes to the rank with the most tokens left to its share
@@ -46,16 +54,30 @@ use crate::pool::{Pool, PoolEntry};
 use crate::state::ClusterState;
 use crate::{CoreError, WorkerId};
 
-/// BR-C's parameters (`brc:max_wait_steps=8:wave_fraction=1` on br-sim's command line).
+/// BR-C's parameters (`brc:max_wait_steps=64:shallow_wait_steps=2:wave_fraction=1` on br-sim's
+/// command line).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BrcConfig {
     /// Ticks with a free slot the policy may hold the oldest waiting request before it releases
-    /// a wave regardless (the starvation guard). 0 admits at every tick with a free slot.
-    /// 16 by default: on adp-shape with colocated prefill (tools/sim/RESULTS.md, "Prefill
-    /// waves") it keeps most of the saturated gain of longer holds (64) while its TTFT p50 at
-    /// 85% load stays under 2 s; 2–4 trade part of the gain for TTFT.
+    /// a wave regardless (the starvation guard), while the pool is deep. 0 admits at every tick
+    /// with a free slot. 64 by default: on adp-shape with colocated prefill
+    /// (tools/sim/RESULTS.md, "Prefill waves") the saturated gain grows up to 64 and no further
+    /// (16: 64-68% of the gap to the aligned limit; 64: 77-81%; 128: the same as 64).
     pub max_wait_steps: u32,
+    /// The guard's budget while the pool is shallow (fewer requests wait than there are free
+    /// slots), at most the deep budget. 2 by default: at 60% and 85% load on adp-shape (G = 8-32)
+    /// it keeps TTFT p99 within 1.07× the best baseline's with TPOT p95 8-30% (60%) and 28-38%
+    /// (85%) lower (rule 3).
+    pub shallow_wait_steps: u32,
+    /// Once requests have finished, the deep pool's budget is at most this fraction of their
+    /// mean output length (in steps, rounded up): a hold leaves freed slots empty, and what
+    /// that costs is the hold over a slot's life. 0.05 by default: on adp-shape (3,653-token
+    /// outputs) that is 183 steps, so `max_wait_steps` bounds it; on 300-token outputs at
+    /// B = 16 (br-sim's `prefill_waves_align_the_ranks_prefill_and_pay_for_it`) a 64-step hold
+    /// cost 1.3% of throughput against round-robin, 0.05 (15 steps) gains 0.5% and halves the
+    /// prefill time beyond the aligned step.
+    pub hold_fraction: f64,
     /// Fraction of live ranks that must have a free slot (and of requests that must wait) for a
     /// wave, in `(0, 1]`. 1 by default: a wave on part of the ranks stalls the rest as long.
     pub wave_fraction: f64,
@@ -64,7 +86,9 @@ pub struct BrcConfig {
 impl Default for BrcConfig {
     fn default() -> Self {
         Self {
-            max_wait_steps: 16,
+            max_wait_steps: 64,
+            shallow_wait_steps: 2,
+            hold_fraction: 0.05,
             wave_fraction: 1.0,
         }
     }
@@ -72,6 +96,12 @@ impl Default for BrcConfig {
 
 impl BrcConfig {
     pub fn validate(&self) -> Result<(), CoreError> {
+        if !(self.hold_fraction > 0.0 && self.hold_fraction <= 1.0) {
+            return Err(CoreError::InvalidConfig(format!(
+                "hold_fraction must be in (0, 1], got {}",
+                self.hold_fraction
+            )));
+        }
         if !(self.wave_fraction > 0.0 && self.wave_fraction <= 1.0) {
             return Err(CoreError::InvalidConfig(format!(
                 "wave_fraction must be in (0, 1], got {}",
@@ -88,11 +118,48 @@ pub(crate) struct Waves {
     cfg: BrcConfig,
     /// Ticks since the last admission at which a slot was free and requests waited.
     held: u32,
+    /// Mean output length of the finished requests (exponentially weighted); `None` before
+    /// the first.
+    mean_output: Option<f64>,
 }
+
+/// Weight of each finished request in [`Waves::mean_output`]: about the last 500 count.
+const OUTPUT_MEAN_WEIGHT: f64 = 1.0 / 512.0;
 
 impl Waves {
     pub(crate) fn new(cfg: BrcConfig) -> Self {
-        Self { cfg, held: 0 }
+        Self {
+            cfg,
+            held: 0,
+            mean_output: None,
+        }
+    }
+
+    /// A request finished after `output_tokens` tokens.
+    pub(crate) fn observe_finished(&mut self, output_tokens: u32) {
+        let x = f64::from(output_tokens);
+        self.mean_output = Some(match self.mean_output {
+            None => x,
+            Some(m) => m + OUTPUT_MEAN_WEIGHT * (x - m),
+        });
+    }
+
+    /// The starvation guard's budget: `max_wait_steps` in a deep pool, shortened to
+    /// `hold_fraction` of the mean output once one is known; `shallow_wait_steps` (at most
+    /// that) in a shallow one.
+    fn budget(&self, shallow: bool) -> u32 {
+        let deep = match self.mean_output {
+            Some(m) => {
+                let by_output = (self.cfg.hold_fraction * m).ceil();
+                self.cfg.max_wait_steps.min(by_output as u32)
+            }
+            None => self.cfg.max_wait_steps,
+        };
+        if shallow {
+            self.cfg.shallow_wait_steps.min(deep)
+        } else {
+            deep
+        }
     }
 
     pub(crate) fn dispatch(
@@ -118,7 +185,12 @@ impl Waves {
             .live_worker_ids()
             .any(|w| workers[w as usize].queued > 0);
         let needed = ((self.cfg.wave_fraction * f64::from(live)).ceil() as usize).max(1);
-        let guard = self.held >= self.cfg.max_wait_steps;
+        let slots: usize = free
+            .iter()
+            .map(|&w| workers[w as usize].free_slots() as usize)
+            .sum();
+        let budget = self.budget(pool.len() < slots);
+        let guard = self.held >= budget;
         let ready = !prefilling && free.len() >= needed && pool.len() >= needed;
         if !guard && !ready {
             self.held += 1;
@@ -126,10 +198,6 @@ impl Waves {
         }
         self.held = 0;
         let stage = if !ready { Stage::Guard } else { Stage::Greedy };
-        let slots: usize = free
-            .iter()
-            .map(|&w| workers[w as usize].free_slots() as usize)
-            .sum();
         let mut wave: Vec<PoolEntry> = pool.oldest(slots).cloned().collect();
         // largest first; the older first among equal sizes (the pool gives them oldest first
         // and the sort is stable)
@@ -170,5 +238,47 @@ impl Waves {
                 stage,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deep_budget_follows_the_mean_output_once_one_is_known() {
+        let mut w = Waves::new(BrcConfig::default());
+        // nothing finished yet: the configured bounds
+        assert_eq!(w.budget(false), 64);
+        assert_eq!(w.budget(true), 2);
+        // 300-token outputs: 5% is 15 steps
+        w.observe_finished(300);
+        assert_eq!(w.budget(false), 15);
+        assert_eq!(w.budget(true), 2);
+        // 10-token outputs pull the mean down slowly (about the last 500 count), and the
+        // shallow budget is never above the deep one
+        for _ in 0..5_000 {
+            w.observe_finished(10);
+        }
+        assert_eq!(w.budget(false), 1);
+        assert_eq!(w.budget(true), 1);
+        // long outputs: max_wait_steps bounds the budget
+        for _ in 0..5_000 {
+            w.observe_finished(100_000);
+        }
+        assert_eq!(w.budget(false), 64);
+    }
+
+    #[test]
+    fn fractions_outside_their_range_are_refused() {
+        for (hold, wave) in [(0.0, 1.0), (1.5, 1.0), (f64::NAN, 1.0), (0.05, 0.0)] {
+            let cfg = BrcConfig {
+                hold_fraction: hold,
+                wave_fraction: wave,
+                ..BrcConfig::default()
+            };
+            assert!(cfg.validate().is_err(), "{hold} {wave}");
+        }
+        assert!(BrcConfig::default().validate().is_ok());
     }
 }
