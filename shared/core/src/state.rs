@@ -65,6 +65,10 @@ pub struct WorkerInfo {
     pub queued: u32,
     pub running_load: u64,
     pub queued_load: u64,
+    /// Requests on this worker that have not written a token yet: queued ones, and running ones
+    /// still in their prefill (a shim reports a request as soon as its engine takes it, before
+    /// the prompt has run). What BR-C reads as "this rank is prefilling".
+    pub prefilling: u32,
     /// False when the worker is absent or fenced: it takes no new requests and holds none.
     pub alive: bool,
     /// False while a live worker must get no new requests but keeps its load (its telemetry
@@ -109,6 +113,11 @@ pub struct ClusterState {
     members: Vec<Vec<u32>>,
     tree: LoadTree,
     live_workers: u32,
+    /// Tokens written by this state's requests since it was made (progress that raised a
+    /// request's count, and [`ClusterState::advance_step`]): in lockstep every running request
+    /// writes one token per step, so a policy that counts decode steps (BR-C's hold) reads
+    /// them here, the same way from the simulator's steps and from live progress reports.
+    tokens_written: u64,
 }
 
 impl Clone for ClusterState {
@@ -121,6 +130,7 @@ impl Clone for ClusterState {
             members: self.members.clone(),
             tree: self.tree.clone(),
             live_workers: self.live_workers,
+            tokens_written: self.tokens_written,
         }
     }
 
@@ -139,6 +149,7 @@ impl Clone for ClusterState {
             members,
             tree,
             live_workers,
+            tokens_written,
         } = source;
         self.workers.clone_from(workers);
         self.slots.clone_from(slots);
@@ -148,6 +159,7 @@ impl Clone for ClusterState {
         self.members.clone_from(members);
         self.tree.clone_from(tree);
         self.live_workers = *live_workers;
+        self.tokens_written = *tokens_written;
     }
 }
 
@@ -167,6 +179,7 @@ impl ClusterState {
             members: Vec::new(),
             tree: LoadTree::new(),
             live_workers: 0,
+            tokens_written: 0,
         }
     }
 
@@ -256,6 +269,9 @@ impl ClusterState {
             return Err(CoreError::DuplicateRequest(info.key));
         }
         let w = &mut self.workers[idx];
+        if info.generated == 0 {
+            w.prefilling += 1;
+        }
         match info.phase {
             Phase::Queued => {
                 w.queued += 1;
@@ -351,11 +367,16 @@ impl ClusterState {
             return Ok(false);
         }
         let old_kv = slot.info.kv_tokens();
+        let old_generated = slot.info.generated;
+        self.tokens_written += u64::from(generated.saturating_sub(old_generated));
         slot.info.generated = slot.info.generated.max(generated);
         slot.info.phase = Phase::Running;
         let new_kv = slot.info.kv_tokens();
         let idx = slot.info.worker as usize;
         let w = &mut self.workers[idx];
+        if old_generated == 0 && generated > 0 {
+            w.prefilling -= 1;
+        }
         if was_queued {
             w.queued -= 1;
             w.queued_load -= old_kv;
@@ -381,10 +402,14 @@ impl ClusterState {
                 if let Some(slot) = self.slots[s as usize].as_mut()
                     && slot.info.phase == Phase::Running
                 {
+                    if slot.info.generated == 0 {
+                        w.prefilling -= 1;
+                    }
                     slot.info.generated += 1;
                 }
             }
             w.running_load += u64::from(w.running);
+            self.tokens_written += u64::from(w.running);
             self.tree.set(idx, Some(w.load()));
         }
     }
@@ -410,6 +435,9 @@ impl ClusterState {
         }
         let kv = slot.info.kv_tokens();
         let w = &mut self.workers[idx];
+        if slot.info.generated == 0 {
+            w.prefilling -= 1;
+        }
         match slot.info.phase {
             Phase::Queued => {
                 w.queued -= 1;
@@ -464,6 +492,20 @@ impl ClusterState {
     /// Number of live workers (`G`).
     pub fn live_workers(&self) -> u32 {
         self.live_workers
+    }
+
+    /// Tokens written since this state was made: a clock of decode steps (see the field).
+    pub fn tokens_written(&self) -> u64 {
+        self.tokens_written
+    }
+
+    /// Requests running (writing tokens) on the live workers.
+    pub fn running_requests(&self) -> u64 {
+        self.workers
+            .iter()
+            .filter(|w| w.alive)
+            .map(|w| u64::from(w.running))
+            .sum()
     }
 
     /// `M(k)` over live workers, of `load()` (running + queued). 0 for an empty group.
