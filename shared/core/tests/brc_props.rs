@@ -30,7 +30,9 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         (
             Just(vec![b; g]),
             prop::collection::vec(
-                (0..g, 1u32..20_000, 0u32..2_000, prop::bool::weighted(0.8)),
+                // running requests have written a token: they are past their prefill, so a
+                // step between ticks changes no rank's prefilling
+                (0..g, 1u32..20_000, 1u32..2_000, prop::bool::weighted(0.8)),
                 0..(g * b as usize),
             ),
             prop::collection::vec(1u32..20_000, 0..60),
@@ -110,15 +112,16 @@ fn policy(cfg: BrcConfig) -> Box<dyn br_core::Policy> {
     .unwrap()
 }
 
-/// Runs `ticks` ticks against the same σ (nothing finishes, nothing admitted is started):
-/// every tick's admissions.
+/// Runs `ticks` ticks, one decode step of σ after each (as the simulator does; nothing
+/// finishes, nothing admitted is started): every tick's admissions.
 fn ticks(sc: &Scenario, ticks: usize) -> Vec<Vec<Admission>> {
-    let (st, mut pool) = build(sc);
+    let (mut st, mut pool) = build(sc);
     let mut p = policy(sc.cfg);
     (0..ticks)
         .map(|_| {
             let mut out = Vec::new();
             p.dispatch(&mut pool, &st, &mut out);
+            st.advance_step();
             out
         })
         .collect()
@@ -129,17 +132,18 @@ proptest! {
 
     #[test]
     fn a_tick_respects_slots_and_arrival_order(sc in scenario()) {
-        let (st, pool0) = build(&sc);
+        let (mut st, pool0) = build(&sc);
         let mut pool = pool0.clone();
         let mut p = policy(sc.cfg);
-        // a few ticks until the first admission (σ unchanged: the wave's conditions hold or
-        // the guard fires within max_wait_steps + 1 ticks)
+        // a few ticks, a step after each, until the first admission (the wave's conditions
+        // hold or the guard fires within max_wait_steps + 1 ticks)
         let mut out = Vec::new();
         for _ in 0..=sc.cfg.max_wait_steps {
             p.dispatch(&mut pool, &st, &mut out);
             if !out.is_empty() {
                 break;
             }
+            st.advance_step();
         }
         let keys: HashSet<u64> = out.iter().map(|a| a.key).collect();
         prop_assert_eq!(keys.len(), out.len(), "a request admitted twice");
@@ -169,7 +173,7 @@ proptest! {
     #[test]
     fn holds_while_a_rank_prefills_until_the_guard(sc in scenario()) {
         let (st, _) = build(&sc);
-        let prefilling = st.workers().iter().any(|w| w.alive && w.queued > 0);
+        let prefilling = st.workers().iter().any(|w| w.alive && w.prefilling > 0);
         let free = st.total_free_slots();
         let runs = ticks(&sc, sc.cfg.max_wait_steps as usize + 2);
         let first = runs.iter().position(|o| !o.is_empty());

@@ -8,8 +8,8 @@
 //! it (the rank runs its queue at its next step); *when* the router hands it over does. So BR-C
 //! holds requests in the central pool and releases them in waves:
 //!
-//! 1. A rank counts as *prefilling* while σ shows requests queued on it (admitted, no first
-//!    token yet): a wave released then would run beside the previous wave's tail, or a rank
+//! 1. A rank counts as *prefilling* while σ shows requests on it without a first token
+//!    (admitted and not reported yet, or reported by the rank's shim but still in prefill): a wave released then would run beside the previous wave's tail, or a rank
 //!    with a long prompt, in steps of their own.
 //! 2. A wave is released when no live rank is prefilling, at least `N = ceil(wave_fraction·G)`
 //!    live ranks have a free slot and at least N requests wait: more ranks in one wave share
@@ -121,6 +121,8 @@ pub(crate) struct Waves {
     /// Mean output length of the finished requests (exponentially weighted); `None` before
     /// the first.
     mean_output: Option<f64>,
+    /// σ's token clock when `held` last counted a tick.
+    counted_at: Option<u64>,
 }
 
 /// Weight of each finished request in [`Waves::mean_output`]: about the last 500 count.
@@ -132,6 +134,7 @@ impl Waves {
             cfg,
             held: 0,
             mean_output: None,
+            counted_at: None,
         }
     }
 
@@ -142,6 +145,28 @@ impl Waves {
             None => x,
             Some(m) => m + OUTPUT_MEAN_WEIGHT * (x - m),
         });
+    }
+
+    /// Whether a hold at this tick counts: a decode step went by since the last one counted.
+    /// The budgets are in steps; the simulator ticks once per step, a service on every arrival
+    /// and σ change, several times a step. σ's token clock tells: in lockstep each running
+    /// request writes one token per step, so once the clock has moved by the requests running
+    /// now, at least a step went by (partial reports add up until it has). With nothing running
+    /// there is no clock and every tick counts: a group that only prefills, or is idle, holds
+    /// nothing for long.
+    fn stepped(&mut self, state: &ClusterState) -> bool {
+        let now = state.tokens_written();
+        let running = state.running_requests();
+        let stepped = match self.counted_at {
+            None => true,
+            // a new σ (the snapshot service restarted) starts its clock again
+            Some(at) if now < at => true,
+            Some(at) => running == 0 || now - at >= running,
+        };
+        if stepped {
+            self.counted_at = Some(now);
+        }
+        stepped
     }
 
     /// The starvation guard's budget: `max_wait_steps` in a deep pool, shortened to
@@ -183,7 +208,7 @@ impl Waves {
         let live = state.live_workers();
         let prefilling = state
             .live_worker_ids()
-            .any(|w| workers[w as usize].queued > 0);
+            .any(|w| workers[w as usize].prefilling > 0);
         let needed = ((self.cfg.wave_fraction * f64::from(live)).ceil() as usize).max(1);
         let slots: usize = free
             .iter()
@@ -193,10 +218,13 @@ impl Waves {
         let guard = self.held >= budget;
         let ready = !prefilling && free.len() >= needed && pool.len() >= needed;
         if !guard && !ready {
-            self.held += 1;
+            if self.stepped(state) {
+                self.held += 1;
+            }
             return;
         }
         self.held = 0;
+        self.counted_at = Some(state.tokens_written());
         let stage = if !ready { Stage::Guard } else { Stage::Greedy };
         let mut wave: Vec<PoolEntry> = pool.oldest(slots).cloned().collect();
         // largest first; the older first among equal sizes (the pool gives them oldest first
@@ -267,6 +295,93 @@ mod tests {
             w.observe_finished(100_000);
         }
         assert_eq!(w.budget(false), 64);
+    }
+
+    /// Two ranks of 4 slots, one running request on each (1,000-token prompts, 10 tokens
+    /// written); rank 0 is full with queued requests, so a wave is never ready and every
+    /// tick is a hold.
+    fn held_group() -> (ClusterState, Pool) {
+        use crate::state::{Phase, RequestInfo};
+        let mut st = ClusterState::with_workers(&[4, 4]);
+        let info = |key, worker, phase, generated| RequestInfo {
+            key,
+            worker,
+            prompt_tokens: 1_000,
+            generated,
+            phase,
+            prompt_hash: None,
+            oracle_output: None,
+            expected_output: None,
+            class: None,
+        };
+        st.reserve(info(1, 0, Phase::Running, 10)).unwrap();
+        st.reserve(info(2, 1, Phase::Running, 10)).unwrap();
+        for key in 3..6 {
+            st.reserve(info(key, 0, Phase::Queued, 0)).unwrap();
+        }
+        let mut pool = Pool::new();
+        for key in 100..110 {
+            pool.push(PoolEntry {
+                key,
+                prompt_tokens: 500,
+                prompt_hash: None,
+                oracle_output: None,
+                expected_output: None,
+                class: None,
+            })
+            .unwrap();
+        }
+        (st, pool)
+    }
+
+    #[test]
+    fn a_hold_counts_decode_steps_not_ticks() {
+        let (mut st, mut pool) = held_group();
+        let mut w = Waves::new(BrcConfig {
+            max_wait_steps: 3,
+            ..BrcConfig::default()
+        });
+        let mut out = Vec::new();
+        // the first hold counts; ticks on the same σ (a service ticks on every arrival) do not
+        for _ in 0..10 {
+            w.dispatch(&mut pool, &st, &mut out);
+        }
+        assert_eq!((w.held, out.len()), (1, 0));
+        // one rank's report of a step is half a step of this group: not yet
+        st.set_generated(1, 11).unwrap();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!(w.held, 1);
+        // the other rank's report completes it
+        st.set_generated(2, 11).unwrap();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!(w.held, 2);
+        // a simulator step counts at once
+        st.advance_step();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!((w.held, out.len()), (3, 0));
+        // three steps held: the guard releases the oldest requests to the free slots
+        st.advance_step();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!((w.held, out.len()), (0, 3));
+        assert!(out.iter().all(|a| a.stage == Stage::Guard));
+    }
+
+    #[test]
+    fn with_nothing_running_every_hold_counts() {
+        let (mut st, mut pool) = held_group();
+        st.remove(1).unwrap();
+        st.remove(2).unwrap();
+        let mut w = Waves::new(BrcConfig {
+            max_wait_steps: 3,
+            ..BrcConfig::default()
+        });
+        let mut out = Vec::new();
+        for _ in 0..3 {
+            w.dispatch(&mut pool, &st, &mut out);
+        }
+        assert!(out.is_empty());
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!(out.len(), 5, "rank 0 has one free slot, rank 1 four");
     }
 
     #[test]
