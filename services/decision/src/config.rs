@@ -66,8 +66,8 @@ pub struct Args {
 
     /// Routing policy: random, rr, p2c, jsq, vllm-dp, mintok, br0-bypass (answer at once);
     /// br0, brh, brh-survival, brh-oracle, brh-hinted (pooled, batch admission per tick;
-    /// brh-hinted reads Assign's expected_output_tokens). brc (prefill waves) is refused: it
-    /// runs in br-sim --colocated only so far.
+    /// brh-hinted reads Assign's expected_output_tokens); brc (pooled, prefill waves: for ranks
+    /// that prefill their own prompts, colocated attention DP; see --brc-max-wait-steps).
     #[arg(long, env = "BALANCEROUTE_POLICY", default_value = DEFAULT_POLICY)]
     pub policy: PolicyKind,
 
@@ -188,6 +188,18 @@ pub struct Args {
     /// hints change nothing.
     #[arg(long, env = "BALANCEROUTE_STAGGER_WEIGHT", value_parser = non_negative_f64)]
     pub stagger_weight: Option<f64>,
+
+    /// BR-C (--policy brc): decode steps it may hold the oldest waiting request for a wave
+    /// while at least as many requests wait as there are free slots (64; steps are counted
+    /// from the ranks' token reports, not from ticks; also at most 5% of the finished
+    /// requests' mean output length). 0 releases at every step with a free slot.
+    #[arg(long, env = "BALANCEROUTE_BRC_MAX_WAIT_STEPS")]
+    pub brc_max_wait_steps: Option<u32>,
+
+    /// BR-C: the same while fewer requests wait than there are free slots (2, at most
+    /// --brc-max-wait-steps): each step held there adds to every waiting request's TTFT.
+    #[arg(long, env = "BALANCEROUTE_BRC_SHALLOW_WAIT_STEPS")]
+    pub brc_shallow_wait_steps: Option<u32>,
 
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
@@ -393,15 +405,6 @@ impl Args {
         if groups.is_empty() {
             return Err("--groups must name at least one group".into());
         }
-        if self.policy == PolicyKind::Brc {
-            // Its hold counts engine steps and reads a rank's pending prefill from σ's queued
-            // requests; a decision tick is not a step, and that reading is not measured live.
-            return Err(
-                "--policy brc (prefill waves) runs in br-sim --colocated only so far: it counts \
-                 engine steps, which the service's ticks are not"
-                    .into(),
-            );
-        }
         let d = DispatcherConfig::default();
         let h = HorizonParams::default();
         let policy = PolicyConfig {
@@ -435,8 +438,14 @@ impl Args {
                     ..h.predictor
                 },
             },
-            // brc is refused above
-            brc: br_core::BrcConfig::default(),
+            brc: {
+                let b = br_core::BrcConfig::default();
+                br_core::BrcConfig {
+                    max_wait_steps: self.brc_max_wait_steps.unwrap_or(b.max_wait_steps),
+                    shallow_wait_steps: self.brc_shallow_wait_steps.unwrap_or(b.shallow_wait_steps),
+                    ..b
+                }
+            },
             seed: self.seed,
         };
         policy.validate().map_err(|e| e.to_string())?;
@@ -883,13 +892,34 @@ mod tests {
     #[test]
     fn every_policy_name_parses() {
         for name in PolicyKind::names() {
-            if *name == "brc" {
-                let e = parse(&["--policy", name]).unwrap_err().to_string();
-                assert!(e.contains("br-sim --colocated"), "{e}");
-                continue;
-            }
             let a = parse(&["--policy", name]).unwrap();
             assert!(a.to_config().is_ok(), "{name}");
         }
+    }
+
+    #[test]
+    fn brc_takes_its_hold_budgets_and_keeps_the_rest_of_its_defaults() {
+        let c = parse(&["--policy", "brc"]).unwrap().to_config().unwrap();
+        assert_eq!(c.policy.brc, br_core::BrcConfig::default());
+        let c = parse(&[
+            "--policy",
+            "brc",
+            "--brc-max-wait-steps",
+            "16",
+            "--brc-shallow-wait-steps",
+            "0",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(
+            (c.policy.brc.max_wait_steps, c.policy.brc.shallow_wait_steps),
+            (16, 0)
+        );
+        assert_eq!(
+            c.policy.brc.hold_fraction,
+            br_core::BrcConfig::default().hold_fraction
+        );
+        assert!(parse(&["--brc-max-wait-steps", "-1"]).is_err());
     }
 }
