@@ -4,7 +4,8 @@
 For one workload, G and arrival, runs `br-sim run` once per seed with the baselines, br0 and
 the BR-H variants, and prints for every BR policy the mean over seeds and the mean paired
 difference against br0 of the same seed, with its standard error:
-  s.gap%   share of the best baseline's gap to the fluid limit removed (steady state)
+  s.gap%   share of the best baseline's gap to the fluid limit removed (steady state; from the
+           steady and s.fluid columns, not br-sim's whole-percent column)
   steady   steady-state throughput, % against br0
   tok/s    whole-run throughput, % against br0
   tpot95   TPOT p95, ms against br0
@@ -20,7 +21,8 @@ baseline's steady throughput over the mean output (RESULTS.md's definition of ca
 `--renewal` also prints, per policy, its steady max − mean load over the renewal model's
 E[out]·(H_G − 1) (RESULTS.md, "A model of what is left"; scripts/renewal.py): the excess comes
 from the steady throughput (T − T_fluid = a·(max L − mean L), T = G·B / steady), 1.0 is the
-model's residual, below 1 a policy that beats it.
+model's residual, below 1 a policy that beats it; and the share of the best baseline's gap a
+policy with exactly the model's excess would remove (the renewal bound in s.gap% terms).
 
 Usage: brh.py BR_SIM SEEDS [--capacity PCT] [--renewal] -- <br-sim run arguments without --seed>
 """
@@ -65,7 +67,23 @@ def run(sim, args):
             shape = {"G": int(m.group(1)), "B": int(m.group(2)), "a": float(m.group(3))}
     if not table:
         raise SystemExit(f"no table in br-sim output for {args}:\n{p.stdout}\n{p.stderr}")
+    steady_gap_shares(table)
     return table, idle, workload, out_mean, shape
+
+
+def steady_gap_shares(table):
+    """Sets each row's s.gap% from its steady and s.fluid columns (br-sim's definition: the share
+    of the gap of the baseline with the highest steady throughput, by efficiency steady / steady
+    fluid), unrounded: the table prints whole percent, too coarse where shares differ by a point."""
+    bases = [r for n, r in table.items() if is_baseline(n)]
+    if not bases:
+        return
+    best = max(bases, key=lambda r: float(r["steady"]))
+    eb = float(best["steady"]) / float(best["s.fluid"])
+    for r in table.values():
+        if 1.0 - eb > 1e-9 and float(r["s.fluid"]) > 0:
+            er = float(r["steady"]) / float(r["s.fluid"])
+            r["s.gap%"] = str(100.0 * (er - eb) / (1.0 - eb))
 
 
 def flow(per_seed, n):
@@ -150,6 +168,20 @@ def renewal(per_seed):
         r, r_se = mean_se(ratios)
         e, _ = mean_se(excesses)
         print(f"{n:<28} max − mean {e:9.0f}   / model {r:5.2f} ± {r_se:4.2f}")
+    # the share of the best baseline's gap a policy whose excess is the model's would remove
+    # (renewal.py's "model share"), per seed against that seed's best baseline
+    shares = []
+    for table, _, _, out_mean, shape in per_seed:
+        g, b, a = shape["G"], shape["B"], shape["a"]
+        base = min(
+            (g * b / float(r["steady"]) - g * b / float(r["s.fluid"])) * 1e3 / a
+            for n, r in table.items()
+            if is_baseline(n)
+        )
+        model = out_mean * (sum(1.0 / k for k in range(1, g + 1)) - 1)
+        shares.append(100 * (1 - model / base))
+    s, s_se = mean_se(shares)
+    print(f"{'renewal model':<28} share of the best baseline's gap {s:5.1f} ± {s_se:4.1f}")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,14 @@ comparison is against the strongest baseline on every figure, and the choice is 
 all seeds (not a per-seed max over noise). A delta worse than zero by more than two standard
 errors is marked `!` (worse beyond the seed spread), one better by more than two `+`.
 
-Metrics: TPOT p50 and p95, TTFT p50 and p99 (ms), throughput (tok/s), imbalance and barrier idle (KV tokens).
+Metrics: TPOT p50 and p95, TTFT p50, p95 and p99 (ms), throughput (tok/s), imbalance and
+barrier idle (KV tokens).
 
-Usage: paired.py BR_SIM SEEDS [--json FILE] -- <br-sim run arguments without --seed/--json>
+`--against POLICY` (e.g. br0) prints a second table: every other BR policy minus POLICY of the
+same seed, on the same metrics (what a variant changes against the policy it varies).
+
+Usage: paired.py BR_SIM SEEDS [--json FILE] [--against POLICY] -- <br-sim run arguments without
+--seed/--json>
 """
 import json
 import os
@@ -25,6 +30,7 @@ METRICS = [
     ("tpot_p50_ms", "tpot50 ms", False),
     ("tpot_p95_ms", "tpot95 ms", False),
     ("ttft_p50_ms", "ttft50 ms", False),
+    ("ttft_p95_ms", "ttft95 ms", False),
     ("ttft_p99_ms", "ttft99 ms", False),
     ("throughput_tok_s", "tok/s", True),
     ("avg_imbalance", "imbalance", False),
@@ -49,6 +55,7 @@ def main():
     seeds = [int(s) for s in seeds_arg.split(",")]
     opts = sys.argv[3 : sys.argv.index("--")]
     json_out = opts[opts.index("--json") + 1] if "--json" in opts else None
+    against = opts[opts.index("--against") + 1] if "--against" in opts else None
     args = sys.argv[sys.argv.index("--") + 1 :]
     per_seed = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,10 +96,28 @@ def main():
                 b = best[key]
                 d, se = mean_se([s[n][key] - s[b][key] for s in per_seed])
                 mark = verdict(d, se, higher)
-                cells.append(f"{m:>12.1f} ({d:+8.1f}±{se:6.1f}){mark}")
+                cells.append(f"{m:>12.1f} ({d:+8.2f}±{se:6.2f}){mark}")
                 row[key] = {"mean": m, "delta": d, "se": se, "verdict": mark.strip()}
         summary["policies"][n] = row
         print(f"{n:<40}" + "".join(cells))
+    if against:
+        if against not in names:
+            raise SystemExit(f"--against {against}: not among the policies {names}")
+        print(f"BR rows against {against} of the same seed: mean paired delta ± standard error "
+              "(! worse, + better by > 2 SE)")
+        print(f"{'policy':<40}" + "".join(f"{label:>30}" for _, label, _ in METRICS))
+        summary["against"] = {"policy": against, "policies": {}}
+        for n in names:
+            if is_baseline(n) or n == against:
+                continue
+            cells, row = [], {}
+            for key, _, higher in METRICS:
+                d, se = mean_se([s[n][key] - s[against][key] for s in per_seed])
+                mark = verdict(d, se, higher)
+                cells.append(f"{d:>+21.2f}±{se:6.2f}{mark:>2}")
+                row[key] = {"delta": d, "se": se, "verdict": mark.strip()}
+            summary["against"]["policies"][n] = row
+            print(f"{n:<40}" + "".join(cells))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(summary, f, indent=1)
