@@ -12,7 +12,14 @@
 # hints (brh-hinted with clients' expected output lengths of several errors, paper-azure G = 32
 # saturated and mooncake G = 8 at 150%; not in the default set: its tables are RESULTS.md's "BR-H with clients' output-length hints"),
 # stagger (hints used at placement: Stage 2's finish-stagger term, against the hint's error,
-# G = 32, B = 64; not in the default set: RESULTS.md's "Hints at placement").
+# G = 32, B = 64; not in the default set: RESULTS.md's "Hints at placement"),
+# sigma (the same policies at paper-prop G = 32, B = 64, Poisson, hint errors 0..1 and shuffled:
+# the inputs of the figure results/fig-hints-paper-prop-B64-G32/gap_share.svg, drawn by
+# hints_fig.py), stagger256 (the stagger cells at B = 256, G = 8..128 as the wide-EP tables,
+# or the G values in BRH_G256; exact, sigma 0.1 and 0.3, shuffled), moderate (the stagger term at
+# 40 / 60 / 85% of capacity, G = 8, B = 256, exact and sigma-0.3 hints, paired by seed with
+# paired.py against the best baseline and br0; rates as moderate.sh's). None of these three
+# is in the default set.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
@@ -99,6 +106,60 @@ for section in $SECTIONS; do
     run "H-stagger-0-paper-prop-G64-poisson" --renewal -- --trace paper-prop \
         --arrival poisson --rate 49.28 --limit 32000 --workers 64 --slots 64 \
         --policies "$pols" --hint-error 0 ;;
+  sigma) # the figure: gap share against the hints' error at the section's headline cell
+    NF=brh-hinted:stage2_target=next-finish
+    pols="rr,jsq,mintok,br0,br0:stagger_weight=1,$NF,$NF:stagger_weight=1"
+    for h in "0:--hint-error 0" "0.1:--hint-error 0.1" "0.2:--hint-error 0.2" \
+             "0.3:--hint-error 0.3" "0.5:--hint-error 0.5" "1.0:--hint-error 1.0" \
+             "shuffled:--hint-mode shuffled --hint-error 0.05"; do
+      # shellcheck disable=SC2086 # the flags are words
+      run "H-stagger-${h%%:*}-paper-prop-G32-poisson" --renewal -- --trace paper-prop \
+          --arrival poisson --rate 24.64 --limit 16000 --workers 32 --slots 64 \
+          --policies "$pols" ${h#*:}
+    done
+    python3 "$ROOT/tools/sim/scripts/hints_fig.py" "$OUT" paper-prop-G32-poisson \
+        "$OUT/fig-hints-paper-prop-B64-G32/gap_share.svg" ;;
+  stagger256) # B = 256: Poisson at 1.2x the fluid capacity per rank (1.15 req/s paper-prop,
+    # 1.00 paper-azure: widep.sh gap's B = 256 rates) with its requests per rank (2,000 and
+    # 1,250), so the pool grows under every policy
+    NF=brh-hinted:stage2_target=next-finish
+    pols="rr,jsq,mintok,br0,br0:stagger_weight=1,$NF,$NF:stagger_weight=1"
+    for g in ${BRH_G256:-8 16 32 64 128}; do
+      for spec in "paper-prop 1.15 2000" "paper-azure 1.00 1250"; do
+        set -- $spec
+        rate=$(awk -v c="$2" -v g="$g" 'BEGIN { printf "%.2f", c * g }')
+        for h in "0:--hint-error 0" "0.1:--hint-error 0.1" "0.3:--hint-error 0.3" \
+                 "shuffled:--hint-mode shuffled --hint-error 0.05"; do
+          # shellcheck disable=SC2086 # the flags are words
+          run "H-stagger-${h%%:*}-$1-B256-G$g-poisson" --renewal -- --trace "$1" \
+              --arrival poisson --rate "$rate" --limit $(($3 * g)) --workers "$g" --slots 256 \
+              --policies "$pols" ${h#*:}
+        done
+      done
+    done ;;
+  moderate) # below capacity: does the stagger term cost TPOT where the barrier rarely binds?
+    # capacity in requests/s at G = 8, B = 256 as moderate.sh's WORKLOADS
+    NF=brh-hinted:stage2_target=next-finish
+    pols="random,rr,p2c,jsq,vllm-dp,mintok,br0,br0:stagger_weight=1,brh-hinted"
+    pols="$pols,brh-hinted:stagger_weight=1,$NF:stagger_weight=1"
+    for spec in "paper-azure 6.4" "paper-prop 7.1" "$MC 7.8" \
+                "$TRACES/sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv 26.7" \
+                "$TRACES/azure2023_conv.csv 101"; do
+      set -- $spec
+      [ -e "$1" ] || [ "${1#paper-}" != "$1" ] || continue
+      tag=$(basename "$1" | sed 's/_conversation_trace.jsonl//; s/_sharegpt.*//; s/_conv.csv//')
+      for pct in 40 60 85; do
+        rate=$(awk -v c="$2" -v p="$pct" 'BEGIN { printf "%.2f", c * p / 100 }')
+        for h in "0:--hint-error 0" "0.3:--hint-error 0.3"; do
+          name="H-moderate-${h%%:*}-$tag-$pct"
+          echo "== $name" >&2
+          # shellcheck disable=SC2086 # the flags are words
+          python3 "$ROOT/tools/sim/scripts/paired.py" "$SIM" "$SEEDS" --json "$OUT/$name.json" \
+              --against br0 -- --trace "$1" --arrival poisson --rate "$rate" --workers 8 \
+              --slots 256 --policies "$pols" ${h#*:} > "$OUT/$name.txt"
+        done
+      done
+    done ;;
   *) echo "unknown section $section" >&2; exit 2 ;;
   esac
 done
