@@ -109,8 +109,9 @@ for section in $SECTIONS; do
   sigma) # the figure: gap share against the hints' error at the section's headline cell
     NF=brh-hinted:stage2_target=next-finish
     pols="rr,jsq,mintok,br0,br0:stagger_weight=1,$NF,$NF:stagger_weight=1"
-    for h in "0:--hint-error 0" "0.1:--hint-error 0.1" "0.2:--hint-error 0.2" \
-             "0.3:--hint-error 0.3" "0.5:--hint-error 0.5" "1.0:--hint-error 1.0" \
+    for h in "0:--hint-error 0" "0.05:--hint-error 0.05" "0.1:--hint-error 0.1" \
+             "0.2:--hint-error 0.2" "0.3:--hint-error 0.3" "0.5:--hint-error 0.5" \
+             "1.0:--hint-error 1.0" \
              "shuffled:--hint-mode shuffled --hint-error 0.05"; do
       # shellcheck disable=SC2086 # the flags are words
       run "H-stagger-${h%%:*}-paper-prop-G32-poisson" --renewal -- --trace paper-prop \

@@ -18,7 +18,7 @@ import re
 import sys
 
 ROW = re.compile(r"^(br\S*)\s+([-\d.]+) \(\s*([-+\d.]+)±\s*([\d.]+)\)")
-MODEL = re.compile(r"^renewal model\s+share of the best baseline's gap\s+([-\d.]+) ± ([\d.]+)")
+MODEL = re.compile(r"^renewal model\s+share of the best baseline's gap\s+([-\d.]+) ±\s*([\d.]+)")
 LABELS = {
     "br0:stagger_weight=1": "BR-0 + stagger",
     "brh-hinted:stage2_target=next-finish": "BR-H hinted, next-finish fill",
@@ -61,8 +61,8 @@ def cells(out, cell):
 def svg(found, title):
     if not found:
         raise SystemExit("no H-stagger files for that cell")
-    w, h = 820, 520
-    left, right, top, bottom = 70, 250, 50, 70
+    w, h = 900, 520
+    left, right, top, bottom = 70, 300, 50, 70
     pw, ph = w - left - right, h - top - bottom
     n = len(found)
     xs = [left + pw * (i + 0.5) / n for i in range(n)]
@@ -90,7 +90,8 @@ def svg(found, title):
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
                    'stroke="#e5e5e5"/>')
         out.append(f'<text x="{left - 8}" y="{y(v) + 4:.1f}" text-anchor="end">{v}</text>')
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" '
+               'stroke="black"/>')
     for x, (tag, sigma, _, _) in zip(xs, found):
         label = "shuffled" if sigma is None else f"{sigma:g}"
         out.append(f'<text x="{x:.1f}" y="{top + ph + 20}" text-anchor="middle">{label}</text>')
@@ -133,6 +134,14 @@ def svg(found, title):
                "standard error of</text>")
     out.append(f'<text x="{left + pw + 15}" y="{note + 15}" font-size="11" fill="#555">the '
                "difference to BR-0, paired by seed</text>")
+    out.append(f'<text x="{left + pw + 15}" y="{note + 40}" font-size="11" fill="#555">the '
+               "stagger term runs at full weight while</text>")
+    out.append(f'<text x="{left + pw + 15}" y="{note + 55}" font-size="11" fill="#555">the '
+               "hints' RMS log error is ≤ 0.05, none ≥ 0.1</text>")
+    out.append(f'<text x="{left + pw + 15}" y="{note + 70}" font-size="11" fill="#555">'
+               "(shared/core/src/dispatch/trust.rs); σ is not</text>")
+    out.append(f'<text x="{left + pw + 15}" y="{note + 85}" font-size="11" fill="#555">'
+               "to scale on this axis</text>")
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
