@@ -2,9 +2,10 @@
 """RESULTS.md's "Hints at placement" tables from brh.sh's raw outputs (results/H-*).
 
   hints_tables.py b256 OUT       the stagger256 cells (H-stagger-<hints>-<workload>-B256-G<G>-
-                                 poisson.txt, brh.py --renewal outputs): per cell, br0's s.gap%
-                                 and each policy's paired difference to it, with the steady
-                                 max − mean over the renewal model, and the model's own share
+                                 poisson.txt, brh.py --renewal outputs): with exact hints, br0's
+                                 s.gap% and each policy's paired difference to it, with the
+                                 steady max − mean over the renewal model, and the model's own
+                                 share; with erring hints, the three differences per cell
   hints_tables.py moderate OUT   the moderate cells (H-moderate-<hints>-<workload>-<pct>.json,
                                  paired.py outputs): POLICY's TPOT and TTFT against the best
                                  baseline and against br0, paired by seed (--policy, default
@@ -27,6 +28,11 @@ RATIO = re.compile(r"^(\S+)\s+max − mean\s+(\d+)\s+/ model\s+([\d.]+) ± ([\d.
 MODEL = re.compile(r"^renewal model\s+share of the best baseline's gap\s+([-\d.]+) ±\s*([\d.]+)")
 
 
+def signed(x, digits):
+    """+1.2 / −1.2 (RESULTS.md's minus sign)."""
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
 def hints_label(tag):
     return {"0": "exact", "shuffled": "shuffled"}.get(tag, f"σ = {tag}")
 
@@ -47,32 +53,53 @@ def read_brh(path):
 
 
 def b256(out):
+    """Two tables: exact hints (each policy's difference to br0 with its / model), and the
+    erring hints (the three differences in one cell per hint)."""
     name = re.compile(r"H-stagger-([\d.]+|shuffled)-(paper-\w+)-B256-G(\d+)-poisson\.txt$")
-    cells = []
+    cells = {}
     for path in glob.glob(os.path.join(out, "H-stagger-*-B256-G*-poisson.txt")):
         m = name.search(path)
         if m:
-            cells.append((m.group(2), int(m.group(3)), HINTS_ORDER.get(m.group(1), 8),
-                          m.group(1), path))
-    cells.sort()
-    print("| workload | G | hints | br0 s.gap% (/ model) | br0 + stagger | NF | NF + stagger "
-          "| renewal model's share |")
-    print("|---|---|---|---|---|---|---|---|")
-    for wl, g, _, tag, path in cells:
-        gap, ratio, model = read_brh(path)
-        if "br0" not in gap:
+            cells.setdefault((m.group(2), int(m.group(3))), {})[m.group(1)] = read_brh(path)
+    keys = sorted(cells)
+
+    def diff(gap, ratio, p, with_ratio):
+        if p not in gap:
+            return ""
+        _, d, se = gap[p]
+        mark = "" if se != se or abs(d) <= 2 * se else (" ✓" if d > 0 else " ✗")
+        if not with_ratio:
+            return f"{signed(d, 1)}{mark}"
+        return f"{signed(d, 1)} ± {se:.1f}{mark} ({ratio.get(p, (float('nan'),))[0]:.2f})"
+
+    print("| workload | G | br0 s.gap% (/ model) | renewal model's share | br0 + stagger | NF "
+          "| NF + stagger |")
+    print("|---|---|---|---|---|---|---|")
+    for wl, g in keys:
+        if "0" not in cells[(wl, g)]:
             continue
-        row = [wl, str(g), hints_label(tag),
-               f"{gap['br0'][0]:.1f} ({ratio.get('br0', (float('nan'),))[0]:.2f})"]
-        for p in B256_POLICIES:
-            if p not in gap:
+        gap, ratio, model = cells[(wl, g)]["0"]
+        if "br0" not in gap or "br0" not in ratio:  # not written yet
+            continue
+        row = [wl, str(g), f"{gap['br0'][0]:.1f} ({ratio['br0'][0]:.2f})",
+               f"{model[0]:.1f}" if model else ""]
+        row += [diff(gap, ratio, p, True) for p in B256_POLICIES]
+        print("| " + " | ".join(row) + " |")
+    print()
+    errs = ["0.1", "0.3", "shuffled"]
+    print("| workload | G | " + " | ".join(hints_label(t) for t in errs) + " |")
+    print("|---|---|" + "---|" * len(errs))
+    for wl, g in keys:
+        row = [wl, str(g)]
+        for t in errs:
+            if t not in cells[(wl, g)]:
                 row.append("")
                 continue
-            _, d, se = gap[p]
-            mark = "" if abs(d) <= 2 * se or se != se else (" ✓" if d > 0 else " ✗")
-            r = ratio.get(p, (float("nan"),))[0]
-            row.append(f"{d:+.1f} ± {se:.1f}{mark} ({r:.2f})")
-        row.append(f"{model[0]:.1f}" if model else "")
+            gap, ratio, _ = cells[(wl, g)][t]
+            if "br0" not in gap:
+                row.append("")
+                continue
+            row.append(" / ".join(diff(gap, ratio, p, False) for p in B256_POLICIES))
         print("| " + " | ".join(row) + " |")
 
 
@@ -93,7 +120,7 @@ def moderate(out, policy):
     mark = {"!": " ✗", "+": " ✓", "": ""}
 
     def cell(x):
-        return f"{x['delta']:+.2f} ± {x['se']:.2f}{mark[x['verdict']]}"
+        return f"{signed(x['delta'], 2)} ± {x['se']:.2f}{mark[x['verdict']]}"
 
     for wl, pct, _, tag, path in cells:
         data = json.load(open(path))
