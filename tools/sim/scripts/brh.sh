@@ -15,11 +15,11 @@
 # G = 32, B = 64; not in the default set: RESULTS.md's "Hints at placement"),
 # sigma (the same policies at paper-prop G = 32, B = 64, Poisson, hint errors 0..1 and shuffled:
 # the inputs of the figure results/fig-hints-paper-prop-B64-G32/gap_share.svg, drawn by
-# hints_fig.py), stagger256 (the stagger cells at B = 256, G = 8..128 as the wide-EP tables,
-# or the G values in BRH_G256; exact, sigma 0.1 and 0.3, shuffled), moderate (the stagger term at
-# 40 / 60 / 85% of capacity, G = 8, B = 256, exact and sigma-0.3 hints, paired by seed with
-# paired.py against the best baseline and br0; rates as moderate.sh's). None of these three
-# is in the default set.
+# hints_fig.py), stagger256 (the stagger cells at B = 256, G = 8..128 as the wide-EP tables;
+# exact, sigma 0.1 and 0.3, shuffled; BRH_G256 / BRH_WL256 / BRH_HINTS256 run a subset),
+# moderate (the stagger term at 40 / 60 / 85% of capacity, G = 8, B = 256, exact and sigma-0.3
+# hints, paired by seed with paired.py against the best baseline and br0; rates as
+# moderate.sh's). None of these three is in the default set.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 OUT="${1:-$ROOT/tools/sim/results}"
@@ -125,12 +125,15 @@ for section in $SECTIONS; do
     # 1,250), so the pool grows under every policy
     NF=brh-hinted:stage2_target=next-finish
     pols="rr,jsq,mintok,br0,br0:stagger_weight=1,$NF,$NF:stagger_weight=1"
+    # BRH_G256, BRH_WL256 and BRH_HINTS256 (0 0.1 0.3 shuffled) choose a subset of the cells
     for g in ${BRH_G256:-8 16 32 64 128}; do
       for spec in "paper-prop 1.15 2000" "paper-azure 1.00 1250"; do
         set -- $spec
+        case " ${BRH_WL256:-$1} " in *" $1 "*) ;; *) continue ;; esac
         rate=$(awk -v c="$2" -v g="$g" 'BEGIN { printf "%.2f", c * g }')
         for h in "0:--hint-error 0" "0.1:--hint-error 0.1" "0.3:--hint-error 0.3" \
                  "shuffled:--hint-mode shuffled --hint-error 0.05"; do
+          case " ${BRH_HINTS256:-${h%%:*}} " in *" ${h%%:*} "*) ;; *) continue ;; esac
           # shellcheck disable=SC2086 # the flags are words
           run "H-stagger-${h%%:*}-$1-B256-G$g-poisson" --renewal -- --trace "$1" \
               --arrival poisson --rate "$rate" --limit $(($3 * g)) --workers "$g" --slots 256 \
