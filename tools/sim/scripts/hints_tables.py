@@ -6,6 +6,8 @@
                                  s.gap% and each policy's paired difference to it, with the
                                  steady max − mean over the renewal model, and the model's own
                                  share; with erring hints, the three differences per cell
+  hints_tables.py b64 OUT        the B = 64 cells (stagger and sigma sections), one row per file,
+                                 as the exact-hint table of b256
   hints_tables.py moderate OUT   the moderate cells (H-moderate-<hints>-<workload>-<pct>.json,
                                  paired.py outputs): POLICY's TPOT and TTFT against the best
                                  baseline and against br0, paired by seed (--policy, default
@@ -103,6 +105,38 @@ def b256(out):
         print("| " + " | ".join(row) + " |")
 
 
+def b64(out):
+    """The B = 64 cells (H-stagger-<hints>-<workload>-G<G>-<arrival>.txt): one row per file,
+    br0's s.gap% and each policy's paired difference to it with its / model."""
+    name = re.compile(r"H-stagger-([\d.]+|shuffled)-(paper-\w+)-G(\d+)-(poisson|saturated)\.txt$")
+    rows = []
+    for path in glob.glob(os.path.join(out, "H-stagger-*-G*-*.txt")):
+        m = name.search(path)
+        if m:
+            wl, g, arrival = m.group(2), int(m.group(3)), m.group(4)
+            order = (wl != "paper-prop", arrival != "poisson", g, HINTS_ORDER.get(m.group(1), 8))
+            rows.append((order, f"{wl} G = {g}, {'Poisson' if arrival == 'poisson' else arrival}",
+                         m.group(1), path))
+    rows.sort()
+    print("| cell | hints | br0 s.gap% (/ model) | renewal model's share | br0 + stagger | NF "
+          "| NF + stagger |")
+    print("|---|---|---|---|---|---|---|")
+    for _, cell, tag, path in rows:
+        gap, ratio, model = read_brh(path)
+        if "br0" not in gap or "br0" not in ratio:
+            continue
+        row = [cell, hints_label(tag), f"{gap['br0'][0]:.1f} ({ratio['br0'][0]:.2f})",
+               f"{model[0]:.1f}" if model else ""]
+        for p in B256_POLICIES:
+            if p not in gap:
+                row.append("")
+                continue
+            _, d, se = gap[p]
+            mark = "" if se != se or abs(d) <= 2 * se else (" ✓" if d > 0 else " ✗")
+            row.append(f"{signed(d, 1)} ± {se:.1f}{mark} ({ratio.get(p, (float('nan'),))[0]:.2f})")
+        print("| " + " | ".join(row) + " |")
+
+
 def moderate(out, policy):
     name = re.compile(r"H-moderate-([\d.]+|shuffled)-([\w-]+)-(\d+)\.json$")
     cells = []
@@ -141,6 +175,8 @@ def main():
     what, out = sys.argv[1], sys.argv[2]
     if what == "b256":
         b256(out)
+    elif what == "b64":
+        b64(out)
     elif what == "moderate":
         policy = sys.argv[sys.argv.index("--policy") + 1] if "--policy" in sys.argv \
             else "brh-hinted:stagger_weight=1"
