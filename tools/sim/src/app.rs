@@ -160,9 +160,11 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
             dropped.join(", ")
         )
     };
-    let hints = w
-        .hints
-        .map_or_else(String::new, |h| format!("; {}", h.describe()));
+    let hints = match (w.hints, w.trace_hints) {
+        (Some(h), _) => format!("; {}", h.describe()),
+        (None, 0) => String::new(),
+        (None, n) => format!("; hints: the trace's own, on {n} requests"),
+    };
     let control = if args.telemetry_lag_steps > 0 || args.deciders > 1 {
         format!(
             " control plane: {} decider(s){}, telemetry lag {} step(s)",

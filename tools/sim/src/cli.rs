@@ -172,7 +172,9 @@ pub struct RunArgs {
     pub decider_takeover_steps: u32,
     /// Give each request a client's expected output length, a hint (what `brh-hinted` reads):
     /// expected = actual · exp(N(0, SIGMA)), drawn from `--seed`; 0 is exact. Without this
-    /// flag and `--hint-mode` no request has a hint.
+    /// flag and `--hint-mode` no request has a hint but those a generic CSV gives
+    /// (`expected_output_tokens`, e.g. `br-emu load --arrivals-csv`), which these flags refuse
+    /// to replace.
     #[arg(long, value_name = "SIGMA")]
     pub hint_error: Option<f64>,
     /// How the hints are made: `lognormal` (the default with `--hint-error`), `shuffled` (the
@@ -287,6 +289,9 @@ pub struct Workload {
     pub arrival_why: &'static str,
     /// The clients' hints the requests carry (`--hint-error`, `--hint-mode`), if any.
     pub hints: Option<Hints>,
+    /// Requests whose hint came with the trace (a generic CSV's `expected_output_tokens`, e.g.
+    /// a live run's arrivals): replayed as the live decision saw them.
+    pub trace_hints: usize,
     /// Loader counters.
     pub stats: LoadStats,
 }
@@ -447,8 +452,21 @@ impl RunArgs {
         let requests = stamp_arrivals(requests, arrival, self.rate_scale, self.rate, self.seed)
             .map_err(|m| WorkloadError::Invalid(format!("{name}: {m}")))?;
         let mut requests = jitter_arrivals(requests, self.arrival_jitter_ms, self.seed);
+        let trace_hints = requests
+            .iter()
+            .filter(|r| r.expected_output.is_some())
+            .count();
         let hints = self.hints()?;
         if let Some(h) = &hints {
+            // Made hints would overwrite the ones the trace records, and a replay of a live
+            // run would no longer see what its decision saw: the two are not mixed.
+            if trace_hints > 0 {
+                return Err(WorkloadError::Invalid(format!(
+                    "{name}: {trace_hints} requests carry their own hint \
+                     (`{}`); --hint-error and --hint-mode would replace them",
+                    crate::trace::EXPECTED_OUTPUT_COLUMN
+                )));
+            }
             h.apply(&mut requests, self.seed);
         }
         Ok(Workload {
@@ -457,6 +475,7 @@ impl RunArgs {
             arrival,
             arrival_why,
             hints,
+            trace_hints,
             stats,
         })
     }
@@ -813,6 +832,49 @@ mod tests {
             assert!(e.to_string().contains("--hint-error"), "{e}");
         }
         assert!(parse(&["--trace", "x", "--hint-mode", "random"]).is_err());
+    }
+
+    #[test]
+    fn a_trace_s_own_hints_are_replayed_and_not_replaced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("arrivals.csv");
+        std::fs::write(
+            &path,
+            "arrival_ms,prompt_tokens,output_tokens,prompt_hash,expected_output_tokens\n\
+             0,10,200,,150\n0.5,10,300,,\n1,10,400,,410\n",
+        )
+        .expect("write");
+        let path = path.to_str().expect("utf-8");
+        let workload = |flags: &[&str]| {
+            let mut args = vec!["--trace", path, "--arrival", "trace"];
+            args.extend_from_slice(flags);
+            let Command::Run(r) = parse(&args).expect("parse") else {
+                panic!("run")
+            };
+            r.workload()
+        };
+        let w = workload(&[]).expect("workload");
+        assert_eq!(w.trace_hints, 2);
+        assert!(w.hints.is_none());
+        let got: Vec<(u32, Option<u32>)> = w
+            .requests
+            .iter()
+            .map(|q| (q.output_tokens, q.expected_output))
+            .collect();
+        assert_eq!(got, vec![(200, Some(150)), (300, None), (400, Some(410))]);
+        // the jitter reorders arrivals; each keeps its own hint
+        let j = workload(&["--arrival-jitter-ms", "1", "--seed", "3"]).expect("workload");
+        for q in &j.requests {
+            let want = got
+                .iter()
+                .find(|g| g.0 == q.output_tokens)
+                .expect("same requests");
+            assert_eq!(q.expected_output, want.1);
+        }
+        for flags in [&["--hint-error", "0"][..], &["--hint-mode", "constant"][..]] {
+            let e = workload(flags).expect_err("made hints over recorded ones");
+            assert!(e.to_string().contains("expected_output_tokens"), "{e}");
+        }
     }
 
     #[test]

@@ -7,7 +7,11 @@
 //! | Azure LLM inference CSV | `.csv` with header `TIMESTAMP,ContextTokens,GeneratedTokens` | ms since the first row | none |
 //! | Mooncake JSONL | `.jsonl` / `.json`, or a first line starting with `{` | `timestamp` (ms) | hash of the `hash_ids` list |
 //! | length-only CSV (sarathi) | `.csv` with `num_prefill_tokens,num_decode_tokens` columns | none | none |
-//! | generic CSV | `.csv` with `prompt_tokens,output_tokens` (optional `arrival_ms`, `prompt_hash`) | optional | optional |
+//! | generic CSV | `.csv` with `prompt_tokens,output_tokens` (optional `arrival_ms`, `prompt_hash`, `expected_output_tokens`) | optional | optional |
+//!
+//! Only the generic CSV carries clients' hints: its optional `expected_output_tokens` column is
+//! the expected output length each request was sent with (empty: none), which is how a live
+//! run's arrivals (`br-emu load --arrivals-csv`) give the twin the hints the decision saw.
 //!
 //! Bad rows are typed errors ([`TraceError::BadRow`]) naming the file and the 1-based line; the
 //! loaders never panic on input. Requests with zero output tokens cannot be decoded and are
@@ -31,8 +35,9 @@ pub struct TraceRequest {
     pub output_tokens: u32,
     /// Hash identifying the prompt; equal prompts share it (ExactMatch predictors key on it).
     pub prompt_hash: Option<u64>,
-    /// The client's expected output length, a hint: none in a trace file or a synthetic
-    /// workload; `--hint-error` / `--hint-mode` derive one from `output_tokens`.
+    /// The client's expected output length, a hint: a generic CSV's `expected_output_tokens`
+    /// (a live run's arrivals), none in the other formats or a synthetic workload;
+    /// `--hint-error` / `--hint-mode` derive one from `output_tokens`.
     pub expected_output: Option<u32>,
 }
 
@@ -45,7 +50,7 @@ pub enum TraceFormat {
     MooncakeJsonl,
     /// Length-only CSV (`num_prefill_tokens`, `num_decode_tokens`, ...), e.g. sarathi-serve's.
     LengthCsv,
-    /// Our own CSV: `prompt_tokens,output_tokens[,arrival_ms][,prompt_hash]`.
+    /// Our own CSV: `prompt_tokens,output_tokens[,arrival_ms][,prompt_hash][,expected_output_tokens]`.
     GenericCsv,
 }
 
@@ -259,12 +264,13 @@ fn load_csv(
             })
     };
     let opt_col = |name: &'static str| headers.iter().position(|h| h == name);
-    // Column indexes per format: (arrival, prompt, output, hash).
-    let (ts, prompt, output, hash, azure) = if headers.iter().any(|h| h == "contexttokens") {
+    // Column indexes per format: (arrival, prompt, output, hash, hint).
+    let (ts, prompt, output, hash, hint, azure) = if headers.iter().any(|h| h == "contexttokens") {
         (
             Some(col("timestamp")?),
             col("contexttokens")?,
             col("generatedtokens")?,
+            None,
             None,
             true,
         )
@@ -274,6 +280,7 @@ fn load_csv(
             col("num_prefill_tokens")?,
             col("num_decode_tokens")?,
             None,
+            None,
             false,
         )
     } else {
@@ -282,6 +289,7 @@ fn load_csv(
             col("prompt_tokens")?,
             col("output_tokens")?,
             opt_col("prompt_hash"),
+            opt_col(EXPECTED_OUTPUT_COLUMN),
             false,
         )
     };
@@ -335,6 +343,12 @@ fn load_csv(
                     .map_err(|e| bad(line, format!("prompt_hash `{raw}`: {e}")))?,
             ),
         };
+        let expected_output = match hint.and_then(|i| record.get(i)) {
+            None | Some("") => None,
+            Some(raw) => Some(
+                parse_hint(raw).map_err(|m| bad(line, format!("{EXPECTED_OUTPUT_COLUMN}: {m}")))?,
+            ),
+        };
         stats.rows += 1;
         filter.push(
             out,
@@ -344,12 +358,16 @@ fn load_csv(
                 prompt_tokens,
                 output_tokens,
                 prompt_hash,
-                expected_output: None,
+                expected_output,
             },
         );
     }
     Ok(())
 }
+
+/// The generic CSV's column of clients' expected output lengths: the Assign contract's field
+/// name, since it holds what the decision service was sent.
+pub const EXPECTED_OUTPUT_COLUMN: &str = "expected_output_tokens";
 
 #[derive(Deserialize)]
 struct MooncakeRow {
@@ -441,6 +459,17 @@ fn parse_tokens(raw: &str) -> Result<u32, String> {
             Ok(f as u32)
         }
         _ => Err(format!("`{raw}` is not a non-negative integer")),
+    }
+}
+
+/// Parses an expected output length: a token count of at least 1, as the Assign contract
+/// accepts (a hint of nothing is sent as no hint, an empty field here).
+fn parse_hint(raw: &str) -> Result<u32, String> {
+    match parse_tokens(raw)? {
+        0 => Err(format!(
+            "`{raw}` is not at least 1 (an empty field is no hint)"
+        )),
+        v => Ok(v),
     }
 }
 
@@ -670,5 +699,46 @@ mod tests {
         assert_eq!(t.requests[0].prompt_hash, Some(7));
         assert_eq!(t.requests[1].prompt_hash, None);
         assert_eq!(t.requests[1].arrival_ms, Some(1.5));
+        // a file from before the hints column: no request has a hint
+        assert!(t.requests.iter().all(|r| r.expected_output.is_none()));
+    }
+
+    #[test]
+    fn generic_csv_carries_the_hints_each_request_was_sent_with() {
+        let (_d, p) = write(
+            "h.csv",
+            "arrival_ms,prompt_tokens,output_tokens,prompt_hash,expected_output_tokens\n\
+             0,10,20,7,18\n\
+             1.5,11,21,,\n\
+             2,12,22,,22.0\n",
+        );
+        let t = load(&p, &Filter::default()).expect("load");
+        let hints: Vec<Option<u32>> = t.requests.iter().map(|r| r.expected_output).collect();
+        assert_eq!(hints, vec![Some(18), None, Some(22)]);
+        // the other columns are read as before
+        assert_eq!(t.requests[0].prompt_hash, Some(7));
+        assert_eq!(t.requests[2].output_tokens, 22);
+    }
+
+    #[test]
+    fn a_malformed_hint_is_a_bad_row_naming_its_line_and_column() {
+        for bad in ["x", "-3", "1.5", "0", "NaN", "5000000000"] {
+            let (_d, p) = write(
+                "h.csv",
+                &format!(
+                    "arrival_ms,prompt_tokens,output_tokens,expected_output_tokens\n0,10,20,18\n1,10,20,{bad}\n"
+                ),
+            );
+            let err = load(&p, &Filter::default()).expect_err(bad);
+            match &err {
+                TraceError::BadRow { line, msg, .. } => {
+                    assert_eq!(*line, 3, "{bad}");
+                    assert!(msg.contains("expected_output_tokens"), "{msg}");
+                    assert!(msg.contains(bad), "{msg}");
+                }
+                other => panic!("{bad}: unexpected {other:?}"),
+            }
+            assert!(err.to_string().contains("h.csv:3"), "{err}");
+        }
     }
 }
