@@ -88,6 +88,10 @@ pub struct RequestResult {
     pub arrival_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_hash: Option<u64>,
+    /// The expected output length the Assign carried (after the cap at max_tokens), if any:
+    /// what the decision saw, which the twin replays (`--arrivals-csv`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_output: Option<u32>,
     /// Arrival to first token, wall ms.
     pub ttft_ms: Option<f64>,
     /// Mean time between tokens after the first, wall ms.
@@ -370,10 +374,12 @@ fn summarise(
 }
 
 /// The run's requests as the arrivals the decision service saw, in br-sim's generic CSV
-/// (`arrival_ms,prompt_tokens,output_tokens,prompt_hash`, model ms, in arrival order), for
-/// `br-sim run --trace FILE --arrival trace`: the twin then sees the same arrival process as
-/// the live run, not an idealised one (a saturated burst all in the pool at time 0, which the
-/// live decision never sees). A request that was never assigned has no arrival and is left out.
+/// (`arrival_ms,prompt_tokens,output_tokens,prompt_hash,expected_output_tokens`, model ms, in
+/// arrival order), for `br-sim run --trace FILE --arrival trace`: the twin then sees the same
+/// arrival process as the live run, not an idealised one (a saturated burst all in the pool at
+/// time 0, which the live decision never sees), and the same hints (empty where none was sent),
+/// so a policy that reads them (`brh-hinted`, the stagger term) decides on the same input. A
+/// request that was never assigned has no arrival and is left out.
 pub fn arrivals_csv(results: &[RequestResult]) -> String {
     let mut rows: Vec<&RequestResult> = results.iter().filter(|r| r.arrival_ms.is_some()).collect();
     rows.sort_by(|a, b| {
@@ -381,11 +387,15 @@ pub fn arrivals_csv(results: &[RequestResult]) -> String {
             .partial_cmp(&b.arrival_ms)
             .unwrap_or(std::cmp::Ordering::Equal)
     });
-    let mut out = String::from("arrival_ms,prompt_tokens,output_tokens,prompt_hash\n");
+    let mut out = format!(
+        "arrival_ms,prompt_tokens,output_tokens,prompt_hash,{}\n",
+        trace::EXPECTED_OUTPUT_COLUMN
+    );
     for r in rows {
         let hash = r.prompt_hash.map(|h| h.to_string()).unwrap_or_default();
+        let hint = r.expected_output.map(|e| e.to_string()).unwrap_or_default();
         out.push_str(&format!(
-            "{:.3},{},{},{hash}\n",
+            "{:.3},{},{},{hash},{hint}\n",
             r.arrival_ms.unwrap_or(0.0),
             r.prompt_tokens,
             r.output_tokens

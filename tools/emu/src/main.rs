@@ -173,8 +173,9 @@ struct LoadArgs {
     /// Write the summary (and per-request results) as JSON.
     #[arg(long, env = "BALANCEROUTE_JSON")]
     json: Option<PathBuf>,
-    /// Write the arrivals the decision service saw (model ms) as a br-sim trace, for
-    /// `br-sim run --trace FILE --arrival trace`.
+    /// Write the arrivals the decision service saw (model ms) as a br-sim trace, with the
+    /// expected output length each Assign carried (as sent, after the cap), for `br-sim run
+    /// --trace FILE --arrival trace`.
     #[arg(long, env = "BALANCEROUTE_ARRIVALS_CSV")]
     arrivals_csv: Option<PathBuf>,
 }

@@ -28,9 +28,9 @@ pub(super) async fn one(
     if let Some(h) = r.prompt_hash {
         params = params.with_prompt_hash(h);
     }
-    // the contract refuses an expected output above max_tokens, which is the true length here
-    if let Some(e) = r.expected_output {
-        params = params.with_expected_output_tokens(e.clamp(1, r.output_tokens.max(1)));
+    if let Some(e) = hint_sent(&r) {
+        params = params.with_expected_output_tokens(e);
+        res.expected_output = Some(e);
     }
     let a = match ctx
         .assign
@@ -63,6 +63,13 @@ pub(super) async fn one(
         let _ = ctx.assign.cancel(&ctx.cfg.group, &id).await;
     }
     (res, Some(a.policy))
+}
+
+/// The expected output length an Assign carries for `r`: its hint capped at max_tokens, which
+/// is the true length here (the contract refuses a hint above max_tokens), and at least 1.
+pub(super) fn hint_sent(r: &TraceRequest) -> Option<u32> {
+    r.expected_output
+        .map(|e| e.clamp(1, r.output_tokens.max(1)))
 }
 
 /// Sends one streaming completion and reads it to the end.

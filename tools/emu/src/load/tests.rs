@@ -1,5 +1,5 @@
 use super::progress::ProgressCounts;
-use super::request::sse_events;
+use super::request::{hint_sent, sse_events};
 use super::*;
 
 #[test]
@@ -105,27 +105,33 @@ fn figures_a_real_engine_does_not_report_print_as_a_dash_never_nan() {
 
 #[test]
 fn the_arrivals_csv_is_a_trace_br_sim_reads_back_in_arrival_order() {
-    let r =
-        |id: &str, arrival: Option<f64>, prompt: u32, out: u32, hash: Option<u64>| RequestResult {
-            request_id: id.into(),
-            prompt_tokens: prompt,
-            output_tokens: out,
-            arrival_ms: arrival,
-            prompt_hash: hash,
-            ..RequestResult::default()
-        };
-    // out of order, one never assigned, one with a prompt hash
+    let r = |id: &str,
+             arrival: Option<f64>,
+             prompt: u32,
+             out: u32,
+             hash: Option<u64>,
+             hint: Option<u32>| RequestResult {
+        request_id: id.into(),
+        prompt_tokens: prompt,
+        output_tokens: out,
+        arrival_ms: arrival,
+        prompt_hash: hash,
+        expected_output: hint,
+        ..RequestResult::default()
+    };
+    // out of order, one never assigned, one with a prompt hash, two with a hint
     let results = vec![
-        r("b", Some(250.5), 200, 20, None),
-        r("never", None, 999, 9, None),
-        r("a", Some(0.25), 100, 10, Some(42)),
-        r("c", Some(1_000.0), 300, 30, None),
+        r("b", Some(250.5), 200, 20, None, Some(17)),
+        r("never", None, 999, 9, None, Some(9)),
+        r("a", Some(0.25), 100, 10, Some(42), None),
+        r("c", Some(1_000.0), 300, 30, Some(7), Some(30)),
     ];
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("arrivals.csv");
     std::fs::write(&path, arrivals_csv(&results)).unwrap();
     let t = trace::load(&path, &Filter::default()).unwrap();
-    let got: Vec<(Option<f64>, u32, u32, Option<u64>)> = t
+    type Row = (Option<f64>, u32, u32, Option<u64>, Option<u32>);
+    let got: Vec<Row> = t
         .requests
         .iter()
         .map(|q| {
@@ -134,17 +140,35 @@ fn the_arrivals_csv_is_a_trace_br_sim_reads_back_in_arrival_order() {
                 q.prompt_tokens,
                 q.output_tokens,
                 q.prompt_hash,
+                q.expected_output,
             )
         })
         .collect();
     assert_eq!(
         got,
         vec![
-            (Some(0.25), 100, 10, Some(42)),
-            (Some(250.5), 200, 20, None),
-            (Some(1_000.0), 300, 30, None),
+            (Some(0.25), 100, 10, Some(42), None),
+            (Some(250.5), 200, 20, None, Some(17)),
+            (Some(1_000.0), 300, 30, Some(7), Some(30)),
         ]
     );
+}
+
+#[test]
+fn the_hint_sent_and_recorded_is_capped_at_max_tokens() {
+    // br-sim replays the recorded hint as is, so it must be the value the Assign carried, not
+    // the drawn one (which may exceed the request's max_tokens and is capped before sending).
+    let req = |out: u32, hint: Option<u32>| TraceRequest {
+        arrival_ms: Some(0.0),
+        prompt_tokens: 5,
+        output_tokens: out,
+        prompt_hash: None,
+        expected_output: hint,
+    };
+    assert_eq!(hint_sent(&req(100, None)), None);
+    assert_eq!(hint_sent(&req(100, Some(80))), Some(80));
+    assert_eq!(hint_sent(&req(100, Some(130))), Some(100));
+    assert_eq!(hint_sent(&req(100, Some(0))), Some(1));
 }
 
 /// The `data` of every event parsed from `body` cut into chunks at `cuts`.
