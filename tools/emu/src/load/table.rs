@@ -79,15 +79,23 @@ fn or_dash(v: Option<f64>, width: usize, decimals: usize) -> String {
 pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
+    // the policy column fits the longest label (a spec with settings, e.g.
+    // brh-hinted:stagger_weight=1), so the figures stay in their columns
+    let w = runs
+        .iter()
+        .map(|s| s.label.len())
+        .max()
+        .unwrap_or(0)
+        .max(10);
     let _ = writeln!(
         out,
-        "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12} {:>11} {:>9}",
+        "{:<w$} {:>9} {:>14} {:>12} {:>12} {:>12} {:>11} {:>9}",
         "policy", "source", "imbalance", "TPOT p50 ms", "TPOT p95 ms", "tok/s", "step ms", "failed"
     );
     for s in runs {
         let _ = writeln!(
             out,
-            "{:<10} {:>9} {} {:>12.1} {:>12.1} {:>12.0} {} {:>9}",
+            "{:<w$} {:>9} {} {:>12.1} {:>12.1} {:>12.0} {} {:>9}",
             s.label,
             "live",
             or_dash(s.imbalance_tokens, 14, 0),
@@ -103,7 +111,7 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
         if let Some(t) = TwinBand::of(&twins) {
             let _ = writeln!(
                 out,
-                "{:<10} {:>9} {:>14.0} {:>12.1} {:>12.1} {:>12.0} {:>11} {:>9}",
+                "{:<w$} {:>9} {:>14.0} {:>12.1} {:>12.1} {:>12.0} {:>11} {:>9}",
                 "",
                 "br-sim",
                 t.imbalance.mean,
@@ -121,7 +129,7 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
                 let sd = |m: Moments| format!("±{:.1}%", m.relative_sd() * 100.0);
                 let _ = writeln!(
                     out,
-                    "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12}",
+                    "{:<w$} {:>9} {:>14} {:>12} {:>12} {:>12}",
                     "",
                     "sim sd",
                     sd(t.imbalance),
@@ -139,7 +147,7 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
             };
             let _ = writeln!(
                 out,
-                "{:<10} {:>9} {:>14} {:>12} {:>12} {:>12}",
+                "{:<w$} {:>9} {:>14} {:>12} {:>12} {:>12}",
                 "",
                 "live/sim",
                 rel(s.imbalance_tokens.unwrap_or(f64::NAN), t.imbalance.mean),
