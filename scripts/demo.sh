@@ -16,7 +16,13 @@
 # (ranks), DEMO_B (slots per rank), DEMO_STEP_A / DEMO_STEP_B (model ms: T = a·max L + b),
 # DEMO_TIME_SCALE (wall = model × this), DEMO_COLOCATED=1 with DEMO_STEP_P and DEMO_PREFILL_CHUNK
 # (the ranks prefill too, engine and twin alike: `--colocated --step-p --prefill-chunk`),
-# DEMO_POLICIES ("jsq br0"), DEMO_ARRIVAL (saturated |
+# DEMO_POLICIES ("jsq br0"; a policy may carry dispatcher settings in br-sim's spec syntax,
+# NAME:key=value..., which the live decision gets as flags, `--key value`, and the twin as the
+# spec), DEMO_HINT_ERROR=σ and DEMO_HINT_MODE (lognormal | shuffled | constant): every Assign
+# carries a client's expected output length, made from the request's true one as `br-emu load
+# --hint-error σ --hint-mode MODE` makes it (σ = 0: exact), and the twin replays the hint each
+# request was sent with; with hints DEMO_POLICIES defaults to "jsq br0 brh-hinted:stagger_weight=1"
+# (BR-H predicting from the hints, Stage 2 staggering each rank's finishes), DEMO_ARRIVAL (saturated |
 # poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
 # DEMO_SKIP_BUILD=1, DEMO_DEPLOY (all: br-all; split: br-snapshot, br-ingest and br-decision as
 # three processes, decision restarted per policy), DEMO_TLS (1: mutual TLS on every connection of the control plane, with
@@ -39,7 +45,14 @@ if [ "${DEMO_COLOCATED:-0}" = 1 ]; then
     COLOCATED_F=(--colocated --step-p "${DEMO_STEP_P:-0.01}" --prefill-chunk "${DEMO_PREFILL_CHUNK:-2048}")
 fi
 SCALE="${DEMO_TIME_SCALE:-0.25}"
-POLICIES="${DEMO_POLICIES:-jsq br0}"
+HINT_F=()
+[ -n "${DEMO_HINT_ERROR:-}" ] && HINT_F+=(--hint-error "$DEMO_HINT_ERROR")
+[ -n "${DEMO_HINT_MODE:-}" ] && HINT_F+=(--hint-mode "$DEMO_HINT_MODE")
+if [ ${#HINT_F[@]} -gt 0 ]; then
+    POLICIES="${DEMO_POLICIES:-jsq br0 brh-hinted:stagger_weight=1}"
+else
+    POLICIES="${DEMO_POLICIES:-jsq br0}"
+fi
 ARRIVAL="${DEMO_ARRIVAL:-saturated}"
 RATE_FLAGS=()
 [ -n "${DEMO_RATE:-}" ] && RATE_FLAGS=(--rate "$DEMO_RATE")
@@ -85,14 +98,15 @@ for policy in $POLICIES; do
     # JSQ does, and their reservations are accepted past capacity (queue_if_full): the request
     # waits in the rank's local FIFO, as in br-sim's model.
     cap=$B
-    say "br-$DECISION_COMPONENT --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)"
+    say "br-$DECISION_COMPONENT --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)${HINT_F[*]:+ with hints: ${HINT_F[*]}}"
     start_all "$policy"
     start_shims "$cap"
     start_decision "$policy"
     tls_for gateway
     "$BIN/br-emu" load --decision-addr "http://127.0.0.1:$DECISION" --group "$GROUP" ${TLS_F[@]+"${TLS_F[@]}"} \
         --rank-urls "$RANK_URLS" --engine-url "http://127.0.0.1:$ENGINE" \
-        --trace "$TRACE" --limit "$N" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} --label "$policy" \
+        --trace "$TRACE" --limit "$N" --arrival "$ARRIVAL" ${RATE_FLAGS[@]+"${RATE_FLAGS[@]}"} \
+        ${HINT_F[@]+"${HINT_F[@]}"} --label "$policy" \
         --json "$OUT/$policy.json" --arrivals-csv "$OUT/$policy-arrivals.csv"
     RUNS+=("$OUT/$policy.json")
     if [[ $policy == brh* ]]; then
@@ -113,11 +127,11 @@ for policy in $POLICIES; do
     stop_shims
 done
 
-say "br-sim: the twin on the same requests, arriving as each live run's did"
+say "br-sim: the twin on the same requests, arriving as each live run's did${HINT_F[*]:+, with the hints they were sent with}"
 # shellcheck disable=SC2086 # POLICIES is a word list
 sim_replay "" $POLICIES
 
-say "results: $TRACE, $N requests, G=$G, B=$B; model time (wall / $SCALE)"
+say "results: $TRACE, $N requests, G=$G, B=$B${HINT_F[*]:+, hints ${HINT_F[*]}}; model time (wall / $SCALE)"
 "$BIN/br-emu" report "${RUNS[@]}" ${SIMS[@]+"${SIMS[@]}"}
 echo
 routing_verdict "$G" "${OUT_OF_ROUTING[@]}"

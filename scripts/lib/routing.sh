@@ -25,19 +25,26 @@ ranks_out_of_routing() {
 # for it), then, when the runs did not have the same ranks in routing, that their comparison is
 # invalid.
 routing_verdict() {
-    local g=$1 entry policy ranks n first="" differ=0 any=0 seen=0 unread=0
+    local g=$1 entry policy ranks n first="" differ=0 any=0 seen=0 unread=0 w=12
     shift
     echo "ranks out of routing at any time (a shim judged its engine down: balanceroute_shim_engine_down_total):"
+    # the policy column fits the longest spec
     for entry in "$@"; do
-        policy=${entry%%=*}
-        ranks=${entry#*=}
+        policy=${entry%=*}
+        [ "${#policy}" -le "$w" ] || w=${#policy}
+    done
+    for entry in "$@"; do
+        # split at the last `=`: a policy spec can hold settings (NAME:key=value), the ranks
+        # never do
+        policy=${entry%=*}
+        ranks=${entry##*=}
         n=$(wc -w <<<"$ranks")
         if [ "$n" = 1 ]; then
-            printf '  %-12s 1 of %d (rank %s)\n' "$policy" "$g" "$ranks"
+            printf '  %-*s 1 of %d (rank %s)\n' "$w" "$policy" "$g" "$ranks"
         elif [ "$n" = 0 ]; then
-            printf '  %-12s 0 of %d\n' "$policy" "$g"
+            printf '  %-*s 0 of %d\n' "$w" "$policy" "$g"
         else
-            printf '  %-12s %d of %d (ranks %s)\n' "$policy" "$n" "$g" "${ranks// /, }"
+            printf '  %-*s %d of %d (ranks %s)\n' "$w" "$policy" "$n" "$g" "${ranks// /, }"
         fi
         [ "$n" = 0 ] || any=1
         [[ $ranks != *"?"* ]] || unread=1

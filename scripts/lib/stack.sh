@@ -179,19 +179,40 @@ start_stack() {
     wait_http "http://127.0.0.1:$ENGINE/health" "br-emu engine"
 }
 
-# start_all POLICY (STACK_DEPLOY=all): br-all for GROUP on SNAP with --policy POLICY, until it is
-# live; start the shims next (they report to it), then start_decision waits until it can place.
-# Does nothing under split.
+# policy_flags SPEC: sets POLICY_F to the decision's flags for a policy in br-sim's spec syntax,
+# NAME[:key=value]...: `--policy NAME` and `--key value` for each setting (`_` in the key as `-`,
+# the dispatcher's settings being flags of the same names, e.g. brh-hinted:stagger_weight=1 is
+# `--policy brh-hinted --stagger-weight 1`), so a live run and its twin (`br-sim --policies
+# SPEC`) run the same policy with the same settings.
+policy_flags() {
+    local spec=$1 kv key parts
+    POLICY_F=(--policy "${spec%%:*}")
+    IFS=':' read -ra parts <<<"$spec"
+    for kv in "${parts[@]:1}"; do
+        if [[ $kv != ?*=?* ]]; then
+            echo "policy $spec: expected NAME:key=value..., got '$kv'" >&2
+            return 2
+        fi
+        key=${kv%%=*}
+        POLICY_F+=("--${key//_/-}" "${kv#*=}")
+    done
+}
+
+# start_all POLICY (STACK_DEPLOY=all): br-all for GROUP on SNAP with POLICY (a spec, see
+# policy_flags), until it is live; start the shims next (they report to it), then start_decision
+# waits until it can place. Does nothing under split.
 start_all() {
     [ "$STACK_DEPLOY" = all ] || return 0
     tls_for all
+    policy_flags "$1"
     start "all-$1" "$BIN/br-all" --listen "127.0.0.1:$SNAP" --admin-listen "127.0.0.1:$((SNAP + 1))" \
-        --groups "$GROUP" --policy "$1" --max-wait 600s --reservation-ttl 60s ${TLS_F[@]+"${TLS_F[@]}"}
+        --groups "$GROUP" "${POLICY_F[@]}" --max-wait 600s --reservation-ttl 60s ${TLS_F[@]+"${TLS_F[@]}"}
     DECISION_PID=$LAST_PID
     wait_http "$ADMIN_SCHEME://127.0.0.1:$((SNAP + 1))/livez" "br-all ($1)"
 }
 
-# start_decision POLICY: (split) br-decision for GROUP on DECISION with --policy POLICY; (all)
+# start_decision POLICY: (split) br-decision for GROUP on DECISION with POLICY (a spec, see
+# policy_flags); (all)
 # the br-all start_all started. Waits until it is ready (it can place: σ with a live worker, so
 # start the shims first). stop_decision: SIGTERM and wait (under all, the whole control plane).
 DECISION_PID=""
@@ -200,9 +221,10 @@ DECISION_COMPONENT=decision
 start_decision() {
     if [ "$STACK_DEPLOY" = split ]; then
         tls_for decision
+        policy_flags "$1"
         start "decision-$1" "$BIN/br-decision" --listen "127.0.0.1:$DECISION" \
             --admin-listen "127.0.0.1:$((DECISION + 1))" --snapshot-addr "http://127.0.0.1:$SNAP" \
-            --groups "$GROUP" --policy "$1" --max-wait 600s ${TLS_F[@]+"${TLS_F[@]}"}
+            --groups "$GROUP" "${POLICY_F[@]}" --max-wait 600s ${TLS_F[@]+"${TLS_F[@]}"}
         DECISION_PID=$LAST_PID
     fi
     wait_http "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/readyz" "br-$DECISION_COMPONENT ($1)"
@@ -247,7 +269,8 @@ stop_shims() {
 
 # sim_replay PREFIX POLICY...: the twin (br-sim) on the requests each live run replayed, arriving
 # as that run's decision saw them ($OUT/PREFIX<policy>-arrivals.csv, from `br-emu load
-# --arrivals-csv`), with the stack's G, B and step model. The client that timed the arrivals does
+# --arrivals-csv`, with the expected output length each Assign carried, if any), with the
+# stack's G, B and step model, and the same policy spec (its settings included). The client that timed the arrivals does
 # not know the order of calls that reached the decision within a millisecond of each other, and
 # routing on arrival is sensitive to it (JSQ's imbalance moves by about ±15% with a ±1 ms jitter;
 # docs/design/0008-twin-replays-with-jitter.md), so the twin runs TWIN_REPLAYS times (default 8) with seeded
