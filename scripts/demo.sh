@@ -98,7 +98,8 @@ for policy in $POLICIES; do
     # JSQ does, and their reservations are accepted past capacity (queue_if_full): the request
     # waits in the rank's local FIFO, as in br-sim's model.
     cap=$B
-    say "br-$DECISION_COMPONENT --policy $policy (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)${HINT_F[*]:+ with hints: ${HINT_F[*]}}"
+    policy_flags "$policy" # the flags the spec stands for, as start_all/start_decision pass them
+    say "br-$DECISION_COMPONENT ${POLICY_F[*]} (shims announce capacity $cap); replaying $N requests of $TRACE ($ARRIVAL)${HINT_F[*]:+ with hints: ${HINT_F[*]}}"
     start_all "$policy"
     start_shims "$cap"
     start_decision "$policy"
