@@ -182,7 +182,7 @@ start_stack() {
 # policy_flags SPEC: sets POLICY_F to the decision's flags for a policy in br-sim's spec syntax,
 # NAME[:key=value]...: `--policy NAME` and `--key value` for each setting (`_` in the key as `-`,
 # the dispatcher's settings being flags of the same names, e.g. brh-hinted:stagger_weight=1 is
-# `--policy brh-hinted --stagger-weight 1`), so a live run and its twin (`br-sim --policies
+# `--policy brh-hinted --stagger-weight 1`; BR-C's are `--brc-*`), so a live run and its twin (`br-sim --policies
 # SPEC`) run the same policy with the same settings.
 policy_flags() {
     local spec=$1 kv key parts
@@ -194,6 +194,9 @@ policy_flags() {
             return 2
         fi
         key=${kv%%=*}
+        # BR-C's settings are the decision's --brc-* flags (brc:max_wait_steps=16 is
+        # --brc-max-wait-steps 16)
+        [ "${spec%%:*}" = brc ] && key="brc_$key"
         POLICY_F+=("--${key//_/-}" "${kv#*=}")
     done
 }
