@@ -499,12 +499,19 @@ impl ClusterState {
         self.tokens_written
     }
 
-    /// Requests running (writing tokens) on the live workers.
-    pub fn running_requests(&self) -> u64 {
+    /// Requests writing a token every step on the live workers: running ones past their
+    /// prefill (a queued request has written nothing, so `prefilling - queued` of the running
+    /// ones are still in their prefill).
+    pub fn decoding_requests(&self) -> u64 {
         self.workers
             .iter()
             .filter(|w| w.alive)
-            .map(|w| u64::from(w.running))
+            .map(|w| {
+                u64::from(
+                    w.running
+                        .saturating_sub(w.prefilling.saturating_sub(w.queued)),
+                )
+            })
             .sum()
     }
 

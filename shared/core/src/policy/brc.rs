@@ -149,19 +149,19 @@ impl Waves {
 
     /// Whether a hold at this tick counts: a decode step went by since the last one counted.
     /// The budgets are in steps; the simulator ticks once per step, a service on every arrival
-    /// and σ change, several times a step. σ's token clock tells: in lockstep each running
-    /// request writes one token per step, so once the clock has moved by the requests running
-    /// now, at least a step went by (partial reports add up until it has). With nothing running
-    /// there is no clock and every tick counts: a group that only prefills, or is idle, holds
-    /// nothing for long.
+    /// and σ change, several times a step. σ's token clock tells: in lockstep each decoding
+    /// request writes one token per step, so once the clock has moved by the requests decoding
+    /// now, at least a step went by (partial reports add up until it has). With nothing
+    /// decoding there is no clock and every tick counts: a group that only prefills, or is
+    /// idle, holds nothing for long.
     fn stepped(&mut self, state: &ClusterState) -> bool {
         let now = state.tokens_written();
-        let running = state.running_requests();
+        let decoding = state.decoding_requests();
         let stepped = match self.counted_at {
             None => true,
             // a new σ (the snapshot service restarted) starts its clock again
             Some(at) if now < at => true,
-            Some(at) => running == 0 || now - at >= running,
+            Some(at) => decoding == 0 || now - at >= decoding,
         };
         if stepped {
             self.counted_at = Some(now);

@@ -325,3 +325,56 @@ fn a_group_is_quiet_only_while_nothing_waits_on_the_clock() {
     assert_eq!(fx.core.stats().answered, 0);
     assert!(fx.core.is_quiet(), "{:?}", fx.core.stats());
 }
+
+/// BR-C in the service: a shim reports a request as soon as its engine takes it (0 tokens), so
+/// σ shows it running while its prompt runs; the rank counts as prefilling until its first
+/// token, and the wave goes out when it comes. Ticks on the same σ (arrivals) do not count
+/// toward the hold; only decode steps, read from the ranks' token reports, do.
+#[test]
+fn brc_waits_for_a_first_token_and_counts_its_hold_in_decode_steps() {
+    let mut fx = Fx::new(PolicyKind::Brc, &[0, 0], 4);
+    fx.sigma_change(vec![
+        change::request_progress("a", 0, 100, 100, 0),
+        change::request_progress("b", 1, 101, 100, 5),
+    ]);
+    let mut rxs: Vec<Rx> = (0..4).map(|i| fx.assign(&format!("r{i}"), 500).1).collect();
+    // rank 0 prefills "a": the wave waits, however many ticks the arrivals bring
+    for _ in 0..10 {
+        assert_eq!(fx.tick_and_commit(true), 0);
+    }
+    // rank 1 steps once (the only request decoding): one step of the hold's budget (2 while
+    // the pool is shallow: 4 waiting, 6 free slots), the first counted at the first tick
+    fx.sigma_change(vec![change::request_progress("b", 1, 101, 100, 6)]);
+    assert_eq!(fx.tick_and_commit(true), 0);
+    // "a" writes its first token: nobody prefills, every rank has a free slot, the wave goes
+    fx.sigma_change(vec![change::request_progress("a", 0, 100, 100, 1)]);
+    assert_eq!(fx.tick_and_commit(true), 4);
+    let mut per_worker = [0; 2];
+    for rx in &mut rxs {
+        per_worker[answer(rx).worker as usize] += 1;
+    }
+    assert_eq!(per_worker, [2, 2], "one wave over both ranks");
+}
+
+#[test]
+fn brc_releases_to_the_free_ranks_after_its_budget_of_decode_steps() {
+    let mut fx = Fx::new(PolicyKind::Brc, &[0, 0], 4);
+    // "a" never gets past its prompt; "b" decodes
+    fx.sigma_change(vec![
+        change::request_progress("a", 0, 100, 100, 0),
+        change::request_progress("b", 1, 101, 100, 5),
+    ]);
+    let (_, mut rx) = fx.assign("r", 500);
+    // the first hold counts at once; a tick without a step does not
+    assert_eq!(fx.tick_and_commit(true), 0);
+    assert_eq!(fx.tick_and_commit(true), 0);
+    fx.sigma_change(vec![change::request_progress("b", 1, 101, 100, 6)]);
+    assert_eq!(
+        fx.tick_and_commit(true),
+        0,
+        "two steps held: the shallow budget"
+    );
+    fx.sigma_change(vec![change::request_progress("b", 1, 101, 100, 7)]);
+    assert_eq!(fx.tick_and_commit(true), 1, "the guard releases it");
+    assert!(answer(&mut rx).worker <= 1);
+}
