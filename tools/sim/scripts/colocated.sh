@@ -14,7 +14,7 @@
 # The chunk is 8,192 prompt tokens per rank per step (TensorRT-LLM's DeepSeek-R1 serving example
 # with attention DP sets max_num_tokens 8192). Sensitivity: chunk 2,048, and p = 0.03 (a full
 # 8,192-token chunk costing about one balanced decode step), saturated at G = 8.
-# Then BR-C (prefill waves) in the same cells, with a sweep of its max_wait_steps.
+# Then BR-C (prefill waves) in the same cells, with sweeps of its two hold budgets.
 # Usage: tools/sim/scripts/colocated.sh [OUT_DIR [brc]]   (default: tools/sim/results; `brc`:
 # only the BR-C part, reading the rate from OUT_DIR/P-colocated-saturated.txt); run it under
 # nice. A few minutes on one core.
@@ -69,19 +69,26 @@ run P-colocated-saturated-p0.03 "${COMMON[@]}" --colocated --step-p 0.03 --prefi
 fi
 
 # BR-C (prefill waves) beside the same baselines and BR-0, in the same cells (the Poisson rate
-# is the one above: 85% of the best baseline's saturated capacity), and a sweep of its
-# starvation guard max_wait_steps (0, 2, 4, 8, 16: the default, 64). Decode-only, BR-C only
-# holds requests (nothing to align): one saturated run at G = 8 shows what that costs.
+# is the one above: 85% of the best baseline's saturated capacity), with a sweep of each of its
+# two hold budgets where it acts: saturated, the deep pool's max_wait_steps (0, 4, 16, 32, 64:
+# the default, 128); below capacity, the shallow pool's shallow_wait_steps (0, 1, 2: the
+# default, 4, 8, 64). Decode-only, BR-C only holds requests (nothing to align): one saturated
+# run at G = 8 shows what that costs. The scaling figure (gain and gap share against G,
+# G = 8..32) is the saturated sweep's --plot.
 # Usage for this part alone: tools/sim/scripts/colocated.sh OUT_DIR brc
-BRC="brc,brc:max_wait_steps=0,brc:max_wait_steps=2,brc:max_wait_steps=4,brc:max_wait_steps=8"
-BRC="$BRC,brc:max_wait_steps=64"
-BRC_COMMON=(--trace adp-shape --slots 256 --seeds 1,2,3 --policies "$POLICIES,$BRC")
-run P-brc-colocated-saturated "${BRC_COMMON[@]}" "${COLO[@]}" --arrival saturated \
-  --workers-list 8,16
+DEEP="brc,brc:max_wait_steps=0,brc:max_wait_steps=4,brc:max_wait_steps=16,brc:max_wait_steps=32"
+DEEP="$DEEP,brc:max_wait_steps=128"
+SHALLOW="brc,brc:shallow_wait_steps=0,brc:shallow_wait_steps=1,brc:shallow_wait_steps=4"
+SHALLOW="$SHALLOW,brc:shallow_wait_steps=8,brc:shallow_wait_steps=64"
+BRC_COMMON=(--trace adp-shape --slots 256 --seeds 1,2,3)
+run P-brc-colocated-saturated "${BRC_COMMON[@]}" --policies "$POLICIES,$DEEP" "${COLO[@]}" \
+  --arrival saturated --workers-list 8,16
+run P-brc-colocated-scaling "${BRC_COMMON[@]}" --policies "$POLICIES,brc" "${COLO[@]}" \
+  --arrival saturated --workers-list 8,16,32 --plot "$OUT/P-brc-scaling"
 for g in 8 16; do
   rate="$(rate_85 "$OUT/P-colocated-saturated.txt" "$g")"
-  run "P-brc-colocated-poisson85-G$g" "${BRC_COMMON[@]}" "${COLO[@]}" --arrival poisson \
-    --rate "$rate" --workers-list "$g"
+  run "P-brc-colocated-poisson85-G$g" "${BRC_COMMON[@]}" --policies "$POLICIES,$SHALLOW" \
+    "${COLO[@]}" --arrival poisson --rate "$rate" --workers-list "$g"
 done
 run P-brc-decode-saturated --trace adp-shape --slots 256 --seeds 1,2,3 \
   --policies "$POLICIES,brc" --arrival saturated --workers-list 8

@@ -63,7 +63,7 @@ pub struct BrcConfig {
     /// a wave regardless (the starvation guard), while the pool is deep. 0 admits at every tick
     /// with a free slot. 64 by default: on adp-shape with colocated prefill
     /// (tools/sim/RESULTS.md, "Prefill waves") the saturated gain grows up to 64 and no further
-    /// (16: 64-68% of the gap to the aligned limit; 64: 77-81%; 128: the same as 64).
+    /// (16: 64-67% of the gap to the aligned limit; 64: 76-81%; 128: no more than 64).
     pub max_wait_steps: u32,
     /// The guard's budget while the pool is shallow (fewer requests wait than there are free
     /// slots), at most the deep budget. 2 by default: at 60% and 85% load on adp-shape (G = 8-32)

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# BR-C (prefill waves) against its targets, cell by cell: adp-shape (synthetic, the shape of
+# TensorRT-LLM's attention-DP balancing dataset) and two public traces' request shapes
+# (azure2023_conv: short outputs; mooncake: 12k-token prompts, prompt-heavy) with colocated
+# prefill (p = 0.48 ms per prefill token, 8,192-token chunk: scripts/colocated.sh says why),
+# G = 8, 16, 32, B = 256, 5 seeds.
+#   saturated: balance ratio (s.bal%) >= 90% and >= 80% of the best baseline's steady gap to
+#              the aligned limit (s.gap%);
+#   Poisson at 60% and 85% of capacity (the best baseline's saturated steady tok/s over the
+#              workload's mean output): TTFT p99 <= 1.25x the best baseline's and TPOT p95 no
+#              worse, paired by seed (scripts/paired.py).
+# The public traces are replayed for their prompt and output lengths; their own timestamps
+# overload every policy under this step model (TTFT of minutes), so the loads are Poisson.
+# Then the same saturated cells with 2 steps of telemetry lag, and with the engine's p at 0.5x
+# and 1.5x (BR-C reads no p: its rules look only at which ranks have prompts queued and free
+# slots). The target table of tools/sim/RESULTS.md's "BR-C against its targets" comes from
+# scripts/brc_targets.py over the outputs (results/P-brc-T-*).
+# Usage: tools/sim/scripts/brc_targets.sh [OUT_DIR] [robust]; under nice on a shared machine
+# (about half an hour on one core; `robust`: only the robustness sweeps and the summary).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+OUT="${1:-$ROOT/tools/sim/results}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
+cd "$ROOT"
+cargo build -q -p br-sim --release
+SIM="$TARGET/release/br-sim"
+PAIRED="$ROOT/tools/sim/scripts/paired.py"
+mkdir -p "$OUT"
+SEEDS=1,2,3,4,5
+POLICIES=rr,jsq,vllm-dp,mintok,br0,brc
+COLO=(--colocated --step-p 0.48 --prefill-chunk 8192)
+declare -A WORKLOADS=(
+  [adp-shape]=adp-shape
+  [azure2023_conv]="$TRACES/azure2023_conv.csv"
+  [mooncake]="$TRACES/mooncake_conversation_trace.jsonl"
+)
+
+sweep() { # output name, then br-sim sweep arguments
+  local name="$1"; shift
+  echo "== $name" >&2
+  { echo "\$ br-sim sweep $*"; "$SIM" sweep "$@" 2>/dev/null; } > "$OUT/$name.txt"
+}
+
+# requests/s at FRACTION of capacity: the best baseline's steady tok/s (the mean table) over
+# the workload's mean output (the sweep's first line)
+rate_at() { # file, G, fraction
+  awk -v g="$2" -v f="$3" '
+    /^workload / { for (i = 1; i <= NF; i++) if ($i == "output" && $(i + 1) == "mean") out = $(i + 2) }
+    /^policy +G +imbalance +s.imbal +barrier_idle/ { mean = 1; next }
+    mean && $2 == g && $1 !~ /^br/ && $10 > best { best = $10 }
+    END { printf "%.4f", f * best / out }' "$1"
+}
+
+if [ "${2:-}" != robust ]; then
+  for wl in adp-shape azure2023_conv mooncake; do
+    trace="${WORKLOADS[$wl]}"
+    base=(--trace "$trace" --slots 256 "${COLO[@]}")
+    sweep "P-brc-T-$wl-saturated" "${base[@]}" --seeds "$SEEDS" --policies "$POLICIES" \
+      --arrival saturated --workers-list 8,16,32
+    for g in 8 16 32; do
+      for pct in 60 85; do
+        rate="$(rate_at "$OUT/P-brc-T-$wl-saturated.txt" "$g" "0.$pct")"
+        echo "== P-brc-T-$wl-G$g-poisson$pct (rate $rate)" >&2
+        python3 "$PAIRED" "$SIM" "$SEEDS" --json "$OUT/P-brc-T-$wl-G$g-poisson$pct.json" -- \
+          "${base[@]}" --policies "$POLICIES" --arrival poisson --rate "$rate" --workers "$g" \
+          > "$OUT/P-brc-T-$wl-G$g-poisson$pct.txt"
+      done
+    done
+  done
+fi
+
+# robustness, adp-shape saturated: telemetry 2 steps late (G = 8 and 16: a lagged σ is a copy
+# of the state kept for every step, which at G = 32's 64,000 requests takes most of an hour);
+# the engine's p off by -50% / +50%
+adp=(--trace adp-shape --slots 256 --prefill-chunk 8192 --colocated --seeds "$SEEDS"
+  --policies "$POLICIES" --arrival saturated)
+sweep P-brc-T-adp-shape-saturated-lag2 "${adp[@]}" --workers-list 8,16 --step-p 0.48 \
+  --telemetry-lag-steps 2
+adp+=(--workers-list 8,16,32)
+sweep P-brc-T-adp-shape-saturated-p0.24 "${adp[@]}" --step-p 0.24
+sweep P-brc-T-adp-shape-saturated-p0.72 "${adp[@]}" --step-p 0.72
+python3 "$ROOT/tools/sim/scripts/brc_targets.py" "$OUT" | tee "$OUT/P-brc-T-summary.txt"
