@@ -9,25 +9,27 @@
 //! holds requests in the central pool and releases them in waves:
 //!
 //! 1. A rank counts as *prefilling* while σ shows requests on it without a first token
-//!    (admitted and not reported yet, or reported by the rank's shim but still in prefill): a wave released then would run beside the previous wave's tail, or a rank
-//!    with a long prompt, in steps of their own.
+//!    (admitted and not reported yet, or reported by the rank's shim but still in prefill): a
+//!    wave released then would run beside the previous wave's tail, or a rank with a long
+//!    prompt, in steps of their own.
 //! 2. A wave is released when no live rank is prefilling, at least `N = ceil(wave_fraction·G)`
 //!    live ranks have a free slot and at least N requests wait: more ranks in one wave share
 //!    one prefill stall (a wave of one prompt stalls the group as long as a wave of G prompts
 //!    of that size), and a rank waiting for the wave leaves only its freed slots empty (at
 //!    B = 256 a few slots of a rank's 256). Under light traffic the pool is what is short:
 //!    requests are then held until N have arrived, or the guard releases them.
-//! 3. Starvation guard: the policy counts the ticks at which a slot was free, requests waited
-//!    and it admitted nothing; after `max_wait_steps` of them it releases a wave to whatever
-//!    ranks have free slots, prefilling or not. Waves are first come, first served, so the
-//!    oldest waiting request is in every wave: what the policy adds to its wait is at most
-//!    `max_wait_steps` ticks with a free slot (0: every tick with a free slot admits).
+//! 3. Starvation guard: the policy counts the decode steps (read from σ's token clock, see
+//!    `Waves::stepped`) at whose ticks a slot was free, requests waited and it admitted
+//!    nothing; after `max_wait_steps` of them it releases a wave to whatever ranks have free
+//!    slots, prefilling or not. Waves are first come, first served, so the oldest waiting
+//!    request is in every wave: what the policy adds to its wait is at most `max_wait_steps`
+//!    steps with a free slot (0: every tick with a free slot admits).
 //!    While the pool is *shallow* (fewer requests wait than there are free slots) the guard
 //!    fires after `shallow_wait_steps` instead. In a deep pool the requests wait for slots
 //!    anyway and a long hold costs their time to first token little; in a shallow one each
-//!    tick held is a step added to every waiting request's TTFT, and a full wave seldom forms
+//!    step held is a step added to every waiting request's TTFT, and a full wave seldom forms
 //!    (at 85% of capacity on adp-shape, G = 8, about one request arrives every eight steps).
-//!    On adp-shape one 16-tick budget for both cost TTFT p99 1.6× the best baseline's at 85%
+//!    On adp-shape one 16-step budget for both cost TTFT p99 1.6× the best baseline's at 85%
 //!    load and kept 64% of the saturated gap; 64 deep and 2 shallow keep 77-81% of it at
 //!    G = 8-32 with TTFT p99 1.05-1.07× (tools/sim/RESULTS.md, "Prefill waves").
 //! 4. A wave takes the oldest requests, as many as the free slots of the ranks in it, and
@@ -44,8 +46,8 @@
 //!
 //! Decode KV is not balanced beyond that tie-break: on the colocated measurements the prefill
 //! term of the step costs several times the KV term. Without colocated prefill (a decode tier)
-//! nothing is ever queued at a tick, so rule 1 never holds a wave back; rules 2 and 3 still
-//! hold requests and only delay them (no step cost to save).
+//! a request writes its first token at its first step, so rule 1 holds a wave back a step at
+//! most; rules 2 and 3 still hold requests and only delay them (no step cost to save).
 
 use serde::{Deserialize, Serialize};
 
@@ -59,9 +61,9 @@ use crate::{CoreError, WorkerId};
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BrcConfig {
-    /// Ticks with a free slot the policy may hold the oldest waiting request before it releases
-    /// a wave regardless (the starvation guard), while the pool is deep. 0 admits at every tick
-    /// with a free slot. 64 by default: on adp-shape with colocated prefill
+    /// Decode steps with a free slot the policy may hold the oldest waiting request before it
+    /// releases a wave regardless (the starvation guard), while the pool is deep. 0 admits at
+    /// every tick with a free slot. 64 by default: on adp-shape with colocated prefill
     /// (tools/sim/RESULTS.md, "Prefill waves") the saturated gain grows up to 64 and no further
     /// (16: 64-67% of the gap to the aligned limit; 64: 76-81%; 128: no more than 64).
     pub max_wait_steps: u32,
@@ -116,12 +118,13 @@ impl BrcConfig {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Waves {
     cfg: BrcConfig,
-    /// Ticks since the last admission at which a slot was free and requests waited.
+    /// Decode steps since the last admission at whose ticks a slot was free and requests waited
+    /// (at most one per step: [`Waves::stepped`]).
     held: u32,
     /// Mean output length of the finished requests (exponentially weighted); `None` before
     /// the first.
     mean_output: Option<f64>,
-    /// σ's token clock when `held` last counted a tick.
+    /// σ's token clock when `held` last counted a step.
     counted_at: Option<u64>,
 }
 
