@@ -3,16 +3,19 @@
 //! br-client's [`WatchSource`] each call the very handler a gRPC call would reach
 //! ([`SnapshotService`]), so versions, resets, fencing, reservations and refusals are the same
 //! code; only the encoding, the sockets and the TLS are gone (and, for Reserve, the unary
-//! handler's always-on span: [`SnapshotService::reserve_in_process`]). No σ is copied here: the writer's
-//! Watch events are turned into messages by the handler exactly as for a gRPC watcher.
+//! handler's always-on span: [`SnapshotService::reserve_in_process`]). No σ is copied here:
+//! decision's watcher reads the writer's Watch events as the writer shares them among its
+//! watchers ([`SnapshotService::watch_shared`]: the subscription, bounds and merging of
+//! `Snapshot.Watch`, without the message each change would be copied into).
 
 use std::time::Duration;
 
-use br_client::watch::{WatchEvents, WatchSource};
+use br_client::watch::{SourceEvent, WatchEvents, WatchSource};
 use br_decision::SnapshotOps;
 use br_ingest::forward::{Acks, ApplyLink, Batches, OpenError};
 use br_proto::v1;
 use br_proto::v1::snapshot_server::Snapshot as _;
+use br_snapshot::Event;
 use br_snapshot::service::SnapshotService;
 use futures::future::BoxFuture;
 use tokio_stream::StreamExt as _;
@@ -50,9 +53,31 @@ impl WatchSource for Local {
     ) -> BoxFuture<'static, Result<WatchEvents, tonic::Status>> {
         let svc = self.svc.clone();
         Box::pin(async move {
-            let events = svc.watch(tonic::Request::new(req)).await?.into_inner();
-            Ok(events)
+            // The writer's own deltas and snapshots, shared with every other watcher: no copy
+            // of a change, no encoding.
+            let events = svc.watch_shared(req).await?;
+            Ok(Box::pin(events.map(|ev| ev.map(source_event))) as WatchEvents)
         })
+    }
+}
+
+/// A watcher queue's event as the watcher reads it (what `Snapshot.Watch` would encode).
+fn source_event(ev: Event) -> SourceEvent {
+    match ev {
+        Event::Snapshot(s) => SourceEvent::Snapshot(s),
+        Event::Delta(d) => SourceEvent::Delta(d),
+        Event::Progress { epoch, version } => {
+            SourceEvent::Progress(v1::watch_event::ProgressMark { epoch, version })
+        }
+        Event::Reset {
+            reason,
+            epoch,
+            detail,
+        } => SourceEvent::Reset(v1::watch_event::Reset {
+            reason: reason as i32,
+            epoch,
+            detail: detail.to_string(),
+        }),
     }
 }
 

@@ -28,7 +28,7 @@ use br_runtime::skeleton::{self, Grpc, StartError};
 use tokio_util::sync::CancellationToken;
 
 pub use config::Args;
-pub use group::Settings;
+pub use group::{Event, Settings};
 pub use metrics::Metrics;
 
 /// Largest gRPC message accepted (an Apply batch or a Reserve call).

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::SnapshotError;
+use crate::group::Event;
 use crate::metrics::Metrics;
 use crate::wire;
 use crate::writer::{Command, WriterHandle};
@@ -66,19 +67,13 @@ impl SnapshotService {
     }
 }
 
-/// A response stream of the service (Watch events, Apply acks).
-pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
-
-#[tonic::async_trait]
-impl Snapshot for SnapshotService {
-    type WatchStream = BoxStream<v1::WatchEvent>;
-
-    #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, epoch = req.get_ref().epoch, last_version = req.get_ref().last_version))]
-    async fn watch(
-        &self,
-        req: Request<v1::WatchRequest>,
-    ) -> Result<Response<Self::WatchStream>, Status> {
-        let req = ValidWatch::try_from(req.into_inner()).map_err(|e| self.fail(e.into()))?;
+impl SnapshotService {
+    /// One Watch subscription's events as the writer shares them among its watchers (each
+    /// delta and snapshot one allocation, behind an `Arc`): what `Snapshot.Watch` encodes for
+    /// a gRPC watcher, and what br-all's in-process watchers read as they are. Same
+    /// validation, watcher bound, queue bounds and merging either way.
+    pub async fn watch_shared(&self, req: v1::WatchRequest) -> Result<BoxStream<Event>, Status> {
+        let req = ValidWatch::try_from(req).map_err(|e| self.fail(e.into()))?;
         let Ok(permit) = Arc::clone(&self.watchers).try_acquire_owned() else {
             self.metrics.refuse("max_watchers");
             return Err(self.fail(SnapshotError::TooManyWatchers {
@@ -96,16 +91,15 @@ impl Snapshot for SnapshotService {
         // over its bytes yields its overflow, which ends the stream RESOURCE_EXHAUSTED.
         // The permit goes with the stream: released when the watcher goes away or is ended.
         // Deltas queued behind each other go out merged (one message for several versions,
-        // see `group::queue::Merging`); the br-all's in-process watchers read this same
-        // stream, so they are merged alike.
+        // see `group::queue::Merging`).
         let deltas = self.metrics.watch_deltas(&group);
         let stream = rx.merging().map(move |ev| match ev {
             Ok(ev) => {
                 let _held = &permit;
-                if let crate::group::Event::Delta(d) = &ev {
+                if let Event::Delta(d) = &ev {
                     deltas.sent(d.prev_version, d.version);
                 }
-                Ok(wire::watch_event(&ev))
+                Ok(ev)
             }
             Err(o) => {
                 let e = SnapshotError::WatcherTooSlow {
@@ -116,6 +110,24 @@ impl Snapshot for SnapshotService {
                 Err(e.into())
             }
         });
+        Ok(Box::pin(stream))
+    }
+}
+
+/// A response stream of the service (Watch events, Apply acks).
+pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Snapshot for SnapshotService {
+    type WatchStream = BoxStream<v1::WatchEvent>;
+
+    #[tracing::instrument(skip_all, fields(group = %req.get_ref().group, epoch = req.get_ref().epoch, last_version = req.get_ref().last_version))]
+    async fn watch(
+        &self,
+        req: Request<v1::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let events = self.watch_shared(req.into_inner()).await?;
+        let stream = events.map(|ev| ev.map(|ev| wire::watch_event(&ev)));
         Ok(Response::new(Box::pin(stream)))
     }
 

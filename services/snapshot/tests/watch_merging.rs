@@ -127,3 +127,67 @@ async fn a_watcher_that_did_not_read_gets_its_queued_versions_in_fewer_messages(
     }
     shutdown.cancel();
 }
+
+/// br-all's watchers read the writer's events as it shares them among every watcher: one
+/// allocation per delta for all of them (nothing copied per watcher), the very delta
+/// `Snapshot.Watch` encodes for a gRPC watcher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_watchers_share_each_delta_with_every_watcher_and_read_what_watch_sends() {
+    let args: Args = br_runtime::config::parse_from(["br-snapshot"]).unwrap();
+    let shutdown = CancellationToken::new();
+    let c = br_snapshot::component(&args, shutdown.clone()).unwrap();
+    let svc = c.service.clone();
+    let req = || v1::WatchRequest {
+        group: "g".into(),
+        epoch: 0,
+        last_version: 0,
+    };
+    let mut a = svc.watch_shared(req()).await.unwrap();
+    let mut b = svc.watch_shared(req()).await.unwrap();
+    let mut wire = svc.watch(Request::new(req())).await.unwrap().into_inner();
+    let (Some(Ok(br_snapshot::Event::Snapshot(sa))), Some(Ok(br_snapshot::Event::Snapshot(sb)))) =
+        (shared(&mut a).await, shared(&mut b).await)
+    else {
+        panic!("a new watcher starts with a snapshot")
+    };
+    let Ev::Snapshot(sw) = next(&mut wire).await else {
+        panic!("a new gRPC watcher starts with a snapshot")
+    };
+    assert_eq!((*sa == sw, *sb == sw), (true, true));
+
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut acks = svc.apply_stream(tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok));
+    tx.send(batch(
+        1,
+        vec![hello(0, 10, 64), progress(0, 10, "r", 100, 3)],
+    ))
+    .await
+    .unwrap();
+    let ack = within(PATIENCE, "an ack", acks.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(ack.rejected.is_empty(), "{ack:?}");
+
+    let (Some(Ok(br_snapshot::Event::Delta(da))), Some(Ok(br_snapshot::Event::Delta(db)))) =
+        (shared(&mut a).await, shared(&mut b).await)
+    else {
+        panic!("the batch's delta comes next")
+    };
+    assert!(
+        std::sync::Arc::ptr_eq(&da, &db),
+        "each watcher got its own copy"
+    );
+    let Ev::Delta(dw) = next(&mut wire).await else {
+        panic!("the gRPC watcher's delta comes next")
+    };
+    assert_eq!(*da, dw);
+    assert_eq!((dw.prev_version, dw.version, dw.changes.len()), (0, 1, 2));
+    shutdown.cancel();
+}
+
+async fn shared(
+    events: &mut br_snapshot::service::BoxStream<br_snapshot::Event>,
+) -> Option<Result<br_snapshot::Event, tonic::Status>> {
+    within(PATIENCE, "a shared Watch event", events.next()).await
+}
