@@ -10,8 +10,11 @@ use super::*;
 /// reservation made since, and each decider's own reservations of this step.
 pub(super) struct Views {
     lag: usize,
-    /// The true state at the start of each of the last `lag + 1` steps, oldest first.
+    /// The true state at the start of each of the last `lag` steps, oldest first (the one of
+    /// `lag` steps ago moves into this step's views).
     history: VecDeque<ClusterState>,
+    /// A state no view holds any longer, whose allocation the next copy of the truth reuses.
+    spare: Option<ClusterState>,
     /// Reservations (by any decider) with the step they were made in, oldest first.
     log: VecDeque<(u64, RequestInfo)>,
     views: Vec<ClusterState>,
@@ -22,25 +25,30 @@ impl Views {
         Views {
             lag: lag as usize,
             history: VecDeque::new(),
+            spare: None,
             log: VecDeque::new(),
             views: vec![ClusterState::new(); deciders],
         }
     }
 
     pub(super) fn begin_step(&mut self, step: u64, truth: &ClusterState) {
-        self.history.push_back(truth.clone());
-        while self.history.len() > self.lag + 1 {
-            self.history.pop_front();
-        }
+        // One copy of the state per step: the truth is copied into the history (into the
+        // allocation the replaced view gave back), and the oldest kept state, which no later
+        // step needs, is moved into this step's view rather than copied. At G = 32 and B = 256
+        // a state holds some 64,000 requests, and three copies a step made lagged runs slow.
+        let mut kept = self.spare.take().unwrap_or_default();
+        kept.clone_from(truth);
+        self.history.push_back(kept);
         let since = step.saturating_sub(self.lag as u64);
         while self.log.front().is_some_and(|(s, _)| *s < since) {
             self.log.pop_front();
         }
-        let mut common = self
-            .history
-            .front()
-            .cloned()
-            .unwrap_or_else(|| truth.clone());
+        let mut common = if self.history.len() > self.lag {
+            self.history.pop_front().unwrap_or_default()
+        } else {
+            // Fewer than `lag` steps so far: the first state stays for the next steps too.
+            self.history.front().cloned().unwrap_or_default()
+        };
         for (_, info) in &self.log {
             if !common.contains(info.key) {
                 // refused only when the stale view shows its worker fenced, which the
@@ -48,8 +56,11 @@ impl Views {
                 let _ = common.reserve(info.clone());
             }
         }
-        for v in &mut self.views {
-            v.clone_from(&common);
+        if let Some((last, rest)) = self.views.split_last_mut() {
+            for v in rest {
+                v.clone_from(&common);
+            }
+            self.spare = Some(std::mem::replace(last, common));
         }
     }
 
