@@ -43,6 +43,8 @@ python-tests: ## third-party clients (openai, grpcio) against the real binaries
 	bash scripts/python-tests.sh
 
 e2e-vllm: ## end-to-end tests against a real vLLM (CPU build, data parallel; installed pinned into target/vllm)
+	mkdir -p target && python3 scripts/vllm/test_step_samples.py 2> target/step-samples-test.log \
+		|| { cat target/step-samples-test.log; exit 1; }
 	bash scripts/e2e-vllm.sh
 
 vllm-step-model: ## fit br-sim's step model to a real vLLM rank's measured step times (scripts/vllm/step-model.sh)
