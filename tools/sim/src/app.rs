@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use crate::calibrate;
 use crate::cli::{Arrival, CalibrateArgs, Command, RunArgs, SweepArgs, Workload};
 use crate::engine::{ControlPlane, EngineConfig, RunOutcome, simulate_deciders};
-use crate::plot::{LoadSeries, ScalingPoint, plot_scaling, plot_worker_loads};
+use crate::plot::{Limit, LoadSeries, ScalingPoint, plot_scaling, plot_worker_loads};
 use crate::report::{Report, RunReport, SteadyExtra, TABLE_LEGEND, is_baseline, render_table};
 use crate::spec::{PolicySpec, parse_spec, parse_sweep_param, set_param};
 use crate::synth::SynthKind;

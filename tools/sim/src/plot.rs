@@ -3,8 +3,8 @@
 //! - [`plot_worker_loads`]: per-worker KV load over decode steps, one panel per policy side by
 //!   side on a shared y axis (the paper's Figure 3).
 //! - [`plot_scaling`]: throughput gain over the best baseline, average imbalance, and the share
-//!   of the best baseline's steady gap to the fluid limit each policy removes, against G (the
-//!   paper's Figure 4, and the wide-EP share).
+//!   of the best baseline's steady gap to the fluid (or aligned) limit each policy removes,
+//!   against G (the paper's Figure 4, and the wide-EP share).
 //!
 //! Both take plain data, so they do not depend on the simulation engine.
 
@@ -274,12 +274,36 @@ fn legend_room(span: f64, rows: usize) -> f64 {
     span * legend / (1.0 - legend)
 }
 
+/// The limit a scaling figure's share of the gap is taken against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// Every step balanced (the decode tier).
+    Fluid,
+    /// Every rank's prefill in the same steps and decode KV balanced (`--colocated`).
+    Aligned,
+}
+
+impl Limit {
+    fn name(self) -> &'static str {
+        match self {
+            Limit::Fluid => "fluid",
+            Limit::Aligned => "aligned",
+        }
+    }
+}
+
 /// Writes the scaling figure: left, throughput gain over the best baseline against G (solid:
 /// whole run, thin: steady state while requests wait); middle, average imbalance against G
 /// (solid: whole run, thin: steady state); right, each policy's steady share of the best
-/// baseline's gap to the fluid limit, ± its standard error, with the 90% guide. G is on a log2
-/// axis; every legend sits in a band of its panel that the data leaves clear.
-pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result<(), PlotError> {
+/// baseline's gap to `limit` (the fluid limit of the decode tier, or under colocated prefill
+/// the aligned one), ± its standard error, with the 90% guide. G is on a log2 axis; every
+/// legend sits in a band of its panel that the data leaves clear.
+pub fn plot_scaling(
+    path: &Path,
+    title: &str,
+    limit: Limit,
+    points: &[ScalingPoint],
+) -> Result<(), PlotError> {
     if points.is_empty() {
         return Err(PlotError::Empty {
             path: path.to_path_buf(),
@@ -395,11 +419,12 @@ pub fn plot_scaling(path: &Path, title: &str, points: &[ScalingPoint]) -> Result
         .draw()
         .map_err(draw_err(path))?;
 
+    let share_caption = format!(
+        "steady share of the gap between the best baseline and the {} limit (± s.e.)",
+        limit.name()
+    );
     let mut share = ChartBuilder::on(share_area)
-        .caption(
-            "steady share of the gap between the best baseline and the fluid limit (± s.e.)",
-            ("sans-serif", 15),
-        )
+        .caption(share_caption, ("sans-serif", 15))
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(55)
@@ -623,7 +648,7 @@ mod tests {
                 })
             })
             .collect();
-        plot_scaling(&p, "scaling test", &pts).expect("plot");
+        plot_scaling(&p, "scaling test", Limit::Fluid, &pts).expect("plot");
         let svg = std::fs::read_to_string(&p).expect("read");
         if let Ok(d) = std::env::var("BR_SIM_KEEP_PLOTS") {
             let _ = std::fs::copy(
@@ -658,6 +683,7 @@ mod tests {
         plot_scaling(
             &p,
             "scaling test",
+            Limit::Fluid,
             &pts.iter()
                 .map(|q| ScalingPoint {
                     steady_gap_pct: q.steady_gap_pct.map(|(m, _)| (m, 0.0)),
@@ -669,7 +695,7 @@ mod tests {
         let without = segments(&std::fs::read_to_string(&p).expect("read"));
         assert_eq!(with, without + 15, "error bars with a spread, none without");
         assert!(matches!(
-            plot_scaling(&p, "x", &[]),
+            plot_scaling(&p, "x", Limit::Aligned, &[]),
             Err(PlotError::Empty { .. })
         ));
     }

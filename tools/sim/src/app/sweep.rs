@@ -229,7 +229,12 @@ pub(super) fn sweep(args: &SweepArgs) -> anyhow::Result<()> {
                 String::new()
             }
         );
-        plot_scaling(&path, &title, &points)?;
+        let limit = if run.colocated {
+            Limit::Aligned
+        } else {
+            Limit::Fluid
+        };
+        plot_scaling(&path, &title, limit, &points)?;
         println!("wrote {}", path.display());
     }
     Ok(())
