@@ -10,6 +10,7 @@ standard errors). The robustness sweeps (lag, p off by half) get the saturated c
 
 Usage: brc_targets.py RESULTS_DIR
 """
+import glob
 import json
 import os
 import re
@@ -117,12 +118,12 @@ def main():
     print("|---|---|---|---|---|")
     for tag, label in (("lag2", "telemetry 2 steps late"), ("p0.24", "engine p = 0.24 (-50%)"),
                        ("p0.72", "engine p = 0.72 (+50%)")):
-        p = os.path.join(out, f"P-brc-T-adp-shape-saturated-{tag}.txt")
-        if os.path.exists(p):
-            for g in (8, 16, 32):
-                cell = saturated(p, g)
-                if cell is not None:  # the lag sweep runs G = 8 and 16 only
-                    print(f"| {label} | {g} | {fmt_sat(cell)} |")
+        # one sweep, or one per part of the G's (the lagged G = 32 runs on its own)
+        paths = sorted(glob.glob(os.path.join(out, f"P-brc-T-adp-shape-saturated-{tag}*.txt")))
+        for g in (8, 16, 32):
+            cell = next((c for c in (saturated(p, g) for p in paths) if c is not None), None)
+            if cell is not None:
+                print(f"| {label} | {g} | {fmt_sat(cell)} |")
 
 
 if __name__ == "__main__":

@@ -70,12 +70,14 @@ if [ "${2:-}" != robust ]; then
   done
 fi
 
-# robustness, adp-shape saturated: telemetry 2 steps late (G = 8 and 16: a lagged σ is a copy
-# of the state kept for every step, which at G = 32's 64,000 requests takes most of an hour);
-# the engine's p off by -50% / +50%
+# robustness, adp-shape saturated: telemetry 2 steps late (G = 32 on its own: a lagged σ copies
+# the state of 64,000 requests every step, a quarter of an hour on two cores); the engine's p
+# off by -50% / +50%
 adp=(--trace adp-shape --slots 256 --prefill-chunk 8192 --colocated --seeds "$SEEDS"
   --policies "$POLICIES" --arrival saturated)
 sweep P-brc-T-adp-shape-saturated-lag2 "${adp[@]}" --workers-list 8,16 --step-p 0.48 \
+  --telemetry-lag-steps 2
+sweep P-brc-T-adp-shape-saturated-lag2-G32 "${adp[@]}" --workers-list 32 --step-p 0.48 \
   --telemetry-lag-steps 2
 adp+=(--workers-list 8,16,32)
 sweep P-brc-T-adp-shape-saturated-p0.24 "${adp[@]}" --step-p 0.24
