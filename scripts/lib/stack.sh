@@ -195,7 +195,7 @@ policy_flags() {
         fi
         key=${kv%%=*}
         # BR-C's settings are the decision's --brc-* flags (brc:max_wait_steps=16 is
-        # --brc-max-wait-steps 16)
+        # --brc-max-wait-steps 16; shallow_wait_steps, hold_fraction and wave_fraction alike)
         [ "${spec%%:*}" = brc ] && key="brc_$key"
         POLICY_F+=("--${key//_/-}" "${kv#*=}")
     done

@@ -191,8 +191,8 @@ pub struct Args {
 
     /// BR-C (--policy brc): decode steps it may hold the oldest waiting request for a wave
     /// while at least as many requests wait as there are free slots (64; steps are counted
-    /// from the ranks' token reports, not from ticks; also at most 5% of the finished
-    /// requests' mean output length). 0 releases at every step with a free slot.
+    /// from the ranks' token reports, not from ticks; also at most --brc-hold-fraction, 5%, of
+    /// the finished requests' mean output length). 0 releases at every step with a free slot.
     #[arg(long, env = "BALANCEROUTE_BRC_MAX_WAIT_STEPS")]
     pub brc_max_wait_steps: Option<u32>,
 
@@ -200,6 +200,17 @@ pub struct Args {
     /// --brc-max-wait-steps): each step held there adds to every waiting request's TTFT.
     #[arg(long, env = "BALANCEROUTE_BRC_SHALLOW_WAIT_STEPS")]
     pub brc_shallow_wait_steps: Option<u32>,
+
+    /// BR-C: once requests have finished, the deep pool's hold is also at most this fraction
+    /// of their mean output length, in decode steps rounded up (0.05; in (0, 1]): a hold
+    /// leaves freed slots empty, and what that costs is the hold over a slot's life.
+    #[arg(long, env = "BALANCEROUTE_BRC_HOLD_FRACTION")]
+    pub brc_hold_fraction: Option<f64>,
+
+    /// BR-C: the fraction of live ranks that must have a free slot, and of requests that must
+    /// wait, for a wave (1; in (0, 1]): a wave on part of the ranks stalls the rest as long.
+    #[arg(long, env = "BALANCEROUTE_BRC_WAVE_FRACTION")]
+    pub brc_wave_fraction: Option<f64>,
 
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
@@ -443,11 +454,33 @@ impl Args {
                 br_core::BrcConfig {
                     max_wait_steps: self.brc_max_wait_steps.unwrap_or(b.max_wait_steps),
                     shallow_wait_steps: self.brc_shallow_wait_steps.unwrap_or(b.shallow_wait_steps),
-                    ..b
+                    hold_fraction: self.brc_hold_fraction.unwrap_or(b.hold_fraction),
+                    wave_fraction: self.brc_wave_fraction.unwrap_or(b.wave_fraction),
                 }
             },
             seed: self.seed,
         };
+        // BR-C's fractions through its own validation, one at a time, so the error names the
+        // flag that is out of range (the core's message names the field)
+        let b = br_core::BrcConfig::default();
+        for (flag, cfg) in [
+            (
+                "--brc-hold-fraction",
+                br_core::BrcConfig {
+                    hold_fraction: policy.brc.hold_fraction,
+                    ..b
+                },
+            ),
+            (
+                "--brc-wave-fraction",
+                br_core::BrcConfig {
+                    wave_fraction: policy.brc.wave_fraction,
+                    ..b
+                },
+            ),
+        ] {
+            cfg.validate().map_err(|e| format!("{flag}: {e}"))?;
+        }
         policy.validate().map_err(|e| e.to_string())?;
         let split = RankSplit::new(self.deciders, self.decider_index, self.decider_takeover)
             .map_err(|e| e.to_string())?;
@@ -921,5 +954,62 @@ mod tests {
             br_core::BrcConfig::default().hold_fraction
         );
         assert!(parse(&["--brc-max-wait-steps", "-1"]).is_err());
+    }
+
+    #[test]
+    fn brc_takes_its_hold_and_wave_fractions_and_refuses_them_outside_0_to_1() {
+        let c = parse(&[
+            "--policy",
+            "brc",
+            "--brc-hold-fraction",
+            "0.1",
+            "--brc-wave-fraction",
+            "0.5",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(
+            c.policy.brc,
+            br_core::BrcConfig {
+                hold_fraction: 0.1,
+                wave_fraction: 0.5,
+                ..br_core::BrcConfig::default()
+            }
+        );
+        // the file's keys and the variables name them too
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(b"policy = \"brc\"\nbrc_hold_fraction = 1\nbrc_wave_fraction = 0.25\n")
+            .unwrap();
+        let c = parse(&["--config", f.path().to_str().unwrap()])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(
+            (c.policy.brc.hold_fraction, c.policy.brc.wave_fraction),
+            (1.0, 0.25)
+        );
+        // refused at parsing (which validates), with BrcConfig's error under the flag's name
+        let refused = |args: &[&str]| match parse(args) {
+            Err(e) => e.to_string(),
+            Ok(a) => a.to_config().unwrap_err(),
+        };
+        for (flag, field) in [
+            ("--brc-hold-fraction", "hold_fraction"),
+            ("--brc-wave-fraction", "wave_fraction"),
+        ] {
+            for bad in ["0", "-0.5", "1.5", "NaN", "inf"] {
+                // `--flag=-0.5`: clap reads a lone `-0.5` as a flag
+                let e = refused(&["--policy", "brc", &format!("{flag}={bad}")]);
+                assert!(
+                    e.contains(&format!("{flag}: "))
+                        && e.contains(&format!("{field} must be in (0, 1]")),
+                    "{flag} {bad}: {e}"
+                );
+            }
+            assert!(parse(&[flag, "x"]).is_err(), "{flag} x");
+            // 1 is the top of the range, not beyond it
+            assert!(parse(&["--policy", "brc", flag, "1"]).is_ok(), "{flag} 1");
+        }
     }
 }
