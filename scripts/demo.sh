@@ -3,8 +3,8 @@
 # default: ingest, snapshot and decision in one process), G br-shims and `br-emu engine` on
 # loopback (free ports), replays a paper-shaped workload through them first with JSQ and then
 # with BR-0 (br-all and the shims restarted with --policy, so each run starts on an empty σ),
-# and prints the measured imbalance, TPOT and throughput side by side with br-sim's
-# for the same workload, and how many ranks each run lost from routing at any time (a shim that
+# and prints the measured imbalance, balance ratio, TPOT and throughput side by side with
+# br-sim's for the same workload, and how many ranks each run lost from routing at any time (a shim that
 # judged its engine down): runs that did not keep the same ranks in routing are not compared
 # fairly, and the summary says so. The twin replays each live run's arrivals as the decision
 # service saw them (`br-emu load --arrivals-csv`): a "saturated" burst reaches the decision over
@@ -138,7 +138,9 @@ echo
 routing_verdict "$G" "${OUT_OF_ROUTING[@]}"
 echo
 echo "imbalance = mean over engine steps of max_g L_g - min_g L_g (KV tokens, the paper's metric);"
-echo "br-sim, brctl and the live page use the same name, and call G*max L - sum L the barrier idle"
+echo "br-sim, brctl and the live page use the same name, and call G*max L - sum L the barrier idle;"
+echo "balance% = mean over engine steps of sum_g work_g / (G*max_g work_g), work_g = a*L_g + p*P_g + c*n_g"
+echo "(each rank's share of the step time, its prompt tokens P_g included when colocated; br-sim's balance%)"
 echo "run took $(( $(date +%s) - T0 )) s after the build; JSON and logs in $OUT"
 # Beside every figure: the machine and how busy it was (the emulated engine's steps are wall
 # time, so a loaded machine stretches them; compare runs from the same machine).

@@ -2,7 +2,8 @@
 //! synthetic generators), asks BalanceRoute's decision service for each request's rank
 //! (`Assign`), sends the request to that rank (through its shim) as an OpenAI streaming
 //! completion with the trace's output length as `max_tokens` (`ignore_eos`), and records TTFT,
-//! TPOT and throughput; it reads the engine's per-step loads from `GET /stats` for imbalance.
+//! TPOT and throughput; it reads the engine's per-step loads from `GET /stats` for imbalance
+//! and the balance ratio.
 //!
 //! Arrival times (`--arrival trace|poisson`, `--rate`) are model time, as in br-sim: with
 //! `--engine-url` they are multiplied by the engine's time scale. Times are reported in model
@@ -160,6 +161,11 @@ pub struct Summary {
     pub imbalance_tokens: Option<f64>,
     /// Mean over steps of G·max L − Σ L.
     pub idle_tokens: Option<f64>,
+    /// Mean over engine steps of the balance ratio `Σ_g work_g / (G · max_g work_g)`, a rank's
+    /// work its share of the step time `a·L_g + p·P_g + c·n_g` (br-sim's `avg_balance`, its
+    /// `balance%`; 1 = no rank waits at the barrier).
+    #[serde(default)]
+    pub balance_ratio: Option<f64>,
     pub steps: Option<usize>,
     /// Mean model step time, ms.
     pub mean_step_ms: Option<f64>,
@@ -366,6 +372,7 @@ fn summarise(
         assign_ms: Pct::of(ok.iter().map(|r| r.assign_ms).collect()).scaled(to_model),
         imbalance_tokens: stats.map(Stats::mean_max_minus_min),
         idle_tokens: stats.map(Stats::mean_idle_tokens),
+        balance_ratio: stats.and_then(Stats::mean_balance),
         steps: stats.map(|s| s.steps),
         mean_step_ms: stats.map(Stats::mean_model_ms),
         per_rank,

@@ -372,8 +372,11 @@ fn print_summary(s: &Summary) {
         s.ttft_ms.p95
     );
     if let (Some(i), Some(steps)) = (s.imbalance_tokens, s.steps) {
+        let balance = s.balance_ratio.map_or(String::new(), |b| {
+            format!(", balance ratio {:.1}%", 100.0 * b)
+        });
         println!(
-            "  engine: {steps} steps, imbalance (mean max-min) {i:.0} tokens, mean step {:.1} ms; requests per rank {:?}",
+            "  engine: {steps} steps, imbalance (mean max-min) {i:.0} tokens{balance}, mean step {:.1} ms; requests per rank {:?}",
             s.mean_step_ms.unwrap_or(f64::NAN),
             s.per_rank
         );

@@ -96,6 +96,10 @@ pub struct StepRecord {
     pub prefill: Vec<u64>,
     /// Model step time, ms (a·max L + p·max P + c·max n + b).
     pub model_ms: f64,
+    /// The step's balance ratio, `Σ_g work_g / (G · max_g work_g)` with `work_g = a·L_g +
+    /// p·P_g + c·n_g` (each rank's share of the step time; 1 when no rank works): br-sim's
+    /// `balance%`, see [`balance_ratio`].
+    pub balance: f64,
 }
 
 impl StepRecord {
@@ -244,11 +248,13 @@ impl<N: Notify> Lockstep<N> {
             max(&prefill),
             running.iter().copied().max().unwrap_or(0),
         );
+        let balance = balance_ratio(&self.model, &loads, &prefill, &running);
         Some(StepRecord {
             loads,
             running,
             prefill,
             model_ms,
+            balance,
         })
     }
 
@@ -273,6 +279,33 @@ impl<N: Notify> Lockstep<N> {
             r.completing = completed;
             r.partial_kv = r.partial.as_ref().map_or(0, |(_, done)| u64::from(*done));
         }
+    }
+}
+
+/// The balance ratio of one step, as br-sim defines it (its `balance%`, averaged over steps):
+/// `Σ_g work_g / (G · max_g work_g)`, a rank's work its share of the step time, `work_g =
+/// a·L_g + p·P_g + c·n_g` with L_g the KV it reads (`loads`), P_g the prompt tokens it prefills
+/// (`prefill`, all 0 for a decode tier) and n_g the tokens it writes (`running`). 1 means no
+/// rank waits at the barrier; decode-only with c = 0 it is the KV balance `mean L / max L`.
+/// A step in which no rank works counts as balanced (1). Computed by the same operations, in
+/// the same order, as br-sim's step loop, so an engine and its twin that run the same steps
+/// report the same ratio.
+pub fn balance_ratio(model: &StepModel, loads: &[u64], prefill: &[u64], running: &[u32]) -> f64 {
+    let g = loads.len();
+    let (mut work_max, mut work_sum) = (0.0f64, 0.0f64);
+    for (w, &l) in loads.iter().enumerate() {
+        let p_w = prefill.get(w).copied().unwrap_or(0);
+        let n_w = running.get(w).copied().unwrap_or(0);
+        let work = model.a_ms_per_token * l as f64
+            + model.p_ms_per_prefill_token * p_w as f64
+            + model.c_ms_per_request * f64::from(n_w);
+        work_max = work_max.max(work);
+        work_sum += work;
+    }
+    if work_max > 0.0 {
+        work_sum / (g as f64 * work_max)
+    } else {
+        1.0
     }
 }
 
@@ -557,6 +590,55 @@ mod tests {
         e.finish_step(s2.model_ms);
         assert!(next.0.borrow().last().unwrap().done);
         assert!(e.begin_step().is_none());
+    }
+
+    #[test]
+    fn the_balance_ratio_is_the_ranks_work_over_g_times_the_busiest_rank_s() {
+        let model = StepModel {
+            a_ms_per_token: 0.5,
+            b_ms: 10.0,
+            c_ms_per_request: 2.0,
+            p_ms_per_prefill_token: 0.01,
+        };
+        // work_g = a·L + p·P + c·n: rank 0 0.5·100 + 0 + 2·2 = 54, rank 1 0.5·50 + 0.01·1000
+        // + 2·1 = 37; b is no rank's work
+        let r = balance_ratio(&model, &[100, 50], &[0, 1_000], &[2, 1]);
+        assert!((r - (54.0 + 37.0) / (2.0 * 54.0)).abs() < 1e-12, "{r}");
+        // decode-only with c = 0: the KV balance mean L / max L
+        let r = balance_ratio(&M, &[100, 50, 0, 50], &[0; 4], &[1, 1, 0, 1]);
+        assert_eq!(r, 50.0 / 100.0);
+        // equal work on every rank is 1; a step in which no rank works counts as balanced
+        assert_eq!(balance_ratio(&model, &[70, 70], &[5, 5], &[3, 3]), 1.0);
+        assert_eq!(balance_ratio(&M, &[0, 0], &[0, 0], &[0, 0]), 1.0);
+        // a prefill stall on one rank: the others wait for it
+        let r = balance_ratio(&model, &[0, 0, 0, 0], &[4_000, 0, 0, 0], &[0; 4]);
+        assert_eq!(r, 0.25);
+    }
+
+    #[test]
+    fn every_step_records_its_balance_ratio_prefill_included() {
+        let mut e = Lockstep::new(2, 4, P).with_colocated(Colocated { chunk: 2_048 });
+        let n = Rec::default();
+        e.submit(1, slot(1, 100, 10, &n)).unwrap();
+        let first = e.begin_step().unwrap();
+        // rank 1 prefills 100 tokens, rank 0 nothing: 0.01·100 over 2 × that
+        assert_eq!(first.balance, 0.5);
+        e.finish_step(first.model_ms);
+        e.submit(0, slot(2, 2_048, 1, &n)).unwrap();
+        let rec = e.begin_step().unwrap();
+        // rank 0 prefills 2,048 (20.48 ms of work), rank 1 reads 101 KV tokens (50.5 ms)
+        let want = (0.01 * 2_048.0 + 0.5 * 101.0) / (2.0 * (0.5 * 101.0));
+        assert!((rec.balance - want).abs() < 1e-12, "{}", rec.balance);
+        assert_eq!(
+            rec.balance,
+            balance_ratio(&P, &rec.loads, &rec.prefill, &rec.running)
+        );
+        // a decode tier: the KV balance of the loads the step ran at
+        let mut e = Lockstep::new(2, 4, M);
+        e.submit(0, slot(1, 100, 3, &n)).unwrap();
+        e.submit(1, slot(2, 40, 3, &n)).unwrap();
+        let rec = e.begin_step().unwrap();
+        assert_eq!(rec.balance, 140.0 / 200.0);
     }
 
     #[test]

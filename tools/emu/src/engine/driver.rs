@@ -59,6 +59,9 @@ pub struct StatsLog {
     pub model_ms: Vec<f64>,
     /// Wall-clock step time, ms.
     pub wall_ms: Vec<f64>,
+    /// The balance ratio of each step, `Σ_g work_g / (G · max_g work_g)`
+    /// ([`super::core::balance_ratio`]).
+    pub balance: Vec<f64>,
     /// Per-rank loads, step-major (`ranks` values per step).
     #[serde(skip)]
     pub loads: Vec<u64>,
@@ -84,6 +87,7 @@ impl StatsLog {
         self.max_prefill.push(rec.max_prefill());
         self.model_ms.push(rec.model_ms);
         self.wall_ms.push(wall.as_secs_f64() * 1e3);
+        self.balance.push(rec.balance);
         self.loads.extend_from_slice(&rec.loads);
         let step = self.first_step + self.max_load.len() as u64 - 1;
         self.ttft_model_ms.extend_from_slice(first_tokens);

@@ -43,6 +43,9 @@ impl Moments {
 pub struct TwinBand {
     pub n: usize,
     pub imbalance: Moments,
+    /// br-sim's `avg_balance` (a share, printed as `balance%`); 0 in reports written before
+    /// br-sim computed it.
+    pub balance: Moments,
     pub tpot_p50: Moments,
     pub tpot_p95: Moments,
     pub throughput: Moments,
@@ -57,6 +60,7 @@ impl TwinBand {
         Some(TwinBand {
             n: runs.len(),
             imbalance: m(|r| r.avg_imbalance),
+            balance: m(|r| r.avg_balance),
             tpot_p50: m(|r| r.tpot_p50_ms),
             tpot_p95: m(|r| r.tpot_p95_ms),
             throughput: m(|r| r.throughput_tok_s),
@@ -89,16 +93,26 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
         .max(10);
     let _ = writeln!(
         out,
-        "{:<w$} {:>9} {:>14} {:>12} {:>12} {:>12} {:>11} {:>9}",
-        "policy", "source", "imbalance", "TPOT p50 ms", "TPOT p95 ms", "tok/s", "step ms", "failed"
+        "{:<w$} {:>9} {:>14} {:>9} {:>12} {:>12} {:>12} {:>11} {:>9}",
+        "policy",
+        "source",
+        "imbalance",
+        "balance%",
+        "TPOT p50 ms",
+        "TPOT p95 ms",
+        "tok/s",
+        "step ms",
+        "failed"
     );
+    let pct = |x: Option<f64>| x.map(|b| 100.0 * b);
     for s in runs {
         let _ = writeln!(
             out,
-            "{:<w$} {:>9} {} {:>12.1} {:>12.1} {:>12.0} {} {:>9}",
+            "{:<w$} {:>9} {} {} {:>12.1} {:>12.1} {:>12.0} {} {:>9}",
             s.label,
             "live",
             or_dash(s.imbalance_tokens, 14, 0),
+            or_dash(pct(s.balance_ratio), 9, 1),
             s.tpot_ms.p50,
             s.tpot_ms.p95,
             s.throughput_tok_s,
@@ -109,12 +123,15 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
             .map(|rep| rep.runs.iter().filter(|r| r.policy == s.label).collect())
             .unwrap_or_default();
         if let Some(t) = TwinBand::of(&twins) {
+            // a twin report written before br-sim computed the ratio reads it as 0
+            let twin_balance = Some(t.balance.mean).filter(|b| *b > 0.0);
             let _ = writeln!(
                 out,
-                "{:<w$} {:>9} {:>14.0} {:>12.1} {:>12.1} {:>12.0} {:>11} {:>9}",
+                "{:<w$} {:>9} {:>14.0} {} {:>12.1} {:>12.1} {:>12.0} {:>11} {:>9}",
                 "",
                 "br-sim",
                 t.imbalance.mean,
+                or_dash(pct(twin_balance), 9, 1),
                 t.tpot_p50.mean,
                 t.tpot_p95.mean,
                 t.throughput.mean,
@@ -129,10 +146,11 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
                 let sd = |m: Moments| format!("±{:.1}%", m.relative_sd() * 100.0);
                 let _ = writeln!(
                     out,
-                    "{:<w$} {:>9} {:>14} {:>12} {:>12} {:>12}",
+                    "{:<w$} {:>9} {:>14} {:>9} {:>12} {:>12} {:>12}",
                     "",
                     "sim sd",
                     sd(t.imbalance),
+                    twin_balance.map_or("-".into(), |_| sd(t.balance)),
                     sd(t.tpot_p50),
                     sd(t.tpot_p95),
                     sd(t.throughput),
@@ -147,10 +165,14 @@ pub fn table(runs: &[Summary], sim: Option<&br_sim::report::Report>) -> String {
             };
             let _ = writeln!(
                 out,
-                "{:<w$} {:>9} {:>14} {:>12} {:>12} {:>12}",
+                "{:<w$} {:>9} {:>14} {:>9} {:>12} {:>12} {:>12}",
                 "",
                 "live/sim",
                 rel(s.imbalance_tokens.unwrap_or(f64::NAN), t.imbalance.mean),
+                rel(
+                    s.balance_ratio.unwrap_or(f64::NAN),
+                    twin_balance.unwrap_or(f64::NAN)
+                ),
                 rel(s.tpot_ms.p50, t.tpot_p50.mean),
                 rel(s.tpot_ms.p95, t.tpot_p95.mean),
                 rel(s.throughput_tok_s, t.throughput.mean),

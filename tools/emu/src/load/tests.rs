@@ -76,6 +76,74 @@ fn several_twin_runs_of_a_policy_are_shown_as_their_mean_and_spread() {
 }
 
 #[test]
+fn the_balance_ratio_is_shown_live_beside_the_twin_s() {
+    let twin = |balance: f64| br_sim::report::RunReport {
+        policy: "brc".into(),
+        workers: 8,
+        avg_imbalance: 1_000.0,
+        avg_barrier_idle: 0.0,
+        throughput_tok_s: 2_000.0,
+        steady_throughput_tok_s: 2_000.0,
+        fluid_throughput_tok_s: 2_000.0,
+        tpot_p50_ms: 48.0,
+        tpot_p95_ms: 50.0,
+        ttft_p50_ms: 0.0,
+        ttft_p95_ms: 0.0,
+        ttft_p99_ms: 0.0,
+        avg_balance: balance,
+        mean_queue_ms: 0.0,
+        steps: 10,
+        requests: 10,
+    };
+    let rep = br_sim::report::Report {
+        runs: vec![twin(0.70), twin(0.74)],
+    };
+    let live = Summary {
+        label: "brc".into(),
+        imbalance_tokens: Some(1_000.0),
+        balance_ratio: Some(0.792),
+        throughput_tok_s: 2_000.0,
+        ..Default::default()
+    };
+    let text = table(std::slice::from_ref(&live), Some(&rep));
+    let lines: Vec<&str> = text.lines().collect();
+    let col = |l: &str, source: &str| -> Vec<String> {
+        let at = l.find(source).expect("source") + source.len();
+        l[at..].split_whitespace().map(str::to_owned).collect()
+    };
+    assert!(lines[0].contains("balance%"), "{text}");
+    let row = |source: &str| {
+        lines
+            .iter()
+            .find(|l| l.contains(source))
+            .map(|l| col(l, source))
+            .expect(source)
+    };
+    // the column after imbalance: live 79.2%, the twin's mean 72.0% (sd 0.028 / 0.72 = 3.9%),
+    // live 10% above it
+    assert_eq!(row("live")[1], "79.2", "{text}");
+    assert_eq!(row("br-sim")[1], "72.0", "{text}");
+    assert_eq!(row("sim sd")[1], "±3.9%", "{text}");
+    assert_eq!(row("live/sim")[1], "+10%", "{text}");
+    // a twin report from before br-sim computed it (read as 0), or an engine that did not list
+    // it: a dash
+    let old = br_sim::report::Report {
+        runs: vec![twin(0.0)],
+    };
+    let text = table(
+        &[Summary {
+            balance_ratio: None,
+            ..live
+        }],
+        Some(&old),
+    );
+    assert!(!text.contains("NaN"), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(col(lines[1], "live")[1], "-", "{text}");
+    assert_eq!(col(lines[2], "br-sim")[1], "-", "{text}");
+}
+
+#[test]
 fn figures_a_real_engine_does_not_report_print_as_a_dash_never_nan() {
     // A load against a real engine has no σ-side imbalance or step time in the load tool's view.
     let live = |label: &str, p95: f64| Summary {

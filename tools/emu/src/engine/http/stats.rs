@@ -51,6 +51,10 @@ pub struct Stats {
     pub model_ms: Vec<f64>,
     /// Wall-clock step time per step, ms.
     pub wall_ms: Vec<f64>,
+    /// The balance ratio per step: `Σ_g work_g / (G · max_g work_g)`, `work_g = a·L_g + p·P_g
+    /// + c·n_g` (br-sim's `balance%`). Absent from engines that did not report it.
+    #[serde(default)]
+    pub balance: Vec<f64>,
     /// Per step, each rank's load (only with `?loads=true`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub loads: Vec<Vec<u64>>,
@@ -92,6 +96,18 @@ impl Stats {
             .map(|(m, sum)| g * m - sum)
             .sum();
         s as f64 / self.steps as f64
+    }
+
+    /// Mean over steps of the balance ratio (br-sim's `avg_balance`, printed as `balance%`);
+    /// `None` from an engine that did not list it for every step.
+    pub fn mean_balance(&self) -> Option<f64> {
+        if self.balance.len() != self.steps {
+            return None;
+        }
+        if self.steps == 0 {
+            return Some(0.0);
+        }
+        Some(self.balance.iter().sum::<f64>() / self.steps as f64)
     }
 
     /// Mean model step time, ms.
@@ -136,6 +152,7 @@ pub(super) async fn stats(State(s): State<AppState>, Query(q): Query<StatsQuery>
             max_prefill: log.max_prefill[skip..].to_vec(),
             model_ms: log.model_ms[skip..].to_vec(),
             wall_ms: log.wall_ms[skip..].to_vec(),
+            balance: log.balance[skip..].to_vec(),
             loads,
             ttft_model_ms: {
                 let from = log.first_step + skip as u64;
