@@ -156,10 +156,17 @@ start_stack() {
     free_ports $((2 * G)) SHIMS
 
     tls_init
+    # the step model as the engine runs it (with colocated prefill, its p·max P term: the
+    # value after --step-p in COLOCATED_F)
+    local model="T=($STEP_A·max L + $STEP_B) ms × $SCALE" i
+    for i in "${!COLOCATED_F[@]}"; do
+        [ "${COLOCATED_F[$i]}" = --step-p ] &&
+            model="T=($STEP_A·max L + ${COLOCATED_F[$((i + 1))]}·max P + $STEP_B) ms × $SCALE"
+    done
     if [ "$STACK_DEPLOY" = all ]; then
-        say "br-all will listen on :$SNAP (one per run); starting br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, T=($STEP_A·max L + $STEP_B) ms × $SCALE), $G br-shims :$SHIMS.."
+        say "br-all will listen on :$SNAP (one per run); starting br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, $model), $G br-shims :$SHIMS.."
     else
-        say "starting br-snapshot :$SNAP, br-ingest :$INGEST, br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, T=($STEP_A·max L + $STEP_B) ms × $SCALE), $G br-shims :$SHIMS.."
+        say "starting br-snapshot :$SNAP, br-ingest :$INGEST, br-emu engine :$ENGINE..$((ENGINE + G)) (G=$G, B=$B, $model), $G br-shims :$SHIMS.."
         tls_for snapshot
         start snapshot "$BIN/br-snapshot" --listen "127.0.0.1:$SNAP" --admin-listen "127.0.0.1:$((SNAP + 1))" \
             --reservation-ttl 60s ${TLS_F[@]+"${TLS_F[@]}"}
@@ -194,9 +201,13 @@ policy_flags() {
             return 2
         fi
         key=${kv%%=*}
-        # BR-C's settings are the decision's --brc-* flags (brc:max_wait_steps=16 is
-        # --brc-max-wait-steps 16; shallow_wait_steps, hold_fraction and wave_fraction alike)
-        [ "${spec%%:*}" = brc ] && key="brc_$key"
+        # BR-C's own settings are the decision's --brc-* flags (brc:max_wait_steps=16 is
+        # --brc-max-wait-steps 16; shallow_wait_steps, hold_fraction and wave_fraction alike);
+        # any other key is a flag of its own name, as for every policy
+        case "${spec%%:*}:$key" in
+        brc:max_wait_steps | brc:shallow_wait_steps | brc:hold_fraction | brc:wave_fraction)
+            key="brc_$key" ;;
+        esac
         POLICY_F+=("--${key//_/-}" "${kv#*=}")
     done
 }
