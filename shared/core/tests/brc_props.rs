@@ -2,7 +2,9 @@
 //! admits a request twice, admits first come first served, holds a wave while a rank is still
 //! prefilling, admits the oldest request once it has been held `max_wait_steps` ticks with a
 //! free slot (`shallow_wait_steps` while fewer requests wait than there are free slots), and is
-//! deterministic.
+//! deterministic. Its KV pass (`kv_swap`) admits the same requests, as many to each rank, with
+//! no rank given more prompt tokens than the most without it, and no more KV after admission on
+//! the rank with the most.
 
 #![allow(clippy::unwrap_used)] // test fixtures: a panic is the failure report
 
@@ -39,6 +41,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             0u32..8,
             0u32..8,
             prop_oneof![Just(1.0f64), 0.01f64..=1.0],
+            any::<bool>(),
         )
             .prop_map(
                 |(
@@ -48,6 +51,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     max_wait_steps,
                     shallow_wait_steps,
                     wave_fraction,
+                    kv_swap,
                 )| {
                     Scenario {
                         capacities,
@@ -57,6 +61,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             max_wait_steps,
                             shallow_wait_steps,
                             wave_fraction,
+                            kv_swap,
                             // nothing finishes between these ticks: the mean output is unknown
                             ..BrcConfig::default()
                         },
@@ -197,6 +202,51 @@ proptest! {
     }
 
     #[test]
+    fn the_kv_pass_keeps_the_wave_and_its_most_prompt_tokens(sc in scenario()) {
+        let (st, _) = build(&sc);
+        let run = |kv_swap: bool| {
+            let sc = Scenario { cfg: BrcConfig { kv_swap, ..sc.cfg }, ..sc.clone() };
+            // the first wave: later ones start from different σs
+            ticks(&sc, sc.cfg.max_wait_steps as usize + 2)
+                .into_iter()
+                .find(|o| !o.is_empty())
+                .unwrap_or_default()
+        };
+        let (plain, swapped) = (run(false), run(true));
+        let g = sc.capacities.len();
+        // per rank: requests, prompt tokens, KV after admission
+        let per_rank = |out: &[Admission]| {
+            let mut r = vec![(0u32, 0u64, 0u64); g];
+            for (w, info) in st.workers().iter().enumerate() {
+                r[w].2 = info.load();
+            }
+            for a in out {
+                let x = &mut r[a.worker as usize];
+                x.0 += 1;
+                x.1 += u64::from(a.prompt_tokens);
+                x.2 += u64::from(a.prompt_tokens);
+            }
+            r
+        };
+        let keys = |out: &[Admission]| {
+            let mut k: Vec<u64> = out.iter().map(|a| a.key).collect();
+            k.sort_unstable();
+            k
+        };
+        prop_assert_eq!(keys(&plain), keys(&swapped));
+        let (p, s) = (per_rank(&plain), per_rank(&swapped));
+        prop_assert_eq!(
+            p.iter().map(|x| x.0).collect::<Vec<_>>(),
+            s.iter().map(|x| x.0).collect::<Vec<_>>()
+        );
+        let most = |r: &[(u32, u64, u64)], f: fn(&(u32, u64, u64)) -> u64| {
+            r.iter().map(f).max().unwrap_or(0)
+        };
+        prop_assert!(most(&s, |x| x.1) <= most(&p, |x| x.1), "{p:?} {s:?}");
+        prop_assert!(most(&s, |x| x.2) <= most(&p, |x| x.2), "{p:?} {s:?}");
+    }
+
+    #[test]
     fn deterministic(sc in scenario()) {
         // the score is NaN (BR-C scores nothing), so compare the rest
         let plain = |runs: Vec<Vec<Admission>>| -> Vec<Vec<(u64, u32, u32)>> {
@@ -230,6 +280,39 @@ fn a_wave_gives_the_few_slot_rank_the_large_prompt() {
     }
     assert_eq!(out.len(), 4);
     assert_eq!(tokens, [3_000, 3_000]);
+}
+
+#[test]
+fn the_kv_pass_gives_the_large_prompt_to_the_rank_with_less_kv() {
+    // rank 0 holds 10,000 KV tokens more than rank 1 and has two free slots, rank 1 three; the
+    // spread gives rank 0 the 2,000 and the 1,200 (3,200, the wave's most) and rank 1 the
+    // 1,500, the 800 and the 300 (2,600); the KV pass trades the 2,000 for the 1,500 (rank 1
+    // to 3,100, under the most) and leaves the rest
+    let sc = Scenario {
+        capacities: vec![3, 4],
+        existing: vec![(0, 20_000, 5, true), (1, 10_000, 5, true)],
+        pool: vec![2_000, 1_200, 800, 300, 1_500],
+        cfg: BrcConfig {
+            kv_swap: true,
+            ..BrcConfig::default()
+        },
+    };
+    let tokens = |sc: &Scenario| {
+        let mut t = [0u32; 2];
+        for a in &ticks(sc, 1)[0] {
+            t[a.worker as usize] += a.prompt_tokens;
+        }
+        t
+    };
+    let plain = Scenario {
+        cfg: BrcConfig {
+            kv_swap: false,
+            ..BrcConfig::default()
+        },
+        ..sc.clone()
+    };
+    assert_eq!(tokens(&plain), [3_200, 2_600]);
+    assert_eq!(tokens(&sc), [2_700, 3_100]);
 }
 
 #[test]

@@ -144,8 +144,13 @@ mod tests {
         assert!(s.is_balance_route());
         assert_eq!(s.config.brc.max_wait_steps, 4);
         assert_eq!(s.config.brc.wave_fraction, 0.5);
+        assert!(s.config.brc.kv_swap);
+        let s = parse_spec("brc:kv-swap=false", 0).expect("brc without the KV pass");
+        assert!(!s.config.brc.kv_swap);
         for bad in [
             "brc:wave_fraction=0",
+            "brc:kv_swap=2",
+            "brc:kv_swap=maybe",
             "brc:max_wait_steps=-1",
             "nope",
             "br0:r_max",

@@ -43,11 +43,25 @@
 //!    least loaded: ranking by free slots there would send every lone request to the rank
 //!    with the fewest free slots, the fullest one. Remaining ties go to the least load, then
 //!    the lowest id.
+//! 5. Then the wave's prompts are traded between its ranks for decode KV (`kv_swap`): while
+//!    the rank with the most KV after admission (its KV tokens plus the wave's prompts on it)
+//!    can trade one of its prompts for a smaller one of a rank with less, the difference below
+//!    their KV gap and within the room the receiver has under the wave's most prompt tokens on
+//!    a rank, the pair nearest half the gap is traded (the next rank down trades when the most
+//!    can trade with none). Each rank keeps its count of prompts and the step's `max P` does
+//!    not grow: what moves is the room the spread leaves under the rank with the most tokens,
+//!    handed to the ranks with the least KV. Once waves align the prefill, the KV term is most
+//!    of what is left of the gap to the aligned limit, and a KV spread that rule 4 leaves
+//!    persists for as long as the requests run; the trades are small in each wave and add up
+//!    over the waves (tools/sim/RESULTS.md, "Prefill waves"). Leaning the spread itself
+//!    towards the ranks with less KV balanced KV further and cost more in `max P` than it
+//!    saved: a prompt token added to the step's `max P` costs `p / a` times a KV token on the
+//!    most loaded rank (2,400 at p = 0.48 ms and a = 2·10⁻⁴ ms), and that rank's KV changes
+//!    as its requests finish. `kv_swap = false` leaves the spread as rule 4 makes it.
 //!
-//! Decode KV is not balanced beyond that tie-break: on the colocated measurements the prefill
-//! term of the step costs several times the KV term. Without colocated prefill (a decode tier)
-//! a request writes its first token at its first step, so rule 1 holds a wave back a step at
-//! most; rules 2 and 3 still hold requests and only delay them (no step cost to save).
+//! Without colocated prefill (a decode tier) a request writes its first token at its first
+//! step, so rule 1 holds a wave back a step at most; rules 2 and 3 still hold requests and
+//! only delay them (no step cost to save).
 
 use serde::{Deserialize, Serialize};
 
@@ -56,8 +70,8 @@ use crate::pool::{Pool, PoolEntry};
 use crate::state::ClusterState;
 use crate::{CoreError, WorkerId};
 
-/// BR-C's parameters (`brc:max_wait_steps=64:shallow_wait_steps=2:wave_fraction=1` on br-sim's
-/// command line).
+/// BR-C's parameters (`brc:max_wait_steps=64:shallow_wait_steps=2:wave_fraction=1:kv_swap=true`
+/// on br-sim's command line).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BrcConfig {
@@ -83,6 +97,13 @@ pub struct BrcConfig {
     /// Fraction of live ranks that must have a free slot (and of requests that must wait) for a
     /// wave, in `(0, 1]`. 1 by default: a wave on part of the ranks stalls the rest as long.
     pub wave_fraction: f64,
+    /// Whether a wave, once spread, trades prompts between its ranks to lower the most KV any
+    /// rank holds after admission, at the same prompt count per rank and no more prompt tokens
+    /// on the rank with the most (rule 5, `swap_for_kv`). True by default: on adp-shape
+    /// saturated (tools/sim/RESULTS.md, "Prefill waves") it takes BR-C from 77-81% of the gap
+    /// to the aligned limit to 81-87% at G = 8-32, and changes nothing measurable at 60% and
+    /// 85% load. False spreads the prompts by rule 4 alone.
+    pub kv_swap: bool,
 }
 
 impl Default for BrcConfig {
@@ -92,6 +113,7 @@ impl Default for BrcConfig {
             shallow_wait_steps: 2,
             hold_fraction: 0.05,
             wave_fraction: 1.0,
+            kv_swap: true,
         }
     }
 }
@@ -244,6 +266,7 @@ impl Waves {
             .map(|&w| workers[w as usize].free_slots())
             .collect();
         let mut tokens = vec![0u64; free.len()];
+        let mut picks: Vec<(PoolEntry, usize)> = Vec::with_capacity(wave.len());
         for e in wave {
             let load = |j: usize| workers[free[j] as usize].load();
             let best = (0..free.len()).filter(|&j| left[j] > 0).max_by(|&x, &y| {
@@ -260,6 +283,18 @@ impl Waves {
             let Some(j) = best else { break };
             left[j] -= 1;
             tokens[j] += u64::from(e.prompt_tokens);
+            picks.push((e, j));
+        }
+        if self.cfg.kv_swap {
+            let prompts: Vec<u32> = picks.iter().map(|(e, _)| e.prompt_tokens).collect();
+            let mut ranks: Vec<usize> = picks.iter().map(|&(_, j)| j).collect();
+            let kv: Vec<u64> = free.iter().map(|&w| workers[w as usize].load()).collect();
+            swap_for_kv(&prompts, &mut ranks, &kv);
+            for (p, j) in picks.iter_mut().zip(ranks) {
+                p.1 = j;
+            }
+        }
+        for (e, j) in picks {
             pool.remove(e.key);
             out.push(Admission {
                 key: e.key,
@@ -268,6 +303,83 @@ impl Waves {
                 score: f64::NAN,
                 stage,
             });
+        }
+    }
+}
+
+/// Rule 5, the KV pass: swaps prompts of a wave between its ranks so that the rank with the most
+/// KV after admission (its KV tokens `kv[j]` plus the wave's prompts on it) holds less, without
+/// changing how many prompts each rank takes or raising the most prompt tokens any rank takes
+/// (the step's `max P`). `ranks[i]` is the rank (an index into `kv`) prompt `i` goes to.
+///
+/// Each round orders the ranks by KV after admission, most first, and takes the first, `h`,
+/// that can trade with a rank below it (those tried least first): a smaller prompt of the other
+/// rank for a larger one of `h`'s, the difference below their KV gap (so the higher of the two
+/// comes down) and within the room the other rank has under the wave's most tokens; of those,
+/// the pair whose difference is nearest half the gap. It stops when no rank can trade, or after
+/// as many rounds as prompts times ranks.
+fn swap_for_kv(prompts: &[u32], ranks: &mut [usize], kv: &[u64]) {
+    let n = kv.len();
+    if n < 2 || prompts.len() < 2 {
+        return;
+    }
+    let mut tokens = vec![0u64; n];
+    for (&p, &j) in prompts.iter().zip(ranks.iter()) {
+        tokens[j] += u64::from(p);
+    }
+    let cap = tokens.iter().copied().max().unwrap_or(0);
+    let after = |tokens: &[u64], j: usize| kv[j] + tokens[j];
+    // each rank's prompts, by index
+    let mut members: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, &j) in ranks.iter().enumerate() {
+        members[j].push(i);
+    }
+    for _ in 0..prompts.len() * n {
+        // the ranks by KV after admission, most first; the first of them that can trade
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&j| (std::cmp::Reverse(after(&tokens, j)), j));
+        let mut traded = false;
+        'pairs: for (i, &h) in order.iter().enumerate() {
+            for &l in order[i + 1..].iter().rev() {
+                let gap = after(&tokens, h) - after(&tokens, l);
+                let room = cap - tokens[l];
+                // (distance from half the gap, h's prompt, l's prompt): the nearest, then the
+                // lowest indices, so the pass is deterministic
+                let mut best: Option<(u64, usize, usize)> = None;
+                for &y in &members[h] {
+                    for &x in &members[l] {
+                        let (py, px) = (u64::from(prompts[y]), u64::from(prompts[x]));
+                        if py <= px {
+                            continue;
+                        }
+                        let d = py - px;
+                        if d >= gap || d > room {
+                            continue;
+                        }
+                        let dist = (2 * d).abs_diff(gap);
+                        if best.is_none_or(|(b, _, _)| dist < b) {
+                            best = Some((dist, y, x));
+                        }
+                    }
+                }
+                if let Some((_, y, x)) = best {
+                    let d = u64::from(prompts[y] - prompts[x]);
+                    ranks[y] = l;
+                    ranks[x] = h;
+                    tokens[h] -= d;
+                    tokens[l] += d;
+                    for (from, to, k) in [(h, l, y), (l, h, x)] {
+                        members[from].retain(|&m| m != k);
+                        let at = members[to].partition_point(|&m| m < k);
+                        members[to].insert(at, k);
+                    }
+                    traded = true;
+                    break 'pairs;
+                }
+            }
+        }
+        if !traded {
+            return;
         }
     }
 }
@@ -385,6 +497,27 @@ mod tests {
         assert!(out.is_empty());
         w.dispatch(&mut pool, &st, &mut out);
         assert_eq!(out.len(), 5, "rank 0 has one free slot, rank 1 four");
+    }
+
+    #[test]
+    fn the_kv_pass_trades_large_prompts_to_the_rank_with_less_kv() {
+        // rank 0 holds 10,000 KV tokens more than rank 1; the spread gave each a 3,000-token
+        // prompt and rank 0 also a 1,000 and rank 1 a 500 (4,000 and 3,500 tokens): rank 0 may
+        // not go above 4,000 tokens, so the 1,000 and the 500 trade (rank 1 to 4,000, rank 0
+        // to 3,500) and the 3,000s stay
+        let prompts = [3_000, 3_000, 1_000, 500];
+        let mut ranks = [0, 1, 0, 1];
+        swap_for_kv(&prompts, &mut ranks, &[20_000, 10_000]);
+        assert_eq!(ranks, [0, 1, 1, 0]);
+        // no trade lowers the higher rank when the gap (500) is no larger than every difference
+        let mut ranks = [0, 1, 0, 1];
+        swap_for_kv(&prompts, &mut ranks, &[10_000, 10_000]);
+        assert_eq!(ranks, [0, 1, 0, 1]);
+        // a trade that would lift the receiving rank above the wave's most tokens is not made:
+        // rank 1 already takes the most (4,000)
+        let mut ranks = [0, 1, 0, 1];
+        swap_for_kv(&[3_000, 3_000, 500, 1_000], &mut ranks, &[20_000, 10_000]);
+        assert_eq!(ranks, [0, 1, 0, 1]);
     }
 
     #[test]
