@@ -12,9 +12,9 @@
 # The public traces are replayed for their prompt and output lengths; their own timestamps
 # overload every policy under this step model (TTFT of minutes), so the loads are Poisson.
 # Then the same saturated cells with 2 steps of telemetry lag, and with the engine's p at 0.5x
-# and 1.5x (BR-C reads no p: its rules look only at which ranks have prompts queued and free
-# slots). The target table of tools/sim/RESULTS.md's "BR-C against its targets" comes from
-# scripts/brc_targets.py over the outputs (results/P-brc-T-*).
+# and 1.5x (BR-C reads no p: its rules look only at which ranks have prompts queued, free
+# slots and KV tokens). The target table of tools/sim/RESULTS.md's "BR-C against its targets"
+# comes from scripts/brc_targets.py over the outputs (results/P-brc-T-*).
 # Usage: tools/sim/scripts/brc_targets.sh [OUT_DIR] [robust]; under nice on a shared machine
 # (about half an hour on one core; `robust`: only the robustness sweeps and the summary).
 set -euo pipefail
