@@ -212,6 +212,12 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_BRC_WAVE_FRACTION")]
     pub brc_wave_fraction: Option<f64>,
 
+    /// BR-C: trade a wave's prompts between its ranks for decode KV, each rank keeping its
+    /// count of prompts and the step's most prompt tokens on a rank not growing: true or false
+    /// (true). false leaves the wave spread by prompt tokens alone.
+    #[arg(long, env = "BALANCEROUTE_BRC_KV_SWAP", action = clap::ArgAction::Set)]
+    pub brc_kv_swap: Option<bool>,
+
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
     pub cold_start: Option<ColdStart>,
@@ -456,6 +462,7 @@ impl Args {
                     shallow_wait_steps: self.brc_shallow_wait_steps.unwrap_or(b.shallow_wait_steps),
                     hold_fraction: self.brc_hold_fraction.unwrap_or(b.hold_fraction),
                     wave_fraction: self.brc_wave_fraction.unwrap_or(b.wave_fraction),
+                    kv_swap: self.brc_kv_swap.unwrap_or(b.kv_swap),
                 }
             },
             seed: self.seed,
@@ -957,6 +964,34 @@ mod tests {
     }
 
     #[test]
+    fn brc_kv_swap_is_on_by_default_turned_off_by_false_and_refuses_anything_else() {
+        let brc = |args: &[&str]| {
+            let mut all = vec!["--policy", "brc"];
+            all.extend_from_slice(args);
+            parse(&all)
+                .map_err(|e| e.to_string())
+                .and_then(|a| a.to_config())
+        };
+        assert!(brc(&[]).unwrap().policy.brc.kv_swap);
+        assert!(!brc(&["--brc-kv-swap", "false"]).unwrap().policy.brc.kv_swap);
+        assert!(brc(&["--brc-kv-swap", "true"]).unwrap().policy.brc.kv_swap);
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(b"policy = \"brc\"\nbrc_kv_swap = false\n")
+            .unwrap();
+        let c = parse(&["--config", f.path().to_str().unwrap()])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert!(!c.policy.brc.kv_swap);
+        for bad in ["2", "maybe", ""] {
+            assert!(
+                brc(&["--brc-kv-swap", bad]).is_err(),
+                "--brc-kv-swap {bad:?}"
+            );
+        }
+    }
+
+    #[test]
     fn brc_takes_its_hold_and_wave_fractions_and_refuses_them_outside_0_to_1() {
         let c = parse(&[
             "--policy",
@@ -977,6 +1012,7 @@ mod tests {
                 ..br_core::BrcConfig::default()
             }
         );
+        assert!(c.policy.brc.kv_swap, "the KV pass is on unless turned off");
         // the file's keys and the variables name them too
         let mut f = tempfile::NamedTempFile::new().unwrap();
         f.write_all(b"policy = \"brc\"\nbrc_hold_fraction = 1\nbrc_wave_fraction = 0.25\n")
