@@ -18,13 +18,9 @@
 # Usage: tools/sim/scripts/brc_targets.sh [OUT_DIR] [robust]; under nice on a shared machine
 # (about half an hour on one core; `robust`: only the robustness sweeps and the summary).
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
-SIM="$TARGET/release/br-sim"
 PAIRED="$ROOT/tools/sim/scripts/paired.py"
 mkdir -p "$OUT"
 SEEDS=1,2,3,4,5

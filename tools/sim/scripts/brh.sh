@@ -21,15 +21,11 @@
 # hints, paired by seed with paired.py against the best baseline and br0; rates as
 # moderate.sh's). None of these three is in the default set.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
 shift || true
 SECTIONS="${*:-paired knobs}"
-TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
-SIM="$TARGET/release/br-sim"
 PAIRED="$ROOT/tools/sim/scripts/brh.py"
 mkdir -p "$OUT"
 SEEDS=1,2,3,4,5

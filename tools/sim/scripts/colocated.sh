@@ -19,12 +19,9 @@
 # only the BR-C part, reading the rate from OUT_DIR/P-colocated-saturated.txt); run it under
 # nice. A few minutes on one core.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
-SIM="$TARGET/release/br-sim"
 mkdir -p "$OUT"
 POLICIES=rr,jsq,vllm-dp,mintok,br0
 P=0.48

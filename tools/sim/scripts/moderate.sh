@@ -16,15 +16,11 @@
 # Each moderate-load run is a few tenths of a second (G = 8, B = 256); the saturated section
 # takes a few minutes. Run it under `nice` on a shared machine.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
 shift || true
 SECTIONS="${*:-capacity paired hypotheses saturated drain}"
-TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
-SIM="$TARGET/release/br-sim"
 PAIRED="$ROOT/tools/sim/scripts/paired.py"
 mkdir -p "$OUT"
 SEEDS=1,2,3,4,5

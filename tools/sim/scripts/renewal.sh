@@ -9,12 +9,9 @@
 # scripts/renewal.py's table. About 4 minutes on 2 cores; BR_SIM_NF=0 leaves out BR-H with the
 # next-finish target (online and oracle) and takes 1.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
-SIM="$TARGET/release/br-sim"
 TRACES="$TARGET/renewal-traces"  # generated again on every run: not kept in the tree
 mkdir -p "$TRACES"
 POLICIES="rr,jsq,mintok,br0"

@@ -3,13 +3,9 @@
 # Usage: tools/sim/scripts/reproduce.sh [OUT_DIR]   (default: tools/sim/results)
 # Section C reads the public traces in data/traces (BR_SIM_TRACES names another directory).
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
-TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
-SIM="$TARGET/release/br-sim"
 mkdir -p "$OUT"
 SEEDS=1,2,3,4,5
 ALL=random,rr,p2c,jsq,vllm-dp,mintok,br0,br0-bypass,brh,brh-survival,brh-oracle

@@ -6,11 +6,9 @@
 # comes from here (raw output in results/S-step-c.txt).
 # Usage: tools/sim/scripts/step_c.sh [OUT_DIR]   (default: tools/sim/results); run it under nice.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
 mkdir -p "$OUT"
 python3 "$ROOT/tools/sim/scripts/step_c.py" "$TARGET/release/br-sim" "$OUT/S-step-c.txt" \
   --seeds 1,2,3,4,5 --workloads paper-azure,paper-prop --workers 8,32,128 --c 0,0.25,1 --slots 64 --moderate 60,85

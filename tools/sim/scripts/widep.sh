@@ -12,15 +12,11 @@
 # Sized for a shared 2-core machine: 300 requests per rank (paper-azure) and 500 (paper-prop)
 # keep several hundred steady steps at every G; 5 seeds; run it under `nice`.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
+# shellcheck source=tools/sim/scripts/common.sh
+source "$(dirname "$0")/common.sh"
 OUT="${1:-$ROOT/tools/sim/results}"
 shift || true
 SECTIONS="${*:-scale knobs moderate paired lag gap}"
-TRACES="${BR_SIM_TRACES:-$ROOT/data/traces}"
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-cd "$ROOT"
-cargo build -q -p br-sim --release
-SIM="$TARGET/release/br-sim"
 mkdir -p "$OUT"
 SEEDS=1,2,3,4,5
 BASE=rr,jsq,mintok
