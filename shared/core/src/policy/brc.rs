@@ -137,7 +137,7 @@ impl BrcConfig {
 }
 
 /// The wave state between ticks.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct Waves {
     cfg: BrcConfig,
     /// Decode steps since the last admission at whose ticks a slot was free and requests waited
