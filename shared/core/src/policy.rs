@@ -62,6 +62,8 @@ pub enum PredictorKind {
     Oracle,
     /// The client's expected output length, trusted as far as it has proved right.
     Hinted,
+    /// Hinted's model learned per request class (the gateway's class key).
+    Classed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -98,6 +100,7 @@ impl PolicyKind {
             PolicyKind::BrH(PredictorKind::Survival) => "brh-survival",
             PolicyKind::BrH(PredictorKind::Oracle) => "brh-oracle",
             PolicyKind::BrH(PredictorKind::Hinted) => "brh-hinted",
+            PolicyKind::BrH(PredictorKind::Classed) => "brh-class",
             PolicyKind::Brc => "brc",
         }
     }
@@ -118,6 +121,7 @@ impl PolicyKind {
             "brh-exact",
             "brh-oracle",
             "brh-hinted",
+            "brh-class",
             "brc",
         ]
     }
@@ -152,6 +156,7 @@ impl FromStr for PolicyKind {
             "brh-survival" => PolicyKind::BrH(PredictorKind::Survival),
             "brh-oracle" => PolicyKind::BrH(PredictorKind::Oracle),
             "brh-hinted" => PolicyKind::BrH(PredictorKind::Hinted),
+            "brh-class" => PolicyKind::BrH(PredictorKind::Classed),
             "brc" => PolicyKind::Brc,
             other => {
                 return Err(CoreError::InvalidConfig(format!(
@@ -282,6 +287,7 @@ pub fn build_policy(cfg: &PolicyConfig) -> Result<Box<dyn Policy>, CoreError> {
                 PredictorKind::ExactMatch => Box::new(cfg.horizon.predictor.exact_match()),
                 PredictorKind::Oracle => Box::new(Oracle),
                 PredictorKind::Hinted => Box::new(cfg.horizon.predictor.hinted()),
+                PredictorKind::Classed => Box::new(cfg.horizon.predictor.classed()),
             };
             Box::new(BalanceRoute {
                 kind: cfg.kind,

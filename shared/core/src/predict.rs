@@ -10,18 +10,21 @@
 //! group's policy owns its own), with no offline training and bounded memory
 //! ([`PredictorConfig`]): [`Survival`] by prompt-length octave with the group's whole
 //! distribution as the cold-start prior, [`ExactMatch`] by prompt hash (an LRU of at most
-//! `max_hashes`), [`Hinted`] by how far the clients' hints are off, [`Oracle`] for simulation. [`PredictorStats`] is what
+//! `max_hashes`), [`Hinted`] by how far the clients' hints are off, [`Classed`] by the
+//! gateway's request class, [`Oracle`] for simulation. [`PredictorStats`] is what
 //! they hold (br-decision's `balanceroute_decision_predictor_*` gauges, br-sim's run line).
 
 use crate::state::RequestInfo;
 
 mod cache;
+mod classed;
 mod exact;
 mod hinted;
 mod histogram;
 mod survival;
 
 pub use cache::PredictionCache;
+pub use classed::{Classed, DEFAULT_MAX_CLASSES};
 pub use exact::ExactMatch;
 pub use hinted::{DEFAULT_MIN_HINTED, Hinted};
 use survival::BUCKETS;
@@ -46,8 +49,9 @@ impl Prediction {
 pub trait Predictor: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// A prediction is a function of the request's `prompt_tokens`, `generated`, `prompt_hash`,
-    /// `oracle_output` and `expected_output` and of what the predictor learned; nothing else
-    /// of the request (a [`PredictionCache`] reuses it while those five are unchanged).
+    /// `oracle_output`, `expected_output` and `class` and of what the predictor learned;
+    /// nothing else of the request (a [`PredictionCache`] reuses it while those six are
+    /// unchanged).
     fn predict(&self, request: &RequestInfo, horizon: u32) -> Prediction;
     /// [`Predictor::predict`], and which parts of what it learned the prediction read
     /// ([`Reads`]). The default says "everything" ([`Reads::ALL`]): exact for any predictor,
@@ -138,7 +142,10 @@ const SOURCE_SHARD0: Source = SOURCE_BUCKET0 + BUCKETS as Source;
 const HASH_SHARDS: u64 = 64;
 /// Hinted's ratios of actual to expected output length and the hints' weight.
 const SOURCE_HINTS: Source = SOURCE_SHARD0 + HASH_SHARDS as Source;
-const _: () = assert!((SOURCE_HINTS as usize) < SOURCES);
+/// [`Classed`]'s classes: the ids from here to the last ([`SOURCES`] − 1), shared modulo
+/// their number.
+const SOURCE_CLASS0: Source = SOURCE_HINTS + 1;
+const _: () = assert!((SOURCE_CLASS0 as usize) + 16 <= SOURCES);
 
 /// The sources one prediction read: at most two (a cache entry holds them in two bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -329,6 +336,8 @@ pub struct PredictorStats {
     /// Finished requests that carried the client's expected output length, observed
     /// (Hinted: what it learned how far to trust the hints from).
     pub hinted: u64,
+    /// Request classes with a model of their own (Classed).
+    pub classes: usize,
     /// Heap bytes held, approximately (the tables' capacities).
     pub bytes: usize,
 }
@@ -426,6 +435,9 @@ pub struct PredictorConfig {
     /// Hinted: finishes with a hint observed before hints are used (see
     /// [`DEFAULT_MIN_HINTED`]).
     pub min_hinted: u64,
+    /// Classed: request classes told apart per group (see [`DEFAULT_MAX_CLASSES`]); further
+    /// classes are predicted as requests without one.
+    pub max_classes: usize,
 }
 
 impl Default for PredictorConfig {
@@ -437,14 +449,27 @@ impl Default for PredictorConfig {
             min_samples: 32,
             max_len: 32_768,
             min_hinted: DEFAULT_MIN_HINTED,
+            max_classes: DEFAULT_MAX_CLASSES,
         }
     }
 }
 
 impl PredictorConfig {
     pub fn validate(&self) -> Result<(), String> {
-        if self.max_hashes == 0 || self.samples_per_hash == 0 || self.max_len == 0 {
-            return Err("max_hashes, samples_per_hash and max_len must be at least 1".into());
+        if self.max_hashes == 0
+            || self.samples_per_hash == 0
+            || self.max_len == 0
+            || self.max_classes == 0
+        {
+            return Err(
+                "max_hashes, samples_per_hash, max_len and max_classes must be at least 1".into(),
+            );
+        }
+        if self.max_classes > 4096 {
+            return Err(format!(
+                "max_classes {} out of range (≤ 4096: each class holds about 48 KiB)",
+                self.max_classes
+            ));
         }
         if self.max_hashes > 1 << 24 || self.samples_per_hash > 1024 || self.max_len > 1 << 24 {
             return Err(format!(
@@ -466,6 +491,10 @@ impl PredictorConfig {
 
     pub fn hinted(&self) -> Hinted {
         Hinted::new(self.survival(), self.min_hinted)
+    }
+
+    pub fn classed(&self) -> Classed {
+        Classed::new(self.hinted(), self.min_samples, self.max_classes)
     }
 }
 

@@ -65,7 +65,14 @@ fn predictor(kind: PredictorKind, config: &PredictorConfig) -> Box<dyn Predictor
         PredictorKind::ExactMatch => Box::new(config.exact_match()),
         PredictorKind::Oracle => Box::new(Oracle),
         PredictorKind::Hinted => Box::new(config.hinted()),
+        PredictorKind::Classed => Box::new(config.classed()),
     }
+}
+
+/// The gateway's class of request `key`: none for a fifth of the requests, else one of four
+/// (so classes warm up, turn usable and, with a small table, overflow it mid-run).
+fn class_of(key: u64) -> Option<u64> {
+    (!key.is_multiple_of(5)).then_some(key % 4)
 }
 
 /// The client's hint for request `key` with true output `output`: none for a quarter of the
@@ -87,12 +94,13 @@ fn hint_of(key: u64, output: u32) -> Option<u32> {
 fn predictor_config() -> impl Strategy<Value = PredictorConfig> {
     prop_oneof![
         Just(PredictorConfig::default()),
-        (1u64..6, 1usize..4, any::<bool>(), 1u64..6).prop_map(
-            |(min_samples, max_hashes, buckets, min_hinted)| PredictorConfig {
+        (1u64..6, 1usize..4, any::<bool>(), 1u64..6, 1usize..4).prop_map(
+            |(min_samples, max_hashes, buckets, min_hinted, max_classes)| PredictorConfig {
                 min_samples,
                 max_hashes,
                 prompt_buckets: buckets,
                 min_hinted,
+                max_classes,
                 ..PredictorConfig::default()
             }
         ),
@@ -115,7 +123,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             Just(PredictorKind::Survival),
             Just(PredictorKind::ExactMatch),
             Just(PredictorKind::Oracle),
-            Just(PredictorKind::Hinted)
+            Just(PredictorKind::Hinted),
+            Just(PredictorKind::Classed)
         ],
         predictor_config(),
         // BR-H's horizon: the defaults' order, or a few steps (so that lengths land on its edge)
@@ -158,7 +167,7 @@ proptest! {
                 prompt_hash: hash,
                 output_tokens: len,
                 expected_output: hint_of(i as u64, len),
-                class: None,
+                class: class_of(i as u64),
             };
             cached.observe_finished(&f);
             reference.observe(&f);
@@ -191,7 +200,7 @@ proptest! {
                                 prompt_hash: r.prompt_hash,
                                 output_tokens: tokens,
                                 expected_output: r.expected_output,
-                                class: None,
+                                class: r.class,
                             };
                             cached.observe_finished(&f);
                             reference.observe(&f);
@@ -205,7 +214,7 @@ proptest! {
                             prompt_hash: Some(hash),
                             oracle_output: Some(output),
                             expected_output: hint_of(next_key, output),
-                            class: None,
+                            class: class_of(next_key),
                         };
                         next_key += 1;
                         pool_a.push(entry.clone()).unwrap();
@@ -225,7 +234,7 @@ proptest! {
                                 .saturating_add_signed(offset)
                                 .max(1),
                                 expected_output: r.expected_output,
-                                class: None,
+                                class: r.class,
                             };
                             cached.observe_finished(&f);
                             reference.observe(&f);
@@ -272,7 +281,7 @@ proptest! {
                         prompt_hash: Some(adm.key % 6),
                         oracle_output: Some(entry_output),
                         expected_output: hint_of(adm.key, entry_output),
-                        class: None,
+                        class: class_of(adm.key),
                     })
                     .unwrap();
             }
@@ -550,5 +559,40 @@ fn a_request_with_another_hint_is_predicted_anew() {
     let later = Margins::horizon_cached(&st, &params, &hinted, &mut cache);
     assert_eq!(later, Margins::horizon(&st, &params, &hinted));
     assert_ne!(soon, later, "the hint changes the prediction");
+    assert_eq!(cache.hit_counts(), (0, 2));
+}
+
+#[test]
+fn a_request_of_another_class_is_predicted_anew() {
+    let params = HorizonParams::default();
+    let mut classed = PredictorConfig::default().classed();
+    // class 1 finishes at 500-520 tokens, class 2 at 5,000-5,200
+    for i in 0..200u32 {
+        for (class, base) in [(1, 500), (2, 5_000)] {
+            classed.observe(&Finished {
+                prompt_tokens: 100,
+                prompt_hash: None,
+                output_tokens: base + i % 20,
+                expected_output: None,
+                class: Some(class),
+            });
+        }
+    }
+    let request = |key, class| RequestInfo {
+        class: Some(class),
+        ..running(key, 0, 100, 500)
+    };
+    let mut st = ClusterState::with_workers(&[64, 64]);
+    // at 500 tokens, a request of class 1 finishes within the horizon
+    st.reserve(request(1, 1)).unwrap();
+    let mut cache = PredictionCache::new();
+    let soon = Margins::horizon_cached(&st, &params, &classed, &mut cache);
+    assert_eq!(soon, Margins::horizon(&st, &params, &classed));
+    // the same request but of class 2, in the same slot: it runs on
+    st.remove(1).unwrap();
+    st.reserve(request(2, 2)).unwrap();
+    let later = Margins::horizon_cached(&st, &params, &classed, &mut cache);
+    assert_eq!(later, Margins::horizon(&st, &params, &classed));
+    assert_ne!(soon, later, "the class changes the prediction");
     assert_eq!(cache.hit_counts(), (0, 2));
 }

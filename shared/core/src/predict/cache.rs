@@ -12,8 +12,8 @@ use super::*;
 /// A tick at G = 64 asks the predictor about every running request (16k of them), although
 /// between two ticks most requests did not generate a token and the predictor learned little.
 /// An entry is reused only when what the prediction is a function of is unchanged: the
-/// request's `prompt_tokens`, `generated`, `prompt_hash`, `oracle_output` and
-/// `expected_output` (the [`Predictor::predict`] contract), the horizon and gate, and every part of the predictor's
+/// request's `prompt_tokens`, `generated`, `prompt_hash`, `oracle_output`, `expected_output`
+/// and `class` (the [`Predictor::predict`] contract), the horizon and gate, and every part of the predictor's
 /// learning the prediction read ([`Reads`]) since it was made. An observation marks the parts
 /// it changed ([`PredictionCache::learned`], which the policy calls with what
 /// [`Predictor::learn`] returned). A Survival finish of length L adds one sample to its
@@ -23,7 +23,7 @@ use super::*;
 /// (about the requests within H tokens below L, and the few predicted to finish soon) are
 /// predicted again. So a cached tick decides exactly as an uncached one.
 ///
-/// Entries sit in a dense table indexed by the request's slot in [`crate::ClusterState`], 40
+/// Entries sit in a dense table indexed by the request's slot in [`crate::ClusterState`], 48
 /// bytes each (a hash map keyed by request was measured slower than predicting again, and a
 /// table of whole `RequestInfo`s spent the refill tick writing 72-byte entries:
 /// docs/benchmarks.md).
@@ -187,11 +187,12 @@ impl RecentSamples {
     }
 }
 
-/// One slot's prediction and what it was computed from (40 bytes: the expected output length
-/// took it past 32).
+/// One slot's prediction and what it was computed from (48 bytes: the expected output length
+/// took it past 32, the class past 40).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Entry {
     pub(super) prompt_hash: u64,
+    pub(super) class: u64,
     pub(super) prompt_tokens: u32,
     pub(super) generated: u32,
     pub(super) oracle_output: u32,
@@ -201,7 +202,7 @@ pub(super) struct Entry {
     /// `⌈ĉ_i⌉` (at most the horizon's steps, ≤ 4,097).
     pub(super) end: u16,
     pub(super) reads: [Source; 2],
-    /// `VALID | HAS_HASH | HAS_ORACLE | HAS_EXPECTED`.
+    /// `VALID | HAS_HASH | HAS_ORACLE | HAS_EXPECTED | HAS_CLASS`.
     pub(super) flags: u8,
 }
 
@@ -209,11 +210,13 @@ const VALID: u8 = 1;
 const HAS_HASH: u8 = 2;
 const HAS_ORACLE: u8 = 4;
 const HAS_EXPECTED: u8 = 8;
-const _: () = assert!(std::mem::size_of::<Entry>() == 40);
+const HAS_CLASS: u8 = 16;
+const _: () = assert!(std::mem::size_of::<Entry>() == 48);
 
 impl Entry {
     pub(super) const EMPTY: Entry = Entry {
         prompt_hash: 0,
+        class: 0,
         prompt_tokens: 0,
         generated: 0,
         oracle_output: 0,
@@ -228,6 +231,7 @@ impl Entry {
     fn key_of(r: &RequestInfo) -> Entry {
         Entry {
             prompt_hash: r.prompt_hash.unwrap_or(0),
+            class: r.class.unwrap_or(0),
             prompt_tokens: r.prompt_tokens,
             generated: r.generated,
             oracle_output: r.oracle_output.unwrap_or(0),
@@ -243,7 +247,8 @@ impl Entry {
                     HAS_EXPECTED
                 } else {
                     0
-                },
+                }
+                | if r.class.is_some() { HAS_CLASS } else { 0 },
             ..Entry::EMPTY
         }
     }
@@ -255,6 +260,7 @@ impl Entry {
             && self.prompt_hash == key.prompt_hash
             && self.oracle_output == key.oracle_output
             && self.expected_output == key.expected_output
+            && self.class == key.class
     }
 }
 

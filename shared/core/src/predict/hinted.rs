@@ -182,6 +182,11 @@ impl Hinted {
         }
     }
 
+    /// Finished requests observed, hinted or not.
+    pub fn samples(&self) -> u64 {
+        self.fallback.samples()
+    }
+
     /// Hinted finishes observed.
     pub fn hinted_samples(&self) -> u64 {
         self.ratios.total

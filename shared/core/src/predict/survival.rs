@@ -118,6 +118,7 @@ impl Survival {
             hashes: 0,
             buckets: buckets.clone().count(),
             hinted: 0,
+            classes: 0,
             bytes: self.global.bytes() + buckets.map(LengthHistogram::bytes).sum::<usize>(),
         }
     }
