@@ -65,8 +65,9 @@ pub struct Args {
     pub snapshot_addr: String,
 
     /// Routing policy: random, rr, p2c, jsq, vllm-dp, mintok, br0-bypass (answer at once);
-    /// br0, brh, brh-survival, brh-oracle, brh-hinted (pooled, batch admission per tick;
-    /// brh-hinted reads Assign's expected_output_tokens); brc (pooled, prefill waves: for ranks
+    /// br0, brh, brh-survival, brh-oracle, brh-hinted, brh-class (pooled, batch admission per
+    /// tick; brh-hinted reads Assign's expected_output_tokens, brh-class also its
+    /// request_class, learning each class apart); brc (pooled, prefill waves: for ranks
     /// that prefill their own prompts, colocated attention DP; see --brc-max-wait-steps).
     #[arg(long, env = "BALANCEROUTE_POLICY", default_value = DEFAULT_POLICY)]
     pub policy: PolicyKind,
@@ -261,6 +262,12 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_PREDICTOR_MAX_HASHES")]
     pub predictor_max_hashes: Option<usize>,
 
+    /// brh-class learns a model for at most this many request classes per group (64; about
+    /// 48 KiB each besides the lengths it saw); further class keys are predicted as requests
+    /// without one. 1..=4096.
+    #[arg(long, env = "BALANCEROUTE_PREDICTOR_MAX_CLASSES")]
+    pub predictor_max_classes: Option<usize>,
+
     /// Seed of the randomised baselines (random, p2c).
     #[arg(long, env = "BALANCEROUTE_SEED", default_value_t = 0)]
     pub seed: u64,
@@ -452,6 +459,9 @@ impl Args {
                 predictor: PredictorConfig {
                     prompt_buckets: self.predictor_buckets.unwrap_or(h.predictor.prompt_buckets),
                     max_hashes: self.predictor_max_hashes.unwrap_or(h.predictor.max_hashes),
+                    max_classes: self
+                        .predictor_max_classes
+                        .unwrap_or(h.predictor.max_classes),
                     ..h.predictor
                 },
             },
@@ -918,14 +928,21 @@ mod tests {
             "false",
             "--predictor-max-hashes",
             "1000",
+            "--predictor-max-classes",
+            "8",
         ])
         .unwrap()
         .to_config()
         .unwrap();
         assert!(!c.policy.horizon.predictor.prompt_buckets);
         assert_eq!(c.policy.horizon.predictor.max_hashes, 1000);
+        assert_eq!(c.policy.horizon.predictor.max_classes, 8);
         let refused = parse(&["--predictor-max-hashes", "0"]).map(|a| a.to_config());
         assert!(!matches!(refused, Ok(Ok(_))), "no hash table at all");
+        for classes in ["0", "4097"] {
+            let refused = parse(&["--predictor-max-classes", classes]).map(|a| a.to_config());
+            assert!(!matches!(refused, Ok(Ok(_))), "{classes} classes");
+        }
         assert!(parse(&["--predictor-buckets", "maybe"]).is_err());
     }
 

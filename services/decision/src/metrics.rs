@@ -105,7 +105,8 @@ pub struct Metrics {
     /// What BR-H's online predictor holds, by `kind`: `samples` (finished requests learned
     /// from), `hashes` (prompt hashes remembered, at most `--predictor-max-hashes`),
     /// `buckets` (prompt-length octaves with a distribution of their own), `hinted` (finished
-    /// requests with the client's expected output tokens, brh-hinted). 0 without one.
+    /// requests with the client's expected output tokens, brh-hinted), `classes` (request
+    /// classes with a model of their own, brh-class). 0 without one.
     pub predictor_entries: IntGaugeVec,
     /// Approximate heap bytes BR-H's online predictor holds (its memory bound, measured).
     pub predictor_bytes: IntGaugeVec,
@@ -116,7 +117,7 @@ pub struct Metrics {
 }
 
 /// The `kind` labels of `balanceroute_decision_predictor_entries`.
-pub const PREDICTOR_KINDS: [&str; 4] = ["samples", "hashes", "buckets", "hinted"];
+pub const PREDICTOR_KINDS: [&str; 5] = ["samples", "hashes", "buckets", "hinted", "classes"];
 
 /// The `answer` labels of `balanceroute_decision_predictions_total`.
 pub const PREDICTION_ANSWERS: [&str; 3] = ["reused", "spared", "made"];
@@ -144,7 +145,7 @@ impl Metrics {
                 IntGaugeVec::new(
                     Opts::new(
                         "balanceroute_decision_predictor_entries",
-                        "What BR-H's online predictor has learned, by kind (samples, hashes, buckets, hinted)",
+                        "What BR-H's online predictor has learned, by kind (samples, hashes, buckets, hinted, classes)",
                     ),
                     &["group", "kind"],
                 )?,
@@ -554,7 +555,7 @@ pub struct GroupMetrics {
     /// [`Metrics::recommits_total`] `{outcome="dropped"}` of this group.
     pub recommits_dropped: prometheus::IntCounter,
     /// `predictor_entries` by [`PREDICTOR_KINDS`].
-    pub predictor_entries: [IntGauge; 4],
+    pub predictor_entries: [IntGauge; 5],
     /// [`Metrics::predictor_bytes`] of this group.
     pub predictor_bytes: IntGauge,
     /// `predictions_total` by [`PREDICTION_ANSWERS`].

@@ -86,7 +86,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub slots: u32,
     /// Comma-separated policy names (random rr p2c jsq vllm-dp mintok br0 br0-bypass brh
-    /// brh-survival brh-oracle brh-hinted brc; brc is meant for `--colocated`).
+    /// brh-survival brh-oracle brh-hinted brh-class brc; brc is meant for `--colocated`).
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_POLICIES)]
     pub policies: Vec<String>,
     /// Arrival process.

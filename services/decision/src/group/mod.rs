@@ -369,11 +369,12 @@ impl GroupCore {
             return;
         };
         let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        let [samples, hashes, buckets, hinted] = &self.metrics.predictor_entries;
+        let [samples, hashes, buckets, hinted, classes] = &self.metrics.predictor_entries;
         samples.set(clamp(st.samples));
         hashes.set(clamp(st.hashes as u64));
         buckets.set(clamp(st.buckets as u64));
         hinted.set(clamp(st.hinted));
+        classes.set(clamp(st.classes as u64));
         self.metrics.predictor_bytes.set(clamp(st.bytes as u64));
     }
 

@@ -32,9 +32,10 @@ fn brh_learns_from_finished_requests_in_sigma() {
     assert_eq!(st.samples, 2);
     assert_eq!(st.hashes, 1, "only a sent a hash");
     assert_eq!(st.buckets, 2, "5,000 and 900 tokens are different octaves");
-    let [samples, hashes, buckets, hinted] = &fx.core.metrics.predictor_entries;
+    let [samples, hashes, buckets, hinted, classes] = &fx.core.metrics.predictor_entries;
     assert_eq!((samples.get(), hashes.get(), buckets.get()), (2, 1, 2));
     assert_eq!(hinted.get(), 0, "ExactMatch keeps no hints");
+    assert_eq!(classes.get(), 0, "nor classes");
     assert!(fx.core.metrics.predictor_bytes.get() > 0);
 }
 
@@ -200,4 +201,38 @@ fn a_replica_learns_the_hints_of_a_request_from_sigma_alone() {
         let st = c.policy.predictor_stats().unwrap();
         assert_eq!((st.samples, st.hinted), (1, 1));
     }
+}
+
+/// `brh-class` learns each class the gateway named from σ's finishes, and the gauge counts
+/// the classes it holds a model for.
+#[test]
+fn brh_class_learns_a_model_per_class() {
+    let mut fx = Fx::new(PolicyKind::BrH(PredictorKind::Classed), &[0, 0], 4);
+    let classes = [
+        br_proto::valid::class_id("chat"),
+        br_proto::valid::class_id("code"),
+    ];
+    for (i, class) in classes.iter().chain(&classes).chain(&[0]).enumerate() {
+        let id = format!("r{i}");
+        let hints = Hints {
+            expected_output: None,
+            class: (*class != 0).then_some(*class),
+        };
+        fx.sigma_change(vec![change::request_reserved_hinted(
+            &id, 1, 101, 800, None, None, hints,
+        )]);
+        fx.sigma_change(vec![change::request_progress(&id, 1, 101, 800, 50)]);
+        fx.sigma_change(vec![change::request_finished(&id, 50)]);
+    }
+    let st = fx
+        .core
+        .policy
+        .predictor_stats()
+        .expect("BR-H has a predictor");
+    assert_eq!((st.samples, st.classes), (5, 2));
+    assert_eq!(
+        fx.core.metrics.predictor_entries[4].get(),
+        2,
+        "kind=classes"
+    );
 }
