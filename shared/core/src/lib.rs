@@ -14,11 +14,13 @@
 //!   ([`build_policy`]) that builds any policy from a [`PolicyConfig`] by name.
 //! * [`StepModel`]: the lockstep step-time model `T = a·M + p·P + c·N + b` and its online fit from
 //!   telemetry.
+//! * [`class_id`]: the id of a request's class key, as σ carries it.
 //! * [`stats::quantile`]: the project's one percentile definition (nearest rank), shared by
 //!   the simulator's report and everything else that needs exact order statistics.
 
 #[doc(hidden)]
 pub mod bench_support;
+mod class;
 pub mod dispatch;
 mod error;
 mod policy;
@@ -30,6 +32,7 @@ pub mod stats;
 mod step;
 mod tree;
 
+pub use class::class_id;
 pub use error::CoreError;
 pub use policy::{BrcConfig, Mode, Policy, PolicyConfig, PolicyKind, PredictorKind, build_policy};
 pub use pool::{Pool, PoolEntry};

@@ -351,20 +351,9 @@ impl fmt::Display for RequestClass {
 }
 
 /// The id of a class key: the 64-bit FNV-1a hash of its bytes, as `Reservation.request_class_id`
-/// defines it.
-///
-/// A hash rather than an id interned in a table: it is the same in every process and version
-/// (decision replicas, the snapshot service, a restarted replica reading σ), so it travels
-/// through σ as it is, and nothing has to hold (and bound) a table of keys. FNV-1a is a few
-/// lines anyone can reimplement from the contract, and spreads short keys well; at 64 bits two
-/// of even ten thousand keys collide with a chance of about 3·10⁻¹², and a collision would only
-/// pool the two classes' statistics. Not keyed: the keys come from the operator's gateways.
-pub fn class_id(key: &str) -> u64 {
-    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    key.bytes()
-        .fold(OFFSET_BASIS, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME))
-}
+/// defines it. Defined in `br-core` ([`br_core::class_id`], where the reasons for a hash are
+/// given), so the services, the simulator and the emulator compute the same id from a key.
+pub use br_core::class_id;
 
 /// A validated `AssignRequest`.
 #[derive(Debug, Clone, PartialEq, Eq)]

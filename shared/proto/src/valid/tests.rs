@@ -283,6 +283,17 @@ fn class_ids_are_fnv1a_64() {
 }
 
 #[test]
+fn a_validated_key_s_id_is_br_core_s() {
+    // σ's ids are compared across crates (the decision service, the simulator, the emulator's
+    // gateway): a key validated here must name the class br-core computes for it.
+    for key in ["chat/tools", "c0", "c255", "~"] {
+        let class = RequestClass::new(key).unwrap();
+        assert_eq!(class.id(), br_core::class_id(key), "{key}");
+    }
+    assert_eq!(class_id("foobar"), br_core::class_id("foobar"));
+}
+
+#[test]
 fn cancel_rules() {
     let ok = v1::CancelRequest {
         group: "g".into(),
