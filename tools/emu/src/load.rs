@@ -285,7 +285,7 @@ pub async fn run(cfg: LoadConfig) -> Result<Summary, LoadError> {
     let mut tasks = Vec::with_capacity(reqs.len());
     for (i, r) in reqs.iter().enumerate() {
         let ctx = ctx.clone();
-        let r = *r;
+        let r = r.clone();
         let progress = progress.clone();
         tasks.push(tokio::spawn(async move {
             let out = one(ctx, i, r).await;

@@ -885,6 +885,7 @@ mod tests {
             output_tokens: 1,
             prompt_hash: None,
             expected_output: None,
+            class: None,
         };
         assert!(stamp_arrivals(vec![req(None)], Arrival::Trace, 1.0, None, 0).is_err());
         let out = stamp_arrivals(
@@ -910,6 +911,7 @@ mod tests {
                 output_tokens: 1,
                 prompt_hash: None,
                 expected_output: None,
+                class: None,
             })
             .collect();
         let order = |v: &[TraceRequest]| v.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>();

@@ -161,7 +161,7 @@ pub fn simulate_deciders(
                 prompt_hash: r.prompt_hash,
                 oracle_output: Some(r.output_tokens),
                 expected_output: r.expected_output,
-                class: None,
+                class: r.class_id(),
             };
             let k = decider_of(i);
             match mode {
@@ -231,7 +231,7 @@ pub fn simulate_deciders(
                     prompt_hash: r.prompt_hash,
                     oracle_output: Some(r.output_tokens),
                     expected_output: r.expected_output,
-                    class: None,
+                    class: r.class_id(),
                 };
                 let info = queued_info(&entry, a.worker);
                 if !ideal {
@@ -426,7 +426,7 @@ pub fn simulate_deciders(
                 prompt_hash: r.prompt_hash,
                 output_tokens: r.output_tokens,
                 expected_output: r.expected_output,
-                class: None,
+                class: r.class_id(),
             };
             for policy in policies.iter_mut() {
                 policy.observe_finished(&done);

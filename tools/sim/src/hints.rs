@@ -126,6 +126,7 @@ mod tests {
                 output_tokens: o,
                 prompt_hash: None,
                 expected_output: None,
+                class: None,
             })
             .collect()
     }

@@ -270,6 +270,7 @@ pub fn generate(kind: SynthKind, cfg: &SynthConfig) -> Vec<TraceRequest> {
                 output_tokens: shape.template_output(&mut rng, o),
                 prompt_hash: Some(h),
                 expected_output: None,
+                class: None,
             }
         } else {
             TraceRequest {
@@ -278,6 +279,7 @@ pub fn generate(kind: SynthKind, cfg: &SynthConfig) -> Vec<TraceRequest> {
                 output_tokens: shape.output(&mut rng),
                 prompt_hash: Some(rng.random()),
                 expected_output: None,
+                class: None,
             }
         };
         out.push(req);

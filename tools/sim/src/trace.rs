@@ -7,11 +7,13 @@
 //! | Azure LLM inference CSV | `.csv` with header `TIMESTAMP,ContextTokens,GeneratedTokens` | ms since the first row | none |
 //! | Mooncake JSONL | `.jsonl` / `.json`, or a first line starting with `{` | `timestamp` (ms) | hash of the `hash_ids` list |
 //! | length-only CSV (sarathi) | `.csv` with `num_prefill_tokens,num_decode_tokens` columns | none | none |
-//! | generic CSV | `.csv` with `prompt_tokens,output_tokens` (optional `arrival_ms`, `prompt_hash`, `expected_output_tokens`) | optional | optional |
+//! | generic CSV | `.csv` with `prompt_tokens,output_tokens` (optional `arrival_ms`, `prompt_hash`, `expected_output_tokens`, `request_class`) | optional | optional |
 //!
 //! Only the generic CSV carries clients' hints: its optional `expected_output_tokens` column is
 //! the expected output length each request was sent with (empty: none), which is how a live
 //! run's arrivals (`br-emu load --arrivals-csv`) give the twin the hints the decision saw.
+//! Likewise its optional `request_class` column: each request's class key (empty: none), the
+//! gateway's label the Assign contract takes, which the twin carries as its id ([`Class`]).
 //!
 //! Bad rows are typed errors ([`TraceError::BadRow`]) naming the file and the 1-based line; the
 //! loaders never panic on input. Requests with zero output tokens cannot be decoded and are
@@ -21,11 +23,12 @@ use std::fmt;
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 /// One request of a trace.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TraceRequest {
     /// Arrival time in ms relative to the trace start; `None` for length-only traces.
     pub arrival_ms: Option<f64>,
@@ -39,6 +42,78 @@ pub struct TraceRequest {
     /// (a live run's arrivals), none in the other formats or a synthetic workload;
     /// `--hint-error` / `--hint-mode` derive one from `output_tokens`.
     pub expected_output: Option<u32>,
+    /// The request's class: a generic CSV's `request_class` (a live run's arrivals), none in
+    /// the other formats or a synthetic workload; `--classes` makes them from `output_tokens`.
+    #[serde(default)]
+    pub class: Option<Class>,
+}
+
+impl TraceRequest {
+    /// The request's class id, as `RequestInfo::class` and σ carry it.
+    pub fn class_id(&self) -> Option<u64> {
+        self.class.as_ref().map(Class::id)
+    }
+}
+
+/// A request's class: its key, the label a gateway sends as `AssignRequest.request_class`
+/// (1..=64 bytes of printable ASCII without spaces, as the contract requires), and the id
+/// every crate computes from it (`br_core::class_id`). The key is kept beside the id so a
+/// replay through the live services (`br-emu load`) can send what the twin simulated. Cheap
+/// to clone.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Class {
+    key: Arc<str>,
+    id: u64,
+}
+
+impl Class {
+    /// Longest key, in bytes (the Assign contract's limit).
+    pub const MAX_KEY_BYTES: usize = 64;
+
+    /// Validates `key` as the contract does: 1..=64 bytes, each 0x21..=0x7E.
+    pub fn new(key: &str) -> Result<Class, String> {
+        if key.is_empty() || key.len() > Self::MAX_KEY_BYTES {
+            return Err(format!(
+                "`{key}` is {} bytes long, a class key takes 1..={}",
+                key.len(),
+                Self::MAX_KEY_BYTES
+            ));
+        }
+        if let Some(c) = key.chars().find(|c| !c.is_ascii_graphic()) {
+            return Err(format!(
+                "`{key}` contains {c:?}, a class key takes only printable ASCII without spaces \
+                 (0x21..=0x7E)"
+            ));
+        }
+        Ok(Class {
+            key: Arc::from(key),
+            id: br_core::class_id(key),
+        })
+    }
+
+    /// The key, as a gateway sends it.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Its id, `br_core::class_id(key)`.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl TryFrom<String> for Class {
+    type Error = String;
+    fn try_from(key: String) -> Result<Class, String> {
+        Class::new(&key)
+    }
+}
+
+impl From<Class> for String {
+    fn from(c: Class) -> String {
+        c.key.to_string()
+    }
 }
 
 /// The on-disk formats the loader understands.
@@ -50,7 +125,7 @@ pub enum TraceFormat {
     MooncakeJsonl,
     /// Length-only CSV (`num_prefill_tokens`, `num_decode_tokens`, ...), e.g. sarathi-serve's.
     LengthCsv,
-    /// Our own CSV: `prompt_tokens,output_tokens[,arrival_ms][,prompt_hash][,expected_output_tokens]`.
+    /// Our own CSV: `prompt_tokens,output_tokens[,arrival_ms][,prompt_hash][,expected_output_tokens][,request_class]`.
     GenericCsv,
 }
 
@@ -264,35 +339,39 @@ fn load_csv(
             })
     };
     let opt_col = |name: &'static str| headers.iter().position(|h| h == name);
-    // Column indexes per format: (arrival, prompt, output, hash, hint).
-    let (ts, prompt, output, hash, hint, azure) = if headers.iter().any(|h| h == "contexttokens") {
-        (
-            Some(col("timestamp")?),
-            col("contexttokens")?,
-            col("generatedtokens")?,
-            None,
-            None,
-            true,
-        )
-    } else if headers.iter().any(|h| h == "num_prefill_tokens") {
-        (
-            None,
-            col("num_prefill_tokens")?,
-            col("num_decode_tokens")?,
-            None,
-            None,
-            false,
-        )
-    } else {
-        (
-            opt_col("arrival_ms"),
-            col("prompt_tokens")?,
-            col("output_tokens")?,
-            opt_col("prompt_hash"),
-            opt_col(EXPECTED_OUTPUT_COLUMN),
-            false,
-        )
-    };
+    // Column indexes per format: (arrival, prompt, output, hash, hint, class).
+    let (ts, prompt, output, hash, hint, class, azure) =
+        if headers.iter().any(|h| h == "contexttokens") {
+            (
+                Some(col("timestamp")?),
+                col("contexttokens")?,
+                col("generatedtokens")?,
+                None,
+                None,
+                None,
+                true,
+            )
+        } else if headers.iter().any(|h| h == "num_prefill_tokens") {
+            (
+                None,
+                col("num_prefill_tokens")?,
+                col("num_decode_tokens")?,
+                None,
+                None,
+                None,
+                false,
+            )
+        } else {
+            (
+                opt_col("arrival_ms"),
+                col("prompt_tokens")?,
+                col("output_tokens")?,
+                opt_col("prompt_hash"),
+                opt_col(EXPECTED_OUTPUT_COLUMN),
+                opt_col(CLASS_COLUMN),
+                false,
+            )
+        };
     let mut first_ts: Option<f64> = None;
     let mut record = csv::StringRecord::new();
     loop {
@@ -349,6 +428,12 @@ fn load_csv(
                 parse_hint(raw).map_err(|m| bad(line, format!("{EXPECTED_OUTPUT_COLUMN}: {m}")))?,
             ),
         };
+        let class = match class.and_then(|i| record.get(i)) {
+            None | Some("") => None,
+            Some(raw) => {
+                Some(Class::new(raw).map_err(|m| bad(line, format!("{CLASS_COLUMN}: {m}")))?)
+            }
+        };
         stats.rows += 1;
         filter.push(
             out,
@@ -359,6 +444,7 @@ fn load_csv(
                 output_tokens,
                 prompt_hash,
                 expected_output,
+                class,
             },
         );
     }
@@ -368,6 +454,10 @@ fn load_csv(
 /// The generic CSV's column of clients' expected output lengths: the Assign contract's field
 /// name, since it holds what the decision service was sent.
 pub const EXPECTED_OUTPUT_COLUMN: &str = "expected_output_tokens";
+
+/// The generic CSV's column of class keys: the Assign contract's field name, since it holds
+/// what the decision service was sent.
+pub const CLASS_COLUMN: &str = "request_class";
 
 #[derive(Deserialize)]
 struct MooncakeRow {
@@ -422,6 +512,7 @@ fn load_jsonl(
                 output_tokens: row.output_length,
                 prompt_hash: row.hash_ids.as_deref().map(hash_ids),
                 expected_output: None,
+                class: None,
             },
         );
     }
@@ -718,6 +809,69 @@ mod tests {
         // the other columns are read as before
         assert_eq!(t.requests[0].prompt_hash, Some(7));
         assert_eq!(t.requests[2].output_tokens, 22);
+    }
+
+    #[test]
+    fn generic_csv_carries_each_request_s_class_key_and_its_id() {
+        let (_d, p) = write(
+            "c.csv",
+            "arrival_ms,prompt_tokens,output_tokens,request_class\n\
+             0,10,20,chat/tools\n\
+             1,11,21,\n\
+             2,12,22,\"a,\"\"b\"\n\
+             3,13,23,c7\n",
+        );
+        let t = load(&p, &Filter::default()).expect("load");
+        let keys: Vec<Option<&str>> = t
+            .requests
+            .iter()
+            .map(|r| r.class.as_ref().map(Class::key))
+            .collect();
+        assert_eq!(
+            keys,
+            vec![Some("chat/tools"), None, Some("a,\"b"), Some("c7")]
+        );
+        assert_eq!(
+            t.requests[0].class_id(),
+            Some(br_core::class_id("chat/tools"))
+        );
+        assert_eq!(t.requests[3].class_id(), Some(br_core::class_id("c7")));
+        assert_eq!(t.requests[1].class_id(), None);
+        // A file without the column has no classes (the loaders before it existed).
+        let (_d, p) = write("n.csv", "prompt_tokens,output_tokens\n10,20\n");
+        let t = load(&p, &Filter::default()).expect("load");
+        assert!(t.requests.iter().all(|r| r.class.is_none()));
+        // and a key survives serde as its key
+        let json = serde_json::to_string(&Class::new("c7").expect("key")).expect("json");
+        assert_eq!(json, "\"c7\"");
+        let back: Class = serde_json::from_str(&json).expect("back");
+        assert_eq!(back.id(), br_core::class_id("c7"));
+        assert!(serde_json::from_str::<Class>("\"a b\"").is_err());
+    }
+
+    #[test]
+    fn a_bad_class_key_is_a_bad_row_naming_its_line_and_column() {
+        let long = "k".repeat(65);
+        for bad in ["a b", "tab\there", "é", long.as_str()] {
+            let (_d, p) = write(
+                "c.csv",
+                &format!(
+                    "arrival_ms,prompt_tokens,output_tokens,request_class\n0,10,20,ok\n1,10,20,\"{bad}\"\n"
+                ),
+            );
+            let err = load(&p, &Filter::default()).expect_err(bad);
+            match &err {
+                TraceError::BadRow { line, msg, .. } => {
+                    assert_eq!(*line, 3, "{bad}");
+                    assert!(msg.contains("request_class"), "{msg}");
+                }
+                other => panic!("{bad}: unexpected {other:?}"),
+            }
+            assert!(err.to_string().contains("c.csv:3"), "{err}");
+        }
+        // the longest key the contract takes is accepted
+        assert!(Class::new(&"k".repeat(64)).is_ok());
+        assert!(Class::new("").is_err());
     }
 
     #[test]

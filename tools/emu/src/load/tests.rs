@@ -232,6 +232,7 @@ fn the_hint_sent_and_recorded_is_capped_at_max_tokens() {
         output_tokens: out,
         prompt_hash: None,
         expected_output: hint,
+        class: None,
     };
     assert_eq!(hint_sent(&req(100, None)), None);
     assert_eq!(hint_sent(&req(100, Some(80))), Some(80));

@@ -8,6 +8,7 @@ fn req(t: f64, s: u32, o: u32) -> TraceRequest {
         output_tokens: o,
         prompt_hash: None,
         expected_output: None,
+        class: None,
     }
 }
 
@@ -329,7 +330,7 @@ fn every_policy_completes_every_request_within_capacity() {
                 .iter()
                 .map(|r| TraceRequest {
                     arrival_ms: r.arrival_ms.map(|t| t * arrival_scale),
-                    ..*r
+                    ..r.clone()
                 })
                 .collect();
             let out = sim(&rs, name, &cfg(4, 16, 2e-4, 30.0));
@@ -761,7 +762,7 @@ fn every_policy_completes_every_request_with_colocated_prefill() {
                 .iter()
                 .map(|r| TraceRequest {
                     arrival_ms: r.arrival_ms.map(|t| t * arrival_scale),
-                    ..*r
+                    ..r.clone()
                 })
                 .collect();
             let out = sim(&rs, name, &colocated(cfg(4, 16, 2e-4, 30.0), 0.01, 2048));
@@ -808,4 +809,131 @@ fn prefill_waves_align_the_ranks_prefill_and_pay_for_it() {
     );
     // without holding, the waves are whatever each tick frees: no better aligned than rr's
     assert!(never_held.barrier.prefill_ms > brc.barrier.prefill_ms);
+}
+
+/// A policy that places every request on the first rank with a free slot and writes down the
+/// class of every request it is shown: on arrival or in the pool, in σ (`RequestInfo`), and
+/// when it finishes.
+#[derive(Debug)]
+struct ClassRecorder {
+    mode: Mode,
+    /// Request key → class, as each place showed it.
+    routed: std::collections::BTreeMap<u64, Option<u64>>,
+    in_state: std::collections::BTreeMap<u64, Option<u64>>,
+    /// (output tokens, class) of each finished request.
+    finished: Vec<(u32, Option<u64>)>,
+}
+
+impl ClassRecorder {
+    fn new(mode: Mode) -> Self {
+        ClassRecorder {
+            mode,
+            routed: Default::default(),
+            in_state: Default::default(),
+            finished: Vec::new(),
+        }
+    }
+
+    fn look(&mut self, state: &ClusterState) {
+        for info in state.requests() {
+            self.in_state.insert(info.key, info.class);
+        }
+    }
+
+    fn free_worker(state: &ClusterState, taken: &[u32]) -> Option<u32> {
+        state
+            .workers()
+            .iter()
+            .enumerate()
+            .find(|(g, w)| w.free_slots() > taken[*g])
+            .map(|(g, _)| g as u32)
+    }
+}
+
+impl Policy for ClassRecorder {
+    fn name(&self) -> &'static str {
+        "class-recorder"
+    }
+    fn mode(&self) -> Mode {
+        self.mode
+    }
+    fn route(&mut self, entry: &PoolEntry, state: &ClusterState) -> Option<WorkerId> {
+        self.look(state);
+        self.routed.insert(entry.key, entry.class);
+        let taken = vec![0; state.workers().len()];
+        Some(Self::free_worker(state, &taken).unwrap_or(0))
+    }
+    fn dispatch(&mut self, pool: &mut Pool, state: &ClusterState, out: &mut Vec<Admission>) {
+        self.look(state);
+        let mut taken = vec![0; state.workers().len()];
+        let entries: Vec<PoolEntry> = pool.iter().cloned().collect();
+        for e in entries {
+            let Some(w) = Self::free_worker(state, &taken) else {
+                break;
+            };
+            taken[w as usize] += 1;
+            self.routed.insert(e.key, e.class);
+            pool.remove(e.key);
+            out.push(Admission {
+                key: e.key,
+                worker: w,
+                prompt_tokens: e.prompt_tokens,
+                score: f64::NAN,
+                stage: br_core::dispatch::Stage::Greedy,
+            });
+        }
+    }
+    fn observe_finished(&mut self, finished: &br_core::predict::Finished) {
+        self.finished.push((finished.output_tokens, finished.class));
+    }
+}
+
+#[test]
+fn a_request_s_class_reaches_the_policy_in_its_entry_in_sigma_and_when_it_finishes() {
+    // Every third request has no class; the others one of two keys. Output lengths are
+    // distinct, so a finished request names itself.
+    let class_of = |i: u32| match i % 3 {
+        0 => None,
+        1 => Some(crate::trace::Class::new("chat").expect("key")),
+        _ => Some(crate::trace::Class::new("tools/long").expect("key")),
+    };
+    let reqs: Vec<TraceRequest> = (0..60u32)
+        .map(|i| TraceRequest {
+            class: class_of(i),
+            ..req(f64::from(i) * 5.0, 100 + i, 3 + i)
+        })
+        .collect();
+    let want: Vec<Option<u64>> = reqs.iter().map(TraceRequest::class_id).collect();
+    assert!(want.iter().flatten().count() == 40 && want.contains(&None));
+    for mode in [Mode::OnArrival, Mode::Pooled] {
+        let mut p = ClassRecorder::new(mode);
+        simulate_deciders(
+            &reqs,
+            &mut [&mut p as &mut dyn Policy],
+            "rec",
+            &cfg(2, 4, 2e-4, 30.0),
+        )
+        .expect("simulate");
+        let by_key = |m: &std::collections::BTreeMap<u64, Option<u64>>| -> Vec<Option<u64>> {
+            (0..60u64)
+                .map(|k| *m.get(&k).expect("every request seen"))
+                .collect()
+        };
+        assert_eq!(by_key(&p.routed), want, "{mode:?}: PoolEntry.class");
+        // σ is looked at when the policy is asked: the last arrivals may finish unseen.
+        assert!(
+            p.in_state.len() >= 50,
+            "{mode:?}: {} seen in σ",
+            p.in_state.len()
+        );
+        for (&k, &class) in &p.in_state {
+            assert_eq!(
+                class, want[k as usize],
+                "{mode:?}: RequestInfo.class of {k}"
+            );
+        }
+        p.finished.sort_unstable();
+        let finished: Vec<Option<u64>> = p.finished.iter().map(|f| f.1).collect();
+        assert_eq!(finished, want, "{mode:?}: Finished.class");
+    }
 }

@@ -93,6 +93,6 @@ pub(super) fn queued_info(entry: &PoolEntry, worker: WorkerId) -> RequestInfo {
         prompt_hash: entry.prompt_hash,
         oracle_output: entry.oracle_output,
         expected_output: entry.expected_output,
-        class: None,
+        class: entry.class,
     }
 }
