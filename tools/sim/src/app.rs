@@ -165,6 +165,14 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         (None, 0) => String::new(),
         (None, n) => format!("; hints: the trace's own, on {n} requests"),
     };
+    let classes = match (w.classes, w.trace_classes) {
+        (Some(c), _) => format!("; {}", c.describe(w.class_share)),
+        (None, 0) => String::new(),
+        (None, n) => format!(
+            "; classes: the trace's own, on {n} requests, {}",
+            crate::classes::describe_share(w.class_share)
+        ),
+    };
     let control = if args.telemetry_lag_steps > 0 || args.deciders > 1 {
         format!(
             " control plane: {} decider(s){}, telemetry lag {} step(s)",
@@ -191,7 +199,7 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         )
     });
     format!(
-        "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts{}{}\n\
+        "workload {}: {} requests, prompt mean {:.0} [{}..{}], output mean {:.0} [{}..{}], {:.0}% repeated prompts{}{}{}\n\
          G={} B={} arrival={} step T = {:e}·max L{}{} + {} ms{}{}",
         w.name,
         s.requests,
@@ -204,6 +212,7 @@ fn describe(w: &Workload, args: &RunArgs, workers: Option<u32>) -> String {
         100.0 * s.repeat_share,
         dropped,
         hints,
+        classes,
         g,
         args.slots,
         arrival,

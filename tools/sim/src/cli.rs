@@ -7,6 +7,7 @@
 //!              [--step-a MS_PER_TOKEN] [--step-b MS] [--step-c MS_PER_REQUEST]
 //!              [--colocated [--step-p MS_PER_PREFILL_TOKEN] [--prefill-chunk TOKENS]]
 //!              [--hint-error SIGMA] [--hint-mode lognormal|shuffled|constant]
+//!              [--classes K [--class-error SIGMA] [--class-mode noisy|random]]
 //! br-sim sweep <run flags> [--workers-list 4,8,16,32,64] [--param NAME=v1,v2,...]
 //! br-sim calibrate SAMPLES.csv [--strict] [--json FILE]
 //! ```
@@ -17,6 +18,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::classes::{ClassMode, Classes};
 use crate::hints::{HintMode, Hints};
 use crate::synth::{self, SynthConfig, SynthKind};
 use crate::trace::{self, Filter, LoadStats, TraceError, TraceRequest};
@@ -182,6 +184,21 @@ pub struct RunArgs {
     /// trace's mean output: useless).
     #[arg(long, value_enum)]
     pub hint_mode: Option<HintMode>,
+    /// Give each request one of K classes (`c0`..`c{K-1}`, the key a gateway would send as
+    /// `request_class`) made from its true output length, for measuring what class labels are
+    /// worth: by default (`--class-mode noisy`) the bucket of ln(output) + N(0, SIGMA) among K
+    /// equal-count quantiles, drawn from `--seed`. 2..=256. The workload line says how much of
+    /// the output length's log-variance the classes explain.
+    #[arg(long, value_name = "K")]
+    pub classes: Option<u32>,
+    /// With `--classes`: SIGMA of the noise on ln(output) before bucketing (0, the default: the
+    /// classes are the K output-length quantiles, the most K classes can tell; at most 10).
+    #[arg(long, value_name = "SIGMA")]
+    pub class_error: Option<f64>,
+    /// With `--classes`: `noisy` (the default) or `random` (the same K equal-count classes
+    /// dealt at random: labels that tell nothing).
+    #[arg(long, value_enum)]
+    pub class_mode: Option<ClassMode>,
 }
 
 /// Flags of `sweep`.
@@ -292,6 +309,13 @@ pub struct Workload {
     /// Requests whose hint came with the trace (a generic CSV's `expected_output_tokens`, e.g.
     /// a live run's arrivals): replayed as the live decision saw them.
     pub trace_hints: usize,
+    /// The classes made for the requests (`--classes`), if any.
+    pub classes: Option<Classes>,
+    /// Requests whose class came with the trace (a generic CSV's `request_class`, e.g. a live
+    /// run's arrivals): replayed as the live decision saw them.
+    pub trace_classes: usize,
+    /// The share of Var[ln output] the requests' classes explain (`None` without classes).
+    pub class_share: Option<f64>,
     /// Loader counters.
     pub stats: LoadStats,
 }
@@ -366,7 +390,14 @@ impl RunArgs {
             return bad("--policies is empty".into());
         }
         self.hints()?;
+        self.classes()?;
         Ok(())
+    }
+
+    /// The classes `--classes`, `--class-error` and `--class-mode` ask for (`None`: none).
+    pub fn classes(&self) -> Result<Option<Classes>, WorkloadError> {
+        Classes::from_flags(self.classes, self.class_error, self.class_mode)
+            .map_err(WorkloadError::Invalid)
     }
 
     /// The hints `--hint-error` and `--hint-mode` ask for (`None`: no hints).
@@ -469,6 +500,22 @@ impl RunArgs {
             }
             h.apply(&mut requests, self.seed);
         }
+        let trace_classes = requests.iter().filter(|r| r.class.is_some()).count();
+        let classes = self.classes()?;
+        if let Some(c) = &classes {
+            // As with hints: made classes would overwrite the labels the trace records.
+            if trace_classes > 0 {
+                return Err(WorkloadError::Invalid(format!(
+                    "{name}: {trace_classes} requests carry their own class \
+                     (`{}`); --classes would replace them",
+                    crate::trace::CLASS_COLUMN
+                )));
+            }
+            c.apply(&mut requests, self.seed);
+        }
+        let class_share = (classes.is_some() || trace_classes > 0)
+            .then(|| crate::classes::explained_share(&requests))
+            .flatten();
         Ok(Workload {
             name,
             requests,
@@ -476,6 +523,9 @@ impl RunArgs {
             arrival_why,
             hints,
             trace_hints,
+            classes,
+            trace_classes,
+            class_share,
             stats,
         })
     }
@@ -875,6 +925,97 @@ mod tests {
             let e = workload(flags).expect_err("made hints over recorded ones");
             assert!(e.to_string().contains("expected_output_tokens"), "{e}");
         }
+    }
+
+    #[test]
+    fn class_flags_give_classes_or_a_workload_error() {
+        let workload = |flags: &[&str]| {
+            let mut args = vec!["--trace", "paper-prop", "--limit", "400"];
+            args.extend_from_slice(flags);
+            let Command::Run(r) = parse(&args).expect("parse") else {
+                panic!("run")
+            };
+            r.workload()
+        };
+        let plain = workload(&[]).expect("workload");
+        assert!(plain.classes.is_none() && plain.class_share.is_none());
+        assert!(plain.requests.iter().all(|q| q.class.is_none()));
+        let w = workload(&["--classes", "4", "--class-error", "0.5"]).expect("workload");
+        assert_eq!(
+            w.classes,
+            Some(Classes {
+                count: 4,
+                mode: ClassMode::Noisy,
+                sigma: 0.5
+            })
+        );
+        assert!(w.requests.iter().all(|q| q.class.is_some()));
+        let share = w.class_share.expect("a share");
+        assert!(share > 0.2 && share < 1.0, "{share}");
+        // the same flags and seed, the same classes; the hints are not disturbed
+        let again = workload(&["--classes", "4", "--class-error", "0.5"]).expect("workload");
+        assert_eq!(again.requests, w.requests);
+        let both = workload(&["--classes", "4", "--hint-error", "0"]).expect("workload");
+        assert!(
+            both.requests
+                .iter()
+                .all(|q| q.expected_output == Some(q.output_tokens) && q.class.is_some())
+        );
+        for (bad, flag) in [
+            (&["--classes", "1"][..], "--classes"),
+            (&["--classes", "300"][..], "--classes"),
+            (&["--class-error", "0.5"][..], "--classes"),
+            (&["--class-mode", "random"][..], "--classes"),
+            (&["--classes", "4", "--class-error=-1"][..], "--class-error"),
+            (
+                &[
+                    "--classes",
+                    "4",
+                    "--class-mode",
+                    "random",
+                    "--class-error",
+                    "1",
+                ][..],
+                "--class-error",
+            ),
+        ] {
+            let e = workload(bad).expect_err("refused");
+            assert!(matches!(e, WorkloadError::Invalid(_)), "{bad:?}: {e}");
+            assert!(e.to_string().contains(flag), "{bad:?}: {e}");
+        }
+        assert!(parse(&["--trace", "x", "--classes", "4", "--class-mode", "exact"]).is_err());
+    }
+
+    #[test]
+    fn a_trace_s_own_classes_are_replayed_and_not_replaced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("arrivals.csv");
+        std::fs::write(
+            &path,
+            "arrival_ms,prompt_tokens,output_tokens,request_class\n\
+             0,10,200,short\n0.5,10,3000,\n1,10,220,short\n2,10,4000,long\n",
+        )
+        .expect("write");
+        let path = path.to_str().expect("utf-8");
+        let workload = |flags: &[&str]| {
+            let mut args = vec!["--trace", path, "--arrival", "trace"];
+            args.extend_from_slice(flags);
+            let Command::Run(r) = parse(&args).expect("parse") else {
+                panic!("run")
+            };
+            r.workload()
+        };
+        let w = workload(&[]).expect("workload");
+        assert_eq!((w.trace_classes, w.classes), (3, None));
+        let keys: Vec<Option<&str>> = w
+            .requests
+            .iter()
+            .map(|q| q.class.as_ref().map(crate::trace::Class::key))
+            .collect();
+        assert_eq!(keys, vec![Some("short"), None, Some("short"), Some("long")]);
+        assert!(w.class_share.expect("a share") > 0.9, "{:?}", w.class_share);
+        let e = workload(&["--classes", "2"]).expect_err("made classes over recorded ones");
+        assert!(e.to_string().contains("request_class"), "{e}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`trace`]: the request type and loaders for the public trace formats;
 //! - [`synth`]: seeded synthetic stand-ins for the paper's two workloads;
 //! - [`hints`]: clients' expected output lengths made from the true ones (`--hint-error`);
+//! - [`classes`]: request classes made from the true output lengths (`--classes`);
 //! - [`calibrate`]: least-squares fit of the step-time model from engine samples;
 //! - [`report`]: the JSON report and the printed table;
 //! - `plot`: SVG figures (per-worker load over steps, gain and imbalance against G);
@@ -14,6 +15,7 @@
 
 mod app;
 pub mod calibrate;
+pub mod classes;
 pub mod cli;
 mod engine;
 pub mod hints;
