@@ -58,6 +58,9 @@ pub struct LoadConfig {
     pub seed: u64,
     /// Clients' expected output lengths to send with each Assign (`None`: none).
     pub hints: Option<br_sim::hints::Hints>,
+    /// Classes to give the requests, whose keys each Assign carries (`None`: the trace's own,
+    /// if it has any).
+    pub classes: Option<br_sim::classes::Classes>,
     pub arrival: Arrival,
     pub rate: Option<f64>,
     pub rate_scale: f64,
@@ -93,6 +96,9 @@ pub struct RequestResult {
     /// what the decision saw, which the twin replays (`--arrivals-csv`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expected_output: Option<u32>,
+    /// The class key the Assign carried (`request_class`), if any: replayed by the twin too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_class: Option<String>,
     /// Arrival to first token, wall ms.
     pub ttft_ms: Option<f64>,
     /// Mean time between tokens after the first, wall ms.
@@ -222,8 +228,21 @@ pub fn workload(cfg: &LoadConfig) -> Result<(String, Vec<TraceRequest>), LoadErr
     }
     let synthetic = SynthKind::from_name(&cfg.trace).is_some();
     let (arrival, _) = resolve_arrival(cfg.arrival, synthetic, &reqs);
-    let reqs = stamp_arrivals(reqs, arrival, cfg.rate_scale, cfg.rate, cfg.seed)
+    let mut reqs = stamp_arrivals(reqs, arrival, cfg.rate_scale, cfg.rate, cfg.seed)
         .map_err(LoadError::Workload)?;
+    // After the arrivals are stamped and ordered, as br-sim makes them: the same flags and
+    // seed give each request the class the twin gives it.
+    if let Some(c) = &cfg.classes {
+        // As br-sim: made classes do not replace the ones a trace records.
+        let own = reqs.iter().filter(|r| r.class.is_some()).count();
+        if own > 0 {
+            return Err(LoadError::Workload(format!(
+                "{name}: {own} requests carry their own class (`{}`); --classes would replace them",
+                trace::CLASS_COLUMN
+            )));
+        }
+        c.apply(&mut reqs, cfg.seed);
+    }
     Ok((name, reqs))
 }
 
@@ -385,8 +404,10 @@ fn summarise(
 /// arrival order), for `br-sim run --trace FILE --arrival trace`: the twin then sees the same
 /// arrival process as the live run, not an idealised one (a saturated burst all in the pool at
 /// time 0, which the live decision never sees), and the same hints (empty where none was sent),
-/// so a policy that reads them (`brh-hinted`, the stagger term) decides on the same input. A
-/// request that was never assigned has no arrival and is left out.
+/// so a policy that reads them (`brh-hinted`, the stagger term) decides on the same input.
+/// When any Assign carried a class, a `request_class` column holds each request's key (empty
+/// where none was sent), for the same reason. A request that was never assigned has no arrival
+/// and is left out.
 pub fn arrivals_csv(results: &[RequestResult]) -> String {
     let mut rows: Vec<&RequestResult> = results.iter().filter(|r| r.arrival_ms.is_some()).collect();
     rows.sort_by(|a, b| {
@@ -394,21 +415,43 @@ pub fn arrivals_csv(results: &[RequestResult]) -> String {
             .partial_cmp(&b.arrival_ms)
             .unwrap_or(std::cmp::Ordering::Equal)
     });
+    // Without classes the file is what it was before the column existed.
+    let classes = rows.iter().any(|r| r.request_class.is_some());
     let mut out = format!(
-        "arrival_ms,prompt_tokens,output_tokens,prompt_hash,{}\n",
-        trace::EXPECTED_OUTPUT_COLUMN
+        "arrival_ms,prompt_tokens,output_tokens,prompt_hash,{}{}\n",
+        trace::EXPECTED_OUTPUT_COLUMN,
+        if classes {
+            format!(",{}", trace::CLASS_COLUMN)
+        } else {
+            String::new()
+        }
     );
     for r in rows {
         let hash = r.prompt_hash.map(|h| h.to_string()).unwrap_or_default();
         let hint = r.expected_output.map(|e| e.to_string()).unwrap_or_default();
         out.push_str(&format!(
-            "{:.3},{},{},{hash},{hint}\n",
+            "{:.3},{},{},{hash},{hint}",
             r.arrival_ms.unwrap_or(0.0),
             r.prompt_tokens,
             r.output_tokens
         ));
+        if classes {
+            // A key is printable ASCII without spaces, but may hold a comma or a quote.
+            out.push(',');
+            out.push_str(&csv_field(r.request_class.as_deref().unwrap_or("")));
+        }
+        out.push('\n');
     }
     out
+}
+
+/// A CSV field: quoted (quotes doubled) when it holds a comma or a quote.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
 }
 
 fn ms(d: Duration) -> f64 {

@@ -151,6 +151,18 @@ struct LoadArgs {
     /// workload's mean output: useless).
     #[arg(long, env = "BALANCEROUTE_HINT_MODE", value_enum)]
     hint_mode: Option<br_sim::hints::HintMode>,
+    /// Send every Assign a class key (`request_class` `c0`..`c{K-1}`) made from the request's
+    /// true output length, as br-sim's flag of the same name does (seeded by `--seed`, so the
+    /// twin given the same flags simulates the same classes). Without it a trace's own
+    /// `request_class` column is sent, if it has one.
+    #[arg(long, env = "BALANCEROUTE_CLASSES", value_name = "K")]
+    classes: Option<u32>,
+    /// With `--classes`: the noise on ln(output) before bucketing (0: exact quantiles).
+    #[arg(long, env = "BALANCEROUTE_CLASS_ERROR", value_name = "SIGMA")]
+    class_error: Option<f64>,
+    /// With `--classes`: `noisy` (the default) or `random` (labels that tell nothing).
+    #[arg(long, env = "BALANCEROUTE_CLASS_MODE", value_enum)]
+    class_mode: Option<br_sim::classes::ClassMode>,
     /// saturated (all at t = 0), trace (its timestamps / --rate-scale) or poisson (--rate).
     #[arg(long, env = "BALANCEROUTE_ARRIVAL", value_enum, default_value_t = Arrival::Saturated)]
     arrival: Arrival,
@@ -325,6 +337,8 @@ async fn load_cmd(a: LoadArgs) -> anyhow::Result<()> {
         seed: a.seed,
         hints: br_sim::hints::Hints::from_flags(a.hint_error, a.hint_mode)
             .map_err(|e| anyhow::anyhow!("--hint-error/--hint-mode: {e}"))?,
+        classes: br_sim::classes::Classes::from_flags(a.classes, a.class_error, a.class_mode)
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
         arrival: a.arrival,
         rate: a.rate,
         rate_scale: a.rate_scale,

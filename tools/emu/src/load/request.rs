@@ -23,15 +23,10 @@ pub(super) async fn one(
         prompt_hash: r.prompt_hash,
         ..RequestResult::default()
     };
-    let mut params = AssignParams::new(ctx.cfg.group.clone(), id.clone(), r.prompt_tokens.max(1))
-        .with_max_tokens(r.output_tokens.max(1));
-    if let Some(h) = r.prompt_hash {
-        params = params.with_prompt_hash(h);
-    }
-    if let Some(e) = hint_sent(&r) {
-        params = params.with_expected_output_tokens(e);
-        res.expected_output = Some(e);
-    }
+    let params = assign_params(&ctx.cfg.group, &id, &r);
+    // What the decision saw, for the twin's replay (`--arrivals-csv`).
+    res.expected_output = params.expected_output_tokens;
+    res.request_class.clone_from(&params.request_class);
     let a = match ctx
         .assign
         .assign_within(&params, ctx.cfg.assign_timeout)
@@ -63,6 +58,23 @@ pub(super) async fn one(
         let _ = ctx.assign.cancel(&ctx.cfg.group, &id).await;
     }
     (res, Some(a.policy))
+}
+
+/// The Assign for `r`: its prompt, its true length as max_tokens, and its prompt hash, hint
+/// ([`hint_sent`]) and class key when it has them.
+pub(super) fn assign_params(group: &str, id: &str, r: &TraceRequest) -> AssignParams {
+    let mut params = AssignParams::new(group, id, r.prompt_tokens.max(1))
+        .with_max_tokens(r.output_tokens.max(1));
+    if let Some(h) = r.prompt_hash {
+        params = params.with_prompt_hash(h);
+    }
+    if let Some(e) = hint_sent(r) {
+        params = params.with_expected_output_tokens(e);
+    }
+    if let Some(c) = &r.class {
+        params = params.with_request_class(c.key());
+    }
+    params
 }
 
 /// The expected output length an Assign carries for `r`: its hint capped at max_tokens, which

@@ -1,5 +1,5 @@
 use super::progress::ProgressCounts;
-use super::request::{hint_sent, sse_events};
+use super::request::{assign_params, hint_sent, sse_events};
 use super::*;
 
 #[test]
@@ -223,6 +223,62 @@ fn the_arrivals_csv_is_a_trace_br_sim_reads_back_in_arrival_order() {
 }
 
 #[test]
+fn the_arrivals_csv_carries_the_class_each_assign_was_sent_with() {
+    let r = |id: &str, arrival: f64, class: Option<&str>| RequestResult {
+        request_id: id.into(),
+        prompt_tokens: 10,
+        output_tokens: 20,
+        arrival_ms: Some(arrival),
+        request_class: class.map(str::to_string),
+        ..RequestResult::default()
+    };
+    let results = vec![
+        r("a", 0.0, Some("c3")),
+        r("b", 1.0, None),
+        r("c", 2.0, Some("tenant,\"x\"")),
+    ];
+    let csv = arrivals_csv(&results);
+    assert!(csv.starts_with(
+        "arrival_ms,prompt_tokens,output_tokens,prompt_hash,expected_output_tokens,request_class\n"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("arrivals.csv");
+    std::fs::write(&path, csv).unwrap();
+    let t = trace::load(&path, &Filter::default()).unwrap();
+    let keys: Vec<Option<&str>> = t
+        .requests
+        .iter()
+        .map(|q| q.class.as_ref().map(br_sim::trace::Class::key))
+        .collect();
+    assert_eq!(keys, vec![Some("c3"), None, Some("tenant,\"x\"")]);
+    // without any class the file is as it was before the column existed
+    let plain = arrivals_csv(&[r("a", 0.0, None)]);
+    assert_eq!(
+        plain,
+        "arrival_ms,prompt_tokens,output_tokens,prompt_hash,expected_output_tokens\n0.000,10,20,,\n"
+    );
+}
+
+#[test]
+fn an_assign_carries_the_request_s_class_key_when_it_has_one() {
+    let r = |class: Option<&str>| TraceRequest {
+        arrival_ms: Some(0.0),
+        prompt_tokens: 5,
+        output_tokens: 40,
+        prompt_hash: Some(9),
+        expected_output: Some(30),
+        class: class.map(|k| br_sim::trace::Class::new(k).unwrap()),
+    };
+    let p = assign_params("g", "id-1", &r(Some("c5")));
+    assert_eq!(p.request_class.as_deref(), Some("c5"));
+    assert_eq!(
+        (p.prompt_hash, p.max_tokens, p.expected_output_tokens),
+        (Some(9), Some(40), Some(30))
+    );
+    assert_eq!(assign_params("g", "id-1", &r(None)).request_class, None);
+}
+
+#[test]
 fn the_hint_sent_and_recorded_is_capped_at_max_tokens() {
     // br-sim replays the recorded hint as is, so it must be the value the Assign carried, not
     // the drawn one (which may exceed the request's max_tokens and is capped before sending).
@@ -319,6 +375,7 @@ fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
         filter_min_output: None,
         seed: 7,
         hints,
+        classes: None,
         arrival: Arrival::Saturated,
         rate: None,
         rate_scale: 1.0,
@@ -344,4 +401,48 @@ fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
         .filter(|r| r.expected_output != Some(r.output_tokens))
         .count();
     assert!(off > 150, "σ = 0.5 moves nearly every hint: {off} of 200");
+}
+
+#[test]
+fn the_workload_carries_the_classes_asked_for_as_br_sim_makes_them() {
+    let cfg = |classes| LoadConfig {
+        decision_addrs: vec!["http://127.0.0.1:1".into()],
+        selection: br_client::assign::Selection::default(),
+        tls: None,
+        group: "g".into(),
+        rank_urls: vec!["http://127.0.0.1:2".into()],
+        use_endpoint: false,
+        engine_url: None,
+        trace: "paper-prop".into(),
+        limit: Some(200),
+        filter_min_output: None,
+        seed: 7,
+        hints: None,
+        classes,
+        arrival: Arrival::Saturated,
+        rate: None,
+        rate_scale: 1.0,
+        model: "m".into(),
+        assign_timeout: Duration::from_secs(1),
+        label: "t".into(),
+        run_id: "r".into(),
+    };
+    let (_, none) = workload(&cfg(None)).unwrap();
+    assert!(none.iter().all(|r| r.class.is_none()));
+    let classes = br_sim::classes::Classes::from_flags(Some(4), Some(0.3), None).unwrap();
+    let (_, classed) = workload(&cfg(classes)).unwrap();
+    // br-sim with the same flags and seed gives every request the same class
+    let mut want = none.clone();
+    classes.unwrap().apply(&mut want, 7);
+    let keys = |v: &[TraceRequest]| -> Vec<Option<String>> {
+        v.iter()
+            .map(|r| r.class.as_ref().map(|c| c.key().to_string()))
+            .collect()
+    };
+    assert_eq!(keys(&classed), keys(&want));
+    assert!(
+        keys(&classed)
+            .iter()
+            .all(|k| k.as_deref().is_some_and(|k| k.starts_with('c')))
+    );
 }
