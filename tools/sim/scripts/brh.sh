@@ -19,7 +19,8 @@
 # exact, sigma 0.1 and 0.3, shuffled; BRH_G256 / BRH_WL256 / BRH_HINTS256 run a subset),
 # moderate (the stagger term at 40 / 60 / 85% of capacity, G = 8, B = 256, exact and sigma-0.3
 # hints, paired by seed with paired.py against the best baseline and br0; rates as
-# moderate.sh's). None of these three is in the default set.
+# moderate.sh's), classes (brh-class with 8 request classes of several precisions, useless
+# ones included; RESULTS.md's "Request classes"). None of these is in the default set.
 set -euo pipefail
 # shellcheck source=tools/sim/scripts/common.sh
 source "$(dirname "$0")/common.sh"
@@ -136,6 +137,24 @@ for section in $SECTIONS; do
               --policies "$pols" ${h#*:}
         done
       done
+    done ;;
+  classes) # what a gateway's request class is worth to BR-H (brh-class: Survival and hints
+    # learned per class): 8 classes from the output-length quantiles (sigma 0, the most a
+    # class of 8 can say), blurred by noise of sigma 0.5 and 1.0, and useless (random), where
+    # BR-H earns its keep (mooncake G = 8 at 150%) and at the hint tables' B = 64 cells
+    pols=rr,jsq,mintok,br0,brh-survival,brh-class,brh-oracle
+    for c in "q8:--classes 8" "q8-0.5:--classes 8 --class-error 0.5" \
+             "q8-1.0:--classes 8 --class-error 1.0" "random8:--classes 8 --class-mode random"; do
+      # shellcheck disable=SC2086 # the flags are words
+      run "H-classes-${c%%:*}-mooncake-G8-150" --renewal --capacity 150 -- --trace "$MC" \
+          --arrival poisson --workers 8 --slots 64 --policies "$pols" ${c#*:}
+      # shellcheck disable=SC2086
+      run "H-classes-${c%%:*}-paper-prop-G32-poisson" --renewal -- --trace paper-prop \
+          --arrival poisson --rate 24.64 --limit 16000 --workers 32 --slots 64 \
+          --policies "$pols" ${c#*:}
+      # shellcheck disable=SC2086
+      run "H-classes-${c%%:*}-paper-azure-G32-saturated" --renewal -- --trace paper-azure \
+          --arrival saturated --workers 32 --slots 64 --policies "$pols" ${c#*:}
     done ;;
   moderate) # below capacity: does the stagger term cost TPOT where the barrier rarely binds?
     # capacity in requests/s at G = 8, B = 256 as moderate.sh's WORKLOADS
