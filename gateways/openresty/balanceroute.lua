@@ -5,9 +5,10 @@
 -- answer is done, so the rank's reservation is released at once instead of by its TTL.
 --
 -- Two layers:
---   * `client(conf)`: `:assign(group, request_id, prompt_tokens)` and `:cancel(group, id)`
---     over cosockets (ngx.socket.tcp), usable wherever cosockets are (access, content and
---     timer contexts): a Kong or APISIX plugin calls these and sets its own upstream;
+--   * `client(conf)`: `:assign(group, request_id, prompt_tokens[, hints])` and
+--     `:cancel(group, id)` over cosockets (ngx.socket.tcp), usable wherever cosockets are
+--     (access, content and timer contexts): a Kong or APISIX plugin calls these and sets its
+--     own upstream; `request_hints()` reads the hints from the request, as the glue does;
 --   * `access(conf)` / `log(conf)`: the nginx glue of gateways/openresty/nginx.conf.
 --
 -- Why cosockets and not ngx.location.capture or lua-resty-http: capture needs an internal
@@ -23,6 +24,19 @@
 --   socket_slack_ms  1000
 --   fallback         an upstream URL ("http://host:port") to use when Assign fails; nil (the
 --                    default) answers the client with Assign's error instead
+--   read_body        true (the default): the access phase reads the request body for its
+--                    `max_tokens` and `nvext.agent_hints.osl`; false: only the headers give
+--                    hints, and the body streams to the rank as it arrives
+--
+-- The output-length hints Assign takes (as the Envoy ext_proc front end reads them):
+--   max_tokens              the body's `max_completion_tokens`, else its `max_tokens`
+--   expected_output_tokens  the X-BalanceRoute-Expected-Output-Tokens header, else the body's
+--                           `nvext.agent_hints.osl`
+--   request_class           the X-Gateway-Inference-Objective header
+-- A body that is not a JSON object, or lacks the field, gives none. Values go to decision as
+-- the request has them; one decision cannot take (not a count, out of 1..=10,000,000, the
+-- expected output above max_tokens, a bad class) is refused with its 400 INVALID_ARGUMENT,
+-- which the client gets like any other Assign error.
 local cjson = require("cjson.safe")
 
 local M = {}
@@ -31,6 +45,7 @@ local DEFAULTS = {
     group = "default",
     assign_timeout = "2s",
     socket_slack_ms = 1000,
+    read_body = true,
 }
 
 local function with_defaults(conf)
@@ -67,7 +82,12 @@ end
 
 -- POSTs `body` (a table) to `path`; the decoded JSON answer, or nil and a typed error.
 local function post(c, path, body, timeout_header)
-    local payload = cjson.encode(body)
+    local payload, eerr = cjson.encode(body)
+    if not payload then
+        -- a hint that is no JSON value (a function, an infinite number): the caller's input
+        return nil, failure(400, "INVALID_ARGUMENT",
+            "balanceroute: " .. path .. ": cannot encode the request: " .. tostring(eerr))
+    end
     local sock = ngx.socket.tcp()
     local wait_ms = (duration_ms(c.assign_timeout) or 2000) + c.socket_slack_ms
     sock:settimeouts(c.socket_slack_ms, wait_ms, wait_ms)
@@ -129,14 +149,26 @@ function M.client(conf)
     return setmetatable({ conf = with_defaults(conf) }, Client)
 end
 
+-- The hints Assign takes beside the prompt tokens.
+local HINTS = { "max_tokens", "expected_output_tokens", "request_class" }
+
 -- Assign: the answer ({worker_id, endpoint, incarnation, ...}; 64-bit integers are strings)
--- or nil and a typed error.
-function Client:assign(group, request_id, prompt_tokens)
-    local a, err = post(self.conf, "/v1/assign", {
+-- or nil and a typed error. `hints` (optional): {max_tokens=, expected_output_tokens=,
+-- request_class=}, each left out when nil; decision checks them (400 INVALID_ARGUMENT).
+function Client:assign(group, request_id, prompt_tokens, hints)
+    local body = {
         group = group,
         request_id = request_id,
         prompt_tokens = prompt_tokens,
-    }, self.conf.assign_timeout)
+    }
+    if type(hints) == "table" then
+        for _, k in ipairs(HINTS) do
+            if hints[k] ~= nil and hints[k] ~= cjson.null then
+                body[k] = hints[k]
+            end
+        end
+    end
+    local a, err = post(self.conf, "/v1/assign", body, self.conf.assign_timeout)
     if not a then
         return nil, err
     end
@@ -165,6 +197,66 @@ function M.split_endpoint(endpoint)
     return base, (path:gsub("/$", ""))
 end
 
+-- The output-length hints of a request: `header(name)` gives a request header's value (nil
+-- when absent), `body` the request body (nil when not read). Pure, so any gateway can use it.
+function M.hints(header, body)
+    local h = {}
+    local doc = body and body ~= "" and cjson.decode(body)
+    if type(doc) == "table" then
+        -- The chat API's current name first, as ext_proc reads it.
+        for _, k in ipairs({ "max_completion_tokens", "max_tokens" }) do
+            if doc[k] ~= nil and doc[k] ~= cjson.null then
+                h.max_tokens = doc[k]
+                break
+            end
+        end
+        local agent = type(doc.nvext) == "table" and doc.nvext.agent_hints
+        if type(agent) == "table" and agent.osl ~= cjson.null then
+            h.expected_output_tokens = agent.osl
+        end
+    end
+    -- Headers as sent (decision reads a decimal string as a count), the header over the body.
+    local expected = header("x-balanceroute-expected-output-tokens")
+    if expected then
+        h.expected_output_tokens = expected:match("^%s*(.-)%s*$")
+    end
+    local class = header("x-gateway-inference-objective")
+    if class and class ~= "" then
+        h.request_class = class
+    end
+    return h
+end
+
+-- The request body, read whole (nil when it has none): from memory, or from the temporary
+-- file nginx keeps a body larger than `client_body_buffer_size` in.
+local function request_body()
+    ngx.req.read_body()
+    local data = ngx.req.get_body_data()
+    if data then
+        return data
+    end
+    local path = ngx.req.get_body_file()
+    local f = path and io.open(path, "rb")
+    if not f then
+        return nil
+    end
+    data = f:read("*a")
+    f:close()
+    return data
+end
+
+-- The hints of the request being served (in a phase that may read the body: rewrite or
+-- access); `read_body` false: the headers' only.
+function M.request_hints(read_body)
+    local body = nil
+    if read_body ~= false then
+        body = request_body()
+    end
+    return M.hints(function(name)
+        return ngx.var["http_" .. (name:gsub("-", "_"))]
+    end, body), body
+end
+
 -- The glue for nginx.conf ------------------------------------------------------------------
 
 local clients = {}
@@ -189,12 +281,12 @@ end
 
 -- The prompt's token count: X-BalanceRoute-Prompt-Tokens, else a rough estimate from the body's
 -- length (4 bytes a token); the shim replaces it with the engine's count once it knows it.
-local function prompt_tokens()
+local function prompt_tokens(body)
     local n = tonumber(ngx.var.http_x_balanceroute_prompt_tokens or "")
     if n and n >= 1 then
         return math.floor(n)
     end
-    local len = tonumber(ngx.var.content_length or "") or 0
+    local len = tonumber(ngx.var.content_length or "") or (body and #body) or 0
     return math.max(1, math.floor(len / 4))
 end
 
@@ -219,7 +311,8 @@ function M.access(conf)
         ngx.log(ngx.WARN, "balanceroute: lua_check_client_abort is off: a client that leaves ",
             "during Assign keeps its reservation until the TTL")
     end
-    local a, err = c:assign(group, id, prompt_tokens())
+    local hints, body = M.request_hints(c.conf.read_body)
+    local a, err = c:assign(group, id, prompt_tokens(body), hints)
     if ctx.aborted then
         -- The client left while Assign waited; the abort handler has cancelled it.
         return ngx.exit(499)
