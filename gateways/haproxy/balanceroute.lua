@@ -13,6 +13,17 @@
 -- names), the group when the request has no X-BalanceRoute-Group header, and the deadline
 -- Assign may wait for a place (X-Request-Timeout; "2s", "500ms").
 --
+-- The output-length hints Assign takes (as the Envoy ext_proc front end reads them):
+--   max_tokens              the body's `max_completion_tokens`, else its `max_tokens`
+--   expected_output_tokens  the X-BalanceRoute-Expected-Output-Tokens header, else the body's
+--                           `nvext.agent_hints.osl`
+--   request_class           the X-Gateway-Inference-Objective header
+-- The body is read with `option http-buffer-request` (what fits HAProxy's buffer,
+-- tune.bufsize); a body that is not a whole JSON object, or lacks the field, gives none.
+-- Values go to decision as the request has them; one decision cannot take (not a count, out of
+-- 1..=10,000,000, the expected output above max_tokens, a bad class) is refused with its 400
+-- INVALID_ARGUMENT, which the client gets like any other Assign error.
+--
 -- When Assign fails the client gets its error at once: the status br-decision answered (503 no
 -- rank can take it, 504 deadline, 429 pool full) or 503 DECISION_UNREACHABLE, with
 -- X-BalanceRoute-Error naming the code and a {"code", "message"} body. There is no fallback to
@@ -62,13 +73,46 @@ end
 
 -- The prompt's token count: X-BalanceRoute-Prompt-Tokens, else a rough estimate from the body's
 -- length (4 bytes a token); the shim replaces it with the engine's count once it knows it.
-local function prompt_tokens(hdrs)
+local function prompt_tokens(hdrs, body)
     local n = tonumber(first_header(hdrs, "x-balanceroute-prompt-tokens") or "")
     if n and n >= 1 then
         return math.floor(n)
     end
-    local len = tonumber(first_header(hdrs, "content-length") or "") or 0
+    local len = tonumber(first_header(hdrs, "content-length") or "") or (body and #body) or 0
     return math.max(1, math.floor(len / 4))
+end
+
+-- The output-length hints of a request (see the top of this file): `hdrs` its headers, `body`
+-- its body as buffered (nil when none).
+local function hints(hdrs, body)
+    local h = {}
+    local len = tonumber(first_header(hdrs, "content-length") or "")
+    -- A body longer than the buffer is cut short: no JSON to read.
+    local whole = body and body ~= "" and (not len or #body >= len)
+    local doc = whole and cjson.decode(body)
+    if type(doc) == "table" then
+        -- The chat API's current name first, as ext_proc reads it.
+        for _, k in ipairs({ "max_completion_tokens", "max_tokens" }) do
+            if doc[k] ~= nil and doc[k] ~= cjson.null then
+                h.max_tokens = doc[k]
+                break
+            end
+        end
+        local agent = type(doc.nvext) == "table" and doc.nvext.agent_hints
+        if type(agent) == "table" and agent.osl ~= cjson.null then
+            h.expected_output_tokens = agent.osl
+        end
+    end
+    -- Headers as sent (decision reads a decimal string as a count), the header over the body.
+    local expected = first_header(hdrs, "x-balanceroute-expected-output-tokens")
+    if expected then
+        h.expected_output_tokens = expected:match("^%s*(.-)%s*$")
+    end
+    local class = first_header(hdrs, "x-gateway-inference-objective")
+    if class and class ~= "" then
+        h.request_class = class
+    end
+    return h
 end
 
 -- `POST <path>` of `payload` as JSON to decision's HTTP/JSON port, with `headers` beside the
@@ -76,10 +120,14 @@ end
 local function post(decision, path, payload, timeout_ms, headers)
     headers = headers or {}
     headers["content-type"] = { "application/json" }
+    local body, err = cjson.encode(payload)
+    if not body then
+        return nil, err
+    end
     return core.httpclient():post({
         url = "http://" .. decision .. path,
         headers = headers,
-        body = cjson.encode(payload),
+        body = body,
         timeout = timeout_ms,
     })
 end
@@ -100,9 +148,18 @@ local function assign(txn, decision, default_group, timeout)
     txn:set_var("txn.balanceroute_group", group)
     txn:set_var("txn.balanceroute_request_id", id)
     local wait_ms = (duration_ms(timeout) or 2000) + 1000
-    local res = post(decision, "/v1/assign",
-        { group = group, request_id = id, prompt_tokens = prompt_tokens(hdrs) }, wait_ms,
+    local body = txn.f:req_body()
+    local payload = { group = group, request_id = id, prompt_tokens = prompt_tokens(hdrs, body) }
+    for k, v in pairs(hints(hdrs, body)) do
+        payload[k] = v
+    end
+    local res, eerr = post(decision, "/v1/assign", payload, wait_ms,
         { ["x-request-timeout"] = { timeout } })
+    if eerr then
+        -- A body value that is no JSON number for cjson (an infinite one).
+        return reject(txn, 400, "INVALID_ARGUMENT", "/v1/assign: cannot encode the request: "
+            .. tostring(eerr))
+    end
     local status = res and tonumber(res.status) or 0
     if status == 0 then
         return reject(txn, 503, "DECISION_UNREACHABLE",
