@@ -25,6 +25,10 @@ pub const GROUP: &str = "gw";
 pub const RANKS: u32 = 2;
 /// A hang guard for one wait on a loaded 2-core machine, not a timing assertion.
 pub const LONG: Duration = Duration::from_secs(60);
+/// The header a client gives its expected output tokens in (as for decision's ext_proc).
+pub const EXPECTED_OUTPUT_HEADER: &str = "X-BalanceRoute-Expected-Output-Tokens";
+/// The Gateway API Inference Extension's header of the request's class.
+pub const CLASS_HEADER: &str = "X-Gateway-Inference-Objective";
 
 /// Which gateway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -391,13 +395,18 @@ pub fn header(head: &str, name: &str) -> Option<String> {
     })
 }
 
-/// The raw `POST /v1/completions` of `body` with `id` (none: the gateway makes one), closing
-/// the connection after the answer.
-fn completion_request(id: Option<&str>, body: &str) -> String {
-    let id_header = id.map_or(String::new(), |id| format!("X-Request-Id: {id}\r\n"));
+/// The raw `POST /v1/completions` of `body` with `id` (none: the gateway makes one) and
+/// `headers`, closing the connection after the answer.
+fn completion_request(id: Option<&str>, headers: &[(&str, &str)], body: &str) -> String {
+    let more: String = id
+        .map(|id| ("X-Request-Id", id))
+        .iter()
+        .chain(headers)
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     format!(
         "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n{id_header}Connection: close\r\n\r\n{body}",
+         Content-Length: {}\r\n{more}Connection: close\r\n\r\n{body}",
         body.len()
     )
 }
@@ -405,12 +414,23 @@ fn completion_request(id: Option<&str>, body: &str) -> String {
 /// Sends `POST /v1/completions` with `id` (none: the gateway makes one) over a raw connection
 /// and reads until `until` appears in what came back (the connection is returned open).
 pub async fn send_raw(gw: SocketAddr, id: Option<&str>, body: &str, until: &str) -> OpenStream {
+    send_with(gw, id, &[], body, until).await
+}
+
+/// [`send_raw`] with more request `headers`.
+pub async fn send_with(
+    gw: SocketAddr,
+    id: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &str,
+    until: &str,
+) -> OpenStream {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut stream = tokio::net::TcpStream::connect(gw)
         .await
         .expect("the gateway accepts");
     stream
-        .write_all(completion_request(id, body).as_bytes())
+        .write_all(completion_request(id, headers, body).as_bytes())
         .await
         .expect("sending");
     let mut received = Vec::new();
@@ -448,7 +468,18 @@ pub async fn open_anonymous_stream(stack: &Stack, gw: SocketAddr) -> (OpenStream
 }
 
 async fn open_stream(stack: &Stack, gw: SocketAddr, id: Option<&str>) -> (OpenStream, String) {
-    let open = send_raw(gw, id, &completion(1_000_000), "data:").await;
+    open_stream_with(stack, gw, id, &[], &completion(1_000_000)).await
+}
+
+/// [`open_stream`] of `body` (a completion long enough to be seen decoding) with `headers`.
+async fn open_stream_with(
+    stack: &Stack,
+    gw: SocketAddr,
+    id: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (OpenStream, String) {
+    let open = send_with(gw, id, headers, body, "data:").await;
     assert!(
         open.received.starts_with("HTTP/1.1 200"),
         "{}",
@@ -612,7 +643,7 @@ pub async fn leaves_while_assign_waits(stack: &Stack, gw: SocketAddr, prefix: &s
     let id = format!("{prefix}-waits");
     let waiting = {
         let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
-        s.write_all(completion_request(Some(&id), &completion(4)).as_bytes())
+        s.write_all(completion_request(Some(&id), &[], &completion(4)).as_bytes())
             .await
             .unwrap();
         s
@@ -635,4 +666,204 @@ pub async fn leaves_while_assign_waits(stack: &Stack, gw: SocketAddr, prefix: &s
     drop((first, second));
     wait_released(stack, &format!("{prefix}-fill-a")).await;
     wait_released(stack, &format!("{prefix}-fill-b")).await;
+}
+
+/// What σ holds of a request's output-length hints: its `max_tokens`, expected output tokens
+/// and class id, as Assign took them.
+pub type Hints = (Option<u32>, Option<u32>, Option<u64>);
+
+/// Opens the long streaming completion `id` (`body`, with `headers`) through the gateway,
+/// reads the hints σ holds for it while it decodes, then leaves and waits until σ lets it go.
+pub async fn hints_in_sigma(
+    stack: &Stack,
+    gw: SocketAddr,
+    id: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> Hints {
+    let (open, _) = open_stream_with(stack, gw, Some(id), headers, &body.to_string()).await;
+    let r = stack
+        .request(id)
+        .await
+        .unwrap_or_else(|| panic!("{id} in σ"));
+    drop(open);
+    wait_released(stack, id).await;
+    (r.max_tokens, r.expected_output_tokens, r.request_class_id)
+}
+
+/// The hints reach decision: σ holds each request with the `max_tokens`, expected output
+/// tokens and class the gateway read from its body and headers (a header over the body), and
+/// a request without any holds none.
+pub async fn hints_reach_decision(stack: &Stack, gw: SocketAddr, prefix: &str) {
+    let class = |key: &str| Some(br_proto::valid::class_id(key));
+    let long = serde_json::json!({
+        "model": "br-emu", "prompt": "x", "max_tokens": 1_000_000, "stream": true,
+    });
+    let headers = [
+        (EXPECTED_OUTPUT_HEADER, "300"),
+        (CLASS_HEADER, "chat/tools"),
+    ];
+    let id = format!("{prefix}-hint-headers");
+    assert_eq!(
+        hints_in_sigma(stack, gw, &id, &headers, &long).await,
+        (Some(1_000_000), Some(300), class("chat/tools")),
+        "{id}: the body's max_tokens, the headers' expected output tokens and class"
+    );
+
+    // The chat API's max_completion_tokens over max_tokens; Dynamo's nvext.agent_hints.osl.
+    let from_body = serde_json::json!({
+        "model": "br-emu", "prompt": "x", "stream": true,
+        "max_completion_tokens": 900_000, "max_tokens": 1_000_000,
+        "nvext": {"agent_hints": {"osl": 200}},
+    });
+    let id = format!("{prefix}-hint-body");
+    assert_eq!(
+        hints_in_sigma(stack, gw, &id, &[], &from_body).await,
+        (Some(900_000), Some(200), None),
+        "{id}: max_completion_tokens and nvext.agent_hints.osl from the body"
+    );
+    let id = format!("{prefix}-hint-header-wins");
+    assert_eq!(
+        hints_in_sigma(
+            stack,
+            gw,
+            &id,
+            &[(EXPECTED_OUTPUT_HEADER, " 77 ")],
+            &from_body
+        )
+        .await,
+        (Some(900_000), Some(77), None),
+        "{id}: the header's expected output tokens over the body's"
+    );
+
+    let id = format!("{prefix}-hint-none");
+    assert_eq!(
+        hints_in_sigma(stack, gw, &id, &[(CLASS_HEADER, "")], &long).await,
+        (Some(1_000_000), None, None),
+        "{id}: no expected output tokens, and an empty class is none"
+    );
+}
+
+/// Reads the rest of an answer: its `Content-Length` bytes of body, else until the gateway
+/// closes the connection (HAProxy with the cancel filter keeps it open after an answer of
+/// known length, even when the client asked for `Connection: close`).
+async fn whole(answer: OpenStream) -> String {
+    use tokio::io::AsyncReadExt as _;
+    let complete = |r: &[u8]| {
+        let text = String::from_utf8_lossy(r);
+        let Some((head, body)) = text.split_once("\r\n\r\n") else {
+            return false;
+        };
+        header(head, "content-length")
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| body.len() >= n)
+    };
+    let mut stream = answer.stream;
+    let mut received = answer.received.into_bytes();
+    let read = tokio::time::timeout(LONG, async {
+        let mut buf = [0u8; 4096];
+        while !complete(&received) {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            received.extend_from_slice(&buf[..n]);
+        }
+        Ok::<(), std::io::Error>(())
+    })
+    .await;
+    let text = String::from_utf8_lossy(&received).into_owned();
+    match read {
+        Ok(r) => r.unwrap_or_else(|e| panic!("reading: {e}: {text}")),
+        Err(_) => panic!("not the whole answer within {LONG:?}: {text}"),
+    }
+    text
+}
+
+/// Bodies with no hint in them are routed all the same: one that is not JSON reaches a rank
+/// (the engine's own 400, with `X-BalanceRoute-Worker` and no `X-BalanceRoute-Error`), one
+/// without `max_tokens` is answered whole by the rank.
+pub async fn routed_without_body_hints(stack: &Stack, gw: SocketAddr, prefix: &str) {
+    let id = format!("{prefix}-not-json");
+    let answer = whole(send_raw(gw, Some(&id), "max_tokens=5", "\r\n\r\n").await).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(
+        header(&answer, "x-balanceroute-worker").is_some(),
+        "{id}: a rank answered: {answer}"
+    );
+    assert_eq!(header(&answer, "x-balanceroute-error"), None, "{answer}");
+    wait_released(stack, &id).await;
+
+    let id = format!("{prefix}-no-max-tokens");
+    let body = serde_json::json!({"model": "br-emu", "prompt": "x", "stream": true});
+    let done = send_raw(
+        gw,
+        Some(&id),
+        &body.to_string(),
+        "data: [DONE]\n\n\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(
+        done.received.starts_with("HTTP/1.1 200"),
+        "{}",
+        done.received
+    );
+    assert!(done.worker().is_some(), "{}", done.received);
+    wait_released(stack, &id).await;
+}
+
+/// Request headers beside the request id, as (name, value).
+type Headers<'a> = &'a [(&'a str, &'a str)];
+
+/// Hints decision cannot take: the client gets decision's own answer, 400 with
+/// `X-BalanceRoute-Error: INVALID_ARGUMENT` and the `{"code", "message"}` body; the engine
+/// runs nothing and σ holds nothing.
+pub async fn bad_hints_refused(stack: &Stack, gw: SocketAddr, prefix: &str) {
+    let long_class = "c".repeat(65);
+    let out_of_range =
+        serde_json::json!({"model": "br-emu", "prompt": "x", "max_tokens": 20_000_000}).to_string();
+    let cases: [(&str, Headers, String); 6] = [
+        (
+            "not-a-count",
+            &[(EXPECTED_OUTPUT_HEADER, "lots")],
+            completion(4),
+        ),
+        ("zero", &[(EXPECTED_OUTPUT_HEADER, "0")], completion(4)),
+        (
+            "over-max-tokens",
+            &[(EXPECTED_OUTPUT_HEADER, "5")],
+            completion(4),
+        ),
+        (
+            "class-too-long",
+            &[(CLASS_HEADER, &long_class)],
+            completion(4),
+        ),
+        (
+            "class-with-space",
+            &[(CLASS_HEADER, "chat tools")],
+            completion(4),
+        ),
+        ("max-tokens-out-of-range", &[], out_of_range),
+    ];
+    let before = stack.engine.requests_per_rank().await;
+    for (name, headers, body) in cases {
+        let id = format!("{prefix}-bad-{name}");
+        let answer = whole(send_with(gw, Some(&id), headers, &body, "\r\n\r\n").await).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{id}: {answer}");
+        assert_eq!(
+            header(&answer, "x-balanceroute-error").as_deref(),
+            Some("INVALID_ARGUMENT"),
+            "{id}: {answer}"
+        );
+        let json = answer
+            .split("\r\n\r\n")
+            .nth(1)
+            .and_then(|b| b.lines().find(|l| l.starts_with('{')))
+            .unwrap_or_else(|| panic!("{id}: a JSON body: {answer}"));
+        let v: serde_json::Value = serde_json::from_str(json).expect("JSON");
+        assert_eq!(v["code"], "INVALID_ARGUMENT", "{id}: {answer}");
+        assert!(stack.request(&id).await.is_none(), "{id}: nothing in σ");
+    }
+    assert_eq!(stack.engine.requests_per_rank().await, before);
 }

@@ -11,6 +11,12 @@
 //! * a client that leaves while its Assign waits for a place (every rank full): HAProxy aborts
 //!   the action and the filter cancels the Assign (decision's pool empties while the ranks are
 //!   still full);
+//! * the output-length hints reach decision: σ holds the request's `max_tokens` (the body's
+//!   `max_completion_tokens`, else `max_tokens`), expected output tokens (the
+//!   `X-BalanceRoute-Expected-Output-Tokens` header, else the body's `nvext.agent_hints.osl`)
+//!   and class (`X-Gateway-Inference-Objective`); a body that is not JSON, or has no
+//!   `max_tokens`, is routed all the same; a value decision refuses gives the client its 400
+//!   and `X-BalanceRoute-Error: INVALID_ARGUMENT`, and the engine runs nothing;
 //! * br-all down: 503 DECISION_UNREACHABLE at once, the engine runs nothing; br-all started
 //!   again on the same ports: HAProxy routes again, untouched.
 //!
@@ -58,6 +64,12 @@ async fn haproxy_routes_streams_and_cancels_through_balanceroute() {
     // A client that leaves while its Assign waits for a place: HAProxy aborts the action and
     // the filter cancels the Assign.
     gateway::leaves_while_assign_waits(&stack, gw.addr, "haproxy").await;
+
+    // What the request says of its output reaches decision (σ holds it); bodies without it
+    // are routed all the same; a value decision cannot take gets decision's 400 and code.
+    gateway::hints_reach_decision(&stack, gw.addr, "haproxy").await;
+    gateway::routed_without_body_hints(&stack, gw.addr, "haproxy").await;
+    gateway::bad_hints_refused(&stack, gw.addr, "haproxy").await;
 
     // br-all down: the typed error; up again on the same ports: HAProxy routes again.
     stack.all.kill();
