@@ -22,7 +22,10 @@
 # carries a client's expected output length, made from the request's true one as `br-emu load
 # --hint-error σ --hint-mode MODE` makes it (σ = 0: exact), and the twin replays the hint each
 # request was sent with; with hints DEMO_POLICIES defaults to "jsq br0 brh-hinted:stagger_weight=1"
-# (BR-H predicting from the hints, Stage 2 staggering each rank's finishes), DEMO_ARRIVAL (saturated |
+# (BR-H predicting from the hints, Stage 2 staggering each rank's finishes), DEMO_CLASSES=K with
+# DEMO_CLASS_ERROR=σ and DEMO_CLASS_MODE (noisy | random): every Assign carries a request class
+# key, one of K made from the output lengths as `br-emu load --classes K` makes them, replayed by
+# the twin; DEMO_POLICIES then defaults to "jsq br0 brh-class", DEMO_ARRIVAL (saturated |
 # poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
 # DEMO_SKIP_BUILD=1, DEMO_DEPLOY (all: br-all; split: br-snapshot, br-ingest and br-decision as
 # three processes, decision restarted per policy), DEMO_TLS (1: mutual TLS on every connection of the control plane, with
@@ -48,7 +51,15 @@ SCALE="${DEMO_TIME_SCALE:-0.25}"
 HINT_F=()
 [ -n "${DEMO_HINT_ERROR:-}" ] && HINT_F+=(--hint-error "$DEMO_HINT_ERROR")
 [ -n "${DEMO_HINT_MODE:-}" ] && HINT_F+=(--hint-mode "$DEMO_HINT_MODE")
-if [ ${#HINT_F[@]} -gt 0 ]; then
+CLASSES="${DEMO_CLASSES:-}"
+if [ -n "$CLASSES" ]; then
+    HINT_F+=(--classes "$CLASSES")
+    [ -n "${DEMO_CLASS_ERROR:-}" ] && HINT_F+=(--class-error "$DEMO_CLASS_ERROR")
+    [ -n "${DEMO_CLASS_MODE:-}" ] && HINT_F+=(--class-mode "$DEMO_CLASS_MODE")
+fi
+if [ -n "$CLASSES" ] && [ -z "${DEMO_HINT_ERROR:-}${DEMO_HINT_MODE:-}" ]; then
+    POLICIES="${DEMO_POLICIES:-jsq br0 brh-class}"
+elif [ ${#HINT_F[@]} -gt 0 ]; then
     POLICIES="${DEMO_POLICIES:-jsq br0 brh-hinted:stagger_weight=1}"
 else
     POLICIES="${DEMO_POLICIES:-jsq br0}"
@@ -111,10 +122,12 @@ for policy in $POLICIES; do
         --json "$OUT/$policy.json" --arrivals-csv "$OUT/$policy-arrivals.csv"
     RUNS+=("$OUT/$policy.json")
     if [[ $policy == brh* ]]; then
-        # How each tick got its per-request predictions: the share `made` is BR-H's tick cost.
-        say "$policy: BR-H's prediction cache over the run (br-$DECISION_COMPONENT's /metrics)"
+        # How each tick got its per-request predictions (the share `made` is BR-H's tick cost)
+        # and what its predictor learned (finishes, hinted ones, classes).
+        say "$policy: BR-H's prediction cache and predictor over the run (br-$DECISION_COMPONENT's /metrics)"
         admin_get "$ADMIN_SCHEME://127.0.0.1:$((DECISION + 1))/metrics" |
-            grep '^balanceroute_decision_predictions_total' || echo "(no predictions_total series)"
+            grep -E '^balanceroute_decision_(predictions_total|predictor_entries)' ||
+            echo "(no predictor series)"
     fi
     # read before the shims stop (their counters go with them); the shims' logs are kept per
     # run for the ranks that left routing, since the next run's shims write the same files
