@@ -849,16 +849,19 @@ mod tests {
         assert!(matches!(r.workload(), Err(WorkloadError::Invalid(_))));
     }
 
+    /// The workload `br-sim run` builds from `base` and then `flags`.
+    fn workload_of(base: &[&str], flags: &[&str]) -> Result<Workload, WorkloadError> {
+        let args: Vec<&str> = base.iter().chain(flags).copied().collect();
+        let Command::Run(r) = parse(&args).expect("parse") else {
+            panic!("run")
+        };
+        r.workload()
+    }
+
     #[test]
     fn hint_flags_give_hints_or_a_workload_error() {
-        let workload = |flags: &[&str]| {
-            let mut args = vec!["--trace", "paper-azure", "--limit", "50"];
-            args.extend_from_slice(flags);
-            let Command::Run(r) = parse(&args).expect("parse") else {
-                panic!("run")
-            };
-            r.workload()
-        };
+        let workload =
+            |flags: &[&str]| workload_of(&["--trace", "paper-azure", "--limit", "50"], flags);
         let plain = workload(&[]).expect("workload");
         assert!(plain.hints.is_none());
         assert!(plain.requests.iter().all(|q| q.expected_output.is_none()));
@@ -895,14 +898,8 @@ mod tests {
         )
         .expect("write");
         let path = path.to_str().expect("utf-8");
-        let workload = |flags: &[&str]| {
-            let mut args = vec!["--trace", path, "--arrival", "trace"];
-            args.extend_from_slice(flags);
-            let Command::Run(r) = parse(&args).expect("parse") else {
-                panic!("run")
-            };
-            r.workload()
-        };
+        let workload =
+            |flags: &[&str]| workload_of(&["--trace", path, "--arrival", "trace"], flags);
         let w = workload(&[]).expect("workload");
         assert_eq!(w.trace_hints, 2);
         assert!(w.hints.is_none());
@@ -929,14 +926,8 @@ mod tests {
 
     #[test]
     fn class_flags_give_classes_or_a_workload_error() {
-        let workload = |flags: &[&str]| {
-            let mut args = vec!["--trace", "paper-prop", "--limit", "400"];
-            args.extend_from_slice(flags);
-            let Command::Run(r) = parse(&args).expect("parse") else {
-                panic!("run")
-            };
-            r.workload()
-        };
+        let workload =
+            |flags: &[&str]| workload_of(&["--trace", "paper-prop", "--limit", "400"], flags);
         let plain = workload(&[]).expect("workload");
         assert!(plain.classes.is_none() && plain.class_share.is_none());
         assert!(plain.requests.iter().all(|q| q.class.is_none()));
@@ -997,14 +988,8 @@ mod tests {
         )
         .expect("write");
         let path = path.to_str().expect("utf-8");
-        let workload = |flags: &[&str]| {
-            let mut args = vec!["--trace", path, "--arrival", "trace"];
-            args.extend_from_slice(flags);
-            let Command::Run(r) = parse(&args).expect("parse") else {
-                panic!("run")
-            };
-            r.workload()
-        };
+        let workload =
+            |flags: &[&str]| workload_of(&["--trace", path, "--arrival", "trace"], flags);
         let w = workload(&[]).expect("workload");
         assert_eq!((w.trace_classes, w.classes), (3, None));
         let keys: Vec<Option<&str>> = w

@@ -360,9 +360,13 @@ fn percentiles() {
     assert_eq!(Pct::of(vec![]), Pct::default());
 }
 
-#[test]
-fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
-    let cfg = |hints| LoadConfig {
+/// A load of 200 paper-prop requests (seed 7) that never reaches a server: for the tests of
+/// what the workload carries.
+fn workload_config(
+    hints: Option<br_sim::hints::Hints>,
+    classes: Option<br_sim::classes::Classes>,
+) -> LoadConfig {
+    LoadConfig {
         decision_addrs: vec!["http://127.0.0.1:1".into()],
         selection: br_client::assign::Selection::default(),
         tls: None,
@@ -375,7 +379,7 @@ fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
         filter_min_output: None,
         seed: 7,
         hints,
-        classes: None,
+        classes,
         arrival: Arrival::Saturated,
         rate: None,
         rate_scale: 1.0,
@@ -383,7 +387,12 @@ fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
         assign_timeout: Duration::from_secs(1),
         label: "t".into(),
         run_id: "r".into(),
-    };
+    }
+}
+
+#[test]
+fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
+    let cfg = |hints| workload_config(hints, None);
     let (_, none) = workload(&cfg(None)).unwrap();
     assert!(none.iter().all(|r| r.expected_output.is_none()));
     let exact = br_sim::hints::Hints::from_flags(Some(0.0), None).unwrap();
@@ -405,28 +414,7 @@ fn the_workload_carries_the_hints_asked_for_and_none_otherwise() {
 
 #[test]
 fn the_workload_carries_the_classes_asked_for_as_br_sim_makes_them() {
-    let cfg = |classes| LoadConfig {
-        decision_addrs: vec!["http://127.0.0.1:1".into()],
-        selection: br_client::assign::Selection::default(),
-        tls: None,
-        group: "g".into(),
-        rank_urls: vec!["http://127.0.0.1:2".into()],
-        use_endpoint: false,
-        engine_url: None,
-        trace: "paper-prop".into(),
-        limit: Some(200),
-        filter_min_output: None,
-        seed: 7,
-        hints: None,
-        classes,
-        arrival: Arrival::Saturated,
-        rate: None,
-        rate_scale: 1.0,
-        model: "m".into(),
-        assign_timeout: Duration::from_secs(1),
-        label: "t".into(),
-        run_id: "r".into(),
-    };
+    let cfg = |classes| workload_config(None, classes);
     let (_, none) = workload(&cfg(None)).unwrap();
     assert!(none.iter().all(|r| r.class.is_none()));
     let classes = br_sim::classes::Classes::from_flags(Some(4), Some(0.3), None).unwrap();
