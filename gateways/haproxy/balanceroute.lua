@@ -32,10 +32,11 @@
 -- Cancel: an action runs once, before the request leaves, so the filter does it. It is told
 -- when the answer has gone out whole (`http_end`) and when the answer's analysis ends
 -- (`end_analyze`, also when the client left: during Assign, HAProxy aborts the action, or
--- mid-stream). Ended without the whole answer, or with a status of 400 or more, the request is
--- cancelled from a task (a filter may not wait on the network): WITHDRAWN while Assign waited
--- in decision's pool, RELEASED once placed, NOT_FOUND if the shim had already ended it when
--- HAProxy closed its connection, which is harmless.
+-- mid-stream). Ended without the whole answer, or with a status of 400 or more (or an answer
+-- HAProxy made itself, a 502 or 503), the request is cancelled from a task (a filter may not
+-- wait on the network): WITHDRAWN while Assign waited in decision's pool, RELEASED once placed,
+-- NOT_FOUND if the shim had already ended it when HAProxy closed its connection, which is
+-- harmless.
 local cjson = require("cjson.safe")
 
 -- "2s", "500ms", "1m" as milliseconds; nil otherwise.
@@ -211,13 +212,31 @@ local CancelFilter = { id = "balanceroute_cancel", flags = filter.FLT_CFG_FL_HTX
 CancelFilter.__index = CancelFilter
 
 function CancelFilter:new()
-    return setmetatable({ complete = false, sent = false }, CancelFilter)
+    return setmetatable({ complete = false, sent = false, status = nil }, CancelFilter)
 end
 
 function CancelFilter:start_analyze(txn, chn)
     if chn:is_resp() then
         -- HAProxy calls http_end only on a channel whose data the filter takes part in.
         filter.register_data_filter(self, chn)
+    end
+    return filter.CONTINUE
+end
+
+-- Forwards the answer's data as it comes (no return value: all of it). A data filter needs this
+-- callback even though it looks at no data: HAProxy 2.6 (fixed upstream in 3.2) keeps a data
+-- filter's position in the body only when the filter has one, and without it reckons the
+-- answer's end from a stale position, so the stream never ends and the connection stays open
+-- after a whole answer (even one the client asked to close) until `timeout client`.
+function CancelFilter:http_payload(txn, msg)
+end
+
+-- The answer's status, while its head is still there to read: by the end of the answer HAProxy
+-- has sent it, and `status` finds nothing. An answer HAProxy makes itself (its 502 or 503, the
+-- action's reply) passes no filter and leaves it unset.
+function CancelFilter:http_headers(txn, msg)
+    if msg.channel:is_resp() then
+        self.status = tonumber(txn.f:status() or "") or 0
     end
     return filter.CONTINUE
 end
@@ -238,7 +257,7 @@ function CancelFilter:end_analyze(txn, chn)
     if not id or txn:get_var("txn.balanceroute_settled") then
         return filter.CONTINUE
     end
-    local status = tonumber(txn.f:status() or "") or 0
+    local status = self.status or 0
     if self.complete and status > 0 and status < 400 then
         return filter.CONTINUE
     end
