@@ -744,40 +744,55 @@ pub async fn hints_reach_decision(stack: &Stack, gw: SocketAddr, prefix: &str) {
     );
 }
 
-/// Reads the rest of an answer: its `Content-Length` bytes of body, else until the gateway
-/// closes the connection (HAProxy with the cancel filter keeps it open after an answer of
-/// known length, even when the client asked for `Connection: close`).
+/// Reads the rest of an answer to the end of the connection (every request here asks for
+/// `Connection: close`): the gateway must close it once the answer is out.
 async fn whole(answer: OpenStream) -> String {
     use tokio::io::AsyncReadExt as _;
-    let complete = |r: &[u8]| {
-        let text = String::from_utf8_lossy(r);
-        let Some((head, body)) = text.split_once("\r\n\r\n") else {
-            return false;
-        };
-        header(head, "content-length")
-            .and_then(|n| n.parse::<usize>().ok())
-            .is_some_and(|n| body.len() >= n)
-    };
     let mut stream = answer.stream;
     let mut received = answer.received.into_bytes();
-    let read = tokio::time::timeout(LONG, async {
-        let mut buf = [0u8; 4096];
-        while !complete(&received) {
-            let n = stream.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            received.extend_from_slice(&buf[..n]);
-        }
-        Ok::<(), std::io::Error>(())
-    })
-    .await;
+    let read = tokio::time::timeout(LONG, stream.read_to_end(&mut received)).await;
     let text = String::from_utf8_lossy(&received).into_owned();
     match read {
-        Ok(r) => r.unwrap_or_else(|e| panic!("reading: {e}: {text}")),
-        Err(_) => panic!("not the whole answer within {LONG:?}: {text}"),
+        Ok(r) => {
+            r.unwrap_or_else(|e| panic!("reading: {e}: {text}"));
+        }
+        Err(_) => panic!(
+            "the gateway did not close the connection within {LONG:?} of the answer's start, \
+             the client having asked it to: {text}"
+        ),
     }
     text
+}
+
+/// Whole answers to a client that asked to close (`Connection: close`), read to the end of the
+/// connection: the gateway closes it once the answer is out, both for an answer of known length
+/// (`Content-Length`, the whole body before the end) and for a streamed one (chunked, the last
+/// chunk before the end).
+pub async fn closes_after_whole_answers(stack: &Stack, gw: SocketAddr, prefix: &str) {
+    let id = format!("{prefix}-closes-known-length");
+    let body =
+        serde_json::json!({"model": "br-emu", "prompt": "x", "max_tokens": 4, "stream": false});
+    let answer = whole(send_raw(gw, Some(&id), &body.to_string(), "\r\n\r\n").await).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{id}: {answer}");
+    let (head, rest) = answer.split_once("\r\n\r\n").expect("a response head");
+    let length: usize = header(head, "content-length")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{id}: an answer of known length: {answer}"));
+    assert_eq!(
+        rest.len(),
+        length,
+        "{id}: the whole body, then the end: {answer}"
+    );
+    wait_released(stack, &id).await;
+
+    let id = format!("{prefix}-closes-streamed");
+    let answer = whole(send_raw(gw, Some(&id), &completion(4), "\r\n\r\n").await).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{id}: {answer}");
+    assert!(
+        answer.ends_with("data: [DONE]\n\n\r\n0\r\n\r\n"),
+        "{id}: the last chunk, then the end: {answer}"
+    );
+    wait_released(stack, &id).await;
 }
 
 /// Bodies with no hint in them are routed all the same: one that is not JSON reaches a rank

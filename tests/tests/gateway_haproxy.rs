@@ -6,6 +6,9 @@
 //!   (set-dst/set-dst-port on a 0.0.0.0:0 server, the `/rank/<n>` path prefix);
 //! * the request id reaches the shim (σ shows the request decoding under the client's id on
 //!   that rank), and a request without one gets an id HAProxy made;
+//! * a client that asks to close (`Connection: close`) and reads to the end of the connection
+//!   gets the whole answer and then the end, with the cancel filter in the frontend: an answer
+//!   of known length (`Content-Length`) and a streamed one;
 //! * a client that leaves mid-stream: HAProxy closes the shim's connection, σ lets the request
 //!   go, and the module's filter sends Cancel (one, and none for the whole answers);
 //! * a client that leaves while its Assign waits for a place (every rank full): HAProxy aborts
@@ -49,9 +52,11 @@ async fn haproxy_routes_streams_and_cancels_through_balanceroute() {
     .await;
 
     // Streaming completions land on the rank Assign chose; the client's id reaches the shim;
-    // leaving mid-stream releases the request and the filter sends Cancel: one Cancel, none for
-    // the whole answers.
+    // a client that asked to close has the connection closed after the whole answer; leaving
+    // mid-stream releases the request and the filter sends Cancel: one Cancel, none for the
+    // whole answers.
     let before = gateway::cancels_answered(&stack).await;
+    gateway::closes_after_whole_answers(&stack, gw.addr, "haproxy").await;
     complete_through(&stack, gw.addr, "haproxy-whole", 4).await;
     gateway::leaves_mid_stream(&stack, gw.addr, "haproxy-leaves").await;
     assert_eq!(gateway::cancels_answered(&stack).await - before, 1.0);
