@@ -262,9 +262,9 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_PREDICTOR_MAX_HASHES")]
     pub predictor_max_hashes: Option<usize>,
 
-    /// brh-class learns a model for at most this many request classes per group (64; about
-    /// 48 KiB each besides the lengths it saw); further class keys are predicted as requests
-    /// without one. 1..=4096.
+    /// brh-class learns a model for at most this many request classes per group (64; each
+    /// holds the lengths it saw, and 48 KiB more once a request of it carried a hint); further
+    /// class keys are predicted as requests without one. 1..=4096.
     #[arg(long, env = "BALANCEROUTE_PREDICTOR_MAX_CLASSES")]
     pub predictor_max_classes: Option<usize>,
 

@@ -467,7 +467,7 @@ impl PredictorConfig {
         }
         if self.max_classes > 4096 {
             return Err(format!(
-                "max_classes {} out of range (≤ 4096: each class holds about 48 KiB)",
+                "max_classes {} out of range (≤ 4096: a hinted class holds about 48 KiB)",
                 self.max_classes
             ));
         }

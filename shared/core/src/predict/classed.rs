@@ -11,8 +11,9 @@ use std::collections::HashMap;
 use super::*;
 
 /// Classes a group tells apart by default: the contract asks gateways for tens of keys, and a
-/// class costs Hinted's fixed ratio table (48 KiB) plus the lengths it saw, so 64 bound a
-/// group's classes to about 3 MiB besides their histograms. Keys beyond it are predicted as
+/// class costs the lengths it saw plus, once one of its requests carried a hint, Hinted's fixed
+/// ratio table (48 KiB), so 64 bound a group's classes to about 3 MiB besides their
+/// histograms. Keys beyond it are predicted as
 /// if they had none (from the group's whole distribution), never evicted and relearned.
 pub const DEFAULT_MAX_CLASSES: usize = 64;
 

@@ -36,7 +36,9 @@ const MIN_EXPLAINED: f64 = 0.1;
 /// The empirical distribution of the ratio actual / expected output length, in log-spaced
 /// bins of [`BINS_PER_OCTAVE`] per octave, each bin's mass taken as spread evenly over its
 /// ratios (so the distribution function is continuous and a horizon that cuts a bin takes its
-/// share). Fixed size: [`RATIO_BINS`] counts and their prefix sums.
+/// share). Fixed size once used: [`RATIO_BINS`] counts and their prefix sums (about 48 KiB),
+/// allocated at the first ratio, so a model that never sees a hint (a [`super::Classed`]
+/// class whose gateway sends none) costs nothing for it.
 #[derive(Debug, Clone)]
 struct RatioHistogram {
     count: Vec<u64>,
@@ -51,17 +53,24 @@ struct RatioHistogram {
 }
 
 impl RatioHistogram {
+    /// Empty, holding nothing until the first [`RatioHistogram::add`].
     fn new() -> Self {
-        let edges = (0..=RATIO_BINS as i32)
-            .map(|k| f64::exp2((f64::from(k - CENTRE_BIN) - 0.5) / f64::from(BINS_PER_OCTAVE)))
-            .collect();
         Self {
-            count: vec![0; RATIO_BINS],
-            below: vec![0; RATIO_BINS + 1],
-            moment_below: vec![0.0; RATIO_BINS + 1],
-            edges,
+            count: Vec::new(),
+            below: Vec::new(),
+            moment_below: Vec::new(),
+            edges: Vec::new(),
             total: 0,
         }
+    }
+
+    fn allocate(&mut self) {
+        self.edges = (0..=RATIO_BINS as i32)
+            .map(|k| f64::exp2((f64::from(k - CENTRE_BIN) - 0.5) / f64::from(BINS_PER_OCTAVE)))
+            .collect();
+        self.count = vec![0; RATIO_BINS];
+        self.below = vec![0; RATIO_BINS + 1];
+        self.moment_below = vec![0.0; RATIO_BINS + 1];
     }
 
     fn bytes(&self) -> usize {
@@ -86,6 +95,9 @@ impl RatioHistogram {
     }
 
     fn add(&mut self, ratio: f64) {
+        if self.edges.is_empty() {
+            self.allocate();
+        }
         let k = self.bin_of(ratio);
         let mean = (self.edges[k] + self.edges[k + 1]) / 2.0;
         self.count[k] += 1;
@@ -101,7 +113,7 @@ impl RatioHistogram {
     /// (mass, first moment) of the ratios at or below `x`, the mass of each bin spread
     /// evenly over it.
     fn cumulative(&self, x: f64) -> (f64, f64) {
-        if x < self.edges[0] {
+        if self.total == 0 || x < self.edges[0] {
             return (0.0, 0.0);
         }
         if x >= self.edges[RATIO_BINS] {
@@ -160,7 +172,8 @@ impl Moments {
 /// Survival (its own [`Survival`], which learns from every finished request, hinted or not)
 /// predicts alone a request without a hint, every request until [`Hinted`] has seen
 /// `min_hinted` hinted finishes, and a request that has outlived every ratio learned for its
-/// hint. Memory is fixed: the ratio bins (about 48 KiB) besides Survival's.
+/// hint. Memory is fixed: the ratio bins (about 48 KiB, from the first hinted finish on)
+/// besides Survival's.
 #[derive(Debug, Clone)]
 pub struct Hinted {
     fallback: Survival,
@@ -485,6 +498,11 @@ mod tests {
     #[test]
     fn ratio_histogram_is_continuous_and_bounded() {
         let mut r = RatioHistogram::new();
+        // nothing held, nothing below any ratio, until the first ratio
+        assert_eq!(
+            (r.bytes(), r.cumulative(1.0), r.cumulative(f64::MAX)),
+            (0, (0.0, 0.0), (0.0, 0.0))
+        );
         r.add(1.0);
         r.add(1e-9);
         r.add(1e9);
