@@ -155,7 +155,17 @@ for section in $SECTIONS; do
       # shellcheck disable=SC2086
       run "H-classes-${c%%:*}-paper-azure-G32-saturated" --renewal -- --trace paper-azure \
           --arrival saturated --workers 32 --slots 64 --policies "$pols" ${c#*:}
-    done ;;
+    done
+    # the horizon's discount against what the predictor knows, where BR-H gains: does a
+    # shorter effective horizon (gamma 0.6 .. 0.3, H = 20) let the better-informed predictors
+    # (classes, the oracle) overtake Survival?
+    pols=rr,jsq,mintok,br0
+    for p in brh-survival brh-class brh-oracle; do
+      pols="$pols,$p,$p:gamma=0.6,$p:gamma=0.5"
+    done
+    pols="$pols,brh-oracle:gamma=0.4,brh-oracle:gamma=0.3,brh-oracle:gamma=0.95,brh-oracle:horizon=20"
+    run "H-classes-gamma-mooncake-G8-150" --capacity 150 -- --trace "$MC" --arrival poisson \
+        --workers 8 --slots 64 --policies "$pols" --classes 8 ;;
   moderate) # below capacity: does the stagger term cost TPOT where the barrier rarely binds?
     # capacity in requests/s at G = 8, B = 256 as moderate.sh's WORKLOADS
     NF=brh-hinted:stage2_target=next-finish
