@@ -569,29 +569,14 @@ pub async fn complete_through(stack: &Stack, gw: SocketAddr, prefix: &str, n: u3
 /// body), never a rank picked at random; the engine ran nothing.
 pub async fn refused_while_decision_is_down(stack: &Stack, gw: SocketAddr) {
     let before = stack.engine.requests_per_rank().await;
-    let answer = send_raw(gw, Some("while-down"), &completion(4), "\r\n\r\n").await;
-    let mut stream = answer.stream;
-    let mut received = answer.received.into_bytes();
-    br_testkit::within(LONG, "the error body", async {
-        use tokio::io::AsyncReadExt as _;
-        stream.read_to_end(&mut received).await.expect("reading");
-    })
-    .await;
-    let received = String::from_utf8_lossy(&received).into_owned();
+    let received = whole(send_raw(gw, Some("while-down"), &completion(4), "\r\n\r\n").await).await;
     assert!(received.starts_with("HTTP/1.1 503"), "{received}");
     assert_eq!(
         header(&received, "x-balanceroute-error").as_deref(),
         Some("DECISION_UNREACHABLE"),
         "{received}"
     );
-    let body = received
-        .split("\r\n\r\n")
-        .nth(1)
-        .expect("a body")
-        .lines()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("a JSON body: {received}"));
-    let v: serde_json::Value = serde_json::from_str(body).expect("JSON");
+    let v = error_body(&received);
     assert_eq!(v["code"], "DECISION_UNREACHABLE", "{received}");
     assert!(
         v["message"]
@@ -746,6 +731,17 @@ pub async fn hints_reach_decision(stack: &Stack, gw: SocketAddr, prefix: &str) {
 
 /// Reads the rest of an answer to the end of the connection (every request here asks for
 /// `Connection: close`): the gateway must close it once the answer is out.
+/// The JSON error body (`{"code","message"}`) of a whole answer, as the gateways send it; a
+/// chunked body's size lines are skipped.
+fn error_body(answer: &str) -> serde_json::Value {
+    let json = answer
+        .split("\r\n\r\n")
+        .nth(1)
+        .and_then(|b| b.lines().find(|l| l.starts_with('{')))
+        .unwrap_or_else(|| panic!("a JSON body: {answer}"));
+    serde_json::from_str(json).unwrap_or_else(|e| panic!("JSON: {e}: {answer}"))
+}
+
 async fn whole(answer: OpenStream) -> String {
     use tokio::io::AsyncReadExt as _;
     let mut stream = answer.stream;
@@ -871,12 +867,7 @@ pub async fn bad_hints_refused(stack: &Stack, gw: SocketAddr, prefix: &str) {
             Some("INVALID_ARGUMENT"),
             "{id}: {answer}"
         );
-        let json = answer
-            .split("\r\n\r\n")
-            .nth(1)
-            .and_then(|b| b.lines().find(|l| l.starts_with('{')))
-            .unwrap_or_else(|| panic!("{id}: a JSON body: {answer}"));
-        let v: serde_json::Value = serde_json::from_str(json).expect("JSON");
+        let v = error_body(&answer);
         assert_eq!(v["code"], "INVALID_ARGUMENT", "{id}: {answer}");
         assert!(stack.request(&id).await.is_none(), "{id}: nothing in σ");
     }
