@@ -1,22 +1,25 @@
 //! The `balanceroute.v1.Snapshot` gRPC handlers: the edge. Each parses its request into
 //! domain types (`br_proto::valid`, `crate::wire`), asks the writer, and builds the answer.
 
+use std::collections::VecDeque;
+use std::future::Future as _;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 
 use br_proto::v1;
 use br_proto::v1::snapshot_server::Snapshot;
 use br_proto::valid::{GroupId, ValidRelease, ValidReserve, ValidSetCordon, ValidWatch};
 use br_runtime::error::ServiceError as _;
 use futures::{Stream, StreamExt as _};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::SnapshotError;
-use crate::group::Event;
+use crate::group::{Applied, Event, Reject};
 use crate::metrics::Metrics;
 use crate::wire;
 use crate::writer::{Command, WriterHandle};
@@ -346,6 +349,10 @@ impl SnapshotService {
     /// passes the call's request stream; the all-in-one `br-all` passes its ingest's batches
     /// in-process, so both are this code (batch_seq checks, validation, refusals, and every
     /// worker whose Hello came on the stream disconnected when it ends).
+    ///
+    /// Up to [`APPLY_IN_WRITER`] batches are in the writer at once: the batches that arrived
+    /// together are queued to it together and their acks go out together, in order. Each
+    /// batch is still applied on its own, in the order it came.
     pub fn apply_stream<S>(&self, mut inbound: S) -> BoxStream<v1::ApplyAck>
     where
         S: Stream<Item = Result<v1::ChangeBatch, Status>> + Send + Unpin + 'static,
@@ -356,40 +363,45 @@ impl SnapshotService {
         tokio::spawn(async move {
             tracing::debug!(stream, "Apply stream opened");
             let mut last_seq = 0u64;
-            loop {
-                let msg = tokio::select! {
-                    m = inbound.next() => m.transpose(),
-                    () = this.shutdown.cancelled() => break,
-                };
-                let batch = match msg {
-                    Ok(Some(b)) => b,
-                    Ok(None) => break,
-                    Err(status) if br_runtime::is_too_large(&status) => {
-                        // A batch above the decoding limit ends the stream as gRPC says:
-                        // RESOURCE_EXHAUSTED (tonic reads it as OUT_OF_RANGE), counted.
-                        this.metrics.refuse("message_too_large");
-                        tracing::warn!(stream, error = %status, "an Apply batch above the message limit; ending the stream");
-                        let _ = tx
-                            .send(Err(Status::resource_exhausted(status.message().to_owned())))
-                            .await;
-                        break;
+            let mut in_writer = VecDeque::<InWriter>::new();
+            let mut reading = true;
+            while reading || !in_writer.is_empty() {
+                tokio::select! {
+                    // Reading first: a burst of batches reaches the writer in one go.
+                    biased;
+                    () = this.shutdown.cancelled(), if reading => reading = false,
+                    m = inbound.next(), if reading && in_writer.len() < APPLY_IN_WRITER => match m {
+                        Some(Ok(batch)) => {
+                            // One span per batch, in the trace of the ingest span that sent it
+                            // (the stream's own metadata was sent once, at its opening).
+                            let span = apply_span(&batch);
+                            let queued = this.submit_batch(batch, stream, &mut last_seq, &span);
+                            let queued = tracing::Instrument::instrument(queued, span.clone()).await;
+                            in_writer.push_back(queued);
+                        }
+                        None => reading = false,
+                        Some(Err(status)) if br_runtime::is_too_large(&status) => {
+                            // A batch above the decoding limit ends the stream as gRPC says:
+                            // RESOURCE_EXHAUSTED (tonic reads it as OUT_OF_RANGE), counted,
+                            // after the acks of the batches before it.
+                            this.metrics.refuse("message_too_large");
+                            tracing::warn!(stream, error = %status, "an Apply batch above the message limit; ending the stream");
+                            in_writer.push_back(InWriter::Answered(Err(Status::resource_exhausted(
+                                status.message().to_owned(),
+                            ))));
+                            reading = false;
+                        }
+                        Some(Err(status)) => {
+                            tracing::debug!(stream, error = %status, "Apply stream failed");
+                            reading = false;
+                        }
+                    },
+                    ack = this.next_ack(&mut in_writer), if !in_writer.is_empty() => {
+                        let stop = ack.is_err();
+                        if tx.send(ack).await.is_err() || stop {
+                            break;
+                        }
                     }
-                    Err(status) => {
-                        tracing::debug!(stream, error = %status, "Apply stream failed");
-                        break;
-                    }
-                };
-                // One span per batch, in the trace of the ingest span that sent it (the
-                // stream's own metadata was sent once, at its opening).
-                let span = apply_span(&batch);
-                let applied = this.apply_batch(batch, stream, &mut last_seq);
-                let ack = match tracing::Instrument::instrument(applied, span).await {
-                    Ok(ack) => Ok(ack),
-                    Err(e) => Err(this.fail(e)),
-                };
-                let stop = ack.is_err();
-                if tx.send(ack).await.is_err() || stop {
-                    break;
                 }
             }
             // Every worker whose Hello came on this stream is disconnected now.
@@ -399,17 +411,19 @@ impl SnapshotService {
         Box::pin(ReceiverStream::new(rx))
     }
 
-    /// One ChangeBatch: a batch the writer cannot take as a whole (bad group, batch_seq not
-    /// increasing) is answered with every change rejected as INVALID, and σ is untouched.
-    async fn apply_batch(
+    /// One ChangeBatch, up to the writer: a batch the writer cannot take as a whole (bad group,
+    /// batch_seq not increasing) is answered with every change rejected as INVALID, and σ is
+    /// untouched; the rest is queued to the writer.
+    async fn submit_batch(
         &self,
         batch: v1::ChangeBatch,
         stream: u64,
         last_seq: &mut u64,
-    ) -> Result<v1::ApplyAck, SnapshotError> {
+        span: &tracing::Span,
+    ) -> InWriter {
         let whole = |detail: String, n: usize| {
             self.metrics.reject(v1::RejectReason::Invalid.label());
-            v1::ApplyAck {
+            InWriter::Answered(Ok(v1::ApplyAck {
                 batch_seq: batch.batch_seq,
                 epoch: self.writer.epoch(),
                 version: 0,
@@ -420,51 +434,119 @@ impl SnapshotService {
                         detail: detail.clone(),
                     })
                     .collect(),
-            }
+            }))
         };
         if batch.batch_seq <= *last_seq {
-            return Ok(whole(
+            return whole(
                 format!(
                     "batch_seq {} does not follow {} (it must rise on each stream, from 1)",
                     batch.batch_seq, *last_seq
                 ),
                 batch.changes.len(),
-            ));
+            );
         }
         *last_seq = batch.batch_seq;
         let group = match GroupId::new(&batch.group) {
             Ok(g) => g,
-            Err(e) => return Ok(whole(e.to_string(), batch.changes.len())),
+            Err(e) => return whole(e.to_string(), batch.changes.len()),
         };
         if batch.ingest_id.len() > br_sigma::MAX_CARRIER_BYTES
             || batch.ingest_id.chars().any(char::is_control)
         {
-            return Ok(whole(
+            return whole(
                 format!(
                     "ingest_id must be at most {} bytes without control characters",
                     br_sigma::MAX_CARRIER_BYTES
                 ),
                 batch.changes.len(),
-            ));
+            );
         }
         let carrier = batch.ingest_id;
         let batch_seq = batch.batch_seq;
         // Validated here, not in the writer: one change at a time, so a bad one is rejected
         // by its index and the rest apply (and the single writer does less work).
         let wire::Changes { valid, invalid } = wire::telemetry_changes(batch.changes);
-        let applied = self
+        let submitted = self
             .writer
-            .call(|reply| Command::Apply {
+            .submit(|reply| Command::Apply {
                 group,
                 changes: valid,
                 stream,
                 carrier,
                 reply,
             })
-            .await??;
-        for (_, r) in &invalid {
-            self.metrics.reject(r.label());
+            .await;
+        match submitted {
+            Ok(reply) => InWriter::Applying {
+                reply,
+                batch_seq,
+                invalid,
+                span: span.clone(),
+            },
+            Err(e) => InWriter::Answered(Err(self.fail(e))),
         }
-        Ok(wire::apply_ack(batch_seq, invalid, applied))
     }
+
+    /// The ack of the oldest batch in the writer, once it is there (and only then taken off
+    /// the queue: a `select!` may drop this future).
+    async fn next_ack(&self, in_writer: &mut VecDeque<InWriter>) -> Result<v1::ApplyAck, Status> {
+        // The writer's answer, taken from the oneshot when it is there (None: answered
+        // without the writer).
+        let answer = std::future::poll_fn(|cx| match in_writer.front_mut() {
+            None => Poll::Pending,
+            Some(InWriter::Answered(_)) => Poll::Ready(None),
+            Some(InWriter::Applying { reply, .. }) => Pin::new(reply).poll(cx).map(Some),
+        })
+        .await;
+        match (in_writer.pop_front(), answer) {
+            (Some(InWriter::Answered(ack)), _) => ack,
+            (
+                Some(InWriter::Applying {
+                    batch_seq,
+                    invalid,
+                    span,
+                    ..
+                }),
+                Some(applied),
+            ) => {
+                let _entered = span.enter();
+                match applied
+                    .map_err(|_| SnapshotError::ShuttingDown)
+                    .and_then(|r| r)
+                {
+                    Ok(applied) => {
+                        for (_, r) in &invalid {
+                            self.metrics.reject(r.label());
+                        }
+                        Ok(wire::apply_ack(batch_seq, invalid, applied))
+                    }
+                    Err(e) => Err(self.fail(e)),
+                }
+            }
+            (Some(InWriter::Applying { .. }), None) | (None, _) => {
+                Err(Status::internal("an Apply ack out of order"))
+            }
+        }
+    }
+}
+
+/// Batches of one Apply stream in the writer at once, as many as ingest sends unacknowledged
+/// (`br-ingest`'s `MAX_INFLIGHT`). At 64 groups ingest sends a burst of 64 batches every
+/// interval; taken one writer round trip at a time, each batch cost the stream's task and the
+/// writer a wake-up each, and its ack an HTTP/2 write of its own (docs/benchmarks.md).
+const APPLY_IN_WRITER: usize = 64;
+
+/// One batch of an Apply stream waiting for its ack, in the order the batches came.
+enum InWriter {
+    /// Answered without the writer (refused whole, the writer gone, or the stream's end).
+    Answered(Result<v1::ApplyAck, Status>),
+    /// Queued to the writer.
+    Applying {
+        reply: oneshot::Receiver<Result<Applied, SnapshotError>>,
+        batch_seq: u64,
+        /// Its changes rejected at the edge, by index.
+        invalid: Vec<(usize, Reject)>,
+        /// The batch's span, ended with its ack.
+        span: tracing::Span,
+    },
 }

@@ -77,10 +77,22 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// Reserve and Release: an Assign's answer waits on its Reserve (and a Cancel's on its
+    /// Release), while nothing waits on an Apply batch but the next one. Both go in one
+    /// queue, so a Release never overtakes the Reserve it follows, nor a Reserve the Release.
+    fn on_assign_path(&self) -> bool {
+        matches!(self, Command::Reserve { .. } | Command::Release { .. })
+    }
+}
+
 /// The handlers' side of the writer: cheap to clone.
 #[derive(Debug, Clone)]
 pub struct WriterHandle {
     tx: mpsc::Sender<Command>,
+    /// Reserve and Release, which an Assign waits on: the writer takes them before the rest
+    /// (see [`Command::on_assign_path`]).
+    assign_tx: mpsc::Sender<Command>,
     epoch: u64,
 }
 
@@ -95,12 +107,28 @@ impl WriterHandle {
         &self,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
     ) -> Result<T, SnapshotError> {
+        let rx = self.submit(make).await?;
+        rx.await.map_err(|_| SnapshotError::ShuttingDown)
+    }
+
+    /// Queues a command built around a fresh oneshot and returns where its answer will come,
+    /// so a caller with several commands in order (an Apply stream's batches) can have them
+    /// all in the writer at once. The writer answers commands in the order they were queued.
+    pub async fn submit<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<oneshot::Receiver<T>, SnapshotError> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(make(reply))
+        let cmd = make(reply);
+        let tx = if cmd.on_assign_path() {
+            &self.assign_tx
+        } else {
+            &self.tx
+        };
+        tx.send(cmd)
             .await
             .map_err(|_| SnapshotError::ShuttingDown)?;
-        rx.await.map_err(|_| SnapshotError::ShuttingDown)
+        Ok(rx)
     }
 
     /// Tells the writer an Apply stream ended (its workers are disconnected now).
@@ -151,6 +179,7 @@ pub fn spawn_with_cordons(
     cordons: Cordons,
 ) -> (WriterHandle, JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+    let (assign_tx, assign_rx) = mpsc::channel(COMMAND_QUEUE);
     metrics.cordons(cordons.len());
     let epoch = random_epoch();
     let writer = Writer {
@@ -164,8 +193,15 @@ pub fn spawn_with_cordons(
         at_max_groups: false,
         cordons,
     };
-    let task = tokio::spawn(writer.run(rx, shutdown));
-    (WriterHandle { tx, epoch }, task)
+    let task = tokio::spawn(writer.run(assign_rx, rx, shutdown));
+    (
+        WriterHandle {
+            tx,
+            assign_tx,
+            epoch,
+        },
+        task,
+    )
 }
 
 struct Writer {
@@ -193,7 +229,12 @@ fn wall_ms() -> u64 {
 }
 
 impl Writer {
-    async fn run(mut self, mut rx: mpsc::Receiver<Command>, shutdown: CancellationToken) {
+    async fn run(
+        mut self,
+        mut assign: mpsc::Receiver<Command>,
+        mut rx: mpsc::Receiver<Command>,
+        shutdown: CancellationToken,
+    ) {
         let mut tick = tokio::time::interval(tick_period(&self.settings));
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         // DEBUG: the process's one start-up line (INFO) names the epoch.
@@ -209,7 +250,10 @@ impl Writer {
                     }
                 }
                 // The clock is read here, in the async loop, and only here: the groups take time
-                // as arguments.
+                // as arguments. What an Assign waits on first: an Apply stream may have many
+                // batches queued (service::APPLY_IN_WRITER), and a Reserve behind all of them
+                // would wait for them all.
+                Some(cmd) = assign.recv() => self.handle(cmd, Instant::now(), wall_ms()),
                 cmd = rx.recv() => match cmd {
                     Some(cmd) => self.handle(cmd, Instant::now(), wall_ms()),
                     None => break,
@@ -402,5 +446,107 @@ impl Writer {
                 let _ = reply.send(rx);
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may panic on purpose
+mod tests {
+    use br_proto::v1::telemetry_change as tc;
+    use br_proto::valid::{RequestId, ValidReservation};
+
+    use super::*;
+
+    fn apply(
+        group: &GroupId,
+        kind: tc::Kind,
+    ) -> impl FnOnce(oneshot::Sender<Result<Applied, SnapshotError>>) -> Command {
+        let changes =
+            crate::wire::telemetry_changes(vec![v1::TelemetryChange { kind: Some(kind) }]);
+        assert!(changes.invalid.is_empty());
+        let group = group.clone();
+        move |reply| Command::Apply {
+            group,
+            changes: changes.valid,
+            stream: 1,
+            carrier: String::new(),
+            reply,
+        }
+    }
+
+    fn progress(id: &str) -> tc::Kind {
+        tc::Kind::RequestProgress(tc::RequestProgress {
+            worker_id: 0,
+            incarnation: 1,
+            request_id: id.into(),
+            prompt_tokens: 10,
+            generated_tokens: 1,
+            finished: false,
+            unkeyed: false,
+        })
+    }
+
+    /// A Reserve queued behind an Apply stream's batches is committed before them: an Assign's
+    /// answer waits on it, nothing waits on the batches. (A runtime of one thread: the writer
+    /// runs only once everything below is queued.)
+    #[tokio::test]
+    async fn a_reserve_is_taken_before_the_apply_batches_queued_ahead_of_it() {
+        let (writer, task) = spawn(
+            Settings::default(),
+            Metrics::new().unwrap(),
+            CancellationToken::new(),
+        );
+        let group = GroupId::new("g").unwrap();
+        let hello = tc::Kind::WorkerHello(tc::WorkerHello {
+            worker_id: 0,
+            incarnation: 1,
+            capacity: 64,
+            endpoint: "http://w0".into(),
+        });
+        writer.call(apply(&group, hello)).await.unwrap().unwrap();
+        let mut batches = Vec::new();
+        for i in 0..16 {
+            batches.push(
+                writer
+                    .submit(apply(&group, progress(&format!("r{i}"))))
+                    .await
+                    .unwrap(),
+            );
+        }
+        let reserve = ValidReserve {
+            group: group.clone(),
+            reservations: vec![ValidReservation {
+                request_id: RequestId::new("x").unwrap(),
+                worker_id: 0,
+                incarnation: 1,
+                prompt_tokens: 10,
+                prompt_hash: None,
+                max_tokens: None,
+                queue_if_full: false,
+                expected_output_tokens: None,
+                request_class_id: None,
+            }],
+        };
+        let reserved = writer
+            .submit(|reply| Command::Reserve {
+                req: reserve,
+                reply,
+            })
+            .await
+            .unwrap();
+        let reserved = reserved.await.unwrap();
+        assert_eq!(reserved.accepted.len(), 1, "{reserved:?}");
+        for (i, b) in batches.into_iter().enumerate() {
+            let applied = b.await.unwrap().unwrap();
+            assert!(applied.rejected.is_empty(), "batch {i}: {applied:?}");
+            assert!(
+                applied.version > reserved.version,
+                "batch {i} (version {}) was committed before the Reserve (version {})",
+                applied.version,
+                reserved.version
+            );
+        }
+        drop(writer);
+        task.await.unwrap();
     }
 }

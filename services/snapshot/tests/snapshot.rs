@@ -637,6 +637,101 @@ async fn a_new_incarnation_starts_clean_and_the_old_one_is_stale() {
     server.stop().await;
 }
 
+/// Ingest keeps up to 64 batches unacknowledged, and the service has several of a stream's
+/// batches in its writer at once: however many are sent without waiting, each is applied in
+/// the order it came and acked in that order. Every batch here starts a new incarnation of the
+/// group's worker with a request on it, so a batch applied before an earlier one of its group
+/// would find its worker's incarnation stale, and σ would end on another one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_sent_without_waiting_are_applied_and_acked_in_order() {
+    let server = Server::start(&[]).await;
+    let groups = ["p0", "p1", "p2"];
+    let rounds: u64 = 60; // 180 batches of valid changes, beyond what the writer holds at once
+    let mut batches = Vec::new();
+    let mut seq = 0u64;
+    let batch = |seq: u64, group: &str, changes| v1::ChangeBatch {
+        batch_seq: seq,
+        group: group.into(),
+        changes,
+        ingest_id: String::new(),
+        traceparent: String::new(),
+        tracestate: String::new(),
+    };
+    for round in 1..=rounds {
+        for g in groups {
+            seq += 1;
+            let id = format!("r{round}");
+            batches.push(batch(
+                seq,
+                g,
+                vec![hello(0, round, 4), prog(0, round, &id, 10, 1)],
+            ));
+        }
+        if round == 30 {
+            // Refused whole, in the middle of the others: a batch_seq that does not rise, and
+            // a bad group name.
+            batches.push(batch(seq, "p0", vec![hello(0, 1_000, 4)]));
+            seq += 1;
+            batches.push(batch(seq, "", vec![hello(0, 1_000, 4)]));
+        }
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(batches.len());
+    // (batch_seq, group, refused whole)
+    let sent: Vec<(u64, String, bool)> = batches
+        .iter()
+        .map(|b| {
+            (
+                b.batch_seq,
+                b.group.clone(),
+                b.changes[0] == hello(0, 1_000, 4),
+            )
+        })
+        .collect();
+    for b in batches {
+        tx.send(b).await.unwrap();
+    }
+    let mut acks = server
+        .client
+        .clone()
+        .apply(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut last_version = std::collections::HashMap::<String, u64>::new();
+    for (i, (batch_seq, group, refused)) in sent.iter().enumerate() {
+        let ack = within(PATIENCE, "an Apply ack", acks.message())
+            .await
+            .unwrap()
+            .expect("an ack for every batch");
+        assert_eq!(ack.batch_seq, *batch_seq, "ack {i} answers batch {i}");
+        if *refused {
+            assert_eq!(
+                rejections(&ack),
+                vec![(0, R::Invalid)],
+                "batch {i} is refused whole"
+            );
+            continue;
+        }
+        assert!(ack.rejected.is_empty(), "batch {i}: {ack:?}");
+        let last = last_version.insert(group.clone(), ack.version).unwrap_or(0);
+        assert!(ack.version > last, "batch {i}: σ of {group} moved on");
+    }
+    for g in groups {
+        let s = server.get(g).await;
+        assert_eq!(s.workers[0].incarnation, rounds, "{g}");
+        let ids: Vec<&str> = s.requests.iter().map(|r| r.request_id.as_str()).collect();
+        assert_eq!(ids, vec![format!("r{rounds}")], "{g}");
+    }
+    drop(tx);
+    assert!(
+        within(PATIENCE, "the end of the acks", acks.message())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_on_every_rpc_gets_a_typed_answer_and_leaves_sigma_unchanged() {
     let server = Server::start(&[]).await;
