@@ -1,7 +1,8 @@
-//! The single writer: one task owns every group's [`Group`] and is fed by a bounded queue of
-//! [`Command`]s from the gRPC handlers, each answered on a oneshot. It also runs the clock:
-//! reservation expiry, grace-period fencing, progress marks and lagging watchers, on a short
-//! periodic tick. Nothing else mutates σ, so there are no locks.
+//! The single writer: one task owns every group's [`Group`] and is fed by two bounded queues
+//! of [`Command`]s from the gRPC handlers, each answered on a oneshot: Reserve and Release,
+//! which Assigns wait on, taken first; everything else in the order it came. It also runs the
+//! clock: reservation expiry, grace-period fencing, progress marks and lagging watchers, on a
+//! short periodic tick. Nothing else mutates σ, so there are no locks.
 //!
 //! It also bounds the groups: at most `max_groups` at once (a Watch or Apply naming a new one
 //! beyond is refused, RESOURCE_EXHAUSTED), and a group idle for `group_idle_grace` is
