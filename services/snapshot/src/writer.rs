@@ -114,7 +114,8 @@ impl WriterHandle {
 
     /// Queues a command built around a fresh oneshot and returns where its answer will come,
     /// so a caller with several commands in order (an Apply stream's batches) can have them
-    /// all in the writer at once. The writer answers commands in the order they were queued.
+    /// all in the writer at once. The writer takes the commands of each queue in the order
+    /// they were queued (Reserve and Release before the rest, [`Command::on_assign_path`]).
     pub async fn submit<T>(
         &self,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
