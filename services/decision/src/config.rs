@@ -197,8 +197,9 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_BRC_MAX_WAIT_STEPS")]
     pub brc_max_wait_steps: Option<u32>,
 
-    /// BR-C: the same while fewer requests wait than there are free slots (2, at most
-    /// --brc-max-wait-steps): each step held there adds to every waiting request's TTFT.
+    /// BR-C: the same while fewer requests wait than there are free slots (2, or
+    /// --brc-max-wait-steps if that is smaller; a value above it is refused): each step held
+    /// there adds to every waiting request's TTFT.
     #[arg(long, env = "BALANCEROUTE_BRC_SHALLOW_WAIT_STEPS")]
     pub brc_shallow_wait_steps: Option<u32>,
 
@@ -497,6 +498,16 @@ impl Args {
             ),
         ] {
             cfg.validate().map_err(|e| format!("{flag}: {e}"))?;
+        }
+        // The shallow pool's budget is at most the deep one's: the default (2) is lowered to a
+        // smaller --brc-max-wait-steps, but a value given above it says two things at once.
+        if let Some(shallow) = self.brc_shallow_wait_steps
+            && shallow > policy.brc.max_wait_steps
+        {
+            return Err(format!(
+                "--brc-shallow-wait-steps {shallow} is above --brc-max-wait-steps {} (the shallow pool's hold is at most the deep pool's)",
+                policy.brc.max_wait_steps
+            ));
         }
         policy.validate().map_err(|e| e.to_string())?;
         let split = RankSplit::new(self.deciders, self.decider_index, self.decider_takeover)
@@ -978,6 +989,27 @@ mod tests {
             br_core::BrcConfig::default().hold_fraction
         );
         assert!(parse(&["--brc-max-wait-steps", "-1"]).is_err());
+        // The default shallow budget follows a smaller deep one; a given one above it is refused.
+        let c = parse(&["--policy", "brc", "--brc-max-wait-steps", "1"])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.policy.brc.max_wait_steps, 1);
+        for args in [
+            &["--brc-max-wait-steps", "4", "--brc-shallow-wait-steps", "5"][..],
+            &["--brc-shallow-wait-steps", "65"][..],
+        ] {
+            let mut all = vec!["--policy", "brc"];
+            all.extend_from_slice(args);
+            let err = parse(&all)
+                .map_err(|e| e.to_string())
+                .and_then(|a| a.to_config())
+                .unwrap_err();
+            assert!(
+                err.contains("--brc-shallow-wait-steps") && err.contains("--brc-max-wait-steps"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

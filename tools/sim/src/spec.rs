@@ -37,15 +37,26 @@ pub fn parse_spec(spec: &str, seed: u64) -> Result<PolicySpec, String> {
     let kind: PolicyKind = name.parse().map_err(|e| format!("{e}"))?;
     let mut config = PolicyConfig::new(kind);
     config.seed = seed;
+    let mut shallow_given = false;
     for kv in parts {
         let (k, v) = kv
             .split_once('=')
             .ok_or_else(|| format!("policy `{spec}`: expected key=value, got `{kv}`"))?;
         set_param(&mut config, k, v).map_err(|e| format!("policy `{spec}`: {e}"))?;
+        shallow_given |= k.trim().replace('-', "_") == "shallow_wait_steps";
     }
     config
         .validate()
         .map_err(|e| format!("policy `{spec}`: {e}"))?;
+    // As br-decision's flags: the default shallow budget follows a smaller max_wait_steps, a
+    // given one above it is refused.
+    let brc = &config.brc;
+    if shallow_given && brc.shallow_wait_steps > brc.max_wait_steps {
+        return Err(format!(
+            "policy `{spec}`: shallow_wait_steps {} is above max_wait_steps {} (the shallow pool's hold is at most the deep pool's)",
+            brc.shallow_wait_steps, brc.max_wait_steps
+        ));
+    }
     Ok(PolicySpec {
         label: spec.to_string(),
         config,
@@ -145,6 +156,9 @@ mod tests {
         assert_eq!(s.config.brc.max_wait_steps, 4);
         assert_eq!(s.config.brc.wave_fraction, 0.5);
         assert!(s.config.brc.kv_swap);
+        let s =
+            parse_spec("brc:max_wait_steps=1", 0).expect("a deep budget below the shallow default");
+        assert_eq!(s.config.brc.max_wait_steps, 1);
         let s = parse_spec("brc:kv-swap=false", 0).expect("brc without the KV pass");
         assert!(!s.config.brc.kv_swap);
         for bad in [
@@ -152,6 +166,8 @@ mod tests {
             "brc:kv_swap=2",
             "brc:kv_swap=maybe",
             "brc:max_wait_steps=-1",
+            "brc:max_wait_steps=4:shallow_wait_steps=5",
+            "brc:shallow-wait-steps=65",
             "nope",
             "br0:r_max",
             "br0:r_max=0",
