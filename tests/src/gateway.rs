@@ -729,8 +729,6 @@ pub async fn hints_reach_decision(stack: &Stack, gw: SocketAddr, prefix: &str) {
     );
 }
 
-/// Reads the rest of an answer to the end of the connection (every request here asks for
-/// `Connection: close`): the gateway must close it once the answer is out.
 /// The JSON error body (`{"code","message"}`) of a whole answer, as the gateways send it; a
 /// chunked body's size lines are skipped.
 fn error_body(answer: &str) -> serde_json::Value {
@@ -742,6 +740,8 @@ fn error_body(answer: &str) -> serde_json::Value {
     serde_json::from_str(json).unwrap_or_else(|e| panic!("JSON: {e}: {answer}"))
 }
 
+/// Reads the rest of an answer to the end of the connection (every request here asks for
+/// `Connection: close`): the gateway must close it once the answer is out.
 async fn whole(answer: OpenStream) -> String {
     use tokio::io::AsyncReadExt as _;
     let mut stream = answer.stream;
