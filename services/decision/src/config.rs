@@ -499,15 +499,11 @@ impl Args {
         ] {
             cfg.validate().map_err(|e| format!("{flag}: {e}"))?;
         }
-        // The shallow pool's budget is at most the deep one's: the default (2) is lowered to a
-        // smaller --brc-max-wait-steps, but a value given above it says two things at once.
-        if let Some(shallow) = self.brc_shallow_wait_steps
-            && shallow > policy.brc.max_wait_steps
-        {
-            return Err(format!(
-                "--brc-shallow-wait-steps {shallow} is above --brc-max-wait-steps {} (the shallow pool's hold is at most the deep pool's)",
-                policy.brc.max_wait_steps
-            ));
+        if self.brc_shallow_wait_steps.is_some() {
+            policy
+                .brc
+                .validate_given_shallow()
+                .map_err(|e| format!("--brc-shallow-wait-steps, --brc-max-wait-steps: {e}"))?;
         }
         policy.validate().map_err(|e| e.to_string())?;
         let split = RankSplit::new(self.deciders, self.decider_index, self.decider_takeover)

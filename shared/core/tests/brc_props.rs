@@ -327,4 +327,13 @@ fn brc_parses_and_validates() {
         ..PolicyConfig::new(PolicyKind::Brc)
     };
     assert!(bad.validate().is_err());
+    // A given shallow budget up to the deep one passes; above it, it is refused.
+    let budgets = |max_wait_steps, shallow_wait_steps| BrcConfig {
+        max_wait_steps,
+        shallow_wait_steps,
+        ..BrcConfig::default()
+    };
+    assert!(BrcConfig::default().validate_given_shallow().is_ok());
+    assert!(budgets(4, 4).validate_given_shallow().is_ok());
+    assert!(budgets(4, 5).validate_given_shallow().is_err());
 }

@@ -48,14 +48,11 @@ pub fn parse_spec(spec: &str, seed: u64) -> Result<PolicySpec, String> {
     config
         .validate()
         .map_err(|e| format!("policy `{spec}`: {e}"))?;
-    // As br-decision's flags: the default shallow budget follows a smaller max_wait_steps, a
-    // given one above it is refused.
-    let brc = &config.brc;
-    if shallow_given && brc.shallow_wait_steps > brc.max_wait_steps {
-        return Err(format!(
-            "policy `{spec}`: shallow_wait_steps {} is above max_wait_steps {} (the shallow pool's hold is at most the deep pool's)",
-            brc.shallow_wait_steps, brc.max_wait_steps
-        ));
+    if shallow_given {
+        config
+            .brc
+            .validate_given_shallow()
+            .map_err(|e| format!("policy `{spec}`: {e}"))?;
     }
     Ok(PolicySpec {
         label: spec.to_string(),

@@ -119,6 +119,20 @@ impl Default for BrcConfig {
 }
 
 impl BrcConfig {
+    /// A shallow budget that was given (not left at its default) may not exceed the deep
+    /// one: the default (2) follows a smaller `max_wait_steps` (the guard takes the smaller
+    /// of the two), but a given value above it says two things at once. For the front ends
+    /// that know which values were given (br-decision's flags, br-sim's policy specs).
+    pub fn validate_given_shallow(&self) -> Result<(), CoreError> {
+        if self.shallow_wait_steps > self.max_wait_steps {
+            return Err(CoreError::InvalidConfig(format!(
+                "shallow_wait_steps {} is above max_wait_steps {} (the shallow pool's hold is at most the deep pool's)",
+                self.shallow_wait_steps, self.max_wait_steps
+            )));
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), CoreError> {
         if !(self.hold_fraction > 0.0 && self.hold_fraction <= 1.0) {
             return Err(CoreError::InvalidConfig(format!(
