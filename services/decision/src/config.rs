@@ -220,6 +220,13 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_BRC_KV_SWAP", action = clap::ArgAction::Set)]
     pub brc_kv_swap: Option<bool>,
 
+    /// BR-C: while more requests wait than there are free slots, a wave chooses its prompts
+    /// among the oldest free slots × (1 + this) requests, the oldest always in, so that no
+    /// rank runs more prompt tokens than the wave's share (0.5; in [0, 4]; 0 takes exactly
+    /// the oldest).
+    #[arg(long, env = "BALANCEROUTE_BRC_LOOKAHEAD")]
+    pub brc_lookahead: Option<f64>,
+
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
     pub cold_start: Option<ColdStart>,
@@ -474,6 +481,7 @@ impl Args {
                     hold_fraction: self.brc_hold_fraction.unwrap_or(b.hold_fraction),
                     wave_fraction: self.brc_wave_fraction.unwrap_or(b.wave_fraction),
                     kv_swap: self.brc_kv_swap.unwrap_or(b.kv_swap),
+                    lookahead: self.brc_lookahead.unwrap_or(b.lookahead),
                 }
             },
             seed: self.seed,
@@ -493,6 +501,13 @@ impl Args {
                 "--brc-wave-fraction",
                 br_core::BrcConfig {
                     wave_fraction: policy.brc.wave_fraction,
+                    ..b
+                },
+            ),
+            (
+                "--brc-lookahead",
+                br_core::BrcConfig {
+                    lookahead: policy.brc.lookahead,
                     ..b
                 },
             ),
@@ -1092,5 +1107,36 @@ mod tests {
             // 1 is the top of the range, not beyond it
             assert!(parse(&["--policy", "brc", flag, "1"]).is_ok(), "{flag} 1");
         }
+    }
+
+    #[test]
+    fn brc_lookahead_defaults_to_half_and_refuses_values_outside_0_to_4() {
+        let lookahead = |args: &[&str]| -> Result<f64, String> {
+            let mut all = vec!["--policy", "brc"];
+            all.extend_from_slice(args);
+            match parse(&all) {
+                Err(e) => Err(e.to_string()),
+                Ok(a) => a.to_config().map(|c| c.policy.brc.lookahead),
+            }
+        };
+        assert_eq!(lookahead(&[]), Ok(0.5));
+        assert_eq!(lookahead(&["--brc-lookahead", "0"]), Ok(0.0));
+        assert_eq!(lookahead(&["--brc-lookahead", "4"]), Ok(4.0));
+        for bad in ["-0.5", "4.5", "NaN", "inf"] {
+            let e = lookahead(&[&format!("--brc-lookahead={bad}")]).unwrap_err();
+            assert!(
+                e.contains("--brc-lookahead: ") && e.contains("lookahead must be in [0, 4]"),
+                "{bad}: {e}"
+            );
+        }
+        assert!(lookahead(&["--brc-lookahead", "x"]).is_err());
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(b"policy = \"brc\"\nbrc_lookahead = 1\n")
+            .unwrap();
+        let c = parse(&["--config", f.path().to_str().unwrap()])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.policy.brc.lookahead, 1.0);
     }
 }

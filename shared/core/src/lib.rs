@@ -34,7 +34,9 @@ mod tree;
 
 pub use class::class_id;
 pub use error::CoreError;
-pub use policy::{BrcConfig, Mode, Policy, PolicyConfig, PolicyKind, PredictorKind, build_policy};
+pub use policy::{
+    BrcConfig, MAX_LOOKAHEAD, Mode, Policy, PolicyConfig, PolicyKind, PredictorKind, build_policy,
+};
 pub use pool::{Pool, PoolEntry};
 pub use state::{ClusterState, Phase, RequestInfo, WorkerInfo};
 pub use step::{StepFit, StepModel};

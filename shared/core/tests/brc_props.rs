@@ -1,5 +1,8 @@
 //! Property tests of BR-C (prefill waves): it never admits past a rank's free slots, never
-//! admits a request twice, admits first come first served, holds a wave while a rank is still
+//! admits a request twice, admits first come first served (with a look-ahead in a deep pool:
+//! the oldest request always, the rest from the window the look-ahead opens, no rank above the
+//! wave's share of prompt tokens but for the oldest's, and every free slot filled that a
+//! passed-over request fits), holds a wave while a rank is still
 //! prefilling, admits the oldest request once it has been held `max_wait_steps` ticks with a
 //! free slot (`shallow_wait_steps` while fewer requests wait than there are free slots), and is
 //! deterministic. Its KV pass (`kv_swap`) admits the same requests, as many to each rank, with
@@ -42,6 +45,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             0u32..8,
             prop_oneof![Just(1.0f64), 0.01f64..=1.0],
             any::<bool>(),
+            prop_oneof![Just(0.0f64), Just(0.5), 0.0f64..=br_core::MAX_LOOKAHEAD],
         )
             .prop_map(
                 |(
@@ -52,6 +56,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     shallow_wait_steps,
                     wave_fraction,
                     kv_swap,
+                    lookahead,
                 )| {
                     Scenario {
                         capacities,
@@ -62,6 +67,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             shallow_wait_steps,
                             wave_fraction,
                             kv_swap,
+                            lookahead,
                             // nothing finishes between these ticks: the mean output is unknown
                             ..BrcConfig::default()
                         },
@@ -162,16 +168,56 @@ proptest! {
         for (w, info) in st.workers().iter().enumerate() {
             prop_assert!(admitted[w] <= info.free_slots(), "worker {w}: {} admitted, {} free", admitted[w], info.free_slots());
         }
-        // first come, first served: the admitted requests are the oldest ones, and a wave fills
-        // every free slot it can
         let mut got: Vec<u64> = keys.into_iter().collect();
         got.sort_unstable();
-        prop_assert_eq!(got, (0..out.len() as u64).collect::<Vec<_>>());
         let free = st.total_free_slots() as usize;
-        if !sc.pool.is_empty() && free > 0 {
-            prop_assert_eq!(out.len(), free.min(sc.pool.len()), "the oldest waited max_wait_steps with a free slot");
-        } else {
+        if sc.pool.is_empty() || free == 0 {
             prop_assert!(out.is_empty());
+        } else if sc.pool.len() > free && sc.cfg.lookahead > 0.0 {
+            // a deep pool with a look-ahead: the oldest request, the rest from the window
+            let window = free + (sc.cfg.lookahead * free as f64).ceil() as usize;
+            prop_assert_eq!(got[0], 0, "the oldest request is in every wave");
+            prop_assert!(got.iter().all(|&k| (k as usize) < window), "{:?} beyond {}", got, window);
+            if !sc.cfg.kv_swap {
+                // no rank above the share of the requests first in line (or the oldest
+                // prompt) but by the oldest itself, and a free slot left empty only where no
+                // passed-over request of the window fits under that
+                let cap = (sc.pool[..free].iter().map(|&t| u64::from(t)).sum::<u64>() as f64
+                    / st.workers().iter().filter(|w| w.free_slots() > 0).count() as f64)
+                    .max(f64::from(sc.pool[0]));
+                let mut tokens = vec![0u64; sc.capacities.len()];
+                for a in &out {
+                    if a.key != 0 {
+                        tokens[a.worker as usize] += u64::from(a.prompt_tokens);
+                    }
+                }
+                for (w, &t) in tokens.iter().enumerate() {
+                    prop_assert!(t as f64 <= cap, "worker {w}: {t} prompt tokens, cap {cap}");
+                }
+                if let Some(oldest) = out.iter().find(|a| a.key == 0) {
+                    tokens[oldest.worker as usize] += u64::from(oldest.prompt_tokens);
+                }
+                let passed: Vec<u32> = (0..window.min(sc.pool.len()))
+                    .filter(|k| !got.contains(&(*k as u64)))
+                    .map(|k| sc.pool[k])
+                    .collect();
+                for (w, info) in st.workers().iter().enumerate() {
+                    if admitted[w] < info.free_slots() {
+                        for &p in &passed {
+                            prop_assert!(
+                                (tokens[w] + u64::from(p)) as f64 > cap,
+                                "worker {w} left a slot empty that a {p}-token prompt fits (tokens {}, cap {cap})",
+                                tokens[w]
+                            );
+                        }
+                    }
+                }
+            }
+        } else {
+            // first come, first served: the admitted requests are the oldest ones, and a wave
+            // fills every free slot it can
+            prop_assert_eq!(&got, &(0..out.len() as u64).collect::<Vec<_>>());
+            prop_assert_eq!(out.len(), free.min(sc.pool.len()), "the oldest waited max_wait_steps with a free slot");
         }
     }
 
@@ -283,6 +329,33 @@ fn a_wave_gives_the_few_slot_rank_the_large_prompt() {
 }
 
 #[test]
+fn a_deep_pool_wave_pairs_the_oldest_prompt_with_one_its_size() {
+    // two ranks with a free slot each; the oldest prompts are 5,000 and 1,000 tokens, the next
+    // 5,000: taking the oldest two runs a 5,000-token prefill beside a 1,000-token one (the
+    // group stalls for the 5,000 either way); looking ahead, both ranks run 5,000 and the
+    // 1,000 waits for a wave of its size
+    let sc = |lookahead| Scenario {
+        capacities: vec![2, 2],
+        existing: vec![(0, 100, 5, true), (1, 100, 5, true)],
+        pool: vec![5_000, 1_000, 5_000, 1_000],
+        cfg: BrcConfig {
+            lookahead,
+            ..BrcConfig::default()
+        },
+    };
+    let wave = |lookahead| {
+        let mut w: Vec<(u64, u32)> = ticks(&sc(lookahead), 1)[0]
+            .iter()
+            .map(|a| (a.key, a.prompt_tokens))
+            .collect();
+        w.sort_unstable();
+        w
+    };
+    assert_eq!(wave(0.0), [(0, 5_000), (1, 1_000)]);
+    assert_eq!(wave(0.5), [(0, 5_000), (2, 5_000)]);
+}
+
+#[test]
 fn the_kv_pass_gives_the_large_prompt_to_the_rank_with_less_kv() {
     // rank 0 holds 10,000 KV tokens more than rank 1 and has two free slots, rank 1 three; the
     // spread gives rank 0 the 2,000 and the 1,200 (3,200, the wave's most) and rank 1 the
@@ -327,6 +400,25 @@ fn brc_parses_and_validates() {
         ..PolicyConfig::new(PolicyKind::Brc)
     };
     assert!(bad.validate().is_err());
+    for lookahead in [-0.1, 4.5, f64::NAN, f64::INFINITY] {
+        let e = BrcConfig {
+            lookahead,
+            ..BrcConfig::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("lookahead must be in [0, 4]"), "{e}");
+    }
+    for lookahead in [0.0, 0.5, 4.0] {
+        assert!(
+            BrcConfig {
+                lookahead,
+                ..BrcConfig::default()
+            }
+            .validate()
+            .is_ok()
+        );
+    }
     // A given shallow budget up to the deep one passes; above it, it is refused.
     let budgets = |max_wait_steps, shallow_wait_steps| BrcConfig {
         max_wait_steps,

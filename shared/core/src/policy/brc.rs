@@ -42,7 +42,17 @@
 //!    tokens of this wave (so one prompt per rank while they last), and among those to the
 //!    least loaded: ranking by free slots there would send every lone request to the rank
 //!    with the fewest free slots, the fullest one. Remaining ties go to the least load, then
-//!    the lowest id.
+//!    the lowest id. In a deep pool (more requests wait than there are free slots) the wave
+//!    chooses among more than the oldest (`lookahead`, 0.5: the oldest `F + ceil(0.5·F)` for
+//!    `F` free slots): largest first, each prompt that fits on a rank under the share of the
+//!    requests first in line (or under the oldest prompt, if larger) goes there by the rule
+//!    above, and one that fits nowhere is passed over for a later wave; the oldest request
+//!    goes in every wave, whatever its size. Short conversations have prompts from a few
+//!    tokens to 14k: the oldest `F` of them put one rank's prefill far above the others', and
+//!    the prompts a little further back even it out. Saturated on azure2023_conv's request
+//!    lengths that took BR-C from 70-79% of the gap to the aligned limit to 84-95% (adp-shape,
+//!    prompts closer in size: 81-87% to 84-88%); a request passed over waits at most until it
+//!    is the oldest, and then goes in the next wave.
 //! 5. Then the wave's prompts are traded between its ranks for decode KV (`kv_swap`): while
 //!    the rank with the most KV after admission (its KV tokens plus the wave's prompts on it)
 //!    can trade one of its prompts for a smaller one of a rank with less, the difference below
@@ -104,6 +114,16 @@ pub struct BrcConfig {
     /// to the aligned limit to 81-87% at G = 8-32, and changes nothing measurable at 60% and
     /// 85% load. False spreads the prompts by rule 4 alone.
     pub kv_swap: bool,
+    /// How far past the oldest requests a wave in a deep pool may look for prompts that even
+    /// out its ranks' prompt tokens, as a fraction of the free slots (rule 4): with `F` free
+    /// slots it chooses among the oldest `F + ceil(lookahead·F)` waiting requests, the oldest
+    /// always in. In `[0, 4]`; 0 takes exactly the oldest `F`. 0.5 by default: saturated with
+    /// colocated prefill (tools/sim/RESULTS.md, "Prefill waves") it took BR-C from 70-79% of
+    /// the gap to the aligned limit to 84-95% on azure2023_conv's request lengths and from
+    /// 81-87% to 84-88% on adp-shape at G = 8-32 (0.25 and 1 within a point or two of it,
+    /// each below it somewhere); below capacity the pool is shallow and every run was the
+    /// same as without it.
+    pub lookahead: f64,
 }
 
 impl Default for BrcConfig {
@@ -114,6 +134,7 @@ impl Default for BrcConfig {
             hold_fraction: 0.05,
             wave_fraction: 1.0,
             kv_swap: true,
+            lookahead: 0.5,
         }
     }
 }
@@ -140,6 +161,12 @@ impl BrcConfig {
                 self.hold_fraction
             )));
         }
+        if !(self.lookahead >= 0.0 && self.lookahead <= MAX_LOOKAHEAD) {
+            return Err(CoreError::InvalidConfig(format!(
+                "lookahead must be in [0, {MAX_LOOKAHEAD}], got {}",
+                self.lookahead
+            )));
+        }
         if !(self.wave_fraction > 0.0 && self.wave_fraction <= 1.0) {
             return Err(CoreError::InvalidConfig(format!(
                 "wave_fraction must be in (0, 1], got {}",
@@ -149,6 +176,10 @@ impl BrcConfig {
         Ok(())
     }
 }
+
+/// The most [`BrcConfig::lookahead`] takes: a wave that fills empty ranks (G = 64, 256 free
+/// slots each) then sorts and places 80k candidates, not 16k, in one tick.
+pub const MAX_LOOKAHEAD: f64 = 4.0;
 
 /// The wave state between ticks.
 #[derive(Debug, Clone)]
@@ -265,36 +296,75 @@ impl Waves {
         self.held = 0;
         self.counted_at = Some(state.tokens_written());
         let stage = if !ready { Stage::Guard } else { Stage::Greedy };
-        let mut wave: Vec<PoolEntry> = pool.oldest(slots).cloned().collect();
+        // A deep pool (more requests wait than there are free slots) lets the wave choose
+        // among more than the oldest `slots`: it takes prompts largest first while they fit
+        // under `cap` on some rank, and passes over those that fit nowhere (they stay, older
+        // than what came after them, for a later wave).
+        let deep = pool.len() > slots && self.cfg.lookahead > 0.0;
+        let extra = if deep {
+            (self.cfg.lookahead * slots as f64).ceil() as usize
+        } else {
+            0
+        };
+        let mut wave: Vec<PoolEntry> = pool.oldest(slots + extra).cloned().collect();
+        let oldest = wave.first().map(|e| (e.key, e.prompt_tokens));
+        // the share is of the requests first in line, as many as the free slots: choosing among
+        // more evens the ranks out, it does not make the wave larger
+        let total: u64 = wave
+            .iter()
+            .take(slots)
+            .map(|e| u64::from(e.prompt_tokens))
+            .sum();
         // largest first; the older first among equal sizes (the pool gives them oldest first
         // and the sort is stable)
         wave.sort_by_key(|e| std::cmp::Reverse(e.prompt_tokens));
-        let total: u64 = wave.iter().map(|e| u64::from(e.prompt_tokens)).sum();
         // Filling every free slot: spread the tokens over the ranks' free slots. Fewer requests
         // than free slots: largest first to the rank with the fewest tokens of this wave, the
         // least loaded first among equals (the wave then also places by KV load).
         let fills = wave.len() >= slots;
         let share = total as f64 / free.len() as f64;
+        // no rank above the share (or the oldest prompt, which goes whatever its size)
+        let cap = share.max(oldest.map_or(0.0, |(_, t)| f64::from(t)));
+        let mut oldest_placed = false;
         let mut left: Vec<u32> = free
             .iter()
             .map(|&w| workers[w as usize].free_slots())
             .collect();
         let mut tokens = vec![0u64; free.len()];
-        let mut picks: Vec<(PoolEntry, usize)> = Vec::with_capacity(wave.len());
+        let mut picks: Vec<(PoolEntry, usize)> = Vec::with_capacity(slots);
         for e in wave {
+            let is_oldest = oldest.is_some_and(|(k, _)| k == e.key);
+            // the oldest request is in every wave: keep a slot for it until it is placed
+            if !is_oldest && picks.len() + usize::from(deep && !oldest_placed) >= slots {
+                if deep && !oldest_placed {
+                    continue;
+                }
+                break;
+            }
+            let fits = |j: usize| {
+                !deep || is_oldest || (tokens[j] + u64::from(e.prompt_tokens)) as f64 <= cap
+            };
             let load = |j: usize| workers[free[j] as usize].load();
-            let best = (0..free.len()).filter(|&j| left[j] > 0).max_by(|&x, &y| {
-                let first = if fills {
-                    let room = |j: usize| (share - tokens[j] as f64) / f64::from(left[j]);
-                    room(x).total_cmp(&room(y))
-                } else {
-                    tokens[y].cmp(&tokens[x])
-                };
-                first
-                    .then_with(|| load(y).cmp(&load(x)))
-                    .then_with(|| free[y].cmp(&free[x]))
-            });
-            let Some(j) = best else { break };
+            let best = (0..free.len())
+                .filter(|&j| left[j] > 0 && fits(j))
+                .max_by(|&x, &y| {
+                    let first = if fills {
+                        let room = |j: usize| (share - tokens[j] as f64) / f64::from(left[j]);
+                        room(x).total_cmp(&room(y))
+                    } else {
+                        tokens[y].cmp(&tokens[x])
+                    };
+                    first
+                        .then_with(|| load(y).cmp(&load(x)))
+                        .then_with(|| free[y].cmp(&free[x]))
+                });
+            let Some(j) = best else {
+                if deep {
+                    continue;
+                }
+                break;
+            };
+            oldest_placed |= is_oldest;
             left[j] -= 1;
             tokens[j] += u64::from(e.prompt_tokens);
             picks.push((e, j));
@@ -553,6 +623,9 @@ mod tests {
         st.remove(2).unwrap();
         let mut w = Waves::new(BrcConfig {
             max_wait_steps: 3,
+            // every free slot filled, as the count below says: with a look-ahead the wave
+            // would keep rank 1 to its share of the prompt tokens
+            lookahead: 0.0,
             ..BrcConfig::default()
         });
         let mut out = Vec::new();
