@@ -11,7 +11,8 @@
 #              worse, paired by seed (scripts/paired.py).
 # The public traces are replayed for their prompt and output lengths; their own timestamps
 # overload every policy under this step model (TTFT of minutes), so the loads are Poisson.
-# Then the same saturated cells with 2 steps of telemetry lag, and with the engine's p at 0.5x
+# Then the look-ahead's sweep (lookahead 0, 0.25, 0.5, 1) on the three workloads saturated, and
+# the same saturated cells with 2 steps of telemetry lag, and with the engine's p at 0.5x
 # and 1.5x (BR-C reads no p: its rules look only at which ranks have prompts queued, free
 # slots and KV tokens). The target table of tools/sim/RESULTS.md's "BR-C against its targets"
 # comes from scripts/brc_targets.py over the outputs (results/P-brc-T-*).
@@ -63,6 +64,19 @@ if [ "${2:-}" != robust ]; then
           > "$OUT/P-brc-T-$wl-G$g-poisson$pct.txt"
       done
     done
+  done
+fi
+
+# the look-ahead (a deep pool's wave choosing among more than the oldest), saturated, against
+# BR-C without it (lookahead=0) and at half and twice the default; the public traces' saturated
+# runs are one fixed order (every seed the same run), so one seed each
+if [ "${2:-}" != robust ]; then
+  for wl in adp-shape azure2023_conv mooncake; do
+    seeds="$SEEDS"
+    [ "$wl" = adp-shape ] || seeds=1
+    sweep "P-brc-lookahead-$wl-saturated" --trace "${WORKLOADS[$wl]}" --slots 256 "${COLO[@]}" \
+      --seeds "$seeds" --arrival saturated --workers-list 8,16,32 \
+      --policies rr,jsq,vllm-dp,mintok,br0,brc:lookahead=0,brc:lookahead=0.25,brc,brc:lookahead=1
   done
 fi
 
