@@ -110,9 +110,9 @@ pub struct BrcConfig {
     /// Whether a wave, once spread, trades prompts between its ranks to lower the most KV any
     /// rank holds after admission, at the same prompt count per rank and no more prompt tokens
     /// on the rank with the most (rule 5, `swap_for_kv`). True by default: on adp-shape
-    /// saturated (tools/sim/RESULTS.md, "Prefill waves") it takes BR-C from 77-81% of the gap
-    /// to the aligned limit to 81-87% at G = 8-32, and changes nothing measurable at 60% and
-    /// 85% load. False spreads the prompts by rule 4 alone.
+    /// saturated (tools/sim/RESULTS.md, "Prefill waves", measured before the look-ahead) it took
+    /// BR-C from 77-81% of the gap to the aligned limit to 81-87% at G = 8-32, and changes
+    /// nothing measurable at 60% and 85% load. False spreads the prompts by rule 4 alone.
     pub kv_swap: bool,
     /// How far past the oldest requests a wave in a deep pool may look for prompts that even
     /// out its ranks' prompt tokens, as a fraction of the free slots (rule 4): with `F` free
