@@ -669,6 +669,16 @@ mod tests {
         br_runtime::config::parse_from(std::iter::once("br-decision").chain(args.iter().copied()))
     }
 
+    /// The configuration of a `--config` file holding `toml` and no flags.
+    fn from_file(toml: &str) -> DecisionConfig {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(toml.as_bytes()).unwrap();
+        parse(&["--config", f.path().to_str().unwrap()])
+            .unwrap()
+            .to_config()
+            .unwrap()
+    }
+
     #[test]
     fn defaults_start_with_no_arguments() {
         let a = parse(&[]).unwrap();
@@ -832,13 +842,7 @@ mod tests {
         assert!(refused(&["--deciders", "2", "--decider-takeover", "0s"]).contains("positive"));
         assert!(refused(&["--deciders", "2", "--policy", "jsq"]).contains("routes on arrival"));
         // the file's keys, as deploy/k8s/base/config/decision.toml names them
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(b"deciders = 3\ndecider_index = 2\ndecider_takeover = \"250ms\"\n")
-            .unwrap();
-        let c = parse(&["--config", f.path().to_str().unwrap()])
-            .unwrap()
-            .to_config()
-            .unwrap();
+        let c = from_file("deciders = 3\ndecider_index = 2\ndecider_takeover = \"250ms\"\n");
         let split = c.group.split.expect("a split");
         assert!(split.owns(2) && split.owns(5) && !split.owns(3));
         assert_eq!(split.takeover(), Duration::from_millis(250));
@@ -1035,13 +1039,7 @@ mod tests {
         assert!(brc(&[]).unwrap().policy.brc.kv_swap);
         assert!(!brc(&["--brc-kv-swap", "false"]).unwrap().policy.brc.kv_swap);
         assert!(brc(&["--brc-kv-swap", "true"]).unwrap().policy.brc.kv_swap);
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(b"policy = \"brc\"\nbrc_kv_swap = false\n")
-            .unwrap();
-        let c = parse(&["--config", f.path().to_str().unwrap()])
-            .unwrap()
-            .to_config()
-            .unwrap();
+        let c = from_file("policy = \"brc\"\nbrc_kv_swap = false\n");
         assert!(!c.policy.brc.kv_swap);
         for bad in ["2", "maybe", ""] {
             assert!(
@@ -1074,13 +1072,7 @@ mod tests {
         );
         assert!(c.policy.brc.kv_swap, "the KV pass is on unless turned off");
         // the file's keys and the variables name them too
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(b"policy = \"brc\"\nbrc_hold_fraction = 1\nbrc_wave_fraction = 0.25\n")
-            .unwrap();
-        let c = parse(&["--config", f.path().to_str().unwrap()])
-            .unwrap()
-            .to_config()
-            .unwrap();
+        let c = from_file("policy = \"brc\"\nbrc_hold_fraction = 1\nbrc_wave_fraction = 0.25\n");
         assert_eq!(
             (c.policy.brc.hold_fraction, c.policy.brc.wave_fraction),
             (1.0, 0.25)
@@ -1130,13 +1122,7 @@ mod tests {
             );
         }
         assert!(lookahead(&["--brc-lookahead", "x"]).is_err());
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(b"policy = \"brc\"\nbrc_lookahead = 1\n")
-            .unwrap();
-        let c = parse(&["--config", f.path().to_str().unwrap()])
-            .unwrap()
-            .to_config()
-            .unwrap();
+        let c = from_file("policy = \"brc\"\nbrc_lookahead = 1\n");
         assert_eq!(c.policy.brc.lookahead, 1.0);
     }
 }
