@@ -335,8 +335,9 @@ impl Waves {
         for e in wave {
             let is_oldest = oldest.is_some_and(|(k, _)| k == e.key);
             // the oldest request is in every wave: keep a slot for it until it is placed
-            if !is_oldest && picks.len() + usize::from(deep && !oldest_placed) >= slots {
-                if deep && !oldest_placed {
+            let kept_for_oldest = usize::from(deep && !oldest_placed);
+            if !is_oldest && picks.len() + kept_for_oldest >= slots {
+                if kept_for_oldest == 1 {
                     continue;
                 }
                 break;
