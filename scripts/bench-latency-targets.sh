@@ -123,25 +123,29 @@ split-ab)
     ;;
 telemetry)
     "$BIN/br-snapshot" "${SNAP[@]}" >"$LOGS/snapshot.log" 2>&1 & sp=$!
+    # shellcheck disable=SC2086 # BENCH_INGEST_ARGS: extra br-ingest flags, split on spaces
     "$BIN/br-ingest" --listen 127.0.0.1:$G_INGEST --admin-listen 127.0.0.1:$A_INGEST \
-        --snapshot-addr http://127.0.0.1:$G_SNAP >"$LOGS/ingest.log" 2>&1 & ip=$!
+        --snapshot-addr http://127.0.0.1:$G_SNAP ${BENCH_INGEST_ARGS:-} >"$LOGS/ingest.log" 2>&1 & ip=$!
     "$BIN/br-decision" "${DEC[@]}" >"$LOGS/decision.log" 2>&1 & dp=$!
     up "$A_SNAP" && up "$A_INGEST" && up "$A_DEC"
-    echo "== telemetry-latency, load average $(load)"
+    echo "== telemetry-latency ${BENCH_INGEST_ARGS:-}, load average $(load)"
+    s0=$(ticks "$sp") i0=$(ticks "$ip") d0=$(ticks "$dp")
     telemetry_latency "$G_INGEST" "$G_SNAP" "$A_DEC" "${@:2}"
-    echo "   load average after: $(load)"
+    echo "   load average after: $(load); CPU during the run (warm-up included): br-ingest $(secs "$i0" "$(ticks "$ip")") s, br-snapshot $(secs "$s0" "$(ticks "$sp")") s, br-decision $(secs "$d0" "$(ticks "$dp")") s"
     kill "$dp" "$ip" "$sp"; wait "$dp" "$ip" "$sp" 2>/dev/null
     ;;
 telemetry-all)
     # The same path through br-all: ingest, snapshot and decision in one process (Apply, Watch
     # in-process), so the probe's report and the tool's Watch go to its one gRPC port, and the
     # decision replica's σ version is read on its one admin port.
+    # shellcheck disable=SC2086 # BENCH_ALL_ARGS: extra br-all flags, split on spaces
     "$BIN/br-all" --listen 127.0.0.1:$G_ALL --admin-listen 127.0.0.1:$A_ALL --policy br0 \
-        >"$LOGS/all.log" 2>&1 & ap=$!
+        ${BENCH_ALL_ARGS:-} >"$LOGS/all.log" 2>&1 & ap=$!
     up "$A_ALL"
-    echo "== telemetry-latency through br-all, load average $(load)"
+    echo "== telemetry-latency through br-all ${BENCH_ALL_ARGS:-}, load average $(load)"
+    a0=$(ticks "$ap")
     telemetry_latency "$G_ALL" "$G_ALL" "$A_ALL" "${@:2}"
-    echo "   load average after: $(load)"
+    echo "   load average after: $(load); CPU during the run (warm-up included): br-all $(secs "$a0" "$(ticks "$ap")") s"
     kill "$ap"; wait "$ap" 2>/dev/null
     ;;
 telemetry-floor)
@@ -149,8 +153,9 @@ telemetry-floor)
         >"$LOGS/floor.log" 2>&1 & fp=$!
     up "$A_FLOOR"
     echo "== telemetry-latency against the floor, load average $(load)"
+    f0=$(ticks "$fp")
     telemetry_latency "$G_FLOOR" "$G_FLOOR" "$A_FLOOR" --floor "${@:2}"
-    echo "   load average after: $(load)"
+    echo "   load average after: $(load); CPU during the run (warm-up included): floor-server $(secs "$f0" "$(ticks "$fp")") s"
     kill "$fp"; wait "$fp" 2>/dev/null
     ;;
 groups)

@@ -13,6 +13,7 @@ pub const DEFAULT_ADMIN_LISTEN: &str = br_proto::defaults::INGEST_ADMIN_LISTEN;
 /// split deployment names br-snapshot with `BALANCEROUTE_SNAPSHOT_ADDR`, deploy/split.env).
 pub const DEFAULT_SNAPSHOT_ADDR: &str = br_proto::defaults::SNAPSHOT_ADDR;
 pub const DEFAULT_BATCH_INTERVAL: &str = "2ms";
+pub const DEFAULT_BATCH_SPACING: &str = "0s";
 pub const DEFAULT_MAX_BUFFERED: usize = 65_536;
 pub const DEFAULT_MAX_UPDATES_PER_MESSAGE: usize = limits::MAX_UPDATES_PER_PROGRESS;
 pub const DEFAULT_MAX_EVENTS_PER_SEC_PER_STREAM: u32 = 250_000;
@@ -39,9 +40,18 @@ pub struct Args {
     #[arg(long, env = br_proto::defaults::env::SNAPSHOT_ADDR, default_value = DEFAULT_SNAPSHOT_ADDR)]
     pub snapshot_addr: String,
 
-    /// How long changes are coalesced before one batch per group is sent (e.g. 2ms).
+    /// Longest a change waits to be sent while the snapshot service is still applying earlier
+    /// batches (e.g. 2ms). While it has acknowledged every batch, changes go at once; while
+    /// it has not, they coalesce into one batch per group until its acks are in or this
+    /// interval has passed.
     #[arg(long, env = "BALANCEROUTE_BATCH_INTERVAL", value_parser = humantime::parse_duration, default_value = DEFAULT_BATCH_INTERVAL)]
     pub batch_interval: Duration,
+
+    /// Shortest time between two batches while the snapshot service keeps up (0s: none, a
+    /// change goes the moment every earlier batch is acknowledged). Raise it towards
+    /// --batch-interval to send fewer, larger batches at the cost of the wait.
+    #[arg(long, env = "BALANCEROUTE_BATCH_SPACING", value_parser = humantime::parse_duration, default_value = DEFAULT_BATCH_SPACING)]
+    pub batch_spacing: Duration,
 
     /// Most distinct requests waiting in the coalescing buffer (while the snapshot service is
     /// slow or away). Past it the oldest progress is dropped and its workers are asked for a
@@ -156,6 +166,12 @@ impl ServiceArgs for Args {
         {
             return Err("--batch-interval must be in 100us..=1s".into());
         }
+        if self.batch_spacing > self.batch_interval {
+            return Err(format!(
+                "--batch-spacing ({:?}) must be at most --batch-interval ({:?})",
+                self.batch_spacing, self.batch_interval
+            ));
+        }
         if self.max_buffered == 0 {
             return Err("--max-buffered must be at least 1".into());
         }
@@ -218,6 +234,7 @@ mod tests {
         assert_eq!(a.common.admin_listen.to_string(), DEFAULT_ADMIN_LISTEN);
         assert_eq!(a.snapshot_addr, DEFAULT_SNAPSHOT_ADDR);
         assert_eq!(a.batch_interval, Duration::from_millis(2));
+        assert!(a.batch_spacing.is_zero());
         assert!(a.groups.is_empty());
         assert_eq!(a.hello_timeout, Duration::from_secs(5));
         assert_eq!(a.stream_idle_timeout, Duration::from_secs(10));
@@ -239,12 +256,15 @@ mod tests {
             "g0,g1",
             "--batch-interval",
             "5ms",
+            "--batch-spacing",
+            "5ms",
             "--max-buffered",
             "10",
         ])
         .unwrap();
         assert_eq!(a.groups, vec!["g0", "g1"]);
         assert_eq!(a.batch_interval, Duration::from_millis(5));
+        assert_eq!(a.batch_spacing, Duration::from_millis(5));
         assert_eq!(a.max_buffered, 10);
         let off: Args = parse_from([
             "br-ingest",
@@ -279,6 +299,7 @@ mod tests {
             vec!["br-ingest", "--max-updates-per-message", "16385"],
             vec!["br-ingest", "--max-buffered", "0"],
             vec!["br-ingest", "--batch-interval", "0s"],
+            vec!["br-ingest", "--batch-spacing", "3ms"],
             vec!["br-ingest", "--snapshot-addr", "127.0.0.1:1"],
             vec!["br-ingest", "--max-events-per-sec-per-stream", "0"],
             vec!["br-ingest", "--groups", ""],

@@ -1,7 +1,15 @@
 //! The forwarder: one task owns the coalescing buffer, fed by every stream through a bounded
-//! channel, and sends one `ChangeBatch` per group per tick over ONE long-lived `Snapshot.Apply`
-//! stream. A second task (the link) keeps that stream up: it connects with backoff, reads the
+//! channel, and sends one `ChangeBatch` per group over ONE long-lived `Snapshot.Apply` stream.
+//! A second task (the link) keeps that stream up: it connects with backoff, reads the
 //! ApplyAcks and reports up/down/new-epoch to the forwarder.
+//!
+//! When it sends: at once while the snapshot service has every batch sent before
+//! acknowledged (the link is idle) and `batch_spacing` has passed since the last batch, so a
+//! report waits for no clock; otherwise changes coalesce until those acks are in (and the
+//! spacing has passed), or for at most `batch_interval`, whichever comes first. The batches
+//! grow with the snapshot service's backlog, not with a fixed clock: a quiet cluster's
+//! reports go one message at a time, a busy one's in batches the size of what arrived while
+//! the last one was applied.
 //!
 //! A stalled snapshot service never blocks a stream: the forwarder stops sending once
 //! `MAX_INFLIGHT` batches are unacknowledged and keeps coalescing; past `max_buffered` distinct
@@ -68,6 +76,8 @@ pub struct ForwarderConfig {
     /// Where the Apply stream goes.
     pub upstream: Arc<dyn ApplyLink>,
     pub batch_interval: Duration,
+    /// Shortest time between two batches while the link is idle (`--batch-spacing`).
+    pub batch_spacing: Duration,
     pub max_buffered: usize,
     /// This replica's identity (`--ingest-id`), sent on every batch.
     pub ingest_id: String,
@@ -78,6 +88,7 @@ impl std::fmt::Debug for ForwarderConfig {
         f.debug_struct("ForwarderConfig")
             .field("upstream", &self.upstream.describe())
             .field("batch_interval", &self.batch_interval)
+            .field("batch_spacing", &self.batch_spacing)
             .field("max_buffered", &self.max_buffered)
             .field("ingest_id", &self.ingest_id)
             .finish()
@@ -210,6 +221,8 @@ enum LinkEvent {
     Up {
         tx: mpsc::Sender<Outgoing>,
         acked: Arc<AtomicU64>,
+        /// Notified on every ack.
+        ack_signal: Arc<tokio::sync::Notify>,
     },
     NewEpoch(u64),
     Down,
@@ -218,7 +231,15 @@ enum LinkEvent {
 struct Link {
     tx: mpsc::Sender<Outgoing>,
     acked: Arc<AtomicU64>,
+    ack_signal: Arc<tokio::sync::Notify>,
     sent: u64,
+}
+
+impl Link {
+    /// Batches sent and not yet acknowledged.
+    fn inflight(&self) -> u64 {
+        self.sent.saturating_sub(self.acked.load(Ordering::Relaxed))
+    }
 }
 
 /// Starts the forwarder and its link; both stop when `shutdown` is cancelled.
@@ -252,7 +273,14 @@ pub fn spawn(
         traces: Vec::new(),
     };
     let task = tokio::spawn(async move {
-        fwd.run(in_rx, ev_rx, cfg.batch_interval, shutdown).await;
+        fwd.run(
+            in_rx,
+            ev_rx,
+            cfg.batch_interval,
+            cfg.batch_spacing,
+            shutdown,
+        )
+        .await;
         let _ = link.await;
     });
     (
@@ -286,6 +314,7 @@ impl Forwarder {
         mut inputs: mpsc::Receiver<Input>,
         mut events: mpsc::Receiver<LinkEvent>,
         interval: Duration,
+        spacing: Duration,
         shutdown: CancellationToken,
     ) {
         let mut tick = tokio::time::interval(interval);
@@ -294,6 +323,15 @@ impl Forwarder {
         let mut last_flush = tokio::time::Instant::now();
         let mut dropped = Vec::new();
         loop {
+            // Woken by the link's acks only while something waits for them (a permit left by
+            // an ack while the forwarder was busy is kept: none is lost between turns).
+            let ack_signal = self.link.as_ref().map(|l| Arc::clone(&l.ack_signal));
+            let acks_awaited = ack_signal.is_some() && self.has_work();
+            // The link idle and work waiting, but too soon after the last batch: sent when
+            // the spacing has passed.
+            let spaced_at = last_flush + spacing;
+            let spacing_awaited =
+                acks_awaited && self.link_idle() && tokio::time::Instant::now() < spaced_at;
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => {
@@ -317,6 +355,18 @@ impl Forwarder {
                     self.flush();
                     last_flush = tokio::time::Instant::now();
                 }
+                () = tokio::time::sleep_until(spaced_at), if spacing_awaited => {
+                    self.flush();
+                    last_flush = tokio::time::Instant::now();
+                    tick.reset();
+                }
+                () = notified(ack_signal.as_deref()), if acks_awaited && !spacing_awaited => {
+                    if self.link_idle() && last_flush.elapsed() >= spacing {
+                        self.flush();
+                        last_flush = tokio::time::Instant::now();
+                        tick.reset();
+                    }
+                }
                 n = inputs.recv_many(&mut batch, 256) => {
                     if n == 0 {
                         return;
@@ -324,14 +374,15 @@ impl Forwarder {
                     for input in batch.drain(..) {
                         self.absorb(input, &mut dropped);
                     }
-                    // Leading edge: after a quiet interval, send at once rather than wait for
-                    // the next tick (still at most one flush per interval).
-                    if last_flush.elapsed() >= interval {
+                    // Nothing unacknowledged and the spacing passed (or a whole interval
+                    // since the last flush, when acks are slow): send at once rather than
+                    // wait for an ack or the tick.
+                    let since = last_flush.elapsed();
+                    if (self.link_idle() && since >= spacing) || since >= interval {
                         self.flush();
                         last_flush = tokio::time::Instant::now();
                         // The next tick an interval after this flush, not at the deadline
-                        // the paused tick kept (which may have passed): still at most one
-                        // flush per interval.
+                        // the paused tick kept (which may have passed).
                         tick.reset();
                     }
                 }
@@ -356,6 +407,11 @@ impl Forwarder {
         !self.buf.is_empty() || !self.pending.is_empty()
     }
 
+    /// Whether the link is up with every batch sent on it acknowledged.
+    fn link_idle(&self) -> bool {
+        self.link.as_ref().is_some_and(|l| l.inflight() == 0)
+    }
+
     fn absorb(&mut self, input: Input, dropped: &mut Vec<crate::coalesce::WorkerRef>) {
         if let Some(t) = input.trace {
             match self.traces.iter_mut().find(|(g, _)| *g == input.group) {
@@ -377,9 +433,18 @@ impl Forwarder {
 
     fn on_link(&mut self, ev: LinkEvent) {
         match ev {
-            LinkEvent::Up { tx, acked } => {
+            LinkEvent::Up {
+                tx,
+                acked,
+                ack_signal,
+            } => {
                 tracing::info!("Apply stream to the snapshot service is up");
-                self.link = Some(Link { tx, acked, sent: 0 });
+                self.link = Some(Link {
+                    tx,
+                    acked,
+                    ack_signal,
+                    sent: 0,
+                });
                 self.resync();
                 self.set_connected(true);
                 self.flush();
@@ -431,8 +496,7 @@ impl Forwarder {
                 }
             }
             while let Some((group, changes)) = self.pending.front() {
-                let inflight = link.sent.saturating_sub(link.acked.load(Ordering::Relaxed));
-                if inflight >= MAX_INFLIGHT || link.tx.capacity() == 0 {
+                if link.inflight() >= MAX_INFLIGHT || link.tx.capacity() == 0 {
                     return;
                 }
                 let traces = match self.traces.iter().position(|(g, _)| g == group) {
@@ -473,6 +537,14 @@ impl Forwarder {
                 }
             }
         }
+    }
+}
+
+/// Waits for the link's next ack (forever without a link: the branch is disabled then).
+async fn notified(signal: Option<&tokio::sync::Notify>) {
+    match signal {
+        Some(n) => n.notified().await,
+        None => std::future::pending().await,
     }
 }
 

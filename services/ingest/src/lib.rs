@@ -65,6 +65,7 @@ pub fn component(
         forward::ForwarderConfig {
             upstream,
             batch_interval: args.batch_interval,
+            batch_spacing: args.batch_spacing,
             max_buffered: args.max_buffered,
             ingest_id: args.ingest_id(),
         },

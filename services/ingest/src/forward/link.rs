@@ -3,6 +3,7 @@
 //! forwarder.
 
 use br_backoff::Backoff;
+use tokio::sync::Notify;
 
 use super::*;
 use crate::registry::Refusal;
@@ -74,10 +75,12 @@ async fn one_link(
         }
     };
     let acked = Arc::new(AtomicU64::new(0));
+    let ack_signal = Arc::new(Notify::new());
     if events
         .send(LinkEvent::Up {
             tx,
             acked: acked.clone(),
+            ack_signal: ack_signal.clone(),
         })
         .await
         .is_err()
@@ -89,6 +92,8 @@ async fn one_link(
         match acks.next().await.transpose() {
             Ok(Some(ack)) => {
                 acked.fetch_max(ack.batch_seq, Ordering::Relaxed);
+                // The forwarder sends what it holds once nothing is left unacknowledged.
+                ack_signal.notify_one();
                 let about = {
                     let mut sent = lock(&sent);
                     while sent.front().is_some_and(|(seq, _, _)| *seq < ack.batch_seq) {
