@@ -16,6 +16,10 @@
 #                                                              (tools/bench), each probe timed to its
 #                                                              ack: the transport alone, the floor the
 #                                                              two above are read against
+#                                                              (the three telemetry runs print each
+#                                                              server's CPU seconds; BENCH_ALL_ARGS and
+#                                                              BENCH_INGEST_ARGS add flags to br-all and
+#                                                              br-ingest, e.g. "--batch-spacing 1ms")
 #   scripts/bench-latency-targets.sh groups                            64 groups × 8 ranks, 10k Assign/s, RSS
 #   scripts/bench-latency-targets.sh split-ab DIR_A DIR_B [ROUNDS]     the split deployment over 64 groups,
 #                                                              br-snapshot + br-decision from DIR_A and
