@@ -26,7 +26,8 @@
 # DEMO_CLASS_ERROR=σ and DEMO_CLASS_MODE (noisy | random): every Assign carries a request class
 # key, one of K made from the output lengths as `br-emu load --classes K` makes them, replayed by
 # the twin; DEMO_POLICIES then defaults to "jsq br0 brh-class", DEMO_ARRIVAL (saturated |
-# poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo),
+# poisson | trace) and DEMO_RATE (requests per model second), DEMO_OUT (target/demo; one demo
+# at a time in each: a second is refused while the first runs),
 # DEMO_SKIP_BUILD=1, DEMO_DEPLOY (all: br-all; split: br-snapshot, br-ingest and br-decision as
 # three processes, decision restarted per policy), DEMO_TLS (1: mutual TLS on every connection of the control plane, with
 # development certificates from br-certs; 0: plaintext on loopback), TWIN_REPLAYS (8) and
@@ -74,6 +75,13 @@ STACK_DEPLOY="${DEMO_DEPLOY:-all}"
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 
 mkdir -p "$OUT"
+# One demo per output directory: a second one would overwrite the first's logs and results.
+LOCK="$OUT/.demo.pid"
+if [ -s "$LOCK" ] && kill -0 "$(cat "$LOCK")" 2>/dev/null; then
+    echo "a demo (pid $(cat "$LOCK")) is writing to $OUT; wait for it to end, or set DEMO_OUT to another directory" >&2
+    exit 1
+fi
+echo $$ >"$LOCK"
 rm -f "$OUT"/*.log "$OUT"/*.json "$OUT"/*.csv
 
 OUT_LOGS="$OUT"
