@@ -60,6 +60,15 @@ fn disconnect(worker_id: u32) -> Input {
 /// Long against the test's steps: tokio's timers (paused or not) count whole milliseconds.
 const INTERVAL: Duration = Duration::from_millis(20);
 
+/// How long after `since` the next batch reached the link, and its changes.
+async fn next_arrival(
+    arrivals: &mut mpsc::UnboundedReceiver<(tokio::time::Instant, usize)>,
+    since: tokio::time::Instant,
+) -> (Duration, usize) {
+    let (at, n) = arrivals.recv().await.expect("the forwarder is running");
+    (at - since, n)
+}
+
 fn forwarder(
     held: Option<Arc<tokio::sync::Semaphore>>,
     spacing: Duration,
@@ -98,9 +107,8 @@ async fn with_every_batch_acknowledged_each_change_goes_at_once() {
 
     let t0 = tokio::time::Instant::now();
     handle.tx.send(disconnect(1)).await.unwrap();
-    let (at, n) = arrivals.recv().await.unwrap();
     assert_eq!(
-        (at - t0, n),
+        next_arrival(&mut arrivals, t0).await,
         (Duration::ZERO, 1),
         "a quiet link's first change"
     );
@@ -109,9 +117,8 @@ async fn with_every_batch_acknowledged_each_change_goes_at_once() {
     tokio::time::sleep(Duration::from_millis(1)).await;
     let t1 = tokio::time::Instant::now();
     handle.tx.send(disconnect(2)).await.unwrap();
-    let (at, n) = arrivals.recv().await.unwrap();
     assert_eq!(
-        (at - t1, n),
+        next_arrival(&mut arrivals, t1).await,
         (Duration::ZERO, 1),
         "the next one, 1 ms later"
     );
@@ -120,8 +127,7 @@ async fn with_every_batch_acknowledged_each_change_goes_at_once() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let t2 = tokio::time::Instant::now();
     handle.tx.send(disconnect(3)).await.unwrap();
-    let (at, n) = arrivals.recv().await.unwrap();
-    assert_eq!((at - t2, n), (Duration::ZERO, 1));
+    assert_eq!(next_arrival(&mut arrivals, t2).await, (Duration::ZERO, 1));
     assert!(arrivals.try_recv().is_err(), "nothing else was sent");
 
     shutdown.cancel();
@@ -136,8 +142,11 @@ async fn behind_an_unacknowledged_batch_changes_coalesce_until_its_ack() {
 
     let t0 = tokio::time::Instant::now();
     handle.tx.send(disconnect(1)).await.unwrap();
-    let (at, n) = arrivals.recv().await.unwrap();
-    assert_eq!((at - t0, n), (Duration::ZERO, 1), "the link was idle");
+    assert_eq!(
+        next_arrival(&mut arrivals, t0).await,
+        (Duration::ZERO, 1),
+        "the link was idle"
+    );
 
     // Its ack held: the next two wait, together, and go the moment the ack is in (well
     // before the tick).
@@ -151,9 +160,8 @@ async fn behind_an_unacknowledged_batch_changes_coalesce_until_its_ack() {
     );
     let acked_at = tokio::time::Instant::now();
     gate.add_permits(1);
-    let (at, n) = arrivals.recv().await.unwrap();
     assert_eq!(
-        (at - acked_at, n),
+        next_arrival(&mut arrivals, acked_at).await,
         (Duration::ZERO, 2),
         "one batch, at the ack"
     );
@@ -162,9 +170,8 @@ async fn behind_an_unacknowledged_batch_changes_coalesce_until_its_ack() {
     // snapshot service delays changes by at most the interval, however slow its acks).
     tokio::time::sleep(Duration::from_millis(1)).await;
     handle.tx.send(disconnect(4)).await.unwrap();
-    let (at, n) = arrivals.recv().await.unwrap();
     assert_eq!(
-        (at - acked_at, n),
+        next_arrival(&mut arrivals, acked_at).await,
         (INTERVAL, 1),
         "at the tick an interval after the flush"
     );
@@ -182,9 +189,8 @@ async fn with_a_spacing_an_idle_link_still_waits_that_long_after_the_last_batch(
 
     let t0 = tokio::time::Instant::now();
     handle.tx.send(disconnect(1)).await.unwrap();
-    let (at, n) = arrivals.recv().await.unwrap();
     assert_eq!(
-        (at - t0, n),
+        next_arrival(&mut arrivals, t0).await,
         (Duration::ZERO, 1),
         "long after the last batch: at once"
     );
@@ -195,9 +201,8 @@ async fn with_a_spacing_an_idle_link_still_waits_that_long_after_the_last_batch(
     handle.tx.send(disconnect(2)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
     handle.tx.send(disconnect(3)).await.unwrap();
-    let (at, n) = arrivals.recv().await.unwrap();
     assert_eq!(
-        (at - t0, n),
+        next_arrival(&mut arrivals, t0).await,
         (SPACING, 2),
         "one batch, the spacing after the last"
     );
