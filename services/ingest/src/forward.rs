@@ -221,8 +221,6 @@ enum LinkEvent {
     Up {
         tx: mpsc::Sender<Outgoing>,
         acked: Arc<AtomicU64>,
-        /// Notified on every ack.
-        ack_signal: Arc<tokio::sync::Notify>,
     },
     NewEpoch(u64),
     Down,
@@ -231,7 +229,6 @@ enum LinkEvent {
 struct Link {
     tx: mpsc::Sender<Outgoing>,
     acked: Arc<AtomicU64>,
-    ack_signal: Arc<tokio::sync::Notify>,
     sent: u64,
 }
 
@@ -253,9 +250,12 @@ pub fn spawn(
     let (in_tx, in_rx) = mpsc::channel(INPUT_QUEUE);
     let (ev_tx, ev_rx) = mpsc::channel(8);
     let connected = Arc::new(AtomicBool::new(false));
+    // Notified by the link on every ack, whichever stream carried it.
+    let acks = Arc::new(tokio::sync::Notify::new());
     let link = tokio::spawn(run_link(
         Arc::clone(&cfg.upstream),
         ev_tx,
+        Arc::clone(&acks),
         registry.clone(),
         metrics.clone(),
         shutdown.clone(),
@@ -276,6 +276,7 @@ pub fn spawn(
         fwd.run(
             in_rx,
             ev_rx,
+            &acks,
             cfg.batch_interval,
             cfg.batch_spacing,
             shutdown,
@@ -313,6 +314,7 @@ impl Forwarder {
         mut self,
         mut inputs: mpsc::Receiver<Input>,
         mut events: mpsc::Receiver<LinkEvent>,
+        acks: &tokio::sync::Notify,
         interval: Duration,
         spacing: Duration,
         shutdown: CancellationToken,
@@ -325,13 +327,13 @@ impl Forwarder {
         loop {
             // Woken by the link's acks only while something waits for them (a permit left by
             // an ack while the forwarder was busy is kept: none is lost between turns).
-            let ack_signal = self.link.as_ref().map(|l| Arc::clone(&l.ack_signal));
-            let acks_awaited = ack_signal.is_some() && self.has_work();
+            let acks_awaited = self.link.is_some() && self.has_work();
             // The link idle and work waiting, but too soon after the last batch: sent when
             // the spacing has passed.
             let spaced_at = last_flush + spacing;
             let spacing_awaited =
                 acks_awaited && self.link_idle() && tokio::time::Instant::now() < spaced_at;
+            let mut early = false;
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => {
@@ -355,18 +357,10 @@ impl Forwarder {
                     self.flush();
                     last_flush = tokio::time::Instant::now();
                 }
-                () = tokio::time::sleep_until(spaced_at), if spacing_awaited => {
-                    self.flush();
-                    last_flush = tokio::time::Instant::now();
-                    tick.reset();
-                }
-                () = notified(ack_signal.as_deref()), if acks_awaited && !spacing_awaited => {
-                    if self.link_idle() && last_flush.elapsed() >= spacing {
-                        self.flush();
-                        last_flush = tokio::time::Instant::now();
-                        tick.reset();
-                    }
-                }
+                // The spacing has passed, an ack came or changes came in: each a moment a
+                // batch may go before the tick.
+                () = tokio::time::sleep_until(spaced_at), if spacing_awaited => early = true,
+                () = acks.notified(), if acks_awaited && !spacing_awaited => early = true,
                 n = inputs.recv_many(&mut batch, 256) => {
                     if n == 0 {
                         return;
@@ -374,18 +368,18 @@ impl Forwarder {
                     for input in batch.drain(..) {
                         self.absorb(input, &mut dropped);
                     }
-                    // Nothing unacknowledged and the spacing passed (or a whole interval
-                    // since the last flush, when acks are slow): send at once rather than
-                    // wait for an ack or the tick.
-                    let since = last_flush.elapsed();
-                    if (self.link_idle() && since >= spacing) || since >= interval {
-                        self.flush();
-                        last_flush = tokio::time::Instant::now();
-                        // The next tick an interval after this flush, not at the deadline
-                        // the paused tick kept (which may have passed).
-                        tick.reset();
-                    }
+                    early = true;
                 }
+            }
+            // Nothing unacknowledged and the spacing passed (or a whole interval since the
+            // last flush, when acks are slow): send at once rather than wait for the tick.
+            let since = last_flush.elapsed();
+            if early && ((self.link_idle() && since >= spacing) || since >= interval) {
+                self.flush();
+                last_flush = tokio::time::Instant::now();
+                // The next tick an interval after this flush, not at the deadline the paused
+                // tick kept (which may have passed).
+                tick.reset();
             }
             if !dropped.is_empty() {
                 self.metrics.dropped_changes.inc_by(dropped.len() as u64);
@@ -433,18 +427,9 @@ impl Forwarder {
 
     fn on_link(&mut self, ev: LinkEvent) {
         match ev {
-            LinkEvent::Up {
-                tx,
-                acked,
-                ack_signal,
-            } => {
+            LinkEvent::Up { tx, acked } => {
                 tracing::info!("Apply stream to the snapshot service is up");
-                self.link = Some(Link {
-                    tx,
-                    acked,
-                    ack_signal,
-                    sent: 0,
-                });
+                self.link = Some(Link { tx, acked, sent: 0 });
                 self.resync();
                 self.set_connected(true);
                 self.flush();
@@ -537,14 +522,6 @@ impl Forwarder {
                 }
             }
         }
-    }
-}
-
-/// Waits for the link's next ack (forever without a link: the branch is disabled then).
-async fn notified(signal: Option<&tokio::sync::Notify>) {
-    match signal {
-        Some(n) => n.notified().await,
-        None => std::future::pending().await,
     }
 }
 

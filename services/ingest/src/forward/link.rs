@@ -16,10 +16,12 @@ const BACKOFF_INITIAL: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// The link task: keeps one Apply stream up (reconnecting with backoff), feeds it the
-/// forwarder's batches and tells the forwarder when it is up, down or on a new epoch.
+/// forwarder's batches, tells the forwarder when it is up, down or on a new epoch, and
+/// notifies `ack_signal` on every ack.
 pub(super) async fn run_link(
     upstream: Arc<dyn ApplyLink>,
     events: mpsc::Sender<LinkEvent>,
+    ack_signal: Arc<Notify>,
     registry: Registry,
     metrics: Metrics,
     shutdown: CancellationToken,
@@ -30,7 +32,7 @@ pub(super) async fn run_link(
             return;
         }
         let up = tokio::select! {
-            r = one_link(upstream.as_ref(), &events, &registry, &metrics, &shutdown) => r,
+            r = one_link(upstream.as_ref(), &events, &ack_signal, &registry, &metrics, &shutdown) => r,
             () = shutdown.cancelled() => return,
         };
         if up {
@@ -50,6 +52,7 @@ pub(super) async fn run_link(
 async fn one_link(
     upstream: &dyn ApplyLink,
     events: &mpsc::Sender<LinkEvent>,
+    ack_signal: &Notify,
     registry: &Registry,
     metrics: &Metrics,
     shutdown: &CancellationToken,
@@ -75,12 +78,10 @@ async fn one_link(
         }
     };
     let acked = Arc::new(AtomicU64::new(0));
-    let ack_signal = Arc::new(Notify::new());
     if events
         .send(LinkEvent::Up {
             tx,
             acked: acked.clone(),
-            ack_signal: ack_signal.clone(),
         })
         .await
         .is_err()

@@ -184,7 +184,9 @@ async fn behind_an_unacknowledged_batch_changes_coalesce_until_its_ack() {
 #[tokio::test(start_paused = true)]
 async fn with_a_spacing_an_idle_link_still_waits_that_long_after_the_last_batch() {
     const SPACING: Duration = Duration::from_millis(5);
-    let (handle, task, mut arrivals, shutdown) = forwarder(None, SPACING);
+    // The first two batches acknowledged at once, the third only when the test says.
+    let gate = Arc::new(tokio::sync::Semaphore::new(2));
+    let (handle, task, mut arrivals, shutdown) = forwarder(Some(gate.clone()), SPACING);
     tokio::time::sleep(Duration::from_millis(50)).await;
 
     let t0 = tokio::time::Instant::now();
@@ -208,6 +210,26 @@ async fn with_a_spacing_an_idle_link_still_waits_that_long_after_the_last_batch(
     );
     assert!(arrivals.try_recv().is_err(), "nothing else was sent");
 
+    // The same once more, then a third batch whose ack comes 2 ms after it: still held
+    // until the spacing has passed since that batch, not sent at the ack.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    handle.tx.send(disconnect(4)).await.unwrap();
+    assert_eq!(
+        next_arrival(&mut arrivals, t0).await,
+        (SPACING * 2, 1),
+        "the spacing after the second batch"
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    handle.tx.send(disconnect(5)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    gate.add_permits(1);
+    assert_eq!(
+        next_arrival(&mut arrivals, t0).await,
+        (SPACING * 3, 1),
+        "the spacing after the third, its ack long in"
+    );
+
+    gate.add_permits(1);
     shutdown.cancel();
     task.await.unwrap();
 }
