@@ -227,6 +227,19 @@ pub struct Args {
     #[arg(long, env = "BALANCEROUTE_BRC_LOOKAHEAD")]
     pub brc_lookahead: Option<f64>,
 
+    /// BR-C: between waves, while fewer requests wait than there are free slots and a rank is
+    /// prefilling, give waiting prompts at once to ranks with less prefill queued than the rank
+    /// with the most, up to that most (its steps already last that long): true or false
+    /// (true). false holds every prompt for a wave or the guard.
+    #[arg(long, env = "BALANCEROUTE_BRC_FILL_UNDER", action = clap::ArgAction::Set)]
+    pub brc_fill_under: Option<bool>,
+
+    /// BR-C: a prompt given under the most goes to the rank with the least KV among those
+    /// whose queued prefill is within this many times the prompt of the least queued (0.25;
+    /// in [0, 4]; 0: the least queued).
+    #[arg(long, env = "BALANCEROUTE_BRC_FILL_SLACK")]
+    pub brc_fill_slack: Option<f64>,
+
     /// Dispatcher: at equal loads, largest-first or score.
     #[arg(long, env = "BALANCEROUTE_COLD_START", value_parser = kebab::<ColdStart>)]
     pub cold_start: Option<ColdStart>,
@@ -482,6 +495,8 @@ impl Args {
                     wave_fraction: self.brc_wave_fraction.unwrap_or(b.wave_fraction),
                     kv_swap: self.brc_kv_swap.unwrap_or(b.kv_swap),
                     lookahead: self.brc_lookahead.unwrap_or(b.lookahead),
+                    fill_under: self.brc_fill_under.unwrap_or(b.fill_under),
+                    fill_slack: self.brc_fill_slack.unwrap_or(b.fill_slack),
                 }
             },
             seed: self.seed,
@@ -508,6 +523,13 @@ impl Args {
                 "--brc-lookahead",
                 br_core::BrcConfig {
                     lookahead: policy.brc.lookahead,
+                    ..b
+                },
+            ),
+            (
+                "--brc-fill-slack",
+                br_core::BrcConfig {
+                    fill_slack: policy.brc.fill_slack,
                     ..b
                 },
             ),
@@ -1124,5 +1146,34 @@ mod tests {
         assert!(lookahead(&["--brc-lookahead", "x"]).is_err());
         let c = from_file("policy = \"brc\"\nbrc_lookahead = 1\n");
         assert_eq!(c.policy.brc.lookahead, 1.0);
+    }
+
+    #[test]
+    fn brc_fills_under_by_default_and_its_slack_is_refused_outside_0_to_4() {
+        let brc = |args: &[&str]| -> Result<br_core::BrcConfig, String> {
+            let mut all = vec!["--policy", "brc"];
+            all.extend_from_slice(args);
+            match parse(&all) {
+                Err(e) => Err(e.to_string()),
+                Ok(a) => a.to_config().map(|c| c.policy.brc),
+            }
+        };
+        let d = brc(&[]).unwrap();
+        assert!(d.fill_under);
+        assert_eq!(d.fill_slack, 0.25);
+        assert!(!brc(&["--brc-fill-under", "false"]).unwrap().fill_under);
+        assert!(brc(&["--brc-fill-under", "maybe"]).is_err());
+        assert_eq!(brc(&["--brc-fill-slack", "0"]).unwrap().fill_slack, 0.0);
+        assert_eq!(brc(&["--brc-fill-slack", "4"]).unwrap().fill_slack, 4.0);
+        for bad in ["-0.1", "4.5", "NaN", "inf"] {
+            let e = brc(&[&format!("--brc-fill-slack={bad}")]).unwrap_err();
+            assert!(
+                e.contains("--brc-fill-slack: ") && e.contains("fill_slack must be in [0, 4]"),
+                "{bad}: {e}"
+            );
+        }
+        let c = from_file("policy = \"brc\"\nbrc_fill_under = false\nbrc_fill_slack = 1\n");
+        assert!(!c.policy.brc.fill_under);
+        assert_eq!(c.policy.brc.fill_slack, 1.0);
     }
 }

@@ -35,7 +35,8 @@ mod tree;
 pub use class::class_id;
 pub use error::CoreError;
 pub use policy::{
-    BrcConfig, MAX_LOOKAHEAD, Mode, Policy, PolicyConfig, PolicyKind, PredictorKind, build_policy,
+    BrcConfig, MAX_FILL_SLACK, MAX_LOOKAHEAD, Mode, Policy, PolicyConfig, PolicyKind,
+    PredictorKind, build_policy,
 };
 pub use pool::{Pool, PoolEntry};
 pub use state::{ClusterState, Phase, RequestInfo, WorkerInfo};

@@ -23,7 +23,7 @@ use crate::state::{ClusterState, WorkerInfo};
 use crate::{CoreError, WorkerId};
 
 mod brc;
-pub use brc::{BrcConfig, MAX_LOOKAHEAD};
+pub use brc::{BrcConfig, MAX_FILL_SLACK, MAX_LOOKAHEAD};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {

@@ -69,6 +69,10 @@ pub struct WorkerInfo {
     /// still in their prefill (a shim reports a request as soon as its engine takes it, before
     /// the prompt has run). What BR-C reads as "this rank is prefilling".
     pub prefilling: u32,
+    /// Prompt tokens of those requests: the prefill this rank has queued or running, as σ
+    /// knows it (an upper bound: σ learns a prompt's end from its first token, not how many
+    /// of its chunks have run). BR-C reads it for where a prompt would wait least.
+    pub prefill_tokens: u64,
     /// False when the worker is absent or fenced: it takes no new requests and holds none.
     pub alive: bool,
     /// False while a live worker must get no new requests but keeps its load (its telemetry
@@ -271,6 +275,7 @@ impl ClusterState {
         let w = &mut self.workers[idx];
         if info.generated == 0 {
             w.prefilling += 1;
+            w.prefill_tokens += u64::from(info.prompt_tokens);
         }
         match info.phase {
             Phase::Queued => {
@@ -376,6 +381,7 @@ impl ClusterState {
         let w = &mut self.workers[idx];
         if old_generated == 0 && generated > 0 {
             w.prefilling -= 1;
+            w.prefill_tokens -= u64::from(slot.info.prompt_tokens);
         }
         if was_queued {
             w.queued -= 1;
@@ -404,6 +410,7 @@ impl ClusterState {
                 {
                     if slot.info.generated == 0 {
                         w.prefilling -= 1;
+                        w.prefill_tokens -= u64::from(slot.info.prompt_tokens);
                     }
                     slot.info.generated += 1;
                 }
@@ -437,6 +444,7 @@ impl ClusterState {
         let w = &mut self.workers[idx];
         if slot.info.generated == 0 {
             w.prefilling -= 1;
+            w.prefill_tokens -= u64::from(slot.info.prompt_tokens);
         }
         match slot.info.phase {
             Phase::Queued => {

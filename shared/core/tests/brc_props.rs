@@ -5,7 +5,9 @@
 //! passed-over request fits), holds a wave while a rank is still
 //! prefilling, admits the oldest request once it has been held `max_wait_steps` ticks with a
 //! free slot (`shallow_wait_steps` while fewer requests wait than there are free slots), and is
-//! deterministic. Its KV pass (`kv_swap`) admits the same requests, as many to each rank, with
+//! deterministic. Between waves in a shallow pool (`fill_under`) it gives prompts to ranks
+//! with less prefill queued than the rank with the most, never past that most, and leaves
+//! waiting only what fits under it nowhere. Its KV pass (`kv_swap`) admits the same requests, as many to each rank, with
 //! no rank given more prompt tokens than the most without it, and no more KV after admission on
 //! the rank with the most.
 
@@ -13,7 +15,7 @@
 
 use std::collections::HashSet;
 
-use br_core::dispatch::Admission;
+use br_core::dispatch::{Admission, Stage};
 use br_core::{
     BrcConfig, ClusterState, Phase, PolicyConfig, PolicyKind, Pool, PoolEntry, RequestInfo,
     build_policy,
@@ -46,6 +48,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             prop_oneof![Just(1.0f64), 0.01f64..=1.0],
             any::<bool>(),
             prop_oneof![Just(0.0f64), Just(0.5), 0.0f64..=br_core::MAX_LOOKAHEAD],
+            any::<bool>(),
+            prop_oneof![Just(0.0f64), Just(0.25), 0.0f64..=br_core::MAX_FILL_SLACK],
         )
             .prop_map(
                 |(
@@ -57,6 +61,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     wave_fraction,
                     kv_swap,
                     lookahead,
+                    fill_under,
+                    fill_slack,
                 )| {
                     Scenario {
                         capacities,
@@ -68,6 +74,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                             wave_fraction,
                             kv_swap,
                             lookahead,
+                            fill_under,
+                            fill_slack,
                             // nothing finishes between these ticks: the mean output is unknown
                             ..BrcConfig::default()
                         },
@@ -113,6 +121,34 @@ fn build(sc: &Scenario) -> (ClusterState, Pool) {
         .unwrap();
     }
     (st, pool)
+}
+
+/// Whether rule 6 (fill under) acts on this scenario's first tick: a rank is prefilling, the
+/// pool is shallow, the guard does not release at once (a budget of 0), and a waiting prompt
+/// fits on a rank with a free slot under the most prefill any live rank has queued.
+fn fills_under(sc: &Scenario, st: &ClusterState) -> bool {
+    let prefilling = st.workers().iter().any(|w| w.alive && w.prefilling > 0);
+    let top = most_queued_prefill(st);
+    sc.cfg.fill_under
+        && prefilling
+        && sc.cfg.shallow_wait_steps.min(sc.cfg.max_wait_steps) > 0
+        && sc.pool.len() < st.total_free_slots() as usize
+        && st.workers().iter().any(|w| {
+            w.free_slots() > 0
+                && sc
+                    .pool
+                    .iter()
+                    .any(|&p| w.prefill_tokens + u64::from(p) <= top)
+        })
+}
+
+fn most_queued_prefill(st: &ClusterState) -> u64 {
+    st.workers()
+        .iter()
+        .filter(|w| w.alive)
+        .map(|w| w.prefill_tokens)
+        .max()
+        .unwrap_or(0)
 }
 
 fn policy(cfg: BrcConfig) -> Box<dyn br_core::Policy> {
@@ -171,7 +207,26 @@ proptest! {
         let mut got: Vec<u64> = keys.into_iter().collect();
         got.sort_unstable();
         let free = st.total_free_slots() as usize;
-        if sc.pool.is_empty() || free == 0 {
+        if fills_under(&sc, &st) {
+            // rule 6 at the first tick: no rank above the most prefill queued, and nothing left
+            // waiting that fits under it on a rank with a slot left (the room only shrinks
+            // while the tick places, so what was passed over still fits nowhere)
+            let top = most_queued_prefill(&st);
+            let mut queued: Vec<u64> = st.workers().iter().map(|w| w.prefill_tokens).collect();
+            for a in &out {
+                prop_assert_eq!(a.stage, Stage::Greedy);
+                queued[a.worker as usize] += u64::from(a.prompt_tokens);
+            }
+            prop_assert!(!out.is_empty());
+            for (w, info) in st.workers().iter().enumerate() {
+                prop_assert!(queued[w] <= top, "worker {w}: {} queued, the most {top}", queued[w]);
+                if admitted[w] < info.free_slots() {
+                    for k in (0..sc.pool.len()).filter(|k| !got.contains(&(*k as u64))) {
+                        prop_assert!(queued[w] + u64::from(sc.pool[k]) > top, "worker {w} left a slot that request {k} fits");
+                    }
+                }
+            }
+        } else if sc.pool.is_empty() || free == 0 {
             prop_assert!(out.is_empty());
         } else if sc.pool.len() > free && sc.cfg.lookahead > 0.0 {
             // a deep pool with a look-ahead: the oldest request, the rest from the window
@@ -243,7 +298,8 @@ proptest! {
             } else {
                 sc.cfg.max_wait_steps
             };
-            prop_assert_eq!(first, if wave_ready { 0 } else { budget as usize });
+            let expected = if wave_ready || fills_under(&sc, &st) { 0 } else { budget as usize };
+            prop_assert_eq!(first, expected);
         }
     }
 

@@ -509,7 +509,7 @@ fn to_change(op: &Op) -> Option<v1::Change> {
 fn check_mirror(s: &Sigma) {
     let core = s.cluster();
     assert_eq!(core.request_count(), s.request_count());
-    let mut expect: BTreeMap<WorkerId, (u32, u32, u64, u64, u32)> = BTreeMap::new();
+    let mut expect: BTreeMap<WorkerId, (u32, u32, u64, u64, u32, u64)> = BTreeMap::new();
     for r in s.requests() {
         assert_eq!(s.id_of(r.key), Some(r.id.as_str()));
         let info = core.get(r.key).unwrap();
@@ -535,6 +535,7 @@ fn check_mirror(s: &Sigma) {
         let e = expect.entry(r.worker).or_default();
         if r.generated_tokens == 0 {
             e.4 += 1;
+            e.5 += u64::from(r.prompt_tokens);
         }
         match r.phase {
             Phase::Queued => {
@@ -552,16 +553,17 @@ fn check_mirror(s: &Sigma) {
     let mut live = 0;
     for w in s.workers() {
         let c = core.worker(w.id).unwrap();
-        let (q, run, ql, rl, pre) = expect.get(&w.id).copied().unwrap_or_default();
+        let (q, run, ql, rl, pre, pre_tokens) = expect.get(&w.id).copied().unwrap_or_default();
         assert_eq!(
             (
                 c.queued,
                 c.running,
                 c.queued_load,
                 c.running_load,
-                c.prefilling
+                c.prefilling,
+                c.prefill_tokens
             ),
-            (q, run, ql, rl, pre)
+            (q, run, ql, rl, pre, pre_tokens)
         );
         assert_eq!(c.alive, w.liveness != Liveness::Fenced);
         assert_eq!(c.accepting, w.accepts_new_work());

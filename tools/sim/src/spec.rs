@@ -158,10 +158,15 @@ mod tests {
         assert_eq!(s.config.brc.max_wait_steps, 1);
         let s = parse_spec("brc:kv-swap=false", 0).expect("brc without the KV pass");
         assert!(!s.config.brc.kv_swap);
+        let s = parse_spec("brc:fill-under=false:fill_slack=1", 0).expect("brc without fill");
+        assert!(!s.config.brc.fill_under);
+        assert_eq!(s.config.brc.fill_slack, 1.0);
         for bad in [
             "brc:wave_fraction=0",
             "brc:kv_swap=2",
             "brc:kv_swap=maybe",
+            "brc:fill_slack=5",
+            "brc:fill_under=1",
             "brc:max_wait_steps=-1",
             "brc:max_wait_steps=4:shallow_wait_steps=5",
             "brc:shallow-wait-steps=65",

@@ -68,6 +68,24 @@
 //!    saved: a prompt token added to the step's `max P` costs `p / a` times a KV token on the
 //!    most loaded rank (2,400 at p = 0.48 ms and a = 2·10⁻⁴ ms), and that rank's KV changes
 //!    as its requests finish. `kv_swap = false` leaves the spread as rule 4 makes it.
+//! 6. Between waves, while the pool is shallow and a rank is prefilling, a rank with less
+//!    prefill queued than the rank with the most (σ's prompt tokens without a first token)
+//!    takes waiting prompts at once, oldest first, up to that most (`fill_under`). Chunk by
+//!    chunk both ranks then run full chunks until the shorter queue ends, so a prompt under
+//!    the most runs in steps whose `max P` the rank with the most already sets: holding it for
+//!    a wave saves no step time and adds its wait. Among the ranks a prompt fits, it goes to
+//!    the one with the least KV of those whose queued prefill is within `fill_slack` (0.25)
+//!    times the prompt of the least queued: the least queued alone serves its TTFT and lets
+//!    the KV spread grow; the least KV alone queues it behind more prefill. A prompt that fits
+//!    nowhere waits for the wave or the guard, and the guard's count for the oldest request
+//!    goes on while it waits. σ's queue is an upper bound (it learns a prompt's end from its
+//!    first token, not its chunks), so a prompt may land beside the last chunk of a longer
+//!    one and lengthen that step; a wave held for it would cost that and its wait. With
+//!    12k-token prompts (mooncake's) at 60% and 85% load the pool is shallow and some rank is
+//!    nearly always prefilling: holding every prompt for a wave put TTFT p99 at 1.21-1.60× the
+//!    best baseline's, filling under at 0.85-1.08× with TPOT p95 no worse (tools/sim/RESULTS.md,
+//!    "Prefill waves"). In a deep pool the slots are what is short and the waves stay as
+//!    they are.
 //!
 //! Without colocated prefill (a decode tier) a request writes its first token at its first
 //! step, so rule 1 holds a wave back a step at most; rules 2 and 3 still hold requests and
@@ -124,6 +142,25 @@ pub struct BrcConfig {
     /// each below it somewhere); below capacity the pool is shallow and every run was the
     /// same as without it.
     pub lookahead: f64,
+    /// Whether, between waves and while the pool is shallow, waiting prompts go at once to the
+    /// ranks with less prefill queued than the rank with the most (rule 6), up to that most:
+    /// there a prompt runs in steps whose `max P` the rank with the most already sets, and
+    /// holding it saves no step time. True by default: on mooncake's 12k-token prompts at 60%
+    /// and 85% load (G = 8-32) it took BR-C's TTFT p99 from 1.21-1.60× the best baseline's to
+    /// 0.85-1.08×; adp-shape and azure2023_conv moved within their seed spread
+    /// (tools/sim/RESULTS.md, "Prefill waves"). False holds every prompt for a wave or the
+    /// guard.
+    pub fill_under: bool,
+    /// Which rank a prompt filled under the most goes to (rule 6): among the ranks it fits,
+    /// those whose queued prefill is within `fill_slack` times the prompt of the least queued,
+    /// and of those the one with the least KV. In `[0, 4]`. 0.25 by default: on mooncake at 60%
+    /// and 85% load (G = 8-32, tools/sim/RESULTS.md, "Prefill waves") it keeps TTFT p99 within
+    /// 1.08× the best baseline's and TPOT p95 no worse than least-tokens' in every cell; the
+    /// least queued alone (0) put TPOT p95 0.03-0.17% above least-tokens' at 85% load, G = 16
+    /// and 32, beyond the seed spread, and 0.5 and 4 each miss one such cell by as little
+    /// (TPOT there is 4.3 s, nearly all prefill: the KV term is what moves); 1 holds too, with
+    /// TTFT p99 up to 1.11×.
+    pub fill_slack: f64,
 }
 
 impl Default for BrcConfig {
@@ -135,6 +172,8 @@ impl Default for BrcConfig {
             wave_fraction: 1.0,
             kv_swap: true,
             lookahead: 0.5,
+            fill_under: true,
+            fill_slack: 0.25,
         }
     }
 }
@@ -167,6 +206,12 @@ impl BrcConfig {
                 self.lookahead
             )));
         }
+        if !(self.fill_slack >= 0.0 && self.fill_slack <= MAX_FILL_SLACK) {
+            return Err(CoreError::InvalidConfig(format!(
+                "fill_slack must be in [0, {MAX_FILL_SLACK}], got {}",
+                self.fill_slack
+            )));
+        }
         if !(self.wave_fraction > 0.0 && self.wave_fraction <= 1.0) {
             return Err(CoreError::InvalidConfig(format!(
                 "wave_fraction must be in (0, 1], got {}",
@@ -180,6 +225,10 @@ impl BrcConfig {
 /// The most [`BrcConfig::lookahead`] takes: a wave that fills empty ranks (G = 64, 256 free
 /// slots each) then sorts and places 80k candidates, not 16k, in one tick.
 pub const MAX_LOOKAHEAD: f64 = 4.0;
+
+/// The most [`BrcConfig::fill_slack`] takes: at 4 a prompt may wait behind four times its own
+/// prefill for a rank with less KV, past what any TTFT target allows.
+pub const MAX_FILL_SLACK: f64 = 4.0;
 
 /// The wave state between ticks.
 #[derive(Debug, Clone)]
@@ -288,6 +337,17 @@ impl Waves {
         let guard = self.held >= budget;
         let ready = !prefilling && free.len() >= needed && pool.len() >= needed;
         if !guard && !ready {
+            // Rule 6 (a deep pool waits for the wave: there the slots are what is short)
+            if prefilling
+                && self.cfg.fill_under
+                && pool.len() < slots
+                && self.fill_under(pool, state, &free, out)
+            {
+                // the oldest request went: the hold starts again for the next one
+                self.held = 0;
+                self.counted_at = Some(state.tokens_written());
+                return;
+            }
             if self.stepped(state) {
                 self.held += 1;
             }
@@ -389,6 +449,76 @@ impl Waves {
                 stage,
             });
         }
+    }
+}
+
+impl Waves {
+    /// Rule 6, between waves in a shallow pool while a rank is prefilling: a rank with less
+    /// prefill queued than the most any live rank has (`top`: σ's prompt tokens without a
+    /// first token) takes waiting prompts, oldest first, up to `top`; each goes, among the
+    /// ranks it fits, to one whose queued prefill is within `fill_slack` times the prompt of
+    /// the least queued, the one with the least KV (then the lowest id). A prompt that fits
+    /// nowhere waits for the wave or the guard. Returns whether the oldest request went.
+    fn fill_under(
+        &self,
+        pool: &mut Pool,
+        state: &ClusterState,
+        free: &[WorkerId],
+        out: &mut Vec<Admission>,
+    ) -> bool {
+        let workers = state.workers();
+        let top = state
+            .live_worker_ids()
+            .map(|w| workers[w as usize].prefill_tokens)
+            .max()
+            .unwrap_or(0);
+        let mut queued: Vec<u64> = free
+            .iter()
+            .map(|&w| workers[w as usize].prefill_tokens)
+            .collect();
+        let mut left: Vec<u32> = free
+            .iter()
+            .map(|&w| workers[w as usize].free_slots())
+            .collect();
+        // KV after this tick's prompts
+        let mut kv: Vec<u64> = free.iter().map(|&w| workers[w as usize].load()).collect();
+        let oldest = pool.oldest(1).next().map(|e| e.key);
+        let mut picks: Vec<(PoolEntry, usize)> = Vec::new();
+        // the pool is shallow: every waiting request is a candidate
+        for e in pool.oldest(pool.len()) {
+            let prompt = u64::from(e.prompt_tokens);
+            let fits = |j: usize| left[j] > 0 && queued[j] + prompt <= top;
+            let Some(least) = (0..free.len())
+                .filter(|&j| fits(j))
+                .map(|j| queued[j])
+                .min()
+            else {
+                continue;
+            };
+            let near = least as f64 + self.cfg.fill_slack * prompt as f64;
+            let Some(j) = (0..free.len())
+                .filter(|&j| fits(j) && queued[j] as f64 <= near)
+                .min_by_key(|&j| (kv[j], free[j]))
+            else {
+                continue;
+            };
+            left[j] -= 1;
+            queued[j] += prompt;
+            kv[j] += prompt;
+            picks.push((e.clone(), j));
+        }
+        let oldest_went = picks.iter().any(|(e, _)| Some(e.key) == oldest);
+        for (e, j) in picks {
+            pool.remove(e.key);
+            out.push(Admission {
+                key: e.key,
+                worker: free[j],
+                prompt_tokens: e.prompt_tokens,
+                score: f64::NAN,
+                stage: Stage::Greedy,
+            });
+        }
+        oldest_went
     }
 }
 
@@ -638,6 +768,114 @@ mod tests {
         assert_eq!(out.len(), 5, "rank 0 has one free slot, rank 1 four");
     }
 
+    /// Three ranks of 4 slots: rank 0 has a 10,000-token prompt queued (prefilling), rank 1
+    /// decodes a request holding 40,010 KV tokens, rank 2 one holding 1,010; the pool holds
+    /// `prompts`, oldest first (keys from 100).
+    fn one_rank_prefilling(prompts: &[u32]) -> (ClusterState, Pool) {
+        use crate::state::{Phase, RequestInfo};
+        let mut st = ClusterState::with_workers(&[4, 4, 4]);
+        let info = |key, worker, prompt_tokens, phase, generated| RequestInfo {
+            key,
+            worker,
+            prompt_tokens,
+            generated,
+            phase,
+            prompt_hash: None,
+            oracle_output: None,
+            expected_output: None,
+            class: None,
+        };
+        st.reserve(info(1, 0, 10_000, Phase::Queued, 0)).unwrap();
+        st.reserve(info(2, 1, 40_000, Phase::Running, 10)).unwrap();
+        st.reserve(info(3, 2, 1_000, Phase::Running, 10)).unwrap();
+        let mut pool = Pool::new();
+        for (i, &prompt_tokens) in prompts.iter().enumerate() {
+            pool.push(PoolEntry {
+                key: 100 + i as u64,
+                prompt_tokens,
+                prompt_hash: None,
+                oracle_output: None,
+                expected_output: None,
+                class: None,
+            })
+            .unwrap();
+        }
+        (st, pool)
+    }
+
+    fn placed(out: &[Admission]) -> Vec<(u64, WorkerId)> {
+        out.iter().map(|a| (a.key, a.worker)).collect()
+    }
+
+    #[test]
+    fn between_waves_prompts_fill_under_the_rank_with_the_most_prefill_queued() {
+        let (st, mut pool) = one_rank_prefilling(&[6_000, 12_000, 5_000, 3_000]);
+        assert_eq!(st.workers()[0].prefill_tokens, 10_000);
+        let mut w = Waves::new(BrcConfig::default());
+        let mut out = Vec::new();
+        w.dispatch(&mut pool, &st, &mut out);
+        // 6,000 fits under rank 0's 10,000 on ranks 1 and 2, both with nothing queued: the one
+        // with less KV (2) takes it. 12,000 fits nowhere and waits. 5,000 fits only on rank 1
+        // (rank 2 would reach 11,000). 3,000 fits on both; rank 1's 5,000 queued is the least
+        // and rank 2's 6,000 is more than a quarter of 3,000 above it: rank 1, for its TTFT,
+        // though it holds more KV.
+        assert_eq!(placed(&out), vec![(100, 2), (102, 1), (103, 1)]);
+        assert!(out.iter().all(|a| a.stage == Stage::Greedy));
+        assert_eq!(pool.len(), 1);
+        assert!(pool.contains(101));
+        // the oldest went: the hold starts again for the next
+        assert_eq!(w.held, 0);
+        // with a slack of four prompts both ranks are near enough for the 3,000: rank 2, the
+        // one with less KV (after the 6,000 it took in this tick)
+        let (st, mut pool) = one_rank_prefilling(&[6_000, 12_000, 5_000, 3_000]);
+        let mut w = Waves::new(BrcConfig {
+            fill_slack: 4.0,
+            ..BrcConfig::default()
+        });
+        let mut out = Vec::new();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!(placed(&out), vec![(100, 2), (102, 1), (103, 2)]);
+    }
+
+    #[test]
+    fn a_prompt_that_fits_under_no_rank_keeps_the_hold_counting() {
+        // the oldest (12,000) fits nowhere; the 3,000 behind it goes, and the hold of the
+        // oldest counts on until the guard (2 steps, the pool being shallow) releases it
+        let (mut st, mut pool) = one_rank_prefilling(&[12_000, 3_000]);
+        let mut w = Waves::new(BrcConfig::default());
+        let mut out = Vec::new();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!(placed(&out), vec![(101, 2)]);
+        assert_eq!(w.held, 1);
+        st.advance_step();
+        out.clear();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert!(out.is_empty());
+        assert_eq!(w.held, 2);
+        st.advance_step();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].key, out[0].stage), (100, Stage::Guard));
+    }
+
+    #[test]
+    fn without_fill_under_or_in_a_deep_pool_prompts_wait_for_the_wave() {
+        let (st, mut pool) = one_rank_prefilling(&[6_000, 5_000, 3_000]);
+        let mut w = Waves::new(BrcConfig {
+            fill_under: false,
+            ..BrcConfig::default()
+        });
+        let mut out = Vec::new();
+        w.dispatch(&mut pool, &st, &mut out);
+        assert!(out.is_empty());
+        // nine free slots, nine waiting: a deep pool, where the slots are what is short
+        let (st, mut pool) = one_rank_prefilling(&[1_000; 9]);
+        let mut w = Waves::new(BrcConfig::default());
+        w.dispatch(&mut pool, &st, &mut out);
+        assert!(out.is_empty());
+        assert_eq!(pool.len(), 9);
+    }
+
     /// The KV pass as first written: every pair of prompts of two ranks tried. The pass must
     /// make exactly its trades.
     fn swap_for_kv_by_every_pair(prompts: &[u32], ranks: &mut [usize], kv: &[u64]) {
@@ -771,6 +1009,13 @@ mod tests {
                 ..BrcConfig::default()
             };
             assert!(cfg.validate().is_err(), "{hold} {wave}");
+        }
+        for slack in [-0.1, 4.1, f64::NAN, f64::INFINITY] {
+            let cfg = BrcConfig {
+                fill_slack: slack,
+                ..BrcConfig::default()
+            };
+            assert!(cfg.validate().is_err(), "{slack}");
         }
         assert!(BrcConfig::default().validate().is_ok());
     }
