@@ -105,6 +105,14 @@ pub struct RunArgs {
     /// requests (instead of the published count), before `--filter-min-output`.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Replay a trace file's requests N times over, one copy after another (after `--limit`
+    /// and `--filter-min-output`; with `--arrival trace` each copy starts 1 ms after the last
+    /// one's final arrival). A saturated run of a short trace is mostly its start and its
+    /// drain; repeating it gives the steady window (requests waiting) room to be read. The
+    /// copies keep their prompt hashes: the same prompts, sent again. Not for the synthetic
+    /// workloads (`--limit` sizes them).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub repeat: u32,
     /// Keep only requests with at least N output tokens (the paper's Azure filter is > 1000,
     /// i.e. `--filter-min-output 1001`).
     #[arg(long)]
@@ -428,6 +436,13 @@ impl RunArgs {
             limit: count.or(self.limit),
         };
         let (name, requests, stats) = if let Some(kind) = SynthKind::from_name(spec) {
+            if self.repeat > 1 {
+                return Err(WorkloadError::Invalid(format!(
+                    "--repeat {}: {} is synthetic; --limit sets how many requests it generates",
+                    self.repeat,
+                    kind.name()
+                )));
+            }
             let mut cfg = SynthConfig::new(kind);
             cfg.seed = self.seed;
             if let Some(c) = count {
@@ -465,7 +480,12 @@ impl RunArgs {
             let name = path
                 .file_name()
                 .map_or_else(|| spec.to_string(), |f| f.to_string_lossy().into_owned());
-            (name, t.requests, t.stats)
+            if self.repeat > 1 {
+                let name = format!("{name} ×{}", self.repeat);
+                (name, repeat(t.requests, self.repeat), t.stats)
+            } else {
+                (name, t.requests, t.stats)
+            }
         };
         if requests.is_empty() {
             return Err(WorkloadError::Invalid(format!(
@@ -529,6 +549,25 @@ impl RunArgs {
             stats,
         })
     }
+}
+
+/// `requests` `n` times over, in order; each copy's timestamps (if any) start 1 ms after the
+/// previous copy's last.
+fn repeat(requests: Vec<TraceRequest>, n: u32) -> Vec<TraceRequest> {
+    let span = requests
+        .iter()
+        .filter_map(|r| r.arrival_ms)
+        .fold(0.0f64, f64::max)
+        + 1.0;
+    let mut all = Vec::with_capacity(requests.len() * n as usize);
+    for k in 0..n {
+        let shift = f64::from(k) * span;
+        all.extend(requests.iter().map(|r| TraceRequest {
+            arrival_ms: r.arrival_ms.map(|a| a + shift),
+            ..r.clone()
+        }));
+    }
+    all
 }
 
 fn synthetic_spec(spec: &str) -> bool {
@@ -885,6 +924,54 @@ mod tests {
             assert!(e.to_string().contains("--hint-error"), "{e}");
         }
         assert!(parse(&["--trace", "x", "--hint-mode", "random"]).is_err());
+    }
+
+    #[test]
+    fn repeat_replays_a_trace_file_one_copy_after_another() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("arrivals.csv");
+        std::fs::write(
+            &path,
+            "arrival_ms,prompt_tokens,output_tokens,prompt_hash\n0,10,200,7\n2,20,300,\n4,30,400,\n",
+        )
+        .expect("write");
+        let path = path.to_str().expect("utf-8");
+        let base = ["--trace", path, "--arrival", "trace"];
+        let once = workload_of(&base, &[]).expect("workload");
+        let thrice = workload_of(&base, &["--repeat", "3"]).expect("workload");
+        assert_eq!(thrice.requests.len(), 9);
+        assert!(thrice.name.ends_with("×3"), "{}", thrice.name);
+        let got: Vec<(Option<f64>, u32, u32, Option<u64>)> = thrice
+            .requests
+            .iter()
+            .map(|q| {
+                (
+                    q.arrival_ms,
+                    q.prompt_tokens,
+                    q.output_tokens,
+                    q.prompt_hash,
+                )
+            })
+            .collect();
+        // each copy starts 1 ms after the last one's final arrival (4 ms), the lengths and
+        // hashes as recorded
+        for (k, chunk) in got.chunks(3).enumerate() {
+            for (q, o) in chunk.iter().zip(&once.requests) {
+                assert_eq!(q.0, o.arrival_ms.map(|a| a + 5.0 * k as f64));
+                assert_eq!(
+                    (q.1, q.2, q.3),
+                    (o.prompt_tokens, o.output_tokens, o.prompt_hash)
+                );
+            }
+        }
+        // after --limit: the first two, three times
+        let cut = workload_of(&base, &["--limit", "2", "--repeat", "3"]).expect("workload");
+        assert_eq!(cut.requests.len(), 6);
+        for bad in ["0", "65", "x"] {
+            assert!(parse(&["--trace", path, "--repeat", bad]).is_err(), "{bad}");
+        }
+        let e = workload_of(&["--trace", "adp-shape"], &["--repeat", "2"]).expect_err("synthetic");
+        assert!(e.to_string().contains("--repeat 2"), "{e}");
     }
 
     #[test]
