@@ -202,10 +202,11 @@ policy_flags() {
         fi
         key=${kv%%=*}
         # BR-C's own settings are the decision's --brc-* flags (brc:max_wait_steps=16 is
-        # --brc-max-wait-steps 16; shallow_wait_steps, hold_fraction, wave_fraction, kv_swap and
-        # lookahead alike); any other key is a flag of its own name, as for every policy
+        # --brc-max-wait-steps 16; shallow_wait_steps, hold_fraction, wave_fraction, kv_swap,
+        # lookahead, fill_under and fill_slack alike); any other key is a flag of its own name,
+        # as for every policy
         case "${spec%%:*}:$key" in
-        brc:max_wait_steps | brc:shallow_wait_steps | brc:hold_fraction | brc:wave_fraction | brc:kv_swap | brc:lookahead)
+        brc:max_wait_steps | brc:shallow_wait_steps | brc:hold_fraction | brc:wave_fraction | brc:kv_swap | brc:lookahead | brc:fill_under | brc:fill_slack)
             key="brc_$key" ;;
         esac
         POLICY_F+=("--${key//_/-}" "${kv#*=}")

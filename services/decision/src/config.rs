@@ -235,8 +235,8 @@ pub struct Args {
     pub brc_fill_under: Option<bool>,
 
     /// BR-C: a prompt given under the most goes to the rank with the least KV among those
-    /// whose queued prefill is within this many times the prompt of the least queued (0.25;
-    /// in [0, 4]; 0: the least queued).
+    /// whose queued prefill is within this many times the prompt of the least queued (1; in
+    /// [0, 4]; 0: the least queued).
     #[arg(long, env = "BALANCEROUTE_BRC_FILL_SLACK")]
     pub brc_fill_slack: Option<f64>,
 
@@ -1160,7 +1160,7 @@ mod tests {
         };
         let d = brc(&[]).unwrap();
         assert!(d.fill_under);
-        assert_eq!(d.fill_slack, 0.25);
+        assert_eq!(d.fill_slack, 1.0);
         assert!(!brc(&["--brc-fill-under", "false"]).unwrap().fill_under);
         assert!(brc(&["--brc-fill-under", "maybe"]).is_err());
         assert_eq!(brc(&["--brc-fill-slack", "0"]).unwrap().fill_slack, 0.0);
@@ -1172,8 +1172,8 @@ mod tests {
                 "{bad}: {e}"
             );
         }
-        let c = from_file("policy = \"brc\"\nbrc_fill_under = false\nbrc_fill_slack = 1\n");
+        let c = from_file("policy = \"brc\"\nbrc_fill_under = false\nbrc_fill_slack = 2\n");
         assert!(!c.policy.brc.fill_under);
-        assert_eq!(c.policy.brc.fill_slack, 1.0);
+        assert_eq!(c.policy.brc.fill_slack, 2.0);
     }
 }

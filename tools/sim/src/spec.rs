@@ -158,9 +158,9 @@ mod tests {
         assert_eq!(s.config.brc.max_wait_steps, 1);
         let s = parse_spec("brc:kv-swap=false", 0).expect("brc without the KV pass");
         assert!(!s.config.brc.kv_swap);
-        let s = parse_spec("brc:fill-under=false:fill_slack=1", 0).expect("brc without fill");
+        let s = parse_spec("brc:fill-under=false:fill_slack=2", 0).expect("brc without fill");
         assert!(!s.config.brc.fill_under);
-        assert_eq!(s.config.brc.fill_slack, 1.0);
+        assert_eq!(s.config.brc.fill_slack, 2.0);
         for bad in [
             "brc:wave_fraction=0",
             "brc:kv_swap=2",

@@ -74,7 +74,7 @@
 //!    chunk both ranks then run full chunks until the shorter queue ends, so a prompt under
 //!    the most runs in steps whose `max P` the rank with the most already sets: holding it for
 //!    a wave saves no step time and adds its wait. Among the ranks a prompt fits, it goes to
-//!    the one with the least KV of those whose queued prefill is within `fill_slack` (0.25)
+//!    the one with the least KV of those whose queued prefill is within `fill_slack` (1)
 //!    times the prompt of the least queued: the least queued alone serves its TTFT and lets
 //!    the KV spread grow; the least KV alone queues it behind more prefill. A prompt that fits
 //!    nowhere waits for the wave or the guard, and the guard's count for the oldest request
@@ -153,13 +153,13 @@ pub struct BrcConfig {
     pub fill_under: bool,
     /// Which rank a prompt filled under the most goes to (rule 6): among the ranks it fits,
     /// those whose queued prefill is within `fill_slack` times the prompt of the least queued,
-    /// and of those the one with the least KV. In `[0, 4]`. 0.25 by default: on mooncake at 60%
-    /// and 85% load (G = 8-32, tools/sim/RESULTS.md, "Prefill waves") it keeps TTFT p99 within
-    /// 1.08× the best baseline's and TPOT p95 no worse than least-tokens' in every cell; the
-    /// least queued alone (0) put TPOT p95 0.03-0.17% above least-tokens' at 85% load, G = 16
-    /// and 32, beyond the seed spread, and 0.5 and 4 each miss one such cell by as little
-    /// (TPOT there is 4.3 s, nearly all prefill: the KV term is what moves); 1 holds too, with
-    /// TTFT p99 up to 1.11×.
+    /// and of those the one with the least KV. In `[0, 4]`. 1 by default: on mooncake's request
+    /// lengths at 60% and 85% load (G = 8-32, tools/sim/RESULTS.md, "Prefill waves") it keeps
+    /// TTFT p99 within 1.04× the best baseline's with TPOT p95 within 0.07% of least-tokens'
+    /// (4.4 s a token there, nearly all of it prefill). The least queued alone (0) lets the KV
+    /// spread grow, TPOT p95 up to 0.6% above least-tokens'; the least KV alone queues prompts
+    /// behind more prefill, TTFT p99 up to 1.38× (1.11× at 4). No value kept TPOT p95 within
+    /// the seed spread in every 85% cell.
     pub fill_slack: f64,
 }
 
@@ -173,7 +173,7 @@ impl Default for BrcConfig {
             kv_swap: true,
             lookahead: 0.5,
             fill_under: true,
-            fill_slack: 0.25,
+            fill_slack: 1.0,
         }
     }
 }
@@ -816,25 +816,25 @@ mod tests {
         w.dispatch(&mut pool, &st, &mut out);
         // 6,000 fits under rank 0's 10,000 on ranks 1 and 2, both with nothing queued: the one
         // with less KV (2) takes it. 12,000 fits nowhere and waits. 5,000 fits only on rank 1
-        // (rank 2 would reach 11,000). 3,000 fits on both; rank 1's 5,000 queued is the least
-        // and rank 2's 6,000 is more than a quarter of 3,000 above it: rank 1, for its TTFT,
-        // though it holds more KV.
-        assert_eq!(placed(&out), vec![(100, 2), (102, 1), (103, 1)]);
+        // (rank 2 would reach 11,000). 3,000 fits on both, rank 1 with 5,000 queued and rank 2
+        // with 6,000, within one prompt of each other: rank 2, the one with less KV (after the
+        // 6,000 it took in this tick).
+        assert_eq!(placed(&out), vec![(100, 2), (102, 1), (103, 2)]);
         assert!(out.iter().all(|a| a.stage == Stage::Greedy));
         assert_eq!(pool.len(), 1);
         assert!(pool.contains(101));
         // the oldest went: the hold starts again for the next
         assert_eq!(w.held, 0);
-        // with a slack of four prompts both ranks are near enough for the 3,000: rank 2, the
-        // one with less KV (after the 6,000 it took in this tick)
+        // with a slack of a quarter prompt rank 2's 6,000 is too far above rank 1's 5,000 for
+        // the 3,000: rank 1, for its TTFT, though it holds more KV
         let (st, mut pool) = one_rank_prefilling(&[6_000, 12_000, 5_000, 3_000]);
         let mut w = Waves::new(BrcConfig {
-            fill_slack: 4.0,
+            fill_slack: 0.25,
             ..BrcConfig::default()
         });
         let mut out = Vec::new();
         w.dispatch(&mut pool, &st, &mut out);
-        assert_eq!(placed(&out), vec![(100, 2), (102, 1), (103, 2)]);
+        assert_eq!(placed(&out), vec![(100, 2), (102, 1), (103, 1)]);
     }
 
     #[test]
