@@ -82,9 +82,9 @@
 //!    first token, not its chunks), so a prompt may land beside the last chunk of a longer
 //!    one and lengthen that step; a wave held for it would cost that and its wait. With
 //!    12k-token prompts (mooncake's) at 60% and 85% load the pool is shallow and some rank is
-//!    nearly always prefilling: holding every prompt for a wave put TTFT p99 at 1.21-1.60× the
-//!    best baseline's, filling under at 0.85-1.08× with TPOT p95 no worse (tools/sim/RESULTS.md,
-//!    "Prefill waves"). In a deep pool the slots are what is short and the waves stay as
+//!    nearly always prefilling: holding every prompt for a wave put TTFT p99 at 1.26-1.69× the
+//!    best baseline's, filling under at 0.77-1.04× (tools/sim/RESULTS.md, "Prefill waves";
+//!    design note 0027). In a deep pool the slots are what is short and the waves stay as
 //!    they are.
 //!
 //! Without colocated prefill (a decode tier) a request writes its first token at its first
@@ -146,8 +146,8 @@ pub struct BrcConfig {
     /// ranks with less prefill queued than the rank with the most (rule 6), up to that most:
     /// there a prompt runs in steps whose `max P` the rank with the most already sets, and
     /// holding it saves no step time. True by default: on mooncake's 12k-token prompts at 60%
-    /// and 85% load (G = 8-32) it took BR-C's TTFT p99 from 1.21-1.60× the best baseline's to
-    /// 0.85-1.08×; adp-shape and azure2023_conv moved within their seed spread
+    /// and 85% load (G = 8-32) it took BR-C's TTFT p99 from 1.26-1.69× the best baseline's to
+    /// 0.77-1.04×; adp-shape and azure2023_conv moved within their seed spread
     /// (tools/sim/RESULTS.md, "Prefill waves"). False holds every prompt for a wave or the
     /// guard.
     pub fill_under: bool,
