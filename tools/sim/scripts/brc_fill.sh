@@ -21,15 +21,6 @@ declare -A WORKLOADS=(
   [mooncake]="$TRACES/mooncake_conversation_trace.jsonl"
 )
 
-# requests/s at FRACTION of capacity, as brc_targets.sh computes it
-rate_at() { # file, G, fraction
-  awk -v g="$2" -v f="$3" '
-    /^workload / { for (i = 1; i <= NF; i++) if ($i == "output" && $(i + 1) == "mean") out = $(i + 2) }
-    /^policy +G +imbalance +s.imbal +barrier_idle/ { mean = 1; next }
-    mean && $2 == g && $1 !~ /^br/ && $10 > best { best = $10 }
-    END { printf "%.4f", f * best / out }' "$1"
-}
-
 for wl in adp-shape azure2023_conv mooncake; do
   saturated="$OUT/P-brc-T-$wl-saturated.txt"
   [ -f "$saturated" ] || { echo "missing $saturated: run scripts/brc_targets.sh $OUT first" >&2; exit 1; }

@@ -48,16 +48,6 @@ sweep() { # output name, then br-sim sweep arguments
   { echo "\$ br-sim sweep $*"; "$SIM" sweep "$@" 2>/dev/null; } > "$OUT/$name.txt"
 }
 
-# requests/s at FRACTION of capacity: the best baseline's steady tok/s (the mean table) over
-# the workload's mean output (the sweep's first line)
-rate_at() { # file, G, fraction
-  awk -v g="$2" -v f="$3" '
-    /^workload / { for (i = 1; i <= NF; i++) if ($i == "output" && $(i + 1) == "mean") out = $(i + 2) }
-    /^policy +G +imbalance +s.imbal +barrier_idle/ { mean = 1; next }
-    mean && $2 == g && $1 !~ /^br/ && $10 > best { best = $10 }
-    END { printf "%.4f", f * best / out }' "$1"
-}
-
 if [ "${2:-}" != robust ]; then
   for wl in $RUN_WORKLOADS; do
     trace="${WORKLOADS[$wl]}"

@@ -681,30 +681,35 @@ mod tests {
     /// Two ranks of 4 slots, one running request on each (1,000-token prompts, 10 tokens
     /// written); rank 0 is full with queued requests, so a wave is never ready and every
     /// tick is a hold.
-    fn held_group() -> (ClusterState, Pool) {
-        use crate::state::{Phase, RequestInfo};
-        let mut st = ClusterState::with_workers(&[4, 4]);
-        let info = |key, worker, phase, generated| RequestInfo {
+    /// A request on `worker` with a `prompt_tokens` prompt, in `phase`, `generated` tokens
+    /// written.
+    fn request(
+        key: u64,
+        worker: WorkerId,
+        prompt_tokens: u32,
+        phase: crate::state::Phase,
+        generated: u32,
+    ) -> crate::state::RequestInfo {
+        crate::state::RequestInfo {
             key,
             worker,
-            prompt_tokens: 1_000,
+            prompt_tokens,
             generated,
             phase,
             prompt_hash: None,
             oracle_output: None,
             expected_output: None,
             class: None,
-        };
-        st.reserve(info(1, 0, Phase::Running, 10)).unwrap();
-        st.reserve(info(2, 1, Phase::Running, 10)).unwrap();
-        for key in 3..6 {
-            st.reserve(info(key, 0, Phase::Queued, 0)).unwrap();
         }
+    }
+
+    /// A pool of `prompts`, oldest first, keyed from `first_key`.
+    fn pool_of(first_key: u64, prompts: &[u32]) -> Pool {
         let mut pool = Pool::new();
-        for key in 100..110 {
+        for (key, &prompt_tokens) in (first_key..).zip(prompts) {
             pool.push(PoolEntry {
                 key,
-                prompt_tokens: 500,
+                prompt_tokens,
                 prompt_hash: None,
                 oracle_output: None,
                 expected_output: None,
@@ -712,7 +717,21 @@ mod tests {
             })
             .unwrap();
         }
-        (st, pool)
+        pool
+    }
+
+    fn held_group() -> (ClusterState, Pool) {
+        use crate::state::Phase;
+        let mut st = ClusterState::with_workers(&[4, 4]);
+        st.reserve(request(1, 0, 1_000, Phase::Running, 10))
+            .unwrap();
+        st.reserve(request(2, 1, 1_000, Phase::Running, 10))
+            .unwrap();
+        for key in 3..6 {
+            st.reserve(request(key, 0, 1_000, Phase::Queued, 0))
+                .unwrap();
+        }
+        (st, pool_of(100, &[500; 10]))
     }
 
     #[test]
@@ -772,35 +791,14 @@ mod tests {
     /// decodes a request holding 40,010 KV tokens, rank 2 one holding 1,010; the pool holds
     /// `prompts`, oldest first (keys from 100).
     fn one_rank_prefilling(prompts: &[u32]) -> (ClusterState, Pool) {
-        use crate::state::{Phase, RequestInfo};
+        use crate::state::Phase;
         let mut st = ClusterState::with_workers(&[4, 4, 4]);
-        let info = |key, worker, prompt_tokens, phase, generated| RequestInfo {
-            key,
-            worker,
-            prompt_tokens,
-            generated,
-            phase,
-            prompt_hash: None,
-            oracle_output: None,
-            expected_output: None,
-            class: None,
-        };
-        st.reserve(info(1, 0, 10_000, Phase::Queued, 0)).unwrap();
-        st.reserve(info(2, 1, 40_000, Phase::Running, 10)).unwrap();
-        st.reserve(info(3, 2, 1_000, Phase::Running, 10)).unwrap();
-        let mut pool = Pool::new();
-        for (i, &prompt_tokens) in prompts.iter().enumerate() {
-            pool.push(PoolEntry {
-                key: 100 + i as u64,
-                prompt_tokens,
-                prompt_hash: None,
-                oracle_output: None,
-                expected_output: None,
-                class: None,
-            })
+        st.reserve(request(1, 0, 10_000, Phase::Queued, 0)).unwrap();
+        st.reserve(request(2, 1, 40_000, Phase::Running, 10))
             .unwrap();
-        }
-        (st, pool)
+        st.reserve(request(3, 2, 1_000, Phase::Running, 10))
+            .unwrap();
+        (st, pool_of(100, prompts))
     }
 
     fn placed(out: &[Admission]) -> Vec<(u64, WorkerId)> {
