@@ -439,16 +439,7 @@ impl Waves {
                 p.1 = j;
             }
         }
-        for (e, j) in picks {
-            pool.remove(e.key);
-            out.push(Admission {
-                key: e.key,
-                worker: free[j],
-                prompt_tokens: e.prompt_tokens,
-                score: f64::NAN,
-                stage,
-            });
-        }
+        admit(pool, picks, &free, stage, out);
     }
 }
 
@@ -508,17 +499,29 @@ impl Waves {
             picks.push((e.clone(), j));
         }
         let oldest_went = picks.iter().any(|(e, _)| Some(e.key) == oldest);
-        for (e, j) in picks {
-            pool.remove(e.key);
-            out.push(Admission {
-                key: e.key,
-                worker: free[j],
-                prompt_tokens: e.prompt_tokens,
-                score: f64::NAN,
-                stage: Stage::Greedy,
-            });
-        }
+        admit(pool, picks, free, Stage::Greedy, out);
         oldest_went
+    }
+}
+
+/// Takes each picked request (and the index into `free` of the rank it goes to) out of the pool
+/// and appends its admission (BR-C scores nothing: NaN).
+fn admit(
+    pool: &mut Pool,
+    picks: Vec<(PoolEntry, usize)>,
+    free: &[WorkerId],
+    stage: Stage,
+    out: &mut Vec<Admission>,
+) {
+    for (e, j) in picks {
+        pool.remove(e.key);
+        out.push(Admission {
+            key: e.key,
+            worker: free[j],
+            prompt_tokens: e.prompt_tokens,
+            score: f64::NAN,
+            stage,
+        });
     }
 }
 
