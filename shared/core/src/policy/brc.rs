@@ -441,9 +441,7 @@ impl Waves {
         }
         admit(pool, picks, &free, stage, out);
     }
-}
 
-impl Waves {
     /// Rule 6, between waves in a shallow pool while a rank is prefilling: a rank with less
     /// prefill queued than the most any live rank has (`top`: σ's prompt tokens without a
     /// first token) takes waiting prompts, oldest first, up to `top`; each goes, among the
@@ -473,11 +471,28 @@ impl Waves {
             .collect();
         // KV after this tick's prompts
         let mut kv: Vec<u64> = free.iter().map(|&w| workers[w as usize].load()).collect();
+        // the most room any rank with a free slot has left: a prompt above it is passed over
+        // at once, and the scan ends when it is 0, so a tick costs O(pool + G · placed), not
+        // O(pool · G) (a shallow pool at G = 64 can hold thousands while nothing fits)
+        let room = |queued: &[u64], left: &[u32]| {
+            (0..queued.len())
+                .filter(|&j| left[j] > 0)
+                .map(|j| top.saturating_sub(queued[j]))
+                .max()
+                .unwrap_or(0)
+        };
+        let mut most_room = room(&queued, &left);
         let oldest = pool.oldest(1).next().map(|e| e.key);
         let mut picks: Vec<(PoolEntry, usize)> = Vec::new();
         // the pool is shallow: every waiting request is a candidate
         for e in pool.oldest(pool.len()) {
+            if most_room == 0 {
+                break;
+            }
             let prompt = u64::from(e.prompt_tokens);
+            if prompt > most_room {
+                continue;
+            }
             let fits = |j: usize| left[j] > 0 && queued[j] + prompt <= top;
             let Some(least) = (0..free.len())
                 .filter(|&j| fits(j))
@@ -497,6 +512,7 @@ impl Waves {
             queued[j] += prompt;
             kv[j] += prompt;
             picks.push((e.clone(), j));
+            most_room = room(&queued, &left);
         }
         let oldest_went = picks.iter().any(|(e, _)| Some(e.key) == oldest);
         admit(pool, picks, free, Stage::Greedy, out);
@@ -681,9 +697,6 @@ mod tests {
         assert_eq!(w.budget(false), 64);
     }
 
-    /// Two ranks of 4 slots, one running request on each (1,000-token prompts, 10 tokens
-    /// written); rank 0 is full with queued requests, so a wave is never ready and every
-    /// tick is a hold.
     /// A request on `worker` with a `prompt_tokens` prompt, in `phase`, `generated` tokens
     /// written.
     fn request(
@@ -723,6 +736,9 @@ mod tests {
         pool
     }
 
+    /// Two ranks of 4 slots, one running request on each (1,000-token prompts, 10 tokens
+    /// written); rank 0 is full with queued requests, so a wave is never ready and every
+    /// tick is a hold.
     fn held_group() -> (ClusterState, Pool) {
         use crate::state::Phase;
         let mut st = ClusterState::with_workers(&[4, 4]);
