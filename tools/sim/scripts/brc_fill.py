@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from brc_targets import moderate
+
 WORKLOADS = ["adp-shape", "azure2023_conv", "mooncake"]
 
 
@@ -22,23 +24,21 @@ def main(out):
                 path = os.path.join(out, f"P-brc-fill-{wl}-G{g}-poisson{pct}.json")
                 if os.path.exists(path):
                     with open(path) as f:
-                        cells.append((wl, g, pct, json.load(f)))
+                        cells.append((wl, g, pct, path, json.load(f)))
     if not cells:
         sys.exit(f"no P-brc-fill-*.json in {out}")
-    variants = [p for p in cells[0][3]["policies"] if p.startswith("brc")]
+    variants = [p for p in cells[0][4]["policies"] if p.startswith("brc")]
     misses = {v: [] for v in variants}
     print("cell | " + " | ".join(variants))
     print("|".join(["---"] * (len(variants) + 1)))
-    for wl, g, pct, j in cells:
+    for wl, g, pct, path, j in cells:
         row = [f"{wl} G={g} {pct}%"]
         for v in variants:
-            m = j["policies"][v]
-            t99 = m["ttft_p99_ms"]
-            ratio = t99["mean"] / (t99["mean"] - t99["delta"])
-            t95 = m["tpot_p95_ms"]
-            flag = t95["verdict"]
-            row.append(f"{ratio:.2f}x, {t95['delta']:+.1f} ± {t95['se']:.1f}{flag}")
-            if ratio > 1.25 or flag == "!":
+            m = moderate(path, v)
+            d, se, _ = m["tpot"]
+            flag = j["policies"][v]["tpot_p95_ms"]["verdict"]
+            row.append(f"{m['ttft']:.2f}x, {d:+.1f} ± {se:.1f}{flag}")
+            if m["ttft"] > 1.25 or m["tpot_worse"]:
                 misses[v].append(f"{wl} G={g} {pct}%")
         print(" | ".join(row))
     print()

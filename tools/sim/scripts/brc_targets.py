@@ -67,11 +67,13 @@ def saturated(path, g):
     }
 
 
-def moderate(path):
+def moderate(path, policy="brc"):
+    """A BR-C policy's TTFT p99 over the best baseline's and its paired TPOT p95 delta
+    (delta, standard error, the baseline's mean) from paired.py's JSON."""
     with open(path) as f:
         j = json.load(f)
     best, pol = j["best_baseline"], j["policies"]
-    brc = pol["brc"]
+    brc = pol[policy]
     ttft_ratio = brc["ttft_p99_ms"]["mean"] / pol[best["ttft_p99_ms"]]["ttft_p99_ms"]["mean"]
     tpot = brc["tpot_p95_ms"]
     return {
