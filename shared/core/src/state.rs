@@ -98,6 +98,18 @@ impl WorkerInfo {
     pub fn requests(&self) -> u32 {
         self.running + self.queued
     }
+
+    /// A request with a `prompt_tokens` prompt and no first token came to this worker.
+    fn prefill_started(&mut self, prompt_tokens: u32) {
+        self.prefilling += 1;
+        self.prefill_tokens += u64::from(prompt_tokens);
+    }
+
+    /// A request with a `prompt_tokens` prompt wrote its first token, or left before it.
+    fn prefill_ended(&mut self, prompt_tokens: u32) {
+        self.prefilling -= 1;
+        self.prefill_tokens -= u64::from(prompt_tokens);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -274,8 +286,7 @@ impl ClusterState {
         }
         let w = &mut self.workers[idx];
         if info.generated == 0 {
-            w.prefilling += 1;
-            w.prefill_tokens += u64::from(info.prompt_tokens);
+            w.prefill_started(info.prompt_tokens);
         }
         match info.phase {
             Phase::Queued => {
@@ -380,8 +391,7 @@ impl ClusterState {
         let idx = slot.info.worker as usize;
         let w = &mut self.workers[idx];
         if old_generated == 0 && generated > 0 {
-            w.prefilling -= 1;
-            w.prefill_tokens -= u64::from(slot.info.prompt_tokens);
+            w.prefill_ended(slot.info.prompt_tokens);
         }
         if was_queued {
             w.queued -= 1;
@@ -409,8 +419,7 @@ impl ClusterState {
                     && slot.info.phase == Phase::Running
                 {
                     if slot.info.generated == 0 {
-                        w.prefilling -= 1;
-                        w.prefill_tokens -= u64::from(slot.info.prompt_tokens);
+                        w.prefill_ended(slot.info.prompt_tokens);
                     }
                     slot.info.generated += 1;
                 }
@@ -443,8 +452,7 @@ impl ClusterState {
         let kv = slot.info.kv_tokens();
         let w = &mut self.workers[idx];
         if slot.info.generated == 0 {
-            w.prefilling -= 1;
-            w.prefill_tokens -= u64::from(slot.info.prompt_tokens);
+            w.prefill_ended(slot.info.prompt_tokens);
         }
         match slot.info.phase {
             Phase::Queued => {
