@@ -50,8 +50,9 @@ pub fn shrink_sparse_queue<T>(queue: &mut VecDeque<T>) -> bool {
     sparse
 }
 
-/// The one rule for both: above the minimum capacity, under a quarter used.
-fn is_sparse(len: usize, capacity: usize) -> bool {
+/// The one rule for every collection: above the minimum capacity, under a quarter used (for
+/// a table of another type than std's, which shrinks as [`shrink_sparse_map`] does).
+pub fn is_sparse(len: usize, capacity: usize) -> bool {
     capacity > SHRINK_MIN_CAPACITY && len < capacity / 4
 }
 

@@ -34,6 +34,7 @@ mod batch;
 pub mod change;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
+mod id_key;
 mod size;
 mod store;
 pub mod summary;

@@ -6,8 +6,9 @@ use br_core::{ClusterState, Phase, RequestInfo, RequestKey, WorkerId};
 use br_proto::v1;
 use br_proto::v1::change::Kind;
 use br_proto::valid::{RequestId, limits};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
+use crate::id_key::{ById, IdKey};
 use crate::types::{Delta, Hints, Liveness, Request, RequestBound, SigmaError, SlotHint, Worker};
 use crate::{MAX_CARRIER_BYTES, MAX_REQUEST_TOKENS, MAX_WORKER_ID};
 
@@ -20,7 +21,8 @@ pub struct Sigma {
     pub(crate) epoch: u64,
     pub(crate) version: u64,
     workers: BTreeMap<WorkerId, Worker>,
-    pub(crate) requests: FxHashMap<RequestId, Request>,
+    /// By id, the id inline in the table where it fits ([`IdKey`]).
+    pub(crate) requests: hashbrown::HashMap<IdKey, Request, FxBuildHasher>,
     pub(crate) ids: FxHashMap<RequestKey, RequestId>,
     next_key: RequestKey,
     cluster: ClusterState,
@@ -55,7 +57,7 @@ impl Sigma {
             epoch,
             version,
             workers: BTreeMap::new(),
-            requests: FxHashMap::default(),
+            requests: hashbrown::HashMap::default(),
             ids: FxHashMap::default(),
             next_key: 1,
             cluster: ClusterState::new(),
@@ -158,7 +160,7 @@ impl Sigma {
 
     /// The core key of a request in σ.
     pub fn key_of(&self, request_id: &str) -> Option<RequestKey> {
-        self.requests.get(request_id).map(|r| r.key)
+        self.requests.get(&ById(request_id)).map(|r| r.key)
     }
 
     /// The request id of a core key.
@@ -188,7 +190,7 @@ impl Sigma {
     }
 
     pub fn request(&self, request_id: &str) -> Option<&Request> {
-        self.requests.get(request_id)
+        self.requests.get(&ById(request_id))
     }
 
     /// Every request, in no particular order.
@@ -214,7 +216,9 @@ impl Sigma {
     /// Gives back the capacity of the request maps once a burst that filled them is over
     /// (see [`br_memory::shrink_sparse_map`]); σ itself does not change. For housekeeping.
     pub fn shrink_sparse(&mut self) {
-        br_memory::shrink_sparse_map(&mut self.requests);
+        if br_memory::is_sparse(self.requests.len(), self.requests.capacity()) {
+            self.requests.shrink_to(2 * self.requests.len());
+        }
         br_memory::shrink_sparse_map(&mut self.ids);
     }
 
@@ -346,7 +350,7 @@ impl Sigma {
         if w.cordoned {
             return Err(SigmaError::WorkerCordoned(r.worker_id));
         }
-        if self.requests.contains_key(id.as_str()) {
+        if self.requests.contains_key(&ById(id.as_str())) {
             return Err(SigmaError::DuplicateRequest(r.request_id.clone()));
         }
         self.check_room(r.worker_id)?;
@@ -374,7 +378,7 @@ impl Sigma {
         // on every replica, once per progress event: it takes one lookup by id and allocates
         // nothing. An id σ holds was validated when it came in, so only a new one is checked
         // (and interned), in the order the checks always had.
-        let Some(old) = self.requests.get_mut(p.request_id.as_str()) else {
+        let Some(old) = self.requests.get_mut(&ById(&p.request_id)) else {
             let id = request_id(&p.request_id)?;
             check_tokens(p.prompt_tokens, p.generated_tokens)?;
             let w = self.check_worker(p.worker_id, p.incarnation)?;
@@ -450,7 +454,7 @@ impl Sigma {
         r.generated_tokens = p.generated_tokens;
         r.phase = Phase::Running;
         r.slot = self.core_insert(&r)?;
-        self.requests.insert(r.id.clone(), r);
+        self.requests.insert(IdKey::new(&r.id), r);
         self.count_generated(p.worker_id, more);
         Ok(true)
     }
@@ -459,7 +463,7 @@ impl Sigma {
     fn remove_request(&mut self, id: &str, reserved_only: bool) -> Result<Request, SigmaError> {
         let r = self
             .requests
-            .get(id)
+            .get(&ById(id))
             .ok_or_else(|| SigmaError::UnknownRequest(id.to_owned()))?;
         if reserved_only && r.phase != Phase::Queued {
             return Err(SigmaError::NotReserved(id.to_owned()));
@@ -467,7 +471,7 @@ impl Sigma {
         self.cluster.remove(r.key)?;
         let r = self
             .requests
-            .remove(id)
+            .remove(&ById(id))
             .ok_or_else(|| SigmaError::UnknownRequest(id.to_owned()))?;
         self.ids.remove(&r.key);
         Ok(r)
@@ -515,7 +519,7 @@ impl Sigma {
         r.slot = self.core_insert(&r)?;
         self.next_key += 1;
         self.ids.insert(r.key, r.id.clone());
-        self.requests.insert(r.id.clone(), r);
+        self.requests.insert(IdKey::new(&r.id), r);
         Ok(())
     }
 
@@ -554,7 +558,7 @@ impl Sigma {
     fn forget(&mut self, dropped: &[RequestInfo]) {
         for info in dropped {
             if let Some(id) = self.ids.remove(&info.key) {
-                self.requests.remove(id.as_str());
+                self.requests.remove(&ById(id.as_str()));
             }
         }
     }

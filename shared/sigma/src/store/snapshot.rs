@@ -53,7 +53,7 @@ impl Sigma {
                 )));
             }
             check_tokens(r.prompt_tokens, r.generated_tokens)?;
-            if s.requests.contains_key(id.as_str()) {
+            if s.requests.contains_key(&crate::id_key::ById(id.as_str())) {
                 return Err(SigmaError::DuplicateRequest(r.request_id.clone()));
             }
             s.check_worker(r.worker_id, r.incarnation)?;
