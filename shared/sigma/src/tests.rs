@@ -64,6 +64,44 @@ fn reservation_progress_finish_move_loads() {
 /// the routing core's view of it, in snapshots and on every replica; a request σ learns of from
 /// telemetry alone has none.
 #[test]
+fn after_a_burst_the_request_table_gives_its_room_back_and_still_finds_what_stayed() {
+    let mut s = sigma();
+    commit(&mut s, vec![worker_up(0, 11, 20_000, "")]).unwrap();
+    // Short and long ids: both forms of the table's key.
+    let id = |i: u32| {
+        if i.is_multiple_of(2) {
+            format!("r{i}")
+        } else {
+            format!("r{i}-{}", "x".repeat(60))
+        }
+    };
+    commit(
+        &mut s,
+        (0..10_000)
+            .map(|i| request_progress(&id(i), 0, 11, 10, 1))
+            .collect(),
+    )
+    .unwrap();
+    commit(
+        &mut s,
+        (10..10_000).map(|i| request_finished(&id(i), 2)).collect(),
+    )
+    .unwrap();
+    let before = s.requests.capacity();
+    s.shrink_sparse();
+    assert!(
+        s.requests.capacity() < before / 4,
+        "{} of {before}",
+        s.requests.capacity()
+    );
+    for i in 0..10 {
+        assert_eq!(s.request(&id(i)).unwrap().generated_tokens, 1, "{}", id(i));
+    }
+    assert!(s.request(&id(10)).is_none());
+    assert_eq!(s.request_count(), 10);
+}
+
+#[test]
 fn hints_stay_with_the_request() {
     let hints = Hints {
         expected_output: Some(300),
@@ -484,7 +522,7 @@ fn to_change(op: &Op) -> Option<v1::Change> {
     // Odd requests have ids too long to keep inline in σ's table, so both forms of its key
     // go through every change.
     let id = |r: &u8| {
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             format!("req-{r}")
         } else {
             format!("req-{r}-{}", "x".repeat(60))
