@@ -2,8 +2,9 @@
 //! snapshot writer and on every decision replica: the lookup of the request by its id in σ's
 //! table, then the routing core's slot. σ as a busy group holds it: G = 64 ranks × 256
 //! requests after two rounds of churn, and reports arrive in an order unrelated to arrival.
-//! Two shapes of id: 37 bytes (`cmpl-` and a UUID's 32 hex digits, as vLLM and SGLang name
-//! requests) and 73 bytes (a gateway's longer id). Run: `cargo bench -p br-sigma --bench apply`.
+//! Two shapes of id: 37 bytes (`cmpl-` and a UUID's 32 hex digits, as vLLM names a
+//! completion), kept inline in σ's table, and 73 bytes (a gateway's longer id), kept behind a
+//! pointer. Run: `cargo bench -p br-sigma --bench apply`.
 
 use br_proto::v1;
 use br_sigma::{Sigma, change};
