@@ -60,21 +60,21 @@ fn reservation_progress_finish_move_loads() {
     assert_eq!((s.key_of("r1"), s.id_of(key)), (None, None));
 }
 
-/// The gateway's hints stay with a request for its life in σ (reserved, running, moved), in
-/// the routing core's view of it, in snapshots and on every replica; a request σ learns of from
-/// telemetry alone has none.
+/// Request `i`'s id: short for even `i`, too long for odd `i` to be kept inline in σ's table,
+/// so both forms of its key go through whatever a test does.
+fn id_in_either_form(i: u32) -> String {
+    if i.is_multiple_of(2) {
+        format!("req-{i}")
+    } else {
+        format!("req-{i}-{}", "x".repeat(60))
+    }
+}
+
 #[test]
 fn after_a_burst_the_request_table_gives_its_room_back_and_still_finds_what_stayed() {
     let mut s = sigma();
     commit(&mut s, vec![worker_up(0, 11, 20_000, "")]).unwrap();
-    // Short and long ids: both forms of the table's key.
-    let id = |i: u32| {
-        if i.is_multiple_of(2) {
-            format!("r{i}")
-        } else {
-            format!("r{i}-{}", "x".repeat(60))
-        }
-    };
+    let id = id_in_either_form;
     commit(
         &mut s,
         (0..10_000)
@@ -101,6 +101,9 @@ fn after_a_burst_the_request_table_gives_its_room_back_and_still_finds_what_stay
     assert_eq!(s.request_count(), 10);
 }
 
+/// The gateway's hints stay with a request for its life in σ (reserved, running, moved), in
+/// the routing core's view of it, in snapshots and on every replica; a request σ learns of from
+/// telemetry alone has none.
 #[test]
 fn hints_stay_with_the_request() {
     let hints = Hints {
@@ -519,15 +522,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn to_change(op: &Op) -> Option<v1::Change> {
-    // Odd requests have ids too long to keep inline in σ's table, so both forms of its key
-    // go through every change.
-    let id = |r: &u8| {
-        if r.is_multiple_of(2) {
-            format!("req-{r}")
-        } else {
-            format!("req-{r}-{}", "x".repeat(60))
-        }
-    };
+    let id = |r: &u8| id_in_either_form(u32::from(*r));
     Some(match op {
         // the carrier varies with the capacity, so a takeover (same incarnation, another
         // replica) is among the histories replicas must follow
