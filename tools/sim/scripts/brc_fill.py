@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from brc_targets import moderate
+from brc_targets import moderate_of
 
 WORKLOADS = ["adp-shape", "azure2023_conv", "mooncake"]
 
@@ -24,17 +24,17 @@ def main(out):
                 path = os.path.join(out, f"P-brc-fill-{wl}-G{g}-poisson{pct}.json")
                 if os.path.exists(path):
                     with open(path) as f:
-                        cells.append((wl, g, pct, path, json.load(f)))
+                        cells.append((wl, g, pct, json.load(f)))
     if not cells:
         sys.exit(f"no P-brc-fill-*.json in {out}")
-    variants = [p for p in cells[0][4]["policies"] if p.startswith("brc")]
+    variants = [p for p in cells[0][3]["policies"] if p.startswith("brc")]
     misses = {v: [] for v in variants}
     print("cell | " + " | ".join(variants))
     print("|".join(["---"] * (len(variants) + 1)))
-    for wl, g, pct, path, j in cells:
+    for wl, g, pct, j in cells:
         row = [f"{wl} G={g} {pct}%"]
         for v in variants:
-            m = moderate(path, v)
+            m = moderate_of(j, v)
             d, se, _ = m["tpot"]
             flag = j["policies"][v]["tpot_p95_ms"]["verdict"]
             row.append(f"{m['ttft']:.2f}x, {d:+.1f} ± {se:.1f}{flag}")

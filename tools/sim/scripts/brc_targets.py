@@ -68,10 +68,14 @@ def saturated(path, g):
 
 
 def moderate(path, policy="brc"):
-    """A BR-C policy's TTFT p99 over the best baseline's and its paired TPOT p95 delta
-    (delta, standard error, the baseline's mean) from paired.py's JSON."""
+    """moderate_of() the paired.py JSON at `path`."""
     with open(path) as f:
-        j = json.load(f)
+        return moderate_of(json.load(f), policy)
+
+
+def moderate_of(j, policy="brc"):
+    """A BR-C policy's TTFT p99 over the best baseline's and its paired TPOT p95 delta
+    (delta, standard error, the baseline's mean) from paired.py's JSON, loaded."""
     best, pol = j["best_baseline"], j["policies"]
     brc = pol[policy]
     ttft_ratio = brc["ttft_p99_ms"]["mean"] / pol[best["ttft_p99_ms"]]["ttft_p99_ms"]["mean"]
