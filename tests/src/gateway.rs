@@ -617,8 +617,9 @@ pub async fn leaves_mid_stream(stack: &Stack, gw: SocketAddr, id: &str) {
 /// pool, the client leaves, and the gateway cancels that Assign: the pool empties while the
 /// ranks are still full, no reservation is left, and a Cancel was answered. The two streams
 /// are then closed and released.
-pub async fn leaves_while_assign_waits(stack: &Stack, gw: SocketAddr, prefix: &str) {
+pub async fn leaves_while_assign_waits(stack: &Stack, gateway: &Gateway, prefix: &str) {
     use tokio::io::AsyncWriteExt as _;
+    let gw = gateway.addr;
     let first = open_long_stream(stack, gw, &format!("{prefix}-fill-a")).await;
     let second = open_long_stream(stack, gw, &format!("{prefix}-fill-b")).await;
     let in_group = format!("group=\"{GROUP}\"");
@@ -638,10 +639,24 @@ pub async fn leaves_while_assign_waits(stack: &Stack, gw: SocketAddr, prefix: &s
     })
     .await;
     drop(waiting);
-    br_testkit::eventually(
+    // The last pool size and Cancel count read, and the gateway's log, for a failure message.
+    let seen = std::sync::Mutex::new((1.0, before));
+    br_testkit::eventually_or(
         LONG,
         &format!("the gateway cancels the Assign of {id}, whose client left"),
-        || async { pool().await == 0.0 && cancels_answered(stack).await > before },
+        || async {
+            let now = (pool().await, cancels_answered(stack).await);
+            *seen.lock().unwrap() = now;
+            now.0 == 0.0 && now.1 > before
+        },
+        || {
+            let (pool, cancels) = *seen.lock().unwrap();
+            format!(
+                "pool size {pool}, Cancels answered {cancels} (before the client left: \
+                 {before}); the gateway logged:\n{}",
+                gateway.logs()
+            )
+        },
     )
     .await;
     assert!(

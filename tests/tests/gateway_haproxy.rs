@@ -68,7 +68,7 @@ async fn haproxy_routes_streams_and_cancels_through_balanceroute() {
 
     // A client that leaves while its Assign waits for a place: HAProxy aborts the action and
     // the filter cancels the Assign.
-    gateway::leaves_while_assign_waits(&stack, gw.addr, "haproxy").await;
+    gateway::leaves_while_assign_waits(&stack, &gw, "haproxy").await;
 
     // What the request says of its output reaches decision (σ holds it); bodies without it
     // are routed all the same; a value decision cannot take gets decision's 400 and code.

@@ -63,7 +63,7 @@ async fn nginx_routes_streams_and_cancels_through_balanceroute() {
     wait_released(&stack, &made).await;
 
     // A client that leaves while its Assign waits for a place: nginx cancels it.
-    gateway::leaves_while_assign_waits(&stack, gw.addr, "nginx").await;
+    gateway::leaves_while_assign_waits(&stack, &gw, "nginx").await;
 
     // What the request says of its output reaches decision (σ holds it); bodies without it
     // are routed all the same; a value decision cannot take gets decision's 400 and code.

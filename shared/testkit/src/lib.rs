@@ -37,7 +37,7 @@ pub use fake_snapshot::FakeSnapshot;
 pub use net::{ReservedPort, Served};
 pub use prom::Metrics;
 pub use proxy::FaultProxy;
-pub use wait::{eventually, eventually_some, within};
+pub use wait::{eventually, eventually_or, eventually_some, within};
 
 /// How long a test waits for something that should happen "soon" before calling it a hang.
 /// Generous on purpose: it turns a hang into a failure on a busy 2-core machine, it is not a

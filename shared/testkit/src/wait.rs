@@ -26,24 +26,70 @@ where
 
 /// Polls `check` until it returns `Some`, and returns that; panics after `timeout` naming
 /// `what`.
-pub async fn eventually_some<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+pub async fn eventually_some<T, F, Fut>(timeout: Duration, what: &str, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    eventually_some_or(timeout, what, check, String::new).await
+}
+
+/// As [`eventually`], and the panic also says `describe()`: what was seen instead (the last
+/// values the check read, a peer's log), so a failure in CI can be read without a rerun.
+pub async fn eventually_or<F, Fut>(
+    timeout: Duration,
+    what: &str,
+    mut check: F,
+    describe: impl FnOnce() -> String,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let check = || {
+        let fut = check();
+        async move { fut.await.then_some(()) }
+    };
+    eventually_some_or(timeout, what, check, describe).await;
+}
+
+async fn eventually_some_or<T, F, Fut>(
+    timeout: Duration,
+    what: &str,
+    mut check: F,
+    describe: impl FnOnce() -> String,
+) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
     let deadline = Instant::now() + timeout;
     let mut pause = FIRST_PAUSE;
-    loop {
+    let how = loop {
+        let started = Instant::now();
         match tokio::time::timeout_at(deadline, check()).await {
             Ok(Some(v)) => return v,
             Ok(None) => {}
-            Err(_) => panic!("never happened within {timeout:?} (the check itself hung): {what}"),
+            // A check that took most of the time hung; a slow one that the deadline merely
+            // caught in flight (after others had finished) did not.
+            Err(_) if started.elapsed() >= timeout / 2 => break " (the check itself hung)".into(),
+            Err(_) => {
+                break format!(" (the deadline cut off a check {:?} in)", started.elapsed());
+            }
         }
         let now = Instant::now();
-        assert!(now < deadline, "never happened within {timeout:?}: {what}");
+        if now >= deadline {
+            break String::new();
+        }
         tokio::time::sleep(pause.min(deadline - now)).await;
         pause = (pause * 2).min(MAX_PAUSE);
-    }
+    };
+    let seen = describe();
+    let seen = if seen.is_empty() {
+        seen
+    } else {
+        format!("; seen instead: {seen}")
+    };
+    panic!("never happened within {timeout:?}{how}: {what}{seen}")
 }
 
 /// Awaits `fut`; panics naming `what` if it has not finished after `timeout`.
@@ -125,6 +171,18 @@ mod tests {
         eventually(Duration::from_millis(30), "the sky falls", || async {
             false
         })
+        .await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "never happened within 30ms: the sky falls; seen instead: 41 clouds")]
+    async fn eventually_or_says_what_was_seen_instead() {
+        eventually_or(
+            Duration::from_millis(30),
+            "the sky falls",
+            || async { false },
+            || "41 clouds".to_owned(),
+        )
         .await;
     }
 
