@@ -1,6 +1,7 @@
 //! The admin HTTP server every service runs on `--admin-listen`:
 //! `GET /metrics` (Prometheus text from the service's registries: one per component, several
-//! in the all-in-one `br-all`), `GET /livez` (200 while the
+//! in the all-in-one `br-all`; `?name[]=<family>`, repeated, keeps only the named families),
+//! `GET /livez` (200 while the
 //! process runs), `GET /readyz` (200 only while the service says it is ready, else 503 with
 //! the reason when the service gave one). A service may mount routes of its own beside them
 //! (br-decision's live page, `/live`); they get the same TLS and role rules as `/metrics`.
@@ -9,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -46,9 +47,28 @@ pub fn router_of(registries: Vec<prometheus::Registry>, readiness: Readiness) ->
         })
 }
 
-async fn metrics(State(s): State<AdminState>) -> Response {
+/// The page, or only the families named by `name[]` parameters
+/// (`/metrics?name[]=balanceroute_decision_sigma_version`, the filter Prometheus's Java client
+/// offers): a poller that follows one series (a benchmark timing σ's arrival, a script) then
+/// does not pay for rendering and sending every family, nor make the service pay for it.
+async fn metrics(
+    State(s): State<AdminState>,
+    query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let names = match query {
+        Ok(Query(params)) => match family_names(params) {
+            Ok(names) => names,
+            Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
+        },
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
     let encoder = prometheus::TextEncoder::new();
-    let mut families: Vec<_> = s.registries.iter().flat_map(|r| r.gather()).collect();
+    let mut families: Vec<_> = s
+        .registries
+        .iter()
+        .flat_map(|r| r.gather())
+        .filter(|f| names.is_empty() || names.iter().any(|n| n == f.name()))
+        .collect();
     if s.registries.len() > 1 {
         families.sort_by(|a, b| a.name().cmp(b.name()));
     }
@@ -63,6 +83,23 @@ async fn metrics(State(s): State<AdminState>) -> Response {
                 .into_response()
         }
     }
+}
+
+/// The families `/metrics`'s query names (none: every family). Any other parameter, or an
+/// empty name, is refused with what the page takes.
+fn family_names(params: Vec<(String, String)>) -> Result<Vec<String>, String> {
+    params
+        .into_iter()
+        .map(|(k, v)| match (k.as_str(), v.is_empty()) {
+            ("name[]", false) => Ok(v),
+            ("name[]", true) => {
+                Err("an empty name[]: /metrics?name[]=<family> names a metric family\n".to_owned())
+            }
+            _ => Err(format!(
+                "unknown parameter {k:?}: /metrics takes only name[]=<family>, repeated\n"
+            )),
+        })
+        .collect()
 }
 
 async fn livez() -> &'static str {
@@ -260,6 +297,80 @@ mod tests {
         assert!(body.contains("balanceroute_test_things_total 3"), "{body}");
 
         assert_eq!(get(addr, "/nope").await.0, 404);
+
+        shutdown.cancel();
+        tokio::time::timeout(std::time::Duration::from_secs(5), server.wait())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    /// `name[]` keeps the named families of every registry (br-all gathers several) and
+    /// nothing else; a name no family has gives an empty page; anything else is refused.
+    #[tokio::test]
+    async fn metrics_keeps_only_the_families_named() {
+        let (a, b) = (prometheus::Registry::new(), prometheus::Registry::new());
+        let count = |r: &prometheus::Registry, name: &str, n: u64| {
+            let c = prometheus::IntCounter::new(name, "things").unwrap();
+            r.register(Box::new(c.clone())).unwrap();
+            c.inc_by(n);
+        };
+        count(&a, "balanceroute_a_total", 1);
+        count(&a, "balanceroute_a_other_total", 2);
+        count(&b, "balanceroute_b_total", 3);
+        let shutdown = CancellationToken::new();
+        let server = AdminServer::start_gathering(
+            "127.0.0.1:0".parse().unwrap(),
+            None,
+            vec![a, b],
+            Readiness::new(true),
+            Router::new(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        let addr = server.local_addr();
+        let samples = |body: &str| -> Vec<String> {
+            body.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(str::to_owned)
+                .collect()
+        };
+
+        let (code, _, body) = get(addr, "/metrics").await;
+        assert_eq!(code, 200);
+        assert_eq!(samples(&body).len(), 3, "{body}");
+        let (code, _, body) = get(addr, "/metrics?name[]=balanceroute_a_total").await;
+        assert_eq!(code, 200);
+        assert_eq!(samples(&body), ["balanceroute_a_total 1"], "{body}");
+        assert!(
+            body.contains("# TYPE balanceroute_a_total counter"),
+            "{body}"
+        );
+        // Repeated, from two registries, percent-encoded as clients send the brackets.
+        let (code, _, body) = get(
+            addr,
+            "/metrics?name%5B%5D=balanceroute_b_total&name[]=balanceroute_a_total",
+        )
+        .await;
+        assert_eq!(code, 200);
+        assert_eq!(
+            samples(&body),
+            ["balanceroute_a_total 1", "balanceroute_b_total 3"],
+            "{body}"
+        );
+        let (code, _, body) = get(addr, "/metrics?name[]=balanceroute_none").await;
+        assert_eq!((code, body.as_str()), (200, ""));
+
+        for (query, says) in [
+            ("name=balanceroute_a_total", "unknown parameter \"name\""),
+            ("name[]=", "an empty name[]"),
+            ("match[]=up", "unknown parameter \"match[]\""),
+        ] {
+            let (code, _, body) = get(addr, &format!("/metrics?{query}")).await;
+            assert_eq!(code, 400, "{query}: {body}");
+            assert!(body.contains(says), "{query}: {body}");
+        }
 
         shutdown.cancel();
         tokio::time::timeout(std::time::Duration::from_secs(5), server.wait())
