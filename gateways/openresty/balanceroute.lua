@@ -314,7 +314,14 @@ function M.access(conf)
     local hints, body = M.request_hints(c.conf.read_body)
     local a, err = c:assign(group, id, prompt_tokens(body), hints)
     if ctx.aborted then
-        -- The client left while Assign waited; the abort handler has cancelled it.
+        -- The client left while Assign waited; the abort handler cancels it. If Assign was
+        -- answered with a place at that moment, this thread's exit would kill the handler,
+        -- perhaps before its Cancel left (its connect waits a round trip to a remote
+        -- decision), and the reservation would stay until its TTL: cancel here too (Cancel
+        -- is idempotent; whichever thread exits first, one Cancel has been answered).
+        if a then
+            c:cancel(group, id)
+        end
         return ngx.exit(499)
     end
     if not a then
