@@ -511,6 +511,43 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
             .expect("the server closes a connection whose head never completes");
     }
 
+    // A client that leaves while its Assign waits: hyper drops the handler, and the call is
+    // counted all the same, as 499 (client closed request), with its duration.
+    {
+        use tokio::io::AsyncWriteExt as _;
+        let http = "balanceroute_decision_http_requests_total";
+        let left = [r#"route="/v1/assign""#, r#"status="499""#];
+        let before = metric(&decision.metrics().await, http, &left);
+        let body = assign_body(TINY, "t-leaves", 10);
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let head = format!(
+            "POST /v1/assign HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             X-Request-Timeout: 1m\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(format!("{head}{body}").as_bytes())
+            .await
+            .unwrap();
+        let in_tiny = [r#"group="tiny""#];
+        br_testkit::eventually(START, "t-leaves waits in tiny's pool", || async {
+            metric(
+                &decision.metrics().await,
+                "balanceroute_decision_pool_size",
+                &in_tiny,
+            ) == 1.0
+        })
+        .await;
+        drop(conn);
+        br_testkit::eventually(START, "the Assign whose client left is counted", || async {
+            let text = decision.metrics().await;
+            metric(&text, "balanceroute_decision_pool_size", &in_tiny) == 0.0
+                && metric(&text, http, &left) > before
+        })
+        .await;
+    }
+
     // Counted per route and status, and in the Assign metrics (the same service code).
     let text = decision.metrics().await;
     let http = "balanceroute_decision_http_requests_total";

@@ -98,7 +98,8 @@ pub struct Metrics {
     pub ext_proc_body_timeouts_total: IntCounter,
     /// ext_proc requests refused 409 because a live stream already holds their request id.
     pub ext_proc_request_id_conflicts_total: IntCounter,
-    /// HTTP/JSON requests (`--http-listen`) by route and HTTP status.
+    /// HTTP/JSON requests (`--http-listen`) by route and HTTP status; 499 when the client
+    /// closed its connection before the answer.
     pub http_requests_total: IntCounterVec,
     /// HTTP/JSON request duration by route (from the request's head to its answer).
     pub http_request_duration: HistogramVec,
@@ -421,7 +422,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "balanceroute_decision_http_requests_total",
-                        "HTTP/JSON requests (--http-listen), by route (/v1/assign, /v1/cancel, other) and HTTP status",
+                        "HTTP/JSON requests (--http-listen), by route (/v1/assign, /v1/cancel, other) and HTTP status (499: the client closed its connection before the answer)",
                     ),
                     &["route", "status"],
                 )?,

@@ -153,12 +153,12 @@ async fn handle(
     ConnectInfo(peer): ConnectInfo<JsonPeer>,
     req: Request,
 ) -> Response {
-    let started = Instant::now();
     let route = match req.uri().path() {
         ROUTE_ASSIGN => ROUTE_ASSIGN,
         ROUTE_CANCEL => ROUTE_CANCEL,
         _ => ROUTE_OTHER,
     };
+    let call = Counted::new(&s.metrics, route);
     // The call continues the client's trace (`traceparent`), like a gRPC call's metadata.
     let span = br_trace::server_span(
         format_args!("{} {route}", req.method()),
@@ -180,15 +180,55 @@ async fn handle(
         tracing::debug!(route, status = %e.status, message = %e.message, "HTTP/JSON call failed");
         e.into_response()
     });
-    s.metrics
-        .http_requests_total
-        .with_label_values(&[route, response.status().as_str()])
-        .inc();
-    s.metrics
-        .http_request_duration
-        .with_label_values(&[route])
-        .observe(started.elapsed().as_secs_f64());
+    call.answered(response.status());
     response
+}
+
+/// One call's count and duration in the HTTP metrics, recorded however it ends: with its
+/// answer's status, or as 499 (nginx's "client closed request") when the client closed the
+/// connection first, which makes hyper drop the handler. A Cancel whose gateway exits as soon
+/// as the Assign it withdrew returns has done its work by then; without this it went
+/// uncounted.
+struct Counted<'a> {
+    metrics: &'a Metrics,
+    route: &'static str,
+    started: Instant,
+    status: Option<StatusCode>,
+}
+
+/// The status a call is counted under when its client left before the answer.
+const CLIENT_CLOSED_REQUEST: &str = "499";
+
+impl<'a> Counted<'a> {
+    fn new(metrics: &'a Metrics, route: &'static str) -> Counted<'a> {
+        Counted {
+            metrics,
+            route,
+            started: Instant::now(),
+            status: None,
+        }
+    }
+
+    fn answered(mut self, status: StatusCode) {
+        self.status = Some(status);
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        let status = self
+            .status
+            .as_ref()
+            .map_or(CLIENT_CLOSED_REQUEST, StatusCode::as_str);
+        self.metrics
+            .http_requests_total
+            .with_label_values(&[self.route, status])
+            .inc();
+        self.metrics
+            .http_request_duration
+            .with_label_values(&[self.route])
+            .observe(self.started.elapsed().as_secs_f64());
+    }
 }
 
 /// What every call checks before its body is read: the method, the caller (as the gRPC
