@@ -304,7 +304,10 @@ function M.access(conf)
     ngx.ctx.balanceroute = ctx
     local ok = ngx.on_abort(function()
         ctx.done, ctx.aborted = true, true
-        c:cancel(group, id)
+        local outcome, cerr = c:cancel(group, id)
+        if not outcome then
+            ngx.log(ngx.WARN, "balanceroute: cancel of ", id, " (its client left): ", cerr.message)
+        end
         ngx.exit(499)
     end)
     if not ok then
