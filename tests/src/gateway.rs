@@ -91,8 +91,31 @@ pub fn find(kind: Kind, test: &str) -> Option<PathBuf> {
 const NGINX_LUA_MODULE: &str = "/usr/lib/nginx/modules/ngx_http_lua_module.so";
 
 /// A port free right now on 127.0.0.1 (bound and let go), for a process that must keep its
-/// port across a restart or takes its port from a configuration file.
+/// port across a restart or takes its port from a configuration file. It is chosen below the
+/// kernel's ephemeral range (`ip_local_port_range`): a port from `bind(0)` comes from that
+/// range, where the outgoing connections of every test running beside this one, and their
+/// own `bind(0)`s, could take it before the process bound it (br-all then exited at start,
+/// a few times in a thousand runs with three test binaries side by side).
 pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    const LOWEST: u32 = 10_000;
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral_from.saturating_sub(LOWEST);
+    // A different start in every process, so tests side by side do not try the same ports.
+    let start = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    for i in 0..u64::from(span.min(4_096)) {
+        let port = LOWEST + (start.wrapping_add(i) % u64::from(span)) as u32;
+        let port = u16::try_from(port).expect("below the ephemeral range, so below 65,536");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    // No room below the ephemeral range (an unusual ip_local_port_range): take one from it.
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
