@@ -512,7 +512,7 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
     }
 
     // A client that leaves while its Assign waits: hyper drops the handler, and the call is
-    // counted all the same, as 499 (client closed request), with its duration.
+    // counted all the same, as 499 (client closed request).
     {
         use tokio::io::AsyncWriteExt as _;
         let http = "balanceroute_decision_http_requests_total";
