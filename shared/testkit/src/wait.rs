@@ -12,16 +12,12 @@ const FIRST_PAUSE: Duration = Duration::from_millis(1);
 const MAX_PAUSE: Duration = Duration::from_millis(50);
 
 /// Polls `check` until it returns true; panics after `timeout` with "never happened: `what`".
-pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    eventually_some(timeout, what, || {
-        let fut = check();
-        async move { fut.await.then_some(()) }
-    })
-    .await;
+    eventually_or(timeout, what, check, String::new).await;
 }
 
 /// Polls `check` until it returns `Some`, and returns that; panics after `timeout` naming
