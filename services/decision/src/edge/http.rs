@@ -193,11 +193,10 @@ struct Counted<'a> {
     metrics: &'a Metrics,
     route: &'static str,
     started: Instant,
-    status: Option<StatusCode>,
+    /// The answer's, once there is one; until then CANCELLED's (499), what a call whose client
+    /// left is counted under.
+    status: StatusCode,
 }
-
-/// The status a call is counted under when its client left before the answer.
-const CLIENT_CLOSED_REQUEST: &str = "499";
 
 impl<'a> Counted<'a> {
     fn new(metrics: &'a Metrics, route: &'static str) -> Counted<'a> {
@@ -205,24 +204,20 @@ impl<'a> Counted<'a> {
             metrics,
             route,
             started: Instant::now(),
-            status: None,
+            status: error::http_status(tonic::Code::Cancelled),
         }
     }
 
     fn answered(mut self, status: StatusCode) {
-        self.status = Some(status);
+        self.status = status;
     }
 }
 
 impl Drop for Counted<'_> {
     fn drop(&mut self) {
-        let status = self
-            .status
-            .as_ref()
-            .map_or(CLIENT_CLOSED_REQUEST, StatusCode::as_str);
         self.metrics
             .http_requests_total
-            .with_label_values(&[self.route, status])
+            .with_label_values(&[self.route, self.status.as_str()])
             .inc();
         self.metrics
             .http_request_duration
