@@ -211,6 +211,7 @@ async fn cordon_drain_and_uncordon_a_rank_with_brctl() {
     );
     assert_eq!(d[0]["pool"], 0, "{s}");
     assert!(d[0]["sigma_version"].as_u64().unwrap() > 0, "{s}");
+    assert_eq!(d[0]["stale"], false, "{s}");
     assert!(d[1]["error"].as_str().is_some_and(|e| !e.is_empty()), "{s}");
     let table = brctl(&snapshot, &["status", GROUP, "--decision-admin", &admins])
         .await

@@ -315,7 +315,7 @@ async fn decision_rows(
         return Vec::new();
     }
     let reads = admins.iter().map(|admin| async move {
-        let url = format!("{}/metrics", admin.trim_end_matches('/'));
+        let url = decision_metrics_url(admin);
         match tokio::time::timeout(timeout, admin_get(&url, tls)).await {
             Ok(Ok(text)) => model::decision_row(admin, &text, group),
             Ok(Err(e)) => unreadable(admin, format!("{e:#}")),
@@ -323,6 +323,19 @@ async fn decision_rows(
         }
     });
     futures::future::join_all(reads).await
+}
+
+/// A replica's `/metrics`, asked for the families `status` shows (`name[]`, percent-encoded).
+fn decision_metrics_url(admin: &str) -> String {
+    let names: Vec<String> = model::DECISION_FAMILIES
+        .iter()
+        .map(|f| format!("name%5B%5D={f}"))
+        .collect();
+    format!(
+        "{}/metrics?{}",
+        admin.trim_end_matches('/'),
+        names.join("&")
+    )
 }
 
 fn unreadable(admin: &str, error: String) -> model::DecisionRow {

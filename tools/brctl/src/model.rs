@@ -135,6 +135,16 @@ fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
+const READY: &str = "balanceroute_decision_ready";
+const POLICY: &str = "balanceroute_decision_policy_info";
+const POOL: &str = "balanceroute_decision_pool_size";
+const SIGMA_VERSION: &str = "balanceroute_decision_sigma_version";
+const SIGMA_STALE: &str = "balanceroute_decision_sigma_stale";
+
+/// The metric families [`decision_row`] reads: brctl asks a replica's `/metrics` for these
+/// alone (`?name[]=`), where the whole page holds some 80 series per group.
+pub const DECISION_FAMILIES: [&str; 5] = [READY, POLICY, POOL, SIGMA_VERSION, SIGMA_STALE];
+
 /// What a decision replica's metrics say about `group`.
 pub fn decision_row(admin: &str, metrics: &str, group: &str) -> DecisionRow {
     let mut row = DecisionRow {
@@ -144,15 +154,13 @@ pub fn decision_row(admin: &str, metrics: &str, group: &str) -> DecisionRow {
     for (name, labels, value) in parse_metrics(metrics) {
         let of_group = label(&labels, "group") == Some(group);
         match name.as_str() {
-            "balanceroute_decision_ready" => row.ready = Some(value >= 1.0),
-            "balanceroute_decision_policy_info" if of_group && value >= 1.0 => {
+            READY => row.ready = Some(value >= 1.0),
+            POLICY if of_group && value >= 1.0 => {
                 row.policy = label(&labels, "policy").map(str::to_owned);
             }
-            "balanceroute_decision_pool_size" if of_group => row.pool = Some(value as u64),
-            "balanceroute_decision_sigma_version" if of_group => {
-                row.sigma_version = Some(value as u64);
-            }
-            "balanceroute_decision_sigma_stale" if of_group => row.stale = Some(value >= 1.0),
+            POOL if of_group => row.pool = Some(value as u64),
+            SIGMA_VERSION if of_group => row.sigma_version = Some(value as u64),
+            SIGMA_STALE if of_group => row.stale = Some(value >= 1.0),
             _ => {}
         }
     }
