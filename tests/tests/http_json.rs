@@ -131,20 +131,20 @@ async fn wait_in_tiny_pool(
     let (url, body) = (assign_url.to_owned(), assign_body(TINY, id, 10));
     let header = format!("X-Request-Timeout: {timeout}");
     let waiting = tokio::spawn(async move { post(&url, &body, &["-H", &header]).await });
-    br_testkit::eventually_some(START, &format!("{id} waits in tiny's pool"), || {
-        let m = decision.metrics();
-        async move {
-            let text = m.await;
-            (metric(
-                &text,
-                "balanceroute_decision_pool_size",
-                &[r#"group="tiny""#],
-            ) == 1.0)
-                .then_some(())
-        }
+    tiny_pool_holds_one(decision, id).await;
+    waiting
+}
+
+/// Waits until tiny's pool holds one call: `id`'s, which waits for tiny's one slot.
+async fn tiny_pool_holds_one(decision: &Service, id: &str) {
+    br_testkit::eventually(START, &format!("{id} waits in tiny's pool"), || async {
+        metric(
+            &decision.metrics().await,
+            "balanceroute_decision_pool_size",
+            &[r#"group="tiny""#],
+        ) == 1.0
     })
     .await;
-    waiting
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -530,16 +530,9 @@ async fn assign_and_cancel_over_http_json_answer_as_grpc_does() {
         conn.write_all(format!("{head}{body}").as_bytes())
             .await
             .unwrap();
-        let in_tiny = [r#"group="tiny""#];
-        br_testkit::eventually(START, "t-leaves waits in tiny's pool", || async {
-            metric(
-                &decision.metrics().await,
-                "balanceroute_decision_pool_size",
-                &in_tiny,
-            ) == 1.0
-        })
-        .await;
+        tiny_pool_holds_one(&decision, "t-leaves").await;
         drop(conn);
+        let in_tiny = [r#"group="tiny""#];
         br_testkit::eventually(START, "the Assign whose client left is counted", || async {
             let text = decision.metrics().await;
             metric(&text, "balanceroute_decision_pool_size", &in_tiny) == 0.0
